@@ -1,0 +1,102 @@
+// Cost model: time and memory of any placement of a sequence, and of a whole plan.
+//
+// All times are for one full training step of the model (all layers, forward + backward, plus the
+// forward recompute under activation checkpointing). All memory is peak bytes on a rank.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "zellige/cluster.h"
+#include "zellige/model_spec.h"
+#include "zellige/plan.h"
+#include "zellige/profile.h"
+#include "zellige/workload.h"
+
+namespace zellige {
+
+struct CostOptions {
+  bool activation_checkpointing = true;
+  int64_t bytes_per_element = 2;  // bf16 activations and exchanges
+  // Bytes of training state per parameter, sharded over all ranks by FSDP: bf16 param 2 +
+  // fp32 grad 4 + fp32 master 4 + Adam 8.
+  double state_bytes_per_param = 18.0;
+  double memory_headroom = 0.05;  // fraction of GPU memory the planner keeps free
+};
+
+// What one placement of one sequence costs one of its ranks. Everything is additive over the
+// sequences a rank holds except the per-token layers, whose time depends on the rank's total
+// token count (GEMM efficiency), see CostModel::linear_time_s.
+struct RankShare {
+  int64_t rank = 0;
+  int64_t tokens = 0;          // tokens this rank holds for the per-token layers
+  double attention_s = 0;      // self-attention (+ cross-attention) on this rank's segments
+  double exchange_s = 0;       // Ulysses all-to-alls and ring transfers not hidden by compute
+  double memory_bytes = 0;     // activations + attention and exchange buffers of this sequence
+};
+
+struct RankCost {
+  double time_s = 0;
+  double peak_bytes = 0;
+  int64_t tokens = 0;
+  double linear_s = 0, attention_s = 0, exchange_s = 0;
+};
+
+struct PlanCost {
+  std::vector<RankCost> ranks;
+  double makespan_s = 0;
+  double peak_bytes = 0;       // max over ranks
+  double exchange_bytes = 0;   // total bytes all ranks send per step (route + exchanges)
+  bool fits = true;            // every rank within memory_capacity_bytes()
+};
+
+class CostModel {
+ public:
+  // Throws std::invalid_argument if the profile is invalid or the model has no heads.
+  CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, CostOptions options = {});
+
+  const ModelSpec& model() const { return model_; }
+  const HardwareProfile& profile() const { return profile_; }
+  const Cluster& cluster() const { return cluster_; }
+  const CostOptions& options() const { return options_; }
+
+  // Per-rank shares of `placement` (ranks in placement order). The placement must be valid for
+  // the cluster (see validate_plan); this is the planners' hot path and does not re-check.
+  std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement) const;
+
+  // Per-token layers of all layers, forward + backward (+ recompute), on `tokens` tokens.
+  double linear_time_s(int64_t tokens) const;
+  // Smallest per-token time of the per-token layers over any token count (for lower bounds).
+  double min_linear_time_per_token_s() const;
+
+  // Weights, gradients and optimizer state under FSDP over all ranks, gathered layer buffers,
+  // and the runtime's reserve: what a rank holds before any sequence.
+  double fixed_bytes() const;
+  // Usable bytes per rank: GPU memory x (1 - headroom).
+  double memory_capacity_bytes() const;
+
+  // A rank's time from its totals: linear_time_s(tokens) + attention_s + exchange_s.
+  double rank_time_s(int64_t tokens, double attention_s, double exchange_s) const;
+
+  // Every rank's time and peak memory under `plan`, plus makespan, exchange bytes and fit.
+  // Throws std::invalid_argument if the plan does not match the batch (see validate_plan).
+  PlanCost evaluate(const Batch& batch, const Plan& plan) const;
+
+  // Bytes each rank sends for `placement` per step (all layers, forward + backward).
+  double exchange_bytes(const Sequence& sequence, const Placement& placement) const;
+
+ private:
+  ModelSpec model_;
+  HardwareProfile profile_;
+  Cluster cluster_;
+  CostOptions options_;
+};
+
+// A lower bound on the makespan of ANY placement of the batch under this cost model:
+//   max( max over sequences of the smallest possible bottleneck-rank time of that sequence alone,
+//        (sum over sequences of the smallest total rank-seconds of that sequence) / num_ranks ),
+// with per-token layers charged at min_linear_time_per_token_s. Both terms only drop work, so no
+// plan can beat it.
+double makespan_lower_bound(const Batch& batch, const CostModel& cost_model);
+
+}  // namespace zellige

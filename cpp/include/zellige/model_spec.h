@@ -1,0 +1,42 @@
+// Model presets and FLOP counts (REFERENCE.md: model presets, FLOPs per layer).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zellige {
+
+struct ModelSpec {
+  std::string name;
+  int64_t width = 0;        // d
+  int64_t num_layers = 0;   // all transformer blocks (MMDiT: double + single)
+  int64_t num_double_layers = 0;  // MMDiT blocks with separate text/image weights (2x params)
+  int64_t num_heads = 0;
+  int64_t head_dim = 0;     // width / num_heads
+  int64_t ffn_width = 0;
+  int64_t text_tokens = 0;  // default text length
+  bool joint_attention = false;  // MMDiT: text joins self-attention; Wan: separate cross-attention
+  int64_t param_count = 0;  // derived from the sizes above by model_preset / make_model
+};
+
+// Presets: "wan-1.3b", "wan-14b", "mmdit-11b", "hunyuan-13b", "tiny" (for tests). Throws
+// std::invalid_argument naming the allowed names for an unknown one.
+ModelSpec model_preset(const std::string& name);
+std::vector<std::string> model_preset_names();
+
+// Forward FLOPs of ONE layer for one sequence (multiply-add = 2 FLOPs).
+struct LayerFlops {
+  double linear = 0;           // projections + FFN (+ cross-attention q/o and text k/v)
+  double self_attention = 0;   // 4 * d * L_attn^2, L_attn = tokens (+ text for joint attention)
+  double cross_attention = 0;  // 4 * d * tokens * text (cross-attention models only)
+};
+LayerFlops layer_forward_flops(const ModelSpec& model, int64_t num_tokens, int64_t text_tokens);
+
+// Tokens that attend together: num_tokens (+ text_tokens for joint-attention models).
+int64_t attended_tokens(const ModelSpec& model, int64_t num_tokens, int64_t text_tokens);
+
+// Forward + backward FLOPs of the whole model for one sequence (3x forward), for MFU.
+double train_flops(const ModelSpec& model, int64_t num_tokens, int64_t text_tokens);
+
+}  // namespace zellige

@@ -1,0 +1,61 @@
+// Planners: pure functions from (batch, cost model, options) to a Plan.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "zellige/cost_model.h"
+#include "zellige/plan.h"
+#include "zellige/workload.h"
+
+namespace zellige {
+
+struct PlannerOptions {
+  uint64_t seed = 0;
+  double time_limit_s = 10.0;  // for planners that search (zellige local search caps itself)
+};
+
+// A planner found no placement of the batch within memory. The message names the sequence (or
+// rank) and says memory. Bound to Python as zellige.PlanMemoryError (a ValueError).
+class PlanMemoryError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Planner names, parsed by make_plan:
+//   "dp-tokens", "dp-cost", "static-cp:C", "knapformer:SPEC[:GAMMA]" (SPEC like g4n8 or
+//   g1n8+g2n4+g4n2+g8n1; GAMMA default 0.4), "megatron-dcp", "zellige".
+// ("joint" is the MILP reference, in Python: zellige.joint.)
+// Throws std::invalid_argument for an unknown or malformed name (listing the allowed forms), or
+// a spec that does not fit the cluster; PlanMemoryError when the batch cannot be placed in memory.
+// The returned plan is validated, carries the cost model's prediction and its own plan_ms.
+Plan make_plan(const std::string& planner, const Batch& batch, const CostModel& cost_model,
+               const PlannerOptions& options = {});
+
+std::vector<std::string> planner_names();  // the forms above, for help texts
+
+// Fills plan.predicted from the cost model (and throws if the plan does not match the batch).
+void predict(Plan& plan, const Batch& batch, const CostModel& cost_model);
+
+// Each sequence that fits in memory under no placement on this cluster -> PlanMemoryError naming
+// it. Called by make_plan before any planner runs.
+void check_sequences_fit(const Batch& batch, const CostModel& cost_model);
+
+// One policy per file in cpp/src/planners/; each returns placements only (make_plan predicts).
+Plan plan_dp_tokens(const Batch& batch, const CostModel& cost_model);
+Plan plan_dp_cost(const Batch& batch, const CostModel& cost_model);
+Plan plan_static_cp(const Batch& batch, const CostModel& cost_model, int64_t group_size);
+Plan plan_knapformer(const Batch& batch, const CostModel& cost_model, const std::string& spec,
+                     double gamma);
+Plan plan_megatron_dcp(const Batch& batch, const CostModel& cost_model);
+Plan plan_zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options);
+
+// Candidate placements of one sequence that the zellige planner and the joint MILP choose from:
+// every strategy at every degree 1..num_ranks on node-aligned rank windows (for the MILP), capped
+// by `max_candidates_per_sequence` windows per (degree, strategy). Exposed for zellige.joint.
+std::vector<Placement> candidate_placements(const Sequence& sequence, const CostModel& cost_model,
+                                            int64_t max_windows_per_shape);
+
+}  // namespace zellige

@@ -1,0 +1,61 @@
+// Hardware profile: measured (or analytic) time tables, read from the profile JSON in Python.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zellige {
+
+// y(x) sampled at increasing x > 0, interpolated linearly in log-log space and extrapolated along
+// the end segments. `source` says how the samples were obtained: "measured", "seeded" (copied
+// from published measurements, not yet re-measured by `zellige profile`) or "analytic".
+struct Table {
+  std::vector<double> x;
+  std::vector<double> y;
+  std::string source = "analytic";
+
+  bool empty() const { return x.empty(); }
+  // Throws std::invalid_argument if sizes differ, x is not strictly increasing, or x/y <= 0.
+  void validate(const std::string& name) const;
+  double operator()(double at) const;
+};
+
+struct HardwareProfile {
+  std::string device_name;
+  std::string created;   // date, library versions: free text for people
+  // Analytic fallbacks used where a table below is empty.
+  double matmul_flops_per_s = 0;     // dense bf16 GEMM rate at large sizes
+  double attention_flops_per_s = 0;  // dense attention rate at long lengths
+  double memory_bytes_per_s = 0;     // device copy bandwidth (read + write)
+
+  // Attention of ONE head of dimension attention_head_dim over a length-L segment (L x L), as run
+  // inside the engine's coalesced call; seconds. x = L.
+  int64_t attention_head_dim = 128;
+  Table attention_forward_s_per_head;
+  Table attention_backward_s_per_head;
+  // Dense GEMM throughput (FLOP/s) against the token count M of the per-token layers. x = M.
+  Table matmul_forward_flops_per_s;
+  Table matmul_backward_flops_per_s;
+  // All-to-all time inside one node by bytes each rank sends (x = bytes), per group size;
+  // optional, the cluster's alpha-beta links are used when empty.
+  std::vector<int64_t> exchange_group_sizes;
+  std::vector<Table> exchange_intra_node_s;
+  // Fraction of a rank's exchange time hidden behind its local attention (0 until measured).
+  double exchange_overlap = 0.0;
+  // Memory: bytes per token per layer kept for backward with and without activation
+  // checkpointing, per model preset name; 0 = analytic.
+  std::vector<std::string> memory_models;
+  std::vector<double> activation_bytes_per_token_layer;
+  std::vector<double> checkpoint_bytes_per_token_layer;
+  int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
+
+  void validate() const;  // every non-empty table valid, rates > 0
+};
+
+// A profile with no tables: every time comes from the three peak rates. The built-in H200
+// profile is package data (src/zellige/profiles/h200.json), read by zellige.load_profile().
+HardwareProfile analytic_profile(const std::string& device_name, double matmul_flops_per_s,
+                                 double attention_flops_per_s, double memory_bytes_per_s);
+
+}  // namespace zellige

@@ -1,0 +1,1 @@
+#include "zellige/workload.h"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Incremental developer build: C++ core, GoogleTest suite and zellige._core, copied into
+# src/zellige/ so that `PYTHONPATH=src python -c "import zellige"` works from this checkout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DZELLIGE_BUILD_TESTS=ON \
+  -DPython_EXECUTABLE="$(command -v "$PY")" >/dev/null
+cmake --build build/dev -j "$(nproc)"
+cp -f build/dev/_core*.so src/zellige/

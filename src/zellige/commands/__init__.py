@@ -1,0 +1,1 @@
+"""Subcommands of the `zellige` CLI, one module each."""
