@@ -33,8 +33,9 @@ struct Placement {
 Placement make_placement(int64_t sequence_id, Strategy strategy, std::vector<int64_t> ranks,
                          int64_t ulysses_degree = 0);  // ulysses_degree: hybrid only
 
-// "local", "ulysses", "ring", "hybrid(u,r)" <-> Strategy + degrees. Parsing throws
-// std::invalid_argument listing the allowed forms.
+// "local", "ulysses", "ring", "hybrid(u,r)" <-> Strategy + degrees. Parsing ignores spaces, sets
+// the degree that only the rank count knows (ulysses: u, ring: r) to 0 (make_placement derives
+// it) and throws std::invalid_argument listing the allowed forms.
 std::string strategy_name(const Placement& placement);
 void parse_strategy(const std::string& name, Strategy* strategy, int64_t* ulysses_degree,
                     int64_t* ring_degree);

@@ -1,0 +1,86 @@
+#include "zellige/model_spec.h"
+
+#include <stdexcept>
+
+namespace zellige {
+namespace {
+
+// Parameters of the attention + FFN blocks (embeddings, final layer and norms are < 1%).
+//  cross-attention block: self q,k,v,o + cross q,k,v,o + FFN in/out
+//  MMDiT double block: two streams, each q,k,v,o + FFN + 6-way modulation
+//  MMDiT single block: fused q,k,v + FFN in, fused out (= q,k,v,o + FFN) + 3-way modulation
+int64_t count_params(const ModelSpec& m) {
+  const int64_t d2 = m.width * m.width;
+  const int64_t ffn = 2 * m.width * m.ffn_width;
+  if (!m.joint_attention) return m.num_layers * (4 * d2 + 4 * d2 + ffn);
+  const int64_t double_block = 2 * (4 * d2 + ffn + 6 * d2);
+  const int64_t single_block = 4 * d2 + ffn + 3 * d2;
+  return m.num_double_layers * double_block + (m.num_layers - m.num_double_layers) * single_block;
+}
+
+ModelSpec make_model(const std::string& name, int64_t width, int64_t num_double_layers,
+                     int64_t num_single_layers, int64_t num_heads, int64_t ffn_width,
+                     int64_t text_tokens, bool joint_attention) {
+  ModelSpec m;
+  m.name = name;
+  m.width = width;
+  m.num_layers = num_double_layers + num_single_layers;
+  m.num_double_layers = num_double_layers;
+  m.num_heads = num_heads;
+  m.head_dim = width / num_heads;
+  m.ffn_width = ffn_width;
+  m.text_tokens = text_tokens;
+  m.joint_attention = joint_attention;
+  m.param_count = count_params(m);
+  return m;
+}
+
+}  // namespace
+
+std::vector<std::string> model_preset_names() {
+  return {"wan-1.3b", "wan-14b", "mmdit-11b", "hunyuan-13b", "tiny"};
+}
+
+ModelSpec model_preset(const std::string& name) {
+  if (name == "wan-1.3b") return make_model(name, 1536, 0, 30, 12, 8960, 512, false);
+  if (name == "wan-14b") return make_model(name, 5120, 0, 40, 40, 13824, 512, false);
+  if (name == "mmdit-11b") return make_model(name, 3072, 19, 38, 24, 4 * 3072, 512, true);
+  if (name == "hunyuan-13b") return make_model(name, 3072, 20, 40, 24, 4 * 3072, 256, true);
+  if (name == "tiny") return make_model(name, 64, 0, 2, 4, 128, 8, false);
+  std::string allowed;
+  for (const std::string& preset : model_preset_names()) {
+    allowed += (allowed.empty() ? "" : ", ") + preset;
+  }
+  throw std::invalid_argument("unknown model '" + name + "' (allowed: " + allowed + ")");
+}
+
+int64_t attended_tokens(const ModelSpec& model, int64_t num_tokens, int64_t text_tokens) {
+  return model.joint_attention ? num_tokens + text_tokens : num_tokens;
+}
+
+LayerFlops layer_forward_flops(const ModelSpec& model, int64_t num_tokens, int64_t text_tokens) {
+  const double d = static_cast<double>(model.width);
+  const double ffn = static_cast<double>(model.ffn_width);
+  const double text = static_cast<double>(text_tokens);
+  LayerFlops flops;
+  if (model.joint_attention) {
+    const double tokens = static_cast<double>(num_tokens + text_tokens);
+    flops.linear = (8 * d * d + 4 * d * ffn) * tokens;
+    flops.self_attention = 4 * d * tokens * tokens;
+  } else {
+    const double tokens = static_cast<double>(num_tokens);
+    // self q,k,v,o + cross q,o per video token; cross k,v per text token
+    flops.linear = (12 * d * d + 4 * d * ffn) * tokens + 4 * d * d * text;
+    flops.self_attention = 4 * d * tokens * tokens;
+    flops.cross_attention = 4 * d * tokens * text;
+  }
+  return flops;
+}
+
+double train_flops(const ModelSpec& model, int64_t num_tokens, int64_t text_tokens) {
+  const LayerFlops f = layer_forward_flops(model, num_tokens, text_tokens);
+  return 3.0 * (f.linear + f.self_attention + f.cross_attention) *
+         static_cast<double>(model.num_layers);
+}
+
+}  // namespace zellige

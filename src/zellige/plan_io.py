@@ -1,0 +1,126 @@
+"""Plan JSON of DESIGN.md, read and written exactly (floats keep their repr).
+
+Importing this module also gives `_core.Plan` its `to_json()` and `Plan.from_json(text)`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from zellige import _core
+from zellige._json import (
+    parse_json,
+    read_text,
+    reject_unknown,
+    require_int,
+    require_list,
+    require_number,
+    require_object,
+    require_str,
+)
+
+_PLAN_FIELDS = ("planner", "num_ranks", "placements", "predicted", "plan_ms", "note")
+_PLACEMENT_FIELDS = ("id", "strategy", "ranks")
+_PREDICTED_FIELDS = ("makespan_s", "rank_time_s", "rank_peak_bytes")
+
+
+def plan_to_dict(plan: _core.Plan) -> dict:
+    predicted = plan.predicted
+    return {
+        "planner": plan.planner,
+        "num_ranks": plan.num_ranks,
+        "placements": [
+            {"id": p.sequence_id, "strategy": _core.strategy_name(p), "ranks": list(p.ranks)}
+            for p in plan.placements
+        ],
+        "predicted": {
+            "makespan_s": predicted.makespan_s,
+            "rank_time_s": list(predicted.rank_time_s),
+            "rank_peak_bytes": list(predicted.rank_peak_bytes),
+        },
+        "plan_ms": plan.plan_ms,
+        "note": plan.note,
+    }
+
+
+def _int_list(obj: dict, key: str, where: str) -> list[int]:
+    values = require_list(obj, key, where)
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: '{key}' must hold integers, got {json.dumps(value)}")
+    return values
+
+
+def _number_list(obj: dict, key: str, where: str) -> list[float]:
+    values = require_list(obj, key, where, [])
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{where}: '{key}' must hold numbers, got {json.dumps(value)}")
+    return [float(v) for v in values]
+
+
+def _placement_from_dict(raw: Any, index: int) -> _core.Placement:
+    entry = require_object(raw, f"placement #{index}")
+    seq_id = require_int(entry, "id", f"placement #{index}")
+    where = f"placement of sequence {seq_id}"
+    reject_unknown(entry, _PLACEMENT_FIELDS, where)
+    name = require_str(entry, "strategy", where)
+    strategy, ulysses_degree, ring_degree = _core.parse_strategy(name)
+    ranks = _int_list(entry, "ranks", where)
+    placement = _core.make_placement(seq_id, strategy, ranks, ulysses_degree)
+    if strategy == _core.Strategy.hybrid and placement.ring_degree != ring_degree:
+        raise ValueError(f"{where}: strategy {name} does not match its {len(ranks)} ranks")
+    return placement
+
+
+def plan_from_dict(data: Any) -> _core.Plan:
+    """A Plan from its JSON object; `predicted`, `plan_ms` and `note` are optional."""
+    data = require_object(data, "plan")
+    reject_unknown(data, _PLAN_FIELDS, "plan")
+    plan = _core.Plan(
+        planner=require_str(data, "planner", "plan"),
+        num_ranks=require_int(data, "num_ranks", "plan"),
+        plan_ms=require_number(data, "plan_ms", "plan", 0.0),
+        note=require_str(data, "note", "plan", ""),
+    )
+    plan.placements = [
+        _placement_from_dict(raw, i)
+        for i, raw in enumerate(require_list(data, "placements", "plan"))
+    ]
+    if "predicted" in data:
+        raw = require_object(data["predicted"], "plan predicted")
+        reject_unknown(raw, _PREDICTED_FIELDS, "plan predicted")
+        plan.predicted = _core.PlanPrediction(
+            makespan_s=require_number(raw, "makespan_s", "plan predicted"),
+            rank_time_s=_number_list(raw, "rank_time_s", "plan predicted"),
+            rank_peak_bytes=_number_list(raw, "rank_peak_bytes", "plan predicted"),
+        )
+    return plan
+
+
+def plan_to_json(plan: _core.Plan, indent: int | None = None) -> str:
+    """Plan JSON; Python's float repr makes every float round-trip exactly."""
+    return json.dumps(plan_to_dict(plan), indent=indent)
+
+
+def plan_from_json(text: str, source: str = "plan") -> _core.Plan:
+    """A Plan from JSON text; errors are one-line ValueErrors prefixed with `source`."""
+    data = parse_json(text, source)
+    try:
+        return plan_from_dict(data)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def load_plan(path: str | Path) -> _core.Plan:
+    return plan_from_json(read_text(path), source=str(path))
+
+
+def save_plan(plan: _core.Plan, path: str | Path) -> None:
+    Path(path).write_text(plan_to_json(plan, indent=1) + "\n")
+
+
+_core.Plan.to_json = plan_to_json
+_core.Plan.from_json = staticmethod(plan_from_json)
