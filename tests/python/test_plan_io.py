@@ -4,6 +4,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import zellige
 from zellige import Strategy
@@ -154,3 +156,39 @@ def test_strategy_names_round_trip():
         ranks = list(range(8)) if strategy != Strategy.local else [0]
         placement = zellige.make_placement(0, strategy, ranks, u)
         assert zellige.strategy_name(placement) == name
+
+
+_floats = st.floats(allow_nan=False)  # infinities round-trip too (JSON Infinity)
+
+
+@st.composite
+def _random_plans(draw) -> zellige.Plan:
+    num_ranks = draw(st.integers(1, 12))
+    placements = []
+    for seq_id in draw(st.lists(st.integers(-(2**62), 2**62), max_size=6, unique=True)):
+        ranks = draw(st.permutations(range(num_ranks)))[: draw(st.integers(1, num_ranks))]
+        divisors = [u for u in range(2, len(ranks) // 2 + 1) if len(ranks) % u == 0]
+        choices = [Strategy.local] if len(ranks) == 1 else [Strategy.ulysses, Strategy.ring]
+        if divisors:
+            choices.append(Strategy.hybrid)
+        strategy = draw(st.sampled_from(choices))
+        u = draw(st.sampled_from(divisors)) if strategy == Strategy.hybrid else 0
+        placements.append(zellige.make_placement(seq_id, strategy, ranks, u))
+    return zellige.Plan(
+        planner=draw(st.text()),
+        num_ranks=num_ranks,
+        placements=placements,
+        predicted=zellige.PlanPrediction(
+            makespan_s=draw(_floats),
+            rank_time_s=draw(st.lists(_floats, max_size=12)),
+            rank_peak_bytes=draw(st.lists(_floats, max_size=12)),
+        ),
+        plan_ms=draw(_floats),
+        note=draw(st.text()),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(_random_plans())
+def test_random_plans_round_trip_exactly(plan):
+    assert zellige.Plan.from_json(plan.to_json()) == plan
