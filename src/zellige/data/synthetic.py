@@ -1,0 +1,87 @@
+"""Synthetic latents and text features with learnable structure, deterministic by seed.
+
+No VAE or text encoder: each sequence draws a class; its text features are that class's vector
+plus a position pattern, and its clean latents are smooth functions of the token's (t, h, w) whose
+coefficients depend on the class. So a model can only denoise well by using its text, timestep and
+RoPE positions, and the rectified-flow loss falls when training works.
+
+Everything about a sequence (class, clean latents, noise, flow time) comes from a generator
+seeded by (seed, step, sequence id): the same numbers whichever rank loads it or holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+NUM_CLASSES = 16
+NUM_WAVES = 4  # sinusoidal components of the clean latents
+NOISE_STD = 0.1  # per-token detail that no model can predict
+MAX_TEXT_TOKENS = 1024
+
+
+@dataclass(kw_only=True, slots=True)
+class SequenceSample:
+    """One rectified-flow example: x_t = (1 - t) x0 + t eps, velocity v = eps - x0."""
+
+    noisy_LC: Tensor
+    velocity_LC: Tensor
+    positions_L3: Tensor  # int64 (t, h, w)
+    timestep: float
+    text_XE: Tensor
+
+
+def grid_positions(grid_t: int, grid_h: int, grid_w: int) -> Tensor:
+    """(t, h, w) of every token of a latent grid in raster order, [t*h*w, 3] int64."""
+    index = torch.arange(grid_t * grid_h * grid_w, dtype=torch.int64)
+    return torch.stack((index // (grid_h * grid_w), (index // grid_w) % grid_h, index % grid_w), 1)
+
+
+class SyntheticLatents:
+    def __init__(self, *, token_channels: int, text_dim: int, seed: int) -> None:
+        self.token_channels = token_channels
+        self.seed = seed
+        tables = torch.Generator().manual_seed(_mix(seed, 0x7E47))
+        self.class_text_KE = torch.randn(NUM_CLASSES, text_dim, generator=tables)
+        self.text_position_XE = 0.5 * torch.randn(MAX_TEXT_TOKENS, text_dim, generator=tables)
+        # per class: wave frequencies over (t, h, w), phases and channel amplitudes
+        self.frequency_KW3 = 0.05 + 0.6 * torch.rand(NUM_CLASSES, NUM_WAVES, 3, generator=tables)
+        self.phase_KW = 2 * torch.pi * torch.rand(NUM_CLASSES, NUM_WAVES, generator=tables)
+        amplitude_scale = (2.0 / NUM_WAVES) ** 0.5  # unit variance per channel
+        self.amplitude_KWC = amplitude_scale * torch.randn(
+            NUM_CLASSES, NUM_WAVES, token_channels, generator=tables
+        )
+
+    def sample(
+        self, *, step: int, sequence_id: int, grid_thw: tuple[int, int, int], text_tokens: int
+    ) -> SequenceSample:
+        if text_tokens > MAX_TEXT_TOKENS:
+            raise ValueError(f"text_tokens {text_tokens} above the supported {MAX_TEXT_TOKENS}")
+        generator = torch.Generator().manual_seed(_mix(self.seed, step, sequence_id))
+        label = int(torch.randint(NUM_CLASSES, (1,), generator=generator))
+        # logit-normal flow time, as in SD3-style rectified-flow training
+        timestep = float(torch.sigmoid(torch.randn((), generator=generator)))
+        positions_L3 = grid_positions(*grid_thw)
+        num_tokens = positions_L3.shape[0]
+        waves_LW = torch.sin(
+            positions_L3.float() @ self.frequency_KW3[label].T + self.phase_KW[label]
+        )
+        clean_LC = waves_LW @ self.amplitude_KWC[label]
+        clean_LC += NOISE_STD * torch.randn(num_tokens, self.token_channels, generator=generator)
+        noise_LC = torch.randn(num_tokens, self.token_channels, generator=generator)
+        text_XE = self.class_text_KE[label] + self.text_position_XE[:text_tokens]
+        return SequenceSample(
+            noisy_LC=(1 - timestep) * clean_LC + timestep * noise_LC,
+            velocity_LC=noise_LC - clean_LC,
+            positions_L3=positions_L3,
+            timestep=timestep,
+            text_XE=text_XE,
+        )
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from several integers (numpy's SeedSequence hashing)."""
+    return int(np.random.SeedSequence(list(values)).generate_state(1, np.uint64)[0] >> np.uint64(1))

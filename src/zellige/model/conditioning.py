@@ -1,0 +1,62 @@
+"""Per-sequence conditioning: timestep and text embeddings, and AdaLN modulation looked up by
+each token's sequence index, so a token gets its own sequence's modulation wherever it was routed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+NUM_BLOCK_MODULATIONS = 6  # shift, scale, gate for attention; shift, scale, gate for the FFN
+TIMESTEP_SCALE = 1000.0  # flow time t in [0, 1] is embedded as t * 1000, as diffusion models do
+
+
+def sinusoidal_embedding(timesteps_S: Tensor, dim: int) -> Tensor:
+    """[S, dim]: cos then sin of t * 10000^(-k / (dim / 2)), computed in float64."""
+    half = dim // 2
+    exponents = torch.arange(half, dtype=torch.float64, device=timesteps_S.device) / half
+    angles = timesteps_S.to(torch.float64)[:, None] * torch.exp(-math.log(10000.0) * exponents)
+    return torch.cat((angles.cos(), angles.sin()), dim=1)
+
+
+class TimestepEmbedding(nn.Module):
+    """t -> e_SD (used by the output head) and the shared per-block modulation table e_S6D."""
+
+    def __init__(self, freq_dim: int, width: int) -> None:
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.embed = nn.Sequential(nn.Linear(freq_dim, width), nn.SiLU(), nn.Linear(width, width))
+        self.project = nn.Sequential(nn.SiLU(), nn.Linear(width, NUM_BLOCK_MODULATIONS * width))
+
+    def forward(self, timesteps_S: Tensor) -> tuple[Tensor, Tensor]:
+        weight = self.embed[0].weight
+        frequencies_SF = sinusoidal_embedding(timesteps_S * TIMESTEP_SCALE, self.freq_dim)
+        e_SD = self.embed(frequencies_SF.to(weight.dtype))
+        e_S6D = self.project(e_SD).unflatten(1, (NUM_BLOCK_MODULATIONS, -1))
+        return e_SD, e_S6D
+
+
+class TextEmbedding(nn.Module):
+    """Text-encoder features [X, E] -> [X, D]."""
+
+    def __init__(self, text_dim: int, width: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(text_dim, width), nn.GELU(approximate="tanh"), nn.Linear(width, width)
+        )
+
+    def forward(self, text_XE: Tensor) -> Tensor:
+        return self.layers(text_XE)
+
+
+def modulation_per_token(
+    table_SKD: Tensor, offset_KD: Tensor, sequence_index_T: Tensor
+) -> tuple[Tensor, ...]:
+    """The K modulation vectors [T, D] of each token: (learned offset + its sequence's row).
+
+    The sum is formed per sequence (S rows) and only then gathered to tokens.
+    """
+    per_token_TKD = (table_SKD + offset_KD)[sequence_index_T]
+    return per_token_TKD.unbind(dim=1)

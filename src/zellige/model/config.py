@@ -1,0 +1,72 @@
+"""Model sizes: the public presets of shared/REFERENCE.md and a tiny size for CPU tests.
+
+Legend for tensor names across zellige.model: T tokens on this rank, S sequences on this rank,
+X text tokens of those sequences (concatenated), N heads, H head dim, D model width, F FFN width,
+C latent channels per token (latent channels x patch volume), E text-encoder width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DiTConfig:
+    name: str
+    width: int  # D
+    num_layers: int
+    num_heads: int  # N
+    ffn_width: int  # F
+    text_tokens: int = 512  # default text length the data produces per sequence
+    text_dim: int = 4096  # E: umT5-XXL width in Wan
+    latent_channels: int = 16  # VAE latent channels
+    patch_t: int = 1
+    patch_hw: int = 2
+    freq_dim: int = 256  # sinusoidal timestep embedding width
+    eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.num_heads
+
+    @property
+    def token_channels(self) -> int:
+        """C: one token's latent values (latent channels x patch volume)."""
+        return self.latent_channels * self.patch_t * self.patch_hw * self.patch_hw
+
+    def __post_init__(self) -> None:
+        if self.width % self.num_heads != 0:
+            raise ValueError(f"width {self.width} is not a multiple of num_heads {self.num_heads}")
+        if self.head_dim % 2 != 0 or self.head_dim < 6:
+            raise ValueError(f"head_dim {self.head_dim} must be even and >= 6 for 3D RoPE")
+
+
+_PRESETS: dict[str, DiTConfig] = {
+    "wan-1.3b": DiTConfig(name="wan-1.3b", width=1536, num_layers=30, num_heads=12, ffn_width=8960),
+    "wan-14b": DiTConfig(name="wan-14b", width=5120, num_layers=40, num_heads=40, ffn_width=13824),
+    # Seconds per step on two CPU cores; head_dim 16 keeps all three RoPE axes non-trivial.
+    "tiny-cpu": DiTConfig(
+        name="tiny-cpu",
+        width=64,
+        num_layers=2,
+        num_heads=4,
+        ffn_width=128,
+        text_tokens=8,
+        text_dim=32,
+        latent_channels=4,
+        freq_dim=32,
+    ),
+}
+
+
+def model_preset(name: str, **overrides: int) -> DiTConfig:
+    """A preset by name, optionally with fields replaced (e.g. num_layers=4 for a width probe)."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(_PRESETS)}")
+    return dataclasses.replace(_PRESETS[name], **overrides)
+
+
+def model_preset_names() -> list[str]:
+    return list(_PRESETS)

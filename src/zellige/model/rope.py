@@ -1,0 +1,41 @@
+"""3D rotary position embedding from each token's own (t, h, w).
+
+The angles depend only on a token's latent-grid position, never on where the token sits in this
+rank's buffer, so RoPE is right under any sharding or packing. Split of the head dim as in Wan:
+t gets H - 4 * (H // 6) dims, h and w get 2 * (H // 6) each; pairs are interleaved (x0, x1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rope_axis_dims(head_dim: int) -> tuple[int, int, int]:
+    hw_dims = 2 * (head_dim // 6)
+    return head_dim - 2 * hw_dims, hw_dims, hw_dims
+
+
+def rope_tables(
+    positions_T3: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape [T, 1, H/2] for positions (t, h, w) per token.
+
+    Angles are computed in float64 (long videos reach positions where float32 angles lose
+    precision) and returned in `dtype`, once per step, shared by every layer.
+    """
+    angles = []
+    for axis, axis_dims in enumerate(rope_axis_dims(head_dim)):
+        exponents = torch.arange(0, axis_dims, 2, dtype=torch.float64, device=positions_T3.device)
+        inv_freq = theta ** (-exponents / axis_dims)
+        angles.append(positions_T3[:, axis, None].to(torch.float64) * inv_freq)
+    angles_TP = torch.cat(angles, dim=-1)
+    return angles_TP.cos().to(dtype)[:, None, :], angles_TP.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x_TNH: Tensor, cos_T1P: Tensor, sin_T1P: Tensor) -> Tensor:
+    """Rotates interleaved pairs of the head dim; computes in cos's dtype, returns x's dtype."""
+    pairs = x_TNH.to(cos_T1P.dtype).unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x0 * cos_T1P - x1 * sin_T1P, x0 * sin_T1P + x1 * cos_T1P), dim=-1)
+    return rotated.flatten(-2).to(x_TNH.dtype)
