@@ -12,5 +12,6 @@ fi
 # Pinned: the CPU build (an unpinned torch pulls a CUDA build of several GB).
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q cmake ninja nanobind scikit-build-core
-.venv/bin/python -m pip install -q ".[test,train,milp,plot]"
+# The build requirements are installed just above, so build without an isolated environment.
+.venv/bin/python -m pip install -q --no-build-isolation ".[test,train,milp,plot]"
 echo "setup done: source .venv/bin/activate"

@@ -1,6 +1,8 @@
 """Plan JSON of DESIGN.md, read and written exactly (floats keep their repr).
 
 Importing this module also gives `_core.Plan` its `to_json()` and `Plan.from_json(text)`.
+A plan file may carry a "context" object (what the CLI needs to rebuild the plan's batch and cost
+model: model, cluster, workload + seed or the batch itself); the Plan ignores it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from zellige._json import (
     require_str,
 )
 
-_PLAN_FIELDS = ("planner", "num_ranks", "placements", "predicted", "plan_ms", "note")
+_PLAN_FIELDS = ("planner", "num_ranks", "placements", "predicted", "plan_ms", "note", "context")
 _PLACEMENT_FIELDS = ("id", "strategy", "ranks")
 _PREDICTED_FIELDS = ("makespan_s", "rank_time_s", "rank_peak_bytes")
 
@@ -118,8 +120,22 @@ def load_plan(path: str | Path) -> _core.Plan:
     return plan_from_json(read_text(path), source=str(path))
 
 
-def save_plan(plan: _core.Plan, path: str | Path) -> None:
-    Path(path).write_text(plan_to_json(plan, indent=1) + "\n")
+def load_plan_with_context(path: str | Path) -> tuple[_core.Plan, dict]:
+    """A plan file's Plan and its "context" object ({} when it has none)."""
+    data = parse_json(read_text(path), str(path))
+    try:
+        plan = plan_from_dict(data)
+        context = require_object(data.get("context", {}), "plan context")
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return plan, context
+
+
+def save_plan(plan: _core.Plan, path: str | Path, context: dict | None = None) -> None:
+    data = plan_to_dict(plan)
+    if context is not None:
+        data["context"] = context
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 
 _core.Plan.to_json = plan_to_json
