@@ -1,5 +1,75 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "bind_util.h"
+#include "zellige/cost_model.h"
 
 namespace nb = nanobind;
+using namespace zellige;
+using zellige_bindings::add_value_methods;
 
-void init_cost_model(nb::module_& m) { (void)m; }
+void init_cost_model(nb::module_& m) {
+  nb::class_<CostOptions> options(m, "CostOptions", "Knobs of the cost model.");
+  options.def_rw("activation_checkpointing", &CostOptions::activation_checkpointing)
+      .def_rw("bytes_per_element", &CostOptions::bytes_per_element)
+      .def_rw("state_bytes_per_param", &CostOptions::state_bytes_per_param)
+      .def_rw("memory_headroom", &CostOptions::memory_headroom);
+  add_value_methods(options, {"activation_checkpointing", "bytes_per_element",
+                              "state_bytes_per_param", "memory_headroom"});
+
+  nb::class_<RankShare> share(m, "RankShare", "What one placement costs one of its ranks.");
+  share.def_rw("rank", &RankShare::rank)
+      .def_rw("tokens", &RankShare::tokens)
+      .def_rw("attention_s", &RankShare::attention_s)
+      .def_rw("exchange_s", &RankShare::exchange_s)
+      .def_rw("memory_bytes", &RankShare::memory_bytes);
+  add_value_methods(share, {"rank", "tokens", "attention_s", "exchange_s", "memory_bytes"});
+
+  nb::class_<RankCost> rank_cost(m, "RankCost", "One rank's time and peak memory in a plan.");
+  rank_cost.def_rw("time_s", &RankCost::time_s)
+      .def_rw("peak_bytes", &RankCost::peak_bytes)
+      .def_rw("tokens", &RankCost::tokens)
+      .def_rw("linear_s", &RankCost::linear_s)
+      .def_rw("attention_s", &RankCost::attention_s)
+      .def_rw("exchange_s", &RankCost::exchange_s);
+  add_value_methods(rank_cost,
+                    {"time_s", "peak_bytes", "tokens", "linear_s", "attention_s", "exchange_s"});
+
+  nb::class_<PlanCost> plan_cost(m, "PlanCost", "Every rank's cost, makespan, bytes and fit.");
+  plan_cost.def_rw("ranks", &PlanCost::ranks)
+      .def_rw("makespan_s", &PlanCost::makespan_s)
+      .def_rw("peak_bytes", &PlanCost::peak_bytes)
+      .def_rw("exchange_bytes", &PlanCost::exchange_bytes)
+      .def_rw("fits", &PlanCost::fits);
+  add_value_methods(plan_cost, {"ranks", "makespan_s", "peak_bytes", "exchange_bytes", "fits"});
+
+  nb::class_<CostModel>(m, "CostModel",
+                        "Time and memory of any placement of a sequence, and of a whole plan.")
+      .def(nb::init<ModelSpec, HardwareProfile, Cluster, CostOptions>(), nb::arg("model"),
+           nb::arg("profile"), nb::arg("cluster"), nb::arg("options") = CostOptions())
+      .def_prop_ro("model", &CostModel::model)
+      .def_prop_ro("profile", &CostModel::profile)
+      .def_prop_ro("cluster", &CostModel::cluster)
+      .def_prop_ro("options", &CostModel::options)
+      .def("shares", &CostModel::shares, nb::arg("sequence"), nb::arg("placement"))
+      .def("linear_time_s", &CostModel::linear_time_s, nb::arg("tokens"))
+      .def("min_linear_time_per_token_s", &CostModel::min_linear_time_per_token_s)
+      .def("fixed_bytes", &CostModel::fixed_bytes)
+      .def("memory_capacity_bytes", &CostModel::memory_capacity_bytes)
+      .def("rank_time_s", &CostModel::rank_time_s, nb::arg("tokens"), nb::arg("attention_s"),
+           nb::arg("exchange_s"))
+      .def("evaluate", &CostModel::evaluate, nb::arg("batch"), nb::arg("plan"))
+      .def("exchange_bytes", &CostModel::exchange_bytes, nb::arg("sequence"), nb::arg("placement"))
+      .def("__repr__", [](const CostModel& cost_model) {
+        return "CostModel(model='" + cost_model.model().name + "', device='" +
+               cost_model.profile().device_name +
+               "', num_ranks=" + std::to_string(cost_model.cluster().num_ranks()) +
+               ", gpus_per_node=" + std::to_string(cost_model.cluster().gpus_per_node) +
+               ", activation_checkpointing=" +
+               (cost_model.options().activation_checkpointing ? "True" : "False") + ")";
+      });
+
+  m.def("makespan_lower_bound", &makespan_lower_bound, nb::arg("batch"), nb::arg("cost_model"),
+        "A makespan no placement of the batch can beat under this cost model.");
+}

@@ -1,5 +1,57 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "bind_util.h"
+#include "zellige/profile.h"
 
 namespace nb = nanobind;
+using namespace zellige;
+using zellige_bindings::add_value_methods;
 
-void init_profile(nb::module_& m) { (void)m; }
+void init_profile(nb::module_& m) {
+  nb::class_<Table> table(m, "Table",
+                          "y(x) interpolated in log-log space; source is measured, seeded or "
+                          "analytic.");
+  table.def_rw("x", &Table::x)
+      .def_rw("y", &Table::y)
+      .def_rw("source", &Table::source)
+      .def("empty", &Table::empty)
+      .def("validate", &Table::validate, nb::arg("name"))
+      .def("__call__", &Table::operator(), nb::arg("at"));
+  add_value_methods(table, {"x", "y", "source"});
+
+  nb::class_<HardwareProfile> profile(
+      m, "HardwareProfile", "Measured (or analytic) time tables of one device; see profile.h.");
+  profile.def_rw("device_name", &HardwareProfile::device_name)
+      .def_rw("created", &HardwareProfile::created)
+      .def_rw("matmul_flops_per_s", &HardwareProfile::matmul_flops_per_s)
+      .def_rw("attention_flops_per_s", &HardwareProfile::attention_flops_per_s)
+      .def_rw("memory_bytes_per_s", &HardwareProfile::memory_bytes_per_s)
+      .def_rw("attention_head_dim", &HardwareProfile::attention_head_dim)
+      .def_rw("attention_forward_s_per_head", &HardwareProfile::attention_forward_s_per_head)
+      .def_rw("attention_backward_s_per_head", &HardwareProfile::attention_backward_s_per_head)
+      .def_rw("matmul_forward_flops_per_s", &HardwareProfile::matmul_forward_flops_per_s)
+      .def_rw("matmul_backward_flops_per_s", &HardwareProfile::matmul_backward_flops_per_s)
+      .def_rw("exchange_group_sizes", &HardwareProfile::exchange_group_sizes)
+      .def_rw("exchange_intra_node_s", &HardwareProfile::exchange_intra_node_s)
+      .def_rw("exchange_overlap", &HardwareProfile::exchange_overlap)
+      .def_rw("memory_models", &HardwareProfile::memory_models)
+      .def_rw("activation_bytes_per_token_layer",
+              &HardwareProfile::activation_bytes_per_token_layer)
+      .def_rw("checkpoint_bytes_per_token_layer",
+              &HardwareProfile::checkpoint_bytes_per_token_layer)
+      .def_rw("runtime_reserved_bytes", &HardwareProfile::runtime_reserved_bytes)
+      .def("validate", &HardwareProfile::validate);
+  add_value_methods(profile,
+                    {"device_name", "created", "matmul_flops_per_s", "attention_flops_per_s",
+                     "memory_bytes_per_s", "attention_head_dim", "attention_forward_s_per_head",
+                     "attention_backward_s_per_head", "matmul_forward_flops_per_s",
+                     "matmul_backward_flops_per_s", "exchange_group_sizes", "exchange_intra_node_s",
+                     "exchange_overlap", "memory_models", "activation_bytes_per_token_layer",
+                     "checkpoint_bytes_per_token_layer", "runtime_reserved_bytes"});
+
+  m.def("analytic_profile", &analytic_profile, nb::arg("device_name"),
+        nb::arg("matmul_flops_per_s"), nb::arg("attention_flops_per_s"),
+        nb::arg("memory_bytes_per_s"), "A profile with no tables: times from the peak rates.");
+}

@@ -29,10 +29,10 @@ struct CostOptions {
 // token count (GEMM efficiency), see CostModel::linear_time_s.
 struct RankShare {
   int64_t rank = 0;
-  int64_t tokens = 0;          // tokens this rank holds for the per-token layers
-  double attention_s = 0;      // self-attention (+ cross-attention) on this rank's segments
-  double exchange_s = 0;       // Ulysses all-to-alls and ring transfers not hidden by compute
-  double memory_bytes = 0;     // activations + attention and exchange buffers of this sequence
+  int64_t tokens = 0;       // tokens this rank holds for the per-token layers
+  double attention_s = 0;   // self-attention (+ cross-attention) on this rank's segments
+  double exchange_s = 0;    // Ulysses all-to-alls and ring transfers not hidden by compute
+  double memory_bytes = 0;  // activations + attention and exchange buffers of this sequence
 };
 
 struct RankCost {
@@ -42,12 +42,14 @@ struct RankCost {
   double linear_s = 0, attention_s = 0, exchange_s = 0;
 };
 
+struct LowerBoundSearch;
+
 struct PlanCost {
   std::vector<RankCost> ranks;
   double makespan_s = 0;
-  double peak_bytes = 0;       // max over ranks
-  double exchange_bytes = 0;   // total bytes all ranks send per step (route + exchanges)
-  bool fits = true;            // every rank within memory_capacity_bytes()
+  double peak_bytes = 0;      // max over ranks
+  double exchange_bytes = 0;  // total bytes all ranks send per step (route + exchanges)
+  bool fits = true;           // every rank within memory_capacity_bytes()
 };
 
 class CostModel {
@@ -82,14 +84,35 @@ class CostModel {
   // Throws std::invalid_argument if the plan does not match the batch (see validate_plan).
   PlanCost evaluate(const Batch& batch, const Plan& plan) const;
 
-  // Bytes each rank sends for `placement` per step (all layers, forward + backward).
+  // Bytes the ranks of `placement` send in total per step (all layers, forward + backward, plus
+  // routing the sequence's tokens from its source rank and back).
   double exchange_bytes(const Sequence& sequence, const Placement& placement) const;
 
  private:
+  struct Shape;      // one sequence under (ulysses_degree, ring_degree): two block sizes
+  struct RankTerms;  // what one rank of a shape pays
+  Shape make_shape(int64_t unit_tokens, int64_t text_tokens, int64_t ulysses_degree,
+                   int64_t ring_degree) const;
+  RankTerms rank_terms(const Shape& shape, int block_class, int next_block_class,
+                       int64_t chunk_tokens, int64_t heads, bool ulysses_intra_node,
+                       bool ring_intra_node) const;
+  std::vector<RankShare> shares_and_bytes(const Sequence& sequence, const Placement& placement,
+                                          double* sent_bytes) const;
+  double head_forward_s(double query_tokens, double key_tokens) const;
+  double head_backward_s(double query_tokens, double key_tokens) const;
+  double text_projection_s(int64_t text_tokens) const;
+  friend struct LowerBoundSearch;  // makespan_lower_bound's candidate search (cost_model.cc)
+
   ModelSpec model_;
   HardwareProfile profile_;
   Cluster cluster_;
   CostOptions options_;
+  // Derived once in the constructor.
+  double forward_flops_per_token_ = 0;  // per-token layers, one layer
+  double activation_bytes_ = 0;         // per token per layer, kept without checkpointing
+  double checkpoint_bytes_ = 0;         // per token per layer, kept with checkpointing
+  double fixed_bytes_ = 0;
+  double min_linear_time_per_token_s_ = 0;
 };
 
 // A lower bound on the makespan of ANY placement of the batch under this cost model:

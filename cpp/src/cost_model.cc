@@ -1,0 +1,663 @@
+// Cost model. Legend: d model width, N layers, H heads, hd head dim, bpe bytes per element;
+// a placement (u, r) cuts the sequence's unit tokens L into r blocks (two sizes: b and b + 1),
+// each block into u chunks; rank (j, k) holds chunk k of block j (n tokens) and h_k heads.
+#include "zellige/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+namespace zellige {
+
+namespace {
+
+constexpr double kRouteBytesPerToken = 512;  // latent features + ids, each direction
+constexpr int64_t kDefaultReservedBytes = int64_t{3} << 30;
+constexpr double kElementwiseBytesPerTokenWidth = 24;  // norms, modulation, residual, gates
+constexpr double kBackwardAttentionFlopsRatio = 2.5;   // analytic fallback only
+
+// GEMM rate at M tokens: the table held constant outside its sampled range (a throughput does
+// not keep growing past the largest measured GEMM), or the peak rate.
+double matmul_rate(const Table& table, double peak_flops_per_s, double tokens) {
+  if (table.empty()) return peak_flops_per_s;
+  return table(std::clamp(tokens, table.x.front(), table.x.back()));
+}
+
+double max_rate(const Table& table, double peak_flops_per_s) {
+  if (table.empty()) return peak_flops_per_s;
+  return *std::max_element(table.y.begin(), table.y.end());
+}
+
+bool same_node(const Cluster& cluster, const std::vector<int64_t>& ranks, int64_t first,
+               int64_t stride, int64_t count) {
+  const int64_t node = cluster.node_of(ranks[first]);
+  for (int64_t i = 1; i < count; ++i) {
+    if (cluster.node_of(ranks[first + i * stride]) != node) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+struct CostModel::Shape {
+  int64_t unit_tokens = 0, text_tokens = 0, ulysses_degree = 1, ring_degree = 1;
+  int64_t small_block = 0, num_big_blocks = 0;  // big blocks (the first ones) hold one more
+  // Per-head seconds of one layer pass of one ring step, [query block class][key block class];
+  // class 0 = small block, 1 = big block.
+  double forward_s[2][2] = {{0, 0}, {0, 0}};
+  double backward_s[2][2] = {{0, 0}, {0, 0}};
+
+  int64_t block_tokens(int block_class) const { return small_block + block_class; }
+  int64_t block_count(int block_class) const {
+    return block_class ? num_big_blocks : ring_degree - num_big_blocks;
+  }
+};
+
+struct CostModel::RankTerms {
+  double attention_s = 0;
+  double exchange_s = 0;
+  double memory_bytes = 0;
+  double sent_bytes = 0;  // exchanges only; routing is added per placement
+};
+
+CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, CostOptions options)
+    : model_(std::move(model)),
+      profile_(std::move(profile)),
+      cluster_(std::move(cluster)),
+      options_(options) {
+  profile_.validate();
+  if (model_.num_heads <= 0 || model_.head_dim <= 0 || model_.num_layers <= 0 ||
+      model_.width <= 0) {
+    throw std::invalid_argument("cost model: model '" + model_.name +
+                                "' needs heads, head_dim, layers and width > 0");
+  }
+  if (cluster_.num_ranks() <= 0 || cluster_.gpu_memory_bytes <= 0 ||
+      !(cluster_.intra_node_bytes_per_s > 0) || !(cluster_.inter_node_bytes_per_s > 0)) {
+    throw std::invalid_argument("cost model: cluster needs ranks, GPU memory and link bandwidths");
+  }
+  if (options_.bytes_per_element <= 0 || options_.state_bytes_per_param < 0 ||
+      !(options_.memory_headroom >= 0 && options_.memory_headroom < 1)) {
+    throw std::invalid_argument(
+        "cost model: bytes_per_element must be > 0, state_bytes_per_param >= 0 and "
+        "memory_headroom in [0, 1)");
+  }
+  const double d = static_cast<double>(model_.width);
+  const double bpe = static_cast<double>(options_.bytes_per_element);
+  forward_flops_per_token_ = layer_forward_flops(model_, 1, 0).linear;
+
+  // Analytic activations: q, k, v, o, attention in/out, norms and modulated inputs (~16 d) plus
+  // the FFN hidden before and after the activation (~3 ffn); cross models add the cross q/o.
+  activation_bytes_ = bpe * (16.0 * d + 3.0 * static_cast<double>(model_.ffn_width) +
+                             (model_.joint_attention ? 0.0 : 2.0 * d));
+  checkpoint_bytes_ = d * bpe;  // the layer input
+  for (size_t i = 0; i < profile_.memory_models.size(); ++i) {
+    if (profile_.memory_models[i] != model_.name) continue;
+    if (profile_.activation_bytes_per_token_layer[i] > 0) {
+      activation_bytes_ = profile_.activation_bytes_per_token_layer[i];
+    }
+    if (profile_.checkpoint_bytes_per_token_layer[i] > 0) {
+      checkpoint_bytes_ = profile_.checkpoint_bytes_per_token_layer[i];
+    }
+  }
+
+  // MMDiT double blocks carry two weight sets, so the largest layer is twice a single one.
+  const double layer_units = static_cast<double>(model_.num_layers + model_.num_double_layers);
+  const double largest_layer_params = static_cast<double>(model_.param_count) / layer_units *
+                                      (model_.num_double_layers > 0 ? 2.0 : 1.0);
+  const double reserved =
+      static_cast<double>(profile_.runtime_reserved_bytes > 0 ? profile_.runtime_reserved_bytes
+                                                              : kDefaultReservedBytes);
+  fixed_bytes_ = static_cast<double>(model_.param_count) * options_.state_bytes_per_param /
+                     static_cast<double>(cluster_.num_ranks()) +
+                 2.0 * largest_layer_params * 2.0  // two gathered bf16 layers (prefetch)
+                 + largest_layer_params * 4.0      // one layer's unsharded fp32 gradients
+                 + reserved;
+
+  const double layers = static_cast<double>(model_.num_layers);
+  const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
+  min_linear_time_per_token_s_ =
+      layers * (forward_flops_per_token_ * forward_passes /
+                    max_rate(profile_.matmul_forward_flops_per_s, profile_.matmul_flops_per_s) +
+                2.0 * forward_flops_per_token_ /
+                    max_rate(profile_.matmul_backward_flops_per_s, profile_.matmul_flops_per_s) +
+                kElementwiseBytesPerTokenWidth * d * bpe * (forward_passes + 1.0) /
+                    profile_.memory_bytes_per_s);
+}
+
+double CostModel::head_forward_s(double query_tokens, double key_tokens) const {
+  if (query_tokens <= 0 || key_tokens <= 0) return 0;
+  const double hd = static_cast<double>(model_.head_dim);
+  if (profile_.attention_forward_s_per_head.empty()) {
+    return 4.0 * query_tokens * key_tokens * hd / profile_.attention_flops_per_s;
+  }
+  return profile_.attention_forward_s_per_head(std::sqrt(query_tokens * key_tokens)) * hd /
+         static_cast<double>(profile_.attention_head_dim);
+}
+
+double CostModel::head_backward_s(double query_tokens, double key_tokens) const {
+  if (query_tokens <= 0 || key_tokens <= 0) return 0;
+  const double hd = static_cast<double>(model_.head_dim);
+  if (profile_.attention_backward_s_per_head.empty()) {
+    return kBackwardAttentionFlopsRatio * 4.0 * query_tokens * key_tokens * hd /
+           profile_.attention_flops_per_s;
+  }
+  return profile_.attention_backward_s_per_head(std::sqrt(query_tokens * key_tokens)) * hd /
+         static_cast<double>(profile_.attention_head_dim);
+}
+
+// Text key/value projections of a cross-attention layer, fwd + bwd (+ recompute); every rank
+// of a placement runs them.
+double CostModel::text_projection_s(int64_t text_tokens) const {
+  if (model_.joint_attention || text_tokens <= 0) return 0;
+  const double d = static_cast<double>(model_.width);
+  const double tokens = static_cast<double>(text_tokens);
+  const double flops = 4.0 * d * d * tokens;
+  const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
+  return flops * forward_passes /
+             matmul_rate(profile_.matmul_forward_flops_per_s, profile_.matmul_flops_per_s, tokens) +
+         2.0 * flops /
+             matmul_rate(profile_.matmul_backward_flops_per_s, profile_.matmul_flops_per_s, tokens);
+}
+
+CostModel::Shape CostModel::make_shape(int64_t unit_tokens, int64_t text_tokens,
+                                       int64_t ulysses_degree, int64_t ring_degree) const {
+  Shape shape;
+  shape.unit_tokens = unit_tokens;
+  shape.text_tokens = text_tokens;
+  shape.ulysses_degree = ulysses_degree;
+  shape.ring_degree = ring_degree;
+  shape.small_block = unit_tokens / ring_degree;
+  shape.num_big_blocks = unit_tokens % ring_degree;
+  for (int q = 0; q < 2; ++q) {
+    if (shape.block_count(q) == 0) continue;
+    for (int k = 0; k < 2; ++k) {
+      if (shape.block_count(k) == 0) continue;
+      const double lq = static_cast<double>(shape.block_tokens(q));
+      const double lk = static_cast<double>(shape.block_tokens(k));
+      shape.forward_s[q][k] = head_forward_s(lq, lk);
+      shape.backward_s[q][k] = head_backward_s(lq, lk);
+    }
+  }
+  return shape;
+}
+
+CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
+                                           int next_block_class, int64_t chunk_tokens,
+                                           int64_t heads, bool ulysses_intra_node,
+                                           bool ring_intra_node) const {
+  const double layers = static_cast<double>(model_.num_layers);
+  const double bpe = static_cast<double>(options_.bytes_per_element);
+  const double hd = static_cast<double>(model_.head_dim);
+  const double d = static_cast<double>(model_.width);
+  const double all_heads = static_cast<double>(model_.num_heads);
+  const double h = static_cast<double>(heads);
+  const double n = static_cast<double>(chunk_tokens);
+  const double block = static_cast<double>(shape.block_tokens(block_class));
+  const double text = static_cast<double>(shape.text_tokens);
+  const bool checkpointing = options_.activation_checkpointing;
+  const double forward_passes = checkpointing ? 2.0 : 1.0;
+  const bool cross = !model_.joint_attention && shape.text_tokens > 0;
+
+  RankTerms terms;
+  // Self-attention: every ring step pairs this rank's query block with one key block.
+  double layer_s = 0;
+  for (int c = 0; c < 2; ++c) {
+    const double count = static_cast<double>(shape.block_count(c));
+    if (count == 0) continue;
+    layer_s +=
+        count * h *
+        (shape.forward_s[block_class][c] * forward_passes + shape.backward_s[block_class][c]);
+  }
+  if (cross) {
+    layer_s += all_heads * (head_forward_s(n, text) * forward_passes + head_backward_s(n, text)) +
+               text_projection_s(shape.text_tokens);
+  }
+  terms.attention_s = layers * layer_s;
+
+  // Ulysses: per pass, q, k, v of this chunk for the other ranks' heads go out and the output
+  // of this rank's heads for the other chunks goes back (4 all-to-alls).
+  const double passes = forward_passes + 1.0;
+  if (shape.ulysses_degree > 1) {
+    const double qkv_send = n * (all_heads - h) * hd * bpe;
+    const double qkv_recv = (block - n) * h * hd * bpe;
+    const double out_send = qkv_recv;
+    const double out_recv = qkv_send;
+    const double send = 3.0 * qkv_send + out_send;
+    const double recv = 3.0 * qkv_recv + out_recv;
+    const Table* measured = nullptr;
+    if (ulysses_intra_node) {
+      for (size_t i = 0; i < profile_.exchange_group_sizes.size(); ++i) {
+        if (profile_.exchange_group_sizes[i] == shape.ulysses_degree) {
+          measured = &profile_.exchange_intra_node_s[i];
+        }
+      }
+    }
+    double pass_s;
+    if (measured != nullptr) {
+      pass_s = 3.0 * (*measured)(std::max(1.0, std::max(qkv_send, qkv_recv))) +
+               (*measured)(std::max(1.0, std::max(out_send, out_recv)));
+    } else {
+      const double link =
+          ulysses_intra_node ? cluster_.intra_node_bytes_per_s : cluster_.inter_node_bytes_per_s;
+      const double latency =
+          ulysses_intra_node ? cluster_.intra_node_latency_s : cluster_.inter_node_latency_s;
+      pass_s = std::max(send, recv) / link + 4.0 * latency;
+    }
+    terms.exchange_s += layers * passes * pass_s * (1.0 - profile_.exchange_overlap);
+    terms.sent_bytes += layers * passes * send;
+  }
+
+  // Ring: r - 1 k/v transfers per pass (every block but the next one is forwarded), each hidden
+  // behind the ring step computing on the block in flight; backward also carries dk, dv.
+  if (shape.ring_degree > 1) {
+    const double link =
+        ring_intra_node ? cluster_.intra_node_bytes_per_s : cluster_.inter_node_bytes_per_s;
+    const double latency =
+        ring_intra_node ? cluster_.intra_node_latency_s : cluster_.inter_node_latency_s;
+    double forward_exposed_s = 0, backward_exposed_s = 0, kv_sent = 0;
+    for (int c = 0; c < 2; ++c) {
+      const double transfers =
+          static_cast<double>(shape.block_count(c) - (c == next_block_class ? 1 : 0));
+      if (transfers <= 0) continue;
+      const double kv_bytes = 2.0 * static_cast<double>(shape.block_tokens(c)) * h * hd * bpe;
+      forward_exposed_s +=
+          transfers * std::max(0.0, kv_bytes / link - h * shape.forward_s[block_class][c]);
+      backward_exposed_s +=
+          transfers * std::max(0.0, 2.0 * kv_bytes / link - h * shape.backward_s[block_class][c]);
+      kv_sent += transfers * kv_bytes;
+    }
+    const double step_latency_s = static_cast<double>(shape.ring_degree - 1) * latency;
+    terms.exchange_s += layers * (forward_passes * (forward_exposed_s + step_latency_s) +
+                                  backward_exposed_s + step_latency_s);
+    terms.sent_bytes += layers * kv_sent * (forward_passes + 2.0);
+  }
+
+  // Memory: kept activations, then the transient buffers of one layer.
+  const double kept_bytes = checkpointing ? layers * n * checkpoint_bytes_ + n * activation_bytes_
+                                          : layers * n * activation_bytes_;
+  double buffer_bytes = 4.0 * block * h * hd * bpe;  // q, k, v, o of the self-attention segment
+  if (cross) buffer_bytes = std::max(buffer_bytes, 2.0 * (n + text) * all_heads * hd * bpe);
+  if (shape.ulysses_degree > 1) buffer_bytes += 2.0 * 3.0 * n * d * bpe;
+  if (shape.ring_degree > 1) {
+    const double largest_block =
+        static_cast<double>(shape.block_tokens(shape.num_big_blocks > 0 ? 1 : 0));
+    buffer_bytes += 2.0 * 2.0 * largest_block * h * hd * bpe;  // k/v double buffer
+  }
+  terms.memory_bytes = kept_bytes + buffer_bytes;
+  return terms;
+}
+
+std::vector<RankShare> CostModel::shares_and_bytes(const Sequence& sequence,
+                                                   const Placement& placement,
+                                                   double* sent_bytes) const {
+  const int64_t unit_tokens = attended_tokens(model_, sequence.num_tokens, sequence.text_tokens);
+  const int64_t u = placement.ulysses_degree;
+  const int64_t r = placement.ring_degree;
+  const Shape shape = make_shape(unit_tokens, sequence.text_tokens, u, r);
+  const int64_t all_heads = model_.num_heads;
+
+  std::vector<bool> ring_intra(static_cast<size_t>(u), true);
+  if (r > 1) {
+    for (int64_t k = 0; k < u; ++k) ring_intra[k] = same_node(cluster_, placement.ranks, k, u, r);
+  }
+  std::vector<RankShare> result;
+  result.reserve(placement.ranks.size());
+  double sent = 0;
+  for (int64_t j = 0; j < r; ++j) {
+    const int block_class = j < shape.num_big_blocks ? 1 : 0;
+    const int next_class = (j + 1) % r < shape.num_big_blocks ? 1 : 0;
+    const int64_t block = shape.block_tokens(block_class);
+    const bool ulysses_intra = u == 1 || same_node(cluster_, placement.ranks, j * u, 1, u);
+    for (int64_t k = 0; k < u; ++k) {
+      const int64_t chunk = block / u + (k < block % u ? 1 : 0);
+      const int64_t heads = all_heads / u + (k < all_heads % u ? 1 : 0);
+      const RankTerms terms =
+          rank_terms(shape, block_class, next_class, chunk, heads, ulysses_intra, ring_intra[k]);
+      RankShare share;
+      share.rank = placement.ranks[j * u + k];
+      share.tokens = chunk;
+      share.attention_s = terms.attention_s;
+      share.exchange_s = terms.exchange_s;
+      share.memory_bytes = terms.memory_bytes;
+      result.push_back(share);
+      sent += terms.sent_bytes;
+      if (share.rank != sequence.source_rank) {
+        sent += 2.0 * kRouteBytesPerToken * static_cast<double>(chunk);
+      }
+    }
+  }
+  if (sent_bytes != nullptr) *sent_bytes = sent;
+  return result;
+}
+
+std::vector<RankShare> CostModel::shares(const Sequence& sequence,
+                                         const Placement& placement) const {
+  return shares_and_bytes(sequence, placement, nullptr);
+}
+
+double CostModel::exchange_bytes(const Sequence& sequence, const Placement& placement) const {
+  double sent = 0;
+  shares_and_bytes(sequence, placement, &sent);
+  return sent;
+}
+
+double CostModel::linear_time_s(int64_t tokens) const {
+  if (tokens <= 0) return 0;
+  const double m = static_cast<double>(tokens);
+  const double layers = static_cast<double>(model_.num_layers);
+  const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
+  const double flops = forward_flops_per_token_ * m;
+  const double forward_rate =
+      matmul_rate(profile_.matmul_forward_flops_per_s, profile_.matmul_flops_per_s, m);
+  const double backward_rate =
+      matmul_rate(profile_.matmul_backward_flops_per_s, profile_.matmul_flops_per_s, m);
+  const double elementwise_s = kElementwiseBytesPerTokenWidth * static_cast<double>(model_.width) *
+                               static_cast<double>(options_.bytes_per_element) * m *
+                               (forward_passes + 1.0) / profile_.memory_bytes_per_s;
+  return layers *
+         (flops * forward_passes / forward_rate + 2.0 * flops / backward_rate + elementwise_s);
+}
+
+double CostModel::min_linear_time_per_token_s() const { return min_linear_time_per_token_s_; }
+
+double CostModel::fixed_bytes() const { return fixed_bytes_; }
+
+double CostModel::memory_capacity_bytes() const {
+  return static_cast<double>(cluster_.gpu_memory_bytes) * (1.0 - options_.memory_headroom);
+}
+
+double CostModel::rank_time_s(int64_t tokens, double attention_s, double exchange_s) const {
+  return linear_time_s(tokens) + attention_s + exchange_s;
+}
+
+PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
+  const int64_t num_ranks = cluster_.num_ranks();
+  if (plan.num_ranks != num_ranks) {
+    throw std::invalid_argument("plan is for " + std::to_string(plan.num_ranks) +
+                                " ranks but the cluster has " + std::to_string(num_ranks));
+  }
+  validate_plan(plan, batch, num_ranks, model_.num_heads);
+  std::unordered_map<int64_t, const Sequence*> by_id;
+  by_id.reserve(batch.sequences.size());
+  for (const Sequence& sequence : batch.sequences) by_id[sequence.id] = &sequence;
+
+  PlanCost cost;
+  cost.ranks.assign(static_cast<size_t>(num_ranks), RankCost{});
+  std::vector<double> memory(static_cast<size_t>(num_ranks), 0.0);
+  for (const Placement& placement : plan.placements) {
+    double sent = 0;
+    for (const RankShare& share :
+         shares_and_bytes(*by_id.at(placement.sequence_id), placement, &sent)) {
+      RankCost& rank = cost.ranks[share.rank];
+      rank.tokens += share.tokens;
+      rank.attention_s += share.attention_s;
+      rank.exchange_s += share.exchange_s;
+      memory[share.rank] += share.memory_bytes;
+    }
+    cost.exchange_bytes += sent;
+  }
+  const double capacity = memory_capacity_bytes();
+  for (int64_t i = 0; i < num_ranks; ++i) {
+    RankCost& rank = cost.ranks[i];
+    rank.linear_s = linear_time_s(rank.tokens);
+    rank.time_s = rank.linear_s + rank.attention_s + rank.exchange_s;
+    rank.peak_bytes = fixed_bytes_ + memory[i];
+    cost.makespan_s = std::max(cost.makespan_s, rank.time_s);
+    cost.peak_bytes = std::max(cost.peak_bytes, rank.peak_bytes);
+    if (rank.peak_bytes > capacity) cost.fits = false;
+  }
+  return cost;
+}
+
+namespace {
+
+// Lower envelope of an attention time per unit area: inf over x in [1, X] of seconds(x) / x^2,
+// where seconds(x) is one head's pass over an x-by-x block. Between knots the log-log table is a
+// power law, so the infimum over [1, X] is the minimum over the knots up to the first one at or
+// past X (or the value at X beyond the last knot).
+class AreaEnvelope {
+ public:
+  template <class PerHeadSeconds>
+  AreaEnvelope(const Table& table, PerHeadSeconds seconds) {
+    const auto per_area = [seconds](double x) { return seconds(x) / (x * x); };
+    knots_.push_back(1.0);
+    for (double x : table.x) {
+      if (x > 1.0) knots_.push_back(x);
+    }
+    for (double x : knots_) {
+      const double value = per_area(x);
+      prefix_min_.push_back(prefix_min_.empty() ? value : std::min(prefix_min_.back(), value));
+    }
+    tail_ = [per_area](double x) { return per_area(x); };
+  }
+
+  double operator()(double at) const {
+    const size_t i =
+        static_cast<size_t>(std::upper_bound(knots_.begin(), knots_.end(), at) - knots_.begin());
+    // knots_[i - 1] <= at < knots_[i]
+    if (i < knots_.size()) return prefix_min_[i];
+    return std::min(prefix_min_.back(), tail_(std::max(at, 1.0)));
+  }
+
+ private:
+  std::vector<double> knots_;
+  std::vector<double> prefix_min_;
+  std::function<double(double)> tail_;
+};
+
+}  // namespace
+
+// The candidate search behind makespan_lower_bound; see the derivation in cost_model.h.
+struct LowerBoundSearch {
+  struct Result {
+    bool fits = true;
+    double bottleneck_s = 0;
+    double rank_seconds = 0;
+  };
+
+  explicit LowerBoundSearch(const CostModel& model)
+      : cost(model),
+        num_ranks(model.cluster().num_ranks()),
+        gpus_per_node(model.cluster().gpus_per_node),
+        num_heads(model.model().num_heads),
+        capacity_bytes(model.memory_capacity_bytes()),
+        min_per_token_s(model.min_linear_time_per_token_s()),
+        forward_passes(model.options().activation_checkpointing ? 2.0 : 1.0),
+        forward_envelope(model.profile().attention_forward_s_per_head,
+                         [&model](double x) { return model.head_forward_s(x, x); }),
+        backward_envelope(model.profile().attention_backward_s_per_head,
+                          [&model](double x) { return model.head_backward_s(x, x); }) {}
+
+  int64_t max_degree(int64_t unit_tokens) const { return std::min(num_ranks, unit_tokens); }
+
+  // Every rank type of the shape (block class x next block class x chunk/head class) once, with
+  // the most favourable links any rank set of this shape can have: a Ulysses group within one
+  // node iff u <= gpus_per_node, a ring within one node iff r <= gpus_per_node.
+  Result evaluate(const CostModel::Shape& shape) const {
+    const int64_t u = shape.ulysses_degree;
+    const int64_t r = shape.ring_degree;
+    const bool ulysses_intra = u <= gpus_per_node;
+    const bool ring_intra = r <= gpus_per_node;
+    struct BlockType {
+      int block_class, next_class;
+      int64_t count;
+    };
+    BlockType types[4];
+    int num_types = 0;
+    const int64_t big = shape.num_big_blocks;
+    if (big == 0) {
+      types[num_types++] = {0, 0, r};
+    } else {
+      types[num_types++] = {1, 1, big - 1};
+      types[num_types++] = {1, 0, 1};
+      types[num_types++] = {0, 0, r - big - 1};
+      types[num_types++] = {0, 1, 1};
+    }
+    Result result;
+    for (int t = 0; t < num_types; ++t) {
+      const BlockType& type = types[t];
+      if (type.count <= 0) continue;
+      const int64_t block = shape.block_tokens(type.block_class);
+      // Chunk k is big iff k < block % u, head group k is big iff k < H % u: three ranges of k.
+      const int64_t big_chunks = block % u;
+      const int64_t big_heads = num_heads % u;
+      const int64_t bounds[4] = {0, std::min(big_chunks, big_heads),
+                                 std::max(big_chunks, big_heads), u};
+      for (int range = 0; range < 3; ++range) {
+        const int64_t ranks_in_range = bounds[range + 1] - bounds[range];
+        if (ranks_in_range <= 0) continue;
+        const int64_t k = bounds[range];
+        const int64_t chunk = block / u + (k < big_chunks ? 1 : 0);
+        const int64_t heads = num_heads / u + (k < big_heads ? 1 : 0);
+        const CostModel::RankTerms terms = cost.rank_terms(shape, type.block_class, type.next_class,
+                                                           chunk, heads, ulysses_intra, ring_intra);
+        const double time_s =
+            static_cast<double>(chunk) * min_per_token_s + terms.attention_s + terms.exchange_s;
+        if (cost.fixed_bytes() + terms.memory_bytes > capacity_bytes) result.fits = false;
+        result.bottleneck_s = std::max(result.bottleneck_s, time_s);
+        result.rank_seconds += static_cast<double>(type.count * ranks_in_range) * time_s;
+      }
+    }
+    return result;
+  }
+
+  Result evaluate(int64_t unit_tokens, int64_t text_tokens, int64_t u, int64_t r) const {
+    return evaluate(cost.make_shape(unit_tokens, text_tokens, u, r));
+  }
+
+  // A lower bound on the rank-seconds of every shape with ring degree >= r (u >= 1): per-token
+  // layers at the best rate, attention areas at the envelope of blocks no longer than ceil(L/r),
+  // text projections and ring latencies on at least r ranks. Non-decreasing in r.
+  double rank_seconds_bound(int64_t unit_tokens, int64_t text_tokens, int64_t r) const {
+    const ModelSpec& model = cost.model();
+    const Cluster& cluster = cost.cluster();
+    const double tokens = static_cast<double>(unit_tokens);
+    const double heads = static_cast<double>(num_heads);
+    const double layers = static_cast<double>(model.num_layers);
+    const double longest_block = std::ceil(tokens / static_cast<double>(r));
+    double bound = tokens * min_per_token_s;
+    bound += layers * heads * tokens * tokens *
+             (forward_envelope(longest_block) * forward_passes + backward_envelope(longest_block));
+    if (!model.joint_attention && text_tokens > 0) {
+      const double text = static_cast<double>(text_tokens);
+      const double longest_pair = std::sqrt(longest_block * text);
+      bound +=
+          layers * heads * tokens * text *
+              (forward_envelope(longest_pair) * forward_passes + backward_envelope(longest_pair)) +
+          static_cast<double>(r) * layers * cost.text_projection_s(text_tokens);
+    }
+    if (r > 1) {
+      const double latency_s =
+          r <= gpus_per_node ? std::min(cluster.intra_node_latency_s, cluster.inter_node_latency_s)
+                             : cluster.inter_node_latency_s;
+      bound += static_cast<double>(r * (r - 1)) * layers * (forward_passes + 1.0) * latency_s;
+    }
+    return bound;
+  }
+
+  // Smallest total rank-seconds of a sequence over all fitting shapes (all shapes when
+  // respect_memory is false).
+  double min_rank_seconds(int64_t unit_tokens, int64_t text_tokens, bool respect_memory) const {
+    const int64_t max_p = max_degree(unit_tokens);
+    const double text_projection_s =
+        static_cast<double>(cost.model().num_layers) * cost.text_projection_s(text_tokens);
+    double best = std::numeric_limits<double>::infinity();
+    for (int64_t r = 1; r <= max_p; ++r) {
+      const double bound = rank_seconds_bound(unit_tokens, text_tokens, r);
+      if (bound >= best) break;
+      CostModel::Shape shape = cost.make_shape(unit_tokens, text_tokens, 1, r);
+      for (int64_t u = 1; u <= std::min(num_heads, max_p / r); ++u) {
+        // More Ulysses ranks only add text projections to the bound.
+        if (bound + static_cast<double>((u - 1) * r) * text_projection_s >= best) break;
+        shape.ulysses_degree = u;
+        const Result result = evaluate(shape);
+        if (respect_memory && !result.fits) continue;
+        best = std::min(best, result.rank_seconds);
+      }
+    }
+    return best;
+  }
+
+  // Smallest bottleneck-rank time of a sequence over all fitting shapes, and its shape.
+  double min_bottleneck_s(int64_t unit_tokens, int64_t text_tokens, bool respect_memory,
+                          int64_t* best_u, int64_t* best_r) const {
+    const int64_t max_p = max_degree(unit_tokens);
+    double best = std::numeric_limits<double>::infinity();
+    for (int64_t r = 1; r <= max_p; ++r) {
+      CostModel::Shape shape = cost.make_shape(unit_tokens, text_tokens, 1, r);
+      for (int64_t u = 1; u <= std::min(num_heads, max_p / r); ++u) {
+        shape.ulysses_degree = u;
+        const Result result = evaluate(shape);
+        if (respect_memory && !result.fits) continue;
+        if (result.bottleneck_s < best) {
+          best = result.bottleneck_s;
+          *best_u = u;
+          *best_r = r;
+        }
+      }
+    }
+    return best;
+  }
+
+  const CostModel& cost;
+  int64_t num_ranks, gpus_per_node, num_heads;
+  double capacity_bytes, min_per_token_s, forward_passes;
+  AreaEnvelope forward_envelope, backward_envelope;
+};
+
+double makespan_lower_bound(const Batch& batch, const CostModel& cost_model) {
+  const LowerBoundSearch search(cost_model);
+  const ModelSpec& model = cost_model.model();
+  // Shapes depend on (unit tokens, text tokens) only; buckets repeat them a lot.
+  std::vector<std::pair<int64_t, int64_t>> keys;
+  keys.reserve(batch.sequences.size());
+  for (const Sequence& sequence : batch.sequences) {
+    keys.emplace_back(attended_tokens(model, sequence.num_tokens, sequence.text_tokens),
+                      sequence.text_tokens);
+  }
+  std::map<std::pair<int64_t, int64_t>, double> rank_seconds;
+  double total_rank_seconds = 0;
+  for (const auto& key : keys) {
+    if (key.first <= 0) continue;
+    auto [it, inserted] = rank_seconds.try_emplace(key, 0.0);
+    if (inserted) {
+      double value = search.min_rank_seconds(key.first, key.second, true);
+      // A sequence that fits nowhere has no plan at all; keep the bound finite without memory.
+      if (!std::isfinite(value)) value = search.min_rank_seconds(key.first, key.second, false);
+      it->second = value;
+    }
+    total_rank_seconds += it->second;
+  }
+
+  // Bottleneck term: longest first; a sequence whose time under the current maximum's best shape
+  // is already below that maximum cannot raise it.
+  std::sort(keys.begin(), keys.end(), std::greater<>());
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  double max_bottleneck_s = 0;
+  int64_t max_u = 0, max_r = 0;
+  for (const auto& [unit_tokens, text_tokens] : keys) {
+    if (unit_tokens <= 0) continue;
+    if (max_u > 0 && max_u * max_r <= search.max_degree(unit_tokens)) {
+      const LowerBoundSearch::Result result =
+          search.evaluate(unit_tokens, text_tokens, max_u, max_r);
+      if (result.fits && result.bottleneck_s <= max_bottleneck_s) continue;
+    }
+    int64_t u = 0, r = 0;
+    double value = search.min_bottleneck_s(unit_tokens, text_tokens, true, &u, &r);
+    if (!std::isfinite(value))
+      value = search.min_bottleneck_s(unit_tokens, text_tokens, false, &u, &r);
+    if (value > max_bottleneck_s) {
+      max_bottleneck_s = value;
+      max_u = u;
+      max_r = r;
+    }
+  }
+  return std::max(max_bottleneck_s, total_rank_seconds / static_cast<double>(search.num_ranks));
+}
+
+}  // namespace zellige

@@ -1,0 +1,94 @@
+#include "zellige/profile.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <stdexcept>
+
+namespace zellige {
+
+void Table::validate(const std::string& name) const {
+  if (x.size() != y.size()) {
+    throw std::invalid_argument("profile table '" + name + "': x has " + std::to_string(x.size()) +
+                                " entries but y has " + std::to_string(y.size()));
+  }
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (!(x[i] > 0) || !(y[i] > 0) || !std::isfinite(x[i]) || !std::isfinite(y[i])) {
+      throw std::invalid_argument("profile table '" + name + "': entry " + std::to_string(i) +
+                                  " is not a positive finite (x, y) pair");
+    }
+    if (i > 0 && !(x[i] > x[i - 1])) {
+      throw std::invalid_argument("profile table '" + name + "': x must be strictly increasing");
+    }
+  }
+  if (source != "measured" && source != "seeded" && source != "analytic") {
+    throw std::invalid_argument("profile table '" + name + "': source '" + source +
+                                "' is not one of measured, seeded, analytic");
+  }
+}
+
+double Table::operator()(double at) const {
+  assert(!x.empty() && at > 0);
+  if (x.size() == 1) return y[0];
+  // Segment [i, i + 1] containing `at`; the end segments extend beyond the sampled range.
+  const auto upper = std::upper_bound(x.begin() + 1, x.end() - 1, at);
+  const size_t i = static_cast<size_t>(upper - x.begin()) - 1;
+  const double slope = std::log(y[i + 1] / y[i]) / std::log(x[i + 1] / x[i]);
+  return y[i] * std::pow(at / x[i], slope);
+}
+
+void HardwareProfile::validate() const {
+  if (!(matmul_flops_per_s > 0) || !(attention_flops_per_s > 0) || !(memory_bytes_per_s > 0)) {
+    throw std::invalid_argument(
+        "profile: matmul_flops_per_s, attention_flops_per_s and memory_bytes_per_s must be > 0");
+  }
+  if (attention_head_dim <= 0)
+    throw std::invalid_argument("profile: attention_head_dim must be > 0");
+  attention_forward_s_per_head.validate("attention_forward_s_per_head");
+  attention_backward_s_per_head.validate("attention_backward_s_per_head");
+  matmul_forward_flops_per_s.validate("matmul_forward_flops_per_s");
+  matmul_backward_flops_per_s.validate("matmul_backward_flops_per_s");
+  if (exchange_group_sizes.size() != exchange_intra_node_s.size()) {
+    throw std::invalid_argument(
+        "profile: exchange_group_sizes and exchange_intra_node_s differ in length");
+  }
+  for (size_t i = 0; i < exchange_group_sizes.size(); ++i) {
+    if (exchange_group_sizes[i] < 2) {
+      throw std::invalid_argument("profile: exchange group sizes must be >= 2");
+    }
+    exchange_intra_node_s[i].validate("exchange_intra_node_s[" +
+                                      std::to_string(exchange_group_sizes[i]) + "]");
+  }
+  if (!(exchange_overlap >= 0 && exchange_overlap < 1)) {
+    throw std::invalid_argument("profile: exchange_overlap must be in [0, 1)");
+  }
+  if (memory_models.size() != activation_bytes_per_token_layer.size() ||
+      memory_models.size() != checkpoint_bytes_per_token_layer.size()) {
+    throw std::invalid_argument(
+        "profile: memory_models, activation_bytes_per_token_layer and "
+        "checkpoint_bytes_per_token_layer differ in length");
+  }
+  for (size_t i = 0; i < memory_models.size(); ++i) {
+    if (activation_bytes_per_token_layer[i] < 0 || checkpoint_bytes_per_token_layer[i] < 0) {
+      throw std::invalid_argument("profile: memory bytes per token of '" + memory_models[i] +
+                                  "' must be >= 0");
+    }
+  }
+  if (runtime_reserved_bytes < 0) {
+    throw std::invalid_argument("profile: runtime_reserved_bytes must be >= 0");
+  }
+}
+
+HardwareProfile analytic_profile(const std::string& device_name, double matmul_flops_per_s,
+                                 double attention_flops_per_s, double memory_bytes_per_s) {
+  HardwareProfile profile;
+  profile.device_name = device_name;
+  profile.created = "analytic";
+  profile.matmul_flops_per_s = matmul_flops_per_s;
+  profile.attention_flops_per_s = attention_flops_per_s;
+  profile.memory_bytes_per_s = memory_bytes_per_s;
+  profile.validate();
+  return profile;
+}
+
+}  // namespace zellige

@@ -1,0 +1,36 @@
+"""Building a cost model from names: model preset, GPU count, profile file, link class."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zellige._core import (
+    CostModel,
+    CostOptions,
+    HardwareProfile,
+    ModelSpec,
+    make_cluster,
+    model_preset,
+)
+from zellige.profile import load_profile
+
+
+def make_cost_model(
+    model: str | ModelSpec = "mmdit-11b",
+    gpus: int = 8,
+    gpus_per_node: int | None = None,
+    profile: str | Path | HardwareProfile | None = None,
+    links: str = "nvlink",
+    activation_checkpointing: bool = True,
+) -> CostModel:
+    """A CostModel for `gpus` GPUs of `gpus_per_node` each (default: 8, or `gpus` when fewer).
+    `profile` is a profile JSON path, a HardwareProfile, or None for the built-in H200 profile.
+    Raises ValueError for an unknown model or link class, a bad cluster shape or profile."""
+    spec = model_preset(model) if isinstance(model, str) else model
+    if gpus_per_node is None:
+        gpus_per_node = min(8, gpus) if gpus > 0 else 8
+    cluster = make_cluster(gpus, gpus_per_node, links)
+    hardware = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    options = CostOptions()
+    options.activation_checkpointing = activation_checkpointing
+    return CostModel(spec, hardware, cluster, options)

@@ -1,0 +1,182 @@
+"""Hardware profiles as JSON: load, validate, save.
+
+A profile file mirrors zellige._core.HardwareProfile field by field; each table is an object
+{"source": "measured" | "seeded" | "analytic", "x": [...], "y": [...]}. The built-in profile
+(profiles/h200.json) is seeded from the measurements in DESIGN.md until `zellige profile`
+replaces it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from zellige._core import HardwareProfile, Table
+
+BUILTIN_PROFILE = "h200"
+
+_TABLE_FIELDS = (
+    "attention_forward_s_per_head",
+    "attention_backward_s_per_head",
+    "matmul_forward_flops_per_s",
+    "matmul_backward_flops_per_s",
+)
+_REQUIRED_NUMBERS = ("matmul_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s")
+_OPTIONAL_NUMBERS = ("exchange_overlap",)
+_INTEGERS = ("attention_head_dim", "runtime_reserved_bytes")
+_STRINGS = ("device_name", "created")
+_FIELDS = (
+    "device_name",
+    "created",
+    *_REQUIRED_NUMBERS,
+    "attention_head_dim",
+    *_TABLE_FIELDS,
+    "exchange_group_sizes",
+    "exchange_intra_node_s",
+    "exchange_overlap",
+    "memory_models",
+    "activation_bytes_per_token_layer",
+    "checkpoint_bytes_per_token_layer",
+    "runtime_reserved_bytes",
+)
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _integer(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where} must be an integer, got {value!r}")
+    return value
+
+
+def _list(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"{where} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _table(value: Any, where: str) -> Table:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be an object with source, x and y")
+    unknown = set(value) - {"source", "x", "y"}
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)} (allowed: source, x, y)")
+    table = Table()
+    table.x = [
+        _number(v, f"{where}.x[{i}]") for i, v in enumerate(_list(value.get("x", []), where))
+    ]
+    table.y = [
+        _number(v, f"{where}.y[{i}]") for i, v in enumerate(_list(value.get("y", []), where))
+    ]
+    source = value.get("source", "analytic")
+    if not isinstance(source, str):
+        raise ValueError(f"{where}.source must be a string")
+    table.source = source
+    return table
+
+
+def profile_from_dict(data: Any) -> HardwareProfile:
+    """Builds and validates a profile from its JSON object; raises ValueError (one line)."""
+    if not isinstance(data, dict):
+        raise ValueError("a profile must be a JSON object")
+    unknown = set(data) - set(_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown profile keys {sorted(unknown)}")
+    missing = [key for key in ("device_name", *_REQUIRED_NUMBERS) if key not in data]
+    if missing:
+        raise ValueError(f"profile is missing {', '.join(missing)}")
+    profile = HardwareProfile()
+    for key in _STRINGS:
+        if key in data:
+            if not isinstance(data[key], str):
+                raise ValueError(f"{key} must be a string")
+            setattr(profile, key, data[key])
+    for key in (*_REQUIRED_NUMBERS, *_OPTIONAL_NUMBERS):
+        if key in data:
+            setattr(profile, key, _number(data[key], key))
+    for key in _INTEGERS:
+        if key in data:
+            setattr(profile, key, _integer(data[key], key))
+    for key in _TABLE_FIELDS:
+        if key in data:
+            setattr(profile, key, _table(data[key], key))
+    profile.exchange_group_sizes = [
+        _integer(v, f"exchange_group_sizes[{i}]")
+        for i, v in enumerate(_list(data.get("exchange_group_sizes", []), "exchange_group_sizes"))
+    ]
+    profile.exchange_intra_node_s = [
+        _table(v, f"exchange_intra_node_s[{i}]")
+        for i, v in enumerate(_list(data.get("exchange_intra_node_s", []), "exchange_intra_node_s"))
+    ]
+    models = _list(data.get("memory_models", []), "memory_models")
+    if not all(isinstance(name, str) for name in models):
+        raise ValueError("memory_models must be a list of model names")
+    profile.memory_models = models
+    for key in ("activation_bytes_per_token_layer", "checkpoint_bytes_per_token_layer"):
+        values = _list(data.get(key, []), key)
+        setattr(profile, key, [_number(v, f"{key}[{i}]") for i, v in enumerate(values)])
+    profile.validate()  # std::invalid_argument -> ValueError
+    return profile
+
+
+def _table_to_dict(table: Table) -> dict[str, Any]:
+    return {"source": table.source, "x": list(table.x), "y": list(table.y)}
+
+
+def profile_to_dict(profile: HardwareProfile) -> dict[str, Any]:
+    """The JSON object of a profile (inverse of profile_from_dict)."""
+    data: dict[str, Any] = {}
+    for key in _FIELDS:
+        value = getattr(profile, key)
+        if key in _TABLE_FIELDS:
+            value = _table_to_dict(value)
+        elif key == "exchange_intra_node_s":
+            value = [_table_to_dict(table) for table in value]
+        elif isinstance(value, list):
+            value = list(value)
+        data[key] = value
+    return data
+
+
+def _dumps(data: dict[str, Any]) -> str:
+    # One key per line, lists of numbers kept on one line so tables stay readable.
+    lines = []
+    for key, value in data.items():
+        lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> None:
+    """Writes the profile as JSON (validated first)."""
+    profile.validate()
+    Path(path).write_text(_dumps(profile_to_dict(profile)))
+
+
+def load_profile(path: str | Path | None = None) -> HardwareProfile:
+    """Reads a profile JSON file; None gives the built-in H200 profile. Raises ValueError with a
+    one-line message for a missing, malformed or invalid file."""
+    if path is None:
+        source = resources.files("zellige") / "profiles" / f"{BUILTIN_PROFILE}.json"
+        text = source.read_text()
+        where = f"built-in profile {BUILTIN_PROFILE}"
+    else:
+        where = f"profile {path}"
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise ValueError(f"{where}: cannot read ({error.strerror or error})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: malformed JSON ({error.msg} at line {error.lineno})") from None
+    try:
+        return profile_from_dict(data)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None

@@ -1,0 +1,414 @@
+#include "zellige/cost_model.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+#include "zellige/simulator.h"
+
+namespace zellige {
+namespace {
+
+// The seeded H200 tables of src/zellige/profiles/h200.json, rebuilt from their TFLOP/s.
+HardwareProfile seeded_profile() {
+  HardwareProfile profile = analytic_profile("test H200", 750e12, 640e12, 4.2e12);
+  const std::vector<double> lengths = {256, 1024, 4096, 16384, 65536, 131072};
+  const std::vector<double> forward_tflops = {450, 540, 610, 630, 650, 656};
+  const std::vector<double> backward_tflops = {250, 300, 550, 555, 560, 564};
+  profile.attention_forward_s_per_head.source = "seeded";
+  profile.attention_backward_s_per_head.source = "seeded";
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const double flops = 4.0 * lengths[i] * lengths[i] * 128.0;
+    profile.attention_forward_s_per_head.x.push_back(lengths[i]);
+    profile.attention_forward_s_per_head.y.push_back(flops / (forward_tflops[i] * 1e12));
+    profile.attention_backward_s_per_head.x.push_back(lengths[i]);
+    profile.attention_backward_s_per_head.y.push_back(2.5 * flops / (backward_tflops[i] * 1e12));
+  }
+  profile.matmul_forward_flops_per_s = {
+      {256, 1024, 4096, 32768}, {300e12, 500e12, 620e12, 660e12}, "seeded"};
+  profile.matmul_backward_flops_per_s = profile.matmul_forward_flops_per_s;
+  profile.runtime_reserved_bytes = int64_t{3} << 30;
+  profile.validate();
+  return profile;
+}
+
+CostModel make_model(const std::string& model, int64_t gpus, int64_t gpus_per_node,
+                     bool checkpointing = true) {
+  CostOptions options;
+  options.activation_checkpointing = checkpointing;
+  return CostModel(model_preset(model), seeded_profile(), make_cluster(gpus, gpus_per_node),
+                   options);
+}
+
+double share_time(const CostModel& cost_model, const RankShare& share) {
+  return cost_model.rank_time_s(share.tokens, share.attention_s, share.exchange_s);
+}
+
+double bottleneck_s(const CostModel& cost_model, const std::vector<RankShare>& shares) {
+  double worst = 0;
+  for (const RankShare& share : shares) worst = std::max(worst, share_time(cost_model, share));
+  return worst;
+}
+
+std::vector<int64_t> iota_ranks(int64_t first, int64_t count) {
+  std::vector<int64_t> ranks(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) ranks[i] = first + i;
+  return ranks;
+}
+
+TEST(Table, InterpolatesAndExtrapolatesInLogLogSpace) {
+  const Table table{{10, 100, 1000}, {1, 100, 1000}, "measured"};
+  EXPECT_DOUBLE_EQ(table(10), 1);
+  EXPECT_DOUBLE_EQ(table(100), 100);
+  EXPECT_NEAR(table(std::sqrt(10.0 * 100.0)), 10, 1e-9);  // slope 2 on the first segment
+  EXPECT_NEAR(table(1), 0.01, 1e-12);                     // extends the first segment
+  EXPECT_NEAR(table(10000), 10000, 1e-6);                 // extends the last segment (slope 1)
+  const Table single{{5}, {3}, "measured"};
+  EXPECT_DOUBLE_EQ(single(1e6), 3);
+}
+
+TEST(Table, ValidateRejectsBadTables) {
+  EXPECT_THROW((Table{{1, 2}, {1}, "measured"}).validate("t"), std::invalid_argument);
+  EXPECT_THROW((Table{{2, 1}, {1, 1}, "measured"}).validate("t"), std::invalid_argument);
+  EXPECT_THROW((Table{{1, 2}, {0, 1}, "measured"}).validate("t"), std::invalid_argument);
+  EXPECT_THROW((Table{{1, 2}, {1, 2}, "guessed"}).validate("t"), std::invalid_argument);
+  EXPECT_NO_THROW((Table{{1, 2}, {1, 2}, "seeded"}).validate("t"));
+  EXPECT_NO_THROW(Table{}.validate("empty"));
+}
+
+TEST(Profile, ValidateRejectsMissingRates) {
+  EXPECT_THROW(analytic_profile("x", 0, 1, 1), std::invalid_argument);
+  HardwareProfile profile = seeded_profile();
+  profile.exchange_group_sizes = {4};
+  EXPECT_THROW(profile.validate(), std::invalid_argument);  // no table for the group size
+  profile = seeded_profile();
+  profile.exchange_overlap = 1.0;
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+  profile = seeded_profile();
+  profile.memory_models = {"wan-14b"};
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+}
+
+TEST(CostModel, RejectsModelWithoutHeads) {
+  ModelSpec model = model_preset("tiny");
+  model.num_heads = 0;
+  EXPECT_THROW(CostModel(model, seeded_profile(), make_cluster(8, 8)), std::invalid_argument);
+}
+
+TEST(CostModel, AnalyticAttentionMatchesFlops) {
+  const ModelSpec model = model_preset("wan-14b");
+  const CostModel cost_model(model, analytic_profile("a", 750e12, 640e12, 4.2e12),
+                             make_cluster(8, 8));
+  const Sequence sequence = sequence_from_tokens(0, "video", 20000, 0, 0);
+  const auto shares = cost_model.shares(sequence, make_placement(0, Strategy::kLocal, {0}));
+  // fwd + recompute fwd + bwd (2.5x) of 4 L^2 d per layer.
+  const double expected = 4.5 * 4.0 * 20000.0 * 20000.0 * static_cast<double>(model.width) *
+                          static_cast<double>(model.num_layers) / 640e12;
+  EXPECT_NEAR(shares[0].attention_s, expected, expected * 1e-9);
+  EXPECT_EQ(shares[0].exchange_s, 0);
+}
+
+TEST(CostModel, TimeAndMemoryGrowWithLength) {
+  const CostModel cost_model = make_model("wan-14b", 8, 8);
+  double previous_linear = 0, previous_attention = 0, previous_memory = 0;
+  for (int64_t tokens : {100, 256, 1000, 4096, 30000, 75600, 200000}) {
+    const Sequence sequence = sequence_from_tokens(0, "video", tokens, 512, 0);
+    const RankShare share =
+        cost_model.shares(sequence, make_placement(0, Strategy::kLocal, {0}))[0];
+    const double linear = cost_model.linear_time_s(tokens);
+    EXPECT_GT(linear, previous_linear) << tokens;
+    EXPECT_GT(share.attention_s, previous_attention) << tokens;
+    EXPECT_GT(share.memory_bytes, previous_memory) << tokens;
+    previous_linear = linear;
+    previous_attention = share.attention_s;
+    previous_memory = share.memory_bytes;
+  }
+  EXPECT_EQ(cost_model.linear_time_s(0), 0);
+  EXPECT_LE(cost_model.min_linear_time_per_token_s() * 75600, cost_model.linear_time_s(75600));
+  EXPECT_LE(cost_model.min_linear_time_per_token_s() * 1e7, cost_model.linear_time_s(10000000));
+}
+
+TEST(CostModel, DegreeOneEqualsLocal) {
+  const CostModel cost_model = make_model("mmdit-11b", 8, 8);
+  const Sequence sequence = sequence_from_tokens(0, "video", 30000, 512, 0);
+  const RankShare local = cost_model.shares(sequence, make_placement(0, Strategy::kLocal, {3}))[0];
+  for (Strategy strategy : {Strategy::kUlysses, Strategy::kRing}) {
+    const RankShare one = cost_model.shares(sequence, make_placement(0, strategy, {3}))[0];
+    EXPECT_EQ(one.tokens, local.tokens);
+    EXPECT_DOUBLE_EQ(one.attention_s, local.attention_s);
+    EXPECT_DOUBLE_EQ(one.exchange_s, local.exchange_s);
+    EXPECT_DOUBLE_EQ(one.memory_bytes, local.memory_bytes);
+  }
+  EXPECT_EQ(local.tokens, 30512);  // joint attention: text tokens are in the unit
+}
+
+TEST(CostModel, UlyssesExchangeOnlyWhenShardedAndSlowerAcrossNodes) {
+  const CostModel cost_model = make_model("wan-14b", 16, 8);
+  const Sequence sequence = sequence_from_tokens(0, "video", 75600, 512, 0);
+  const auto local = cost_model.shares(sequence, make_placement(0, Strategy::kLocal, {0}));
+  EXPECT_EQ(local[0].exchange_s, 0);
+  EXPECT_EQ(cost_model.exchange_bytes(sequence, make_placement(0, Strategy::kLocal, {0})), 0);
+  const Placement inside = make_placement(0, Strategy::kUlysses, iota_ranks(0, 8));
+  const Placement across = make_placement(0, Strategy::kUlysses, iota_ranks(4, 8));
+  const auto inside_shares = cost_model.shares(sequence, inside);
+  const auto across_shares = cost_model.shares(sequence, across);
+  for (size_t i = 0; i < inside_shares.size(); ++i) {
+    EXPECT_GT(inside_shares[i].exchange_s, 0);
+    EXPECT_GT(across_shares[i].exchange_s, 2 * inside_shares[i].exchange_s);
+    EXPECT_DOUBLE_EQ(across_shares[i].attention_s, inside_shares[i].attention_s);
+  }
+  // Same bytes either way, apart from routing (source rank 0 is not in the second set).
+  EXPECT_GT(cost_model.exchange_bytes(sequence, across),
+            cost_model.exchange_bytes(sequence, inside));
+  // Bytes: 4 n d (1 - 1/u) per layer and pass (fwd, bwd, recompute), plus routing 7/8 of L.
+  const double n = 75600.0 / 8, d = 5120;
+  const double expected = 8 * (4 * n * d * 2 * (7.0 / 8.0) * 40 * 3) + 2 * 512 * 7 * n;
+  EXPECT_NEAR(cost_model.exchange_bytes(sequence, inside), expected, expected * 1e-9);
+  // Splitting 8 ways beats the single rank by far on a 75k-token clip.
+  EXPECT_LT(bottleneck_s(cost_model, inside_shares), bottleneck_s(cost_model, local) / 5);
+}
+
+TEST(CostModel, UnevenHeadSplitLoadsRanksWithMoreHeads) {
+  const CostModel cost_model = make_model("mmdit-11b", 8, 8);  // 24 heads over 5: 5,5,5,5,4
+  const Sequence sequence = sequence_from_tokens(0, "video", 50000, 0, 0);
+  const auto shares =
+      cost_model.shares(sequence, make_placement(0, Strategy::kUlysses, iota_ranks(0, 5)));
+  ASSERT_EQ(shares.size(), 5u);
+  EXPECT_NEAR(shares[0].attention_s / shares[4].attention_s, 5.0 / 4.0, 1e-9);
+  EXPECT_GT(share_time(cost_model, shares[0]), share_time(cost_model, shares[4]));
+  EXPECT_GT(shares[0].memory_bytes, shares[4].memory_bytes);
+}
+
+TEST(CostModel, RingHidesTransfersBehindLongBlocksOnly) {
+  const CostModel cost_model = make_model("mmdit-11b", 16, 8);
+  const Sequence long_sequence = sequence_from_tokens(0, "video", 120000, 0, 0);
+  const auto long_shares =
+      cost_model.shares(long_sequence, make_placement(0, Strategy::kRing, iota_ranks(0, 4)));
+  // Only the step latencies remain: 3 steps x 3 passes x 57 layers x 15 us.
+  const double latency_s = 3 * 3 * 57 * cost_model.cluster().intra_node_latency_s;
+  EXPECT_NEAR(long_shares[0].exchange_s, latency_s, latency_s * 1e-9);
+  const Sequence short_sequence = sequence_from_tokens(0, "image", 4096, 0, 0);
+  const auto short_shares = cost_model.shares(
+      short_sequence, make_placement(0, Strategy::kRing, {0, 8, 1, 9}));  // crosses nodes
+  double ring_latency_s = 3 * 3 * 57 * cost_model.cluster().inter_node_latency_s;
+  EXPECT_GT(short_shares[0].exchange_s, ring_latency_s * 1.01);
+}
+
+TEST(CostModel, HybridExchangeSitsBetweenUlyssesAndRing) {
+  const CostModel cost_model = make_model("wan-14b", 16, 8);
+  const Sequence sequence = sequence_from_tokens(0, "video", 118800, 512, 0);
+  const double ulysses_bytes =
+      cost_model.exchange_bytes(sequence, make_placement(0, Strategy::kUlysses, iota_ranks(0, 16)));
+  const double ring_bytes =
+      cost_model.exchange_bytes(sequence, make_placement(0, Strategy::kRing, iota_ranks(0, 16)));
+  const Placement hybrid = make_placement(0, Strategy::kHybrid, iota_ranks(0, 16), 8);
+  ASSERT_EQ(hybrid.ring_degree, 2);
+  const double hybrid_bytes = cost_model.exchange_bytes(sequence, hybrid);
+  EXPECT_GT(hybrid_bytes, ulysses_bytes);
+  EXPECT_LT(hybrid_bytes, ring_bytes);
+  // Ulysses 16 crosses the node; hybrid(8, 2) keeps its all-to-alls inside each node.
+  const auto ulysses_shares =
+      cost_model.shares(sequence, make_placement(0, Strategy::kUlysses, iota_ranks(0, 16)));
+  const auto hybrid_shares = cost_model.shares(sequence, hybrid);
+  EXPECT_LT(hybrid_shares[0].exchange_s, ulysses_shares[0].exchange_s);
+}
+
+TEST(CostModel, CheckpointingTradesTimeForMemory) {
+  const CostModel with = make_model("wan-14b", 8, 8, true);
+  const CostModel without = make_model("wan-14b", 8, 8, false);
+  const Sequence sequence = sequence_from_tokens(0, "video", 30000, 512, 0);
+  const Placement local = make_placement(0, Strategy::kLocal, {0});
+  const RankShare a = with.shares(sequence, local)[0];
+  const RankShare b = without.shares(sequence, local)[0];
+  EXPECT_GT(share_time(with, a), share_time(without, b));
+  EXPECT_LT(a.memory_bytes, b.memory_bytes / 5);
+}
+
+TEST(CostModel, EvaluateAddsMemoryAndSumsRanks) {
+  const CostModel cost_model = make_model("wan-1.3b", 8, 8);
+  Batch batch;
+  batch.sequences = {sequence_from_tokens(0, "video", 20000, 512, 0),
+                     sequence_from_tokens(1, "image", 1024, 512, 1),
+                     sequence_from_tokens(2, "video", 40000, 512, 2)};
+  Plan plan;
+  plan.num_ranks = 8;
+  plan.placements = {make_placement(0, Strategy::kLocal, {0}),
+                     make_placement(1, Strategy::kLocal, {0}),
+                     make_placement(2, Strategy::kUlysses, {2, 3, 4, 5})};
+  const PlanCost cost = cost_model.evaluate(batch, plan);
+  const RankShare a = cost_model.shares(batch.sequences[0], plan.placements[0])[0];
+  const RankShare b = cost_model.shares(batch.sequences[1], plan.placements[1])[0];
+  EXPECT_DOUBLE_EQ(cost.ranks[0].peak_bytes,
+                   cost_model.fixed_bytes() + a.memory_bytes + b.memory_bytes);
+  EXPECT_EQ(cost.ranks[0].tokens, 21024);
+  EXPECT_DOUBLE_EQ(cost.ranks[0].time_s,
+                   cost_model.rank_time_s(21024, a.attention_s + b.attention_s, 0.0));
+  EXPECT_DOUBLE_EQ(cost.ranks[1].time_s, 0);
+  EXPECT_DOUBLE_EQ(cost.ranks[1].peak_bytes, cost_model.fixed_bytes());
+  double makespan = 0;
+  for (const RankCost& rank : cost.ranks) makespan = std::max(makespan, rank.time_s);
+  EXPECT_DOUBLE_EQ(cost.makespan_s, makespan);
+  EXPECT_TRUE(cost.fits);
+  // Sequence 1 moves from rank 1 to rank 0 and back; sequence 2 leaves rank 2 on 3 of 4 ranks.
+  const double exchanges = cost_model.exchange_bytes(batch.sequences[2], plan.placements[2]);
+  EXPECT_DOUBLE_EQ(cost.exchange_bytes, 2 * 512 * 1024 + exchanges);
+
+  plan.num_ranks = 16;
+  EXPECT_THROW(cost_model.evaluate(batch, plan), std::invalid_argument);
+}
+
+TEST(CostModel, OversizedSequenceDoesNotFit) {
+  // Without checkpointing a 129-frame 720p clip keeps ~160 GB of wan-14b activations.
+  const CostModel cost_model = make_model("wan-14b", 16, 8, false);
+  Batch batch;
+  batch.sequences = {sequence_from_tokens(0, "video", 118800, 512, 0)};
+  Plan plan;
+  plan.num_ranks = 16;
+  plan.placements = {make_placement(0, Strategy::kUlysses, iota_ranks(0, 8))};
+  EXPECT_FALSE(cost_model.evaluate(batch, plan).fits);
+  plan.placements = {make_placement(0, Strategy::kUlysses, iota_ranks(0, 16))};
+  EXPECT_TRUE(cost_model.evaluate(batch, plan).fits);
+}
+
+TEST(Simulator, TimelineEndsAtRankTimes) {
+  const CostModel cost_model = make_model("wan-1.3b", 8, 8);
+  Batch batch;
+  batch.sequences = {sequence_from_tokens(0, "video", 20000, 512, 0),
+                     sequence_from_tokens(1, "image", 1024, 512, 1),
+                     sequence_from_tokens(2, "video", 40000, 512, 2)};
+  Plan plan;
+  plan.num_ranks = 8;
+  plan.placements = {make_placement(0, Strategy::kLocal, {0}),
+                     make_placement(1, Strategy::kLocal, {0}),
+                     make_placement(2, Strategy::kHybrid, {2, 3, 4, 5}, 2)};
+  const PlanCost cost = cost_model.evaluate(batch, plan);
+  const auto segments = simulate(batch, plan, cost_model);
+  std::vector<double> end(8, 0.0);
+  for (const TimelineSegment& segment : segments) {
+    EXPECT_LT(segment.start_s, segment.end_s);
+    EXPECT_NEAR(segment.start_s, end[segment.rank], 1e-12);  // back to back
+    end[segment.rank] = segment.end_s;
+  }
+  for (int64_t rank = 0; rank < 8; ++rank) {
+    EXPECT_NEAR(end[rank], cost.ranks[rank].time_s, 1e-9) << rank;
+  }
+  plan.placements.pop_back();
+  EXPECT_THROW(simulate(batch, plan, cost_model), std::invalid_argument);
+}
+
+// Every placement of one sequence on a tiny cluster: every rank subset (in increasing order)
+// under every strategy whose degrees are legal.
+std::vector<Placement> all_placements(int64_t sequence_id, int64_t num_ranks, int64_t num_heads,
+                                      int64_t unit_tokens) {
+  std::vector<Placement> result;
+  for (int64_t mask = 1; mask < (int64_t{1} << num_ranks); ++mask) {
+    std::vector<int64_t> ranks;
+    for (int64_t rank = 0; rank < num_ranks; ++rank) {
+      if (mask & (int64_t{1} << rank)) ranks.push_back(rank);
+    }
+    const int64_t p = static_cast<int64_t>(ranks.size());
+    if (p > unit_tokens) continue;
+    if (p == 1) {
+      result.push_back(make_placement(sequence_id, Strategy::kLocal, ranks));
+      continue;
+    }
+    if (p <= num_heads) result.push_back(make_placement(sequence_id, Strategy::kUlysses, ranks));
+    result.push_back(make_placement(sequence_id, Strategy::kRing, ranks));
+    for (int64_t u = 2; u <= std::min(num_heads, p / 2); ++u) {
+      if (p % u == 0) result.push_back(make_placement(sequence_id, Strategy::kHybrid, ranks, u));
+    }
+  }
+  return result;
+}
+
+double brute_force_makespan(const Batch& batch, const CostModel& cost_model) {
+  const int64_t num_ranks = cost_model.cluster().num_ranks();
+  std::vector<std::vector<Placement>> options;
+  for (const Sequence& sequence : batch.sequences) {
+    options.push_back(all_placements(
+        sequence.id, num_ranks, cost_model.model().num_heads,
+        attended_tokens(cost_model.model(), sequence.num_tokens, sequence.text_tokens)));
+  }
+  Plan plan;
+  plan.num_ranks = num_ranks;
+  plan.placements.resize(batch.sequences.size());
+  double best = std::numeric_limits<double>::infinity();
+  std::function<void(size_t)> recurse = [&](size_t i) {
+    if (i == options.size()) {
+      const PlanCost cost = cost_model.evaluate(batch, plan);
+      if (cost.fits) best = std::min(best, cost.makespan_s);
+      return;
+    }
+    for (const Placement& placement : options[i]) {
+      plan.placements[i] = placement;
+      recurse(i + 1);
+    }
+  };
+  recurse(0);
+  return best;
+}
+
+TEST(LowerBound, NeverAboveBruteForceOptimum) {
+  // 2 nodes x 2 GPUs so that placements can cross a node; tiny model (4 heads, cross-attention).
+  const ModelSpec tiny = model_preset("tiny");
+  const std::vector<std::vector<int64_t>> cases = {
+      {4096}, {100000}, {300, 5000}, {20000, 20000}, {64, 2000, 30000}, {500, 500, 500}};
+  for (const HardwareProfile& profile :
+       {seeded_profile(), analytic_profile("a", 1e12, 1e12, 1e11)}) {
+    Cluster cluster = make_cluster(4, 2);
+    cluster.intra_node_bytes_per_s = 1e9;  // slow links, so that sharding is not free
+    cluster.inter_node_bytes_per_s = 1e8;
+    const CostModel cost_model(tiny, profile, cluster);
+    for (const auto& lengths : cases) {
+      Batch batch;
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        batch.sequences.push_back(sequence_from_tokens(static_cast<int64_t>(i), "video", lengths[i],
+                                                       8, static_cast<int64_t>(i)));
+      }
+      const double bound = makespan_lower_bound(batch, cost_model);
+      const double optimum = brute_force_makespan(batch, cost_model);
+      EXPECT_GT(bound, 0);
+      EXPECT_LE(bound, optimum * (1 + 1e-12)) << profile.device_name << " " << lengths.size();
+    }
+  }
+}
+
+TEST(LowerBound, BelowHandMadePlansAtScale) {
+  const CostModel cost_model = make_model("wan-14b", 32, 8);
+  Batch batch;
+  const std::vector<int64_t> lengths = {118800, 75600, 75600, 32760, 14040, 3600, 3600, 1024,
+                                        1024,   1024,  256,   256,   256,   256,  256,  256};
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    batch.sequences.push_back(sequence_from_tokens(static_cast<int64_t>(i), "video", lengths[i],
+                                                   512, static_cast<int64_t>(i) % 32));
+  }
+  const double bound = makespan_lower_bound(batch, cost_model);
+  Plan dp, ulysses, ring, mixed;
+  for (Plan* plan : {&dp, &ulysses, &ring, &mixed}) plan->num_ranks = 32;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const int64_t id = static_cast<int64_t>(i);
+    dp.placements.push_back(make_placement(id, Strategy::kLocal, {id}));
+    ulysses.placements.push_back(
+        make_placement(id, Strategy::kUlysses, iota_ranks((id % 4) * 8, 8)));
+    ring.placements.push_back(make_placement(id, Strategy::kRing, iota_ranks((id % 2) * 16, 16)));
+    if (i < 3) {
+      mixed.placements.push_back(make_placement(id, Strategy::kUlysses, iota_ranks(id * 8, 8)));
+    } else {
+      mixed.placements.push_back(make_placement(id, Strategy::kLocal, {24 + id % 8}));
+    }
+  }
+  for (const Plan* plan : {&dp, &ulysses, &ring, &mixed}) {
+    const PlanCost cost = cost_model.evaluate(batch, *plan);
+    if (cost.fits) EXPECT_LE(bound, cost.makespan_s);
+  }
+  // The 118,800-token clip alone needs at least its best split over 32 ranks.
+  EXPECT_GT(bound, cost_model.linear_time_s(118800) / 32);
+}
+
+}  // namespace
+}  // namespace zellige
