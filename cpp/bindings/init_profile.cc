@@ -2,6 +2,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <stdexcept>
+
 #include "bind_util.h"
 #include "zellige/profile.h"
 
@@ -18,7 +20,15 @@ void init_profile(nb::module_& m) {
       .def_rw("source", &Table::source)
       .def("empty", &Table::empty)
       .def("validate", &Table::validate, nb::arg("name"))
-      .def("__call__", &Table::operator(), nb::arg("at"));
+      .def(
+          "__call__",
+          [](const Table& table, double at) {
+            if (table.empty() || !(at > 0)) {
+              throw std::invalid_argument("Table(at): needs a non-empty table and at > 0");
+            }
+            return table(at);
+          },
+          nb::arg("at"));
   add_value_methods(table, {"x", "y", "source"});
 
   nb::class_<HardwareProfile> profile(

@@ -21,13 +21,6 @@ constexpr int64_t kDefaultReservedBytes = int64_t{3} << 30;
 constexpr double kElementwiseBytesPerTokenWidth = 24;  // norms, modulation, residual, gates
 constexpr double kBackwardAttentionFlopsRatio = 2.5;   // analytic fallback only
 
-// GEMM rate at M tokens: the table held constant outside its sampled range (a throughput does
-// not keep growing past the largest measured GEMM), or the peak rate.
-double matmul_rate(const Table& table, double peak_flops_per_s, double tokens) {
-  if (table.empty()) return peak_flops_per_s;
-  return table(std::clamp(tokens, table.x.front(), table.x.back()));
-}
-
 double max_rate(const Table& table, double peak_flops_per_s) {
   if (table.empty()) return peak_flops_per_s;
   return *std::max_element(table.y.begin(), table.y.end());
@@ -44,6 +37,38 @@ bool same_node(const Cluster& cluster, const std::vector<int64_t>& ranks, int64_
 
 }  // namespace
 
+CostModel::LogTable::LogTable(const Table& table) {
+  for (size_t i = 0; i < table.x.size(); ++i) {
+    log_x.push_back(std::log(table.x[i]));
+    log_y.push_back(std::log(table.y[i]));
+  }
+  for (size_t i = 0; i + 1 < log_x.size(); ++i) {
+    slope.push_back((log_y[i + 1] - log_y[i]) / (log_x[i + 1] - log_x[i]));
+  }
+}
+
+double CostModel::LogTable::operator()(double at) const {
+  if (slope.empty()) return std::exp(log_y[0]);
+  const double log_at = std::log(at);
+  // Segment [i, i + 1] containing `at`; the end segments extend beyond the sampled range.
+  const size_t i =
+      static_cast<size_t>(std::upper_bound(log_x.begin() + 1, log_x.end() - 1, log_at) -
+                          log_x.begin()) -
+      1;
+  return std::exp(log_y[i] + slope[i] * (log_at - log_x[i]));
+}
+
+double CostModel::LogTable::held(double at) const {
+  const double log_at = std::log(at);
+  if (log_at <= log_x.front()) return std::exp(log_y.front());
+  if (log_at >= log_x.back()) return std::exp(log_y.back());
+  const size_t i =
+      static_cast<size_t>(std::upper_bound(log_x.begin() + 1, log_x.end() - 1, log_at) -
+                          log_x.begin()) -
+      1;
+  return std::exp(log_y[i] + slope[i] * (log_at - log_x[i]));
+}
+
 struct CostModel::Shape {
   int64_t unit_tokens = 0, text_tokens = 0, ulysses_degree = 1, ring_degree = 1;
   int64_t small_block = 0, num_big_blocks = 0;  // big blocks (the first ones) hold one more
@@ -51,6 +76,7 @@ struct CostModel::Shape {
   // class 0 = small block, 1 = big block.
   double forward_s[2][2] = {{0, 0}, {0, 0}};
   double backward_s[2][2] = {{0, 0}, {0, 0}};
+  double text_projection_s = 0;  // per layer, on every rank
 
   int64_t block_tokens(int block_class) const { return small_block + block_class; }
   int64_t block_count(int block_class) const {
@@ -71,6 +97,10 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
       cluster_(std::move(cluster)),
       options_(options) {
   profile_.validate();
+  attention_forward_ = LogTable(profile_.attention_forward_s_per_head);
+  attention_backward_ = LogTable(profile_.attention_backward_s_per_head);
+  matmul_forward_ = LogTable(profile_.matmul_forward_flops_per_s);
+  matmul_backward_ = LogTable(profile_.matmul_backward_flops_per_s);
   if (model_.num_heads <= 0 || model_.head_dim <= 0 || model_.num_layers <= 0 ||
       model_.width <= 0) {
     throw std::invalid_argument("cost model: model '" + model_.name +
@@ -132,21 +162,21 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
 double CostModel::head_forward_s(double query_tokens, double key_tokens) const {
   if (query_tokens <= 0 || key_tokens <= 0) return 0;
   const double hd = static_cast<double>(model_.head_dim);
-  if (profile_.attention_forward_s_per_head.empty()) {
+  if (attention_forward_.empty()) {
     return 4.0 * query_tokens * key_tokens * hd / profile_.attention_flops_per_s;
   }
-  return profile_.attention_forward_s_per_head(std::sqrt(query_tokens * key_tokens)) * hd /
+  return attention_forward_(std::sqrt(query_tokens * key_tokens)) * hd /
          static_cast<double>(profile_.attention_head_dim);
 }
 
 double CostModel::head_backward_s(double query_tokens, double key_tokens) const {
   if (query_tokens <= 0 || key_tokens <= 0) return 0;
   const double hd = static_cast<double>(model_.head_dim);
-  if (profile_.attention_backward_s_per_head.empty()) {
+  if (attention_backward_.empty()) {
     return kBackwardAttentionFlopsRatio * 4.0 * query_tokens * key_tokens * hd /
            profile_.attention_flops_per_s;
   }
-  return profile_.attention_backward_s_per_head(std::sqrt(query_tokens * key_tokens)) * hd /
+  return attention_backward_(std::sqrt(query_tokens * key_tokens)) * hd /
          static_cast<double>(profile_.attention_head_dim);
 }
 
@@ -159,9 +189,11 @@ double CostModel::text_projection_s(int64_t text_tokens) const {
   const double flops = 4.0 * d * d * tokens;
   const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
   return flops * forward_passes /
-             matmul_rate(profile_.matmul_forward_flops_per_s, profile_.matmul_flops_per_s, tokens) +
+             (matmul_forward_.empty() ? profile_.matmul_flops_per_s
+                                      : matmul_forward_.held(tokens)) +
          2.0 * flops /
-             matmul_rate(profile_.matmul_backward_flops_per_s, profile_.matmul_flops_per_s, tokens);
+             (matmul_backward_.empty() ? profile_.matmul_flops_per_s
+                                       : matmul_backward_.held(tokens));
 }
 
 CostModel::Shape CostModel::make_shape(int64_t unit_tokens, int64_t text_tokens,
@@ -173,6 +205,7 @@ CostModel::Shape CostModel::make_shape(int64_t unit_tokens, int64_t text_tokens,
   shape.ring_degree = ring_degree;
   shape.small_block = unit_tokens / ring_degree;
   shape.num_big_blocks = unit_tokens % ring_degree;
+  shape.text_projection_s = text_projection_s(text_tokens);
   for (int q = 0; q < 2; ++q) {
     if (shape.block_count(q) == 0) continue;
     for (int k = 0; k < 2; ++k) {
@@ -215,7 +248,7 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
   }
   if (cross) {
     layer_s += all_heads * (head_forward_s(n, text) * forward_passes + head_backward_s(n, text)) +
-               text_projection_s(shape.text_tokens);
+               shape.text_projection_s;
   }
   terms.attention_s = layers * layer_s;
 
@@ -353,9 +386,9 @@ double CostModel::linear_time_s(int64_t tokens) const {
   const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
   const double flops = forward_flops_per_token_ * m;
   const double forward_rate =
-      matmul_rate(profile_.matmul_forward_flops_per_s, profile_.matmul_flops_per_s, m);
+      (matmul_forward_.empty() ? profile_.matmul_flops_per_s : matmul_forward_.held(m));
   const double backward_rate =
-      matmul_rate(profile_.matmul_backward_flops_per_s, profile_.matmul_flops_per_s, m);
+      (matmul_backward_.empty() ? profile_.matmul_flops_per_s : matmul_backward_.held(m));
   const double elementwise_s = kElementwiseBytesPerTokenWidth * static_cast<double>(model_.width) *
                                static_cast<double>(options_.bytes_per_element) * m *
                                (forward_passes + 1.0) / profile_.memory_bytes_per_s;

@@ -128,3 +128,12 @@ def test_cost_model_sanity_wan14b():
     assert 20 < local_s < 100
     assert local_s / 8 < split_s < local_s / 6
     assert math.isclose(sum(share.tokens for share in split), 75600)
+
+
+def test_table_lookup_rejects_bad_points():
+    table = zellige.Table(x=[1.0, 10.0], y=[1.0, 100.0], source="measured")
+    assert table(3.0) == pytest.approx(9.0)
+    with pytest.raises(ValueError):
+        table(0.0)
+    with pytest.raises(ValueError):
+        zellige.Table()(1.0)
