@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <random>
 #include <stdexcept>
 #include <vector>
 
@@ -358,8 +359,17 @@ TEST(LowerBound, NeverAboveBruteForceOptimum) {
   const ModelSpec tiny = model_preset("tiny");
   const std::vector<std::vector<int64_t>> cases = {
       {4096}, {100000}, {300, 5000}, {20000, 20000}, {64, 2000, 30000}, {500, 500, 500}};
+  // A profile whose attention efficiency rises, dips and rises again, with a measured all-to-all
+  // table for pairs: the bound must not assume monotone tables.
+  HardwareProfile bumpy = analytic_profile("bumpy", 1e12, 1e12, 1e11);
+  bumpy.attention_forward_s_per_head = {
+      {100, 1000, 3000, 10000}, {1e-7, 2e-6, 4e-5, 2e-4}, "measured"};
+  bumpy.attention_backward_s_per_head = {{50, 5000}, {1e-6, 1e-3}, "measured"};
+  bumpy.matmul_forward_flops_per_s = {{10, 100, 1000}, {1e11, 8e11, 5e11}, "measured"};
+  bumpy.exchange_group_sizes = {2};
+  bumpy.exchange_intra_node_s = {{{1e3, 1e7}, {1e-5, 1e-2}, "measured"}};
   for (const HardwareProfile& profile :
-       {seeded_profile(), analytic_profile("a", 1e12, 1e12, 1e11)}) {
+       {seeded_profile(), analytic_profile("a", 1e12, 1e12, 1e11), bumpy}) {
     Cluster cluster = make_cluster(4, 2);
     cluster.intra_node_bytes_per_s = 1e9;  // slow links, so that sharding is not free
     cluster.inter_node_bytes_per_s = 1e8;
@@ -375,6 +385,30 @@ TEST(LowerBound, NeverAboveBruteForceOptimum) {
       EXPECT_GT(bound, 0);
       EXPECT_LE(bound, optimum * (1 + 1e-12)) << profile.device_name << " " << lengths.size();
     }
+  }
+}
+
+TEST(LowerBound, NeverAboveBruteForceOptimumOnRandomBatches) {
+  std::mt19937_64 random(7);
+  const ModelSpec tiny = model_preset("tiny");
+  for (int trial = 0; trial < 12; ++trial) {
+    Cluster cluster = make_cluster(4, trial % 2 == 0 ? 2 : 4);
+    cluster.intra_node_bytes_per_s = trial % 3 == 0 ? 1e8 : 1e10;
+    cluster.inter_node_bytes_per_s = cluster.intra_node_bytes_per_s / 10;
+    cluster.gpu_memory_bytes = int64_t{3400} << 20;  // tight: long sequences must be split
+    const CostModel cost_model(tiny, seeded_profile(), cluster,
+                               CostOptions{trial % 4 != 1, 2, 18.0, 0.05});
+    Batch batch;
+    const int64_t num_sequences = 1 + static_cast<int64_t>(random() % 3);
+    for (int64_t i = 0; i < num_sequences; ++i) {
+      const int64_t tokens = int64_t{1} << (3 + random() % 15);  // 8 .. 131072
+      batch.sequences.push_back(
+          sequence_from_tokens(i, "video", tokens + static_cast<int64_t>(random() % 7), 8, i % 4));
+    }
+    const double bound = makespan_lower_bound(batch, cost_model);
+    const double optimum = brute_force_makespan(batch, cost_model);
+    EXPECT_TRUE(std::isfinite(bound));  // even when nothing fits (then the plan is refused)
+    if (std::isfinite(optimum)) EXPECT_LE(bound, optimum * (1 + 1e-12)) << "trial " << trial;
   }
 }
 
