@@ -1,0 +1,227 @@
+"""Coalesced attention: every segment of a rank in as few kernel launches as possible.
+
+Rows: a row is one (token, head) pair of head_dim values. A segment is `q_len` query tokens x
+`num_heads` heads at `q_row_offset` (token-major, [q_len, num_heads, H]) attending to `k_len` key
+tokens at `k_row_offset` of the key/value rows. Segments of equal (q_len, k_len, num_heads) form
+one dense batch [B, n, L, H] (a strided view when they sit side by side, a gather otherwise), so a
+pack of 87 mixed sequences runs in a handful of kernel calls at the dense rate.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zellige.runtime.kernels import Kernel, default_scale, kernel_for, lse_dtype
+
+Tensor = torch.Tensor
+RowIndex = slice | Tensor  # a contiguous run of rows, or a gather index
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentGroup:
+    """`count` segments of one shape; q_index / k_index select their rows in order."""
+
+    count: int
+    q_len: int
+    k_len: int
+    num_heads: int
+    q_index: RowIndex
+    k_index: RowIndex
+
+
+def _row_index(offsets: list[int], rows_each: int, device: torch.device) -> RowIndex:
+    if all(b == a + rows_each for a, b in zip(offsets, offsets[1:], strict=False)):
+        return slice(offsets[0], offsets[0] + rows_each * len(offsets))
+    starts = torch.tensor(offsets, dtype=torch.long)
+    index = (starts[:, None] + torch.arange(rows_each)[None, :]).reshape(-1)
+    return index.to(device)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentTable:
+    """The dense groups of one coalesced call (built once per step, reused by every layer)."""
+
+    groups: tuple[SegmentGroup, ...]
+
+    @staticmethod
+    def build(
+        q_row_offset: Sequence[int],
+        k_row_offset: Sequence[int],
+        q_len: Sequence[int],
+        k_len: Sequence[int],
+        num_heads: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> SegmentTable:
+        """Groups segments by shape; empty segments (no query, key or head) are dropped."""
+        device = torch.device(device)
+        by_shape: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
+        for qo, ko, lq, lk, n in zip(
+            np.asarray(q_row_offset).tolist(),
+            np.asarray(k_row_offset).tolist(),
+            np.asarray(q_len).tolist(),
+            np.asarray(k_len).tolist(),
+            np.asarray(num_heads).tolist(),
+            strict=True,
+        ):
+            if lq > 0 and lk > 0 and n > 0:
+                by_shape[(lq, lk, n)].append((qo, ko))
+        groups = []
+        for (lq, lk, n), members in sorted(by_shape.items(), reverse=True):
+            members.sort()
+            groups.append(
+                SegmentGroup(
+                    count=len(members),
+                    q_len=lq,
+                    k_len=lk,
+                    num_heads=n,
+                    q_index=_row_index([m[0] for m in members], lq * n, device),
+                    k_index=_row_index([m[1] for m in members], lk * n, device),
+                )
+            )
+        return SegmentTable(tuple(groups))
+
+    @staticmethod
+    def packed(
+        cu_seqlens: Sequence[int], num_heads: int, device: torch.device | str = "cpu"
+    ) -> SegmentTable:
+        """Self-attention of sequences packed as [T, N, H] (rows = T * N), like varlen kernels."""
+        cu = np.asarray(cu_seqlens, dtype=np.int64)
+        lengths = np.diff(cu)
+        offsets = cu[:-1] * num_heads
+        heads = np.full_like(lengths, num_heads)
+        return SegmentTable.build(offsets, offsets, lengths, lengths, heads, device)
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.groups)
+
+
+def _take(rows: Tensor, index: RowIndex) -> Tensor:
+    return rows[index] if isinstance(index, slice) else rows.index_select(0, index)
+
+
+def _put(rows: Tensor, index: RowIndex, values: Tensor) -> None:
+    if isinstance(index, slice):
+        rows[index].copy_(values)
+    else:
+        rows.index_copy_(0, index, values.to(rows.dtype))
+
+
+def _add(rows: Tensor, index: RowIndex, values: Tensor) -> None:
+    if isinstance(index, slice):
+        rows[index] += values
+    else:
+        rows.index_add_(0, index, values.to(rows.dtype))
+
+
+def _dense(rows: Tensor, index: RowIndex, group: SegmentGroup, length: int) -> Tensor:
+    """[count * length * n, ...] rows -> [count, n, length, ...] (a view for slices)."""
+    taken = _take(rows, index)
+    return taken.view(group.count, length, group.num_heads, *rows.shape[1:]).transpose(1, 2)
+
+
+def _flat(dense: Tensor) -> Tensor:
+    """[B, n, L, ...] -> token-major rows [B * L * n, ...]."""
+    return dense.transpose(1, 2).reshape(-1, *dense.shape[3:])
+
+
+def forward_into(
+    table: SegmentTable,
+    kernel: Kernel,
+    scale: float,
+    q_rows: Tensor,
+    k_rows: Tensor,
+    v_rows: Tensor,
+    o_rows: Tensor,
+    lse_rows: Tensor,
+) -> None:
+    """Writes o and lse of every segment's query rows (other rows are left untouched)."""
+    for g in table.groups:
+        q = _dense(q_rows, g.q_index, g, g.q_len)
+        k = _dense(k_rows, g.k_index, g, g.k_len)
+        v = _dense(v_rows, g.k_index, g, g.k_len)
+        o, lse = kernel.forward(q, k, v, scale)
+        _put(o_rows, g.q_index, _flat(o))
+        _put(lse_rows, g.q_index, lse.transpose(1, 2).reshape(-1))
+
+
+def backward_into(
+    table: SegmentTable,
+    kernel: Kernel,
+    scale: float,
+    q_rows: Tensor,
+    k_rows: Tensor,
+    v_rows: Tensor,
+    o_rows: Tensor,
+    lse_rows: Tensor,
+    do_rows: Tensor,
+    dq_rows: Tensor,
+    dk_rows: Tensor,
+    dv_rows: Tensor,
+) -> None:
+    """Adds every segment's gradients into dq / dk / dv rows (accumulation: rows may be shared
+    by several segments, e.g. ring steps)."""
+    for g in table.groups:
+        q = _dense(q_rows, g.q_index, g, g.q_len)
+        k = _dense(k_rows, g.k_index, g, g.k_len)
+        v = _dense(v_rows, g.k_index, g, g.k_len)
+        o = _dense(o_rows, g.q_index, g, g.q_len)
+        do = _dense(do_rows, g.q_index, g, g.q_len)
+        lse = _take(lse_rows, g.q_index).view(g.count, g.q_len, g.num_heads).transpose(1, 2)
+        dq, dk, dv = kernel.backward(do, q, k, v, o, lse, scale)
+        _add(dq_rows, g.q_index, _flat(dq))
+        _add(dk_rows, g.k_index, _flat(dk))
+        _add(dv_rows, g.k_index, _flat(dv))
+
+
+class _CoalescedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale):
+        q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
+        o_rows = torch.zeros_like(q_rows)
+        lse_rows = torch.full(
+            (q_rows.shape[0],), float("-inf"), dtype=lse_dtype(q_rows.dtype), device=q_rows.device
+        )
+        forward_into(table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows)
+        ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
+        ctx.table, ctx.kernel, ctx.scale = table, kernel, scale
+        ctx.mark_non_differentiable(lse_rows)
+        return o_rows, lse_rows
+
+    @staticmethod
+    def backward(ctx, do_rows, _dlse):
+        q_rows, k_rows, v_rows, o_rows, lse_rows = ctx.saved_tensors
+        dq, dk, dv = (torch.zeros_like(t) for t in (q_rows, k_rows, v_rows))
+        backward_into(
+            ctx.table, ctx.kernel, ctx.scale,
+            q_rows, k_rows, v_rows, o_rows, lse_rows, do_rows.contiguous(), dq, dk, dv,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None
+
+
+def coalesced_attention(
+    q_rows: Tensor,
+    k_rows: Tensor,
+    v_rows: Tensor,
+    table: SegmentTable,
+    *,
+    scale: float | None = None,
+    backend: str | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of every segment of `table` in one call; differentiable in q, k, v.
+
+    q_rows [Rq, H], k_rows / v_rows [Rk, H]; returns o_rows [Rq, H] (zero on rows that no segment
+    covers) and, with return_lse, the log-sum-exp per query row (float32; -inf where uncovered).
+    backend: "cudnn", "flash", "efficient", "cpu", "math", or None for the automatic choice.
+    """
+    head_dim = q_rows.shape[-1]
+    kernel = kernel_for(q_rows.device, q_rows.dtype, head_dim, backend)
+    scale = default_scale(head_dim) if scale is None else scale
+    o_rows, lse_rows = _CoalescedAttention.apply(q_rows, k_rows, v_rows, table, kernel, scale)
+    return (o_rows, lse_rows) if return_lse else o_rows

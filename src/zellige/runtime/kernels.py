@@ -1,0 +1,223 @@
+"""Attention kernels on dense batches, with the log-sum-exp that ring merging needs.
+
+Legend: B problems in the batch, n heads, Lq / Lk query / key tokens, H head dim.
+forward(q_BnLH, k_BnLH, v_BnLH, scale) -> (o_BnLH, lse_BnL); backward(do, q, k, v, o, lse, scale)
+-> (dq, dk, dv). Inputs may be strided views whose last dimension is contiguous. The backward
+takes o and lse of the final (possibly ring-merged) result, which is what makes per-block
+backward passes of a ring add up to the gradient of the whole attention.
+
+Each kernel is checked once per (device, dtype, head dim) against the math kernel on a tiny
+problem before first use (`kernel_for`), so a kernel whose private ATen signature differs in the
+installed torch falls back to the next one instead of failing mid-step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+Tensor = torch.Tensor
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class Kernel:
+    name = "base"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def backward(
+        self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+
+class MathKernel(Kernel):
+    """Explicit softmax(q k^T) v: any device and dtype; the oracle for the other kernels."""
+
+    name = "math"
+
+    def forward(self, q, k, v, scale):
+        acc = lse_dtype(q.dtype)
+        scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+        return torch.matmul(probs, v.to(acc)).to(q.dtype), lse
+
+    def backward(self, do, q, k, v, o, lse, scale):
+        acc = lse_dtype(q.dtype)
+        q32, k32, v32, do32 = q.to(acc), k.to(acc), v.to(acc), do.to(acc)
+        probs = torch.exp(
+            torch.matmul(q32, k32.transpose(-1, -2)) * scale - lse.to(acc).unsqueeze(-1)
+        )
+        dv = torch.matmul(probs.transpose(-1, -2), do32)
+        dprobs = torch.matmul(do32, v32.transpose(-1, -2))
+        delta = (do32 * o.to(acc)).sum(-1, keepdim=True)
+        dscores = probs * (dprobs - delta) * scale
+        dq = torch.matmul(dscores, k32)
+        dk = torch.matmul(dscores.transpose(-1, -2), q32)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class CpuFlashKernel(Kernel):
+    """ATen's CPU flash attention (float64, float32, bfloat16, float16)."""
+
+    name = "cpu"
+
+    def forward(self, q, k, v, scale):
+        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        return o, lse
+
+    def backward(self, do, q, k, v, o, lse, scale):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, o, lse.contiguous(), 0.0, False, scale=scale
+        )
+
+
+class CudnnKernel(Kernel):
+    """cuDNN fused attention (bf16/fp16); dense per batch, the fastest on H100/H200 class GPUs."""
+
+    name = "cudnn"
+
+    def forward(self, q, k, v, scale):
+        out = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, False, False, scale=scale
+        )
+        o, lse = out[0], out[1]
+        return o, lse.reshape(q.shape[0], q.shape[1], q.shape[2])
+
+    def backward(self, do, q, k, v, o, lse, scale):
+        batch, heads, q_len, _ = q.shape
+        seed = torch.zeros((), dtype=torch.long, device=q.device)
+        offset = torch.zeros((), dtype=torch.long, device=q.device)
+        lse4 = lse.reshape(batch, heads, q_len, 1).contiguous()
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            do, q, k, v, o, lse4, seed, offset, None, None, None,
+            q_len, k.shape[2], 0.0, False, scale=scale,
+        )  # fmt: skip
+
+
+class FlashKernel(Kernel):
+    """FlashAttention-2 as shipped in torch (bf16/fp16), dense per batch."""
+
+    name = "flash"
+
+    def forward(self, q, k, v, scale):
+        out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+        return out[0], out[1]
+
+    def backward(self, do, q, k, v, o, lse, scale):
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+        return aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, o, lse.contiguous(), None, None, q.shape[2], k.shape[2],
+            0.0, False, rng_state, unused, scale=scale,
+        )  # fmt: skip
+
+
+class EfficientKernel(Kernel):
+    """Memory-efficient attention (CUDA, any float dtype incl. float32)."""
+
+    name = "efficient"
+
+    def forward(self, q, k, v, scale):
+        o, lse, _, _ = aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, False, scale=scale
+        )
+        return o, lse[..., : q.shape[2]]  # the kernel pads lse to a multiple of 32
+
+    def backward(self, do, q, k, v, o, lse, scale):
+        q_len = q.shape[2]
+        padded = F.pad(lse, (0, (-q_len) % 32)).contiguous()
+        zero = torch.zeros((), dtype=torch.long, device=q.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            do, q, k, v, None, o, padded, zero, zero, 0.0, [True, True, True, False], False,
+            scale=scale,
+        )  # fmt: skip
+        return dq, dk, dv
+
+
+KERNELS: dict[str, Callable[[], Kernel]] = {
+    "cudnn": CudnnKernel,
+    "flash": FlashKernel,
+    "efficient": EfficientKernel,
+    "cpu": CpuFlashKernel,
+    "math": MathKernel,
+}
+
+
+def _preference(device: torch.device, dtype: torch.dtype) -> list[str]:
+    if device.type != "cuda":
+        return ["cpu", "math"]
+    if dtype in (torch.bfloat16, torch.float16):
+        return ["cudnn", "flash", "efficient", "math"]
+    return ["efficient", "math"]
+
+
+_verified: dict[tuple, bool] = {}
+
+
+def _agrees_with_math(kernel: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int):
+    """Forward, lse and backward of a tiny uneven problem against the math kernel."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device, dtype)
+
+    # Strided like the runtime's views: [B, L, n, H] storage seen as [B, n, L, H].
+    q, do = (rand(2, 37, 3, head_dim).transpose(1, 2) for _ in range(2))
+    k, v = (rand(2, 53, 3, head_dim).transpose(1, 2) for _ in range(2))
+    scale = head_dim**-0.5
+    oracle = MathKernel()
+    try:
+        o, lse = kernel.forward(q, k, v, scale)
+        grads = kernel.backward(do, q, k, v, o, lse, scale)
+    except (RuntimeError, TypeError, NotImplementedError, ValueError):
+        return False
+    o_ref, lse_ref = oracle.forward(q, k, v, scale)
+    grads_ref = oracle.backward(do, q, k, v, o_ref, lse_ref, scale)
+    tolerance = {torch.float64: 1e-9, torch.float32: 2e-3}.get(dtype, 5e-2)
+    pairs = [(o, o_ref), (lse, lse_ref), *zip(grads, grads_ref, strict=True)]
+    for got, want in pairs:
+        if got.shape != want.shape:
+            return False
+        err = (got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)
+        if not bool(err <= tolerance):
+            return False
+    return True
+
+
+def kernel_for(
+    device: torch.device, dtype: torch.dtype, head_dim: int, backend: str | None = None
+) -> Kernel:
+    """The kernel for this device/dtype: `backend` (or $ZELLIGE_ATTENTION_BACKEND) if given, else
+    the first of the preference list that passes the check against the math kernel."""
+    backend = backend or os.environ.get("ZELLIGE_ATTENTION_BACKEND") or None
+    if backend is not None:
+        if backend not in KERNELS:
+            raise ValueError(
+                f"unknown attention backend '{backend}' (allowed: {', '.join(KERNELS)})"
+            )
+        return KERNELS[backend]()
+    for name in _preference(device, dtype):
+        key = (name, device.type, dtype, head_dim)
+        if key not in _verified:
+            _verified[key] = name == "math" or _agrees_with_math(
+                KERNELS[name](), device, dtype, head_dim
+            )
+        if _verified[key]:
+            return KERNELS[name]()
+    raise AssertionError("the math kernel always works")
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
