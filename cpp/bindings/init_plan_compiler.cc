@@ -24,10 +24,13 @@ Int64Array to_numpy(const std::vector<int64_t>& values, std::vector<size_t> shap
 
 template <auto Field>
 void def_array(nb::class_<RankLayout>& cls, const char* name) {
-  cls.def_prop_ro(name, [](const RankLayout& layout) {
-    const std::vector<int64_t>& values = layout.*Field;
-    return to_numpy(values, {values.size()});
-  });
+  cls.def_prop_ro(
+      name,
+      [](const RankLayout& layout) {
+        const std::vector<int64_t>& values = layout.*Field;
+        return to_numpy(values, {values.size()});
+      },
+      nb::rv_policy::move);  // the array owns its copy; no reference to the layout
 }
 
 }  // namespace
@@ -50,10 +53,13 @@ void init_plan_compiler(nb::module_& m) {
       .def_ro("world_has_exchange", &RankLayout::world_has_exchange)
       .def_ro("num_exchange_rows", &RankLayout::num_exchange_rows)
       .def_prop_ro("num_segments", &RankLayout::num_segments)
-      .def_prop_ro("token_position_thw", [](const RankLayout& layout) {
-        return to_numpy(layout.token_position_thw,
-                        {static_cast<size_t>(layout.num_held_tokens), size_t{3}});
-      });
+      .def_prop_ro(
+          "token_position_thw",
+          [](const RankLayout& layout) {
+            return to_numpy(layout.token_position_thw,
+                            {static_cast<size_t>(layout.num_held_tokens), size_t{3}});
+          },
+          nb::rv_policy::move);
   def_array<&RankLayout::chunk_sequence_index>(cls, "chunk_sequence_index");
   def_array<&RankLayout::chunk_token_offset>(cls, "chunk_token_offset");
   def_array<&RankLayout::chunk_num_tokens>(cls, "chunk_num_tokens");
@@ -82,13 +88,14 @@ void init_plan_compiler(nb::module_& m) {
   def_array<&RankLayout::ring_peers>(cls, "ring_peers");
   def_array<&RankLayout::ring_block_tokens>(cls, "ring_block_tokens");
   cls.def("__repr__", [](const RankLayout& layout) {
-    return "RankLayout(rank=" + std::to_string(layout.rank) + ", num_ranks=" +
-           std::to_string(layout.num_ranks) + ", num_heads=" + std::to_string(layout.num_heads) +
-           ", num_held_tokens=" + std::to_string(layout.num_held_tokens) + ", num_chunks=" +
-           std::to_string(layout.chunk_num_tokens.size()) + ", num_segments=" +
-           std::to_string(layout.num_segments()) + ", num_exchange_rows=" +
-           std::to_string(layout.num_exchange_rows) + ", num_ring_segments=" +
-           std::to_string(layout.ring_segment.size()) + ")";
+    return "RankLayout(rank=" + std::to_string(layout.rank) +
+           ", num_ranks=" + std::to_string(layout.num_ranks) +
+           ", num_heads=" + std::to_string(layout.num_heads) +
+           ", num_held_tokens=" + std::to_string(layout.num_held_tokens) +
+           ", num_chunks=" + std::to_string(layout.chunk_num_tokens.size()) +
+           ", num_segments=" + std::to_string(layout.num_segments()) +
+           ", num_exchange_rows=" + std::to_string(layout.num_exchange_rows) +
+           ", num_ring_segments=" + std::to_string(layout.ring_segment.size()) + ")";
   });
 
   m.def("compile_rank_layout", &compile_rank_layout, nb::arg("batch"), nb::arg("plan"),

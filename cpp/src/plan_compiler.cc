@@ -12,15 +12,15 @@ namespace {
 // Where one rank sits in one sequence's placement, and what that gives it.
 struct Membership {
   int64_t sequence_index = 0;
-  int64_t position = 0;        // index into placement.ranks
-  int64_t block = 0;           // j
-  int64_t chunk = 0;           // k
-  int64_t block_offset = 0;    // first token of block j in the sequence
-  int64_t block_tokens = 0;    // b_j
-  int64_t chunk_offset = 0;    // first token of chunk k within the block
+  int64_t position = 0;      // index into placement.ranks
+  int64_t block = 0;         // j
+  int64_t chunk = 0;         // k
+  int64_t block_offset = 0;  // first token of block j in the sequence
+  int64_t block_tokens = 0;  // b_j
+  int64_t chunk_offset = 0;  // first token of chunk k within the block
   int64_t chunk_tokens = 0;
-  int64_t head_offset = 0;     // first head of share k
-  int64_t num_heads = 0;       // n_k
+  int64_t head_offset = 0;  // first head of share k
+  int64_t num_heads = 0;    // n_k
 };
 
 int64_t prefix_before(const std::vector<int64_t>& sizes, int64_t index) {
@@ -48,7 +48,7 @@ Membership membership(const Sequence& seq, const Placement& placement, int64_t s
 }
 
 // Longest first, then batch order: equal sizes end up adjacent (dense attention batches).
-void sort_longest_first(std::vector<Membership>& items, int64_t Membership::*size) {
+void sort_longest_first(std::vector<Membership>& items, int64_t Membership::* size) {
   std::stable_sort(items.begin(), items.end(), [size](const Membership& a, const Membership& b) {
     if (a.*size != b.*size) return a.*size > b.*size;
     return a.sequence_index < b.sequence_index;
@@ -229,7 +229,7 @@ RankLayout compile_rank_layout(const Batch& batch, const Plan& plan, int64_t ran
   // batch order, a's chunk tokens in order, b's heads in order (token-major). ----
   std::vector<std::vector<int64_t>> exchange_rows_to(num_ranks);
   std::vector<std::vector<std::pair<int64_t, int64_t>>> exchange_from(num_ranks);  // (i, k')
-  for (const Membership& m : exchanged) {  // batch order
+  for (const Membership& m : exchanged) {                                          // batch order
     const Placement& p = *placement[m.sequence_index];
     const int64_t u = p.ulysses_degree;
     const std::vector<int64_t> heads = balanced_split(num_heads, u);
@@ -248,8 +248,8 @@ RankLayout compile_rank_layout(const Batch& batch, const Plan& plan, int64_t ran
   }
   for (int64_t s = 0; s < num_ranks; ++s) {
     layout.exchange_send_splits.push_back(static_cast<int64_t>(exchange_rows_to[s].size()));
-    layout.exchange_send_index.insert(layout.exchange_send_index.end(),
-                                      exchange_rows_to[s].begin(), exchange_rows_to[s].end());
+    layout.exchange_send_index.insert(layout.exchange_send_index.end(), exchange_rows_to[s].begin(),
+                                      exchange_rows_to[s].end());
   }
   layout.exchange_recv_splits.assign(num_ranks, 0);
   layout.exchange_recv_index.assign(layout.num_exchange_rows, -1);

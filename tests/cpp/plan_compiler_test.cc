@@ -39,10 +39,9 @@ std::pair<Batch, Plan> random_case(std::mt19937_64& rng, int64_t num_ranks, int6
   const int64_t num_sequences = uniform(1, 7);
   for (int64_t i = 0; i < num_sequences; ++i) {
     const int64_t id = 100 + 3 * i;  // ids differ from batch indices on purpose
-    Sequence seq = uniform(0, 4) == 0
-                       ? make_sequence(id, 1, 1, 1, uniform(0, num_ranks - 1))
-                       : make_sequence(id, uniform(1, 3), uniform(1, 4), uniform(1, 5),
-                                       uniform(0, num_ranks - 1));
+    Sequence seq = uniform(0, 4) == 0 ? make_sequence(id, 1, 1, 1, uniform(0, num_ranks - 1))
+                                      : make_sequence(id, uniform(1, 3), uniform(1, 4),
+                                                      uniform(1, 5), uniform(0, num_ranks - 1));
     batch.sequences.push_back(seq);
     std::vector<int64_t> ranks(num_ranks);
     std::iota(ranks.begin(), ranks.end(), 0);
@@ -299,14 +298,14 @@ TEST(PlanCompiler, RejectsMismatchedInput) {
   Plan plan;
   plan.num_ranks = 2;
   plan.placements.push_back(make_placement(0, Strategy::kUlysses, {0, 1}));
-  EXPECT_THROW(compile_rank_layout(batch, plan, 2, 4), std::invalid_argument);   // rank
-  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 0), std::invalid_argument);   // heads
-  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 1), std::invalid_argument);   // u > heads
+  EXPECT_THROW(compile_rank_layout(batch, plan, 2, 4), std::invalid_argument);  // rank
+  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 0), std::invalid_argument);  // heads
+  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 1), std::invalid_argument);  // u > heads
   batch.sequences[0].id = 5;
-  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 4), std::invalid_argument);   // no placement
+  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 4), std::invalid_argument);  // no placement
   batch.sequences[0].id = 0;
   batch.sequences[0].source_rank = 3;
-  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 4), std::invalid_argument);   // source rank
+  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 4), std::invalid_argument);  // source rank
 }
 
 }  // namespace

@@ -52,9 +52,10 @@ def _ring_forward(
         lse_s = torch.full_like(lse_acc, float("-inf"))
         forward_into(rs.table, kernel, scale, q_c, recv[:, 0], recv[:, 1], o_s, lse_s)
         lse_new = torch.logaddexp(lse_acc, lse_s)
-        o_acc = o_acc * torch.exp(lse_acc - lse_new)[:, None] + o_s * torch.exp(
-            lse_s - lse_new
-        )[:, None]
+        o_acc = (
+            o_acc * torch.exp(lse_acc - lse_new)[:, None]
+            + o_s * torch.exp(lse_s - lse_new)[:, None]
+        )
         lse_acc = lse_new
     return o_acc.to(q_c.dtype), lse_acc
 
@@ -136,7 +137,9 @@ class _DistributedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_TNH, k_TNH, v_TNH, step: StepLayout, kernel: Kernel, scale: float):
         num_tokens, num_heads, head_dim = q_TNH.shape
-        q, k, v = (t.contiguous().view(num_tokens * num_heads, head_dim) for t in (q_TNH, k_TNH, v_TNH))
+        q, k, v = (
+            t.contiguous().view(num_tokens * num_heads, head_dim) for t in (q_TNH, k_TNH, v_TNH)
+        )
         lse_type = lse_dtype(q.dtype)
         work = None
         if step.world_has_exchange:
@@ -215,7 +218,9 @@ class _DistributedAttention(torch.autograd.Function):
             _scatter_ring(ring, dkv_c[:, 1], dv, dv_x)
 
         if work is not None:
-            send = torch.stack([t.index_select(0, step.exchange_recv_inverse) for t in (dq_x, dk_x, dv_x)], 1)
+            send = torch.stack(
+                [t.index_select(0, step.exchange_recv_inverse) for t in (dq_x, dk_x, dv_x)], 1
+            )
             back, _ = all_to_all_rows(
                 send, step.exchange_recv_splits, step.exchange_send_splits, step.group
             )

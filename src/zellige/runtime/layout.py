@@ -172,9 +172,15 @@ def plan_fingerprint(batch: _core.Batch, plan: _core.Plan) -> int:
     """A 62-bit digest of what the layout depends on, to detect ranks that disagree."""
     text = repr(
         (
-            [(s.id, s.num_tokens, s.source_rank, s.grid_t, s.grid_h, s.grid_w) for s in batch.sequences],
+            [
+                (s.id, s.num_tokens, s.source_rank, s.grid_t, s.grid_h, s.grid_w)
+                for s in batch.sequences
+            ],
             plan.num_ranks,
-            [(p.sequence_id, int(p.strategy), list(p.ranks), p.ulysses_degree) for p in plan.placements],
+            [
+                (p.sequence_id, str(p.strategy), list(p.ranks), p.ulysses_degree)
+                for p in plan.placements
+            ],
         )
     )
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
@@ -255,7 +261,7 @@ def build_step_layout(
         ]
     else:
         global_ranks = list(range(layout.num_ranks))
-    local, ulysses = int(_core.SegmentKind.local), int(_core.SegmentKind.ulysses)
+    local, ulysses = _core.SegmentKind.local.value, _core.SegmentKind.ulysses.value
     return StepLayout(
         rank=layout.rank,
         num_ranks=layout.num_ranks,
@@ -284,5 +290,3 @@ def build_step_layout(
         ring=_ring_plan(layout, device),
         global_ranks=global_ranks,
     )
-
-

@@ -1,0 +1,76 @@
+"""Coalesced attention (single process) against per-segment explicit softmax attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from zellige.runtime import KERNELS, SegmentTable, coalesced_attention, kernel_for
+
+
+def _explicit(q, k, v):
+    """q [Lq, n, H], k/v [Lk, n, H] -> o [Lq, n, H], lse [Lq, n] (float64)."""
+    scores = torch.einsum("qnh,knh->nqk", q, k) / math.sqrt(q.shape[-1])
+    lse = torch.logsumexp(scores, -1)
+    return torch.einsum("nqk,knh->qnh", torch.softmax(scores, -1), v), lse.transpose(0, 1)
+
+
+# (q_len, k_len, heads) per segment; k rows laid out in reverse order so groups need gathers.
+SEGMENTS = [(5, 5, 3), (1, 1, 3), (5, 5, 3), (7, 2, 2), (7, 2, 2), (3, 9, 1), (5, 5, 3)]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "math"])
+def test_segments_match_explicit_attention(backend: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    head_dim = 8
+    q_off, k_off, q_rows_total, k_rows_total = [], [], 0, 0
+    for lq, _, n in SEGMENTS:
+        q_off.append(q_rows_total)
+        q_rows_total += lq * n
+    for _, lk, n in reversed(SEGMENTS):
+        k_off.append(k_rows_total)
+        k_rows_total += lk * n
+    k_off.reverse()
+    q = torch.randn(q_rows_total, head_dim, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(k_rows_total, head_dim, generator=gen, dtype=torch.float64) for _ in "kv")
+    do = torch.randn_like(q)
+    q_len, k_len, heads = zip(*SEGMENTS, strict=True)
+    table = SegmentTable.build(q_off, k_off, q_len, k_len, heads)
+    assert table.num_calls == 4  # one dense call per distinct shape
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = coalesced_attention(*leaves, table, backend=backend, return_lse=True)
+    o.backward(do)
+
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    parts = []
+    for (lq, lk, n), qo, ko in zip(SEGMENTS, q_off, k_off, strict=True):
+        qs = ref_leaves[0][qo : qo + lq * n].view(lq, n, head_dim)
+        ks = ref_leaves[1][ko : ko + lk * n].view(lk, n, head_dim)
+        vs = ref_leaves[2][ko : ko + lk * n].view(lk, n, head_dim)
+        os_, ls = _explicit(qs, ks, vs)
+        parts.append((qo, lq * n, os_, ls))
+    o_ref = torch.cat([p[2].reshape(-1, head_dim) for p in sorted(parts, key=lambda p: p[0])])
+    lse_ref = torch.cat([p[3].reshape(-1) for p in sorted(parts, key=lambda p: p[0])])
+    o_ref.backward(do)
+    torch.testing.assert_close(o.detach(), o_ref.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, lse_ref.detach(), rtol=0, atol=1e-12)
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-12)
+
+
+def test_packed_table_groups_equal_lengths() -> None:
+    table = SegmentTable.packed([0, 256, 512, 768, 1792, 1793], num_heads=4)
+    shapes = [(g.count, g.q_len) for g in table.groups]
+    assert shapes == [(1, 1024), (3, 256), (1, 1)]
+    assert isinstance(table.groups[1].q_index, slice)  # side by side: a view, no gather
+
+
+def test_kernel_choice_and_override() -> None:
+    assert kernel_for(torch.device("cpu"), torch.float64, 16).name == "cpu"
+    assert kernel_for(torch.device("cpu"), torch.float32, 16, backend="math").name == "math"
+    with pytest.raises(ValueError, match="allowed"):
+        kernel_for(torch.device("cpu"), torch.float32, 16, backend="nope")
+    assert set(KERNELS) >= {"cudnn", "flash", "efficient", "cpu", "math"}
