@@ -1,0 +1,170 @@
+// The planner registry: parses planner names, checks that every sequence can fit at all, times
+// the policy, validates its plan and attaches the cost model's prediction.
+#include "zellige/planners.h"
+
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <stdexcept>
+
+#include "planners/rank_loads.h"
+
+namespace zellige {
+namespace {
+
+const char* const kAllowedForms =
+    "dp-tokens, dp-cost, static-cp:C, knapformer:SPEC[:GAMMA], megatron-dcp, zellige";
+
+[[noreturn]] void bad_name(const std::string& planner, const std::string& why) {
+  throw std::invalid_argument("planner '" + planner + "': " + why +
+                              "; allowed: " + kAllowedForms);
+}
+
+// A positive decimal integer without sign, spaces or trailing characters.
+int64_t parse_group_size(const std::string& planner, const std::string& text) {
+  if (text.empty() || text.size() > 9 ||
+      text.find_first_not_of("0123456789") != std::string::npos || std::stoll(text) <= 0) {
+    bad_name(planner, "C must be a positive integer, got '" + text + "'");
+  }
+  return std::stoll(text);
+}
+
+double parse_gamma(const std::string& planner, const std::string& text) {
+  size_t used = 0;
+  double gamma = 0;
+  try {
+    gamma = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (text.empty() || used != text.size() || !std::isfinite(gamma) || gamma < 0) {
+    bad_name(planner, "GAMMA must be a finite number >= 0, got '" + text + "'");
+  }
+  return gamma;
+}
+
+// Parses `planner` into the policy call it names; throws before any planning for a bad name.
+std::function<Plan()> parse_planner(const std::string& planner, const Batch& batch,
+                                    const CostModel& cost_model, const PlannerOptions& options) {
+  if (planner == "dp-tokens") return [&] { return plan_dp_tokens(batch, cost_model); };
+  if (planner == "dp-cost") return [&] { return plan_dp_cost(batch, cost_model); };
+  if (planner == "megatron-dcp") return [&] { return plan_megatron_dcp(batch, cost_model); };
+  if (planner == "zellige") return [&] { return plan_zellige(batch, cost_model, options); };
+  const size_t colon = planner.find(':');
+  const std::string family = planner.substr(0, colon);
+  const std::string argument = colon == std::string::npos ? "" : planner.substr(colon + 1);
+  if (family == "static-cp") {
+    if (colon == std::string::npos) bad_name(planner, "static-cp needs a group size C");
+    const int64_t group_size = parse_group_size(planner, argument);
+    return [&, group_size] { return plan_static_cp(batch, cost_model, group_size); };
+  }
+  if (family == "knapformer") {
+    if (argument.empty()) bad_name(planner, "knapformer needs a bag spec such as g4n8");
+    const size_t gamma_colon = argument.find(':');
+    const std::string spec = argument.substr(0, gamma_colon);
+    const double gamma = gamma_colon == std::string::npos
+                             ? 0.4
+                             : parse_gamma(planner, argument.substr(gamma_colon + 1));
+    return [&, spec, gamma] { return plan_knapformer(batch, cost_model, spec, gamma); };
+  }
+  bad_name(planner, "unknown planner");
+}
+
+// The smallest per-rank memory over every placement shape of `sequence` on the lowest ranks
+// (memory does not depend on which ranks, only on how many and how they split the sequence).
+// Stops at the first shape within `capacity_bytes` when `stop_when_fits`.
+double best_memory_bytes(const Sequence& sequence, const CostModel& cost_model,
+                         double capacity_bytes, bool stop_when_fits) {
+  const int64_t num_ranks = cost_model.cluster().num_ranks();
+  const int64_t num_heads = cost_model.model().num_heads;
+  const double fixed_bytes = cost_model.fixed_bytes();
+  double best_bytes = std::numeric_limits<double>::infinity();
+  auto consider = [&](const Placement& placement) {
+    const double bytes =
+        fixed_bytes + planners::placement_memory_bytes(cost_model.shares(sequence, placement));
+    best_bytes = std::min(best_bytes, bytes);
+    return stop_when_fits && bytes <= capacity_bytes;
+  };
+  if (consider(make_placement(sequence.id, Strategy::kLocal, {0}))) return best_bytes;
+  for (int64_t degree = 2; degree <= num_ranks; ++degree) {
+    const std::vector<int64_t> ranks = planners::consecutive_ranks(0, degree);
+    if (degree <= num_heads && consider(make_placement(sequence.id, Strategy::kUlysses, ranks))) {
+      return best_bytes;
+    }
+    if (consider(make_placement(sequence.id, Strategy::kRing, ranks))) return best_bytes;
+    for (int64_t ulysses = 2; ulysses <= std::min(num_heads, degree / 2); ++ulysses) {
+      if (degree % ulysses == 0 &&
+          consider(make_placement(sequence.id, Strategy::kHybrid, ranks, ulysses))) {
+        return best_bytes;
+      }
+    }
+  }
+  return best_bytes;
+}
+
+}  // namespace
+
+std::vector<std::string> planner_names() {
+  return {"dp-tokens", "dp-cost", "static-cp:C", "knapformer:SPEC[:GAMMA]", "megatron-dcp",
+          "zellige"};
+}
+
+void check_sequences_fit(const Batch& batch, const CostModel& cost_model) {
+  const double capacity_bytes = cost_model.memory_capacity_bytes();
+  for (const Sequence& sequence : batch.sequences) {
+    const double best_bytes = best_memory_bytes(sequence, cost_model, capacity_bytes, true);
+    if (best_bytes > capacity_bytes) {
+      throw PlanMemoryError(planners::describe_sequence(sequence) +
+                            " does not fit in memory under any placement on " +
+                            std::to_string(cost_model.cluster().num_ranks()) + " GPUs: needs " +
+                            planners::format_gib(best_bytes) + " per rank at best, " +
+                            planners::format_gib(capacity_bytes) + " available");
+    }
+  }
+}
+
+void predict(Plan& plan, const Batch& batch, const CostModel& cost_model) {
+  const PlanCost cost = cost_model.evaluate(batch, plan);
+  plan.predicted.makespan_s = cost.makespan_s;
+  plan.predicted.rank_time_s.clear();
+  plan.predicted.rank_peak_bytes.clear();
+  for (const RankCost& rank : cost.ranks) {
+    plan.predicted.rank_time_s.push_back(rank.time_s);
+    plan.predicted.rank_peak_bytes.push_back(rank.peak_bytes);
+  }
+}
+
+Plan make_plan(const std::string& planner, const Batch& batch, const CostModel& cost_model,
+               const PlannerOptions& options) {
+  const int64_t num_ranks = cost_model.cluster().num_ranks();
+  const std::function<Plan()> run = parse_planner(planner, batch, cost_model, options);
+  validate_batch(batch, num_ranks);
+  check_sequences_fit(batch, cost_model);
+
+  const auto start = std::chrono::steady_clock::now();
+  Plan plan = run();
+  const auto stop = std::chrono::steady_clock::now();
+  plan.planner = planner;
+  plan.plan_ms = std::chrono::duration<double, std::milli>(stop - start).count();
+
+  validate_plan(plan, batch, num_ranks, cost_model.model().num_heads);
+  predict(plan, batch, cost_model);
+  // A plan never leaves here out of memory: knapformer has no memory term, and the others only
+  // estimate memory additively while choosing.
+  const double capacity_bytes = cost_model.memory_capacity_bytes();
+  for (int64_t rank = 0; rank < num_ranks; ++rank) {
+    const double peak_bytes = plan.predicted.rank_peak_bytes[rank];
+    if (peak_bytes > capacity_bytes) {
+      const bool knapformer = planner.rfind("knapformer", 0) == 0;
+      throw PlanMemoryError("planner '" + planner + "' puts " + planners::format_gib(peak_bytes) +
+                            " on rank " + std::to_string(rank) + ", above the " +
+                            planners::format_gib(capacity_bytes) + " of memory available" +
+                            (knapformer ? " (knapformer balances compute and ignores memory)"
+                                        : ""));
+    }
+  }
+  return plan;
+}
+
+}  // namespace zellige

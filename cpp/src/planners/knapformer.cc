@@ -1,0 +1,161 @@
+// knapformer(spec, gamma): the KnapFormer balancer (arXiv 2508.06001) as REFERENCE.md describes it.
+// Static bags of consecutive ranks from a spec like g1n2+g2n1+g4n1 (n bags of g GPUs, laid out by
+// increasing g). Per step, each sequence costs W(L) = 24 L d^2 + gamma 4 L^2 d (d = model width,
+// L = attended length); no communication and no memory term. Sequences, heaviest first, go to the
+// eligible bag (capacity >= W and length >= bag size) with the smallest occupancy ratio, else to
+// the largest bags. Inside a bag of g GPUs every sequence runs Ulysses over all g ranks.
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <numeric>
+#include <set>
+#include <utility>
+#include <stdexcept>
+
+#include "rank_loads.h"
+#include "zellige/planners.h"
+
+namespace zellige {
+namespace {
+
+struct BagTerm {
+  int64_t bag_size = 0;  // g
+  int64_t num_bags = 0;  // n
+};
+
+[[noreturn]] void bad_spec(const std::string& spec, const std::string& why) {
+  throw std::invalid_argument("knapformer spec '" + spec + "': " + why +
+                              " (allowed: terms gGnN joined by '+', e.g. g4n8 or "
+                              "g1n8+g2n4+g4n2+g8n1, distinct bag sizes, G*N summing to the "
+                              "number of GPUs)");
+}
+
+// Parses the digits at spec[*pos...]; returns -1 if there are none or they overflow.
+int64_t parse_count(const std::string& term, size_t* pos) {
+  int64_t value = 0;
+  const size_t start = *pos;
+  while (*pos < term.size() && std::isdigit(static_cast<unsigned char>(term[*pos]))) {
+    if (value > 1'000'000'000) return -1;
+    value = value * 10 + (term[*pos] - '0');
+    ++*pos;
+  }
+  return *pos == start ? -1 : value;
+}
+
+std::vector<BagTerm> parse_spec(const std::string& spec) {
+  std::vector<BagTerm> terms;
+  size_t begin = 0;
+  while (true) {
+    const size_t end = std::min(spec.find('+', begin), spec.size());
+    const std::string term = spec.substr(begin, end - begin);
+    size_t pos = 0;
+    if (term.empty() || term[pos++] != 'g') bad_spec(spec, "malformed term '" + term + "'");
+    const int64_t bag_size = parse_count(term, &pos);
+    if (pos >= term.size() || term[pos++] != 'n') bad_spec(spec, "malformed term '" + term + "'");
+    const int64_t num_bags = parse_count(term, &pos);
+    if (bag_size <= 0 || num_bags <= 0 || pos != term.size()) {
+      bad_spec(spec, "malformed term '" + term + "'");
+    }
+    for (const BagTerm& other : terms) {
+      if (other.bag_size == bag_size) {
+        bad_spec(spec, "bag size " + std::to_string(bag_size) + " appears twice");
+      }
+    }
+    terms.push_back({bag_size, num_bags});
+    if (end == spec.size()) break;
+    begin = end + 1;
+  }
+  std::sort(terms.begin(), terms.end(),
+            [](const BagTerm& a, const BagTerm& b) { return a.bag_size < b.bag_size; });
+  return terms;
+}
+
+}  // namespace
+
+Plan plan_knapformer(const Batch& batch, const CostModel& cost_model, const std::string& spec,
+                     double gamma) {
+  if (!(gamma >= 0) || gamma > 1e9) {
+    throw std::invalid_argument("knapformer gamma must be a finite number >= 0, got " +
+                                std::to_string(gamma));
+  }
+  const std::vector<BagTerm> terms = parse_spec(spec);
+  const int64_t num_ranks = cost_model.cluster().num_ranks();
+  const int64_t num_heads = cost_model.model().num_heads;
+  int64_t spec_ranks = 0;
+  for (const BagTerm& term : terms) spec_ranks += term.bag_size * term.num_bags;
+  if (spec_ranks != num_ranks) {
+    bad_spec(spec, "covers " + std::to_string(spec_ranks) + " GPUs, the cluster has " +
+                       std::to_string(num_ranks));
+  }
+  for (const BagTerm& term : terms) {
+    if (num_heads % term.bag_size != 0) {
+      bad_spec(spec, "bag size " + std::to_string(term.bag_size) + " does not divide the " +
+                         std::to_string(num_heads) + " heads of " + cost_model.model().name +
+                         " (KnapFormer runs Ulysses inside a bag)");
+    }
+  }
+
+  // Bags in layout order: by increasing size, each a block of consecutive ranks.
+  std::vector<int64_t> bag_first_rank, bag_term;
+  for (int64_t rank = 0, t = 0; t < static_cast<int64_t>(terms.size()); ++t) {
+    for (int64_t b = 0; b < terms[t].num_bags; ++b, rank += terms[t].bag_size) {
+      bag_first_rank.push_back(rank);
+      bag_term.push_back(t);
+    }
+  }
+  const int64_t num_bags = static_cast<int64_t>(bag_term.size());
+
+  const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
+  const double width = static_cast<double>(cost_model.model().width);
+  std::vector<double> work(num_sequences);
+  double total_work = 0;
+  for (int64_t i = 0; i < num_sequences; ++i) {
+    const Sequence& sequence = batch.sequences[i];
+    const double length = static_cast<double>(
+        attended_tokens(cost_model.model(), sequence.num_tokens, sequence.text_tokens));
+    work[i] = 24.0 * length * width * width + gamma * 4.0 * length * length * width;
+    total_work += work[i];
+  }
+  const double capacity_per_gpu = total_work / static_cast<double>(num_ranks);
+
+  std::vector<int64_t> order(num_sequences);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+
+  char gamma_text[32];
+  std::snprintf(gamma_text, sizeof(gamma_text), "%g", gamma);
+  Plan plan = planners::empty_plan("knapformer:" + spec + ":" + gamma_text, cost_model);
+  plan.placements.resize(num_sequences);
+  // Eligibility depends on the bag size only, so each term keeps its bags ordered by
+  // (occupancy, layout index): the best bag of a size is the first of its set.
+  std::vector<double> occupancy(num_bags, 0.0);
+  std::vector<std::set<std::pair<double, int64_t>>> bags_by_occupancy(terms.size());
+  for (int64_t b = 0; b < num_bags; ++b) bags_by_occupancy[bag_term[b]].insert({0.0, b});
+  for (int64_t index : order) {
+    const Sequence& sequence = batch.sequences[index];
+    int64_t best = -1;
+    for (size_t t = 0; t < terms.size(); ++t) {
+      const bool eligible =
+          capacity_per_gpu * static_cast<double>(terms[t].bag_size) >= work[index] &&
+          sequence.num_tokens >= terms[t].bag_size;
+      const int64_t candidate = bags_by_occupancy[t].begin()->second;
+      if (eligible && (best < 0 || std::make_pair(occupancy[candidate], candidate) <
+                                       std::make_pair(occupancy[best], best))) {
+        best = candidate;
+      }
+    }
+    if (best < 0) best = bags_by_occupancy.back().begin()->second;  // fallback: the largest bags
+    const int64_t size = terms[bag_term[best]].bag_size;
+    bags_by_occupancy[bag_term[best]].erase({occupancy[best], best});
+    occupancy[best] += work[index] / (capacity_per_gpu * static_cast<double>(size));
+    bags_by_occupancy[bag_term[best]].insert({occupancy[best], best});
+    std::vector<int64_t> ranks = planners::consecutive_ranks(bag_first_rank[best], size);
+    plan.placements[index] =
+        size == 1 ? make_placement(sequence.id, Strategy::kLocal, std::move(ranks))
+                  : make_placement(sequence.id, Strategy::kUlysses, std::move(ranks));
+  }
+  return plan;
+}
+
+}  // namespace zellige
