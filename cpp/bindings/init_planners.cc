@@ -44,11 +44,9 @@ void init_planners(nb::module_& m) {
   m.def("plan_dp_tokens", &plan_dp_tokens, "batch"_a, "cost_model"_a);
   m.def("plan_dp_cost", &plan_dp_cost, "batch"_a, "cost_model"_a);
   m.def("plan_static_cp", &plan_static_cp, "batch"_a, "cost_model"_a, "group_size"_a);
-  m.def("plan_knapformer", &plan_knapformer, "batch"_a, "cost_model"_a, "spec"_a,
-        "gamma"_a = 0.4);
+  m.def("plan_knapformer", &plan_knapformer, "batch"_a, "cost_model"_a, "spec"_a, "gamma"_a = 0.4);
   m.def("plan_megatron_dcp", &plan_megatron_dcp, "batch"_a, "cost_model"_a);
-  m.def("plan_zellige", &plan_zellige, "batch"_a, "cost_model"_a,
-        "options"_a = PlannerOptions{});
+  m.def("plan_zellige", &plan_zellige, "batch"_a, "cost_model"_a, "options"_a = PlannerOptions{});
   m.def("candidate_placements", &candidate_placements, "sequence"_a, "cost_model"_a,
         "max_windows_per_shape"_a);
 }

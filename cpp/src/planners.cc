@@ -17,8 +17,7 @@ const char* const kAllowedForms =
     "dp-tokens, dp-cost, static-cp:C, knapformer:SPEC[:GAMMA], megatron-dcp, zellige";
 
 [[noreturn]] void bad_name(const std::string& planner, const std::string& why) {
-  throw std::invalid_argument("planner '" + planner + "': " + why +
-                              "; allowed: " + kAllowedForms);
+  throw std::invalid_argument("planner '" + planner + "': " + why + "; allowed: " + kAllowedForms);
 }
 
 // A positive decimal integer without sign, spaces or trailing characters.
@@ -106,8 +105,8 @@ double best_memory_bytes(const Sequence& sequence, const CostModel& cost_model,
 }  // namespace
 
 std::vector<std::string> planner_names() {
-  return {"dp-tokens", "dp-cost", "static-cp:C", "knapformer:SPEC[:GAMMA]", "megatron-dcp",
-          "zellige"};
+  return {"dp-tokens",    "dp-cost", "static-cp:C", "knapformer:SPEC[:GAMMA]",
+          "megatron-dcp", "zellige"};
 }
 
 void check_sequences_fit(const Batch& batch, const CostModel& cost_model) {
@@ -157,11 +156,11 @@ Plan make_plan(const std::string& planner, const Batch& batch, const CostModel& 
     const double peak_bytes = plan.predicted.rank_peak_bytes[rank];
     if (peak_bytes > capacity_bytes) {
       const bool knapformer = planner.rfind("knapformer", 0) == 0;
-      throw PlanMemoryError("planner '" + planner + "' puts " + planners::format_gib(peak_bytes) +
-                            " on rank " + std::to_string(rank) + ", above the " +
-                            planners::format_gib(capacity_bytes) + " of memory available" +
-                            (knapformer ? " (knapformer balances compute and ignores memory)"
-                                        : ""));
+      throw PlanMemoryError(
+          "planner '" + planner + "' puts " + planners::format_gib(peak_bytes) + " on rank " +
+          std::to_string(rank) + ", above the " + planners::format_gib(capacity_bytes) +
+          " of memory available" +
+          (knapformer ? " (knapformer balances compute and ignores memory)" : ""));
     }
   }
   return plan;

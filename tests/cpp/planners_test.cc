@@ -1,5 +1,7 @@
 // Planners: every sequence placed exactly once on valid distinct ranks, memory honoured or refused,
 // the lower bound checked against a brute-force optimum on tiny batches, and each policy's rules.
+#include "zellige/planners.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,7 +14,6 @@
 #include <vector>
 
 #include "zellige/cost_model.h"
-#include "zellige/planners.h"
 
 namespace zellige {
 namespace {
@@ -123,8 +124,8 @@ void expect_prediction_consistent(const Plan& plan, const Batch& batch, const Co
 
 TEST(Planners, EveryPlannerPlacesEverySequenceOnceOnRecipeBatches) {
   const Recipe recipe = bucket_recipe();
-  for (auto [num_gpus, gpus_per_node] :
-       std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {2, 2}, {8, 8}, {12, 4}, {16, 8}, {32, 8}}) {
+  for (auto [num_gpus, gpus_per_node] : std::vector<std::pair<int64_t, int64_t>>{
+           {1, 1}, {2, 2}, {8, 8}, {12, 4}, {16, 8}, {32, 8}}) {
     const CostModel cost_model = make_cost_model("mmdit-11b", num_gpus, gpus_per_node);
     for (uint64_t seed = 0; seed < 6; ++seed) {
       const Batch batch = generate_batch(recipe, num_gpus, seed);
@@ -187,7 +188,8 @@ TEST(PlannersMemory, SequenceThatFitsNowhereIsNamed) {
   const Batch batch = batch_of({256, 118800, 1024}, 512);
   // Room for the 118,800-token video on no rank, not even split 8 ways.
   const double room_bytes = local_memory_bytes(probe, batch.sequences[1]) / 64;
-  const CostModel cost_model = make_cost_model("mmdit-11b", 8, 8, memory_for_room(probe, room_bytes));
+  const CostModel cost_model =
+      make_cost_model("mmdit-11b", 8, 8, memory_for_room(probe, room_bytes));
   for (const std::string& name : {"dp-tokens", "megatron-dcp", "knapformer:g8n1"}) {
     try {
       make_plan(name, batch, cost_model);
@@ -257,8 +259,9 @@ TEST(PlannersMemory, DpCostSkipsTheLeastLoadedRankWhenItIsFull) {
 
   // Three long videos on two ranks with room for about 1.3 of them each: no plan exists.
   const Batch three = batch_of({20000, 19000, 18000});
-  const CostModel one_each = make_cost_model(
-      "mmdit-11b", 2, 2, memory_for_room(roomy, local_memory_bytes(roomy, three.sequences[0]) * 1.3));
+  const CostModel one_each =
+      make_cost_model("mmdit-11b", 2, 2,
+                      memory_for_room(roomy, local_memory_bytes(roomy, three.sequences[0]) * 1.3));
   for (const std::string& name :
        {"dp-tokens", "dp-cost", "static-cp:1", "static-cp:2", "knapformer:g1n2", "megatron-dcp"}) {
     try {
@@ -275,7 +278,8 @@ TEST(PlannersMemory, KnapformerIgnoresMemoryAndSaysSo) {
   const Batch batch = batch_of({60000, 256, 256, 256, 256, 256, 256, 256}, 512);
   // The long video fits split 8 ways but not on one rank.
   const double room_bytes = local_memory_bytes(probe, batch.sequences[0]) * 0.5;
-  const CostModel cost_model = make_cost_model("mmdit-11b", 8, 8, memory_for_room(probe, room_bytes));
+  const CostModel cost_model =
+      make_cost_model("mmdit-11b", 8, 8, memory_for_room(probe, room_bytes));
   EXPECT_NO_THROW(make_plan("knapformer:g8n1", batch, cost_model));
   try {
     make_plan("knapformer:g1n8", batch, cost_model);
@@ -349,8 +353,8 @@ BruteForceOptimum brute_force(const Batch& batch, const CostModel& cost_model) {
     if (i == num_sequences) {
       double makespan_s = 0;
       for (int64_t r = 0; r < num_ranks; ++r) {
-        makespan_s = std::max(makespan_s, cost_model.rank_time_s(tokens[r], attention_s[r],
-                                                                 exchange_s[r]));
+        makespan_s =
+            std::max(makespan_s, cost_model.rank_time_s(tokens[r], attention_s[r], exchange_s[r]));
       }
       if (makespan_s < best.makespan_s) {
         best.makespan_s = makespan_s;
@@ -404,9 +408,10 @@ TEST(PlannersBruteForce, LowerBoundNeverExceedsTheOptimumAndNoPlannerBeatsIt) {
     for (int64_t trial = 0; trial < 3; ++trial) {
       Batch batch;
       for (int64_t i = 0; i < tiny.num_sequences; ++i) {
-        const int64_t num_tokens = lengths[rng() % lengths.size()] + static_cast<int64_t>(rng() % 97);
-        batch.sequences.push_back(sequence_from_tokens(i, "video", num_tokens, 512,
-                                                       static_cast<int64_t>(rng() % tiny.num_gpus)));
+        const int64_t num_tokens =
+            lengths[rng() % lengths.size()] + static_cast<int64_t>(rng() % 97);
+        batch.sequences.push_back(sequence_from_tokens(
+            i, "video", num_tokens, 512, static_cast<int64_t>(rng() % tiny.num_gpus)));
       }
       const std::string context = tiny.model + " on " + std::to_string(tiny.num_gpus) + "x" +
                                   std::to_string(tiny.gpus_per_node) + ", trial " +
@@ -455,11 +460,26 @@ TEST(PlannerNames, UnknownAndMalformedNamesAreRejected) {
   const Batch batch = batch_of({256, 4096, 30000}, 512);
   const std::string allowed =
       "allowed: dp-tokens, dp-cost, static-cp:C, knapformer:SPEC[:GAMMA], megatron-dcp, zellige";
-  for (const std::string& name : {"", "dp", "DP-TOKENS", "dp-tokens:", "dp-cost ", "joint",
-                                  "megatron", "static-cp", "knapformer", "knapformer:",
-                                  "static-cp:", "static-cp:0", "static-cp:-2", "static-cp:x",
-                                  "static-cp:4.0", "static-cp: 4", "knapformer:g4n2:abc",
-                                  "knapformer:g4n2:-1", "knapformer:g4n2:inf", "knapformer:g4n2:"}) {
+  for (const std::string& name : {"",
+                                  "dp",
+                                  "DP-TOKENS",
+                                  "dp-tokens:",
+                                  "dp-cost ",
+                                  "joint",
+                                  "megatron",
+                                  "static-cp",
+                                  "knapformer",
+                                  "knapformer:",
+                                  "static-cp:",
+                                  "static-cp:0",
+                                  "static-cp:-2",
+                                  "static-cp:x",
+                                  "static-cp:4.0",
+                                  "static-cp: 4",
+                                  "knapformer:g4n2:abc",
+                                  "knapformer:g4n2:-1",
+                                  "knapformer:g4n2:inf",
+                                  "knapformer:g4n2:"}) {
     expect_invalid(name, cost_model, batch, allowed);
   }
   expect_invalid("static-cp:3", cost_model, batch, "must divide the 8 GPUs");
@@ -515,9 +535,9 @@ TEST(PlannerRules, DpCostBeatsDpTokensOnQuadraticAttention) {
 TEST(PlannerRules, StaticCpShardsEverySequenceOverAWholeGroup) {
   for (const auto& [model, group_size, strategy, ulysses] :
        std::vector<std::tuple<std::string, int64_t, Strategy, int64_t>>{
-           {"mmdit-11b", 8, Strategy::kUlysses, 8},   // 24 heads: Ulysses 8
-           {"mmdit-11b", 16, Strategy::kHybrid, 8},   // Ulysses 8 x ring 2
-           {"wan-1.3b", 8, Strategy::kHybrid, 4},     // 12 heads: Ulysses 4 x ring 2
+           {"mmdit-11b", 8, Strategy::kUlysses, 8},  // 24 heads: Ulysses 8
+           {"mmdit-11b", 16, Strategy::kHybrid, 8},  // Ulysses 8 x ring 2
+           {"wan-1.3b", 8, Strategy::kHybrid, 4},    // 12 heads: Ulysses 4 x ring 2
            {"mmdit-11b", 1, Strategy::kLocal, 1}}) {
     const CostModel cost_model = make_cost_model(model, 32, 8);
     const Batch batch = generate_batch(bucket_recipe(), 32, 5);
@@ -563,7 +583,8 @@ TEST(PlannerRules, KnapformerUsesItsBagsAndWorkModel) {
   // A sequence shorter than a bag is not eligible for it: 3 tokens never go to a 4-GPU bag
   // (8 equal sequences on 8 GPUs: each fits a 1-GPU bag's capacity exactly).
   const Batch tiny = batch_of({3, 3, 3, 3, 3, 3, 3, 3}, 0);
-  const Plan short_plan = make_plan("knapformer:g1n4+g4n1", tiny, make_cost_model("mmdit-11b", 8, 8));
+  const Plan short_plan =
+      make_plan("knapformer:g1n4+g4n1", tiny, make_cost_model("mmdit-11b", 8, 8));
   for (const Placement& placement : short_plan.placements) EXPECT_EQ(placement.degree(), 1);
 }
 
@@ -573,7 +594,8 @@ TEST(PlannerRules, MegatronDcpDegreesArePowersOfTwoFromMemory) {
   // Room for about 30k tokens per rank: the 100k video needs cp 4, the 40k one cp 2.
   const double room_bytes =
       local_memory_bytes(probe, sequence_from_tokens(0, "video", 30000, 512, 0));
-  const CostModel cost_model = make_cost_model("mmdit-11b", 8, 8, memory_for_room(probe, room_bytes));
+  const CostModel cost_model =
+      make_cost_model("mmdit-11b", 8, 8, memory_for_room(probe, room_bytes));
   const Plan plan = make_plan("megatron-dcp", batch, cost_model);
   expect_places_every_sequence_once(plan, batch, 8, 24, "megatron-dcp");
   for (const Placement& placement : plan.placements) {

@@ -17,7 +17,8 @@ Plan plan_dp_cost(const Batch& batch, const CostModel& cost_model) {
   for (int64_t i = 0; i < num_sequences; ++i) {
     const Sequence& sequence = batch.sequences[i];
     local_time_s[i] = planners::placement_time_s(
-        cost_model, cost_model.shares(sequence, make_placement(sequence.id, Strategy::kLocal, {0})));
+        cost_model,
+        cost_model.shares(sequence, make_placement(sequence.id, Strategy::kLocal, {0})));
   }
   std::vector<int64_t> order(num_sequences);
   std::iota(order.begin(), order.end(), 0);

@@ -9,8 +9,8 @@
 #include <cstdio>
 #include <numeric>
 #include <set>
-#include <utility>
 #include <stdexcept>
+#include <utility>
 
 #include "rank_loads.h"
 #include "zellige/planners.h"

@@ -40,8 +40,8 @@ struct Sample {
 
 struct Group {
   int64_t size = 0;
-  double load = 0;          // sum of work, the same on every member
-  double memory_bytes = 0;  // sum of the samples' per-rank memory
+  double load = 0;               // sum of work, the same on every member
+  double memory_bytes = 0;       // sum of the samples' per-rank memory
   std::vector<int64_t> samples;  // positions in the samples vector, in placement order
 };
 
@@ -91,8 +91,8 @@ std::vector<std::deque<int64_t>> make_buckets(const std::vector<int64_t>& pendin
     const double work = samples[pending[i]].work;
     // Close the bucket when it would overflow, or to keep a sample for every bucket still to come.
     const int64_t buckets_to_come = num_buckets - static_cast<int64_t>(buckets.size());
-    if (!current.empty() &&
-        (current_work + work > target * kBucketOverfill || num_pending - i <= buckets_to_come - 1)) {
+    if (!current.empty() && (current_work + work > target * kBucketOverfill ||
+                             num_pending - i <= buckets_to_come - 1)) {
       buckets.push_back(std::move(current));
       current = {};
       current_work = 0;
@@ -107,7 +107,9 @@ std::vector<std::deque<int64_t>> make_buckets(const std::vector<int64_t>& pendin
 class MegatronDcp {
  public:
   MegatronDcp(const Batch& batch, const CostModel& cost_model)
-      : batch_(batch), cost_model_(cost_model), loads_(cost_model),
+      : batch_(batch),
+        cost_model_(cost_model),
+        loads_(cost_model),
         num_ranks_(cost_model.cluster().num_ranks()) {}
 
   Plan run();
@@ -265,7 +267,8 @@ std::vector<int64_t> MegatronDcp::round(const std::vector<int64_t>& pending, int
   }
 
   std::vector<int64_t> leftovers;
-  for (const std::deque<int64_t>& b : buckets) leftovers.insert(leftovers.end(), b.begin(), b.end());
+  for (const std::deque<int64_t>& b : buckets)
+    leftovers.insert(leftovers.end(), b.begin(), b.end());
   *num_placed = 0;
   if (groups.empty()) return leftovers;
   if (used_ranks == num_ranks_) trim_overload(groups, leftovers);
@@ -306,9 +309,8 @@ Plan MegatronDcp::run() {
   prepare_samples();
   std::vector<int64_t> pending(samples_.size());
   std::iota(pending.begin(), pending.end(), 0);
-  std::stable_sort(pending.begin(), pending.end(), [&](int64_t a, int64_t b) {
-    return samples_[a].length > samples_[b].length;
-  });
+  std::stable_sort(pending.begin(), pending.end(),
+                   [&](int64_t a, int64_t b) { return samples_[a].length > samples_[b].length; });
   while (!pending.empty()) {
     int64_t num_placed = 0;
     pending = round(pending, &num_placed);

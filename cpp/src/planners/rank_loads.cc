@@ -71,8 +71,8 @@ std::string describe_sequence(const Sequence& sequence) {
 double placement_time_s(const CostModel& cost_model, const std::vector<RankShare>& shares) {
   double time_s = 0;
   for (const RankShare& share : shares) {
-    time_s = std::max(time_s,
-                      cost_model.rank_time_s(share.tokens, share.attention_s, share.exchange_s));
+    time_s =
+        std::max(time_s, cost_model.rank_time_s(share.tokens, share.attention_s, share.exchange_s));
   }
   return time_s;
 }

@@ -95,9 +95,8 @@ Plan plan_static_cp(const Batch& batch, const CostModel& cost_model, int64_t gro
     full.clear();
     if (!placed) {
       throw PlanMemoryError("static-cp:" + std::to_string(group_size) + ": " +
-                            planners::describe_sequence(sequence) +
-                            " fits in no group of " + std::to_string(group_size) +
-                            " GPUs: every group is out of memory (" +
+                            planners::describe_sequence(sequence) + " fits in no group of " +
+                            std::to_string(group_size) + " GPUs: every group is out of memory (" +
                             planners::format_gib(loads.capacity_bytes()) + " per rank)");
     }
   }
