@@ -98,7 +98,6 @@ __all__ = [
     "PlanPrediction",
     "RankCost",
     "PlanMemoryError",
-    "PlanPrediction",
     "PlannerOptions",
     "RankGroup",
     "RankShare",
