@@ -133,6 +133,9 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     if (profile_.checkpoint_bytes_per_token_layer[i] > 0) {
       checkpoint_bytes_ = profile_.checkpoint_bytes_per_token_layer[i];
     }
+    if (!profile_.backward_bytes_per_token_layer.empty()) {
+      backward_bytes_ = profile_.backward_bytes_per_token_layer[i];
+    }
   }
 
   // MMDiT double blocks carry two weight sets, so the largest layer is twice a single one.
@@ -313,7 +316,8 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
   // Memory: kept activations, then the transient buffers of one layer.
   const double kept_bytes = checkpointing ? layers * n * checkpoint_bytes_ + n * activation_bytes_
                                           : layers * n * activation_bytes_;
-  double buffer_bytes = 4.0 * block * h * hd * bpe;  // q, k, v, o of the self-attention segment
+  // Measured: one layer's backward transient per token; analytic: q, k, v, o of the segment.
+  double buffer_bytes = backward_bytes_ > 0 ? n * backward_bytes_ : 4.0 * block * h * hd * bpe;
   if (cross) buffer_bytes = std::max(buffer_bytes, 2.0 * (n + text) * all_heads * hd * bpe);
   if (shape.ulysses_degree > 1) buffer_bytes += 2.0 * 3.0 * n * d * bpe;
   if (shape.ring_degree > 1) {

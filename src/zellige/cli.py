@@ -9,7 +9,13 @@ import importlib
 import sys
 
 # subcommand -> (module under zellige.commands, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "profile": ("profile", "measure this GPU for the cost model and write a profile JSON"),
+    "validate-profile": (
+        "validate_profile",
+        "MAPE of predicted rank time and peak memory against ranks run on this GPU",
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ _FIELDS = (
     "memory_models",
     "activation_bytes_per_token_layer",
     "checkpoint_bytes_per_token_layer",
+    "backward_bytes_per_token_layer",
     "runtime_reserved_bytes",
 )
 
@@ -119,7 +120,11 @@ def profile_from_dict(data: Any) -> HardwareProfile:
     if not all(isinstance(name, str) for name in models):
         raise ValueError("memory_models must be a list of model names")
     profile.memory_models = models
-    for key in ("activation_bytes_per_token_layer", "checkpoint_bytes_per_token_layer"):
+    for key in (
+        "activation_bytes_per_token_layer",
+        "checkpoint_bytes_per_token_layer",
+        "backward_bytes_per_token_layer",
+    ):
         values = _list(data.get(key, []), key)
         setattr(profile, key, [_number(v, f"{key}[{i}]") for i, v in enumerate(values)])
     profile.validate()  # std::invalid_argument -> ValueError

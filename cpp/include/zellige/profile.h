@@ -48,6 +48,10 @@ struct HardwareProfile {
   std::vector<std::string> memory_models;
   std::vector<double> activation_bytes_per_token_layer;
   std::vector<double> checkpoint_bytes_per_token_layer;
+  // Optional (empty, or one per memory model; 0 = analytic): peak bytes per token, beyond the
+  // kept activations, while one layer runs its backward (gradient buffers, attention workspace).
+  // Replaces the analytic q/k/v/o buffer term of the cost model's memory.
+  std::vector<double> backward_bytes_per_token_layer;
   int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
 
   void validate() const;  // every non-empty table valid, rates > 0

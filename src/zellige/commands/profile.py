@@ -1,0 +1,56 @@
+"""`zellige profile`: measure this GPU for the cost model and write a profile JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, type=Path, help="profile JSON to write")
+    parser.add_argument(
+        "--model",
+        help="model preset whose per-token layers and memory are measured (default wan-14b; "
+        "tiny with --quick)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few small points only: a smoke run (the only mode allowed without a GPU)",
+    )
+    parser.add_argument(
+        "--details", type=Path, help="also write what the profile schema has no field for"
+    )
+    parser.add_argument(
+        "--attention-backend",
+        help="engine attention kernel (cudnn, flash, efficient, cpu, math); default automatic",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from zellige.profile import profile_from_dict, save_profile
+    from zellige.profiler.measure import ProfileOptions, profile_device
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = ProfileOptions(
+        model=args.model or ("tiny" if args.quick else "wan-14b"),
+        quick=args.quick,
+        device=device,
+        repeats=3 if args.quick else 5,
+        attention_backend=args.attention_backend,
+    )
+
+    def progress(line: str) -> None:
+        print(f"[profile] {line}", file=sys.stderr, flush=True)
+
+    result = profile_device(options, progress)
+    profile = profile_from_dict(result.profile)  # the core validates what it will read
+    save_profile(profile, args.out)
+    if args.details:
+        args.details.write_text(json.dumps(result.details, indent=1) + "\n")
+    print(f"wrote {args.out} ({profile.device_name})")
+    return 0

@@ -1,0 +1,90 @@
+"""`zellige validate-profile`: MAPE of the cost model's rank time and peak memory against ranks'
+compute run for real on this GPU (exchanges excluded), and KnapFormer's gamma model for
+comparison."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+TARGET_PLANS = 21
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plans", type=int, default=TARGET_PLANS, help="plans to draw (>= 21)")
+    parser.add_argument("--profile", help="profile JSON (default: the built-in H200 profile)")
+    parser.add_argument(
+        "--model", help="Wan-style model preset (default wan-14b; tiny with --quick)"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=2, help="layers of the model actually run (default 2)"
+    )
+    parser.add_argument("--ranks-per-plan", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per rank (median)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-checkpointing", action="store_true", help="run without activation checkpointing"
+    )
+    parser.add_argument(
+        "--time-budget", type=float, default=0.0, help="stop drawing plans after SECONDS"
+    )
+    parser.add_argument("--json", type=Path, help="write every rank's numbers here")
+    parser.add_argument(
+        "--quick", action="store_true", help="CPU smoke run: tiny model, small batches"
+    )
+
+
+def format_report(report, options) -> str:
+    lines = [
+        f"plans {report.num_plans}, ranks {len(report.ranks)}, model {options.model} "
+        f"({options.num_layers} layers)",
+        *(f"note: {note}" for note in report.notes),
+        f"time MAPE {report.time_mape_percent:.2f}%  (after the best single scale: "
+        f"{report.time_mape_best_scale_percent:.2f}%)",
+    ]
+    if report.memory_mape_percent is not None:
+        lines.append(
+            f"memory MAPE {report.memory_mape_percent:.2f}%  (step part, peak minus the modelled "
+            f"FSDP shard: {report.step_memory_mape_percent:.2f}%)"
+        )
+    else:
+        lines.append("memory MAPE n/a (no allocator statistics on a CPU)")
+    lines.append(
+        f"KnapFormer gamma model (gamma {report.gamma:.3f} from forward latencies, best single "
+        f"scale): time MAPE {report.knapformer_time_mape_percent:.2f}%"
+    )
+    if report.num_plans < TARGET_PLANS:
+        lines.append(f"note: fewer than {TARGET_PLANS} plans: not a measurement of the target")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from zellige.profiler.validate import ValidationOptions, report_dict, validate
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = ValidationOptions(
+        num_plans=args.plans,
+        profile=args.profile,
+        model=args.model or ("tiny" if args.quick else "wan-14b"),
+        num_layers=args.layers,
+        ranks_per_plan=args.ranks_per_plan,
+        repeats=args.repeats,
+        seed=args.seed,
+        activation_checkpointing=not args.no_checkpointing,
+        device=device,
+        quick=args.quick,
+        time_budget_s=args.time_budget,
+    )
+
+    def progress(line: str) -> None:
+        print(f"[validate] {line}", file=sys.stderr, flush=True)
+
+    report = validate(options, progress)
+    if args.json:
+        args.json.write_text(json.dumps(report_dict(report), indent=1) + "\n")
+    print(format_report(report, options))
+    return 0

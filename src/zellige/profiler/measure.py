@@ -1,0 +1,405 @@
+"""`zellige profile`: measures what the cost model reads and writes it as a profile JSON object.
+
+What is measured, and how it maps onto the cost model (cpp/src/cost_model.cc):
+- attention forward/backward per head by segment length, through the engine's coalesced call,
+  with segments of one length grouped as the engine groups them (a pack of about
+  `PACK_TOKENS` tokens, so short segments are timed as they run: never alone);
+- the per-token layers of the model preset (real zellige.model blocks with both attention cores
+  removed) by token count, stored as the GEMM rates that make the cost model's formula
+  `flops / rate + elementwise bytes / bandwidth` reproduce the measured times;
+- memory per token and layer kept for backward with and without activation checkpointing, and
+  the transient of one layer's backward, from the allocator around real blocks;
+- the device memory the process holds outside its tensors (context, library workspaces);
+- all-to-all time by bytes and group size when several GPUs are visible (see exchange.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from zellige import _core
+from zellige.profiler import rank_work
+from zellige.profiler.models import dit_config, model_spec
+from zellige.profiler.timing import allocated_bytes, median_time_s, synchronize
+
+PACK_TOKENS = 16384  # tokens of equal-length segments one coalesced call sees on a typical rank
+# The cost model's elementwise traffic per token and width per pass (kElementwiseBytesPerTokenWidth)
+ELEMENTWISE_BYTES_PER_TOKEN_WIDTH = 24
+
+FULL_ATTENTION_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+FULL_TOKEN_COUNTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+FULL_MEMORY_TOKENS = (8192, 32768)
+QUICK_ATTENTION_LENGTHS = (64, 128, 256)
+QUICK_TOKEN_COUNTS = (64, 128, 256)
+QUICK_MEMORY_TOKENS = (64, 128)
+
+Progress = Callable[[str], None]
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileOptions:
+    model: str = "wan-14b"
+    quick: bool = False  # a few small points: a smoke test (the only mode allowed on a CPU)
+    device: str = "cuda"
+    repeats: int = 5
+    attention_backend: str | None = None  # engine kernel override; None = the engine's choice
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileResult:
+    profile: dict  # the profile JSON object (zellige.profile schema)
+    details: dict = field(default_factory=dict)  # what the schema has no field for
+
+
+def _table(x: list[float], y: list[float]) -> dict:
+    return {"source": "measured", "x": [float(v) for v in x], "y": [float(v) for v in y]}
+
+
+def _versions(device: torch.device) -> str:
+    parts = [f"torch {torch.__version__}", f"python {platform.python_version()}"]
+    if device.type == "cuda":
+        parts.append(f"CUDA {torch.version.cuda}")
+        if torch.backends.cudnn.is_available():
+            parts.append(f"cuDNN {torch.backends.cudnn.version()}")
+    return ", ".join(parts)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    seconds = median_time_s(lambda: a @ b, device, repeats=repeats)
+    return 2.0 * size**3 / seconds
+
+
+def measure_copy_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> float:
+    """Device copy rate counting bytes read plus bytes written."""
+    source = torch.randn(num_bytes // 4, device=device)
+    dest = torch.empty_like(source)
+    seconds = median_time_s(lambda: dest.copy_(source), device, repeats=repeats)
+    return 2.0 * source.numel() * 4 / seconds
+
+
+def measure_attention(
+    *,
+    length: int,
+    heads_per_call: int,
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str | None,
+    repeats: int,
+) -> tuple[float, float]:
+    """Forward and backward seconds PER HEAD of one coalesced call over `heads_per_call`
+    (segment, head) pairs of `length` tokens (segments side by side, token-major rows)."""
+    from zellige.runtime.coalesced import SegmentTable, coalesced_attention
+
+    num_heads = heads_per_call
+    # One segment with all pairs as heads is the same dense batch the engine forms from
+    # heads_per_call / N segments of N heads (heads are folded into the batch).
+    table = SegmentTable.build([0], [0], [length], [length], [num_heads], device)
+    rows = length * num_heads
+    q, k, v = (
+        torch.randn(rows, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in "qkv"
+    )
+    grad_o = torch.randn(rows, head_dim, device=device, dtype=dtype)
+
+    def forward():
+        return coalesced_attention(q, k, v, table, backend=backend)
+
+    forward_s = median_time_s(forward, device, repeats=repeats)
+    out = forward()
+    backward_s = median_time_s(
+        lambda: torch.autograd.grad(out, (q, k, v), grad_o, retain_graph=True),
+        device,
+        repeats=repeats,
+    )
+    return forward_s / heads_per_call, backward_s / heads_per_call
+
+
+def heads_per_call(length: int, num_heads: int) -> int:
+    """(segment, head) pairs in one call: a pack of PACK_TOKENS tokens of this length."""
+    return num_heads * max(1, PACK_TOKENS // length)
+
+
+def profile_attention(
+    options: ProfileOptions, device, dtype, num_heads: int, head_dim: int, progress: Progress
+) -> tuple[dict, dict, dict]:
+    lengths = QUICK_ATTENTION_LENGTHS if options.quick else FULL_ATTENTION_LENGTHS
+    forward, backward = [], []
+    for length in lengths:
+        pairs = heads_per_call(length, num_heads)
+        f_s, b_s = measure_attention(
+            length=length,
+            heads_per_call=pairs,
+            head_dim=head_dim,
+            device=device,
+            dtype=dtype,
+            backend=options.attention_backend,
+            repeats=options.repeats,
+        )
+        forward.append(f_s)
+        backward.append(b_s)
+        flops = 4.0 * length**2 * head_dim
+        progress(
+            f"attention L={length:>6} x {pairs:>4} heads: fwd {flops / f_s / 1e12:6.1f} "
+            f"bwd {2.5 * flops / b_s / 1e12:6.1f} TFLOP/s"
+        )
+    # How the per-head time depends on the heads sharing one call (Ulysses shards hold fewer).
+    sweep = {}
+    sweep_lengths = (lengths[0], lengths[len(lengths) // 2])
+    for length in sweep_lengths:
+        for pairs in sorted({1, max(1, num_heads // 4), num_heads, heads_per_call(length, num_heads)}):
+            f_s, b_s = measure_attention(
+                length=length,
+                heads_per_call=pairs,
+                head_dim=head_dim,
+                device=device,
+                dtype=dtype,
+                backend=options.attention_backend,
+                repeats=options.repeats,
+            )
+            sweep[f"L={length},heads={pairs}"] = {"forward_s_per_head": f_s, "backward_s_per_head": b_s}
+    progress(f"attention head sweep at L={sweep_lengths}: {len(sweep)} points")
+    return _table(lengths, forward), _table(lengths, backward), sweep
+
+
+def profile_per_token_layers(
+    options: ProfileOptions, device, dtype, memory_bytes_per_s: float, progress: Progress
+) -> tuple[dict, dict, dict]:
+    """GEMM rates (FLOP/s) of the per-token layers against the token count M."""
+    spec = model_spec(options.model)
+    config = dit_config(options.model)
+    forward_flops_per_token = _core.layer_forward_flops(spec, 1, 0).linear
+    blocks = rank_work.make_blocks(config, 1, device, dtype)
+    token_counts = QUICK_TOKEN_COUNTS if options.quick else FULL_TOKEN_COUNTS
+    forward_rates, backward_rates, seconds = [], [], {}
+    for tokens in token_counts:
+        inputs = rank_work.per_token_inputs(
+            config=config, num_tokens=tokens, device=device, dtype=dtype
+        )
+        params = [inputs.x_TD, *blocks.parameters()]
+
+        def forward(inputs=inputs):
+            return rank_work.forward_blocks(blocks, inputs, checkpointing=False)
+
+        forward_s = median_time_s(forward, device, repeats=options.repeats)
+        out = forward()
+        backward_s = median_time_s(
+            lambda out=out, inputs=inputs: torch.autograd.grad(
+                out, params, inputs.grad_TD, retain_graph=True, allow_unused=True
+            ),
+            device,
+            repeats=options.repeats,
+        )
+        del out
+        # The cost model adds this elementwise time to flops / rate on every pass.
+        elementwise_s = (
+            ELEMENTWISE_BYTES_PER_TOKEN_WIDTH * config.width * dtype.itemsize * tokens
+            / memory_bytes_per_s
+        )
+        flops = forward_flops_per_token * tokens
+        forward_rates.append(flops / max(forward_s - elementwise_s, 0.05 * forward_s))
+        backward_rates.append(2.0 * flops / max(backward_s - elementwise_s, 0.05 * backward_s))
+        seconds[str(tokens)] = {"forward_s": forward_s, "backward_s": backward_s}
+        progress(
+            f"per-token layers M={tokens:>6}: fwd {forward_s * 1e3:8.3f} ms "
+            f"({flops / forward_s / 1e12:5.1f} TFLOP/s), bwd {backward_s * 1e3:8.3f} ms "
+            f"({2 * flops / backward_s / 1e12:5.1f} TFLOP/s)"
+        )
+    return _table(token_counts, forward_rates), _table(token_counts, backward_rates), seconds
+
+
+def _one_sequence_plan(num_tokens: int, text_tokens: int) -> tuple[_core.Batch, _core.Plan]:
+    batch = _core.Batch()
+    batch.sequences = [_core.sequence_from_tokens(0, "video", num_tokens, text_tokens, 0)]
+    plan = _core.Plan()
+    plan.planner = "profile"
+    plan.num_ranks = 1
+    plan.placements = [_core.make_placement(0, _core.Strategy.local, [0])]
+    return batch, plan
+
+
+def _memory_probe(blocks, inputs, checkpointing: bool, device) -> tuple[int, int]:
+    """(bytes kept after forward, peak bytes above that during backward)."""
+    synchronize(device)
+    before = allocated_bytes(device)
+    out = rank_work.forward_blocks(blocks, inputs, checkpointing)
+    synchronize(device)
+    after_forward = allocated_bytes(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out.backward(inputs.grad_TD)
+    synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del out
+    inputs.x_TD.grad = None
+    for parameter in blocks.parameters():
+        parameter.grad = None
+    return after_forward - before, peak - after_forward
+
+
+def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -> dict:
+    """Per token and layer: kept without checkpointing (activation), kept with checkpointing
+    (checkpoint) and the transient of one layer's backward beyond the kept bytes (backward);
+    slopes over two lengths, so per-step constants drop out. Two layers, halved."""
+    config = dit_config(options.model)
+    num_layers = 2
+    blocks = rank_work.make_blocks(config, num_layers, device, dtype)
+    token_counts = QUICK_MEMORY_TOKENS if options.quick else FULL_MEMORY_TOKENS
+    probes = {}
+    for tokens in token_counts:
+        batch, plan = _one_sequence_plan(tokens, config.text_tokens)
+        with rank_work.local_exchanges():
+            inputs = rank_work.plan_rank_inputs(
+                batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
+            )
+            rank_work.train_step(blocks, inputs, checkpointing=True)  # warm-up: workspaces
+            kept, transient = _memory_probe(blocks, inputs, False, device)
+            kept_ckpt, transient_ckpt = _memory_probe(blocks, inputs, True, device)
+        probes[tokens] = (kept, transient, kept_ckpt, transient_ckpt)
+        progress(
+            f"memory M={tokens:>6}: kept {kept / tokens / num_layers:9.0f} B/token/layer, "
+            f"with checkpointing {kept_ckpt / tokens / num_layers:7.0f}, backward transient "
+            f"{transient / tokens:9.0f} B/token"
+        )
+    low, high = token_counts[0], token_counts[-1]
+
+    def slope(i: int) -> float:
+        return (probes[high][i] - probes[low][i]) / (high - low)
+
+    activation = slope(0) / num_layers
+    checkpoint = slope(2) / num_layers
+    backward = slope(1)
+    # Under checkpointing the last layer's recompute (activation) precedes its backward.
+    backward_under_checkpointing = slope(3) - activation
+    return {
+        "activation_bytes_per_token_layer": activation,
+        "checkpoint_bytes_per_token_layer": checkpoint,
+        "backward_bytes_per_token_layer": backward,
+        "backward_bytes_per_token_layer_checkpointing": backward_under_checkpointing,
+        "probes": {str(t): list(v) for t, v in probes.items()},
+    }
+
+
+def measure_runtime_reserved(device: torch.device) -> int:
+    """Device bytes the process holds outside the caching allocator (CUDA context, cuBLAS and
+    cuDNN handles) plus the allocator's bytes still allocated when no tensor of ours is alive
+    (library workspaces). Assumes this process is alone on the GPU."""
+    synchronize(device)
+    torch.cuda.empty_cache()
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    outside = total_bytes - free_bytes - torch.cuda.memory_reserved(device)
+    return int(outside + torch.cuda.memory_allocated(device))
+
+
+def profile_device(options: ProfileOptions, progress: Progress = print) -> ProfileResult:
+    device = torch.device(options.device)
+    if device.type != "cuda" and not options.quick:
+        raise ValueError(
+            "zellige profile measures a GPU and found none (torch.cuda.is_available() is False); "
+            "use --quick for a CPU smoke run whose numbers mean nothing"
+        )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = dit_config(options.model)
+    spec = model_spec(options.model)
+    started = datetime.datetime.now(datetime.UTC)
+    progress(f"profiling {_device_name(device)} for {options.model} ({_versions(device)})")
+
+    gemm_size = 1024 if options.quick else 8192
+    matmul_flops_per_s = measure_matmul_peak(device, dtype, gemm_size, options.repeats)
+    memory_bytes_per_s = measure_copy_bandwidth(
+        device, (8 << 20) if options.quick else (2 << 30), options.repeats
+    )
+    progress(
+        f"GEMM {gemm_size}^3: {matmul_flops_per_s / 1e12:.1f} TFLOP/s; device copy "
+        f"{memory_bytes_per_s / 1e12:.2f} TB/s"
+    )
+    attention_forward, attention_backward, head_sweep = profile_attention(
+        options, device, dtype, config.num_heads, config.head_dim, progress
+    )
+    longest = attention_forward["x"][-1]
+    attention_flops_per_s = 4.0 * longest**2 * config.head_dim / attention_forward["y"][-1]
+    matmul_forward, matmul_backward, layer_seconds = profile_per_token_layers(
+        options, device, dtype, memory_bytes_per_s, progress
+    )
+
+    memory = None
+    runtime_reserved_bytes = 0
+    if device.type == "cuda":
+        memory = profile_memory(options, device, dtype, progress)
+        runtime_reserved_bytes = measure_runtime_reserved(device)
+        progress(f"runtime reserve (context, workspaces): {runtime_reserved_bytes / 2**20:.0f} MiB")
+    else:
+        progress("memory: skipped on CPU (no allocator statistics)")
+
+    exchange_sizes, exchange_tables = [], []
+    if device.type == "cuda" and torch.cuda.device_count() > 1 and not options.quick:
+        from zellige.profiler.exchange import profile_exchanges
+
+        exchange_sizes, exchange_tables = profile_exchanges(progress)
+    else:
+        progress("exchanges: one device visible, none measured (the cluster's links are used)")
+
+    profile = {
+        "device_name": _device_name(device),
+        "created": (
+            f"measured by `zellige profile --model {options.model}"
+            f"{' --quick' if options.quick else ''}` on {started:%Y-%m-%d %H:%M} UTC; "
+            f"{_versions(device)}; attention: engine coalesced call "
+            f"({options.attention_backend or 'automatic backend'}), {dtype}"
+        ),
+        "matmul_flops_per_s": matmul_flops_per_s,
+        "attention_flops_per_s": attention_flops_per_s,
+        "memory_bytes_per_s": memory_bytes_per_s,
+        "attention_head_dim": config.head_dim,
+        "attention_forward_s_per_head": attention_forward,
+        "attention_backward_s_per_head": attention_backward,
+        "matmul_forward_flops_per_s": matmul_forward,
+        "matmul_backward_flops_per_s": matmul_backward,
+        "exchange_group_sizes": exchange_sizes,
+        "exchange_intra_node_s": exchange_tables,
+        "exchange_overlap": 0.0,
+        "memory_models": [spec.name] if memory else [],
+        "activation_bytes_per_token_layer": (
+            [memory["activation_bytes_per_token_layer"]] if memory else []
+        ),
+        "checkpoint_bytes_per_token_layer": (
+            [memory["checkpoint_bytes_per_token_layer"]] if memory else []
+        ),
+        "backward_bytes_per_token_layer": (
+            [memory["backward_bytes_per_token_layer"]] if memory else []
+        ),
+        "runtime_reserved_bytes": runtime_reserved_bytes,
+    }
+    details = {
+        "model": options.model,
+        "attention_head_sweep": head_sweep,
+        "per_token_layer_seconds": layer_seconds,
+        "memory": memory,
+        "pack_tokens": PACK_TOKENS,
+        "wall_s": (datetime.datetime.now(datetime.UTC) - started).total_seconds(),
+    }
+    _check_finite(profile)
+    return ProfileResult(profile=profile, details=details)
+
+
+def _check_finite(profile: dict) -> None:
+    for key, value in profile.items():
+        values = value["y"] if isinstance(value, dict) else value
+        if isinstance(values, float | int) and not isinstance(values, bool):
+            values = [values]
+        if isinstance(values, list) and values and isinstance(values[0], float | int):
+            if not all(math.isfinite(v) and v >= 0 for v in np.asarray(values, dtype=float)):
+                raise RuntimeError(f"profile field {key} has a non-finite or negative value")

@@ -1,0 +1,236 @@
+"""One rank's compute of one training step, run on the one GPU at hand.
+
+The rank's held tokens go through real DiT blocks of zellige.model (forward, backward, and the
+forward recompute under activation checkpointing); self-attention is the engine's
+`distributed_attention` over the rank's compiled layout. Exchanges are EXCLUDED: inside
+`local_exchanges()` the all_to_all and ring messages become local copies of the same sizes, so
+every buffer, gather and kernel of the rank is real but no byte crosses a link.
+
+Legend: T held tokens, C held chunks (one per sequence on the rank), X text tokens of those
+chunks, N heads, H head dim, D width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from zellige import _core
+from zellige.model.attention import SegmentAttention
+from zellige.model.blocks import DiTBlock
+from zellige.model.config import DiTConfig
+from zellige.model.rope import rope_tables
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def _fill_from(dest: Tensor, source: Tensor) -> None:
+    """dest rows <- source rows repeated (a stand-in for what a peer would have sent)."""
+    if dest.shape[0] == 0:
+        return
+    if source.shape[0] == 0:
+        dest.normal_()
+        return
+    index = torch.arange(dest.shape[0], device=dest.device) % source.shape[0]
+    dest.copy_(source.index_select(0, index))
+
+
+def _local_all_to_all_rows(send, send_splits, recv_splits, group, async_op=False):
+    recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+    _fill_from(recv, send)
+    return recv, (_Done() if async_op else None)
+
+
+def _local_p2p(sends, recvs, step, tag):
+    sent = [t.reshape(-1, *t.shape[1:]) for _, t in sends if t.numel() > 0]
+    source = torch.cat(sent) if sent else None
+    for _, buffer in recvs:
+        if source is None:
+            buffer.normal_()
+        else:
+            _fill_from(buffer, source)
+    return []
+
+
+@contextlib.contextmanager
+def local_exchanges() -> Iterator[None]:
+    """Replaces the engine's exchanges by local copies of the same sizes (one process, no group)."""
+    from zellige.runtime import attention as engine_attention
+
+    saved = engine_attention.all_to_all_rows, engine_attention.p2p
+    engine_attention.all_to_all_rows = _local_all_to_all_rows
+    engine_attention.p2p = _local_p2p
+    try:
+        yield
+    finally:
+        engine_attention.all_to_all_rows, engine_attention.p2p = saved
+
+
+def make_blocks(
+    config: DiTConfig, num_layers: int, device: torch.device, dtype: torch.dtype
+) -> nn.ModuleList:
+    """`num_layers` blocks initialised as VideoDiT initialises them."""
+    blocks = nn.ModuleList(
+        DiTBlock(config.width, config.num_heads, config.ffn_width, config.eps)
+        for _ in range(num_layers)
+    )
+    with torch.no_grad():
+        for module in blocks.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        for block in blocks:
+            nn.init.normal_(block.modulation, std=config.width**-0.5)
+    return blocks.to(device=device, dtype=dtype)
+
+
+@dataclass(kw_only=True, slots=True)
+class RankInputs:
+    """What the blocks of one rank see in one step (built once, reused by every layer)."""
+
+    x_TD: Tensor
+    grad_TD: Tensor
+    text_XD: Tensor
+    modulation_C6D: Tensor
+    chunk_index_T: Tensor
+    rope_cos: Tensor
+    rope_sin: Tensor
+    self_attention: object  # AttentionFn
+    cross_attention: SegmentAttention
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.x_TD.shape[0])
+
+
+def rank_inputs(
+    *,
+    config: DiTConfig,
+    chunk_tokens: Sequence[int],
+    chunk_text_tokens: Sequence[int],
+    positions_T3: Tensor,
+    self_attention,
+    device: torch.device,
+    dtype: torch.dtype,
+    generator: torch.Generator | None = None,
+) -> RankInputs:
+    num_tokens = int(sum(chunk_tokens))
+    num_text = int(sum(chunk_text_tokens))
+    width = config.width
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device, dtype)
+
+    counts = torch.tensor(list(chunk_tokens), dtype=torch.int64)
+    chunk_index_T = torch.repeat_interleave(torch.arange(counts.numel()), counts).to(device)
+    rope_dtype = torch.promote_types(dtype, torch.float32)
+    rope_cos, rope_sin = rope_tables(
+        positions_T3.to(device), config.head_dim, config.rope_theta, rope_dtype
+    )
+    return RankInputs(
+        x_TD=randn(num_tokens, width).requires_grad_(True),
+        grad_TD=randn(num_tokens, width),
+        text_XD=randn(num_text, width),
+        modulation_C6D=randn(len(chunk_tokens), 6, width) * width**-0.5,
+        chunk_index_T=chunk_index_T,
+        rope_cos=rope_cos,
+        rope_sin=rope_sin,
+        self_attention=self_attention,
+        cross_attention=SegmentAttention(list(chunk_tokens), list(chunk_text_tokens), device),
+    )
+
+
+def forward_blocks(blocks: nn.ModuleList, inputs: RankInputs, checkpointing: bool) -> Tensor:
+    x_TD = inputs.x_TD
+    for block in blocks:
+        args = (
+            x_TD,
+            inputs.text_XD,
+            inputs.modulation_C6D,
+            inputs.chunk_index_T,
+            inputs.rope_cos,
+            inputs.rope_sin,
+            inputs.self_attention,
+            inputs.cross_attention,
+        )
+        x_TD = checkpoint(block, *args, use_reentrant=False) if checkpointing else block(*args)
+    return x_TD
+
+
+def train_step(blocks: nn.ModuleList, inputs: RankInputs, checkpointing: bool) -> None:
+    """Forward + backward of the rank's tokens through `blocks`; weight gradients are dropped
+    afterwards (the optimizer step is not part of the modelled time)."""
+    out_TD = forward_blocks(blocks, inputs, checkpointing)
+    out_TD.backward(inputs.grad_TD)
+    inputs.x_TD.grad = None
+    for parameter in blocks.parameters():
+        parameter.grad = None
+
+
+def plan_rank_inputs(
+    *,
+    batch: _core.Batch,
+    plan: _core.Plan,
+    rank: int,
+    config: DiTConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    generator: torch.Generator | None = None,
+) -> RankInputs:
+    """Inputs of `rank` under `plan`: its held chunks (from the plan compiler), their text and
+    positions, and the engine's distributed attention over its layout."""
+    from zellige.runtime.attention import distributed_attention
+    from zellige.runtime.layout import prepare_step
+
+    step = prepare_step(batch, plan, config.num_heads, device, rank=rank, check_agreement=False)
+    layout = step.compiled
+    sequences = batch.sequences
+    chunk_tokens = [int(n) for n in layout.chunk_num_tokens]
+    chunk_text = [int(sequences[int(i)].text_tokens) for i in layout.chunk_sequence_index]
+
+    def self_attention(q_TNH: Tensor, k_TNH: Tensor, v_TNH: Tensor) -> Tensor:
+        return distributed_attention(q_TNH, k_TNH, v_TNH, step)
+
+    return rank_inputs(
+        config=config,
+        chunk_tokens=chunk_tokens,
+        chunk_text_tokens=chunk_text,
+        positions_T3=step.position_ids,
+        self_attention=self_attention,
+        device=device,
+        dtype=dtype,
+        generator=generator,
+    )
+
+
+def no_attention(q_TNH: Tensor, k_SNH: Tensor, v_SNH: Tensor) -> Tensor:
+    """Stands in for an attention core when only the per-token layers are timed."""
+    return q_TNH
+
+
+def per_token_inputs(
+    *, config: DiTConfig, num_tokens: int, device: torch.device, dtype: torch.dtype
+) -> RankInputs:
+    """One sequence of `num_tokens` tokens with both attention cores and the text removed: what
+    the cost model calls the per-token layers (projections, norms, modulation, RoPE, FFN)."""
+    positions_T3 = torch.zeros(num_tokens, 3, dtype=torch.int64)
+    positions_T3[:, 2] = torch.arange(num_tokens)
+    inputs = rank_inputs(
+        config=config,
+        chunk_tokens=[num_tokens],
+        chunk_text_tokens=[0],
+        positions_T3=positions_T3,
+        self_attention=no_attention,
+        device=device,
+        dtype=dtype,
+    )
+    inputs.cross_attention = no_attention
+    return inputs

@@ -1,0 +1,61 @@
+"""Timing and memory probes for the profiler: CUDA events on a GPU, the wall clock on a CPU."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time_s(
+    fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5
+) -> float:
+    """Median seconds of `fn()` over `repeats` runs after `warmup` untimed ones.
+
+    On CUDA each run is bracketed by events, so host launch overhead that the GPU hides is not
+    counted, but a launch-bound run still shows its launch gaps."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times_s = []
+    if device.type == "cuda":
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times_s.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeats):
+            start_s = time.perf_counter()
+            fn()
+            times_s.append(time.perf_counter() - start_s)
+    return statistics.median(times_s)
+
+
+def reset_peak(device: torch.device) -> int:
+    """Resets the allocator's peak and returns the bytes allocated now (0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def allocated_bytes(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def peak_allocated_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device)

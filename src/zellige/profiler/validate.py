@@ -1,0 +1,365 @@
+"""`zellige validate-profile`: predicted against measured step time and peak memory of ranks.
+
+For plans drawn from the recipes by several planners on several cluster sizes, each chosen rank's
+compute runs for real on the one GPU (rank_work.py: real DiT blocks cut to a few layers,
+the engine's distributed attention with exchanges replaced by local copies), and the cost model,
+asked about the same layer count, predicts its time without exchanges and its peak memory.
+
+Memory: what a rank holds besides its step (its FSDP shard of weights, gradients and optimizer
+state) cannot be sharded on one GPU, so it is allocated as one buffer of the modelled size; the
+gathered block weights, their gradients, library workspaces and the CUDA context are real. Both
+the MAPE of the whole peak and of its step part (peak minus the modelled shard) are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from zellige import _core
+from zellige.costs import make_cost_model
+from zellige.profile import load_profile
+from zellige.profiler import fit, rank_work
+from zellige.profiler.models import dit_config, model_spec
+from zellige.profiler.timing import median_time_s, synchronize
+from zellige.workload import load_recipe
+
+Progress = Callable[[str], None]
+
+# (recipe, GPUs, planner): different workloads, cluster sizes and planners, cycled.
+PLAN_SOURCES = (
+    ("wan-stage2", 8, "dp-cost"),
+    ("wan-stage3", 8, "zellige"),
+    ("opensora2-stage2", 16, "static-cp:4"),
+    ("wan-stage1", 16, "knapformer:g1n8+g2n4"),
+    ("opensora2-stage1", 8, "megatron-dcp"),
+    ("knapformer-mixed-images", 8, "dp-tokens"),
+    ("wan-stage2", 16, "zellige"),
+    ("wan-stage3", 16, "static-cp:8"),
+    ("opensora2-stage2", 8, "zellige"),
+    ("knapformer-joint", 32, "knapformer:g4n8"),
+    ("wan-stage1", 8, "megatron-dcp"),
+    ("opensora2-stage1", 16, "zellige"),
+    ("wan-stage3", 32, "dp-cost"),
+    ("wan-stage2", 32, "static-cp:2"),
+)
+FORWARD_LATENCY_LENGTHS = (256, 1024, 4096, 16384, 32768, 65536)
+QUICK_LENGTH_RANGE = (16, 160)  # CPU smoke batches: token counts drawn in this range
+
+
+@dataclass(kw_only=True, slots=True)
+class ValidationOptions:
+    num_plans: int = 21
+    profile: str | None = None  # profile JSON; None: the built-in one
+    model: str = "wan-14b"
+    num_layers: int = 2
+    ranks_per_plan: int = 2  # the plan's slowest rank and its median rank
+    repeats: int = 3
+    seed: int = 0
+    activation_checkpointing: bool = True
+    device: str = "cuda"
+    quick: bool = False  # CPU smoke: tiny model, small synthetic batches, no memory
+    time_budget_s: float = 0.0  # stop drawing plans after this many seconds (0: no limit)
+
+
+@dataclass(kw_only=True, slots=True)
+class RankResult:
+    plan: str  # "recipe/GPUs/planner/seed"
+    rank: int
+    tokens: int
+    num_sequences: int
+    predicted_s: float
+    measured_s: float
+    predicted_peak_bytes: float
+    measured_peak_bytes: float
+    modelled_state_bytes: float  # the shard buffer (part of both peaks)
+    knapformer_work: float  # W summed over the rank's shares
+
+
+@dataclass(kw_only=True, slots=True)
+class ValidationReport:
+    ranks: list[RankResult] = field(default_factory=list)
+    time_mape_percent: float = 0.0
+    memory_mape_percent: float | None = None
+    step_memory_mape_percent: float | None = None
+    gamma: float = 0.0
+    gamma_forward_fit: dict = field(default_factory=dict)
+    knapformer_time_mape_percent: float = 0.0
+    time_mape_best_scale_percent: float = 0.0
+    num_plans: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def summarise(ranks: list[RankResult], gamma: float) -> ValidationReport:
+    """MAPEs of a list of rank results (pure arithmetic, tested on synthetic numbers)."""
+    predicted = [r.predicted_s for r in ranks]
+    measured = [r.measured_s for r in ranks]
+    report = ValidationReport(ranks=ranks, gamma=gamma)
+    report.time_mape_percent = fit.mape_percent(predicted, measured)
+    scale = fit.fit_scale(predicted, measured)
+    report.time_mape_best_scale_percent = fit.mape_percent([scale * p for p in predicted], measured)
+    work = [r.knapformer_work for r in ranks]
+    knap_scale = fit.fit_scale(work, measured)
+    report.knapformer_time_mape_percent = fit.mape_percent([knap_scale * w for w in work], measured)
+    if all(r.measured_peak_bytes > 0 for r in ranks):
+        report.memory_mape_percent = fit.mape_percent(
+            [r.predicted_peak_bytes for r in ranks], [r.measured_peak_bytes for r in ranks]
+        )
+        report.step_memory_mape_percent = fit.mape_percent(
+            [r.predicted_peak_bytes - r.modelled_state_bytes for r in ranks],
+            [r.measured_peak_bytes - r.modelled_state_bytes for r in ranks],
+        )
+    report.num_plans = len({r.plan for r in ranks})
+    return report
+
+
+def _quick_batch(num_ranks: int, seed: int, text_tokens: int) -> _core.Batch:
+    generator = torch.Generator().manual_seed(seed)
+    batch = _core.Batch()
+    sequences = []
+    for rank in range(num_ranks):
+        for _ in range(int(torch.randint(1, 3, (1,), generator=generator))):
+            tokens = int(torch.randint(*QUICK_LENGTH_RANGE, (1,), generator=generator))
+            sequences.append(
+                _core.sequence_from_tokens(len(sequences), "video", tokens, text_tokens, rank)
+            )
+    batch.sequences = sequences
+    return batch
+
+
+def draw_plans(options: ValidationOptions, profile: _core.HardwareProfile):
+    """Yields (name, batch, plan) for plan i = 0, 1, ...: recipe batches on a GPU; small
+    synthetic batches on 4 ranks in quick mode."""
+    full_spec = model_spec(options.model)
+    index = 0
+    while True:
+        source = PLAN_SOURCES[index % len(PLAN_SOURCES)]
+        seed = options.seed + index // len(PLAN_SOURCES)
+        recipe_name, num_gpus, planner = source
+        if options.quick:
+            num_gpus = 4
+            planner = ("dp-cost", "static-cp:2", "zellige", "dp-tokens")[index % 4]
+            recipe_name = "synthetic"
+            batch = _quick_batch(num_gpus, seed * 100 + index, full_spec.text_tokens)
+        else:
+            batch = _core.generate_batch(load_recipe(recipe_name), num_gpus, seed)
+        cost_model = make_cost_model(
+            full_spec,
+            gpus=num_gpus,
+            profile=profile,
+            activation_checkpointing=options.activation_checkpointing,
+        )
+        plan = _core.make_plan(planner, batch, cost_model)
+        yield f"{recipe_name}/{num_gpus}/{planner}/{seed}", batch, plan
+        index += 1
+
+
+def knapformer_rank_work(
+    batch: _core.Batch, plan: _core.Plan, rank: int, width: int, gamma: float
+) -> float:
+    """KnapFormer's W of a rank: each sequence's W(L) split evenly over its ranks."""
+    lengths = {s.id: s.num_tokens for s in batch.sequences}
+    work = 0.0
+    for placement in plan.placements:
+        if rank in placement.ranks:
+            work += fit.knapformer_work(lengths[placement.sequence_id], width, gamma) / len(
+                placement.ranks
+            )
+    return work
+
+
+def chosen_ranks(cost: _core.PlanCost, count: int) -> list[int]:
+    """The slowest rank first, then ranks spread evenly down the order of predicted time."""
+    order = sorted(
+        (r for r, rank in enumerate(cost.ranks) if rank.tokens > 0),
+        key=lambda r: -cost.ranks[r].time_s,
+    )
+    if len(order) <= count:
+        return order
+    step = len(order) / count
+    return [order[int(i * step)] for i in range(count)]
+
+
+def measure_forward_latencies(
+    options: ValidationOptions, device, dtype, progress: Progress
+) -> tuple[list[int], list[float]]:
+    """Forward seconds of one real block over one sequence of L tokens (self + cross-attention),
+    at the lengths KnapFormer's gamma is fitted on."""
+    config = dit_config(options.model, num_layers=1)
+    blocks = rank_work.make_blocks(config, 1, device, dtype)
+    lengths = [64, 128, 256] if options.quick else list(FORWARD_LATENCY_LENGTHS)
+    latencies = []
+    for length in lengths:
+        batch, plan = _one_local_plan(length, config.text_tokens)
+        with rank_work.local_exchanges():
+            inputs = rank_work.plan_rank_inputs(
+                batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
+            )
+            with torch.no_grad():
+                latencies.append(
+                    median_time_s(
+                        lambda inputs=inputs: rank_work.forward_blocks(blocks, inputs, False),
+                        device,
+                        warmup=1,
+                        repeats=options.repeats,
+                    )
+                )
+    progress(
+        "forward latency of one block: "
+        + ", ".join(f"L={n}: {s * 1e3:.2f} ms" for n, s in zip(lengths, latencies, strict=True))
+    )
+    return lengths, latencies
+
+
+def _one_local_plan(num_tokens: int, text_tokens: int) -> tuple[_core.Batch, _core.Plan]:
+    batch = _core.Batch()
+    batch.sequences = [_core.sequence_from_tokens(0, "video", num_tokens, text_tokens, 0)]
+    plan = _core.Plan()
+    plan.planner = "validate"
+    plan.num_ranks = 1
+    plan.placements = [_core.make_placement(0, _core.Strategy.local, [0])]
+    return batch, plan
+
+
+def _outside_allocator_bytes(device: torch.device) -> int:
+    """CUDA context and library handles: device bytes in use that the caching allocator does not
+    hold (this process alone on the GPU)."""
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    return int(total_bytes - free_bytes - torch.cuda.memory_reserved(device))
+
+
+def run_rank(
+    *,
+    batch: _core.Batch,
+    plan: _core.Plan,
+    rank: int,
+    blocks,
+    config,
+    state_bytes: int,
+    options: ValidationOptions,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[float, int]:
+    """(median step seconds, peak bytes) of the rank's compute; peak 0 on a CPU."""
+    cuda = device.type == "cuda"
+    state = torch.empty(state_bytes, dtype=torch.uint8, device=device) if cuda else None
+    with rank_work.local_exchanges():
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype
+        )
+
+        def step():
+            rank_work.train_step(blocks, inputs, options.activation_checkpointing)
+
+        step()  # warm-up: kernels chosen, workspaces allocated
+        peak = 0
+        if cuda:
+            synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds = median_time_s(step, device, warmup=0, repeats=options.repeats)
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(device) + _outside_allocator_bytes(device)
+    del inputs, state
+    if cuda:
+        torch.cuda.empty_cache()
+    return seconds, peak
+
+
+def validate(options: ValidationOptions, progress: Progress = print) -> ValidationReport:
+    device = torch.device(options.device)
+    if device.type != "cuda" and not options.quick:
+        raise ValueError(
+            "zellige validate-profile runs ranks' work on a GPU and found none; use --quick for a "
+            "CPU smoke run (time only, numbers mean nothing)"
+        )
+    if options.num_plans < 1:
+        raise ValueError("--plans must be at least 1")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    started = time.monotonic()
+    profile = load_profile(options.profile)
+    config = dit_config(options.model, num_layers=options.num_layers)
+    spec = model_spec(options.model, num_layers=options.num_layers)
+    blocks = rank_work.make_blocks(config, options.num_layers, device, dtype)
+
+    lengths, latencies = measure_forward_latencies(options, device, dtype, progress)
+    gamma, seconds_per_unit = fit.fit_knapformer_gamma(lengths, latencies, config.width)
+    progress(f"KnapFormer gamma fitted on forward latencies: {gamma:.3f}")
+
+    results: list[RankResult] = []
+    notes = [
+        "exchanges excluded: all-to-alls and ring messages ran as local copies of the same size; "
+        "predictions exclude exchange time",
+        f"{options.num_layers} of {model_spec(options.model).num_layers} layers of {options.model}"
+        f", activation checkpointing {'on' if options.activation_checkpointing else 'off'}",
+    ]
+    plans = draw_plans(options, profile)
+    for plan_index in range(options.num_plans):
+        if options.time_budget_s and time.monotonic() - started > options.time_budget_s:
+            notes.append(f"time budget reached: {plan_index} plans of {options.num_plans}")
+            progress(notes[-1])
+            break
+        name, batch, plan = next(plans)
+        cost_model = make_cost_model(
+            spec,
+            gpus=plan.num_ranks,
+            profile=profile,
+            activation_checkpointing=options.activation_checkpointing,
+        )
+        cost = cost_model.evaluate(batch, plan)
+        fixed_cost_model = cost_model.fixed_bytes()
+        reserve = (
+            profile.runtime_reserved_bytes if profile.runtime_reserved_bytes > 0 else 3 << 30
+        )
+        layer_params = spec.param_count / spec.num_layers
+        # fixed = shard + 2 gathered layers + one layer's fp32 grads + reserve; the blocks, their
+        # grads and the reserve are real here, the shard is the buffer.
+        state_bytes = max(0, int(fixed_cost_model - reserve - 2 * layer_params * 2 - layer_params * 4))
+        for rank in chosen_ranks(cost, options.ranks_per_plan):
+            rank_cost = cost.ranks[rank]
+            measured_s, peak = run_rank(
+                batch=batch,
+                plan=plan,
+                rank=rank,
+                blocks=blocks,
+                config=config,
+                state_bytes=state_bytes,
+                options=options,
+                device=device,
+                dtype=dtype,
+            )
+            result = RankResult(
+                plan=name,
+                rank=rank,
+                tokens=rank_cost.tokens,
+                num_sequences=sum(rank in p.ranks for p in plan.placements),
+                predicted_s=rank_cost.linear_s + rank_cost.attention_s,
+                measured_s=measured_s,
+                predicted_peak_bytes=rank_cost.peak_bytes,
+                measured_peak_bytes=float(peak),
+                modelled_state_bytes=float(state_bytes),
+                knapformer_work=knapformer_rank_work(batch, plan, rank, config.width, gamma),
+            )
+            results.append(result)
+            progress(
+                f"plan {plan_index + 1:>2}/{options.num_plans} {name:<40} rank {rank:>2} "
+                f"{result.tokens:>7} tokens: time {result.predicted_s * 1e3:9.2f} / "
+                f"{measured_s * 1e3:9.2f} ms, peak {result.predicted_peak_bytes / 2**30:7.2f} / "
+                f"{peak / 2**30:7.2f} GiB (predicted / measured)"
+            )
+    report = summarise(results, gamma)
+    report.gamma_forward_fit = {
+        "lengths": lengths,
+        "forward_latency_s": latencies,
+        "gamma": gamma,
+        "seconds_per_unit": seconds_per_unit,
+    }
+    report.notes = notes
+    return report
+
+
+def report_dict(report: ValidationReport) -> dict:
+    return dataclasses.asdict(report)

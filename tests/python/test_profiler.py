@@ -1,0 +1,150 @@
+"""The profiler on a CPU: the metrics on synthetic numbers, and a --quick profile's schema."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from zellige.profiler import fit  # noqa: E402
+from zellige.profiler.validate import RankResult, summarise  # noqa: E402
+
+
+def test_mape_on_known_numbers():
+    assert fit.mape_percent([110.0, 90.0], [100.0, 100.0]) == pytest.approx(10.0)
+    assert fit.mape_percent([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == 0.0
+    # relative to the measured value, not the prediction
+    assert fit.mape_percent([2.0], [1.0]) == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize(
+    "predicted, measured",
+    [([], []), ([1.0], [1.0, 2.0]), ([1.0], [0.0])],
+    ids=["empty", "lengths-differ", "zero-measured"],
+)
+def test_mape_rejects_bad_input(predicted, measured):
+    with pytest.raises(ValueError):
+        fit.mape_percent(predicted, measured)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.4, 1.7])
+def test_gamma_fit_recovers_a_planted_model(gamma):
+    width = 3072
+    seconds_per_unit = 2.5e-15
+    lengths = [256, 1024, 4096, 16384, 65536]
+    latencies = [seconds_per_unit * fit.knapformer_work(n, width, gamma) for n in lengths]
+    fitted_gamma, fitted_scale = fit.fit_knapformer_gamma(lengths, latencies, width)
+    assert fitted_gamma == pytest.approx(gamma, abs=1e-9)
+    assert fitted_scale == pytest.approx(seconds_per_unit, rel=1e-9)
+
+
+def test_gamma_fit_weights_every_length_alike():
+    # 10% noise on the shortest point must not be ignored because its latency is tiny
+    width, lengths = 1536, [256, 4096, 65536]
+    exact = [fit.knapformer_work(n, width, 0.5) for n in lengths]
+    noisy = [exact[0] * 1.1, *exact[1:]]
+    gamma, _ = fit.fit_knapformer_gamma(lengths, noisy, width)
+    assert gamma != pytest.approx(0.5, abs=1e-6)
+
+
+def test_best_scale_minimises_relative_error():
+    work = [1.0, 2.0, 4.0]
+    measured = [2.0, 4.0, 8.0]
+    assert fit.fit_scale(work, measured) == pytest.approx(2.0)
+
+
+def _rank(predicted_s, measured_s, predicted_peak, measured_peak, work, state=0.0):
+    return RankResult(
+        plan="p",
+        rank=0,
+        tokens=1,
+        num_sequences=1,
+        predicted_s=predicted_s,
+        measured_s=measured_s,
+        predicted_peak_bytes=predicted_peak,
+        measured_peak_bytes=measured_peak,
+        modelled_state_bytes=state,
+        knapformer_work=work,
+    )
+
+
+def test_summary_on_synthetic_ranks():
+    ranks = [
+        _rank(1.03, 1.0, 103.0, 100.0, work=1.0, state=50.0),
+        _rank(1.94, 2.0, 196.0, 200.0, work=1.0, state=50.0),
+    ]
+    report = summarise(ranks, gamma=0.4)
+    assert report.time_mape_percent == pytest.approx((3.0 + 3.0) / 2)
+    assert report.memory_mape_percent == pytest.approx((3.0 + 2.0) / 2)
+    # the shard buffer is removed from both sides for the step part: 53/50 and 146/150
+    assert report.step_memory_mape_percent == pytest.approx((6.0 + 100 * 4 / 150) / 2)
+    # equal work for unequal times: the best scale still leaves a large error
+    assert report.knapformer_time_mape_percent > 20.0
+    assert report.num_plans == 1
+
+
+def test_summary_without_memory_on_cpu():
+    report = summarise([_rank(1.0, 1.0, 5.0, 0.0, work=1.0)], gamma=0.4)
+    assert report.memory_mape_percent is None
+
+
+def test_profile_refuses_a_cpu_without_quick():
+    from zellige.profiler.measure import ProfileOptions, profile_device
+
+    with pytest.raises(ValueError, match="GPU"):
+        profile_device(ProfileOptions(model="tiny", device="cpu"), progress=lambda line: None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_profile_command_refuses_a_cpu(tmp_path):
+    from zellige.cli import main
+
+    try:
+        code = main(["profile", "--out", str(tmp_path / "p.json")])
+    except ValueError:  # cli.main turns it into exit status 2 once user errors are caught there
+        code = 2
+    assert code == 2
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_quick_profile_writes_a_valid_measured_profile(tmp_path):
+    from zellige.cli import main
+    from zellige.profile import load_profile
+
+    out = tmp_path / "profile.json"
+    details = tmp_path / "details.json"
+    assert main(["profile", "--quick", "--out", str(out), "--details", str(details)]) == 0
+    data = json.loads(out.read_text())
+    for key in (
+        "attention_forward_s_per_head",
+        "attention_backward_s_per_head",
+        "matmul_forward_flops_per_s",
+        "matmul_backward_flops_per_s",
+    ):
+        assert data[key]["source"] == "measured"
+        assert len(data[key]["x"]) >= 3
+        assert all(math.isfinite(v) and v > 0 for v in data[key]["y"])
+    assert data["device_name"]
+    assert "torch" in data["created"]
+    assert data["attention_head_dim"] == 16  # the tiny model's head dim
+    profile = load_profile(out)  # the core reads it back
+    assert profile.matmul_flops_per_s > 0
+    assert json.loads(details.read_text())["model"] == "tiny"
+
+
+def test_quick_validate_runs_ranks_through_the_engine(tmp_path):
+    from zellige.cli import main
+
+    out = tmp_path / "validate.json"
+    code = main(
+        ["validate-profile", "--quick", "--plans", "2", "--repeats", "1", "--json", str(out)]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["num_plans"] == 2
+    assert len(report["ranks"]) >= 2
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in report["ranks"])
+    assert any("exchanges excluded" in note for note in report["notes"])
