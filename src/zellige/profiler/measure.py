@@ -161,7 +161,9 @@ def profile_attention(
     sweep = {}
     sweep_lengths = (lengths[0], lengths[len(lengths) // 2])
     for length in sweep_lengths:
-        for pairs in sorted({1, max(1, num_heads // 4), num_heads, heads_per_call(length, num_heads)}):
+        for pairs in sorted(
+            {1, max(1, num_heads // 4), num_heads, heads_per_call(length, num_heads)}
+        ):
             f_s, b_s = measure_attention(
                 length=length,
                 heads_per_call=pairs,
@@ -171,7 +173,10 @@ def profile_attention(
                 backend=options.attention_backend,
                 repeats=options.repeats,
             )
-            sweep[f"L={length},heads={pairs}"] = {"forward_s_per_head": f_s, "backward_s_per_head": b_s}
+            sweep[f"L={length},heads={pairs}"] = {
+                "forward_s_per_head": f_s,
+                "backward_s_per_head": b_s,
+            }
     progress(f"attention head sweep at L={sweep_lengths}: {len(sweep)} points")
     return _table(lengths, forward), _table(lengths, backward), sweep
 
@@ -198,7 +203,7 @@ def profile_per_token_layers(
         forward_s = median_time_s(forward, device, repeats=options.repeats)
         out = forward()
         backward_s = median_time_s(
-            lambda out=out, inputs=inputs: torch.autograd.grad(
+            lambda out=out, inputs=inputs, params=params: torch.autograd.grad(
                 out, params, inputs.grad_TD, retain_graph=True, allow_unused=True
             ),
             device,
@@ -207,7 +212,10 @@ def profile_per_token_layers(
         del out
         # The cost model adds this elementwise time to flops / rate on every pass.
         elementwise_s = (
-            ELEMENTWISE_BYTES_PER_TOKEN_WIDTH * config.width * dtype.itemsize * tokens
+            ELEMENTWISE_BYTES_PER_TOKEN_WIDTH
+            * config.width
+            * dtype.itemsize
+            * tokens
             / memory_bytes_per_s
         )
         flops = forward_flops_per_token * tokens

@@ -252,7 +252,7 @@ def run_rank(
             batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype
         )
 
-        def step():
+        def step(inputs=inputs):
             rank_work.train_step(blocks, inputs, options.activation_checkpointing)
 
         step()  # warm-up: kernels chosen, workspaces allocated
@@ -263,7 +263,7 @@ def run_rank(
         seconds = median_time_s(step, device, warmup=0, repeats=options.repeats)
         if cuda:
             peak = torch.cuda.max_memory_allocated(device) + _outside_allocator_bytes(device)
-    del inputs, state
+    del inputs, step, state
     if cuda:
         torch.cuda.empty_cache()
     return seconds, peak
@@ -311,13 +311,13 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
         )
         cost = cost_model.evaluate(batch, plan)
         fixed_cost_model = cost_model.fixed_bytes()
-        reserve = (
-            profile.runtime_reserved_bytes if profile.runtime_reserved_bytes > 0 else 3 << 30
-        )
+        reserve = profile.runtime_reserved_bytes if profile.runtime_reserved_bytes > 0 else 3 << 30
         layer_params = spec.param_count / spec.num_layers
         # fixed = shard + 2 gathered layers + one layer's fp32 grads + reserve; the blocks, their
         # grads and the reserve are real here, the shard is the buffer.
-        state_bytes = max(0, int(fixed_cost_model - reserve - 2 * layer_params * 2 - layer_params * 4))
+        state_bytes = max(
+            0, int(fixed_cost_model - reserve - 2 * layer_params * 2 - layer_params * 4)
+        )
         for rank in chosen_ranks(cost, options.ranks_per_plan):
             rank_cost = cost.ranks[rank]
             measured_s, peak = run_rank(
