@@ -1,16 +1,832 @@
-// PLACEHOLDER until the two-stage planner lands (issue 3): keeps the registry linkable.
+// The zellige planner: anchors first, then fillers, then local search (DESIGN.md, issue 3).
+//
+// Stage 1 gives every *anchor* (a sequence whose local time exceeds the target makespan, or that
+// does not fit one rank) the smallest shape (degree, strategy) whose busiest share meets the
+// target, on the least-loaded ranks of one node (several nodes beyond a node's size); rank sets of
+// different anchors may overlap. Stage 2 packs the *fillers* whole, longest first, onto the rank
+// that is least loaded and still has the memory. A sweep over the target keeps the best of these
+// constructions; local search then lowers the busiest rank while it can: move or swap a filler,
+// or re-mould one of its anchors (swap a rank, add one, drop it, change the strategy).
+//
+// Rank time is additive over the sequences a rank holds except the per-token layers, which depend
+// on the rank's token total (CostModel::linear_time_s), so every rank keeps its totals and every
+// candidate move is priced exactly from them. Memory is charged additively (sum of shares).
+#include <algorithm>
+#include <cassert>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <sstream>
 #include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "zellige/planners.h"
 
 namespace zellige {
+namespace {
 
-Plan plan_zellige(const Batch&, const CostModel&, const PlannerOptions&) {
-  throw std::invalid_argument("planner 'zellige' is not built yet");
+using Clock = std::chrono::steady_clock;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// A move must lower the busiest rank by more than this fraction, so float noise cannot cycle.
+constexpr double kMinGain = 1e-9;
+// Targets of the construction sweep, as multiples of the mean local load per rank.
+constexpr double kTargetFactors[] = {0.98, 1.0,  1.02, 1.05, 1.08, 1.12, 1.17,
+                                     1.25, 1.35, 1.5,  1.75, 2.0,  3.0};
+constexpr int kRefineRounds = 3;
+// How many of the least-loaded ranks local search tries as partners of the busiest rank.
+constexpr int kMovePartners = 3;
+constexpr int kSwapPartners = 6;
+constexpr int kRemouldPartners = 4;
+
+struct Shape {
+  Strategy strategy = Strategy::kLocal;
+  int64_t degree = 1;
+  int64_t ulysses_degree = 1;
+};
+
+// Every shape of `degree` ranks the engine runs: Ulysses up to the head count, ring, and hybrids;
+// a hybrid that spans nodes keeps each Ulysses group within a node's size.
+void shapes_of_degree(int64_t degree, int64_t num_heads, int64_t gpus_per_node,
+                      std::vector<Shape>* shapes) {
+  shapes->clear();
+  if (degree == 1) {
+    shapes->push_back({Strategy::kLocal, 1, 1});
+    return;
+  }
+  if (degree <= num_heads) shapes->push_back({Strategy::kUlysses, degree, degree});
+  for (int64_t ulysses = 2; ulysses * 2 <= degree; ++ulysses) {
+    if (degree % ulysses != 0 || ulysses > num_heads) continue;
+    if (degree > gpus_per_node && ulysses > gpus_per_node) continue;
+    shapes->push_back({Strategy::kHybrid, degree, ulysses});
+  }
+  shapes->push_back({Strategy::kRing, degree, 1});
 }
 
-std::vector<Placement> candidate_placements(const Sequence&, const CostModel&, int64_t) {
-  throw std::invalid_argument("candidate_placements is not built yet");
+Placement to_placement(int64_t sequence_id, const Shape& shape, std::vector<int64_t> ranks) {
+  Placement placement;
+  placement.sequence_id = sequence_id;
+  placement.strategy = shape.strategy;
+  placement.ranks = std::move(ranks);
+  placement.ulysses_degree = shape.ulysses_degree;
+  placement.ring_degree = shape.degree / shape.ulysses_degree;
+  return placement;
+}
+
+// The best shape of one sequence at one degree, priced on canonical ranks 0..degree-1: full nodes
+// then one partial node, the same node pattern as the rank sets stage 1 picks.
+struct ShapeChoice {
+  bool evaluated = false;
+  bool feasible = false;  // some shape of this degree fits an empty rank's memory
+  Shape shape;
+  double time_s = kInf;     // busiest share, per-token layers at the typical per-token rate
+  double memory_bytes = 0;  // largest share
+  std::vector<RankShare> shares;
+};
+
+struct AnchorPlacement {
+  int32_t sequence = -1;
+  Shape shape;
+  std::vector<int64_t> ranks;
+  std::vector<RankShare> shares;  // in `ranks` order
+};
+
+// One (partial) plan with its per-rank totals.
+struct Solution {
+  std::vector<int64_t> tokens;
+  std::vector<double> other_s;  // attention + exchange
+  std::vector<double> memory_bytes;
+  std::vector<double> time_s;
+  std::vector<int32_t> filler_rank;  // per sequence index; -1 for anchors
+  std::vector<int32_t> anchor_slot;  // per sequence index; -1 for fillers
+  std::vector<AnchorPlacement> anchors;
+  std::vector<std::vector<int32_t>> rank_fillers;  // sequence indices
+  std::vector<std::vector<int32_t>> rank_anchors;  // anchor slots
+  double makespan_s = kInf;
+
+  void reset(int64_t num_ranks, int64_t num_sequences) {
+    tokens.assign(num_ranks, 0);
+    other_s.assign(num_ranks, 0.0);
+    memory_bytes.assign(num_ranks, 0.0);
+    time_s.assign(num_ranks, 0.0);
+    filler_rank.assign(num_sequences, -1);
+    anchor_slot.assign(num_sequences, -1);
+    anchors.clear();
+    rank_fillers.resize(num_ranks);
+    rank_anchors.resize(num_ranks);
+    for (auto& fillers : rank_fillers) fillers.clear();
+    for (auto& slots : rank_anchors) slots.clear();
+    makespan_s = kInf;
+  }
+};
+
+void erase_value(std::vector<int32_t>* values, int32_t value) {
+  auto it = std::find(values->begin(), values->end(), value);
+  assert(it != values->end());
+  *it = values->back();
+  values->pop_back();
+}
+
+class ZelligePlanner {
+ public:
+  ZelligePlanner(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options)
+      : batch_(batch),
+        cost_model_(cost_model),
+        options_(options),
+        num_ranks_(cost_model.cluster().num_ranks()),
+        gpus_per_node_(cost_model.cluster().gpus_per_node),
+        num_nodes_(cost_model.cluster().num_nodes),
+        num_heads_(cost_model.model().num_heads),
+        num_sequences_(static_cast<int64_t>(batch.sequences.size())) {}
+
+  Plan run();
+
+ private:
+  double linear_s(int64_t tokens) const {
+    return tokens > 0 ? cost_model_.linear_time_s(tokens) : 0.0;
+  }
+  double time_with(const Solution& s, int64_t rank, int64_t delta_tokens,
+                   double delta_other_s) const {
+    return linear_s(s.tokens[rank] + delta_tokens) + s.other_s[rank] + delta_other_s;
+  }
+  void refresh_time(Solution* s, int64_t rank) const {
+    s->time_s[rank] = linear_s(s->tokens[rank]) + s->other_s[rank];
+  }
+  double estimate_s(const RankShare& share) const {
+    return rate_s_per_token_ * static_cast<double>(share.tokens) + share.attention_s +
+           share.exchange_s;
+  }
+  int64_t node_of(int64_t rank) const { return rank / gpus_per_node_; }
+  // Ranks ordered by node, then id: hybrid Ulysses groups (consecutive ranks) stay in a node.
+  void sort_ranks(std::vector<int64_t>* ranks) const { std::sort(ranks->begin(), ranks->end()); }
+
+  void prepare();
+  const ShapeChoice& shape_at(int32_t sequence, int64_t degree);
+  int64_t degree_for(int32_t sequence, double target_s);
+  void construct(double target_s, Solution* s);
+  bool place_anchor(int32_t sequence, int64_t degree, Solution* s);
+  void resort_node(const Solution& s, int64_t node);
+  void add_filler(Solution* s, int32_t sequence, int64_t rank) const;
+  void remove_filler(Solution* s, int32_t sequence) const;
+  void add_anchor_shares(Solution* s, int32_t slot) const;
+  void remove_anchor_shares(Solution* s, int32_t slot) const;
+  void finish(Solution* s) const;
+
+  int64_t local_search(Solution* s, Clock::time_point deadline);
+  void least_loaded(const Solution& s, int count, const std::vector<char>* excluded,
+                    std::vector<int64_t>* ranks) const;
+  bool try_move(Solution* s, int64_t busiest);
+  bool try_swap(Solution* s, int64_t busiest);
+  bool try_remould(Solution* s, int64_t busiest);
+  double price_anchor_change(const Solution& s, const AnchorPlacement& anchor,
+                             const std::vector<RankShare>& new_shares);
+
+  const Batch& batch_;
+  const CostModel& cost_model_;
+  const PlannerOptions& options_;
+  const int64_t num_ranks_, gpus_per_node_, num_nodes_, num_heads_, num_sequences_;
+
+  double rate_s_per_token_ = 0;  // per-token layers at the mean token count per rank
+  double free_bytes_ = 0;        // memory capacity minus the fixed bytes, per rank
+  std::vector<int64_t> local_tokens_;
+  std::vector<double> local_other_s_, local_memory_bytes_, local_estimate_s_;
+  std::vector<int32_t> order_;  // sequence indices by local estimate, longest first
+  std::vector<std::vector<ShapeChoice>> shape_cache_;  // [sequence][degree], filled on demand
+
+  // Scratch, reused across calls.
+  std::vector<Shape> shapes_;
+  std::vector<std::vector<int64_t>> node_ranks_by_time_;
+  std::vector<std::pair<double, int64_t>> heap_, node_keys_, skipped_ranks_;
+  std::vector<int64_t> low_ranks_, candidate_ranks_, best_ranks_, touched_;
+  std::vector<std::pair<double, int32_t>> partner_fillers_;
+  std::vector<char> member_;
+  std::vector<int64_t> delta_tokens_;
+  std::vector<double> delta_other_s_, delta_memory_bytes_;
+  std::vector<RankShare> best_shares_;
+};
+
+void ZelligePlanner::prepare() {
+  const int64_t total = total_tokens(batch_);
+  const int64_t tokens_per_rank = std::max<int64_t>(1, total / num_ranks_);
+  rate_s_per_token_ = linear_s(tokens_per_rank) / static_cast<double>(tokens_per_rank);
+  free_bytes_ = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
+
+  local_tokens_.resize(num_sequences_);
+  local_other_s_.resize(num_sequences_);
+  local_memory_bytes_.resize(num_sequences_);
+  local_estimate_s_.resize(num_sequences_);
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    const Sequence& sequence = batch_.sequences[i];
+    const RankShare share =
+        cost_model_.shares(sequence, to_placement(sequence.id, Shape{}, {0})).front();
+    local_tokens_[i] = share.tokens;
+    local_other_s_[i] = share.attention_s + share.exchange_s;
+    local_memory_bytes_[i] = share.memory_bytes;
+    local_estimate_s_[i] = estimate_s(share);
+  }
+  order_.resize(num_sequences_);
+  std::iota(order_.begin(), order_.end(), 0);
+  std::stable_sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
+    return local_estimate_s_[a] > local_estimate_s_[b];
+  });
+  shape_cache_.assign(num_sequences_, {});
+  node_ranks_by_time_.assign(num_nodes_, std::vector<int64_t>(gpus_per_node_));
+  member_.assign(num_ranks_, 0);
+  delta_tokens_.assign(num_ranks_, 0);
+  delta_other_s_.assign(num_ranks_, 0.0);
+  delta_memory_bytes_.assign(num_ranks_, 0.0);
+}
+
+const ShapeChoice& ZelligePlanner::shape_at(int32_t sequence, int64_t degree) {
+  std::vector<ShapeChoice>& cache = shape_cache_[sequence];
+  if (static_cast<int64_t>(cache.size()) <= degree) cache.resize(degree + 1);
+  ShapeChoice& choice = cache[degree];
+  if (choice.evaluated) return choice;
+  choice.evaluated = true;
+  const Sequence& seq = batch_.sequences[sequence];
+  std::vector<int64_t> ranks(degree);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  shapes_of_degree(degree, num_heads_, gpus_per_node_, &shapes_);
+  for (const Shape& shape : shapes_) {
+    std::vector<RankShare> shares = cost_model_.shares(seq, to_placement(seq.id, shape, ranks));
+    double time_s = 0, memory_bytes = 0;
+    for (const RankShare& share : shares) {
+      time_s = std::max(time_s, estimate_s(share));
+      memory_bytes = std::max(memory_bytes, share.memory_bytes);
+    }
+    if (memory_bytes > free_bytes_ || time_s >= choice.time_s) continue;
+    choice.feasible = true;
+    choice.shape = shape;
+    choice.time_s = time_s;
+    choice.memory_bytes = memory_bytes;
+    choice.shares = std::move(shares);
+  }
+  return choice;
+}
+
+// The smallest degree whose best shape meets the target; failing that, the fastest degree seen
+// before the busiest share stops improving. 0 when no shape fits memory.
+int64_t ZelligePlanner::degree_for(int32_t sequence, double target_s) {
+  int64_t first = 2;
+  if (std::isfinite(target_s) && target_s > 0) {
+    first = std::max<int64_t>(
+        2, static_cast<int64_t>(std::ceil(local_estimate_s_[sequence] / target_s)));
+  }
+  first = std::min(first, num_ranks_);
+  int64_t best_degree = 0;
+  double best_time_s = kInf;
+  int misses = 0;
+  for (int64_t degree = first; degree <= num_ranks_; ++degree) {
+    const ShapeChoice& choice = shape_at(sequence, degree);
+    if (!choice.feasible) continue;
+    if (choice.time_s <= target_s) return degree;
+    if (choice.time_s < best_time_s) {
+      best_time_s = choice.time_s;
+      best_degree = degree;
+      misses = 0;
+    } else if (++misses >= 3) {
+      break;
+    }
+  }
+  return best_degree;
+}
+
+void ZelligePlanner::resort_node(const Solution& s, int64_t node) {
+  std::vector<int64_t>& ranks = node_ranks_by_time_[node];
+  // Insertion sort: a node has few ranks and only a few of them changed.
+  for (size_t i = 1; i < ranks.size(); ++i) {
+    const int64_t rank = ranks[i];
+    size_t j = i;
+    while (j > 0 && s.time_s[ranks[j - 1]] > s.time_s[rank]) {
+      ranks[j] = ranks[j - 1];
+      --j;
+    }
+    ranks[j] = rank;
+  }
+}
+
+// Stage 1 for one anchor: the `degree` least-loaded ranks of one node (beyond a node: the least
+// loaded whole nodes, then the least-loaded ranks of one more node) that have the memory.
+bool ZelligePlanner::place_anchor(int32_t sequence, int64_t degree, Solution* s) {
+  const ShapeChoice& choice = shape_at(sequence, degree);
+  if (!choice.feasible) return false;
+  const double memory_bytes = choice.memory_bytes;
+  auto take_from_node = [&](int64_t node, int64_t count, std::vector<int64_t>* ranks) {
+    double last_time_s = 0;
+    int64_t taken = 0;
+    for (int64_t rank : node_ranks_by_time_[node]) {
+      if (taken == count) break;
+      if (s->memory_bytes[rank] + memory_bytes > free_bytes_) continue;
+      if (ranks) ranks->push_back(rank);
+      last_time_s = s->time_s[rank];
+      ++taken;
+    }
+    return taken == count ? last_time_s : kInf;
+  };
+
+  const int64_t full_nodes = degree / gpus_per_node_;
+  const int64_t partial = degree % gpus_per_node_;
+  candidate_ranks_.clear();
+  node_keys_.clear();
+  for (int64_t node = 0; node < num_nodes_; ++node) {
+    node_keys_.push_back({full_nodes > 0 ? take_from_node(node, gpus_per_node_, nullptr)
+                                         : take_from_node(node, partial, nullptr),
+                          node});
+  }
+  std::sort(node_keys_.begin(), node_keys_.end());
+  if (full_nodes > num_nodes_ || (full_nodes > 0 && node_keys_[full_nodes - 1].first == kInf)) {
+    return false;
+  }
+  for (int64_t k = 0; k < full_nodes; ++k) take_from_node(node_keys_[k].second, gpus_per_node_,
+                                                         &candidate_ranks_);
+  if (partial > 0) {
+    int64_t best_node = -1;
+    double best_time_s = kInf;
+    for (size_t k = full_nodes; k < node_keys_.size(); ++k) {
+      const int64_t node = node_keys_[k].second;
+      const double time_s = full_nodes > 0 ? take_from_node(node, partial, nullptr)
+                                           : node_keys_[k].first;
+      if (time_s < best_time_s || (time_s == best_time_s && node < best_node)) {
+        best_time_s = time_s;
+        best_node = node;
+      }
+    }
+    if (best_node < 0) return false;
+    const size_t partial_begin = candidate_ranks_.size();
+    take_from_node(best_node, partial, &candidate_ranks_);
+    std::sort(candidate_ranks_.begin() + partial_begin, candidate_ranks_.end());
+  }
+  // Full nodes in node order, each in rank order, the partial node last: the canonical pattern.
+  std::sort(candidate_ranks_.begin(), candidate_ranks_.end() - partial);
+
+  const int32_t slot = static_cast<int32_t>(s->anchors.size());
+  AnchorPlacement& anchor = s->anchors.emplace_back();
+  anchor.sequence = sequence;
+  anchor.shape = choice.shape;
+  anchor.ranks = candidate_ranks_;
+  anchor.shares = choice.shares;
+  for (size_t k = 0; k < anchor.ranks.size(); ++k) anchor.shares[k].rank = anchor.ranks[k];
+  s->anchor_slot[sequence] = slot;
+  add_anchor_shares(s, slot);
+  for (size_t k = 0; k < anchor.ranks.size(); ++k) {
+    if (k == 0 || node_of(anchor.ranks[k]) != node_of(anchor.ranks[k - 1])) {
+      resort_node(*s, node_of(anchor.ranks[k]));
+    }
+  }
+  return true;
+}
+
+void ZelligePlanner::add_filler(Solution* s, int32_t sequence, int64_t rank) const {
+  s->filler_rank[sequence] = static_cast<int32_t>(rank);
+  s->rank_fillers[rank].push_back(sequence);
+  s->tokens[rank] += local_tokens_[sequence];
+  s->other_s[rank] += local_other_s_[sequence];
+  s->memory_bytes[rank] += local_memory_bytes_[sequence];
+  refresh_time(s, rank);
+}
+
+void ZelligePlanner::remove_filler(Solution* s, int32_t sequence) const {
+  const int64_t rank = s->filler_rank[sequence];
+  erase_value(&s->rank_fillers[rank], sequence);
+  s->filler_rank[sequence] = -1;
+  s->tokens[rank] -= local_tokens_[sequence];
+  s->other_s[rank] -= local_other_s_[sequence];
+  s->memory_bytes[rank] -= local_memory_bytes_[sequence];
+  refresh_time(s, rank);
+}
+
+void ZelligePlanner::add_anchor_shares(Solution* s, int32_t slot) const {
+  for (const RankShare& share : s->anchors[slot].shares) {
+    s->tokens[share.rank] += share.tokens;
+    s->other_s[share.rank] += share.attention_s + share.exchange_s;
+    s->memory_bytes[share.rank] += share.memory_bytes;
+    s->rank_anchors[share.rank].push_back(slot);
+    refresh_time(s, share.rank);
+  }
+}
+
+void ZelligePlanner::remove_anchor_shares(Solution* s, int32_t slot) const {
+  for (const RankShare& share : s->anchors[slot].shares) {
+    s->tokens[share.rank] -= share.tokens;
+    s->other_s[share.rank] -= share.attention_s + share.exchange_s;
+    s->memory_bytes[share.rank] -= share.memory_bytes;
+    erase_value(&s->rank_anchors[share.rank], slot);
+    refresh_time(s, share.rank);
+  }
+}
+
+void ZelligePlanner::finish(Solution* s) const {
+  s->makespan_s = 0;
+  for (int64_t rank = 0; rank < num_ranks_; ++rank) {
+    refresh_time(s, rank);  // re-summed totals drift by float rounding only
+    s->makespan_s = std::max(s->makespan_s, s->time_s[rank]);
+  }
+}
+
+void ZelligePlanner::construct(double target_s, Solution* s) {
+  s->reset(num_ranks_, num_sequences_);
+  for (int64_t node = 0; node < num_nodes_; ++node) {
+    std::iota(node_ranks_by_time_[node].begin(), node_ranks_by_time_[node].end(),
+              node * gpus_per_node_);
+  }
+  auto place_by_degree = [&](int32_t sequence, int64_t degree) {
+    for (; degree >= 1 && degree <= num_ranks_; ++degree) {
+      if (place_anchor(sequence, degree, s)) return;
+    }
+    throw PlanMemoryError("sequence " + std::to_string(batch_.sequences[sequence].id) +
+                          " fits in memory under no placement on the ranks left to it");
+  };
+
+  // Stage 1: anchors, longest first.
+  for (int32_t sequence : order_) {
+    if (local_memory_bytes_[sequence] <= free_bytes_ && local_estimate_s_[sequence] <= target_s) {
+      continue;
+    }
+    const int64_t degree = degree_for(sequence, target_s);
+    if (degree == 0) {
+      throw PlanMemoryError("sequence " + std::to_string(batch_.sequences[sequence].id) +
+                            " fits in memory under no placement");
+    }
+    place_by_degree(sequence, degree);
+  }
+
+  // Stage 2: fillers, longest first, onto the least-loaded rank with the memory.
+  auto later = [](const std::pair<double, int64_t>& a, const std::pair<double, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second > b.second);
+  };
+  auto rebuild_heap = [&] {
+    heap_.clear();
+    for (int64_t rank = 0; rank < num_ranks_; ++rank) heap_.push_back({s->time_s[rank], rank});
+    std::make_heap(heap_.begin(), heap_.end(), later);
+  };
+  rebuild_heap();
+  std::vector<std::pair<double, int64_t>>& skipped = skipped_ranks_;
+  for (int32_t sequence : order_) {
+    if (s->anchor_slot[sequence] >= 0) continue;
+    skipped.clear();
+    int64_t chosen = -1;
+    while (!heap_.empty()) {
+      std::pop_heap(heap_.begin(), heap_.end(), later);
+      const int64_t rank = heap_.back().second;
+      heap_.pop_back();
+      if (s->memory_bytes[rank] + local_memory_bytes_[sequence] <= free_bytes_) {
+        chosen = rank;
+        break;
+      }
+      skipped.push_back({s->time_s[rank], rank});
+    }
+    for (const auto& entry : skipped) {
+      heap_.push_back(entry);
+      std::push_heap(heap_.begin(), heap_.end(), later);
+    }
+    if (chosen >= 0) {
+      add_filler(s, sequence, chosen);
+      heap_.push_back({s->time_s[chosen], chosen});
+      std::push_heap(heap_.begin(), heap_.end(), later);
+    } else {
+      // No rank has the memory left for it whole: shard it like an anchor.
+      for (int64_t node = 0; node < num_nodes_; ++node) resort_node(*s, node);
+      place_by_degree(sequence, 2);
+      rebuild_heap();
+    }
+  }
+  finish(s);
+}
+
+// The `count` least-loaded ranks (by time, then id), skipping ranks marked in `excluded`.
+void ZelligePlanner::least_loaded(const Solution& s, int count, const std::vector<char>* excluded,
+                                  std::vector<int64_t>* ranks) const {
+  ranks->clear();
+  for (int64_t rank = 0; rank < num_ranks_; ++rank) {
+    if (excluded && (*excluded)[rank]) continue;
+    if (static_cast<int>(ranks->size()) == count && s.time_s[ranks->back()] <= s.time_s[rank]) {
+      continue;
+    }
+    if (static_cast<int>(ranks->size()) == count) ranks->pop_back();
+    auto at = ranks->end();
+    while (at != ranks->begin() && s.time_s[*(at - 1)] > s.time_s[rank]) --at;
+    ranks->insert(at, rank);
+  }
+}
+
+bool ZelligePlanner::try_move(Solution* s, int64_t busiest) {
+  member_[busiest] = 1;
+  least_loaded(*s, kMovePartners, &member_, &low_ranks_);
+  member_[busiest] = 0;
+  const double bound_s = s->time_s[busiest] * (1 - kMinGain);
+  double best_s = bound_s;
+  int32_t best_sequence = -1;
+  int64_t best_rank = -1;
+  for (int32_t sequence : s->rank_fillers[busiest]) {
+    const int64_t tokens = local_tokens_[sequence];
+    const double other_s = local_other_s_[sequence];
+    const double left_s = time_with(*s, busiest, -tokens, -other_s);
+    if (left_s >= best_s) continue;
+    for (int64_t rank : low_ranks_) {
+      if (s->memory_bytes[rank] + local_memory_bytes_[sequence] > free_bytes_) continue;
+      const double score_s = std::max(left_s, time_with(*s, rank, tokens, other_s));
+      if (score_s < best_s) {
+        best_s = score_s;
+        best_sequence = sequence;
+        best_rank = rank;
+      }
+    }
+  }
+  if (best_sequence < 0) return false;
+  remove_filler(s, best_sequence);
+  add_filler(s, best_sequence, best_rank);
+  return true;
+}
+
+bool ZelligePlanner::try_swap(Solution* s, int64_t busiest) {
+  if (s->rank_fillers[busiest].empty()) return false;
+  member_[busiest] = 1;
+  least_loaded(*s, kSwapPartners, &member_, &low_ranks_);
+  member_[busiest] = 0;
+  const double bound_s = s->time_s[busiest] * (1 - kMinGain);
+  double best_s = bound_s;
+  int32_t best_out = -1, best_in = -1;
+  for (int64_t rank : low_ranks_) {
+    const double gap_s = s->time_s[busiest] - s->time_s[rank];
+    if (gap_s <= 0) continue;
+    partner_fillers_.clear();
+    for (int32_t sequence : s->rank_fillers[rank]) {
+      partner_fillers_.push_back({local_estimate_s_[sequence], sequence});
+    }
+    if (partner_fillers_.empty()) continue;
+    std::sort(partner_fillers_.begin(), partner_fillers_.end());
+    for (int32_t out : s->rank_fillers[busiest]) {
+      // The ideal partner is smaller by half the gap; price the few nearest exactly.
+      const double want_s = local_estimate_s_[out] - gap_s / 2;
+      const auto at = std::lower_bound(partner_fillers_.begin(), partner_fillers_.end(),
+                                       std::pair<double, int32_t>{want_s, -1});
+      const int64_t center = at - partner_fillers_.begin();
+      const int64_t lo = std::max<int64_t>(0, center - 2);
+      const int64_t hi = std::min<int64_t>(partner_fillers_.size(), center + 2);
+      for (int64_t k = lo; k < hi; ++k) {
+        const int32_t in = partner_fillers_[k].second;
+        const int64_t delta_tokens = local_tokens_[in] - local_tokens_[out];
+        const double delta_other_s = local_other_s_[in] - local_other_s_[out];
+        const double delta_bytes = local_memory_bytes_[in] - local_memory_bytes_[out];
+        if (s->memory_bytes[busiest] + delta_bytes > free_bytes_ ||
+            s->memory_bytes[rank] - delta_bytes > free_bytes_) {
+          continue;
+        }
+        const double score_s =
+            std::max(time_with(*s, busiest, delta_tokens, delta_other_s),
+                     time_with(*s, rank, -delta_tokens, -delta_other_s));
+        if (score_s < best_s) {
+          best_s = score_s;
+          best_out = out;
+          best_in = in;
+        }
+      }
+    }
+  }
+  if (best_out < 0) return false;
+  const int64_t rank = s->filler_rank[best_in];
+  remove_filler(s, best_out);
+  remove_filler(s, best_in);
+  add_filler(s, best_out, rank);
+  add_filler(s, best_in, busiest);
+  return true;
+}
+
+// The busiest time over the ranks an anchor change touches, or infinity when a rank would run out
+// of memory.
+double ZelligePlanner::price_anchor_change(const Solution& s, const AnchorPlacement& anchor,
+                                           const std::vector<RankShare>& new_shares) {
+  touched_.clear();
+  auto touch = [&](const RankShare& share, double sign) {
+    if (delta_tokens_[share.rank] == 0 && delta_other_s_[share.rank] == 0 &&
+        delta_memory_bytes_[share.rank] == 0) {
+      touched_.push_back(share.rank);
+    }
+    delta_tokens_[share.rank] += static_cast<int64_t>(sign) * share.tokens;
+    delta_other_s_[share.rank] += sign * (share.attention_s + share.exchange_s);
+    delta_memory_bytes_[share.rank] += sign * share.memory_bytes;
+  };
+  for (const RankShare& share : anchor.shares) touch(share, -1);
+  for (const RankShare& share : new_shares) touch(share, +1);
+  double score_s = 0;
+  for (int64_t rank : touched_) {
+    if (delta_memory_bytes_[rank] > 0 &&
+        s.memory_bytes[rank] + delta_memory_bytes_[rank] > free_bytes_) {
+      score_s = kInf;
+    }
+    score_s = std::max(score_s, time_with(s, rank, delta_tokens_[rank], delta_other_s_[rank]));
+  }
+  for (int64_t rank : touched_) {
+    delta_tokens_[rank] = 0;
+    delta_other_s_[rank] = 0;
+    delta_memory_bytes_[rank] = 0;
+  }
+  return score_s;
+}
+
+bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
+  const double bound_s = s->time_s[busiest] * (1 - kMinGain);
+  double best_s = bound_s;
+  int32_t best_slot = -1;
+  Shape best_shape;
+  for (int32_t slot : s->rank_anchors[busiest]) {
+    const AnchorPlacement& anchor = s->anchors[slot];
+    const Sequence& sequence = batch_.sequences[anchor.sequence];
+    const int64_t degree = anchor.shape.degree;
+    auto consider = [&](const Shape& shape, const std::vector<int64_t>& ranks) {
+      std::vector<RankShare> shares =
+          cost_model_.shares(sequence, to_placement(sequence.id, shape, ranks));
+      const double score_s = price_anchor_change(*s, anchor, shares);
+      if (score_s < best_s) {
+        best_s = score_s;
+        best_slot = slot;
+        best_shape = shape;
+        best_ranks_ = ranks;
+        best_shares_ = std::move(shares);
+      }
+    };
+    for (int64_t rank : anchor.ranks) member_[rank] = 1;
+    least_loaded(*s, kRemouldPartners, &member_, &low_ranks_);
+    for (int64_t rank : anchor.ranks) member_[rank] = 0;
+
+    // Another shape on the same ranks.
+    shapes_of_degree(degree, num_heads_, gpus_per_node_, &shapes_);
+    const std::vector<Shape> same_degree = shapes_;
+    for (const Shape& shape : same_degree) {
+      if (shape.strategy != anchor.shape.strategy ||
+          shape.ulysses_degree != anchor.shape.ulysses_degree) {
+        consider(shape, anchor.ranks);
+      }
+    }
+    // The busiest rank swapped for a lightly loaded one.
+    for (int64_t rank : low_ranks_) {
+      candidate_ranks_ = anchor.ranks;
+      *std::find(candidate_ranks_.begin(), candidate_ranks_.end(), busiest) = rank;
+      sort_ranks(&candidate_ranks_);
+      consider(anchor.shape, candidate_ranks_);
+    }
+    // One rank more, in the best shape of that degree.
+    if (degree < num_ranks_) {
+      const ShapeChoice& wider = shape_at(anchor.sequence, degree + 1);
+      if (wider.feasible) {
+        const Shape shape = wider.shape;
+        for (int64_t rank : low_ranks_) {
+          candidate_ranks_ = anchor.ranks;
+          candidate_ranks_.push_back(rank);
+          sort_ranks(&candidate_ranks_);
+          consider(shape, candidate_ranks_);
+        }
+      }
+    }
+    // The busiest rank dropped, in the best shape of that degree.
+    if (degree > 1) {
+      const ShapeChoice& narrower = shape_at(anchor.sequence, degree - 1);
+      if (narrower.feasible) {
+        const Shape shape = narrower.shape;
+        candidate_ranks_ = anchor.ranks;
+        candidate_ranks_.erase(std::find(candidate_ranks_.begin(), candidate_ranks_.end(), busiest));
+        consider(shape, candidate_ranks_);
+      }
+    }
+  }
+  if (best_slot < 0) return false;
+  remove_anchor_shares(s, best_slot);
+  AnchorPlacement& anchor = s->anchors[best_slot];
+  anchor.shape = best_shape;
+  anchor.ranks = best_ranks_;
+  anchor.shares = best_shares_;
+  add_anchor_shares(s, best_slot);
+  return true;
+}
+
+int64_t ZelligePlanner::local_search(Solution* s, Clock::time_point deadline) {
+  const int64_t max_steps = 20 * (num_sequences_ + num_ranks_) + 1000;
+  int64_t step = 0;
+  for (; step < max_steps; ++step) {
+    if ((step & 15) == 15 && Clock::now() > deadline) break;
+    const int64_t busiest =
+        std::max_element(s->time_s.begin(), s->time_s.end()) - s->time_s.begin();
+    if (!try_move(s, busiest) && !try_swap(s, busiest) && !try_remould(s, busiest)) break;
+  }
+  finish(s);
+  return step;
+}
+
+Plan ZelligePlanner::run() {
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point deadline =
+      start + std::chrono::duration_cast<Clock::duration>(
+                  std::chrono::duration<double>(std::max(0.0, options_.time_limit_s)));
+  prepare();
+
+  double mean_s = 0;
+  for (double estimate_s : local_estimate_s_) mean_s += estimate_s;
+  mean_s /= static_cast<double>(num_ranks_);
+
+  // The sweep: everything local first (target infinity), then targets around the mean load.
+  Solution best, current;
+  construct(kInf, &best);
+  double best_factor = kInf;
+  auto try_factor = [&](double factor) {
+    construct(factor * mean_s, &current);
+    if (current.makespan_s < best.makespan_s) {
+      std::swap(best, current);
+      best_factor = factor;
+    }
+  };
+  for (double factor : kTargetFactors) try_factor(factor);
+  if (std::isfinite(best_factor)) {
+    double step = 0.02;
+    for (int round = 0; round < kRefineRounds; ++round, step /= 2) {
+      const double center = best_factor;
+      try_factor(center * (1 - step));
+      try_factor(center * (1 + step));
+    }
+  }
+  const double constructed_s = best.makespan_s;
+  const int64_t steps = local_search(&best, deadline);
+
+  Plan plan;
+  plan.planner = "zellige";
+  plan.num_ranks = num_ranks_;
+  plan.placements.reserve(num_sequences_);
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    const int64_t id = batch_.sequences[i].id;
+    if (best.anchor_slot[i] >= 0) {
+      const AnchorPlacement& anchor = best.anchors[best.anchor_slot[i]];
+      plan.placements.push_back(to_placement(id, anchor.shape, anchor.ranks));
+    } else {
+      plan.placements.push_back(to_placement(id, Shape{}, {best.filler_rank[i]}));
+    }
+  }
+  std::ostringstream note;
+  note << "anchors=" << best.anchors.size() << " target_factor=" << best_factor
+       << " constructed_s=" << constructed_s << " search_steps=" << steps;
+  plan.note = note.str();
+  plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  return plan;
+}
+
+}  // namespace
+
+Plan plan_zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options) {
+  return ZelligePlanner(batch, cost_model, options).run();
+}
+
+// Node-aligned windows of `degree` consecutive ranks, spread over nodes first so that a cap keeps
+// variety: inside a node, offsets that are multiples of the degree come first; beyond a node,
+// windows start (then end) on node boundaries.
+std::vector<Placement> candidate_placements(const Sequence& sequence, const CostModel& cost_model,
+                                            int64_t max_windows_per_shape) {
+  if (max_windows_per_shape <= 0) {
+    throw std::invalid_argument("max_windows_per_shape must be positive, got " +
+                                std::to_string(max_windows_per_shape));
+  }
+  const Cluster& cluster = cost_model.cluster();
+  const int64_t num_ranks = cluster.num_ranks();
+  const int64_t gpus_per_node = cluster.gpus_per_node;
+  const int64_t num_nodes = cluster.num_nodes;
+  std::vector<Placement> candidates;
+  std::vector<int64_t> starts;
+  std::vector<Shape> shapes;
+  for (int64_t degree = 1; degree <= num_ranks; ++degree) {
+    starts.clear();
+    if (degree <= gpus_per_node) {
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int64_t offset = 0; offset + degree <= gpus_per_node; ++offset) {
+          if ((offset % degree == 0) != (pass == 0)) continue;
+          for (int64_t node = 0; node < num_nodes; ++node) {
+            starts.push_back(node * gpus_per_node + offset);
+          }
+        }
+      }
+    } else {
+      const int64_t span_nodes = (degree + gpus_per_node - 1) / gpus_per_node;
+      for (int64_t node = 0; node + span_nodes <= num_nodes; ++node) {
+        starts.push_back(node * gpus_per_node);
+      }
+      for (int64_t node = 0; node + span_nodes <= num_nodes; ++node) {
+        const int64_t start = (node + span_nodes) * gpus_per_node - degree;
+        if (start % gpus_per_node != 0) starts.push_back(start);
+      }
+    }
+    if (static_cast<int64_t>(starts.size()) > max_windows_per_shape) {
+      starts.resize(max_windows_per_shape);
+    }
+    shapes_of_degree(degree, cost_model.model().num_heads, gpus_per_node, &shapes);
+    for (const Shape& shape : shapes) {
+      for (int64_t start : starts) {
+        std::vector<int64_t> ranks(degree);
+        std::iota(ranks.begin(), ranks.end(), start);
+        candidates.push_back(to_placement(sequence.id, shape, std::move(ranks)));
+      }
+    }
+  }
+  return candidates;
 }
 
 }  // namespace zellige
