@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <set>
+#include <unordered_map>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -34,14 +36,21 @@ using Clock = std::chrono::steady_clock;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // A move must lower the busiest rank by more than this fraction, so float noise cannot cycle.
 constexpr double kMinGain = 1e-9;
-// Targets of the construction sweep, as multiples of the mean local load per rank.
-constexpr double kTargetFactors[] = {0.98, 1.0,  1.02, 1.05, 1.08, 1.12, 1.17,
-                                     1.25, 1.35, 1.5,  1.75, 2.0,  3.0};
-constexpr int kRefineRounds = 3;
+// The target sweep: bisection between the mean load and the all-local plan, then a few targets
+// just above the smallest one met, for variety.
+constexpr int kBisectionSteps = 14;
+constexpr double kBisectionTolerance = 1e-3;
+constexpr double kExtraTargetFactors[] = {1.005, 1.01, 1.02, 1.04};
+// Fillers that fit nowhere whole are split over at most this many ranks.
+constexpr int64_t kMaxSplitDegree = 4;
 // How many of the least-loaded ranks local search tries as partners of the busiest rank.
 constexpr int kMovePartners = 3;
 constexpr int kSwapPartners = 6;
 constexpr int kRemouldPartners = 4;
+constexpr size_t kPromoteFillers = 2;
+constexpr int kStepsPerOctaveLog2 = 7;
+constexpr int64_t kStepsPerOctave = int64_t{1} << kStepsPerOctaveLog2;
+constexpr int64_t kInterpolateFrom = kStepsPerOctave * 2;
 
 struct Shape {
   Strategy strategy = Strategy::kLocal;
@@ -124,6 +133,12 @@ struct Solution {
   }
 };
 
+struct PairHash {
+  size_t operator()(const std::pair<int64_t, int64_t>& key) const {
+    return std::hash<int64_t>()(key.first * 1000003 + key.second);
+  }
+};
+
 void erase_value(std::vector<int32_t>* values, int32_t value) {
   auto it = std::find(values->begin(), values->end(), value);
   assert(it != values->end());
@@ -146,8 +161,25 @@ class ZelligePlanner {
   Plan run();
 
  private:
+  // Per-token layers' time: exact in local search and final pricing; during the construction
+  // sweep, interpolated between exact values at 128 points per octave (computed on first use),
+  // because the cost model's table lookups (log + pow) would dominate planning time. The
+  // interpolation's relative error is ~1e-6, up to ~1e-3 right at a knot of the GEMM table.
   double linear_s(int64_t tokens) const {
-    return tokens > 0 ? cost_model_.linear_time_s(tokens) : 0.0;
+    if (tokens <= 0) return 0.0;
+    if (exact_ || tokens < kInterpolateFrom) return cost_model_.linear_time_s(tokens);
+    const int octave = 63 - __builtin_clzll(static_cast<uint64_t>(tokens));
+    const int shift = octave - kStepsPerOctaveLog2;
+    const int64_t low = tokens >> shift << shift;
+    const size_t index = static_cast<size_t>(shift) * kStepsPerOctave + ((low >> shift) & (kStepsPerOctave - 1));
+    if (index + 1 >= linear_grid_s_.size()) linear_grid_s_.resize(index + 2, -1.0);
+    double& low_s = linear_grid_s_[index];
+    double& high_s = linear_grid_s_[index + 1];
+    if (low_s < 0) low_s = cost_model_.linear_time_s(low);
+    if (tokens == low) return low_s;
+    if (high_s < 0) high_s = cost_model_.linear_time_s(low + (int64_t{1} << shift));
+    return low_s + (high_s - low_s) * static_cast<double>(tokens - low) /
+                       static_cast<double>(int64_t{1} << shift);
   }
   double time_with(const Solution& s, int64_t rank, int64_t delta_tokens,
                    double delta_other_s) const {
@@ -169,6 +201,7 @@ class ZelligePlanner {
   int64_t degree_for(int32_t sequence, double target_s);
   void construct(double target_s, Solution* s);
   bool place_anchor(int32_t sequence, int64_t degree, Solution* s);
+  bool split_filler(int32_t sequence, double target_s, Solution* s);
   void resort_node(const Solution& s, int64_t node);
   void add_filler(Solution* s, int32_t sequence, int64_t rank) const;
   void remove_filler(Solution* s, int32_t sequence) const;
@@ -182,27 +215,33 @@ class ZelligePlanner {
   bool try_move(Solution* s, int64_t busiest);
   bool try_swap(Solution* s, int64_t busiest);
   bool try_remould(Solution* s, int64_t busiest);
-  double price_anchor_change(const Solution& s, const AnchorPlacement& anchor,
-                             const std::vector<RankShare>& new_shares);
+  bool try_promote(Solution* s, int64_t busiest);
+  double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
+                      const std::vector<RankShare>& new_shares);
 
   const Batch& batch_;
   const CostModel& cost_model_;
   const PlannerOptions& options_;
   const int64_t num_ranks_, gpus_per_node_, num_nodes_, num_heads_, num_sequences_;
 
+  bool exact_ = true;
+  mutable std::vector<double> linear_grid_s_;  // -1: not computed yet
   double rate_s_per_token_ = 0;  // per-token layers at the mean token count per rank
   double free_bytes_ = 0;        // memory capacity minus the fixed bytes, per rank
   std::vector<int64_t> local_tokens_;
   std::vector<double> local_other_s_, local_memory_bytes_, local_estimate_s_;
   std::vector<int32_t> order_;  // sequence indices by local estimate, longest first
-  std::vector<std::vector<ShapeChoice>> shape_cache_;  // [sequence][degree], filled on demand
+  std::vector<int32_t> shape_key_;  // the first sequence of the batch with the same lengths
+  std::vector<std::vector<ShapeChoice>> shape_cache_;  // [shape key][degree], filled on demand
 
   // Scratch, reused across calls.
   std::vector<Shape> shapes_;
   std::vector<std::vector<int64_t>> node_ranks_by_time_;
-  std::vector<std::pair<double, int64_t>> heap_, node_keys_, skipped_ranks_;
+  std::vector<std::pair<double, int64_t>> node_keys_;
+  std::set<std::pair<double, int64_t>> open_ranks_;  // stage 2: (time, rank)
   std::vector<int64_t> low_ranks_, candidate_ranks_, best_ranks_, touched_;
   std::vector<std::pair<double, int32_t>> partner_fillers_;
+  std::vector<int32_t> longest_fillers_;
   std::vector<char> member_;
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
@@ -219,8 +258,22 @@ void ZelligePlanner::prepare() {
   local_other_s_.resize(num_sequences_);
   local_memory_bytes_.resize(num_sequences_);
   local_estimate_s_.resize(num_sequences_);
+  // Shares depend on the lengths only, and bucketed batches repeat them a lot.
+  shape_key_.resize(num_sequences_);
+  std::unordered_map<std::pair<int64_t, int64_t>, int32_t, PairHash> first_of_lengths;
   for (int64_t i = 0; i < num_sequences_; ++i) {
     const Sequence& sequence = batch_.sequences[i];
+    const auto [it, inserted] = first_of_lengths.try_emplace(
+        {sequence.num_tokens, sequence.text_tokens}, static_cast<int32_t>(i));
+    const int32_t first = it->second;
+    shape_key_[i] = first;
+    if (!inserted) {
+      local_tokens_[i] = local_tokens_[first];
+      local_other_s_[i] = local_other_s_[first];
+      local_memory_bytes_[i] = local_memory_bytes_[first];
+      local_estimate_s_[i] = local_estimate_s_[first];
+      continue;
+    }
     const RankShare share =
         cost_model_.shares(sequence, to_placement(sequence.id, Shape{}, {0})).front();
     local_tokens_[i] = share.tokens;
@@ -242,7 +295,7 @@ void ZelligePlanner::prepare() {
 }
 
 const ShapeChoice& ZelligePlanner::shape_at(int32_t sequence, int64_t degree) {
-  std::vector<ShapeChoice>& cache = shape_cache_[sequence];
+  std::vector<ShapeChoice>& cache = shape_cache_[shape_key_[sequence]];
   if (static_cast<int64_t>(cache.size()) <= degree) cache.resize(degree + 1);
   ShapeChoice& choice = cache[degree];
   if (choice.evaluated) return choice;
@@ -337,9 +390,10 @@ bool ZelligePlanner::place_anchor(int32_t sequence, int64_t degree, Solution* s)
                                          : take_from_node(node, partial, nullptr),
                           node});
   }
-  std::sort(node_keys_.begin(), node_keys_.end());
-  if (full_nodes > num_nodes_ || (full_nodes > 0 && node_keys_[full_nodes - 1].first == kInf)) {
-    return false;
+  if (full_nodes > num_nodes_) return false;
+  if (full_nodes > 0) {
+    std::partial_sort(node_keys_.begin(), node_keys_.begin() + full_nodes, node_keys_.end());
+    if (node_keys_[full_nodes - 1].first == kInf) return false;
   }
   for (int64_t k = 0; k < full_nodes; ++k) take_from_node(node_keys_[k].second, gpus_per_node_,
                                                          &candidate_ranks_);
@@ -454,47 +508,98 @@ void ZelligePlanner::construct(double target_s, Solution* s) {
     place_by_degree(sequence, degree);
   }
 
-  // Stage 2: fillers, longest first, onto the least-loaded rank with the memory.
-  auto later = [](const std::pair<double, int64_t>& a, const std::pair<double, int64_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second > b.second);
-  };
-  auto rebuild_heap = [&] {
-    heap_.clear();
-    for (int64_t rank = 0; rank < num_ranks_; ++rank) heap_.push_back({s->time_s[rank], rank});
-    std::make_heap(heap_.begin(), heap_.end(), later);
-  };
-  rebuild_heap();
-  std::vector<std::pair<double, int64_t>>& skipped = skipped_ranks_;
+  // Stage 2: fillers, longest first. Best fit under the target: the fullest rank that stays
+  // within it. A filler that fits nowhere is split over the least-loaded ranks if that meets the
+  // target, else goes whole to the least-loaded rank with the memory (LPT).
+  open_ranks_.clear();
+  for (int64_t rank = 0; rank < num_ranks_; ++rank) open_ranks_.insert({s->time_s[rank], rank});
   for (int32_t sequence : order_) {
     if (s->anchor_slot[sequence] >= 0) continue;
-    skipped.clear();
+    const int64_t tokens = local_tokens_[sequence];
+    const double other_s = local_other_s_[sequence];
+    const double bytes = local_memory_bytes_[sequence];
     int64_t chosen = -1;
-    while (!heap_.empty()) {
-      std::pop_heap(heap_.begin(), heap_.end(), later);
-      const int64_t rank = heap_.back().second;
-      heap_.pop_back();
-      if (s->memory_bytes[rank] + local_memory_bytes_[sequence] <= free_bytes_) {
-        chosen = rank;
-        break;
+    if (std::isfinite(target_s)) {
+      // Estimates use the mean per-token rate; a few ranks below the cut are priced exactly.
+      auto it = open_ranks_.upper_bound(
+          {target_s - 0.98 * local_estimate_s_[sequence], std::numeric_limits<int64_t>::max()});
+      for (int tries = 0; tries < 8 && it != open_ranks_.begin(); ++tries) {
+        --it;
+        const int64_t rank = it->second;
+        if (s->memory_bytes[rank] + bytes <= free_bytes_ &&
+            time_with(*s, rank, tokens, other_s) <= target_s) {
+          chosen = rank;
+          break;
+        }
       }
-      skipped.push_back({s->time_s[rank], rank});
+      if (chosen < 0 && split_filler(sequence, target_s, s)) continue;
     }
-    for (const auto& entry : skipped) {
-      heap_.push_back(entry);
-      std::push_heap(heap_.begin(), heap_.end(), later);
+    if (chosen < 0) {
+      for (const auto& [time_s, rank] : open_ranks_) {
+        if (s->memory_bytes[rank] + bytes <= free_bytes_) {
+          chosen = rank;
+          break;
+        }
+      }
     }
-    if (chosen >= 0) {
-      add_filler(s, sequence, chosen);
-      heap_.push_back({s->time_s[chosen], chosen});
-      std::push_heap(heap_.begin(), heap_.end(), later);
-    } else {
+    if (chosen < 0) {
       // No rank has the memory left for it whole: shard it like an anchor.
       for (int64_t node = 0; node < num_nodes_; ++node) resort_node(*s, node);
       place_by_degree(sequence, 2);
-      rebuild_heap();
+      open_ranks_.clear();
+      for (int64_t rank = 0; rank < num_ranks_; ++rank) {
+        open_ranks_.insert({s->time_s[rank], rank});
+      }
+      continue;
     }
+    open_ranks_.erase({s->time_s[chosen], chosen});
+    add_filler(s, sequence, chosen);
+    open_ranks_.insert({s->time_s[chosen], chosen});
   }
   finish(s);
+}
+
+// A filler that fits whole on no rank under the target, sharded over 2..kMaxSplitDegree of the
+// least-loaded ranks of the node that holds the least-loaded rank (smallest degree first), when
+// its busiest share then stays within the target.
+bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s) {
+  const int64_t max_degree = std::min(kMaxSplitDegree, gpus_per_node_);
+  if (max_degree < 2) return false;
+  const int64_t node = node_of(open_ranks_.begin()->second);
+  std::vector<int64_t>& node_ranks = node_ranks_by_time_[node];
+  std::iota(node_ranks.begin(), node_ranks.end(), node * gpus_per_node_);
+  std::sort(node_ranks.begin(), node_ranks.end(), [&](int64_t a, int64_t b) {
+    return s->time_s[a] < s->time_s[b] || (s->time_s[a] == s->time_s[b] && a < b);
+  });
+  for (int64_t degree = 2; degree <= max_degree; ++degree) {
+    const ShapeChoice& choice = shape_at(sequence, degree);
+    if (!choice.feasible) continue;
+    candidate_ranks_.assign(node_ranks.begin(), node_ranks.begin() + degree);
+    sort_ranks(&candidate_ranks_);
+    // Inside one node the canonical shares hold for any ranks: links differ by node only.
+    bool within = true;
+    for (int64_t k = 0; k < degree && within; ++k) {
+      const RankShare& share = choice.shares[k];
+      const int64_t rank = candidate_ranks_[k];
+      within = s->memory_bytes[rank] + share.memory_bytes <= free_bytes_ &&
+               time_with(*s, rank, share.tokens, share.attention_s + share.exchange_s) <=
+                   target_s;
+    }
+    if (!within) continue;
+    for (int64_t rank : candidate_ranks_) open_ranks_.erase({s->time_s[rank], rank});
+    const int32_t slot = static_cast<int32_t>(s->anchors.size());
+    AnchorPlacement& anchor = s->anchors.emplace_back();
+    anchor.sequence = sequence;
+    anchor.shape = choice.shape;
+    anchor.ranks = candidate_ranks_;
+    anchor.shares = choice.shares;
+    for (int64_t k = 0; k < degree; ++k) anchor.shares[k].rank = candidate_ranks_[k];
+    s->anchor_slot[sequence] = slot;
+    add_anchor_shares(s, slot);
+    for (int64_t rank : candidate_ranks_) open_ranks_.insert({s->time_s[rank], rank});
+    return true;
+  }
+  return false;
 }
 
 // The `count` least-loaded ranks (by time, then id), skipping ranks marked in `excluded`.
@@ -596,10 +701,10 @@ bool ZelligePlanner::try_swap(Solution* s, int64_t busiest) {
   return true;
 }
 
-// The busiest time over the ranks an anchor change touches, or infinity when a rank would run out
-// of memory.
-double ZelligePlanner::price_anchor_change(const Solution& s, const AnchorPlacement& anchor,
-                                           const std::vector<RankShare>& new_shares) {
+// The busiest time over the ranks that trading `old_shares` for `new_shares` touches, or infinity
+// when a rank would run out of memory.
+double ZelligePlanner::price_change(const Solution& s, const std::vector<RankShare>& old_shares,
+                                    const std::vector<RankShare>& new_shares) {
   touched_.clear();
   auto touch = [&](const RankShare& share, double sign) {
     if (delta_tokens_[share.rank] == 0 && delta_other_s_[share.rank] == 0 &&
@@ -610,7 +715,7 @@ double ZelligePlanner::price_anchor_change(const Solution& s, const AnchorPlacem
     delta_other_s_[share.rank] += sign * (share.attention_s + share.exchange_s);
     delta_memory_bytes_[share.rank] += sign * share.memory_bytes;
   };
-  for (const RankShare& share : anchor.shares) touch(share, -1);
+  for (const RankShare& share : old_shares) touch(share, -1);
   for (const RankShare& share : new_shares) touch(share, +1);
   double score_s = 0;
   for (int64_t rank : touched_) {
@@ -640,7 +745,7 @@ bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
     auto consider = [&](const Shape& shape, const std::vector<int64_t>& ranks) {
       std::vector<RankShare> shares =
           cost_model_.shares(sequence, to_placement(sequence.id, shape, ranks));
-      const double score_s = price_anchor_change(*s, anchor, shares);
+      const double score_s = price_change(*s, anchor.shares, shares);
       if (score_s < best_s) {
         best_s = score_s;
         best_slot = slot;
@@ -703,6 +808,71 @@ bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
   return true;
 }
 
+// A filler of the busiest rank sharded over 2..kMaxSplitDegree ranks: the least-loaded ones,
+// with or without the busiest rank itself. Tries its kPromoteFillers longest fillers.
+bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
+  const std::vector<int32_t>& fillers = s->rank_fillers[busiest];
+  if (fillers.empty()) return false;
+  longest_fillers_.assign(fillers.begin(), fillers.end());
+  const size_t count = std::min<size_t>(kPromoteFillers, longest_fillers_.size());
+  std::partial_sort(longest_fillers_.begin(), longest_fillers_.begin() + count,
+                    longest_fillers_.end(), [&](int32_t a, int32_t b) {
+                      return local_estimate_s_[a] > local_estimate_s_[b];
+                    });
+  longest_fillers_.resize(count);
+  member_[busiest] = 1;
+  least_loaded(*s, static_cast<int>(kMaxSplitDegree), &member_, &low_ranks_);
+  member_[busiest] = 0;
+
+  const double bound_s = s->time_s[busiest] * (1 - kMinGain);
+  double best_s = bound_s;
+  int32_t best_sequence = -1;
+  Shape best_shape;
+  std::vector<RankShare> old_shares(1);
+  for (int32_t sequence : longest_fillers_) {
+    const Sequence& seq = batch_.sequences[sequence];
+    old_shares[0].rank = busiest;
+    old_shares[0].tokens = local_tokens_[sequence];
+    old_shares[0].attention_s = local_other_s_[sequence];
+    old_shares[0].exchange_s = 0;
+    old_shares[0].memory_bytes = local_memory_bytes_[sequence];
+    const int64_t max_degree = std::min<int64_t>(kMaxSplitDegree, num_ranks_);
+    for (int64_t degree = 2; degree <= max_degree; ++degree) {
+      const ShapeChoice& choice = shape_at(sequence, degree);
+      if (!choice.feasible) continue;
+      const Shape shape = choice.shape;
+      for (int keep_busiest = 0; keep_busiest < 2; ++keep_busiest) {
+        const int64_t others = degree - keep_busiest;
+        if (others > static_cast<int64_t>(low_ranks_.size())) continue;
+        candidate_ranks_.assign(low_ranks_.begin(), low_ranks_.begin() + others);
+        if (keep_busiest) candidate_ranks_.push_back(busiest);
+        sort_ranks(&candidate_ranks_);
+        std::vector<RankShare> shares =
+            cost_model_.shares(seq, to_placement(seq.id, shape, candidate_ranks_));
+        const double score_s = price_change(*s, old_shares, shares);
+        if (score_s < best_s) {
+          best_s = score_s;
+          best_sequence = sequence;
+          best_shape = shape;
+          best_ranks_ = candidate_ranks_;
+          best_shares_ = std::move(shares);
+        }
+      }
+    }
+  }
+  if (best_sequence < 0) return false;
+  remove_filler(s, best_sequence);
+  const int32_t slot = static_cast<int32_t>(s->anchors.size());
+  AnchorPlacement& anchor = s->anchors.emplace_back();
+  anchor.sequence = best_sequence;
+  anchor.shape = best_shape;
+  anchor.ranks = best_ranks_;
+  anchor.shares = best_shares_;
+  s->anchor_slot[best_sequence] = slot;
+  add_anchor_shares(s, slot);
+  return true;
+}
+
 int64_t ZelligePlanner::local_search(Solution* s, Clock::time_point deadline) {
   const int64_t max_steps = 20 * (num_sequences_ + num_ranks_) + 1000;
   int64_t step = 0;
@@ -710,7 +880,10 @@ int64_t ZelligePlanner::local_search(Solution* s, Clock::time_point deadline) {
     if ((step & 15) == 15 && Clock::now() > deadline) break;
     const int64_t busiest =
         std::max_element(s->time_s.begin(), s->time_s.end()) - s->time_s.begin();
-    if (!try_move(s, busiest) && !try_swap(s, busiest) && !try_remould(s, busiest)) break;
+    if (!try_move(s, busiest) && !try_swap(s, busiest) && !try_remould(s, busiest) &&
+        !try_promote(s, busiest)) {
+      break;
+    }
   }
   finish(s);
   return step;
@@ -727,26 +900,36 @@ Plan ZelligePlanner::run() {
   for (double estimate_s : local_estimate_s_) mean_s += estimate_s;
   mean_s /= static_cast<double>(num_ranks_);
 
-  // The sweep: everything local first (target infinity), then targets around the mean load.
+  // The sweep: everything local first (target infinity), then bisection on the target between
+  // the mean load and the best makespan so far: a target is met when the construction's makespan
+  // stays within it.
   Solution best, current;
+  exact_ = false;
   construct(kInf, &best);
-  double best_factor = kInf;
-  auto try_factor = [&](double factor) {
-    construct(factor * mean_s, &current);
+  double best_target_s = kInf;
+  auto try_target = [&](double target_s) {
+    construct(target_s, &current);
+    const bool met = current.makespan_s <= target_s;
     if (current.makespan_s < best.makespan_s) {
       std::swap(best, current);
-      best_factor = factor;
+      best_target_s = target_s;
     }
+    return met;
   };
-  for (double factor : kTargetFactors) try_factor(factor);
-  if (std::isfinite(best_factor)) {
-    double step = 0.02;
-    for (int round = 0; round < kRefineRounds; ++round, step /= 2) {
-      const double center = best_factor;
-      try_factor(center * (1 - step));
-      try_factor(center * (1 + step));
+  double low_s = 0.97 * mean_s, high_s = best.makespan_s;
+  for (int step = 0; step < kBisectionSteps && low_s < high_s * (1 - kBisectionTolerance); ++step) {
+    // The first probe sits just above the mean load, where the optimum usually is.
+    const double target_s = step == 0 ? std::min(1.03 * mean_s, 0.5 * (low_s + high_s))
+                                      : 0.5 * (low_s + high_s);
+    if (try_target(target_s)) {
+      high_s = std::min(target_s, best.makespan_s);
+    } else {
+      low_s = target_s;
     }
   }
+  for (double factor : kExtraTargetFactors) try_target(high_s * factor);
+  exact_ = true;
+  finish(&best);
   const double constructed_s = best.makespan_s;
   const int64_t steps = local_search(&best, deadline);
 
@@ -764,7 +947,7 @@ Plan ZelligePlanner::run() {
     }
   }
   std::ostringstream note;
-  note << "anchors=" << best.anchors.size() << " target_factor=" << best_factor
+  note << "anchors=" << best.anchors.size() << " target_s=" << best_target_s
        << " constructed_s=" << constructed_s << " search_steps=" << steps;
   plan.note = note.str();
   plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
