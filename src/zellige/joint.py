@@ -51,7 +51,7 @@ class JointResult:
 
 def linear_rate_s_per_token(batch: _core.Batch, cost_model: _core.CostModel) -> float:
     """Per-token seconds of the per-token layers at the batch's mean token count per rank."""
-    num_ranks = cost_model.cluster().num_ranks()
+    num_ranks = cost_model.cluster.num_ranks()
     tokens = max(1, _core.total_tokens(batch) // num_ranks)
     return cost_model.linear_time_s(tokens) / tokens
 
@@ -84,7 +84,7 @@ def joint_candidates(
 ) -> list[list[Candidate]]:
     """Candidates per sequence (batch order). `max_degree` overrides the per-sequence degree cap;
     `all_strategies` keeps every strategy per window instead of the best one (for tests)."""
-    num_ranks = cost_model.cluster().num_ranks()
+    num_ranks = cost_model.cluster.num_ranks()
     rate_s = linear_rate_s_per_token(batch, cost_model)
     free_bytes = _free_bytes(cost_model)
     local = [
@@ -170,7 +170,7 @@ def solve_joint(
 ) -> JointResult:
     """Solves the MILP over `candidates` with HiGHS (one thread) and prices the plan exactly."""
     start = time.perf_counter()
-    num_ranks = cost_model.cluster().num_ranks()
+    num_ranks = cost_model.cluster.num_ranks()
     free_bytes = _free_bytes(cost_model)
     num_sequences = len(candidates)
     num_x = sum(len(options) for options in candidates)
@@ -289,7 +289,7 @@ def plan_joint(
     max_degree: int | None = None,
 ) -> _core.Plan:
     """The joint reference plan; its note reports mip_gap and optimal (see the module doc)."""
-    _core.validate_batch(batch, cost_model.cluster().num_ranks())
+    _core.validate_batch(batch, cost_model.cluster.num_ranks())
     _core.check_sequences_fit(batch, cost_model)
     start = time.perf_counter()
     candidates = joint_candidates(

@@ -19,10 +19,10 @@
 #include <limits>
 #include <numeric>
 #include <set>
-#include <unordered_map>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -171,7 +171,8 @@ class ZelligePlanner {
     const int octave = 63 - __builtin_clzll(static_cast<uint64_t>(tokens));
     const int shift = octave - kStepsPerOctaveLog2;
     const int64_t low = tokens >> shift << shift;
-    const size_t index = static_cast<size_t>(shift) * kStepsPerOctave + ((low >> shift) & (kStepsPerOctave - 1));
+    const size_t index =
+        static_cast<size_t>(shift) * kStepsPerOctave + ((low >> shift) & (kStepsPerOctave - 1));
     if (index + 1 >= linear_grid_s_.size()) linear_grid_s_.resize(index + 2, -1.0);
     double& low_s = linear_grid_s_[index];
     double& high_s = linear_grid_s_[index + 1];
@@ -226,11 +227,11 @@ class ZelligePlanner {
 
   bool exact_ = true;
   mutable std::vector<double> linear_grid_s_;  // -1: not computed yet
-  double rate_s_per_token_ = 0;  // per-token layers at the mean token count per rank
-  double free_bytes_ = 0;        // memory capacity minus the fixed bytes, per rank
+  double rate_s_per_token_ = 0;                // per-token layers at the mean token count per rank
+  double free_bytes_ = 0;                      // memory capacity minus the fixed bytes, per rank
   std::vector<int64_t> local_tokens_;
   std::vector<double> local_other_s_, local_memory_bytes_, local_estimate_s_;
-  std::vector<int32_t> order_;  // sequence indices by local estimate, longest first
+  std::vector<int32_t> order_;      // sequence indices by local estimate, longest first
   std::vector<int32_t> shape_key_;  // the first sequence of the batch with the same lengths
   std::vector<std::vector<ShapeChoice>> shape_cache_;  // [shape key][degree], filled on demand
 
@@ -395,15 +396,15 @@ bool ZelligePlanner::place_anchor(int32_t sequence, int64_t degree, Solution* s)
     std::partial_sort(node_keys_.begin(), node_keys_.begin() + full_nodes, node_keys_.end());
     if (node_keys_[full_nodes - 1].first == kInf) return false;
   }
-  for (int64_t k = 0; k < full_nodes; ++k) take_from_node(node_keys_[k].second, gpus_per_node_,
-                                                         &candidate_ranks_);
+  for (int64_t k = 0; k < full_nodes; ++k)
+    take_from_node(node_keys_[k].second, gpus_per_node_, &candidate_ranks_);
   if (partial > 0) {
     int64_t best_node = -1;
     double best_time_s = kInf;
     for (size_t k = full_nodes; k < node_keys_.size(); ++k) {
       const int64_t node = node_keys_[k].second;
-      const double time_s = full_nodes > 0 ? take_from_node(node, partial, nullptr)
-                                           : node_keys_[k].first;
+      const double time_s =
+          full_nodes > 0 ? take_from_node(node, partial, nullptr) : node_keys_[k].first;
       if (time_s < best_time_s || (time_s == best_time_s && node < best_node)) {
         best_time_s = time_s;
         best_node = node;
@@ -491,8 +492,13 @@ void ZelligePlanner::construct(double target_s, Solution* s) {
     for (; degree >= 1 && degree <= num_ranks_; ++degree) {
       if (place_anchor(sequence, degree, s)) return;
     }
-    throw PlanMemoryError("sequence " + std::to_string(batch_.sequences[sequence].id) +
-                          " fits in memory under no placement on the ranks left to it");
+    double total_bytes = 0;
+    for (int64_t i = 0; i < num_sequences_; ++i) total_bytes += local_memory_bytes_[i];
+    throw PlanMemoryError(
+        "sequence " + std::to_string(batch_.sequences[sequence].id) +
+        " fits in memory on none of the ranks left to it (the batch's activations need " +
+        std::to_string(total_bytes / num_ranks_ / (1 << 30)) + " GiB per rank on average, " +
+        std::to_string(free_bytes_ / (1 << 30)) + " GiB are free per rank)");
   };
 
   // Stage 1: anchors, longest first.
@@ -582,8 +588,7 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
       const RankShare& share = choice.shares[k];
       const int64_t rank = candidate_ranks_[k];
       within = s->memory_bytes[rank] + share.memory_bytes <= free_bytes_ &&
-               time_with(*s, rank, share.tokens, share.attention_s + share.exchange_s) <=
-                   target_s;
+               time_with(*s, rank, share.tokens, share.attention_s + share.exchange_s) <= target_s;
     }
     if (!within) continue;
     for (int64_t rank : candidate_ranks_) open_ranks_.erase({s->time_s[rank], rank});
@@ -681,9 +686,8 @@ bool ZelligePlanner::try_swap(Solution* s, int64_t busiest) {
             s->memory_bytes[rank] - delta_bytes > free_bytes_) {
           continue;
         }
-        const double score_s =
-            std::max(time_with(*s, busiest, delta_tokens, delta_other_s),
-                     time_with(*s, rank, -delta_tokens, -delta_other_s));
+        const double score_s = std::max(time_with(*s, busiest, delta_tokens, delta_other_s),
+                                        time_with(*s, rank, -delta_tokens, -delta_other_s));
         if (score_s < best_s) {
           best_s = score_s;
           best_out = out;
@@ -793,7 +797,8 @@ bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
       if (narrower.feasible) {
         const Shape shape = narrower.shape;
         candidate_ranks_ = anchor.ranks;
-        candidate_ranks_.erase(std::find(candidate_ranks_.begin(), candidate_ranks_.end(), busiest));
+        candidate_ranks_.erase(
+            std::find(candidate_ranks_.begin(), candidate_ranks_.end(), busiest));
         consider(shape, candidate_ranks_);
       }
     }
@@ -815,10 +820,9 @@ bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
   if (fillers.empty()) return false;
   longest_fillers_.assign(fillers.begin(), fillers.end());
   const size_t count = std::min<size_t>(kPromoteFillers, longest_fillers_.size());
-  std::partial_sort(longest_fillers_.begin(), longest_fillers_.begin() + count,
-                    longest_fillers_.end(), [&](int32_t a, int32_t b) {
-                      return local_estimate_s_[a] > local_estimate_s_[b];
-                    });
+  std::partial_sort(
+      longest_fillers_.begin(), longest_fillers_.begin() + count, longest_fillers_.end(),
+      [&](int32_t a, int32_t b) { return local_estimate_s_[a] > local_estimate_s_[b]; });
   longest_fillers_.resize(count);
   member_[busiest] = 1;
   least_loaded(*s, static_cast<int>(kMaxSplitDegree), &member_, &low_ranks_);
@@ -919,8 +923,8 @@ Plan ZelligePlanner::run() {
   double low_s = 0.97 * mean_s, high_s = best.makespan_s;
   for (int step = 0; step < kBisectionSteps && low_s < high_s * (1 - kBisectionTolerance); ++step) {
     // The first probe sits just above the mean load, where the optimum usually is.
-    const double target_s = step == 0 ? std::min(1.03 * mean_s, 0.5 * (low_s + high_s))
-                                      : 0.5 * (low_s + high_s);
+    const double target_s =
+        step == 0 ? std::min(1.03 * mean_s, 0.5 * (low_s + high_s)) : 0.5 * (low_s + high_s);
     if (try_target(target_s)) {
       high_s = std::min(target_s, best.makespan_s);
     } else {
