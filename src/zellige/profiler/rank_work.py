@@ -33,14 +33,18 @@ class _Done:
 
 
 def _fill_from(dest: Tensor, source: Tensor) -> None:
-    """dest rows <- source rows repeated (a stand-in for what a peer would have sent)."""
+    """dest rows <- source rows repeated (a stand-in for what a peer would have sent); slices
+    only, so the stand-in allocates nothing the real exchange would not."""
     if dest.shape[0] == 0:
         return
     if source.shape[0] == 0:
         dest.normal_()
         return
-    index = torch.arange(dest.shape[0], device=dest.device) % source.shape[0]
-    dest.copy_(source.index_select(0, index))
+    filled = 0
+    while filled < dest.shape[0]:
+        take = min(dest.shape[0] - filled, source.shape[0])
+        dest[filled : filled + take].copy_(source[:take])
+        filled += take
 
 
 def _local_all_to_all_rows(send, send_splits, recv_splits, group, async_op=False):
@@ -50,13 +54,12 @@ def _local_all_to_all_rows(send, send_splits, recv_splits, group, async_op=False
 
 
 def _local_p2p(sends, recvs, step, tag):
-    sent = [t.reshape(-1, *t.shape[1:]) for _, t in sends if t.numel() > 0]
-    source = torch.cat(sent) if sent else None
+    sent = [t for _, t in sends if t.numel() > 0]
     for _, buffer in recvs:
-        if source is None:
-            buffer.normal_()
+        if sent:
+            _fill_from(buffer, sent[0])
         else:
-            _fill_from(buffer, source)
+            buffer.normal_()
     return []
 
 

@@ -14,15 +14,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+SLOW_RUN_S = 0.1  # past this, a few repeats are enough and more would cost minutes
+
+
 def median_time_s(
     fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5
 ) -> float:
-    """Median seconds of `fn()` over `repeats` runs after `warmup` untimed ones.
+    """Median seconds of `fn()` over `repeats` runs after `warmup` untimed ones (at least one
+    warm-up when warmup > 0; a run slower than SLOW_RUN_S gets one warm-up and at most three
+    repeats).
 
     On CUDA each run is bracketed by events, so host launch overhead that the GPU hides is not
     counted, but a launch-bound run still shows its launch gaps."""
-    for _ in range(warmup):
+    if warmup > 0:
+        synchronize(device)
+        start_s = time.perf_counter()
         fn()
+        synchronize(device)
+        if time.perf_counter() - start_s > SLOW_RUN_S:
+            warmup, repeats = 1, min(repeats, 3)
+        for _ in range(warmup - 1):
+            fn()
     synchronize(device)
     times_s = []
     if device.type == "cuda":

@@ -255,12 +255,18 @@ def run_rank(
         def step(inputs=inputs):
             rank_work.train_step(blocks, inputs, options.activation_checkpointing)
 
+        synchronize(device)
+        start_s = time.perf_counter()
         step()  # warm-up: kernels chosen, workspaces allocated
+        synchronize(device)
+        # steps of seconds are steady; more repeats would cost minutes of device time
+        repeats = (
+            min(options.repeats, 2) if time.perf_counter() - start_s > 1.0 else options.repeats
+        )
         peak = 0
         if cuda:
-            synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        seconds = median_time_s(step, device, warmup=0, repeats=options.repeats)
+        seconds = median_time_s(step, device, warmup=0, repeats=repeats)
         if cuda:
             peak = torch.cuda.max_memory_allocated(device) + _outside_allocator_bytes(device)
     del inputs, step, state
@@ -312,12 +318,11 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
         cost = cost_model.evaluate(batch, plan)
         fixed_cost_model = cost_model.fixed_bytes()
         reserve = profile.runtime_reserved_bytes if profile.runtime_reserved_bytes > 0 else 3 << 30
-        layer_params = spec.param_count / spec.num_layers
-        # fixed = shard + 2 gathered layers + one layer's fp32 grads + reserve; the blocks, their
-        # grads and the reserve are real here, the shard is the buffer.
-        state_bytes = max(
-            0, int(fixed_cost_model - reserve - 2 * layer_params * 2 - layer_params * 4)
-        )
+        # fixed = FSDP shard + gathered layers + one layer's fp32 grads + reserve. Here the blocks'
+        # bf16 weights and grads, the workspaces and the context are real; the rest (the shard,
+        # minus any difference in weights and grads) is the buffer.
+        real_weights_and_grads = 2 * spec.param_count * 2
+        state_bytes = max(0, int(fixed_cost_model - reserve - real_weights_and_grads))
         for rank in chosen_ranks(cost, options.ranks_per_plan):
             rank_cost = cost.ranks[rank]
             measured_s, peak = run_rank(
