@@ -131,9 +131,10 @@ def _quick_batch(num_ranks: int, seed: int, text_tokens: int) -> _core.Batch:
     return batch
 
 
-def draw_plans(options: ValidationOptions, profile: _core.HardwareProfile):
+def draw_plans(options: ValidationOptions, profile: _core.HardwareProfile, skipped: list[str]):
     """Yields (name, batch, plan) for plan i = 0, 1, ...: recipe batches on a GPU; small
-    synthetic batches on 4 ranks in quick mode."""
+    synthetic batches on 4 ranks in quick mode. A source whose planner refuses the batch is
+    skipped and named in `skipped`."""
     full_spec = model_spec(options.model)
     index = 0
     while True:
@@ -153,9 +154,14 @@ def draw_plans(options: ValidationOptions, profile: _core.HardwareProfile):
             profile=profile,
             activation_checkpointing=options.activation_checkpointing,
         )
-        plan = _core.make_plan(planner, batch, cost_model)
-        yield f"{recipe_name}/{num_gpus}/{planner}/{seed}", batch, plan
+        name = f"{recipe_name}/{num_gpus}/{planner}/{seed}"
         index += 1
+        try:
+            plan = _core.make_plan(planner, batch, cost_model)
+        except ValueError as error:  # PlanMemoryError included: this batch has no plan here
+            skipped.append(f"{name}: {error}")
+            continue
+        yield name, batch, plan
 
 
 def knapformer_rank_work(
@@ -302,7 +308,8 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
         f"{options.num_layers} of {model_spec(options.model).num_layers} layers of {options.model}"
         f", activation checkpointing {'on' if options.activation_checkpointing else 'off'}",
     ]
-    plans = draw_plans(options, profile)
+    skipped: list[str] = []
+    plans = draw_plans(options, profile, skipped)
     for plan_index in range(options.num_plans):
         if options.time_budget_s and time.monotonic() - started > options.time_budget_s:
             notes.append(f"time budget reached: {plan_index} plans of {options.num_plans}")
@@ -355,6 +362,7 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                 f"{measured_s * 1e3:9.2f} ms, peak {result.predicted_peak_bytes / 2**30:7.2f} / "
                 f"{peak / 2**30:7.2f} GiB (predicted / measured)"
             )
+    notes.extend(f"skipped (planner refused): {line}" for line in skipped)
     report = summarise(results, gamma)
     report.gamma_forward_fit = {
         "lengths": lengths,
