@@ -57,6 +57,7 @@ from zellige._core import (
     validate_batch,
     validate_plan,
 )
+from zellige.api import CompareRow, compare, default_planners, plan
 from zellige.costs import make_cost_model
 from zellige.plan_io import (
     load_plan,
@@ -85,6 +86,7 @@ __all__ = [
     "Batch",
     "Bucket",
     "Cluster",
+    "CompareRow",
     "CostModel",
     "CostOptions",
     "HardwareProfile",
@@ -115,6 +117,8 @@ __all__ = [
     "batch_to_json",
     "candidate_placements",
     "check_sequences_fit",
+    "compare",
+    "default_planners",
     "generate",
     "generate_batch",
     "layer_forward_flops",
@@ -130,6 +134,7 @@ __all__ = [
     "model_preset",
     "model_preset_names",
     "parse_strategy",
+    "plan",
     "plan_dp_cost",
     "plan_dp_tokens",
     "plan_from_dict",

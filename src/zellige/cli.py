@@ -7,9 +7,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 # subcommand -> (module under zellige.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("plan", "place one step's batch on the GPUs with one planner and write the plan"),
+    "compare": ("compare", "run several planners on the same batch and compare their predictions"),
+    "show": ("show", "draw the per-rank picture of a plan (text, or a Gantt chart as PNG)"),
     "profile": ("profile", "measure this GPU for the cost model and write a profile JSON"),
     "validate-profile": (
         "validate_profile",
@@ -18,15 +22,36 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes (a missing flag, `--gpus abc`) also get one line; --help has the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        text = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(text.split())
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zellige", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="zellige", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"zellige.commands.{module_name}")
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
     module = importlib.import_module(f"zellige.commands.{COMMANDS[args.command][0]}")
-    return module.run(args)
+    try:
+        return module.run(args)
+    # User errors (bad files, names, lengths, memory) become one line; ValueError covers
+    # json.JSONDecodeError and zellige.PlanMemoryError. Anything else is a bug: keep its traceback.
+    except (ValueError, OSError) as error:
+        print(f"zellige: error: {_one_line(error)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

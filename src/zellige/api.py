@@ -1,0 +1,234 @@
+"""The Python face of the CLI: `plan(...)` places one step's batch with one planner, `compare(...)`
+runs several planners on the same batch. Both take a built-in workload name or a Batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from zellige import _core
+from zellige.costs import make_cost_model
+from zellige.workload import generate, load_recipe
+
+# Planner families that make_plan (C++) knows, plus the Python MILP reference.
+_CORE_PLANNERS = ("dp-tokens", "dp-cost", "static-cp", "knapformer", "megatron-dcp", "zellige")
+JOINT = "joint"
+
+
+@dataclass(kw_only=True, slots=True)
+class Setup:
+    """Everything a planner needs besides its name: the batch and the cost model of the cluster."""
+
+    batch: _core.Batch
+    cost_model: _core.CostModel
+    model_name: str
+    links: str
+    profile_path: str | None  # None: the built-in profile
+    workload: str | None  # the recipe the batch came from, if any
+    seed: int
+
+
+@dataclass(kw_only=True, slots=True)
+class CompareRow:
+    """One planner's result on the batch; `error` says why a planner refused (e.g. memory), and
+    then the measured fields are None."""
+
+    planner: str
+    makespan_s: float | None
+    lower_bound_s: float
+    imbalance: float | None  # max / mean rank time
+    exchange_bytes: float | None  # all ranks, per step
+    peak_bytes: float | None  # max over ranks
+    fits: bool
+    plan_ms: float | None
+    error: str | None = None
+
+
+def make_setup(
+    batch_or_workload: str | _core.Batch,
+    gpus: int,
+    *,
+    gpus_per_node: int = 8,
+    model: str | None = None,
+    profile: str | Path | _core.HardwareProfile | None = None,
+    seed: int = 0,
+    links: str = "nvlink",
+) -> Setup:
+    """Resolves a workload name (generated for `gpus` ranks with `seed`) or a Batch, the model
+    (default: the workload's own; required with a Batch), the profile (default: built-in H200)
+    and the cluster into a Setup. Raises ValueError for any unknown name or invalid value."""
+    workload = None
+    if isinstance(batch_or_workload, str):
+        workload = batch_or_workload
+        recipe = load_recipe(workload)
+        model = model or recipe.model
+    elif model is None:
+        names = ", ".join(_core.model_preset_names())
+        raise ValueError(f"a batch needs a model (one of: {names})")
+    # The cost model checks the model, cluster and profile before any batch is made.
+    cost_model = make_cost_model(model, gpus, gpus_per_node, profile, links)
+    if workload is not None:
+        batch = generate(recipe, gpus, seed)
+    else:
+        batch = batch_or_workload
+        _core.validate_batch(batch, gpus)
+    profile_path = (
+        None if profile is None or isinstance(profile, _core.HardwareProfile) else profile
+    )
+    return Setup(
+        batch=batch,
+        cost_model=cost_model,
+        model_name=model,
+        links=links,
+        profile_path=None if profile_path is None else str(profile_path),
+        workload=workload,
+        seed=seed,
+    )
+
+
+def _check_planner_name(planner: str) -> None:
+    family = planner.split(":", 1)[0]
+    if family not in (*_CORE_PLANNERS, JOINT):
+        allowed = ", ".join([*_core.planner_names(), JOINT])
+        raise ValueError(f"unknown planner '{planner}' (allowed: {allowed})")
+
+
+def run_planner(setup: Setup, planner: str, seed: int = 0) -> _core.Plan:
+    """One planner on the setup's batch: a validated Plan with its prediction and plan_ms.
+    Raises ValueError for a bad planner name, PlanMemoryError when it cannot place in memory."""
+    _check_planner_name(planner)
+    if planner != JOINT:
+        options = _core.PlannerOptions(seed=seed)
+        return _core.make_plan(planner, setup.batch, setup.cost_model, options)
+    try:
+        from zellige import joint
+    except ImportError:
+        raise ValueError("planner 'joint' needs zellige.joint, which is not built yet") from None
+    return joint.plan_joint(setup.batch, setup.cost_model, seed=seed)
+
+
+def plan(
+    batch_or_workload: str | _core.Batch,
+    gpus: int,
+    *,
+    gpus_per_node: int = 8,
+    model: str | None = None,
+    profile: str | Path | _core.HardwareProfile | None = None,
+    planner: str = "zellige",
+    seed: int = 0,
+    links: str = "nvlink",
+) -> _core.Plan:
+    """Places one step's batch (a built-in workload name, or a Batch) on `gpus` GPUs."""
+    setup = make_setup(
+        batch_or_workload,
+        gpus,
+        gpus_per_node=gpus_per_node,
+        model=model,
+        profile=profile,
+        seed=seed,
+        links=links,
+    )
+    return run_planner(setup, planner, seed)
+
+
+def default_planners(num_gpus: int, gpus_per_node: int = 8) -> list[str]:
+    """The baselines worth comparing on this cluster, then zellige (joint is opt-in: slow).
+
+    static-cp with C = 4 and 8 where C divides the cluster; knapformer with the homogeneous g4
+    spec and a mixed spec that gives each bag size up to 8 a similar share of the GPUs."""
+    names = ["dp-tokens", "dp-cost"]
+    names += [f"static-cp:{c}" for c in (4, 8) if c <= num_gpus and num_gpus % c == 0]
+    if num_gpus % 4 == 0:
+        names.append(f"knapformer:g4n{num_gpus // 4}")
+    mixed = _mixed_knapformer_spec(num_gpus, min(8, gpus_per_node))
+    if mixed is not None:
+        names.append(f"knapformer:{mixed}")
+    return [*names, "megatron-dcp", "zellige"]
+
+
+def _mixed_knapformer_spec(num_gpus: int, max_bag_gpus: int) -> str | None:
+    """Bags of 1, 2, 4, ... GPUs (at most half the cluster), largest first, each size taking about
+    an equal share and the 1-GPU bags the rest: 32 GPUs -> g1n8+g2n4+g4n2+g8n1."""
+    sizes = [s for s in (8, 4, 2, 1) if s <= max_bag_gpus and 2 * s <= num_gpus]
+    if len(sizes) < 2:
+        return None
+    share = num_gpus // len(sizes)
+    left = num_gpus
+    bags = {}
+    for size in sizes[:-1]:
+        count = min(max(1, share // size), left // size)
+        if count:
+            bags[size] = count
+            left -= count * size
+    if left:
+        bags[1] = left
+    return "+".join(f"g{size}n{count}" for size, count in sorted(bags.items()))
+
+
+def compare_setup(setup: Setup, planners: list[str], seed: int = 0) -> list[CompareRow]:
+    """Runs each planner on the setup's batch; a planner that cannot place the batch in memory
+    gets a row with `error` instead of stopping the comparison."""
+    for name in planners:
+        _check_planner_name(name)
+    # A sequence that fits under no placement is the batch's fault, not a planner's: stop here.
+    _core.check_sequences_fit(setup.batch, setup.cost_model)
+    lower_bound_s = _core.makespan_lower_bound(setup.batch, setup.cost_model)
+    rows = []
+    for name in planners:
+        try:
+            result = run_planner(setup, name, seed)
+        except _core.PlanMemoryError as error:
+            rows.append(
+                CompareRow(
+                    planner=name,
+                    makespan_s=None,
+                    lower_bound_s=lower_bound_s,
+                    imbalance=None,
+                    exchange_bytes=None,
+                    peak_bytes=None,
+                    fits=False,
+                    plan_ms=None,
+                    error=str(error),
+                )
+            )
+            continue
+        cost = setup.cost_model.evaluate(setup.batch, result)
+        rank_times_s = [rank.time_s for rank in cost.ranks]
+        mean_s = sum(rank_times_s) / len(rank_times_s)
+        rows.append(
+            CompareRow(
+                planner=name,
+                makespan_s=cost.makespan_s,
+                lower_bound_s=lower_bound_s,
+                imbalance=max(rank_times_s) / mean_s if mean_s > 0 else 1.0,
+                exchange_bytes=cost.exchange_bytes,
+                peak_bytes=cost.peak_bytes,
+                fits=cost.fits,
+                plan_ms=result.plan_ms,
+            )
+        )
+    return rows
+
+
+def compare(
+    batch_or_workload: str | _core.Batch,
+    gpus: int,
+    *,
+    gpus_per_node: int = 8,
+    model: str | None = None,
+    profile: str | Path | _core.HardwareProfile | None = None,
+    planners: list[str] | None = None,
+    seed: int = 0,
+    links: str = "nvlink",
+) -> list[CompareRow]:
+    """Runs `planners` (default: default_planners) on the same batch, one row each."""
+    setup = make_setup(
+        batch_or_workload,
+        gpus,
+        gpus_per_node=gpus_per_node,
+        model=model,
+        profile=profile,
+        seed=seed,
+        links=links,
+    )
+    return compare_setup(setup, planners or default_planners(gpus, gpus_per_node), seed)

@@ -1,0 +1,73 @@
+"""`zellige plan`: place one step's batch with one planner, print a summary, write Plan JSON."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+from zellige import _core
+from zellige.api import Setup, run_planner
+from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
+from zellige.plan_io import save_plan
+from zellige.workload import batch_to_dict
+
+GIB = 1 << 30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_batch_arguments(parser)
+    add_cluster_arguments(parser)
+    parser.add_argument(
+        "--planner",
+        required=True,
+        metavar="P",
+        help=f"one of: {', '.join(_core.planner_names())}, joint",
+    )
+    parser.add_argument("--out", metavar="FILE", help="write the plan JSON here")
+
+
+def plan_context(setup: Setup) -> dict:
+    """What `zellige show` needs to rebuild the batch and cost model of a plan file: the workload
+    and seed (generation is deterministic) or, for a batch file, the batch itself."""
+    context = {
+        "model": setup.model_name,
+        "gpus_per_node": setup.cost_model.cluster.gpus_per_node,
+        "links": setup.links,
+        "profile": setup.profile_path,
+    }
+    if setup.workload is not None:
+        context.update(workload=setup.workload, seed=setup.seed)
+    else:
+        context["batch"] = batch_to_dict(setup.batch)
+    return context
+
+
+def summary(setup: Setup, plan: _core.Plan) -> list[str]:
+    cluster = setup.cost_model.cluster
+    cost = setup.cost_model.evaluate(setup.batch, plan)
+    lower_bound_s = _core.makespan_lower_bound(setup.batch, setup.cost_model)
+    source = f"workload {setup.workload} (seed {setup.seed})" if setup.workload else "batch"
+    strategies = Counter(p.strategy.name for p in plan.placements)
+    memory = "fits" if cost.fits else "DOES NOT FIT"
+    capacity_gib = setup.cost_model.memory_capacity_bytes() / GIB
+    return [
+        f"{plan.planner}: {len(setup.batch.sequences)} sequences, "
+        f"{_core.total_tokens(setup.batch):,} tokens of {source} on {cluster.num_ranks()} GPUs "
+        f"({cluster.num_nodes} x {cluster.gpus_per_node}), {setup.model_name}",
+        f"makespan {cost.makespan_s:.4f} s, lower bound {lower_bound_s:.4f} s "
+        f"(x{cost.makespan_s / lower_bound_s:.3f}); planned in {plan.plan_ms:.1f} ms",
+        f"peak memory {cost.peak_bytes / GIB:.1f} GiB of {capacity_gib:.1f} GiB ({memory}); "
+        f"exchanged {cost.exchange_bytes / 1e9:.2f} GB per step",
+        "placements: " + ", ".join(f"{name} {count}" for name, count in strategies.most_common()),
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    setup = setup_from_args(args)
+    plan = run_planner(setup, args.planner, setup.seed)
+    for line in summary(setup, plan):
+        print(line)
+    if args.out:
+        save_plan(plan, args.out, context=plan_context(setup))
+        print(f"wrote {args.out}")
+    return 0

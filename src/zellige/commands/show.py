@@ -1,0 +1,150 @@
+"""`zellige show`: the per-rank picture of a plan, as text (one line per rank) and optionally as a
+Gantt chart PNG drawn from the simulator's timeline."""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+from zellige import _core
+from zellige.api import Setup, make_setup
+from zellige.commands._inputs import add_cluster_arguments
+from zellige.plan_io import load_plan_with_context
+from zellige.workload import batch_from_dict, load_batch
+
+BAR_COLUMNS = 40
+LINE_COLUMNS = 120
+# Text bar characters and PNG colours per timeline phase.
+PHASES = {
+    "linear": ("#", "tab:blue"),
+    "attention": ("=", "tab:orange"),
+    "exchange": ("~", "tab:red"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="PLAN.json", help="a plan written by `zellige plan --out`")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--workload", metavar="NAME", help="rebuild the batch from this recipe")
+    source.add_argument("--batch", metavar="FILE", help="the plan's Batch JSON file")
+    parser.add_argument("--seed", type=int, default=None, help="with --workload (default: 0)")
+    # The plan file records the cluster and model; these override it.
+    add_cluster_arguments(parser, gpus_required=False)
+    parser.add_argument("--png", metavar="FILE", help="also draw a Gantt chart into this PNG")
+
+
+def setup_for_plan(args: argparse.Namespace, plan: _core.Plan, context: dict) -> Setup:
+    """The batch and cost model the plan was made for: flags first, then the plan's context."""
+    if args.gpus is not None and args.gpus != plan.num_ranks:
+        raise ValueError(f"--gpus {args.gpus} does not match the plan's {plan.num_ranks} ranks")
+    model = args.model or context.get("model")
+    if model is None:
+        raise ValueError(f"{args.plan} does not name its model: pass --model")
+    seed = args.seed if args.seed is not None else context.get("seed", 0)
+    if args.workload is not None:
+        source = args.workload
+    elif args.batch is not None:
+        source = load_batch(args.batch, model=model, num_ranks=plan.num_ranks)
+    elif "workload" in context:
+        source = context["workload"]
+    elif "batch" in context:
+        source = batch_from_dict(context["batch"], model=model, num_ranks=plan.num_ranks)
+    else:
+        raise ValueError(f"{args.plan} does not carry its batch: pass --batch or --workload")
+    return make_setup(
+        source,
+        plan.num_ranks,
+        gpus_per_node=args.gpus_per_node or context.get("gpus_per_node", 8),
+        model=model,
+        profile=args.profile or context.get("profile"),
+        seed=seed,
+        links=args.links or context.get("links", "nvlink"),
+    )
+
+
+def placement_label(placement: _core.Placement) -> str:
+    """12 (local), 12u4 (Ulysses over 4), 12r2 (ring over 2), 12h2x2 (hybrid u x r)."""
+    strategy = placement.strategy
+    if strategy == _core.Strategy.local:
+        return str(placement.sequence_id)
+    if strategy == _core.Strategy.hybrid:
+        return f"{placement.sequence_id}h{placement.ulysses_degree}x{placement.ring_degree}"
+    return f"{placement.sequence_id}{strategy.name[0]}{placement.degree()}"
+
+
+def text_picture(setup: Setup, plan: _core.Plan) -> list[str]:
+    cost = setup.cost_model.evaluate(setup.batch, plan)
+    labels: dict[int, list[str]] = defaultdict(list)
+    for placement in plan.placements:
+        for rank in placement.ranks:
+            labels[rank].append(placement_label(placement))
+    scale = BAR_COLUMNS / cost.makespan_s if cost.makespan_s > 0 else 0.0
+    legend = ", ".join(f"{char} {phase}" for phase, (char, _) in PHASES.items())
+    lines = [
+        f"{plan.planner} plan on {plan.num_ranks} ranks: makespan {cost.makespan_s:.4f} s; "
+        f"bar: {legend}; sequences: id, u/r/h = ulysses/ring/hybrid over that many ranks"
+    ]
+    for rank, rank_cost in enumerate(cost.ranks):
+        bar = ""
+        for phase, seconds in (
+            ("linear", rank_cost.linear_s),
+            ("attention", rank_cost.attention_s),
+            ("exchange", rank_cost.exchange_s),
+        ):
+            bar += PHASES[phase][0] * round(seconds * scale)
+        head = f"{rank:>4} {rank_cost.time_s:8.4f} s |{bar[:BAR_COLUMNS]:<{BAR_COLUMNS}}| "
+        lines.append(head + _fit(labels[rank], LINE_COLUMNS - len(head)))
+    return lines
+
+
+def _fit(labels: list[str], columns: int) -> str:
+    """Space-separated labels, cut to `columns` with a count of what was left out."""
+    text = ""
+    for i, label in enumerate(labels):
+        more = f" +{len(labels) - i} more"
+        if len(text) + 1 + len(label) + len(more) > columns and i < len(labels) - 1:
+            return text + more
+        text += (" " if text else "") + label
+    return text
+
+
+def draw_png(setup: Setup, plan: _core.Plan, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
+
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    for segment in _core.simulate(setup.batch, plan, setup.cost_model):
+        bars[segment.rank, segment.phase].append((segment.start_s, segment.end_s - segment.start_s))
+    height_in = min(40.0, 1.5 + 0.22 * plan.num_ranks)
+    fig, ax = plt.subplots(figsize=(12, height_in))
+    for (rank, phase), spans in bars.items():
+        ax.broken_barh(
+            spans, (rank - 0.4, 0.8), facecolors=PHASES[phase][1], edgecolor="white", linewidth=0.3
+        )
+    ax.set_ylim(plan.num_ranks - 0.5, -0.5)
+    ax.set_xlabel("time in the step (s)")
+    ax.set_ylabel("rank")
+    ax.set_title(f"{plan.planner} on {plan.num_ranks} GPUs, {setup.model_name}")
+    ax.legend(
+        handles=[Patch(color=color, label=phase) for phase, (_, color) in PHASES.items()],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan, context = load_plan_with_context(args.plan)
+    setup = setup_for_plan(args, plan, context)
+    _core.validate_plan(plan, setup.batch, plan.num_ranks, setup.cost_model.model.num_heads)
+    for line in text_picture(setup, plan):
+        print(line)
+    if args.png:
+        draw_png(setup, plan, args.png)
+        print(f"wrote {args.png}")
+    return 0
