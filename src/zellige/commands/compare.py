@@ -63,7 +63,7 @@ def _cells(row: CompareRow) -> tuple[str, ...]:
         f"{row.exchange_bytes / 1e9:,.1f} GB",
         f"{row.peak_bytes / GIB:.1f}",
         "yes" if row.fits else "NO",
-        f"{row.plan_ms:.1f}",
+        f"{row.plan_ms:.2f}",
     )
 
 
