@@ -38,7 +38,10 @@ def _one_line(error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="zellige", description=__doc__.split("\n")[0])
+    parser = _Parser(
+        prog="zellige",
+        description="Per-sequence parallel placement for mixed image/video DiT training.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"zellige.commands.{module_name}")
