@@ -91,15 +91,22 @@ class VideoDiT(nn.Module):
             nn.init.normal_(module.modulation, std=self.config.width**-0.5)
         nn.init.zeros_(self.head.linear.weight)
 
-    def forward(self, tokens: PackedTokens, self_attention: AttentionFn | None = None) -> Tensor:
-        """Velocity [T, C]. Without `self_attention`, every local sequence attends whole."""
+    def forward(
+        self,
+        tokens: PackedTokens,
+        self_attention: AttentionFn | None = None,
+        cross_attention: AttentionFn | None = None,
+    ) -> Tensor:
+        """Velocity [T, C]. Without `self_attention`, every local sequence attends whole; without
+        `cross_attention`, each sequence's tokens attend to its text with SegmentAttention."""
         device = tokens.latents_TC.device
         if self_attention is None:
             lengths = list(tokens.tokens_per_sequence)
             self_attention = SegmentAttention(lengths, lengths, device)
-        cross_attention = SegmentAttention(
-            tokens.tokens_per_sequence, tokens.text_tokens_per_sequence, device
-        )
+        if cross_attention is None:
+            cross_attention = SegmentAttention(
+                tokens.tokens_per_sequence, tokens.text_tokens_per_sequence, device
+            )
         sequence_index_T = tokens.sequence_index()
         dtype = self.patch_embedding.weight.dtype
         # RoPE in float32 at least: bf16 angles would smear neighbouring positions

@@ -1,0 +1,244 @@
+"""One rank's data for each training step, planned one step ahead in a loader worker.
+
+Every rank generates the same batch description for a step from (recipe, seed, step) — what
+all-gathering the loaders' lengths would give — so every rank's worker makes the same plan and
+compiles its own layout while the main process trains on the previous step. Only the tensors of
+the sequences this rank loads (source_rank == rank) are materialised here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import zellige
+from zellige import _core
+from zellige.data.synthetic import SyntheticLatents
+from zellige.model import DiTConfig
+
+# A mix of 64x64 images (16 tokens each) and short 64x96 / 64x128 clips (120 and 288 tokens):
+# lengths spread 18x like the real recipes, small enough for seconds per step on two CPU cores.
+TINY_RECIPE = {
+    "model": "tiny-cpu",
+    "text_tokens": 8,
+    "temporal_stride": 4,
+    "mix": [
+        {"kind": "image", "height": 64, "width": 64, "share": 0.4},
+        {"kind": "video", "frames": 17, "height": 64, "width": 96, "share": 0.3},
+        {"kind": "video", "frames": 33, "height": 64, "width": 128, "share": 0.3},
+    ],
+}
+
+
+def load_training_recipe(name: str) -> _core.Recipe:
+    """A recipe of shared/workloads/recipes.json by name, or "tiny" (TINY_RECIPE)."""
+    if name == "tiny":
+        return zellige.workload.recipe_from_dict("tiny", TINY_RECIPE)
+    return zellige.load_recipe(name)
+
+
+def model_spec(config: DiTConfig) -> _core.ModelSpec:
+    """The planning core's view of this model (sizes and parameter count), for costs and FLOPs."""
+    from zellige.model import VideoDiT
+
+    with torch.device("meta"):
+        param_count = sum(p.numel() for p in VideoDiT(config).parameters())
+    return _core.ModelSpec(
+        name=config.name,
+        width=config.width,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        head_dim=config.head_dim,
+        ffn_width=config.ffn_width,
+        text_tokens=config.text_tokens,
+        joint_attention=False,
+        param_count=param_count,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class TextRoute:
+    """Moves each sequence's text features from its source rank to every rank of its placement,
+    as one all_to_all of rows (the per-token route moves only tokens).
+
+    Send row i = source text row send_index[i], rows to rank r in rank order (send_splits[r]).
+    The received rows of sequence (batch index) b start at recv_offset[b]."""
+
+    send_index: np.ndarray
+    send_splits: list[int]
+    recv_splits: list[int]
+    recv_offset: dict[int, int]
+
+
+def text_route(batch: _core.Batch, plan: _core.Plan, rank: int) -> TextRoute:
+    ranks_of = {p.sequence_id: set(p.ranks) for p in plan.placements}
+    sequences = batch.sequences
+    source_offset, offset = {}, 0
+    for index, sequence in enumerate(sequences):
+        if sequence.source_rank == rank:
+            source_offset[index] = offset
+            offset += sequence.text_tokens
+    send_index, send_splits = [], []
+    for dest in range(plan.num_ranks):
+        rows = 0
+        for index, start in source_offset.items():
+            if dest in ranks_of[sequences[index].id]:
+                text_tokens = sequences[index].text_tokens
+                send_index.append(np.arange(start, start + text_tokens))
+                rows += text_tokens
+        send_splits.append(rows)
+    recv_splits, recv_offset, offset = [], {}, 0
+    for source in range(plan.num_ranks):
+        rows = 0
+        for index, sequence in enumerate(sequences):
+            if sequence.source_rank == source and rank in ranks_of[sequence.id]:
+                recv_offset[index] = offset + rows
+                rows += sequence.text_tokens
+        recv_splits.append(rows)
+        offset += rows
+    return TextRoute(
+        send_index=np.concatenate(send_index) if send_index else np.zeros(0, np.int64),
+        send_splits=send_splits,
+        recv_splits=recv_splits,
+        recv_offset=recv_offset,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class StepData:
+    """What one rank needs for one step (picklable: it crosses from the loader worker)."""
+
+    step: int
+    rank: int
+    batch: dict  # Batch JSON object (zellige.batch_to_dict) of the whole step
+    plan: dict  # Plan JSON object (zellige.plan_to_dict), with prediction and plan_ms
+    text_route: TextRoute
+    total_tokens: int  # over all ranks: the loss normaliser
+    train_flops: float  # forward + backward FLOPs of the whole batch (for MFU)
+    # Tensors of the sequences this rank loaded, whole, concatenated in batch order.
+    source_noisy_TC: Tensor
+    source_velocity_TC: Tensor
+    source_timestep_T: Tensor  # the sequence's flow time, repeated per token
+    source_text_XE: Tensor
+    source_text_tokens: list[int] = field(default_factory=list)  # per source sequence
+
+
+class StepDataset(torch.utils.data.Dataset):
+    """Map-style: item `step` is this rank's StepData for that step.
+
+    `sequences` fixes the batch of every step (a Batch JSON object's "sequences"), for tests;
+    otherwise each step's batch comes from the recipe with seed (seed, step).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: DiTConfig,
+        recipe: str,
+        planner: str,
+        rank: int,
+        num_ranks: int,
+        gpus_per_node: int,
+        seed: int,
+        profile: str | None = None,
+        sequences: list[dict] | None = None,
+    ) -> None:
+        self.model = model
+        self.recipe_name = recipe
+        self.planner = planner
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.gpus_per_node = min(gpus_per_node, num_ranks)
+        self.seed = seed
+        self.profile = profile
+        self.sequences = sequences
+        self._state = None  # built lazily in the process that loads (nanobind objects)
+
+    def _planning_state(self):
+        if self._state is None:
+            spec = model_spec(self.model)
+            profile = zellige.load_profile(self.profile)
+            cluster = zellige.make_cluster(self.num_ranks, self.gpus_per_node)
+            recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
+            latents = SyntheticLatents(
+                token_channels=self.model.token_channels,
+                text_dim=self.model.text_dim,
+                seed=self.seed,
+            )
+            self._state = (spec, _core.CostModel(spec, profile, cluster), recipe, latents)
+        return self._state
+
+    def batch(self, step: int) -> _core.Batch:
+        spec, _, recipe, _ = self._planning_state()
+        if self.sequences is not None:
+            return zellige.batch_from_dict({"sequences": self.sequences}, num_ranks=self.num_ranks)
+        return zellige.generate_batch(recipe, self.num_ranks, _step_seed(self.seed, step))
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def __getitem__(self, step: int) -> StepData:
+        spec, cost_model, _, latents = self._planning_state()
+        batch = self.batch(step)
+        options = _core.PlannerOptions(seed=_step_seed(self.seed, step))
+        plan = zellige.make_plan(self.planner, batch, cost_model, options)
+
+        noisy, velocity, timestep, text, text_tokens = [], [], [], [], []
+        for sequence in batch.sequences:
+            if sequence.source_rank != self.rank:
+                continue
+            sample = latents.sample(
+                step=step,
+                sequence_id=sequence.id,
+                grid_thw=(sequence.grid_t, sequence.grid_h, sequence.grid_w),
+                text_tokens=sequence.text_tokens,
+            )
+            noisy.append(sample.noisy_LC)
+            velocity.append(sample.velocity_LC)
+            timestep.append(torch.full((sequence.num_tokens,), sample.timestep))
+            text.append(sample.text_XE)
+            text_tokens.append(sequence.text_tokens)
+        channels, text_dim = self.model.token_channels, self.model.text_dim
+        return StepData(
+            step=step,
+            rank=self.rank,
+            batch=zellige.batch_to_dict(batch),
+            plan=zellige.plan_to_dict(plan),
+            text_route=text_route(batch, plan, self.rank),
+            total_tokens=zellige.total_tokens(batch),
+            train_flops=float(
+                sum(zellige.train_flops(spec, s.num_tokens, s.text_tokens) for s in batch.sequences)
+            ),
+            source_noisy_TC=_cat(noisy, (0, channels)),
+            source_velocity_TC=_cat(velocity, (0, channels)),
+            source_timestep_T=_cat(timestep, (0,)),
+            source_text_XE=_cat(text, (0, text_dim)),
+            source_text_tokens=text_tokens,
+        )
+
+
+def make_loader(
+    dataset: StepDataset, first_step: int, num_steps: int, num_workers: int, pin_memory: bool
+) -> torch.utils.data.DataLoader:
+    """Steps first_step .. first_step + num_steps - 1 in order; with workers, step k + 1 (and
+    k + 2) is generated and planned while step k trains."""
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,
+        sampler=range(first_step, first_step + num_steps),
+        num_workers=num_workers,
+        prefetch_factor=2 if num_workers > 0 else None,
+        persistent_workers=False,
+        pin_memory=pin_memory,
+    )
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return int(np.random.SeedSequence([seed, step]).generate_state(1, np.uint32)[0])
+
+
+def _cat(tensors: list[Tensor], empty_shape: tuple[int, ...]) -> Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(empty_shape)

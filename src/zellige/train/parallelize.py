@@ -1,0 +1,63 @@
+"""Parallelism, activation checkpointing, precision and timing are applied here, in one place;
+the model itself knows none of them.
+
+FSDP2 (fully_shard) over all ranks, one unit per block plus the root; gradients are reduced as
+SUMS (divide factor 1) because each rank's loss is already normalised by the global token count.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from zellige.model import VideoDiT
+from zellige.train.timing import StepTimer
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class BlockRunner(nn.Module):
+    """Runs one block under the step timer, recomputing it in backward when checkpointing."""
+
+    def __init__(self, block: nn.Module, timer: StepTimer, activation_checkpointing: bool) -> None:
+        super().__init__()
+        self.block = block
+        self.activation_checkpointing = activation_checkpointing
+        self._timed = timer.wrap("block", self._run)
+
+    def _run(self, *args):
+        if self.activation_checkpointing:
+            return checkpoint(self.block, *args, use_reentrant=False)
+        return self.block(*args)
+
+    def forward(self, *args):
+        return self._timed(*args)
+
+
+def parallelize(
+    model: VideoDiT,
+    mesh: DeviceMesh,
+    *,
+    dtype: str,
+    activation_checkpointing: bool,
+    timer: StepTimer,
+) -> VideoDiT:
+    """Shards `model` in place over `mesh` and returns it. bfloat16 means bf16 compute with fp32
+    master weights and fp32 gradient reduction; float32 / float64 compute in that dtype."""
+    if dtype == "bfloat16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        model.to(DTYPES[dtype])
+        policy = MixedPrecisionPolicy()
+    for index, block in enumerate(model.blocks):
+        runner = BlockRunner(block, timer, activation_checkpointing)
+        fully_shard(runner, mesh=mesh, mp_policy=policy)
+        model.blocks[index] = runner
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    return model

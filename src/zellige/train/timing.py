@@ -1,0 +1,103 @@
+"""Where a rank's step time goes, measured inside autograd (forward, recompute and backward).
+
+A region is opened and closed by identity autograd functions around a computation: their forward
+marks the forward pass, their backward marks the backward pass (which runs the other way round).
+On CUDA the marks are events read once at the end of the step, so timing adds no synchronisation.
+Regions are measured inside module bodies, so FSDP's weight all-gathers and gradient
+reduce-scatters (which run in hooks around the bodies) do not count as a rank's own work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+
+class StepTimer:
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._intervals: dict[str, list[tuple[object, object]]] = defaultdict(list)
+        self._open: dict[tuple[str, int], object] = {}
+        self._next_id = 0
+
+    def _stamp(self) -> object:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _begin(self, key: tuple[str, int]) -> None:
+        self._open[key] = self._stamp()
+
+    def _end(self, key: tuple[str, int]) -> None:
+        self._intervals[key[0]].append((self._open.pop(key), self._stamp()))
+
+    def wrap(self, name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """fn(*tensors, *rest) -> tensor, with forward and backward time counted under `name`.
+
+        The leading tensor arguments that require grad carry the backward mark."""
+
+        def timed(*args):
+            key = (name, self._next_id)
+            self._next_id += 1
+            tensors = [a for a in args if isinstance(a, Tensor)]
+            marked = iter(_Mark.apply(self, key, False, *tensors))
+            args = [next(marked) if isinstance(a, Tensor) else a for a in args]
+            self._begin(key)
+            out = fn(*args)
+            self._end(key)
+            return _Mark.apply(self, key, True, out)[0]
+
+        return timed
+
+    def seconds(self) -> dict[str, float]:
+        """Total seconds per region since the last reset; waits for the device once."""
+        if self._cuda:
+            torch.cuda.synchronize()
+        totals = {}
+        for name, intervals in self._intervals.items():
+            if self._cuda:
+                totals[name] = sum(a.elapsed_time(b) for a, b in intervals) / 1e3
+            else:
+                totals[name] = sum(b - a for a, b in intervals)
+        return totals
+
+    def reset(self) -> None:
+        self._intervals.clear()
+        self._open.clear()
+
+
+class _Mark(torch.autograd.Function):
+    """Identity whose backward opens (at a region's output) or closes (at its inputs) the
+    backward interval of the region."""
+
+    @staticmethod
+    def forward(ctx, timer: StepTimer, key: tuple[str, int], is_output: bool, *tensors: Tensor):
+        ctx.timer, ctx.key, ctx.is_output = timer, key, is_output
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        key = (ctx.key[0] + ".backward", ctx.key[1])
+        if ctx.is_output:
+            ctx.timer._begin(key)
+        elif key in ctx.timer._open:
+            ctx.timer._end(key)
+        return (None, None, None, *grads)
+
+
+class TimedModule(nn.Module):
+    """Counts a module's body (forward and backward) under `name`; applied from the outside."""
+
+    def __init__(self, module: nn.Module, timer: StepTimer, name: str) -> None:
+        super().__init__()
+        self.module = module
+        self._timed = timer.wrap(name, module)
+
+    def forward(self, *args):
+        return self._timed(*args)
