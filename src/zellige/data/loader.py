@@ -144,6 +144,7 @@ class StepDataset(torch.utils.data.Dataset):
         gpus_per_node: int,
         seed: int,
         profile: str | None = None,
+        activation_checkpointing: bool = True,
         sequences: list[dict] | None = None,
     ) -> None:
         self.model = model
@@ -154,21 +155,27 @@ class StepDataset(torch.utils.data.Dataset):
         self.gpus_per_node = min(gpus_per_node, num_ranks)
         self.seed = seed
         self.profile = profile
+        self.activation_checkpointing = activation_checkpointing
         self.sequences = sequences
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
     def _planning_state(self):
         if self._state is None:
             spec = model_spec(self.model)
-            profile = zellige.load_profile(self.profile)
-            cluster = zellige.make_cluster(self.num_ranks, self.gpus_per_node)
+            cost_model = zellige.make_cost_model(
+                spec,
+                self.num_ranks,
+                self.gpus_per_node,
+                self.profile,
+                activation_checkpointing=self.activation_checkpointing,
+            )
             recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
             latents = SyntheticLatents(
                 token_channels=self.model.token_channels,
                 text_dim=self.model.text_dim,
                 seed=self.seed,
             )
-            self._state = (spec, _core.CostModel(spec, profile, cluster), recipe, latents)
+            self._state = (spec, cost_model, recipe, latents)
         return self._state
 
     def batch(self, step: int) -> _core.Batch:

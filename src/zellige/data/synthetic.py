@@ -1,9 +1,10 @@
 """Synthetic latents and text features with learnable structure, deterministic by seed.
 
 No VAE or text encoder: each sequence draws a class; its text features are that class's vector
-plus a position pattern, and its clean latents are smooth functions of the token's (t, h, w) whose
-coefficients depend on the class. So a model can only denoise well by using its text, timestep and
-RoPE positions, and the rectified-flow loss falls when training works.
+plus a position pattern, and its clean latents are the class's mean plus smooth functions of the
+token's (t, h, w) whose coefficients depend on the class. So a model can only denoise well by
+using its text, timestep and RoPE positions, and the rectified-flow loss falls when training
+works (quickly for the class mean, slowly for the waves).
 
 Everything about a sequence (class, clean latents, noise, flow time) comes from a generator
 seeded by (seed, step, sequence id): the same numbers whichever rank loads it or holds it.
@@ -20,6 +21,7 @@ from torch import Tensor
 NUM_CLASSES = 16
 NUM_WAVES = 4  # sinusoidal components of the clean latents
 NOISE_STD = 0.1  # per-token detail that no model can predict
+CLASS_SHARE = 0.8  # variance of the clean latents explained by the class mean (the rest: waves)
 MAX_TEXT_TOKENS = 1024
 
 
@@ -50,7 +52,10 @@ class SyntheticLatents:
         # per class: wave frequencies over (t, h, w), phases and channel amplitudes
         self.frequency_KW3 = 0.05 + 0.6 * torch.rand(NUM_CLASSES, NUM_WAVES, 3, generator=tables)
         self.phase_KW = 2 * torch.pi * torch.rand(NUM_CLASSES, NUM_WAVES, generator=tables)
-        amplitude_scale = (2.0 / NUM_WAVES) ** 0.5  # unit variance per channel
+        self.class_mean_KC = CLASS_SHARE**0.5 * torch.randn(
+            NUM_CLASSES, token_channels, generator=tables
+        )
+        amplitude_scale = (2.0 * (1 - CLASS_SHARE) / NUM_WAVES) ** 0.5  # unit variance in all
         self.amplitude_KWC = amplitude_scale * torch.randn(
             NUM_CLASSES, NUM_WAVES, token_channels, generator=tables
         )
@@ -69,7 +74,7 @@ class SyntheticLatents:
         waves_LW = torch.sin(
             positions_L3.float() @ self.frequency_KW3[label].T + self.phase_KW[label]
         )
-        clean_LC = waves_LW @ self.amplitude_KWC[label]
+        clean_LC = self.class_mean_KC[label] + waves_LW @ self.amplitude_KWC[label]
         clean_LC += NOISE_STD * torch.randn(num_tokens, self.token_channels, generator=generator)
         noise_LC = torch.randn(num_tokens, self.token_channels, generator=generator)
         text_XE = self.class_text_KE[label] + self.text_position_XE[:text_tokens]

@@ -32,6 +32,7 @@ class TimestepEmbedding(nn.Module):
 
     def forward(self, timesteps_S: Tensor) -> tuple[Tensor, Tensor]:
         weight = self.embed[0].weight
+        timesteps_S = timesteps_S.to(torch.float64)  # t * 1000 in float32 would round
         frequencies_SF = sinusoidal_embedding(timesteps_S * TIMESTEP_SCALE, self.freq_dim)
         e_SD = self.embed(frequencies_SF.to(weight.dtype))
         e_S6D = self.project(e_SD).unflatten(1, (NUM_BLOCK_MODULATIONS, -1))

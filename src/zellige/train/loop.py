@@ -95,6 +95,7 @@ def train(
         gpus_per_node=config.gpus_per_node,
         seed=config.seed,
         profile=config.profile,
+        activation_checkpointing=config.activation_checkpointing,
         sequences=sequences,
     )
     num_steps = max(config.steps - first_step, 0)
@@ -122,7 +123,8 @@ def train(
         timer.reset()
         step_input = assemble_step(data, config.model.num_heads, device)
         local_loss = step_loss(model, step_input, data.total_tokens, timer)
-        local_loss.backward()
+        # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
+        (local_loss * num_ranks).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -212,7 +214,7 @@ def _step_line(record: dict, total_steps: int) -> str:
         f"step {record['step']}/{total_steps} loss {record['loss']:.4f} "
         f"tok/s {record['tokens_per_s']:.4g} MFU {mfu} "
         f"imbalance planned {record['planned_imbalance']:.3f} "
-        f"measured {record['measured_imbalance']:.3f} plan {record['plan_ms']:.1f} ms"
+        f"measured {record['measured_imbalance']:.3f} plan {record['plan_ms']:.2f} ms"
     )
 
 

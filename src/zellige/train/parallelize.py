@@ -1,8 +1,10 @@
 """Parallelism, activation checkpointing, precision and timing are applied here, in one place;
 the model itself knows none of them.
 
-FSDP2 (fully_shard) over all ranks, one unit per block plus the root; gradients are reduced as
-SUMS (divide factor 1) because each rank's loss is already normalised by the global token count.
+FSDP2 (fully_shard) over all ranks, one unit per block plus the root. FSDP averages gradients
+over ranks; the loop scales each rank's loss by the rank count so the result is their sum (each
+rank's loss is already normalised by the global token count). A divide factor of 1 would say the
+same, but gloo lacks the PREMUL_SUM reduction it needs.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from zellige.model import VideoDiT
@@ -57,7 +59,4 @@ def parallelize(
         fully_shard(runner, mesh=mesh, mp_policy=policy)
         model.blocks[index] = runner
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
     return model

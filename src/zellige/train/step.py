@@ -7,7 +7,6 @@ time) and another moves each sequence's text to the ranks of its placement.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,11 +39,16 @@ def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepI
     held_TF = runtime.route(features_SF.to(device, non_blocking=True), layout)
 
     compiled = layout.compiled
-    chunk_tokens = compiled.chunk_num_tokens.tolist()
-    chunk_sequences = compiled.chunk_sequence_index.tolist()
-    # PackedTokens wants tokens grouped by chunk in chunk order: the held order does that
-    assert compiled.chunk_held_offset.tolist() == np.cumsum([0, *chunk_tokens])[:-1].tolist()
-    chunk_offsets = torch.as_tensor(compiled.chunk_held_offset, dtype=torch.int64, device=device)
+    # PackedTokens wants tokens grouped by sequence in table order: held order does that, chunk by
+    # chunk. A chunk may be empty (a 1-token sequence split 2 ways): it has no row in the table.
+    assert (
+        compiled.chunk_held_offset.tolist()
+        == np.cumsum([0, *compiled.chunk_num_tokens.tolist()])[:-1].tolist()
+    )
+    nonempty = compiled.chunk_num_tokens > 0
+    chunk_tokens = compiled.chunk_num_tokens[nonempty].tolist()
+    chunk_sequences = compiled.chunk_sequence_index[nonempty].tolist()
+    chunk_offsets = torch.as_tensor(compiled.chunk_held_offset[nonempty], device=device)
     text_tokens = [data.batch["sequences"][index]["text_tokens"] for index in chunk_sequences]
 
     route = data.text_route
@@ -73,6 +77,6 @@ def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepI
     return StepInput(
         tokens=tokens,
         velocity_TC=held_TF[:, channels : 2 * channels],
-        self_attention=functools.partial(runtime.distributed_attention, step=layout),
+        self_attention=runtime.attention_fn(layout),
         layout=layout,
     )

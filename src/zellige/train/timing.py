@@ -79,7 +79,9 @@ class _Mark(torch.autograd.Function):
     @staticmethod
     def forward(ctx, timer: StepTimer, key: tuple[str, int], is_output: bool, *tensors: Tensor):
         ctx.timer, ctx.key, ctx.is_output = timer, key, is_output
-        return tuple(t.view_as(t) for t in tensors)
+        # a region's output is a fresh tensor, not a view: FSDP hooks module outputs, and views
+        # of them are fragile under in-place use
+        return tuple(t.clone() if is_output else t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
