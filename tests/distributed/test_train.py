@@ -50,18 +50,42 @@ def _max_relative_error(got: dict, want: dict) -> float:
 # float64 throughout: placements differ only in summation order, so errors are a few ulps per
 # operation (measured ~6e-15 relative); 1e-12 leaves room for the depth of a gradient's graph
 RELATIVE_BOUND = 1e-12
-PLANNERS = ["dp-cost", "static-cp:2", "knapformer:g2n1", "zellige"]
+PLANNERS = [
+    "dp-tokens",
+    "dp-cost",
+    "static-cp:2",
+    "knapformer:g2n1",
+    "megatron-dcp",
+    "zellige",
+    "hand-ring",  # ring placements, which no baseline picks on two ranks
+]
+
+
+def _built(planner: str) -> bool:
+    """False while a planner is still the placeholder that says it is not built yet."""
+    import zellige
+
+    batch = zellige.batch_from_dict({"sequences": [{"id": 0, "num_tokens": 4, "text_tokens": 0}]})
+    try:
+        zellige.make_plan(planner, batch, zellige.make_cost_model("wan-1.3b", 1))
+    except ValueError as error:
+        return "not built" not in str(error)
+    return True
 
 
 def test_loss_and_gradients_agree_across_placements(tmp_path: Path) -> None:
-    results = _grad_run(tmp_path, "mixed", PLANNERS)
+    planners = [p for p in PLANNERS if p == "hand-ring" or _built(p)]
+    results = _grad_run(tmp_path, "mixed", planners)
     reference = results["reference"]
     assert any(g.abs().max() > 0 for g in reference["grads"].values())
-    for planner in PLANNERS:
+    missing = sorted(set(PLANNERS) - set(planners))
+    for planner in planners:
         got = results[planner]
         assert got["loss"] == pytest.approx(reference["loss"], rel=RELATIVE_BOUND), planner
         assert got["grads"].keys() == reference["grads"].keys()
         assert _max_relative_error(got["grads"], reference["grads"]) < RELATIVE_BOUND, planner
+    if missing:
+        pytest.skip(f"checked all but {missing}: not built on this branch yet")
 
 
 def test_rank_without_tokens_does_not_hang(tmp_path: Path) -> None:
@@ -73,15 +97,19 @@ def test_rank_without_tokens_does_not_hang(tmp_path: Path) -> None:
 
 
 def test_resume_gives_identical_next_losses(tmp_path: Path) -> None:
-    straight = _train(2, tmp_path, "straight", "--steps", "6")
-    _train(2, tmp_path, "first", "--steps", "3", "--out", str(tmp_path / "ckpt"))
-    resumed = _train(2, tmp_path, "resumed", "--steps", "6", "--resume", str(tmp_path / "ckpt"))
+    # static-cp:2 puts every sequence through route and the Ulysses exchange
+    args = ("--planner", "static-cp:2")
+    straight = _train(2, tmp_path, "straight", "--steps", "6", *args)
+    _train(2, tmp_path, "first", "--steps", "3", "--out", str(tmp_path / "ckpt"), *args)
+    resumed = _train(
+        2, tmp_path, "resumed", "--steps", "6", "--resume", str(tmp_path / "ckpt"), *args
+    )
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
 
 
 def test_tiny_model_loss_falls_over_50_steps(tmp_path: Path) -> None:
-    history = _train(2, tmp_path, "tiny", "--steps", "50")
+    history = _train(2, tmp_path, "tiny", "--steps", "50", "--planner", "dp-cost")
     assert len(history) == 50
     assert {"step", "loss", "tokens_per_s", "plan_ms"} <= history[0].keys()
     first = sum(r["loss"] for r in history[:5]) / 5

@@ -2,6 +2,7 @@
 plus a single-process reference on rank 0; saves losses and full gradients with torch.save.
 
 usage: torchrun --nproc-per-node N train_grad_worker.py OUT.pt BATCH PLANNER [PLANNER ...]
+(PLANNER "hand-ring" is RING_PLAN, on 2 ranks and the "mixed" batch)
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ BATCHES = {
     ],
     # one sequence: under whole-sequence placement every other rank holds no token at all
     "single": [{"id": 0, "num_tokens": 20, "grid": [1, 4, 5], "text_tokens": 4, "source_rank": 0}],
+}
+
+
+# A hand-made plan for "mixed" with ring placements, in both rank orders (no baseline uses ring)
+RING_PLAN = {
+    "planner": "hand",
+    "num_ranks": 2,
+    "placements": [
+        {"id": 0, "strategy": "ulysses", "ranks": [1, 0]},
+        {"id": 1, "strategy": "local", "ranks": [0]},
+        {"id": 2, "strategy": "ring", "ranks": [1, 0]},
+        {"id": 3, "strategy": "local", "ranks": [1]},
+        {"id": 4, "strategy": "ring", "ranks": [0, 1]},
+    ],
 }
 
 
@@ -93,6 +108,7 @@ def main() -> None:
             gpus_per_node=num_ranks,
             seed=config.seed,
             sequences=sequences,
+            plan=RING_PLAN if planner == "hand-ring" else None,
         )
         data = dataset[0]
         step_input = assemble_step(data, config.model.num_heads, device)

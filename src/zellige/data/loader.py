@@ -130,7 +130,8 @@ class StepDataset(torch.utils.data.Dataset):
     """Map-style: item `step` is this rank's StepData for that step.
 
     `sequences` fixes the batch of every step (a Batch JSON object's "sequences"), for tests;
-    otherwise each step's batch comes from the recipe with seed (seed, step).
+    otherwise each step's batch comes from the recipe with seed (seed, step). `plan` (a Plan JSON
+    object) replaces the planner, for tests that need a particular placement.
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class StepDataset(torch.utils.data.Dataset):
         profile: str | None = None,
         activation_checkpointing: bool = True,
         sequences: list[dict] | None = None,
+        plan: dict | None = None,
     ) -> None:
         self.model = model
         self.recipe_name = recipe
@@ -157,6 +159,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.profile = profile
         self.activation_checkpointing = activation_checkpointing
         self.sequences = sequences
+        self.fixed_plan = plan
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
     def _planning_state(self):
@@ -190,8 +193,12 @@ class StepDataset(torch.utils.data.Dataset):
     def __getitem__(self, step: int) -> StepData:
         spec, cost_model, _, latents = self._planning_state()
         batch = self.batch(step)
-        options = _core.PlannerOptions(seed=_step_seed(self.seed, step))
-        plan = zellige.make_plan(self.planner, batch, cost_model, options)
+        if self.fixed_plan is not None:
+            plan = zellige.plan_from_dict(self.fixed_plan)
+            zellige.predict(plan, batch, cost_model)
+        else:
+            options = _core.PlannerOptions(seed=_step_seed(self.seed, step))
+            plan = zellige.make_plan(self.planner, batch, cost_model, options)
 
         noisy, velocity, timestep, text, text_tokens = [], [], [], [], []
         for sequence in batch.sequences:
