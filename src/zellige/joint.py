@@ -17,8 +17,12 @@ busiest-rank load (and the one with the least memory when memory is tight).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import highspy
@@ -27,6 +31,22 @@ import numpy as np
 from zellige import _core
 
 _GIB = float(1 << 30)
+
+
+@contextlib.contextmanager
+def _stdout_silenced() -> Iterator[None]:
+    """Sends file descriptor 1 to /dev/null: HiGHS prints its banner from the constructor, before
+    output_flag can be set, and it would corrupt `zellige compare --json`."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +242,8 @@ def solve_joint(
     lp.a_matrix_.value_ = np.asarray(values, dtype=np.float64)
     lp.integrality_ = [highspy.HighsVarType.kInteger] * num_x + [highspy.HighsVarType.kContinuous]
 
-    highs = highspy.Highs()
+    with _stdout_silenced():
+        highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("threads", 1)
     highs.setOptionValue("random_seed", int(seed) % (1 << 31))

@@ -57,7 +57,7 @@ def summary(setup: Setup, plan: _core.Plan) -> list[str]:
         f"makespan {cost.makespan_s:.4f} s, lower bound {lower_bound_s:.4f} s "
         f"(x{cost.makespan_s / lower_bound_s:.3f}); planned in {plan.plan_ms:.2f} ms",
         f"peak memory {cost.peak_bytes / GIB:.1f} GiB of {capacity_gib:.1f} GiB ({memory}); "
-        f"exchanged {cost.exchange_bytes / 1e9:.2f} GB per step",
+        f"exchanged {cost.exchange_bytes / 1e9:,.1f} GB per step",
         "placements: " + ", ".join(f"{name} {count}" for name, count in strategies.most_common()),
     ]
 
