@@ -131,15 +131,17 @@ def _ring_plan(layout: _core.RankLayout, device: torch.device) -> RingPlan:
         recv_from: dict[int, list[tuple[int, int, int, int]]] = {}
         for e, g, c, rows in entries:
             r = int(degree[e])
-            if r <= s:
+            if r <= s or rows == 0:  # an empty block neither sends nor needs anything
                 continue
             j, base = int(position[e]), int(peer_offset[e])
             sequence = int(seg_sequence[g])
-            send_to.setdefault(int(peers[base + (j + s) % r]), []).append((sequence, c, rows))
-            src = (j - s) % r
-            recv_from.setdefault(int(peers[base + src]), []).append(
-                (sequence, g, c, int(block_tokens[base + src]))
-            )
+            dst, src = (j + s) % r, (j - s) % r
+            if block_tokens[base + dst] > 0:
+                send_to.setdefault(int(peers[base + dst]), []).append((sequence, c, rows))
+            if block_tokens[base + src] > 0:
+                recv_from.setdefault(int(peers[base + src]), []).append(
+                    (sequence, g, c, int(block_tokens[base + src]))
+                )
         sends = [
             (peer, [slice(c, c + rows) for _, c, rows in sorted(items)])
             for peer, items in sorted(send_to.items())

@@ -1,0 +1,264 @@
+"""Distributed attention on 2, 4 and 8 gloo processes against single-process attention.
+
+One spawn per world size runs every case in one process group (spawning is what costs on a small
+machine). Cases: random batches with random valid plans, and structured ones for the corners:
+head counts the Ulysses degree does not divide, lengths the degree does not divide, 1-token
+sequences (empty chunks and ring blocks), ranks with no work, one sequence over every rank,
+overlapping rank sets, hybrid. The bound is the one of zellige.runtime.verify (8x the reference's
+own rounding, measured by re-evaluating it with the keys in another order, + 4 unit roundoffs).
+A corrupted layout must FAIL, and a plan that does not fit must raise the same error everywhere.
+"""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from zellige import Strategy, _core, make_placement, sequence_from_tokens
+from zellige.runtime import verify
+from zellige.runtime.verify import CheckConfig, check_rank
+
+WORLD_SIZES = [2, 4, 8]
+NUM_RANDOM_CASES = 6
+
+
+def _batch(lengths_and_sources: list[tuple[int, int]]) -> _core.Batch:
+    batch = _core.Batch()
+    batch.sequences = [
+        sequence_from_tokens(10 + i, "video", length, 0, source)
+        for i, (length, source) in enumerate(lengths_and_sources)
+    ]
+    return batch
+
+
+def _plan(world: int, placements: list[tuple[int, str, list[int], int]]) -> _core.Plan:
+    """placements: (batch position, strategy, ranks, ulysses degree for hybrid)."""
+    plan = _core.Plan()
+    plan.num_ranks = world
+    plan.planner = "test"
+    plan.placements = [
+        make_placement(10 + i, getattr(Strategy, strategy), ranks, u)
+        for i, strategy, ranks, u in placements
+    ]
+    return plan
+
+
+def _random_case(rng: random.Random, world: int, num_heads: int):
+    num_sequences = rng.randint(1, 6)
+    batch = _batch(
+        [
+            (1 if rng.random() < 0.2 else rng.randint(2, 40), rng.randrange(world))
+            for _ in range(num_sequences)
+        ]
+    )
+    placements = []
+    for i in range(num_sequences):
+        ranks = rng.sample(range(world), world)
+        choice = rng.choice(["local", "ulysses", "ring", "hybrid"])
+        max_u = min(world, num_heads)
+        if choice == "ulysses" and max_u >= 2:
+            placements.append((i, "ulysses", ranks[: rng.randint(2, max_u)], 0))
+        elif choice == "hybrid" and world >= 4 and num_heads >= 2:
+            u = rng.randint(2, min(max_u, world // 2))
+            r = rng.randint(2, world // u)
+            placements.append((i, "hybrid", ranks[: u * r], u))
+        elif choice == "ring":
+            placements.append((i, "ring", ranks[: rng.randint(2, world)], 0))
+        else:
+            placements.append((i, "local", ranks[:1], 0))
+    return batch, _plan(world, placements)
+
+
+def _cases(world: int) -> list[tuple[str, _core.Batch, _core.Plan, CheckConfig]]:
+    """The same list on every rank (deterministic)."""
+    all_ranks = list(range(world))
+    reversed_ranks = all_ranks[::-1]
+    cases = []
+    # Ulysses degrees 2..min(W, 4) against 5 heads (5 = 3 + 2, 2 + 2 + 1, ...), odd lengths.
+    cases.append(
+        (
+            "uneven-heads-and-lengths",
+            _batch([(7, 0), (13, world - 1), (1, 1 % world), (11, 0)]),
+            _plan(
+                world,
+                [
+                    (0, "ulysses", reversed_ranks[: min(world, 4)], 0),
+                    (1, "ring", all_ranks, 0),
+                    (2, "local", [world - 1], 0),
+                    (3, "ulysses", all_ranks[:2], 0),
+                ],
+            ),
+            CheckConfig(num_heads=5, head_dim=8),
+        )
+    )
+    # 1-token sequences: empty Ulysses chunks and empty ring blocks.
+    placements = [(0, "ulysses", all_ranks[:2], 0), (1, "ring", reversed_ranks, 0)]
+    if world >= 4:
+        placements.append((2, "hybrid", all_ranks[:4], 2))
+    else:
+        placements.append((2, "local", [1], 0))
+    cases.append(
+        (
+            "one-token-sequences",
+            _batch([(1, 0), (1, world - 1), (2, 0)]),
+            _plan(world, placements),
+            CheckConfig(num_heads=4, head_dim=8),
+        )
+    )
+    # One sequence over every rank, three ways; other ranks' loaders hold the sources.
+    one = [(0, "ulysses", reversed_ranks, 0), (1, "ring", all_ranks, 0)]
+    if world >= 4:
+        one.append((2, "hybrid", all_ranks[1:] + all_ranks[:1], 2))
+    else:
+        one.append((2, "local", [0], 0))
+    cases.append(
+        (
+            "one-sequence-over-every-rank",
+            _batch([(37, world - 1), (29, 0), (23, 1)]),
+            _plan(world, one),
+            CheckConfig(num_heads=max(world, 3), head_dim=8),
+        )
+    )
+    if world > 2:  # ranks without any work
+        cases.append(
+            (
+                "idle-ranks",
+                _batch([(9, 0), (6, world - 1), (5, world - 1)]),
+                _plan(
+                    world, [(0, "ring", [1, 0], 0), (1, "ulysses", [0, 1], 0), (2, "local", [1], 0)]
+                ),
+                CheckConfig(num_heads=3, head_dim=8),
+            )
+        )
+    # Overlapping rank sets; two ring sequences over the same ranks in different orders (their
+    # blocks share P2P messages per peer) and a hybrid overlapping both.
+    overlap = [
+        (0, "ring", all_ranks, 0),
+        (1, "ring", reversed_ranks, 0),
+        (2, "ulysses", all_ranks[: min(world, 3)], 0),
+        (3, "local", [world - 1], 0),
+    ]
+    if world >= 4:
+        overlap.append((4, "hybrid", reversed_ranks[:4], 2))
+    cases.append(
+        (
+            "overlapping-rank-sets",
+            _batch([(19, 0), (17, 1), (12, world - 1), (4, 0), (21, 1)][: len(overlap)]),
+            _plan(world, overlap),
+            CheckConfig(num_heads=3, head_dim=8),
+        )
+    )
+    rng = random.Random(1000 + world)
+    for i in range(NUM_RANDOM_CASES):
+        heads = rng.randint(1, 7)
+        batch, plan = _random_case(rng, world, heads)
+        cases.append((f"random-{i}", batch, plan, CheckConfig(num_heads=heads, head_dim=8)))
+    if world == 2:  # half precision through the same path
+        batch, plan = _random_case(rng, world, 4)
+        cases.append(("random-bf16", batch, plan, CheckConfig(num_heads=4, dtype="bfloat16")))
+    return cases
+
+
+def _corrupting(prepare):
+    """prepare_step whose route misplaces two held tokens: the check must FAIL."""
+
+    def corrupted(*args, **kwargs):
+        step = prepare(*args, **kwargs)
+        if step.route_recv_index.numel() >= 2:
+            step.route_recv_index = step.route_recv_index.roll(1)
+        return step
+
+    return corrupted
+
+
+def _worker(rank: int, world: int, port: int, queue) -> None:
+    torch.set_num_threads(1)
+    verify.init_process_group(rank, world, port, "cpu", timeout=timedelta(seconds=120))
+    report = {"cases": [], "corrupted": None, "bad_plan": [], "disagree": None}
+    for name, batch, plan, cfg in _cases(world):
+        result = check_rank(batch, plan, cfg)
+        report["cases"].append((name, result.errors, result.passed))
+
+    name, batch, plan, cfg = _cases(world)[0]
+    original = verify.prepare_step
+    verify.prepare_step = _corrupting(original)
+    report["corrupted"] = check_rank(batch, plan, cfg).passed
+    verify.prepare_step = original
+
+    # Plans that do not fit: wrong world size, Ulysses degree above the head count, unknown id.
+    bad = []
+    wrong_world = _plan(world + 1, [(0, "local", [0], 0)])
+    bad.append(("world-size", _batch([(5, 0)]), wrong_world, CheckConfig(num_heads=2)))
+    too_wide = _plan(world, [(0, "ulysses", list(range(world)), 0)])
+    bad.append(("heads", _batch([(5, 0)]), too_wide, CheckConfig(num_heads=1)))
+    unknown = _plan(world, [(1, "local", [0], 0)])
+    bad.append(("unplaced-sequence", _batch([(5, 0)]), unknown, CheckConfig(num_heads=2)))
+    for label, batch, plan, cfg in bad:
+        try:
+            check_rank(batch, plan, cfg)
+            message = None
+        except ValueError as exc:
+            message = str(exc)
+        messages = [None] * world
+        dist.all_gather_object(messages, message)
+        report["bad_plan"].append((label, messages))
+
+    # Rank 0 was handed a different plan than the others: everyone must refuse, nobody hang.
+    batch = _batch([(6, 0)])
+    plan = _plan(world, [(0, "local", [0 if rank == 0 else 1], 0)])
+    try:
+        check_rank(batch, plan, CheckConfig(num_heads=2))
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    messages = [None] * world
+    dist.all_gather_object(messages, message)
+    report["disagree"] = messages
+    if rank == 0:
+        queue.put(report)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def report(request):
+    world = request.param
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(world, verify.free_port(), queue), nprocs=world, join=True)
+    return world, queue.get()
+
+
+def test_matches_single_process_attention(report) -> None:
+    world, data = report
+    failed = [
+        f"{name}: "
+        + ", ".join(f"{t} {e:.2e} > {b:.2e}" for t, (e, _, b) in errors.items() if e > b)
+        for name, errors, passed in data["cases"]
+        if not passed
+    ]
+    assert not failed, f"world {world}: " + "; ".join(failed)
+    assert len(data["cases"]) >= 8
+
+
+def test_corrupted_layout_fails(report) -> None:
+    _, data = report
+    assert data["corrupted"] is False
+
+
+def test_bad_plan_raises_same_error_on_every_rank(report) -> None:
+    _, data = report
+    expected = {"world-size": "ranks", "heads": "head", "unplaced-sequence": "sequence"}
+    for label, messages in data["bad_plan"]:
+        assert messages[0] is not None, label
+        assert all(m == messages[0] for m in messages), (label, messages)
+        assert expected[label] in messages[0], (label, messages[0])
+
+
+def test_ranks_that_disagree_all_refuse(report) -> None:
+    _, data = report
+    messages = data["disagree"]
+    assert all(m is not None and "disagree" in m for m in messages), messages
