@@ -1,0 +1,65 @@
+"""Property tests of the zellige planner over random batches and clusters (hypothesis): the plan is
+valid, fits in memory whenever dp-cost's does, is never below the lower bound, never worse than
+dp-cost, and the same for the same seed."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import zellige
+from zellige import _core
+
+LENGTHS = st.lists(
+    st.one_of(
+        st.integers(64, 4096),  # images
+        st.integers(4096, 40000),  # short clips
+        st.integers(40000, 130000),  # long videos
+    ),
+    min_size=1,
+    max_size=48,
+)
+CLUSTERS = st.sampled_from([(1, 1), (2, 2), (4, 2), (4, 4), (6, 2), (8, 8), (16, 8), (32, 8)])
+MODELS = st.sampled_from(["tiny", "wan-1.3b", "mmdit-11b", "wan-14b"])
+LINKS = st.sampled_from(["nvlink", "pcie"])
+
+
+def tokens_batch(num_tokens: list[int], text_tokens: int, num_ranks: int) -> zellige.Batch:
+    batch = zellige.Batch()
+    batch.sequences = [
+        zellige.sequence_from_tokens(i, "video", n, text_tokens, i % num_ranks)
+        for i, n in enumerate(num_tokens)
+    ]
+    return batch
+
+
+def plan_or_none(planner: str, batch, cost_model, seed: int = 0):
+    try:
+        return zellige.make_plan(planner, batch, cost_model, zellige.PlannerOptions(seed=seed))
+    except _core.PlanMemoryError:
+        return None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=LENGTHS, cluster=CLUSTERS, model=MODELS, links=LINKS, seed=st.integers(0, 3))
+def test_zellige_plan_properties(lengths, cluster, model, links, seed) -> None:
+    gpus, gpus_per_node = cluster
+    cost_model = zellige.make_cost_model(model, gpus, gpus_per_node, links=links)
+    batch = tokens_batch(lengths, cost_model.model.text_tokens, gpus)
+    dp_cost = plan_or_none("dp-cost", batch, cost_model)
+    plan = plan_or_none("zellige", batch, cost_model, seed)
+    if plan is None:
+        assert dp_cost is None, "zellige refused a batch that dp-cost placed"
+        return
+    zellige.validate_plan(plan, batch, gpus, cost_model.model.num_heads)
+    cost = cost_model.evaluate(batch, plan)
+    assert cost.fits
+    assert plan.predicted.makespan_s == cost.makespan_s
+    bound = zellige.makespan_lower_bound(batch, cost_model)
+    assert cost.makespan_s >= bound * (1 - 1e-9)
+    if dp_cost is not None:
+        assert cost.makespan_s <= dp_cost.predicted.makespan_s * (1 + 1e-9)
+    again = zellige.make_plan("zellige", batch, cost_model, zellige.PlannerOptions(seed=seed))
+    assert [(p.ranks, p.strategy, p.ulysses_degree) for p in again.placements] == [
+        (p.ranks, p.strategy, p.ulysses_degree) for p in plan.placements
+    ]
