@@ -8,11 +8,13 @@ one non-additive term of the cost model). HiGHS solves it under a time limit; th
 then priced exactly by the cost model, and `Plan.note` reports the MIP gap and whether the MILP
 proved optimality (over its candidate set and linearised loads).
 
-Candidate pruning, so 16-32 GPUs with 64-256 sequences stay solvable: every sequence may run
-locally on any rank; a sequence may also be sharded over up to ceil(4 x its local load / mean load
-per rank) ranks (at least the smallest degree that fits in memory), on at most
-`max_windows_per_shape` windows per degree, keeping per window the strategy with the lowest
-busiest-rank load (and the one with the least memory when memory is tight).
+Sequences of equal lengths are interchangeable, so they share integer variables (how many of them
+take each candidate) instead of one binary each. Candidate pruning, so 16-32 GPUs with 64-256
+sequences stay solvable: every sequence may run locally on any rank; a sequence may also be
+sharded over up to ceil(4 x its local load / mean load per rank) ranks (at least the smallest
+degree that fits in memory), on at most `max_windows_per_shape` windows per degree, keeping per
+window the strategy with the lowest busiest-rank load (and the one with the least memory when
+memory is tight).
 """
 
 from __future__ import annotations
@@ -60,6 +62,26 @@ class Candidate:
 
 
 @dataclass(kw_only=True, slots=True)
+class JointProblem:
+    """The MILP's data. Sequences with equal lengths cost the same under every placement, so they
+    form one group whose integer variables count how many of them take each candidate: the same
+    optimum as one binary per sequence, without the symmetry between interchangeable sequences."""
+
+    groups: list[list[int]]  # batch indices of each group's sequences, in batch order
+    candidates: list[list[Candidate]]  # per group; placements carry the group's first id
+    num_ranks: int
+    free_bytes: float  # memory per rank for sequences: capacity minus the fixed bytes
+
+    def per_sequence(self, num_sequences: int) -> list[list[Candidate]]:
+        """Each sequence's candidates, in batch order."""
+        result: list[list[Candidate]] = [[] for _ in range(num_sequences)]
+        for members, options in zip(self.groups, self.candidates, strict=True):
+            for index in members:
+                result[index] = options
+        return result
+
+
+@dataclass(kw_only=True, slots=True)
 class JointResult:
     plan: _core.Plan  # priced exactly by the cost model
     objective_s: float  # the MILP's makespan (linearised loads)
@@ -94,27 +116,33 @@ def _candidate(
     )
 
 
-def joint_candidates(
+def joint_problem(
     batch: _core.Batch,
     cost_model: _core.CostModel,
     *,
     max_windows_per_shape: int = 4,
     max_degree: int | None = None,
     all_strategies: bool = False,
-) -> list[list[Candidate]]:
-    """Candidates per sequence (batch order). `max_degree` overrides the per-sequence degree cap;
+) -> JointProblem:
+    """Groups and their candidates. `max_degree` overrides the per-group degree cap;
     `all_strategies` keeps every strategy per window instead of the best one (for tests)."""
     num_ranks = cost_model.cluster.num_ranks()
     rate_s = linear_rate_s_per_token(batch, cost_model)
     free_bytes = _free_bytes(cost_model)
-    local = [
-        _candidate(s, _core.make_placement(s.id, _core.Strategy.local, [0]), cost_model, rate_s)
-        for s in batch.sequences
-    ]
-    mean_load_s = sum(c.load_s[0] for c in local) / num_ranks
+    members: dict[tuple[int, int], list[int]] = {}
+    for index, sequence in enumerate(batch.sequences):
+        members.setdefault((sequence.num_tokens, sequence.text_tokens), []).append(index)
+    groups = list(members.values())
+    local = []
+    for group in groups:
+        sequence = batch.sequences[group[0]]
+        placement = _core.make_placement(sequence.id, _core.Strategy.local, [0])
+        local.append(_candidate(sequence, placement, cost_model, rate_s))
+    mean_load_s = sum(c.load_s[0] * len(g) for c, g in zip(local, groups, strict=True)) / num_ranks
 
     candidates: list[list[Candidate]] = []
-    for sequence, local0 in zip(batch.sequences, local, strict=True):
+    for group, local0 in zip(groups, local, strict=True):
+        sequence = batch.sequences[group[0]]
         options: list[Candidate] = []
         if local0.memory_bytes[0] <= free_bytes:
             for rank in range(num_ranks):
@@ -126,7 +154,9 @@ def joint_candidates(
         cap = max(1, min(num_ranks, cap))
         if cap >= 2 or not options:
             by_window: dict[tuple[int, ...], list[Candidate]] = {}
-            for placement in _core.candidate_placements(sequence, cost_model, max_windows_per_shape):
+            for placement in _core.candidate_placements(
+                sequence, cost_model, max_windows_per_shape
+            ):
                 if placement.degree() < 2:
                     continue
                 # Past the cap only while nothing fits yet (memory-bound sequences).
@@ -150,68 +180,79 @@ def joint_candidates(
                 f"sequence {sequence.id} fits in memory under no joint candidate placement"
             )
         candidates.append(options)
-    return candidates
+    return JointProblem(
+        groups=groups, candidates=candidates, num_ranks=num_ranks, free_bytes=free_bytes
+    )
 
 
-def _warm_start(candidates: list[list[Candidate]], num_ranks: int, free_bytes: float):
-    """Longest-first onto the least-loaded rank among each sequence's single-rank candidates
-    (or its first candidate), for HiGHS's first incumbent; None when memory blocks it."""
-    loads = np.zeros(num_ranks)
-    memory = np.zeros(num_ranks)
-    choice = [0] * len(candidates)
-    order = sorted(range(len(candidates)), key=lambda i: -min(c.load_s[0] for c in candidates[i]))
-    for i in order:
-        best, best_load = None, math.inf
-        for k, cand in enumerate(candidates[i]):
-            if any(memory[r] + m > free_bytes for r, m in zip(cand.ranks, cand.memory_bytes)):
-                continue
-            load = max(loads[r] + t for r, t in zip(cand.ranks, cand.load_s))
-            if load < best_load:
-                best, best_load = k, load
-            if len(cand.ranks) > 1:
-                break  # multi-rank candidates come after the single-rank ones
-        if best is None:
-            return None
-        choice[i] = best
-        cand = candidates[i][best]
-        for r, t, m in zip(cand.ranks, cand.load_s, cand.memory_bytes, strict=True):
-            loads[r] += t
-            memory[r] += m
-    return choice, float(loads.max())
+def _warm_start(problem: JointProblem) -> list[list[int]] | None:
+    """Longest group first, one sequence at a time onto its least-loaded candidate among the
+    single-rank ones (or the first multi-rank one that fits): counts per group and candidate for
+    HiGHS's first incumbent; None when memory blocks it."""
+    loads = np.zeros(problem.num_ranks)
+    memory = np.zeros(problem.num_ranks)
+    counts = [[0] * len(options) for options in problem.candidates]
+    order = sorted(
+        range(len(problem.groups)), key=lambda g: -min(c.load_s[0] for c in problem.candidates[g])
+    )
+    for g in order:
+        for _ in problem.groups[g]:
+            best, best_load = None, math.inf
+            for k, cand in enumerate(problem.candidates[g]):
+                fits = all(
+                    memory[r] + m <= problem.free_bytes
+                    for r, m in zip(cand.ranks, cand.memory_bytes, strict=True)
+                )
+                if not fits:
+                    continue
+                load = max(loads[r] + t for r, t in zip(cand.ranks, cand.load_s, strict=True))
+                if load < best_load:
+                    best, best_load = k, load
+                if len(cand.ranks) > 1:
+                    break  # multi-rank candidates come after the single-rank ones
+            if best is None:
+                return None
+            counts[g][best] += 1
+            cand = problem.candidates[g][best]
+            for r, t, m in zip(cand.ranks, cand.load_s, cand.memory_bytes, strict=True):
+                loads[r] += t
+                memory[r] += m
+    return counts
 
 
 def solve_joint(
     batch: _core.Batch,
     cost_model: _core.CostModel,
-    candidates: list[list[Candidate]],
+    problem: JointProblem,
     *,
     time_limit_s: float = 10.0,
     seed: int = 0,
 ) -> JointResult:
-    """Solves the MILP over `candidates` with HiGHS (one thread) and prices the plan exactly."""
+    """Solves the MILP with HiGHS (one thread) and prices the chosen plan exactly."""
     start = time.perf_counter()
-    num_ranks = cost_model.cluster.num_ranks()
-    free_bytes = _free_bytes(cost_model)
-    num_sequences = len(candidates)
-    num_x = sum(len(options) for options in candidates)
-    load_row = num_sequences
-    memory_row = num_sequences + num_ranks
+    num_ranks = problem.num_ranks
+    free_bytes = problem.free_bytes
+    num_groups = len(problem.groups)
+    sizes = [len(group) for group in problem.groups]
+    num_z = sum(len(options) for options in problem.candidates)
+    load_row = num_groups
+    memory_row = num_groups + num_ranks
     # A rank needs a memory row only if its candidates could overflow it together.
     worst_memory = np.zeros(num_ranks)
-    for options in candidates:
+    for size, options in zip(sizes, problem.candidates, strict=True):
         per_rank = np.zeros(num_ranks)
         for cand in options:
             for r, m in zip(cand.ranks, cand.memory_bytes, strict=True):
                 per_rank[r] = max(per_rank[r], m)
-        worst_memory += per_rank
+        worst_memory += size * per_rank
     memory_rows = np.flatnonzero(worst_memory > free_bytes)
     memory_row_of = {int(r): memory_row + k for k, r in enumerate(memory_rows)}
     num_rows = memory_row + len(memory_rows)
 
     starts, rows, values = [0], [], []
-    for i, options in enumerate(candidates):
+    for g, options in enumerate(problem.candidates):
         for cand in options:
-            rows.append(i)
+            rows.append(g)
             values.append(1.0)
             for r, load, m in zip(cand.ranks, cand.load_s, cand.memory_bytes, strict=True):
                 rows.append(load_row + r)
@@ -226,21 +267,30 @@ def solve_joint(
     starts.append(len(rows))
 
     inf = highspy.kHighsInf
+    group_sizes = np.asarray(sizes, dtype=np.float64)
     lp = highspy.HighsLp()
-    lp.num_col_ = num_x + 1
+    lp.num_col_ = num_z + 1
     lp.num_row_ = num_rows
-    lp.col_cost_ = np.r_[np.zeros(num_x), 1.0]
-    lp.col_lower_ = np.zeros(num_x + 1)
-    lp.col_upper_ = np.r_[np.ones(num_x), inf]
-    lp.row_lower_ = np.r_[np.ones(num_sequences), np.full(num_rows - num_sequences, -inf)]
+    lp.col_cost_ = np.r_[np.zeros(num_z), 1.0]
+    lp.col_lower_ = np.zeros(num_z + 1)
+    lp.col_upper_ = np.r_[
+        np.concatenate(
+            [
+                np.full(len(o), s, dtype=np.float64)
+                for s, o in zip(sizes, problem.candidates, strict=True)
+            ]
+        ),
+        inf,
+    ]
+    lp.row_lower_ = np.r_[group_sizes, np.full(num_rows - num_groups, -inf)]
     lp.row_upper_ = np.r_[
-        np.ones(num_sequences), np.zeros(num_ranks), np.full(len(memory_rows), free_bytes / _GIB)
+        group_sizes, np.zeros(num_ranks), np.full(len(memory_rows), free_bytes / _GIB)
     ]
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_ = np.asarray(starts, dtype=np.int32)
     lp.a_matrix_.index_ = np.asarray(rows, dtype=np.int32)
     lp.a_matrix_.value_ = np.asarray(values, dtype=np.float64)
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * num_x + [highspy.HighsVarType.kContinuous]
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * num_z + [highspy.HighsVarType.kContinuous]
 
     with _stdout_silenced():
         highs = highspy.Highs()
@@ -251,17 +301,20 @@ def solve_joint(
     highs.setOptionValue("mip_rel_gap", 1e-6)
     highs.setOptionValue("mip_abs_gap", 1e-9)
     highs.passModel(lp)
-    warm = _warm_start(candidates, num_ranks, free_bytes)
+    warm = _warm_start(problem)
     if warm is not None:
-        choice, makespan_s = warm
-        x = np.zeros(num_x + 1)
+        z = np.zeros(num_z + 1)
+        loads = np.zeros(num_ranks)
         offset = 0
-        for i, options in enumerate(candidates):
-            x[offset + choice[i]] = 1.0
+        for counts, options in zip(warm, problem.candidates, strict=True):
+            for k, count in enumerate(counts):
+                z[offset + k] = count
+                for r, t in zip(options[k].ranks, options[k].load_s, strict=True):
+                    loads[r] += count * t
             offset += len(options)
-        x[num_x] = makespan_s
+        z[num_z] = loads.max()
         solution = highspy.HighsSolution()
-        solution.col_value = x
+        solution.col_value = z
         solution.value_valid = True
         highs.setSolution(solution)
     highs.run()
@@ -270,16 +323,25 @@ def solve_joint(
     info = highs.getInfo()
     if info.primal_solution_status != 2:  # no feasible point found within the limit
         raise RuntimeError(f"joint MILP found no plan: {highs.modelStatusToString(status)}")
-    x = np.asarray(highs.getSolution().col_value)
-    placements = []
+    z = np.rint(np.asarray(highs.getSolution().col_value[:num_z])).astype(int)
+    placements: list[_core.Placement | None] = [None] * len(batch.sequences)
     offset = 0
-    for options in candidates:
-        chosen = int(np.argmax(x[offset : offset + len(options)]))
-        placements.append(options[chosen].placement)
+    for members, options in zip(problem.groups, problem.candidates, strict=True):
+        pending = iter(members)
+        for k, cand in enumerate(options):
+            for _ in range(z[offset + k]):
+                index = next(pending)
+                p = cand.placement
+                placements[index] = _core.make_placement(
+                    batch.sequences[index].id,
+                    p.strategy,
+                    list(p.ranks),
+                    p.ulysses_degree if p.strategy == _core.Strategy.hybrid else 0,
+                )
         offset += len(options)
     optimal = status == highspy.HighsModelStatus.kOptimal
     objective_s = float(info.objective_function_value)
-    dual_bound_s = float(info.mip_dual_bound) if not optimal else objective_s
+    dual_bound_s = objective_s if optimal else float(info.mip_dual_bound)
     gap = 0.0 if optimal else float(info.mip_gap)
 
     plan = _core.Plan(planner="joint", num_ranks=num_ranks, placements=placements)
@@ -287,7 +349,7 @@ def solve_joint(
     plan.plan_ms = (time.perf_counter() - start) * 1e3
     plan.note = (
         f"mip_gap={gap:.6g} optimal={str(optimal).lower()} milp_makespan_s={objective_s:.6g} "
-        f"dual_bound_s={dual_bound_s:.6g} candidates={num_x} "
+        f"dual_bound_s={dual_bound_s:.6g} groups={num_groups} candidates={num_z} "
         f"status={highs.modelStatusToString(status).replace(' ', '_')}"
     )
     return JointResult(
@@ -296,7 +358,7 @@ def solve_joint(
         dual_bound_s=dual_bound_s,
         mip_gap=gap,
         optimal=optimal,
-        num_candidates=num_x,
+        num_candidates=num_z,
     )
 
 
@@ -313,9 +375,9 @@ def plan_joint(
     _core.validate_batch(batch, cost_model.cluster.num_ranks())
     _core.check_sequences_fit(batch, cost_model)
     start = time.perf_counter()
-    candidates = joint_candidates(
+    problem = joint_problem(
         batch, cost_model, max_windows_per_shape=max_windows_per_shape, max_degree=max_degree
     )
-    result = solve_joint(batch, cost_model, candidates, time_limit_s=time_limit_s, seed=seed)
+    result = solve_joint(batch, cost_model, problem, time_limit_s=time_limit_s, seed=seed)
     result.plan.plan_ms = (time.perf_counter() - start) * 1e3
     return result.plan

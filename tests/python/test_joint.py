@@ -50,6 +50,7 @@ CASES = {
     "two-mid": ("tiny", [5000, 7000], 0),
     "long-and-short": ("wan-1.3b", [40000, 2000, 1500], 0),
     "three-equal": ("tiny", [3000, 3000, 3000], 0),
+    "pairs": ("wan-1.3b", [20000, 20000, 4000, 4000], 0),
     "memory-bound": ("wan-1.3b", [60000, 20000, 3000], 24),
 }
 
@@ -60,12 +61,12 @@ def test_joint_equals_brute_force_on_tiny_batches(case: str) -> None:
     cost_model = tiny_cost_model(model, gib=gib)
     batch = tokens_batch(lengths, 512 if model != "tiny" else 16)
     num_ranks = cost_model.cluster.num_ranks()
-    candidates = joint.joint_candidates(
+    problem = joint.joint_problem(
         batch, cost_model, max_windows_per_shape=100, max_degree=num_ranks, all_strategies=True
     )
-    free_bytes = cost_model.memory_capacity_bytes() - cost_model.fixed_bytes()
-    expected = brute_force(candidates, num_ranks, free_bytes)
-    result = joint.solve_joint(batch, cost_model, candidates, time_limit_s=30, seed=0)
+    candidates = problem.per_sequence(len(batch.sequences))
+    expected = brute_force(candidates, num_ranks, problem.free_bytes)
+    result = joint.solve_joint(batch, cost_model, problem, time_limit_s=30, seed=0)
     assert result.optimal
     assert result.mip_gap == 0
     assert result.objective_s == pytest.approx(expected, rel=1e-6)
@@ -105,7 +106,9 @@ def test_plan_joint_reports_gap_and_optimality() -> None:
 def test_candidates_prune_short_sequences_to_local() -> None:
     cost_model = zellige.make_cost_model("wan-14b", 16)
     batch = zellige.generate("wan-stage2", 16, 0)
-    candidates = joint.joint_candidates(batch, cost_model)
+    problem = joint.joint_problem(batch, cost_model)
+    assert len(problem.groups) == 2  # wan-stage2: one image size, one video size
+    candidates = problem.per_sequence(len(batch.sequences))
     for sequence, options in zip(batch.sequences, candidates, strict=True):
         degrees = {len(c.ranks) for c in options}
         assert 1 in degrees

@@ -209,6 +209,7 @@ class ZelligePlanner {
   void add_anchor_shares(Solution* s, int32_t slot) const;
   void remove_anchor_shares(Solution* s, int32_t slot) const;
   void finish(Solution* s) const;
+  void import_plan(const Plan& plan, Solution* s);
 
   int64_t local_search(Solution* s, Clock::time_point deadline);
   void least_loaded(const Solution& s, int count, const std::vector<char>* excluded,
@@ -480,6 +481,31 @@ void ZelligePlanner::finish(Solution* s) const {
     refresh_time(s, rank);  // re-summed totals drift by float rounding only
     s->makespan_s = std::max(s->makespan_s, s->time_s[rank]);
   }
+}
+
+// Another planner's plan as a Solution: single-rank placements become fillers, the rest anchors.
+void ZelligePlanner::import_plan(const Plan& plan, Solution* s) {
+  s->reset(num_ranks_, num_sequences_);
+  std::unordered_map<int64_t, int32_t> index_of;
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    index_of[batch_.sequences[i].id] = static_cast<int32_t>(i);
+  }
+  for (const Placement& placement : plan.placements) {
+    const int32_t sequence = index_of.at(placement.sequence_id);
+    if (placement.degree() == 1) {
+      add_filler(s, sequence, placement.ranks[0]);
+      continue;
+    }
+    const int32_t slot = static_cast<int32_t>(s->anchors.size());
+    AnchorPlacement& anchor = s->anchors.emplace_back();
+    anchor.sequence = sequence;
+    anchor.shape = {placement.strategy, placement.degree(), placement.ulysses_degree};
+    anchor.ranks = placement.ranks;
+    anchor.shares = cost_model_.shares(batch_.sequences[sequence], placement);
+    s->anchor_slot[sequence] = slot;
+    add_anchor_shares(s, slot);
+  }
+  finish(s);
 }
 
 void ZelligePlanner::construct(double target_s, Solution* s) {
@@ -934,6 +960,19 @@ Plan ZelligePlanner::run() {
   for (double factor : kExtraTargetFactors) try_target(high_s * factor);
   exact_ = true;
   finish(&best);
+  // dp-cost's plan (whole sequences, LPT by exact time) starts the search when it is better, so
+  // that zellige is never worse than it; the all-local construction above is close but orders by
+  // estimated time.
+  bool from_dp_cost = false;
+  try {
+    import_plan(plan_dp_cost(batch_, cost_model_), &current);
+    if (current.makespan_s < best.makespan_s) {
+      std::swap(best, current);
+      from_dp_cost = true;
+    }
+  } catch (const PlanMemoryError&) {
+    // dp-cost found no plan within memory; the sweep's plan stands.
+  }
   const double constructed_s = best.makespan_s;
   const int64_t steps = local_search(&best, deadline);
 
@@ -952,7 +991,8 @@ Plan ZelligePlanner::run() {
   }
   std::ostringstream note;
   note << "anchors=" << best.anchors.size() << " target_s=" << best_target_s
-       << " constructed_s=" << constructed_s << " search_steps=" << steps;
+       << " constructed_s=" << constructed_s << (from_dp_cost ? " start=dp-cost" : "")
+       << " search_steps=" << steps;
   plan.note = note.str();
   plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   return plan;
