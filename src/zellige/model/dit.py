@@ -87,8 +87,9 @@ class VideoDiT(nn.Module):
             for module in embedding.modules():
                 if isinstance(module, nn.Linear):
                     nn.init.normal_(module.weight, std=0.02)
-        for module in [*self.blocks, self.head]:
-            nn.init.normal_(module.modulation, std=self.config.width**-0.5)
+        for module in self.modules():  # (blocks may be wrapped by parallelize())
+            if isinstance(module, DiTBlock | OutputHead):
+                nn.init.normal_(module.modulation, std=self.config.width**-0.5)
         nn.init.zeros_(self.head.linear.weight)
 
     def forward(

@@ -119,6 +119,8 @@ def train(
         data = next(data_iter)
         wait_s = time.perf_counter() - wait_start
         _synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         step_start = time.perf_counter()
         timer.reset()
         step_input = assemble_step(data, config.model.num_heads, device)
@@ -158,6 +160,7 @@ def train(
             "mfu": _mfu(data.train_flops, slowest_step_s, num_ranks, config.peak_flops_per_s),
             "step_s": slowest_step_s,
             "tokens": data.total_tokens,
+            "train_flops": data.train_flops,
             "sequences": len(data.batch["sequences"]),
             "planned_imbalance": max(predicted) / (sum(predicted) / len(predicted)),
             "measured_imbalance": float(rank_busy.max() / rank_busy.mean().clamp_min(1e-12)),
@@ -167,6 +170,9 @@ def train(
             "cross_attention_s_max": float(gathered[:, 3].max()),
             "data_wait_s_max": float(gathered[:, 5].max()),
             "grad_norm": float(_full(grad_norm)),
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30
+            if device.type == "cuda"
+            else None,
             "lr": scheduler.get_last_lr()[0],
             "planner": config.planner,
         }

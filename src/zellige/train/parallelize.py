@@ -50,7 +50,11 @@ def parallelize(
     """Shards `model` in place over `mesh` and returns it. bfloat16 means bf16 compute with fp32
     master weights and fp32 gradient reduction; float32 / float64 compute in that dtype."""
     if dtype == "bfloat16":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # inputs keep their dtypes: activations are bf16 from the first layer on, and the RoPE
+        # tables must stay float32 (bf16 angles would blur neighbouring positions)
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     else:
         model.to(DTYPES[dtype])
         policy = MixedPrecisionPolicy()

@@ -34,9 +34,17 @@ def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepI
     layout = runtime.prepare_step(batch, plan, num_heads, device)
     channels = data.source_noisy_TC.shape[1]
     features_SF = torch.cat(
-        (data.source_noisy_TC, data.source_velocity_TC, data.source_timestep_T[:, None]), dim=1
+        [
+            t.to(device, non_blocking=True)
+            for t in (
+                data.source_noisy_TC,
+                data.source_velocity_TC,
+                data.source_timestep_T[:, None],
+            )
+        ],
+        dim=1,
     )
-    held_TF = runtime.route(features_SF.to(device, non_blocking=True), layout)
+    held_TF = runtime.route(features_SF, layout)
 
     compiled = layout.compiled
     # PackedTokens wants tokens grouped by sequence in table order: held order does that, chunk by
@@ -52,9 +60,9 @@ def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepI
     text_tokens = [data.batch["sequences"][index]["text_tokens"] for index in chunk_sequences]
 
     route = data.text_route
-    send_index = torch.as_tensor(route.send_index, dtype=torch.int64)
+    send_index = torch.as_tensor(route.send_index, dtype=torch.int64, device=device)
     received_XE, _ = all_to_all_rows(
-        data.source_text_XE[send_index].to(device, non_blocking=True),
+        data.source_text_XE.to(device, non_blocking=True)[send_index],
         route.send_splits,
         route.recv_splits,
         layout.group,

@@ -1,0 +1,133 @@
+"""Single-GPU training throughput of the reference DiT at realistic mixed lengths.
+
+Runs the real training loop (zellige.train: FSDP2, activation checkpointing, bf16, AdamW, the
+loader planning ahead) on one GPU for each (config, recipe) and reports tokens/s, MFU and where
+the step time goes: self-attention, cross-attention, per-token layers (the rest of the blocks),
+outside the blocks (embeddings, loss, optimizer, FSDP, route), and planning (done in the loader
+worker, so off the critical path; shown against the step time).
+
+usage: python bench/train_throughput.py [--runs CONFIG:RECIPE,...] [--steps K] [--warmup W]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from zellige.train.config import get_config
+from zellige.train.loop import train
+
+DEFAULT_RUNS = "wan1p3b-h200:wan-stage2,wan14b-width-h200:wan-stage2,wan1p3b-h200:wan-stage3"
+
+
+def summarise(name: str, recipe: str, history: list[dict], warmup: int, peak: float | None) -> dict:
+    steps = history[warmup:]
+    step_s = sum(r["step_s"] for r in steps)
+    flops = sum(r["train_flops"] for r in steps)
+    attention = sum(r["attention_s_max"] for r in steps)
+    cross = sum(r["cross_attention_s_max"] for r in steps)
+    busy = sum(r["busy_s_max"] for r in steps)
+    plan_s = sum(r["plan_ms"] for r in steps) / 1e3
+    return {
+        "config": name,
+        "recipe": recipe,
+        "steps": len(steps),
+        "tokens": sum(r["tokens"] for r in steps),
+        "sequences": sum(r["sequences"] for r in steps),
+        "tokens_per_s": sum(r["tokens"] for r in steps) / step_s,
+        "mfu": flops / (step_s * peak) if peak else float("nan"),
+        "achieved_tflops_per_s": flops / step_s / 1e12,
+        "step_s": step_s / len(steps),
+        "attention_share": attention / step_s,
+        "cross_attention_share": cross / step_s,
+        "per_token_share": (busy - attention - cross) / step_s,
+        "outside_blocks_share": (step_s - busy) / step_s,
+        "plan_share": plan_s / step_s,
+        "plan_ms": 1e3 * plan_s / len(steps),
+        "data_wait_share": sum(r["data_wait_s_max"] for r in steps) / step_s,
+        "peak_gib": max(r["peak_gib"] or 0.0 for r in steps),
+        "losses": [round(r["loss"], 4) for r in history],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", default=DEFAULT_RUNS, help="CONFIG:RECIPE pairs, comma-separated")
+    parser.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
+    parser.add_argument("--planner", default="dp-cost", help="on one GPU every plan is local")
+    parser.add_argument("--json", help="write the summaries here")
+    args = parser.parse_args()
+
+    rows = []
+    for run in args.runs.split(","):
+        name, recipe = run.split(":")
+        config = dataclasses.replace(
+            get_config(name), recipe=recipe, steps=args.steps, planner=args.planner
+        )
+        start = time.perf_counter()
+        try:
+            history = train(config, progress=False)
+        except Exception as error:  # keep measuring the other runs; say what failed
+            print(f"{run}: FAILED {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            continue
+        finally:
+            torch.cuda.empty_cache()
+        row = summarise(name, recipe, history, args.warmup, config.peak_flops_per_s)
+        row["wall_s"] = time.perf_counter() - start
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    print(
+        f"\n{device}, torch {torch.__version__}, python {platform.python_version()}, "
+        f"commit {commit or '?'}; means over steps {args.warmup + 1}..{args.steps}"
+    )
+    header = (
+        "config",
+        "recipe",
+        "tok/s",
+        "MFU",
+        "step s",
+        "self-attn",
+        "cross-attn",
+        "per-token",
+        "outside",
+        "plan",
+        "peak GiB",
+    )
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        cells = (
+            r["config"],
+            r["recipe"],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{100 * r['mfu']:.1f}%",
+            f"{r['step_s']:.2f}",
+            f"{100 * r['attention_share']:.1f}%",
+            f"{100 * r['cross_attention_share']:.1f}%",
+            f"{100 * r['per_token_share']:.1f}%",
+            f"{100 * r['outside_blocks_share']:.1f}%",
+            f"{r['plan_ms']:.2f} ms ({100 * r['plan_share']:.2f}%)",
+            f"{r['peak_gib']:.1f}",
+        )
+        print("| " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
