@@ -17,6 +17,7 @@ planning time at 128 and 1024 GPUs with 4096 sequences.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import math
 import os
 import platform
@@ -27,8 +28,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import highspy
 
 import zellige
 from zellige import _core, joint
@@ -254,7 +253,8 @@ def report(configs: list[Config], pcie: list[Config], scale, args) -> str:
         f"{args.joint_time_limit} s limit, 1 thread",
         f"machine: {machine()}",
         f"versions: zellige {zellige.__version__}, python {platform.python_version()}, "
-        f"highspy {highspy.Highs().version()}, {platform.system()} {platform.release()}",
+        f"highspy {importlib.metadata.version('highspy')}, "
+        f"{platform.system()} {platform.release()}",
         f"commit: {git_commit()}",
     ]
     return "\n".join(lines)

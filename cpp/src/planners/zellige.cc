@@ -201,7 +201,12 @@ class ZelligePlanner {
   const ShapeChoice& shape_at(int32_t sequence, int64_t degree);
   int64_t degree_for(int32_t sequence, double target_s);
   void construct(double target_s, Solution* s);
+  double select_anchor_ranks(int32_t sequence, int64_t degree, const Solution& s,
+                             std::vector<int64_t>* ranks);
+  void commit_anchor(int32_t sequence, int64_t degree, const std::vector<int64_t>& ranks,
+                     Solution* s);
   bool place_anchor(int32_t sequence, int64_t degree, Solution* s);
+  bool place_anchor_within(int32_t sequence, double target_s, Solution* s);
   bool split_filler(int32_t sequence, double target_s, Solution* s);
   void resort_node(const Solution& s, int64_t node);
   void add_filler(Solution* s, int32_t sequence, int64_t rank) const;
@@ -364,20 +369,22 @@ void ZelligePlanner::resort_node(const Solution& s, int64_t node) {
   }
 }
 
-// Stage 1 for one anchor: the `degree` least-loaded ranks of one node (beyond a node: the least
-// loaded whole nodes, then the least-loaded ranks of one more node) that have the memory.
-bool ZelligePlanner::place_anchor(int32_t sequence, int64_t degree, Solution* s) {
+// The `degree` least-loaded ranks of one node (beyond a node: the least loaded whole nodes, then
+// the least-loaded ranks of one more node) that have the memory for the best shape of that
+// degree. Returns the busiest of them after taking their shares (estimated), or infinity.
+double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, const Solution& s,
+                                           std::vector<int64_t>* ranks) {
   const ShapeChoice& choice = shape_at(sequence, degree);
-  if (!choice.feasible) return false;
+  if (!choice.feasible) return kInf;
   const double memory_bytes = choice.memory_bytes;
-  auto take_from_node = [&](int64_t node, int64_t count, std::vector<int64_t>* ranks) {
+  auto take_from_node = [&](int64_t node, int64_t count, std::vector<int64_t>* taken_ranks) {
     double last_time_s = 0;
     int64_t taken = 0;
     for (int64_t rank : node_ranks_by_time_[node]) {
       if (taken == count) break;
-      if (s->memory_bytes[rank] + memory_bytes > free_bytes_) continue;
-      if (ranks) ranks->push_back(rank);
-      last_time_s = s->time_s[rank];
+      if (s.memory_bytes[rank] + memory_bytes > free_bytes_) continue;
+      if (taken_ranks) taken_ranks->push_back(rank);
+      last_time_s = s.time_s[rank];
       ++taken;
     }
     return taken == count ? last_time_s : kInf;
@@ -385,20 +392,21 @@ bool ZelligePlanner::place_anchor(int32_t sequence, int64_t degree, Solution* s)
 
   const int64_t full_nodes = degree / gpus_per_node_;
   const int64_t partial = degree % gpus_per_node_;
-  candidate_ranks_.clear();
+  if (full_nodes > num_nodes_) return kInf;
+  ranks->clear();
   node_keys_.clear();
   for (int64_t node = 0; node < num_nodes_; ++node) {
     node_keys_.push_back({full_nodes > 0 ? take_from_node(node, gpus_per_node_, nullptr)
                                          : take_from_node(node, partial, nullptr),
                           node});
   }
-  if (full_nodes > num_nodes_) return false;
   if (full_nodes > 0) {
     std::partial_sort(node_keys_.begin(), node_keys_.begin() + full_nodes, node_keys_.end());
-    if (node_keys_[full_nodes - 1].first == kInf) return false;
+    if (node_keys_[full_nodes - 1].first == kInf) return kInf;
   }
-  for (int64_t k = 0; k < full_nodes; ++k)
-    take_from_node(node_keys_[k].second, gpus_per_node_, &candidate_ranks_);
+  for (int64_t k = 0; k < full_nodes; ++k) {
+    take_from_node(node_keys_[k].second, gpus_per_node_, ranks);
+  }
   if (partial > 0) {
     int64_t best_node = -1;
     double best_time_s = kInf;
@@ -411,19 +419,28 @@ bool ZelligePlanner::place_anchor(int32_t sequence, int64_t degree, Solution* s)
         best_node = node;
       }
     }
-    if (best_node < 0) return false;
-    const size_t partial_begin = candidate_ranks_.size();
-    take_from_node(best_node, partial, &candidate_ranks_);
-    std::sort(candidate_ranks_.begin() + partial_begin, candidate_ranks_.end());
+    if (best_node < 0) return kInf;
+    const size_t partial_begin = ranks->size();
+    take_from_node(best_node, partial, ranks);
+    std::sort(ranks->begin() + partial_begin, ranks->end());
   }
   // Full nodes in node order, each in rank order, the partial node last: the canonical pattern.
-  std::sort(candidate_ranks_.begin(), candidate_ranks_.end() - partial);
+  std::sort(ranks->begin(), ranks->end() - partial);
+  double busiest_s = 0;
+  for (size_t k = 0; k < ranks->size(); ++k) {
+    busiest_s = std::max(busiest_s, s.time_s[(*ranks)[k]] + estimate_s(choice.shares[k]));
+  }
+  return busiest_s;
+}
 
+void ZelligePlanner::commit_anchor(int32_t sequence, int64_t degree,
+                                   const std::vector<int64_t>& ranks, Solution* s) {
+  const ShapeChoice& choice = shape_at(sequence, degree);
   const int32_t slot = static_cast<int32_t>(s->anchors.size());
   AnchorPlacement& anchor = s->anchors.emplace_back();
   anchor.sequence = sequence;
   anchor.shape = choice.shape;
-  anchor.ranks = candidate_ranks_;
+  anchor.ranks = ranks;
   anchor.shares = choice.shares;
   for (size_t k = 0; k < anchor.ranks.size(); ++k) anchor.shares[k].rank = anchor.ranks[k];
   s->anchor_slot[sequence] = slot;
@@ -433,6 +450,36 @@ bool ZelligePlanner::place_anchor(int32_t sequence, int64_t degree, Solution* s)
       resort_node(*s, node_of(anchor.ranks[k]));
     }
   }
+}
+
+bool ZelligePlanner::place_anchor(int32_t sequence, int64_t degree, Solution* s) {
+  if (select_anchor_ranks(sequence, degree, *s, &candidate_ranks_) == kInf) return false;
+  commit_anchor(sequence, degree, candidate_ranks_, s);
+  return true;
+}
+
+// Stage 1 for one anchor: from the smallest degree whose shape meets the target alone, the first
+// degree whose ranks still meet it with the anchors already placed (else the best one seen).
+bool ZelligePlanner::place_anchor_within(int32_t sequence, double target_s, Solution* s) {
+  const int64_t first = degree_for(sequence, target_s);
+  if (first == 0) return false;
+  const int64_t last = std::min(num_ranks_, 2 * first + 2);
+  int64_t best_degree = 0;
+  double best_s = kInf;
+  for (int64_t degree = first; degree <= last; ++degree) {
+    const double busiest_s = select_anchor_ranks(sequence, degree, *s, &candidate_ranks_);
+    if (busiest_s <= target_s) {
+      commit_anchor(sequence, degree, candidate_ranks_, s);
+      return true;
+    }
+    if (busiest_s < best_s) {
+      best_s = busiest_s;
+      best_degree = degree;
+      best_ranks_ = candidate_ranks_;
+    }
+  }
+  if (best_degree == 0) return false;
+  commit_anchor(sequence, best_degree, best_ranks_, s);
   return true;
 }
 
@@ -532,12 +579,7 @@ void ZelligePlanner::construct(double target_s, Solution* s) {
     if (local_memory_bytes_[sequence] <= free_bytes_ && local_estimate_s_[sequence] <= target_s) {
       continue;
     }
-    const int64_t degree = degree_for(sequence, target_s);
-    if (degree == 0) {
-      throw PlanMemoryError("sequence " + std::to_string(batch_.sequences[sequence].id) +
-                            " fits in memory under no placement");
-    }
-    place_by_degree(sequence, degree);
+    if (!place_anchor_within(sequence, target_s, s)) place_by_degree(sequence, 2);
   }
 
   // Stage 2: fillers, longest first. Best fit under the target: the fullest rank that stays
