@@ -10,9 +10,7 @@ from zellige import _core
 from zellige.costs import make_cost_model
 from zellige.workload import generate, load_recipe
 
-# Planner families that make_plan (C++) knows, plus the Python MILP reference.
-_CORE_PLANNERS = ("dp-tokens", "dp-cost", "static-cp", "knapformer", "megatron-dcp", "zellige")
-JOINT = "joint"
+JOINT = "joint"  # the MILP reference, in Python (zellige.joint); every other name is make_plan's
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,24 +70,22 @@ def make_setup(
     else:
         batch = batch_or_workload
         _core.validate_batch(batch, gpus)
-    profile_path = (
-        None if profile is None or isinstance(profile, _core.HardwareProfile) else profile
-    )
     return Setup(
         batch=batch,
         cost_model=cost_model,
         model_name=model,
         links=links,
-        profile_path=None if profile_path is None else str(profile_path),
+        profile_path=str(profile) if isinstance(profile, str | Path) else None,
         workload=workload,
         seed=seed,
     )
 
 
 def _check_planner_name(planner: str) -> None:
-    family = planner.split(":", 1)[0]
-    if family not in (*_CORE_PLANNERS, JOINT):
-        allowed = ", ".join([*_core.planner_names(), JOINT])
+    """Fails before any planner runs; make_plan still checks the part after the colon."""
+    forms = [*_core.planner_names(), JOINT]
+    if planner.split(":", 1)[0] not in {form.split(":", 1)[0] for form in forms}:
+        allowed = ", ".join(forms)
         raise ValueError(f"unknown planner '{planner}' (allowed: {allowed})")
 
 
@@ -164,9 +160,12 @@ def _mixed_knapformer_spec(num_gpus: int, max_bag_gpus: int) -> str | None:
     return "+".join(f"g{size}n{count}" for size, count in sorted(bags.items()))
 
 
-def compare_setup(setup: Setup, planners: list[str], seed: int = 0) -> list[CompareRow]:
-    """Runs each planner on the setup's batch; a planner that cannot place the batch in memory
-    gets a row with `error` instead of stopping the comparison."""
+def compare_setup(setup: Setup, planners: list[str] | None, seed: int = 0) -> list[CompareRow]:
+    """Runs each planner (default: default_planners) on the setup's batch; a planner that cannot
+    place the batch in memory gets a row with `error` instead of stopping the comparison."""
+    if planners is None:
+        cluster = setup.cost_model.cluster
+        planners = default_planners(cluster.num_ranks(), cluster.gpus_per_node)
     for name in planners:
         _check_planner_name(name)
     # A sequence that fits under no placement is the batch's fault, not a planner's: stop here.
@@ -199,7 +198,7 @@ def compare_setup(setup: Setup, planners: list[str], seed: int = 0) -> list[Comp
                 planner=name,
                 makespan_s=cost.makespan_s,
                 lower_bound_s=lower_bound_s,
-                imbalance=max(rank_times_s) / mean_s if mean_s > 0 else 1.0,
+                imbalance=max(rank_times_s) / mean_s,
                 exchange_bytes=cost.exchange_bytes,
                 peak_bytes=cost.peak_bytes,
                 fits=cost.fits,
@@ -230,4 +229,4 @@ def compare(
         seed=seed,
         links=links,
     )
-    return compare_setup(setup, planners or default_planners(gpus, gpus_per_node), seed)
+    return compare_setup(setup, planners, seed)

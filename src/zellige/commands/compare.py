@@ -6,7 +6,7 @@ import argparse
 import json
 
 from zellige import _core
-from zellige.api import CompareRow, compare_setup, default_planners
+from zellige.api import CompareRow, compare_setup
 from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
 
 GIB = 1 << 30
@@ -87,17 +87,16 @@ def format_table(rows: list[CompareRow]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     setup = setup_from_args(args)
-    cluster = setup.cost_model.cluster
-    if args.planners:
+    planners = None
+    if args.planners is not None:
         planners = [name.strip() for name in args.planners.split(",") if name.strip()]
         if not planners:
-            raise ValueError("--planners is empty")
-    else:
-        planners = default_planners(cluster.num_ranks(), cluster.gpus_per_node)
+            raise ValueError("--planners lists no planner")
     rows = compare_setup(setup, planners, setup.seed)
     if args.json:
         print(json.dumps([row_to_dict(row) for row in rows], indent=1))
         return 0
+    cluster = setup.cost_model.cluster
     source = f"{setup.workload} (seed {setup.seed})" if setup.workload else args.batch
     print(
         f"{source}: {len(setup.batch.sequences)} sequences, "
