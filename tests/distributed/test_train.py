@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 
 
 def _torchrun(nproc: int, *args: str) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    # zellige comes from the environment: the installed package (CI), or PYTHONPATH=src when
+    # developing; forcing src/ would miss _core in a fresh clone, where only the install built it.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     command += ["--master-port", str(29400 + os.getpid() % 500), *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
