@@ -52,6 +52,7 @@ void init_profile(nb::module_& m) {
       .def_rw("checkpoint_bytes_per_token_layer",
               &HardwareProfile::checkpoint_bytes_per_token_layer)
       .def_rw("backward_bytes_per_token_layer", &HardwareProfile::backward_bytes_per_token_layer)
+      .def_rw("text_bytes_per_token_layer", &HardwareProfile::text_bytes_per_token_layer)
       .def_rw("runtime_reserved_bytes", &HardwareProfile::runtime_reserved_bytes)
       .def("validate", &HardwareProfile::validate);
   add_value_methods(
@@ -61,7 +62,7 @@ void init_profile(nb::module_& m) {
        "attention_backward_s_per_head", "matmul_forward_flops_per_s", "matmul_backward_flops_per_s",
        "exchange_group_sizes", "exchange_intra_node_s", "exchange_overlap", "memory_models",
        "activation_bytes_per_token_layer", "checkpoint_bytes_per_token_layer",
-       "backward_bytes_per_token_layer", "runtime_reserved_bytes"});
+       "backward_bytes_per_token_layer", "text_bytes_per_token_layer", "runtime_reserved_bytes"});
 
   m.def("analytic_profile", &analytic_profile, nb::arg("device_name"),
         nb::arg("matmul_flops_per_s"), nb::arg("attention_flops_per_s"),

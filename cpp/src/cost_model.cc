@@ -136,6 +136,9 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     if (!profile_.backward_bytes_per_token_layer.empty()) {
       backward_bytes_ = profile_.backward_bytes_per_token_layer[i];
     }
+    if (!profile_.text_bytes_per_token_layer.empty()) {
+      text_bytes_ = profile_.text_bytes_per_token_layer[i];
+    }
   }
 
   // MMDiT double blocks carry two weight sets, so the largest layer is twice a single one.
@@ -314,8 +317,9 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
   }
 
   // Memory: kept activations, then the transient buffers of one layer.
-  const double kept_bytes = checkpointing ? layers * n * checkpoint_bytes_ + n * activation_bytes_
-                                          : layers * n * activation_bytes_;
+  double kept_bytes = checkpointing ? layers * n * checkpoint_bytes_ + n * activation_bytes_
+                                    : layers * n * activation_bytes_;
+  if (cross) kept_bytes += (checkpointing ? 1.0 : layers) * text * text_bytes_;
   // Measured: one layer's backward transient per token; analytic: q, k, v, o of the segment.
   double buffer_bytes = backward_bytes_ > 0 ? n * backward_bytes_ : 4.0 * block * h * hd * bpe;
   if (cross) buffer_bytes = std::max(buffer_bytes, 2.0 * (n + text) * all_heads * hd * bpe);

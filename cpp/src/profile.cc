@@ -68,14 +68,17 @@ void HardwareProfile::validate() const {
         "profile: memory_models, activation_bytes_per_token_layer and "
         "checkpoint_bytes_per_token_layer differ in length");
   }
-  if (!backward_bytes_per_token_layer.empty() &&
-      backward_bytes_per_token_layer.size() != memory_models.size()) {
-    throw std::invalid_argument(
-        "profile: backward_bytes_per_token_layer must be empty or as long as memory_models");
+  for (const auto* optional : {&backward_bytes_per_token_layer, &text_bytes_per_token_layer}) {
+    if (!optional->empty() && optional->size() != memory_models.size()) {
+      throw std::invalid_argument(
+          "profile: backward_bytes_per_token_layer and text_bytes_per_token_layer must be empty "
+          "or as long as memory_models");
+    }
   }
   for (size_t i = 0; i < memory_models.size(); ++i) {
     if (activation_bytes_per_token_layer[i] < 0 || checkpoint_bytes_per_token_layer[i] < 0 ||
-        (!backward_bytes_per_token_layer.empty() && backward_bytes_per_token_layer[i] < 0)) {
+        (!backward_bytes_per_token_layer.empty() && backward_bytes_per_token_layer[i] < 0) ||
+        (!text_bytes_per_token_layer.empty() && text_bytes_per_token_layer[i] < 0)) {
       throw std::invalid_argument("profile: memory bytes per token of '" + memory_models[i] +
                                   "' must be >= 0");
     }

@@ -41,6 +41,7 @@ _FIELDS = (
     "activation_bytes_per_token_layer",
     "checkpoint_bytes_per_token_layer",
     "backward_bytes_per_token_layer",
+    "text_bytes_per_token_layer",
     "runtime_reserved_bytes",
 )
 
@@ -124,6 +125,7 @@ def profile_from_dict(data: Any) -> HardwareProfile:
         "activation_bytes_per_token_layer",
         "checkpoint_bytes_per_token_layer",
         "backward_bytes_per_token_layer",
+        "text_bytes_per_token_layer",
     ):
         values = _list(data.get(key, []), key)
         setattr(profile, key, [_number(v, f"{key}[{i}]") for i, v in enumerate(values)])

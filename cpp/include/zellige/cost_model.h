@@ -124,6 +124,7 @@ class CostModel {
   double activation_bytes_ = 0;         // per token per layer, kept without checkpointing
   double checkpoint_bytes_ = 0;         // per token per layer, kept with checkpointing
   double backward_bytes_ = 0;           // per token, one layer's backward transient (0: analytic)
+  double text_bytes_ = 0;               // per text token per layer, cross-attention (0: none)
   double fixed_bytes_ = 0;
   double min_linear_time_per_token_s_ = 0;
   LogTable attention_forward_, attention_backward_, matmul_forward_, matmul_backward_;

@@ -52,6 +52,11 @@ struct HardwareProfile {
   // kept activations, while one layer runs its backward (gradient buffers, attention workspace).
   // Replaces the analytic q/k/v/o buffer term of the cost model's memory.
   std::vector<double> backward_bytes_per_token_layer;
+  // Optional likewise: bytes per TEXT token that one cross-attention layer adds to the peak (text
+  // keys/values, their norms and backward buffers); charged per sequence on each of its ranks,
+  // for one layer under activation checkpointing (the recompute) and every layer without (an
+  // over-estimate there: backward buffers exist for one layer only). 0 = none.
+  std::vector<double> text_bytes_per_token_layer;
   int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
 
   void validate() const;  // every non-empty table valid, rates > 0

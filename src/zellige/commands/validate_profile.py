@@ -32,6 +32,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", type=Path, help="write every rank's numbers here")
     parser.add_argument(
+        "--results-jsonl", type=Path, help="append each rank's numbers here as they come"
+    )
+    parser.add_argument(
+        "--exclude", default="", help="comma-separated strategies whose plans are skipped"
+    )
+    parser.add_argument(
+        "--contiguous-kernel-inputs",
+        action="store_true",
+        help="hand the attention kernel contiguous copies (workaround switch)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="CPU smoke run: tiny model, small batches"
     )
 
@@ -78,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         device=device,
         quick=args.quick,
         time_budget_s=args.time_budget,
+        exclude_strategies=tuple(s for s in args.exclude.split(",") if s),
+        contiguous_kernel_inputs=args.contiguous_kernel_inputs,
+        results_jsonl=str(args.results_jsonl) if args.results_jsonl else None,
     )
 
     def progress(line: str) -> None:

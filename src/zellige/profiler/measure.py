@@ -260,23 +260,30 @@ def _memory_probe(blocks, inputs, checkpointing: bool, device) -> tuple[int, int
 
 def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -> dict:
     """Per token and layer: kept without checkpointing (activation), kept with checkpointing
-    (checkpoint) and the transient of one layer's backward beyond the kept bytes (backward);
-    slopes over two lengths, so per-step constants drop out. Two layers, halved."""
+    (checkpoint), the transient of one layer's backward beyond the kept bytes (backward), and
+    per TEXT token and layer what cross-attention keeps (text); slopes over two lengths, so
+    per-step constants drop out. Two layers, halved."""
     config = dit_config(options.model)
     num_layers = 2
     blocks = rank_work.make_blocks(config, num_layers, device, dtype)
-    token_counts = QUICK_MEMORY_TOKENS if options.quick else FULL_MEMORY_TOKENS
-    probes = {}
-    for tokens in token_counts:
-        batch, plan = _one_sequence_plan(tokens, config.text_tokens)
+
+    def probe(tokens: int, text_tokens: int) -> tuple[int, int, int, int]:
+        batch, plan = _one_sequence_plan(tokens, text_tokens)
         with rank_work.local_exchanges():
             inputs = rank_work.plan_rank_inputs(
                 batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
             )
             rank_work.train_step(blocks, inputs, checkpointing=True)  # warm-up: workspaces
-            kept, transient = _memory_probe(blocks, inputs, False, device)
-            kept_ckpt, transient_ckpt = _memory_probe(blocks, inputs, True, device)
-        probes[tokens] = (kept, transient, kept_ckpt, transient_ckpt)
+            return (
+                *_memory_probe(blocks, inputs, False, device),
+                *_memory_probe(blocks, inputs, True, device),
+            )
+
+    token_counts = QUICK_MEMORY_TOKENS if options.quick else FULL_MEMORY_TOKENS
+    probes = {}
+    for tokens in token_counts:
+        probes[tokens] = probe(tokens, config.text_tokens)
+        kept, transient, kept_ckpt, _ = probes[tokens]
         progress(
             f"memory M={tokens:>6}: kept {kept / tokens / num_layers:9.0f} B/token/layer, "
             f"with checkpointing {kept_ckpt / tokens / num_layers:7.0f}, backward transient "
@@ -288,16 +295,26 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         return (probes[high][i] - probes[low][i]) / (high - low)
 
     activation = slope(0) / num_layers
-    checkpoint = slope(2) / num_layers
-    backward = slope(1)
     # Under checkpointing the last layer's recompute (activation) precedes its backward.
-    backward_under_checkpointing = slope(3) - activation
+    backward = slope(3) - activation
+    extra_text = token_counts[0]
+    with_text = probe(low, config.text_tokens + extra_text)
+    text = (with_text[0] - probes[low][0]) / extra_text / num_layers
+    text_checkpointing = (with_text[3] - probes[low][3]) / extra_text
+    progress(
+        f"memory per text token: kept {text:.0f} B/layer; peak under checkpointing "
+        f"{text_checkpointing:.0f} B"
+    )
     return {
         "activation_bytes_per_token_layer": activation,
-        "checkpoint_bytes_per_token_layer": checkpoint,
+        "checkpoint_bytes_per_token_layer": slope(2) / num_layers,
         "backward_bytes_per_token_layer": backward,
-        "backward_bytes_per_token_layer_checkpointing": backward_under_checkpointing,
+        "backward_bytes_per_token_layer_without_checkpointing": slope(1),
+        # one layer's share of the peak (kept + backward buffers), as the cost model charges it
+        "text_bytes_per_token_layer": text_checkpointing,
+        "text_kept_bytes_per_token_layer": text,
         "probes": {str(t): list(v) for t, v in probes.items()},
+        "probe_with_text": {f"{low}+{config.text_tokens + extra_text}": list(with_text)},
     }
 
 
@@ -389,6 +406,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "backward_bytes_per_token_layer": (
             [memory["backward_bytes_per_token_layer"]] if memory else []
         ),
+        "text_bytes_per_token_layer": [memory["text_bytes_per_token_layer"]] if memory else [],
         "runtime_reserved_bytes": runtime_reserved_bytes,
     }
     details = {

@@ -63,18 +63,40 @@ def _local_p2p(sends, recvs, step, tag):
     return []
 
 
+class _ContiguousKernel:
+    """Hands the engine's kernel plain contiguous [B, n, L, H] tensors (a workaround switch for
+    kernels that mishandle the runtime's strided views; costs one copy per call)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.name = f"{kernel.name}+contiguous"
+
+    def forward(self, q, k, v, scale):
+        return self.kernel.forward(q.contiguous(), k.contiguous(), v.contiguous(), scale)
+
+    def backward(self, do, q, k, v, o, lse, scale):
+        tensors = (t.contiguous() for t in (do, q, k, v, o, lse))
+        return self.kernel.backward(*tensors, scale)
+
+
 @contextlib.contextmanager
-def local_exchanges() -> Iterator[None]:
-    """Replaces the engine's exchanges by local copies of the same sizes (one process, no group)."""
+def local_exchanges(contiguous_kernel_inputs: bool = False) -> Iterator[None]:
+    """Replaces the engine's exchanges by local copies of the same sizes (one process, no group).
+    contiguous_kernel_inputs: copy every kernel input to a contiguous tensor first."""
     from zellige.runtime import attention as engine_attention
 
-    saved = engine_attention.all_to_all_rows, engine_attention.p2p
+    saved = engine_attention.all_to_all_rows, engine_attention.p2p, engine_attention.kernel_for
     engine_attention.all_to_all_rows = _local_all_to_all_rows
     engine_attention.p2p = _local_p2p
+    if contiguous_kernel_inputs:
+        kernel_for = saved[2]
+        engine_attention.kernel_for = lambda *args, **kwargs: _ContiguousKernel(
+            kernel_for(*args, **kwargs)
+        )
     try:
         yield
     finally:
-        engine_attention.all_to_all_rows, engine_attention.p2p = saved
+        engine_attention.all_to_all_rows, engine_attention.p2p, engine_attention.kernel_for = saved
 
 
 def make_blocks(

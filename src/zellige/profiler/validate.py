@@ -14,6 +14,7 @@ the MAPE of the whole peak and of its step part (peak minus the modelled shard) 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +65,9 @@ class ValidationOptions:
     device: str = "cuda"
     quick: bool = False  # CPU smoke: tiny model, small synthetic batches, no memory
     time_budget_s: float = 0.0  # stop drawing plans after this many seconds (0: no limit)
+    exclude_strategies: tuple[str, ...] = ()  # skip plans that use these ("ring", "hybrid")
+    contiguous_kernel_inputs: bool = False  # see rank_work.local_exchanges
+    results_jsonl: str | None = None  # append each rank's result as it is measured
 
 
 @dataclass(kw_only=True, slots=True)
@@ -159,7 +163,12 @@ def draw_plans(options: ValidationOptions, profile: _core.HardwareProfile, skipp
         try:
             plan = _core.make_plan(planner, batch, cost_model)
         except ValueError as error:  # PlanMemoryError included: this batch has no plan here
-            skipped.append(f"{name}: {error}")
+            skipped.append(f"{name}: planner refused: {error}")
+            continue
+        used = {_core.strategy_name(p).split("(")[0] for p in plan.placements}
+        excluded = used & set(options.exclude_strategies)
+        if excluded:
+            skipped.append(f"{name}: uses excluded {', '.join(sorted(excluded))}")
             continue
         yield name, batch, plan
 
@@ -253,7 +262,7 @@ def run_rank(
     """(median step seconds, peak bytes) of the rank's compute; peak 0 on a CPU."""
     cuda = device.type == "cuda"
     state = torch.empty(state_bytes, dtype=torch.uint8, device=device) if cuda else None
-    with rank_work.local_exchanges():
+    with rank_work.local_exchanges(options.contiguous_kernel_inputs):
         inputs = rank_work.plan_rank_inputs(
             batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype
         )
@@ -308,6 +317,8 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
         f"{options.num_layers} of {model_spec(options.model).num_layers} layers of {options.model}"
         f", activation checkpointing {'on' if options.activation_checkpointing else 'off'}",
     ]
+    if options.contiguous_kernel_inputs:
+        notes.append("attention kernel inputs copied to contiguous tensors (workaround switch)")
     skipped: list[str] = []
     plans = draw_plans(options, profile, skipped)
     for plan_index in range(options.num_plans):
@@ -356,13 +367,16 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                 knapformer_work=knapformer_rank_work(batch, plan, rank, config.width, gamma),
             )
             results.append(result)
+            if options.results_jsonl:
+                with open(options.results_jsonl, "a") as stream:
+                    stream.write(json.dumps(dataclasses.asdict(result)) + "\n")
             progress(
                 f"plan {plan_index + 1:>2}/{options.num_plans} {name:<40} rank {rank:>2} "
                 f"{result.tokens:>7} tokens: time {result.predicted_s * 1e3:9.2f} / "
                 f"{measured_s * 1e3:9.2f} ms, peak {result.predicted_peak_bytes / 2**30:7.2f} / "
                 f"{peak / 2**30:7.2f} GiB (predicted / measured)"
             )
-    notes.extend(f"skipped (planner refused): {line}" for line in skipped)
+    notes.extend(f"skipped {line}" for line in skipped)
     report = summarise(results, gamma)
     report.gamma_forward_fit = {
         "lengths": lengths,
