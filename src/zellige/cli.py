@@ -15,6 +15,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("compare", "run several planners on the same batch and compare their predictions"),
     "show": ("show", "draw the per-rank picture of a plan (text, or a Gantt chart as PNG)"),
     "profile": ("profile", "measure this GPU for the cost model and write a profile JSON"),
+    "check": (
+        "check",
+        "run a plan's distributed attention on N processes against single-process attention",
+    ),
     "validate-profile": (
         "validate_profile",
         "MAPE of predicted rank time and peak memory against ranks run on this GPU",

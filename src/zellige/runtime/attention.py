@@ -197,7 +197,9 @@ class _DistributedAttention(torch.autograd.Function):
                 True,
             )
         dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-        backward_into(step.local_table, kernel, scale, q, k, v, o, lse, do, dq, dk, dv)
+        backward_into(
+            step.local_table, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, accumulate=False
+        )
 
         do_x = dq_x = dk_x = dv_x = None
         if work is not None:
@@ -206,7 +208,7 @@ class _DistributedAttention(torch.autograd.Function):
             dq_x, dk_x, dv_x = (torch.zeros_like(t) for t in (q_x, k_x, v_x))
             backward_into(
                 step.exchange_table, kernel, scale, q_x, k_x, v_x, o_x, lse_x, do_x,
-                dq_x, dk_x, dv_x,
+                dq_x, dk_x, dv_x, accumulate=False,
             )  # fmt: skip
 
         ring = step.ring

@@ -42,11 +42,22 @@ def _row_index(offsets: list[int], rows_each: int, device: torch.device) -> RowI
     return index.to(device)
 
 
+def _disjoint(spans: list[tuple[int, int]]) -> bool:
+    spans = sorted(spans)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+
+
 @dataclass(frozen=True, slots=True)
 class SegmentTable:
-    """The dense groups of one coalesced call (built once per step, reused by every layer)."""
+    """The dense groups of one coalesced call (built once per step, reused by every layer).
+
+    disjoint: no two segments share query rows or key rows, so results can be written instead of
+    added; q_rows / k_rows: rows the segments cover (all rows written when they equal the size)."""
 
     groups: tuple[SegmentGroup, ...]
+    disjoint: bool = True
+    q_rows: int = 0
+    k_rows: int = 0
 
     @staticmethod
     def build(
@@ -71,6 +82,10 @@ class SegmentTable:
             if lq > 0 and lk > 0 and n > 0:
                 by_shape[(lq, lk, n)].append((qo, ko))
         groups = []
+        q_spans, k_spans = [], []
+        for (lq, lk, n), members in by_shape.items():
+            q_spans += [(qo, qo + lq * n) for qo, _ in members]
+            k_spans += [(ko, ko + lk * n) for _, ko in members]
         for (lq, lk, n), members in sorted(by_shape.items(), reverse=True):
             members.sort()
             groups.append(
@@ -83,7 +98,12 @@ class SegmentTable:
                     k_index=_row_index([m[1] for m in members], lk * n, device),
                 )
             )
-        return SegmentTable(tuple(groups))
+        return SegmentTable(
+            tuple(groups),
+            disjoint=_disjoint(q_spans) and _disjoint(k_spans),
+            q_rows=sum(b - a for a, b in q_spans),
+            k_rows=sum(b - a for a, b in k_spans),
+        )
 
     @staticmethod
     def packed(
@@ -163,9 +183,11 @@ def backward_into(
     dq_rows: Tensor,
     dk_rows: Tensor,
     dv_rows: Tensor,
+    accumulate: bool = True,
 ) -> None:
-    """Adds every segment's gradients into dq / dk / dv rows (accumulation: rows may be shared
-    by several segments, e.g. ring steps)."""
+    """Adds every segment's gradients into dq / dk / dv rows (rows may be shared by several
+    segments or calls, e.g. ring steps), or writes them when accumulate is False."""
+    store = _add if accumulate else _put
     for g in table.groups:
         q = _dense(q_rows, g.q_index, g, g.q_len)
         k = _dense(k_rows, g.k_index, g, g.k_len)
@@ -174,20 +196,40 @@ def backward_into(
         do = _dense(do_rows, g.q_index, g, g.q_len)
         lse = _take(lse_rows, g.q_index).view(g.count, g.q_len, g.num_heads).transpose(1, 2)
         dq, dk, dv = kernel.backward(do, q, k, v, o, lse, scale)
-        _add(dq_rows, g.q_index, _flat(dq))
-        _add(dk_rows, g.k_index, _flat(dk))
-        _add(dv_rows, g.k_index, _flat(dv))
+        store(dq_rows, g.q_index, _flat(dq))
+        store(dk_rows, g.k_index, _flat(dk))
+        store(dv_rows, g.k_index, _flat(dv))
+
+
+def _whole(table: SegmentTable, num_q_rows: int, num_k_rows: int) -> bool:
+    """One dense group over all rows in order: kernel outputs are the results, no copies."""
+    if len(table.groups) != 1:
+        return False
+    g = table.groups[0]
+    return g.q_index == slice(0, num_q_rows) and g.k_index == slice(0, num_k_rows)
 
 
 class _CoalescedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale):
         q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
-        o_rows = torch.zeros_like(q_rows)
-        lse_rows = torch.full(
-            (q_rows.shape[0],), float("-inf"), dtype=lse_dtype(q_rows.dtype), device=q_rows.device
-        )
-        forward_into(table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows)
+        num_q, num_k = q_rows.shape[0], k_rows.shape[0]
+        lse_type = lse_dtype(q_rows.dtype)
+        if _whole(table, num_q, num_k):
+            g = table.groups[0]
+            o, lse = kernel.forward(
+                _dense(q_rows, g.q_index, g, g.q_len),
+                _dense(k_rows, g.k_index, g, g.k_len),
+                _dense(v_rows, g.k_index, g, g.k_len),
+                scale,
+            )
+            o_rows = _flat(o)
+            lse_rows = lse.transpose(1, 2).reshape(-1).to(lse_type)
+        else:
+            covered = table.disjoint and table.q_rows == num_q
+            o_rows = torch.empty_like(q_rows) if covered else torch.zeros_like(q_rows)
+            lse_rows = torch.full((num_q,), float("-inf"), dtype=lse_type, device=q_rows.device)
+            forward_into(table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows)
         ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
         ctx.table, ctx.kernel, ctx.scale = table, kernel, scale
         ctx.mark_non_differentiable(lse_rows)
@@ -196,10 +238,28 @@ class _CoalescedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_rows, _dlse):
         q_rows, k_rows, v_rows, o_rows, lse_rows = ctx.saved_tensors
-        dq, dk, dv = (torch.zeros_like(t) for t in (q_rows, k_rows, v_rows))
+        table, kernel, scale = ctx.table, ctx.kernel, ctx.scale
+        do_rows = do_rows.contiguous()
+        num_q, num_k = q_rows.shape[0], k_rows.shape[0]
+        if _whole(table, num_q, num_k):
+            g = table.groups[0]
+            dq, dk, dv = kernel.backward(
+                _dense(do_rows, g.q_index, g, g.q_len),
+                _dense(q_rows, g.q_index, g, g.q_len),
+                _dense(k_rows, g.k_index, g, g.k_len),
+                _dense(v_rows, g.k_index, g, g.k_len),
+                _dense(o_rows, g.q_index, g, g.q_len),
+                lse_rows.view(g.count, g.q_len, g.num_heads).transpose(1, 2),
+                scale,
+            )
+            return _flat(dq), _flat(dk), _flat(dv), None, None, None
+        q_covered = table.disjoint and table.q_rows == num_q
+        k_covered = table.disjoint and table.k_rows == num_k
+        dq = torch.empty_like(q_rows) if q_covered else torch.zeros_like(q_rows)
+        dk, dv = (torch.empty_like(k_rows) if k_covered else torch.zeros_like(k_rows) for _ in "kv")
         backward_into(
-            ctx.table, ctx.kernel, ctx.scale,
-            q_rows, k_rows, v_rows, o_rows, lse_rows, do_rows.contiguous(), dq, dk, dv,
+            table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, do_rows, dq, dk, dv,
+            accumulate=not table.disjoint,
         )  # fmt: skip
         return dq, dk, dv, None, None, None
 
@@ -218,7 +278,7 @@ def coalesced_attention(
 
     q_rows [Rq, H], k_rows / v_rows [Rk, H]; returns o_rows [Rq, H] (zero on rows that no segment
     covers) and, with return_lse, the log-sum-exp per query row (float32; -inf where uncovered).
-    backend: "cudnn", "flash", "efficient", "cpu", "math", or None for the automatic choice.
+    backend: a name of KERNELS ("cudnn", "flash", "cpu", ...) or None for the automatic choice.
     """
     head_dim = q_rows.shape[-1]
     kernel = kernel_for(q_rows.device, q_rows.dtype, head_dim, backend)

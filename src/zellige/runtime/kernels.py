@@ -106,6 +106,22 @@ class CudnnKernel(Kernel):
         )  # fmt: skip
 
 
+class CudnnContiguousKernel(CudnnKernel):
+    """cuDNN on [B, n, L, H]-contiguous copies: a fallback for builds where the strided call
+    disagrees with the math kernel (the check below decides)."""
+
+    name = "cudnn-bnlh"
+
+    def forward(self, q, k, v, scale):
+        return super().forward(q.contiguous(), k.contiguous(), v.contiguous(), scale)
+
+    def backward(self, do, q, k, v, o, lse, scale):
+        return super().backward(
+            do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(), lse,
+            scale,
+        )  # fmt: skip
+
+
 class FlashKernel(Kernel):
     """FlashAttention-2 as shipped in torch (bf16/fp16), dense per batch."""
 
@@ -148,6 +164,7 @@ class EfficientKernel(Kernel):
 
 KERNELS: dict[str, Callable[[], Kernel]] = {
     "cudnn": CudnnKernel,
+    "cudnn-bnlh": CudnnContiguousKernel,
     "flash": FlashKernel,
     "efficient": EfficientKernel,
     "cpu": CpuFlashKernel,
@@ -159,7 +176,7 @@ def _preference(device: torch.device, dtype: torch.dtype) -> list[str]:
     if device.type != "cuda":
         return ["cpu", "math"]
     if dtype in (torch.bfloat16, torch.float16):
-        return ["cudnn", "flash", "efficient", "math"]
+        return ["cudnn", "cudnn-bnlh", "flash", "efficient", "math"]
     return ["efficient", "math"]
 
 
