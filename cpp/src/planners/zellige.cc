@@ -36,11 +36,12 @@ using Clock = std::chrono::steady_clock;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // A move must lower the busiest rank by more than this fraction, so float noise cannot cycle.
 constexpr double kMinGain = 1e-9;
-// The target sweep: bisection between the mean load and the all-local plan, then a few targets
-// just above the smallest one met, for variety.
-constexpr int kBisectionSteps = 14;
-constexpr double kBisectionTolerance = 1e-3;
-constexpr double kExtraTargetFactors[] = {1.005, 1.01, 1.02, 1.04};
+// Targets of the construction sweep, as multiples of the mean local load per rank, then relative
+// steps around the best one.
+constexpr double kTargetFactors[] = {1.0, 1.005, 1.01, 1.02, 1.035, 1.05, 1.08, 1.12, 1.2};
+constexpr int kBisectionSteps = 10;
+constexpr double kRefineSteps[] = {0.004, 0.002, 0.001};
+constexpr double kSharedAnchorFraction = 0.5;
 // Fillers that fit nowhere whole are split over at most this many ranks.
 constexpr int64_t kMaxSplitDegree = 4;
 // How many of the least-loaded ranks local search tries as partners of the busiest rank.
@@ -110,12 +111,19 @@ struct Solution {
   std::vector<double> other_s;  // attention + exchange
   std::vector<double> memory_bytes;
   std::vector<double> time_s;
-  std::vector<int32_t> filler_rank;  // per sequence index; -1 for anchors
-  std::vector<int32_t> anchor_slot;  // per sequence index; -1 for fillers
-  std::vector<AnchorPlacement> anchors;
+  std::vector<int32_t> filler_rank;      // per sequence index; -1 for anchors
+  std::vector<int32_t> anchor_slot;      // per sequence index; -1 for fillers
+  std::vector<AnchorPlacement> anchors;  // the first num_anchors are in use; the rest are kept
+  int32_t num_anchors = 0;               // for their buffers
+  int64_t anchor_rank_slots = 0;         // sum of stage 1's anchor degrees
   std::vector<std::vector<int32_t>> rank_fillers;  // sequence indices
   std::vector<std::vector<int32_t>> rank_anchors;  // anchor slots
   double makespan_s = kInf;
+
+  AnchorPlacement& new_anchor() {
+    if (num_anchors == static_cast<int32_t>(anchors.size())) anchors.emplace_back();
+    return anchors[num_anchors++];
+  }
 
   void reset(int64_t num_ranks, int64_t num_sequences) {
     tokens.assign(num_ranks, 0);
@@ -124,7 +132,8 @@ struct Solution {
     time_s.assign(num_ranks, 0.0);
     filler_rank.assign(num_sequences, -1);
     anchor_slot.assign(num_sequences, -1);
-    anchors.clear();
+    num_anchors = 0;
+    anchor_rank_slots = 0;
     rank_fillers.resize(num_ranks);
     rank_anchors.resize(num_ranks);
     for (auto& fillers : rank_fillers) fillers.clear();
@@ -137,6 +146,49 @@ struct PairHash {
   size_t operator()(const std::pair<int64_t, int64_t>& key) const {
     return std::hash<int64_t>()(key.first * 1000003 + key.second);
   }
+};
+
+// Stage 2's view of the ranks: a min-tree over rank times, for the first rank (by index) whose
+// time is at most a cut (first fit) and for the least-loaded rank, in O(log ranks) each.
+class RankTree {
+ public:
+  void reset(const std::vector<double>& time_s) {
+    num_ranks_ = static_cast<int64_t>(time_s.size());
+    leaves_ = 1;
+    while (leaves_ < num_ranks_) leaves_ *= 2;
+    min_s_.assign(2 * leaves_, kInf);
+    std::copy(time_s.begin(), time_s.end(), min_s_.begin() + leaves_);
+    for (int64_t node = leaves_ - 1; node >= 1; --node) pull(node);
+  }
+  void update(int64_t rank, double time_s) {
+    int64_t node = leaves_ + rank;
+    min_s_[node] = time_s;
+    for (node /= 2; node >= 1; node /= 2) pull(node);
+  }
+  // The lowest rank >= `from` whose time is at most `cut_s`, or -1.
+  int64_t first_at_most(double cut_s, int64_t from = 0) const {
+    return first_at_most(1, 0, leaves_, cut_s, from);
+  }
+  int64_t least_loaded() const {
+    int64_t node = 1;
+    while (node < leaves_)
+      node = min_s_[2 * node] <= min_s_[2 * node + 1] ? 2 * node : 2 * node + 1;
+    return node - leaves_;
+  }
+
+ private:
+  void pull(int64_t node) { min_s_[node] = std::min(min_s_[2 * node], min_s_[2 * node + 1]); }
+  int64_t first_at_most(int64_t node, int64_t begin, int64_t end, double cut_s,
+                        int64_t from) const {
+    if (end <= from || min_s_[node] > cut_s) return -1;
+    if (node >= leaves_) return begin;
+    const int64_t middle = (begin + end) / 2;
+    const int64_t left = first_at_most(2 * node, begin, middle, cut_s, from);
+    return left >= 0 ? left : first_at_most(2 * node + 1, middle, end, cut_s, from);
+  }
+
+  int64_t num_ranks_ = 0, leaves_ = 1;
+  std::vector<double> min_s_;
 };
 
 void erase_value(std::vector<int32_t>* values, int32_t value) {
@@ -200,13 +252,13 @@ class ZelligePlanner {
   void prepare();
   const ShapeChoice& shape_at(int32_t sequence, int64_t degree);
   int64_t degree_for(int32_t sequence, double target_s);
-  void construct(double target_s, Solution* s);
+  void construct(double target_s, double share_fraction, Solution* s);
   double select_anchor_ranks(int32_t sequence, int64_t degree, const Solution& s,
                              std::vector<int64_t>* ranks);
   void commit_anchor(int32_t sequence, int64_t degree, const std::vector<int64_t>& ranks,
                      Solution* s);
   bool place_anchor(int32_t sequence, int64_t degree, Solution* s);
-  bool place_anchor_within(int32_t sequence, double target_s, Solution* s);
+  bool place_anchor_within(int32_t sequence, double share_s, double target_s, Solution* s);
   bool split_filler(int32_t sequence, double target_s, Solution* s);
   void resort_node(const Solution& s, int64_t node);
   void add_filler(Solution* s, int32_t sequence, int64_t rank) const;
@@ -245,7 +297,7 @@ class ZelligePlanner {
   std::vector<Shape> shapes_;
   std::vector<std::vector<int64_t>> node_ranks_by_time_;
   std::vector<std::pair<double, int64_t>> node_keys_;
-  std::set<std::pair<double, int64_t>> open_ranks_;  // stage 2: (time, rank)
+  RankTree open_ranks_;  // stage 2
   std::vector<int64_t> low_ranks_, candidate_ranks_, best_ranks_, touched_;
   std::vector<std::pair<double, int32_t>> partner_fillers_;
   std::vector<int32_t> longest_fillers_;
@@ -436,8 +488,8 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
 void ZelligePlanner::commit_anchor(int32_t sequence, int64_t degree,
                                    const std::vector<int64_t>& ranks, Solution* s) {
   const ShapeChoice& choice = shape_at(sequence, degree);
-  const int32_t slot = static_cast<int32_t>(s->anchors.size());
-  AnchorPlacement& anchor = s->anchors.emplace_back();
+  const int32_t slot = s->num_anchors;
+  AnchorPlacement& anchor = s->new_anchor();
   anchor.sequence = sequence;
   anchor.shape = choice.shape;
   anchor.ranks = ranks;
@@ -458,10 +510,11 @@ bool ZelligePlanner::place_anchor(int32_t sequence, int64_t degree, Solution* s)
   return true;
 }
 
-// Stage 1 for one anchor: from the smallest degree whose shape meets the target alone, the first
-// degree whose ranks still meet it with the anchors already placed (else the best one seen).
-bool ZelligePlanner::place_anchor_within(int32_t sequence, double target_s, Solution* s) {
-  const int64_t first = degree_for(sequence, target_s);
+// Stage 1 for one anchor: from the smallest degree whose shape meets `share_s` alone, the first
+// degree whose ranks still meet the target with the anchors already placed (else the best seen).
+bool ZelligePlanner::place_anchor_within(int32_t sequence, double share_s, double target_s,
+                                         Solution* s) {
+  const int64_t first = degree_for(sequence, share_s);
   if (first == 0) return false;
   const int64_t last = std::min(num_ranks_, 2 * first + 2);
   int64_t best_degree = 0;
@@ -543,8 +596,8 @@ void ZelligePlanner::import_plan(const Plan& plan, Solution* s) {
       add_filler(s, sequence, placement.ranks[0]);
       continue;
     }
-    const int32_t slot = static_cast<int32_t>(s->anchors.size());
-    AnchorPlacement& anchor = s->anchors.emplace_back();
+    const int32_t slot = s->num_anchors;
+    AnchorPlacement& anchor = s->new_anchor();
     anchor.sequence = sequence;
     anchor.shape = {placement.strategy, placement.degree(), placement.ulysses_degree};
     anchor.ranks = placement.ranks;
@@ -555,7 +608,9 @@ void ZelligePlanner::import_plan(const Plan& plan, Solution* s) {
   finish(s);
 }
 
-void ZelligePlanner::construct(double target_s, Solution* s) {
+// One plan aiming at makespan `target_s`; each anchor's shape alone must fit `share_fraction` of
+// the target (a half lets two anchors share ranks).
+void ZelligePlanner::construct(double target_s, double share_fraction, Solution* s) {
   s->reset(num_ranks_, num_sequences_);
   for (int64_t node = 0; node < num_nodes_; ++node) {
     std::iota(node_ranks_by_time_[node].begin(), node_ranks_by_time_[node].end(),
@@ -579,14 +634,16 @@ void ZelligePlanner::construct(double target_s, Solution* s) {
     if (local_memory_bytes_[sequence] <= free_bytes_ && local_estimate_s_[sequence] <= target_s) {
       continue;
     }
-    if (!place_anchor_within(sequence, target_s, s)) place_by_degree(sequence, 2);
+    if (!place_anchor_within(sequence, share_fraction * target_s, target_s, s)) {
+      place_by_degree(sequence, 2);
+    }
+    s->anchor_rank_slots += s->anchors[s->anchor_slot[sequence]].shape.degree;
   }
 
-  // Stage 2: fillers, longest first. Best fit under the target: the fullest rank that stays
+  // Stage 2: fillers, longest first. First fit under the target: the lowest rank that stays
   // within it. A filler that fits nowhere is split over the least-loaded ranks if that meets the
   // target, else goes whole to the least-loaded rank with the memory (LPT).
-  open_ranks_.clear();
-  for (int64_t rank = 0; rank < num_ranks_; ++rank) open_ranks_.insert({s->time_s[rank], rank});
+  open_ranks_.reset(s->time_s);
   for (int32_t sequence : order_) {
     if (s->anchor_slot[sequence] >= 0) continue;
     const int64_t tokens = local_tokens_[sequence];
@@ -595,11 +652,11 @@ void ZelligePlanner::construct(double target_s, Solution* s) {
     int64_t chosen = -1;
     if (std::isfinite(target_s)) {
       // Estimates use the mean per-token rate; a few ranks below the cut are priced exactly.
-      auto it = open_ranks_.upper_bound(
-          {target_s - 0.98 * local_estimate_s_[sequence], std::numeric_limits<int64_t>::max()});
-      for (int tries = 0; tries < 8 && it != open_ranks_.begin(); ++tries) {
-        --it;
-        const int64_t rank = it->second;
+      const double cut_s = target_s - 0.98 * local_estimate_s_[sequence];
+      int64_t rank = -1;
+      for (int tries = 0; tries < 8; ++tries) {
+        rank = open_ranks_.first_at_most(cut_s, rank + 1);
+        if (rank < 0) break;
         if (s->memory_bytes[rank] + bytes <= free_bytes_ &&
             time_with(*s, rank, tokens, other_s) <= target_s) {
           chosen = rank;
@@ -609,10 +666,15 @@ void ZelligePlanner::construct(double target_s, Solution* s) {
       if (chosen < 0 && split_filler(sequence, target_s, s)) continue;
     }
     if (chosen < 0) {
-      for (const auto& [time_s, rank] : open_ranks_) {
-        if (s->memory_bytes[rank] + bytes <= free_bytes_) {
-          chosen = rank;
-          break;
+      chosen = open_ranks_.least_loaded();
+      if (s->memory_bytes[chosen] + bytes > free_bytes_) {
+        // Rare: the least-loaded rank is out of memory; scan for the least loaded that is not.
+        chosen = -1;
+        for (int64_t rank = 0; rank < num_ranks_; ++rank) {
+          if (s->memory_bytes[rank] + bytes <= free_bytes_ &&
+              (chosen < 0 || s->time_s[rank] < s->time_s[chosen])) {
+            chosen = rank;
+          }
         }
       }
     }
@@ -620,15 +682,11 @@ void ZelligePlanner::construct(double target_s, Solution* s) {
       // No rank has the memory left for it whole: shard it like an anchor.
       for (int64_t node = 0; node < num_nodes_; ++node) resort_node(*s, node);
       place_by_degree(sequence, 2);
-      open_ranks_.clear();
-      for (int64_t rank = 0; rank < num_ranks_; ++rank) {
-        open_ranks_.insert({s->time_s[rank], rank});
-      }
+      open_ranks_.reset(s->time_s);
       continue;
     }
-    open_ranks_.erase({s->time_s[chosen], chosen});
     add_filler(s, sequence, chosen);
-    open_ranks_.insert({s->time_s[chosen], chosen});
+    open_ranks_.update(chosen, s->time_s[chosen]);
   }
   finish(s);
 }
@@ -639,7 +697,7 @@ void ZelligePlanner::construct(double target_s, Solution* s) {
 bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s) {
   const int64_t max_degree = std::min(kMaxSplitDegree, gpus_per_node_);
   if (max_degree < 2) return false;
-  const int64_t node = node_of(open_ranks_.begin()->second);
+  const int64_t node = node_of(open_ranks_.least_loaded());
   std::vector<int64_t>& node_ranks = node_ranks_by_time_[node];
   std::iota(node_ranks.begin(), node_ranks.end(), node * gpus_per_node_);
   std::sort(node_ranks.begin(), node_ranks.end(), [&](int64_t a, int64_t b) {
@@ -659,9 +717,8 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
                time_with(*s, rank, share.tokens, share.attention_s + share.exchange_s) <= target_s;
     }
     if (!within) continue;
-    for (int64_t rank : candidate_ranks_) open_ranks_.erase({s->time_s[rank], rank});
-    const int32_t slot = static_cast<int32_t>(s->anchors.size());
-    AnchorPlacement& anchor = s->anchors.emplace_back();
+    const int32_t slot = s->num_anchors;
+    AnchorPlacement& anchor = s->new_anchor();
     anchor.sequence = sequence;
     anchor.shape = choice.shape;
     anchor.ranks = candidate_ranks_;
@@ -669,7 +726,7 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
     for (int64_t k = 0; k < degree; ++k) anchor.shares[k].rank = candidate_ranks_[k];
     s->anchor_slot[sequence] = slot;
     add_anchor_shares(s, slot);
-    for (int64_t rank : candidate_ranks_) open_ranks_.insert({s->time_s[rank], rank});
+    for (int64_t rank : candidate_ranks_) open_ranks_.update(rank, s->time_s[rank]);
     return true;
   }
   return false;
@@ -934,8 +991,8 @@ bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
   }
   if (best_sequence < 0) return false;
   remove_filler(s, best_sequence);
-  const int32_t slot = static_cast<int32_t>(s->anchors.size());
-  AnchorPlacement& anchor = s->anchors.emplace_back();
+  const int32_t slot = s->num_anchors;
+  AnchorPlacement& anchor = s->new_anchor();
   anchor.sequence = best_sequence;
   anchor.shape = best_shape;
   anchor.ranks = best_ranks_;
@@ -972,34 +1029,60 @@ Plan ZelligePlanner::run() {
   for (double estimate_s : local_estimate_s_) mean_s += estimate_s;
   mean_s /= static_cast<double>(num_ranks_);
 
-  // The sweep: everything local first (target infinity), then bisection on the target between
-  // the mean load and the best makespan so far: a target is met when the construction's makespan
-  // stays within it.
+  // The sweep: everything local first (target infinity), then a grid of targets just above the
+  // mean load (whether a construction meets its target is not monotone in the target, so no
+  // bisection from there), bisection up to the best makespan when no grid target was met, and
+  // finally finer steps around the best target.
   Solution best, current;
   exact_ = false;
-  construct(kInf, &best);
+  construct(kInf, 1.0, &best);
   double best_target_s = kInf;
   auto try_target = [&](double target_s) {
-    construct(target_s, &current);
-    const bool met = current.makespan_s <= target_s;
+    construct(target_s, 1.0, &current);
+    bool met = current.makespan_s <= target_s;
+    // More anchor shares than ranks: some anchors must share ranks, which only shapes of at most
+    // half the target allow (e.g. two videos on three ranks instead of one on two).
+    const bool crowded = current.anchor_rank_slots > num_ranks_;
     if (current.makespan_s < best.makespan_s) {
       std::swap(best, current);
       best_target_s = target_s;
     }
+    if (crowded) {
+      construct(target_s, kSharedAnchorFraction, &current);
+      met = met || current.makespan_s <= target_s;
+      if (current.makespan_s < best.makespan_s) {
+        std::swap(best, current);
+        best_target_s = target_s;
+      }
+    }
     return met;
   };
-  double low_s = 0.97 * mean_s, high_s = best.makespan_s;
-  for (int step = 0; step < kBisectionSteps && low_s < high_s * (1 - kBisectionTolerance); ++step) {
-    // The first probe sits just above the mean load, where the optimum usually is.
-    const double target_s =
-        step == 0 ? std::min(1.03 * mean_s, 0.5 * (low_s + high_s)) : 0.5 * (low_s + high_s);
-    if (try_target(target_s)) {
-      high_s = std::min(target_s, best.makespan_s);
-    } else {
-      low_s = target_s;
+  bool any_met = false;
+  double highest_tried_s = 0;
+  for (double factor : kTargetFactors) {
+    const double target_s = factor * mean_s;
+    if (target_s >= best.makespan_s) break;
+    any_met = try_target(target_s) || any_met;
+    highest_tried_s = target_s;
+  }
+  if (!any_met) {
+    double low_s = highest_tried_s, high_s = best.makespan_s;
+    for (int step = 0; step < kBisectionSteps && low_s < high_s * (1 - kRefineSteps[0]); ++step) {
+      const double target_s = 0.5 * (low_s + high_s);
+      if (try_target(target_s)) {
+        high_s = std::min(target_s, best.makespan_s);
+      } else {
+        low_s = target_s;
+      }
     }
   }
-  for (double factor : kExtraTargetFactors) try_target(high_s * factor);
+  if (std::isfinite(best_target_s)) {
+    for (double step : kRefineSteps) {
+      const double center_s = best_target_s;
+      try_target(center_s * (1 - step));
+      try_target(center_s * (1 + step));
+    }
+  }
   exact_ = true;
   finish(&best);
   // dp-cost's plan (whole sequences, LPT by exact time) starts the search when it is better, so
@@ -1032,7 +1115,7 @@ Plan ZelligePlanner::run() {
     }
   }
   std::ostringstream note;
-  note << "anchors=" << best.anchors.size() << " target_s=" << best_target_s
+  note << "anchors=" << best.num_anchors << " target_s=" << best_target_s
        << " constructed_s=" << constructed_s << (from_dp_cost ? " start=dp-cost" : "")
        << " search_steps=" << steps;
   plan.note = note.str();
