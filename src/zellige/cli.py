@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import NoReturn
 
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"zellige.commands.{COMMANDS[args.command][0]}")
     try:
         return module.run(args)
+    except BrokenPipeError:
+        # The reader left (`zellige show plan.json | head`): stop quietly, as other tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     # User errors (bad files, names, lengths, memory) become one line; ValueError covers
     # json.JSONDecodeError and zellige.PlanMemoryError. Anything else is a bug: keep its traceback.
     except (ValueError, OSError) as error:
