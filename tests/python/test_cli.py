@@ -249,8 +249,14 @@ def test_bad_batch_files(tmp_path, name, command):
         ('{"planner": "dp-cost", "num_ranks": 8, "placements": [', ["truncated"]),
         ('{"planner": "dp-cost", "placements": []}', ["num_ranks"]),
         ('{"planner": "dp-cost", "num_ranks": "8", "placements": []}', ["num_ranks"]),
+        ('{"planner": "dp-cost", "num_ranks": 8, "placements": []}', ["--model"]),
+        (
+            '{"planner": "dp-cost", "num_ranks": 8, "placements": [], "context": '
+            '{"model": "mmdit-11b", "workload": "opensora2-stage2", "gpus_per_node": "8"}}',
+            ["gpus_per_node", "integer"],
+        ),
     ],
-    ids=["truncated", "missing-field", "non-integer"],
+    ids=["truncated", "missing-field", "non-integer", "no-model", "context-type"],
 )
 def test_bad_plan_files(tmp_path, text, needles):
     path = tmp_path / "plan.json"

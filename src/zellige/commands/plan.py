@@ -33,8 +33,9 @@ def plan_context(setup: Setup) -> dict:
         "model": setup.model_name,
         "gpus_per_node": setup.cost_model.cluster.gpus_per_node,
         "links": setup.links,
-        "profile": setup.profile_path,
     }
+    if setup.profile_path is not None:
+        context["profile"] = setup.profile_path
     if setup.workload is not None:
         context.update(workload=setup.workload, seed=setup.seed)
     else:

@@ -7,6 +7,7 @@ import argparse
 from collections import defaultdict
 
 from zellige import _core
+from zellige._json import require_int, require_str
 from zellige.api import Setup, make_setup
 from zellige.commands._inputs import add_cluster_arguments
 from zellige.plan_io import load_plan_with_context
@@ -37,16 +38,20 @@ def setup_for_plan(args: argparse.Namespace, plan: _core.Plan, context: dict) ->
     """The batch and cost model the plan was made for: flags first, then the plan's context."""
     if args.gpus is not None and args.gpus != plan.num_ranks:
         raise ValueError(f"--gpus {args.gpus} does not match the plan's {plan.num_ranks} ranks")
-    model = args.model or context.get("model")
-    if model is None:
+    where = f"{args.plan} context"
+
+    def flag_or_context(flag, read, key, default):  # context fields are type-checked
+        return flag if flag is not None else read(context, key, where, default)
+
+    model = flag_or_context(args.model, require_str, "model", "")
+    if not model:
         raise ValueError(f"{args.plan} does not name its model: pass --model")
-    seed = args.seed if args.seed is not None else context.get("seed", 0)
     if args.workload is not None:
         source = args.workload
     elif args.batch is not None:
         source = load_batch(args.batch, model=model, num_ranks=plan.num_ranks)
     elif "workload" in context:
-        source = context["workload"]
+        source = require_str(context, "workload", where)
     elif "batch" in context:
         source = batch_from_dict(context["batch"], model=model, num_ranks=plan.num_ranks)
     else:
@@ -54,11 +59,11 @@ def setup_for_plan(args: argparse.Namespace, plan: _core.Plan, context: dict) ->
     return make_setup(
         source,
         plan.num_ranks,
-        gpus_per_node=args.gpus_per_node or context.get("gpus_per_node", 8),
+        gpus_per_node=flag_or_context(args.gpus_per_node, require_int, "gpus_per_node", 8),
         model=model,
-        profile=args.profile or context.get("profile"),
-        seed=seed,
-        links=args.links or context.get("links", "nvlink"),
+        profile=flag_or_context(args.profile, require_str, "profile", "") or None,
+        seed=flag_or_context(args.seed, require_int, "seed", 0),
+        links=flag_or_context(args.links, require_str, "links", "nvlink"),
     )
 
 
@@ -78,7 +83,7 @@ def text_picture(setup: Setup, plan: _core.Plan) -> list[str]:
     for placement in plan.placements:
         for rank in placement.ranks:
             labels[rank].append(placement_label(placement))
-    scale = BAR_COLUMNS / cost.makespan_s if cost.makespan_s > 0 else 0.0
+    scale = BAR_COLUMNS / cost.makespan_s
     legend = ", ".join(f"{char} {phase}" for phase, (char, _) in PHASES.items())
     lines = [
         f"{plan.planner} plan on {plan.num_ranks} ranks: makespan {cost.makespan_s:.4f} s; "
