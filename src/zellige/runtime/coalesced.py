@@ -150,6 +150,30 @@ def _flat(dense: Tensor) -> Tensor:
     return dense.transpose(1, 2).reshape(-1, *dense.shape[3:])
 
 
+_side_streams: dict[tuple[torch.device, int], list] = {}
+
+
+def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int) -> None:
+    """fn(group) for every group; on CUDA with streams > 1 the groups run round-robin on side
+    streams so one call's last wave overlaps the next call (writes must be disjoint)."""
+    if streams <= 1 or device.type != "cuda" or len(table.groups) < 2:
+        for g in table.groups:
+            fn(g)
+        return
+    key = (device, streams)
+    if key not in _side_streams:
+        _side_streams[key] = [torch.cuda.Stream(device) for _ in range(streams)]
+    side = _side_streams[key]
+    main = torch.cuda.current_stream(device)
+    for stream in side:
+        stream.wait_stream(main)
+    for i, g in enumerate(table.groups):
+        with torch.cuda.stream(side[i % streams]):
+            fn(g)
+    for stream in side:
+        main.wait_stream(stream)
+
+
 def forward_into(
     table: SegmentTable,
     kernel: Kernel,
@@ -159,15 +183,19 @@ def forward_into(
     v_rows: Tensor,
     o_rows: Tensor,
     lse_rows: Tensor,
+    streams: int = 1,
 ) -> None:
     """Writes o and lse of every segment's query rows (other rows are left untouched)."""
-    for g in table.groups:
+
+    def one(g: SegmentGroup) -> None:
         q = _dense(q_rows, g.q_index, g, g.q_len)
         k = _dense(k_rows, g.k_index, g, g.k_len)
         v = _dense(v_rows, g.k_index, g, g.k_len)
         o, lse = kernel.forward(q, k, v, scale)
         _put(o_rows, g.q_index, _flat(o))
         _put(lse_rows, g.q_index, lse.transpose(1, 2).reshape(-1))
+
+    _for_each_group(table, one, q_rows.device, streams if table.disjoint else 1)
 
 
 def backward_into(
@@ -184,11 +212,13 @@ def backward_into(
     dk_rows: Tensor,
     dv_rows: Tensor,
     accumulate: bool = True,
+    streams: int = 1,
 ) -> None:
     """Adds every segment's gradients into dq / dk / dv rows (rows may be shared by several
     segments or calls, e.g. ring steps), or writes them when accumulate is False."""
     store = _add if accumulate else _put
-    for g in table.groups:
+
+    def one(g: SegmentGroup) -> None:
         q = _dense(q_rows, g.q_index, g, g.q_len)
         k = _dense(k_rows, g.k_index, g, g.k_len)
         v = _dense(v_rows, g.k_index, g, g.k_len)
@@ -199,6 +229,9 @@ def backward_into(
         store(dq_rows, g.q_index, _flat(dq))
         store(dk_rows, g.k_index, _flat(dk))
         store(dv_rows, g.k_index, _flat(dv))
+
+    parallel = table.disjoint and not accumulate
+    _for_each_group(table, one, q_rows.device, streams if parallel else 1)
 
 
 def _whole(table: SegmentTable, num_q_rows: int, num_k_rows: int) -> bool:
@@ -211,7 +244,7 @@ def _whole(table: SegmentTable, num_q_rows: int, num_k_rows: int) -> bool:
 
 class _CoalescedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale):
+    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale, streams):
         q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
         num_q, num_k = q_rows.shape[0], k_rows.shape[0]
         lse_type = lse_dtype(q_rows.dtype)
@@ -229,9 +262,9 @@ class _CoalescedAttention(torch.autograd.Function):
             covered = table.disjoint and table.q_rows == num_q
             o_rows = torch.empty_like(q_rows) if covered else torch.zeros_like(q_rows)
             lse_rows = torch.full((num_q,), float("-inf"), dtype=lse_type, device=q_rows.device)
-            forward_into(table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows)
+            forward_into(table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, streams)
         ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
-        ctx.table, ctx.kernel, ctx.scale = table, kernel, scale
+        ctx.table, ctx.kernel, ctx.scale, ctx.streams = table, kernel, scale, streams
         ctx.mark_non_differentiable(lse_rows)
         return o_rows, lse_rows
 
@@ -252,16 +285,16 @@ class _CoalescedAttention(torch.autograd.Function):
                 lse_rows.view(g.count, g.q_len, g.num_heads).transpose(1, 2),
                 scale,
             )
-            return _flat(dq), _flat(dk), _flat(dv), None, None, None
+            return _flat(dq), _flat(dk), _flat(dv), None, None, None, None
         q_covered = table.disjoint and table.q_rows == num_q
         k_covered = table.disjoint and table.k_rows == num_k
         dq = torch.empty_like(q_rows) if q_covered else torch.zeros_like(q_rows)
         dk, dv = (torch.empty_like(k_rows) if k_covered else torch.zeros_like(k_rows) for _ in "kv")
         backward_into(
             table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, do_rows, dq, dk, dv,
-            accumulate=not table.disjoint,
+            accumulate=not table.disjoint, streams=ctx.streams,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def coalesced_attention(
@@ -273,15 +306,19 @@ def coalesced_attention(
     scale: float | None = None,
     backend: str | None = None,
     return_lse: bool = False,
+    streams: int = 1,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of every segment of `table` in one call; differentiable in q, k, v.
 
     q_rows [Rq, H], k_rows / v_rows [Rk, H]; returns o_rows [Rq, H] (zero on rows that no segment
     covers) and, with return_lse, the log-sum-exp per query row (float32; -inf where uncovered).
     backend: a name of KERNELS ("cudnn", "flash", "cpu", ...) or None for the automatic choice.
+    streams: on CUDA, run the dense groups round-robin on this many side streams.
     """
     head_dim = q_rows.shape[-1]
     kernel = kernel_for(q_rows.device, q_rows.dtype, head_dim, backend)
     scale = default_scale(head_dim) if scale is None else scale
-    o_rows, lse_rows = _CoalescedAttention.apply(q_rows, k_rows, v_rows, table, kernel, scale)
+    o_rows, lse_rows = _CoalescedAttention.apply(
+        q_rows, k_rows, v_rows, table, kernel, scale, streams
+    )
     return (o_rows, lse_rows) if return_lse else o_rows
