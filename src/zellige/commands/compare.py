@@ -6,7 +6,7 @@ import argparse
 import json
 
 from zellige import _core
-from zellige.api import CompareRow, compare_setup
+from zellige.api import JOINT, CompareRow, compare_setup
 from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
 
 GIB = 1 << 30
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--planners",
         metavar="A,B,...",
         help="comma-separated planner names (default: the baselines tuned to the cluster, then "
-        f"zellige); forms: {', '.join(_core.planner_names())}, joint",
+        f"zellige); forms: {', '.join([*_core.planner_names(), JOINT])}",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
 

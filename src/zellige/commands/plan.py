@@ -6,7 +6,7 @@ import argparse
 from collections import Counter
 
 from zellige import _core
-from zellige.api import Setup, run_planner
+from zellige.api import JOINT, Setup, run_planner
 from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
 from zellige.plan_io import save_plan
 from zellige.workload import batch_to_dict
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--planner",
         required=True,
         metavar="P",
-        help=f"one of: {', '.join(_core.planner_names())}, joint",
+        help=f"one of: {', '.join([*_core.planner_names(), JOINT])}",
     )
     parser.add_argument("--out", metavar="FILE", help="write the plan JSON here")
 
