@@ -14,7 +14,9 @@ the MAPE of the whole peak and of its step part (peak minus the modelled shard) 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ import torch
 
 from zellige import _core
 from zellige.costs import make_cost_model
+from zellige.plan_io import plan_from_json, plan_to_json
 from zellige.profile import load_profile
 from zellige.profiler import fit, rank_work
 from zellige.profiler.models import dit_config, model_spec
@@ -135,13 +138,42 @@ def _quick_batch(num_ranks: int, seed: int, text_tokens: int) -> _core.Batch:
     return batch
 
 
+def plan_in_child(
+    planner: str, batch: _core.Batch, cost_model: _core.CostModel
+) -> tuple[_core.Plan | None, str]:
+    """make_plan in a forked process, so a planner that crashes costs its plan, not the run.
+    Returns (plan, "") or (None, why). Call it before CUDA is initialised in this process."""
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+
+    def target() -> None:
+        try:
+            sender.send(("plan", plan_to_json(_core.make_plan(planner, batch, cost_model))))
+        except ValueError as error:  # PlanMemoryError included: no plan for this batch
+            sender.send(("refused", f"planner refused: {error}"))
+
+    process = context.Process(target=target)
+    process.start()
+    sender.close()
+    try:
+        kind, text = receiver.recv()
+    except EOFError:
+        kind, text = "crashed", ""
+    process.join()
+    if kind == "plan":
+        return plan_from_json(text), ""
+    if kind == "crashed":
+        return None, f"planner {planner} crashed (exit code {process.exitcode})"
+    return None, text
+
+
 def draw_plans(options: ValidationOptions, profile: _core.HardwareProfile, skipped: list[str]):
     """Yields (name, batch, plan) for plan i = 0, 1, ...: recipe batches on a GPU; small
     synthetic batches on 4 ranks in quick mode. A source whose planner refuses the batch is
     skipped and named in `skipped`."""
     full_spec = model_spec(options.model)
     index = 0
-    while True:
+    while index < 5 * max(options.num_plans, len(PLAN_SOURCES)):  # every source failing ends it
         source = PLAN_SOURCES[index % len(PLAN_SOURCES)]
         seed = options.seed + index // len(PLAN_SOURCES)
         recipe_name, num_gpus, planner = source
@@ -160,10 +192,9 @@ def draw_plans(options: ValidationOptions, profile: _core.HardwareProfile, skipp
         )
         name = f"{recipe_name}/{num_gpus}/{planner}/{seed}"
         index += 1
-        try:
-            plan = _core.make_plan(planner, batch, cost_model)
-        except ValueError as error:  # PlanMemoryError included: this batch has no plan here
-            skipped.append(f"{name}: planner refused: {error}")
+        plan, failure = plan_in_child(planner, batch, cost_model)
+        if plan is None:
+            skipped.append(f"{name}: {failure}")
             continue
         used = {_core.strategy_name(p).split("(")[0] for p in plan.placements}
         excluded = used & set(options.exclude_strategies)
@@ -304,6 +335,10 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
     profile = load_profile(options.profile)
     config = dit_config(options.model, num_layers=options.num_layers)
     spec = model_spec(options.model, num_layers=options.num_layers)
+    # Plans first: planners run in forked processes, which must not inherit a CUDA context.
+    skipped: list[str] = []
+    plans = list(itertools.islice(draw_plans(options, profile, skipped), options.num_plans))
+    progress(f"{len(plans)} plans drawn" + (f", {len(skipped)} sources skipped" if skipped else ""))
     blocks = rank_work.make_blocks(config, options.num_layers, device, dtype)
 
     lengths, latencies = measure_forward_latencies(options, device, dtype, progress)
@@ -319,14 +354,11 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
     ]
     if options.contiguous_kernel_inputs:
         notes.append("attention kernel inputs copied to contiguous tensors (workaround switch)")
-    skipped: list[str] = []
-    plans = draw_plans(options, profile, skipped)
-    for plan_index in range(options.num_plans):
+    for plan_index, (name, batch, plan) in enumerate(plans):
         if options.time_budget_s and time.monotonic() - started > options.time_budget_s:
-            notes.append(f"time budget reached: {plan_index} plans of {options.num_plans}")
+            notes.append(f"time budget reached: {plan_index} plans of {len(plans)}")
             progress(notes[-1])
             break
-        name, batch, plan = next(plans)
         cost_model = make_cost_model(
             spec,
             gpus=plan.num_ranks,
