@@ -1,16 +1,22 @@
 // The zellige planner: anchors first, then fillers, then local search (DESIGN.md, issue 3).
 //
-// Stage 1 gives every *anchor* (a sequence whose local time exceeds the target makespan, or that
-// does not fit one rank) the smallest shape (degree, strategy) whose busiest share meets the
-// target, on the least-loaded ranks of one node (several nodes beyond a node's size); rank sets of
-// different anchors may overlap. Stage 2 packs the *fillers* whole, longest first, onto the rank
-// that is least loaded and still has the memory. A sweep over the target keeps the best of these
-// constructions; local search then lowers the busiest rank while it can: move or swap a filler,
-// or re-mould one of its anchors (swap a rank, add one, drop it, change the strategy).
+// One construction aims at a target makespan T. Stage 1 gives every *anchor* (a sequence whose
+// local time exceeds T, or that does not fit one rank) the smallest shape (degree, strategy) whose
+// busiest share meets T, on the least-loaded ranks of one node (whole nodes, then part of one,
+// beyond a node's size), widening the shape while those ranks, already holding other anchors'
+// shares, would exceed T; rank sets of different anchors may overlap. Stage 2 packs the *fillers*
+// whole, longest first, onto the first rank that stays within T and has the memory; a filler that
+// fits nowhere is split over a few least-loaded ranks of one node if that stays within T, else
+// goes to the least-loaded rank. A sweep over T (and, when anchors outnumber ranks, over shapes
+// of half the target so that anchors can share ranks) keeps the best construction; dp-cost's plan
+// replaces it if better. Local search then lowers the busiest rank while it can: move or swap a
+// filler, re-mould one of its anchors (another strategy, swap a rank, add one, drop it), or shard
+// one of its fillers.
 //
 // Rank time is additive over the sequences a rank holds except the per-token layers, which depend
 // on the rank's token total (CostModel::linear_time_s), so every rank keeps its totals and every
-// candidate move is priced exactly from them. Memory is charged additively (sum of shares).
+// candidate move is priced from them. Memory is charged additively (sum of shares), as
+// CostModel::evaluate does.
 #include <algorithm>
 #include <cassert>
 #include <chrono>
@@ -41,6 +47,7 @@ constexpr double kMinGain = 1e-9;
 constexpr double kTargetFactors[] = {1.0, 1.005, 1.01, 1.02, 1.035, 1.05, 1.08, 1.12, 1.2};
 constexpr int kBisectionSteps = 10;
 constexpr double kRefineSteps[] = {0.004, 0.002, 0.001};
+// Anchor shapes of at most this fraction of the target, so that two anchors can share ranks.
 constexpr double kSharedAnchorFraction = 0.5;
 // Fillers that fit nowhere whole are split over at most this many ranks.
 constexpr int64_t kMaxSplitDegree = 4;
@@ -48,7 +55,8 @@ constexpr int64_t kMaxSplitDegree = 4;
 constexpr int kMovePartners = 3;
 constexpr int kSwapPartners = 6;
 constexpr int kRemouldPartners = 4;
-constexpr size_t kPromoteFillers = 2;
+constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tried for sharding
+// Interpolation grid of the per-token layers' time during the sweep (see linear_s).
 constexpr int kStepsPerOctaveLog2 = 7;
 constexpr int64_t kStepsPerOctave = int64_t{1} << kStepsPerOctaveLog2;
 constexpr int64_t kInterpolateFrom = kStepsPerOctave * 2;
@@ -153,9 +161,8 @@ struct PairHash {
 class RankTree {
  public:
   void reset(const std::vector<double>& time_s) {
-    num_ranks_ = static_cast<int64_t>(time_s.size());
     leaves_ = 1;
-    while (leaves_ < num_ranks_) leaves_ *= 2;
+    while (leaves_ < static_cast<int64_t>(time_s.size())) leaves_ *= 2;
     min_s_.assign(2 * leaves_, kInf);
     std::copy(time_s.begin(), time_s.end(), min_s_.begin() + leaves_);
     for (int64_t node = leaves_ - 1; node >= 1; --node) pull(node);
@@ -171,8 +178,9 @@ class RankTree {
   }
   int64_t least_loaded() const {
     int64_t node = 1;
-    while (node < leaves_)
+    while (node < leaves_) {
       node = min_s_[2 * node] <= min_s_[2 * node + 1] ? 2 * node : 2 * node + 1;
+    }
     return node - leaves_;
   }
 
@@ -187,8 +195,8 @@ class RankTree {
     return left >= 0 ? left : first_at_most(2 * node + 1, middle, end, cut_s, from);
   }
 
-  int64_t num_ranks_ = 0, leaves_ = 1;
-  std::vector<double> min_s_;
+  int64_t leaves_ = 1;
+  std::vector<double> min_s_;  // [1] root, [leaves_ + rank] leaves; padding leaves are infinite
 };
 
 void erase_value(std::vector<int32_t>* values, int32_t value) {
