@@ -1043,10 +1043,21 @@ Plan ZelligePlanner::run() {
   // finally finer steps around the best target.
   Solution best, current;
   exact_ = false;
-  construct(kInf, 1.0, &best);
+  // A construction can run out of memory where another (or dp-cost) does not: it then counts as
+  // infinitely slow, and the planner refuses only when every one of them failed.
+  std::string memory_error;
+  auto build = [&](double target_s, double share_fraction, Solution* s) {
+    try {
+      construct(target_s, share_fraction, s);
+    } catch (const PlanMemoryError& error) {
+      if (memory_error.empty()) memory_error = error.what();
+      s->makespan_s = kInf;
+    }
+  };
+  build(kInf, 1.0, &best);
   double best_target_s = kInf;
   auto try_target = [&](double target_s) {
-    construct(target_s, 1.0, &current);
+    build(target_s, 1.0, &current);
     bool met = current.makespan_s <= target_s;
     // More anchor shares than ranks: some anchors must share ranks, which only shapes of at most
     // half the target allow (e.g. two videos on three ranks instead of one on two).
@@ -1056,7 +1067,7 @@ Plan ZelligePlanner::run() {
       best_target_s = target_s;
     }
     if (crowded) {
-      construct(target_s, kSharedAnchorFraction, &current);
+      build(target_s, kSharedAnchorFraction, &current);
       met = met || current.makespan_s <= target_s;
       if (current.makespan_s < best.makespan_s) {
         std::swap(best, current);
@@ -1073,7 +1084,7 @@ Plan ZelligePlanner::run() {
     any_met = try_target(target_s) || any_met;
     highest_tried_s = target_s;
   }
-  if (!any_met) {
+  if (!any_met && std::isfinite(best.makespan_s)) {
     double low_s = highest_tried_s, high_s = best.makespan_s;
     for (int step = 0; step < kBisectionSteps && low_s < high_s * (1 - kRefineSteps[0]); ++step) {
       const double target_s = 0.5 * (low_s + high_s);
@@ -1092,7 +1103,7 @@ Plan ZelligePlanner::run() {
     }
   }
   exact_ = true;
-  finish(&best);
+  if (std::isfinite(best.makespan_s)) finish(&best);
   // dp-cost's plan (whole sequences, LPT by exact time) starts the search when it is better, so
   // that zellige is never worse than it; the all-local construction above is close but orders by
   // estimated time.
@@ -1106,6 +1117,7 @@ Plan ZelligePlanner::run() {
   } catch (const PlanMemoryError&) {
     // dp-cost found no plan within memory; the sweep's plan stands.
   }
+  if (!std::isfinite(best.makespan_s)) throw PlanMemoryError(memory_error);
   const double constructed_s = best.makespan_s;
   const int64_t steps = local_search(&best, deadline);
 
