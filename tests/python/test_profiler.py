@@ -154,3 +154,44 @@ def test_quick_validate_runs_ranks_through_the_engine(tmp_path):
     assert len(report["ranks"]) >= 2
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in report["ranks"])
     assert any("exchanges excluded" in note for note in report["notes"])
+
+
+def test_memory_rows_merge_into_a_profile():
+    from zellige.profile import load_profile, profile_from_dict, profile_to_dict
+    from zellige.profiler.measure import merge_memory
+
+    base = profile_to_dict(load_profile())
+    memory = {
+        "activation_bytes_per_token_layer": 1000.0,
+        "checkpoint_bytes_per_token_layer": 20.0,
+        "backward_bytes_per_token_layer": 300.0,
+        "text_bytes_per_token_layer": 40.0,
+    }
+    merged = merge_memory(base, "wan-1.3b", memory)
+    row = merged["memory_models"].index("wan-1.3b")
+    assert merged["activation_bytes_per_token_layer"][row] == 1000.0
+    again = merge_memory(merged, "wan-1.3b", {**memory, "text_bytes_per_token_layer": 7.0})
+    assert again["memory_models"].count("wan-1.3b") == 1
+    assert again["text_bytes_per_token_layer"][row] == 7.0
+    profile_from_dict(again)  # the core accepts the merged rows
+    # a profile without memory rows gets one row in every column
+    bare = {**base, "memory_models": [], **{key: [] for key in memory}}
+    assert merge_memory(bare, "tiny", memory)["backward_bytes_per_token_layer"] == [300.0]
+
+
+def test_memory_probe_pack_runs_through_the_model():
+    from zellige.profiler import rank_work
+    from zellige.profiler.measure import _local_pack_plan
+    from zellige.profiler.models import dit_config
+
+    config = dit_config("tiny")
+    batch, plan = _local_pack_plan(96, config.text_tokens)
+    assert [s.num_tokens for s in batch.sequences] == [48, 48]
+    device = torch.device("cpu")
+    with rank_work.local_exchanges():
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=torch.float32
+        )
+        blocks = rank_work.make_blocks(config, 2, device, torch.float32)
+        rank_work.train_step(blocks, inputs, checkpointing=True)
+    assert inputs.num_tokens == 96

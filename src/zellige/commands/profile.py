@@ -24,6 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--details", type=Path, help="also write what the profile schema has no field for"
     )
     parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="measure only the model's memory and add it to the profile --base (or the built-in)",
+    )
+    parser.add_argument("--base", help="profile JSON that --memory-only starts from")
+    parser.add_argument(
         "--attention-backend",
         help="engine attention kernel (cudnn, flash, efficient, cpu, math); default automatic",
     )
@@ -32,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from zellige.profile import profile_from_dict, save_profile
-    from zellige.profiler.measure import ProfileOptions, profile_device
+    from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
+    from zellige.profiler.measure import ProfileOptions, profile_device, profile_memory_into
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     options = ProfileOptions(
@@ -47,7 +53,11 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"[profile] {line}", file=sys.stderr, flush=True)
 
-    result = profile_device(options, progress)
+    if args.memory_only:
+        base = profile_to_dict(load_profile(args.base))
+        result = profile_memory_into(base, options, progress)
+    else:
+        result = profile_device(options, progress)
     profile = profile_from_dict(result.profile)  # the core validates what it will read
     save_profile(profile, args.out)
     if args.details:

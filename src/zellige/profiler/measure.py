@@ -230,13 +230,23 @@ def profile_per_token_layers(
     return _table(token_counts, forward_rates), _table(token_counts, backward_rates), seconds
 
 
-def _one_sequence_plan(num_tokens: int, text_tokens: int) -> tuple[_core.Batch, _core.Plan]:
+def _local_pack_plan(
+    num_tokens: int, text_tokens: int, num_sequences: int = 2
+) -> tuple[_core.Batch, _core.Plan]:
+    """`num_sequences` equal sequences of num_tokens in total, all local on rank 0 of 1. A pack,
+    not one sequence: real ranks hold several, and the model's cross-attention gathers their
+    rows (a single sequence takes a copy-free path that would under-count)."""
     batch = _core.Batch()
-    batch.sequences = [_core.sequence_from_tokens(0, "video", num_tokens, text_tokens, 0)]
+    batch.sequences = [
+        _core.sequence_from_tokens(i, "video", num_tokens // num_sequences, text_tokens, 0)
+        for i in range(num_sequences)
+    ]
     plan = _core.Plan()
     plan.planner = "profile"
     plan.num_ranks = 1
-    plan.placements = [_core.make_placement(0, _core.Strategy.local, [0])]
+    plan.placements = [
+        _core.make_placement(i, _core.Strategy.local, [0]) for i in range(num_sequences)
+    ]
     return batch, plan
 
 
@@ -268,7 +278,7 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
     blocks = rank_work.make_blocks(config, num_layers, device, dtype)
 
     def probe(tokens: int, text_tokens: int) -> tuple[int, int, int, int]:
-        batch, plan = _one_sequence_plan(tokens, text_tokens)
+        batch, plan = _local_pack_plan(tokens, text_tokens)
         with rank_work.local_exchanges():
             inputs = rank_work.plan_rank_inputs(
                 batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
@@ -299,8 +309,9 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
     backward = slope(3) - activation
     extra_text = token_counts[0]
     with_text = probe(low, config.text_tokens + extra_text)
-    text = (with_text[0] - probes[low][0]) / extra_text / num_layers
-    text_checkpointing = (with_text[3] - probes[low][3]) / extra_text
+    # two sequences: each got extra_text more text tokens
+    text = (with_text[0] - probes[low][0]) / (2 * extra_text) / num_layers
+    text_checkpointing = (with_text[3] - probes[low][3]) / (2 * extra_text)
     progress(
         f"memory per text token: kept {text:.0f} B/layer; peak under checkpointing "
         f"{text_checkpointing:.0f} B"
@@ -429,3 +440,51 @@ def _check_finite(profile: dict) -> None:
         if isinstance(values, list) and values and isinstance(values[0], float | int):
             if not all(math.isfinite(v) and v >= 0 for v in np.asarray(values, dtype=float)):
                 raise RuntimeError(f"profile field {key} has a non-finite or negative value")
+
+
+_MEMORY_FIELDS = (
+    "activation_bytes_per_token_layer",
+    "checkpoint_bytes_per_token_layer",
+    "backward_bytes_per_token_layer",
+    "text_bytes_per_token_layer",
+)
+
+
+def merge_memory(base: dict, model: str, memory: dict) -> dict:
+    """`base` (a profile JSON object) with `model`'s memory row added or replaced."""
+    profile = dict(base)
+    models = list(profile.get("memory_models", []))
+    columns = {key: list(profile.get(key, [])) for key in _MEMORY_FIELDS}
+    for values in columns.values():  # optional columns may be empty: 0 means analytic
+        values.extend([0.0] * (len(models) - len(values)))
+    if model not in models:
+        models.append(model)
+        for values in columns.values():
+            values.append(0.0)
+    row = models.index(model)
+    for key, values in columns.items():
+        values[row] = memory[key]
+        profile[key] = values
+    profile["memory_models"] = models
+    return profile
+
+
+def profile_memory_into(
+    base: dict, options: ProfileOptions, progress: Progress = print
+) -> ProfileResult:
+    """Measures only the memory of `options.model` and the runtime reserve, and returns `base`
+    (a profile JSON object) with that model's memory entry added or replaced."""
+    device = torch.device(options.device)
+    if device.type != "cuda":
+        raise ValueError("zellige profile --memory-only reads the GPU allocator and found no GPU")
+    dtype = torch.bfloat16
+    spec = model_spec(options.model)
+    memory = profile_memory(options, device, dtype, progress)
+    profile = merge_memory(base, spec.name, memory)
+    profile["runtime_reserved_bytes"] = measure_runtime_reserved(device)
+    now = datetime.datetime.now(datetime.UTC)
+    profile["created"] = (
+        f"{profile.get('created', '')}; memory of {spec.name} measured by `zellige profile "
+        f"--memory-only` on {now:%Y-%m-%d %H:%M} UTC ({_versions(device)})"
+    )
+    return ProfileResult(profile=profile, details={"model": options.model, "memory": memory})
