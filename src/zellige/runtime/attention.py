@@ -177,14 +177,15 @@ class _DistributedAttention(torch.autograd.Function):
             )
             o.index_copy_(0, step.exchange_send_index, back)
 
-        ctx.save_for_backward(q, k, v, o, lse, q_x, k_x, v_x, o_x, lse_x, q_c, kv_c, o_c, lse_c)
+        # Ring rows are gathered again in backward rather than kept: ring is chosen for memory.
+        ctx.save_for_backward(q, k, v, o, lse, q_x, k_x, v_x, o_x, lse_x, lse_c)
         ctx.step, ctx.kernel, ctx.scale = step, kernel, scale
         ctx.shape = q_TNH.shape
         return o.view(num_tokens, num_heads, head_dim)
 
     @staticmethod
     def backward(ctx, grad_TNH):
-        q, k, v, o, lse, q_x, k_x, v_x, o_x, lse_x, q_c, kv_c, o_c, lse_c = ctx.saved_tensors
+        q, k, v, o, lse, q_x, k_x, v_x, o_x, lse_x, lse_c = ctx.saved_tensors
         step, kernel, scale = ctx.step, ctx.kernel, ctx.scale
         do = grad_TNH.contiguous().view(q.shape)
         work = None
@@ -213,7 +214,8 @@ class _DistributedAttention(torch.autograd.Function):
 
         ring = step.ring
         if ring.num_rows:
-            do_c = _gather_ring(ring, do, do_x)
+            q_c, o_c, do_c = (_gather_ring(ring, a, b) for a, b in ((q, q_x), (o, o_x), (do, do_x)))
+            kv_c = torch.stack([_gather_ring(ring, k, k_x), _gather_ring(ring, v, v_x)], dim=1)
             dq_c, dkv_c = _ring_backward(ring, step, kernel, scale, q_c, kv_c, o_c, lse_c, do_c)
             _scatter_ring(ring, dq_c, dq, dq_x)
             _scatter_ring(ring, dkv_c[:, 0], dk, dk_x)
