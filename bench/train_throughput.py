@@ -6,7 +6,9 @@ the step time goes: self-attention, cross-attention, per-token layers (the rest 
 outside the blocks (embeddings, loss, optimizer, FSDP, route), and planning (done in the loader
 worker, so off the critical path; shown against the step time).
 
-usage: python bench/train_throughput.py [--runs CONFIG:RECIPE,...] [--steps K] [--warmup W]
+usage: python bench/train_throughput.py [--runs CONFIG:RECIPE[:compiled],...] [--steps K]
+       [--warmup W] [--seed S]
+(":compiled" runs the blocks' elementwise work through torch.compile, see zellige.model.fused)
 """
 
 from __future__ import annotations
@@ -55,6 +57,22 @@ def summarise(name: str, recipe: str, history: list[dict], warmup: int, peak: fl
         "data_wait_share": sum(r["data_wait_s_max"] for r in steps) / step_s,
         "peak_gib": max(r["peak_gib"] or 0.0 for r in steps),
         "losses": [round(r["loss"], 4) for r in history],
+        "per_step": [
+            {
+                k: r[k]
+                for k in (
+                    "step",
+                    "tokens",
+                    "sequences",
+                    "step_s",
+                    "attention_s_max",
+                    "cross_attention_s_max",
+                    "busy_s_max",
+                    "peak_gib",
+                )
+            }
+            for r in history
+        ],
     }
 
 
@@ -64,14 +82,20 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
     parser.add_argument("--planner", default="dp-cost", help="on one GPU every plan is local")
+    parser.add_argument("--seed", type=int, default=1, help="data seed (1: images and videos)")
     parser.add_argument("--json", help="write the summaries here")
     args = parser.parse_args()
 
     rows = []
     for run in args.runs.split(","):
-        name, recipe = run.split(":")
+        name, recipe, *variant = run.split(":")
         config = dataclasses.replace(
-            get_config(name), recipe=recipe, steps=args.steps, planner=args.planner
+            get_config(name),
+            recipe=recipe,
+            steps=args.steps,
+            planner=args.planner,
+            seed=args.seed,
+            compile_elementwise=variant == ["compiled"],
         )
         start = time.perf_counter()
         try:
@@ -82,6 +106,7 @@ def main() -> int:
         finally:
             torch.cuda.empty_cache()
         row = summarise(name, recipe, history, args.warmup, config.peak_flops_per_s)
+        row["compiled"] = config.compile_elementwise
         row["wall_s"] = time.perf_counter() - start
         rows.append(row)
         print(json.dumps(row), flush=True)

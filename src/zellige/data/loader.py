@@ -40,12 +40,15 @@ def load_training_recipe(name: str) -> _core.Recipe:
     return zellige.load_recipe(name)
 
 
-def model_spec(config: DiTConfig) -> _core.ModelSpec:
-    """The planning core's view of this model (sizes and parameter count), for costs and FLOPs."""
+def param_count(config: DiTConfig) -> int:
     from zellige.model import VideoDiT
 
     with torch.device("meta"):
-        param_count = sum(p.numel() for p in VideoDiT(config).parameters())
+        return sum(p.numel() for p in VideoDiT(config).parameters())
+
+
+def model_spec(config: DiTConfig, num_params: int | None = None) -> _core.ModelSpec:
+    """The planning core's view of this model (sizes and parameter count), for costs and FLOPs."""
     return _core.ModelSpec(
         name=config.name,
         width=config.width,
@@ -55,7 +58,7 @@ def model_spec(config: DiTConfig) -> _core.ModelSpec:
         ffn_width=config.ffn_width,
         text_tokens=config.text_tokens,
         joint_attention=False,
-        param_count=param_count,
+        param_count=param_count(config) if num_params is None else num_params,
     )
 
 
@@ -160,11 +163,12 @@ class StepDataset(torch.utils.data.Dataset):
         self.activation_checkpointing = activation_checkpointing
         self.sequences = sequences
         self.fixed_plan = plan
+        self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
     def _planning_state(self):
         if self._state is None:
-            spec = model_spec(self.model)
+            spec = model_spec(self.model, self.num_params)
             cost_model = zellige.make_cost_model(
                 spec,
                 self.num_ranks,
@@ -235,10 +239,11 @@ class StepDataset(torch.utils.data.Dataset):
 
 
 def make_loader(
-    dataset: StepDataset, first_step: int, num_steps: int, num_workers: int, pin_memory: bool
+    dataset: StepDataset, first_step: int, num_steps: int, num_workers: int, cuda: bool
 ) -> torch.utils.data.DataLoader:
     """Steps first_step .. first_step + num_steps - 1 in order; with workers, step k + 1 (and
-    k + 2) is generated and planned while step k trains."""
+    k + 2) is generated and planned while step k trains. With CUDA the workers are spawned, not
+    forked: a fork of a process that has initialised CUDA must not touch it, and torch may."""
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=None,
@@ -246,7 +251,8 @@ def make_loader(
         num_workers=num_workers,
         prefetch_factor=2 if num_workers > 0 else None,
         persistent_workers=False,
-        pin_memory=pin_memory,
+        pin_memory=cuda,
+        multiprocessing_context="spawn" if cuda and num_workers > 0 else None,
     )
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from zellige.model import fused
 from zellige.model.attention import AttentionFn
-from zellige.model.conditioning import NUM_BLOCK_MODULATIONS, modulation_per_token
-from zellige.model.rope import apply_rope
+from zellige.model.conditioning import NUM_BLOCK_MODULATIONS
 
 
 class FloatLayerNorm(nn.LayerNorm):
@@ -50,11 +50,14 @@ class SelfAttention(nn.Module):
     def forward(
         self, x_TD: Tensor, rope_cos: Tensor, rope_sin: Tensor, attention: AttentionFn
     ) -> Tensor:
-        q_TNH = self.norm_q(self.q(x_TD)).unflatten(1, (self.num_heads, -1))
-        k_TNH = self.norm_k(self.k(x_TD)).unflatten(1, (self.num_heads, -1))
+        norm_rope = fused.kernels["rms_norm_rope"]
+        q_TNH = norm_rope(
+            self.q(x_TD), self.norm_q.weight, self.norm_q.eps, self.num_heads, rope_cos, rope_sin
+        )
+        k_TNH = norm_rope(
+            self.k(x_TD), self.norm_k.weight, self.norm_k.eps, self.num_heads, rope_cos, rope_sin
+        )
         v_TNH = self.v(x_TD).unflatten(1, (self.num_heads, -1))
-        q_TNH = apply_rope(q_TNH, rope_cos, rope_sin)
-        k_TNH = apply_rope(k_TNH, rope_cos, rope_sin)
         return self.o(attention(q_TNH, k_TNH, v_TNH).flatten(1))
 
 
@@ -70,8 +73,9 @@ class CrossAttention(nn.Module):
         self.norm_k = FloatRMSNorm(width, eps=eps)
 
     def forward(self, x_TD: Tensor, text_XD: Tensor, attention: AttentionFn) -> Tensor:
-        q_TNH = self.norm_q(self.q(x_TD)).unflatten(1, (self.num_heads, -1))
-        k_XNH = self.norm_k(self.k(text_XD)).unflatten(1, (self.num_heads, -1))
+        norm_heads = fused.kernels["rms_norm_heads"]
+        q_TNH = norm_heads(self.q(x_TD), self.norm_q.weight, self.norm_q.eps, self.num_heads)
+        k_XNH = norm_heads(self.k(text_XD), self.norm_k.weight, self.norm_k.eps, self.num_heads)
         v_XNH = self.v(text_XD).unflatten(1, (self.num_heads, -1))
         return self.o(attention(q_TNH, k_XNH, v_XNH).flatten(1))
 
@@ -111,11 +115,16 @@ class DiTBlock(nn.Module):
         self_attention: AttentionFn,
         cross_attention: AttentionFn,
     ) -> Tensor:
-        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = modulation_per_token(
-            modulation_S6D, self.modulation, sequence_index_T
-        )
-        h_TD = self.norm_attention(x_TD) * (1 + scale_a) + shift_a
-        x_TD = x_TD + gate_a * self.self_attention(h_TD, rope_cos, rope_sin, self_attention)
+        modulate, gated = fused.kernels["modulated_layer_norm"], fused.kernels["gated_residual"]
+        # per sequence: shift, scale, gate of attention, then of the FFN; gathered per token
+        # inside the fused functions
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = (
+            modulation_S6D + self.modulation
+        ).unbind(dim=1)
+        index_T, eps = sequence_index_T, self.norm_attention.eps
+        h_TD = modulate(x_TD, shift_a, scale_a, index_T, eps)
+        y_TD = self.self_attention(h_TD, rope_cos, rope_sin, self_attention)
+        x_TD = gated(x_TD, y_TD, gate_a, index_T)
         x_TD = x_TD + self.cross_attention(self.norm_cross(x_TD), text_XD, cross_attention)
-        h_TD = self.norm_ffn(x_TD) * (1 + scale_f) + shift_f
-        return x_TD + gate_f * self.ffn(h_TD)
+        h_TD = modulate(x_TD, shift_f, scale_f, index_T, eps)
+        return gated(x_TD, self.ffn(h_TD), gate_f, index_T)

@@ -2,7 +2,8 @@
 
 The angles depend only on a token's latent-grid position, never on where the token sits in this
 rank's buffer, so RoPE is right under any sharding or packing. Split of the head dim as in Wan:
-t gets H - 4 * (H // 6) dims, h and w get 2 * (H // 6) each; pairs are interleaved (x0, x1).
+t gets H - 4 * (H // 6) dims, h and w get 2 * (H // 6) each; pairs are interleaved (x0, x1) and
+rotated by fused.rms_norm_rope together with the QK norm.
 """
 
 from __future__ import annotations
@@ -31,11 +32,3 @@ def rope_tables(
         angles.append(positions_T3[:, axis, None].to(torch.float64) * inv_freq)
     angles_TP = torch.cat(angles, dim=-1)
     return angles_TP.cos().to(dtype)[:, None, :], angles_TP.sin().to(dtype)[:, None, :]
-
-
-def apply_rope(x_TNH: Tensor, cos_T1P: Tensor, sin_T1P: Tensor) -> Tensor:
-    """Rotates interleaved pairs of the head dim; computes in cos's dtype, returns x's dtype."""
-    pairs = x_TNH.to(cos_T1P.dtype).unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((x0 * cos_T1P - x1 * sin_T1P, x0 * sin_T1P + x1 * cos_T1P), dim=-1)
-    return rotated.flatten(-2).to(x_TNH.dtype)

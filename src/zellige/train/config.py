@@ -25,6 +25,7 @@ class TrainConfig:
     gpus_per_node: int = 8  # cluster shape the planner's cost model assumes
     profile: str | None = None  # hardware profile JSON; None: the built-in H200 profile
     activation_checkpointing: bool = True
+    compile_elementwise: bool = False  # torch.compile the blocks' norms, modulation and RoPE
     learning_rate: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0

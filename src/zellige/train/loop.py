@@ -54,6 +54,7 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
         dtype=config.dtype,
         activation_checkpointing=config.activation_checkpointing,
         timer=timer,
+        compile_elementwise=config.compile_elementwise,
     )
     if device.type == "cuda":
         model.to_empty(device=device)
@@ -100,7 +101,7 @@ def train(
     )
     num_steps = max(config.steps - first_step, 0)
     loader = make_loader(
-        dataset, first_step, num_steps, config.loader_workers, pin_memory=device.type == "cuda"
+        dataset, first_step, num_steps, config.loader_workers, cuda=device.type == "cuda"
     )
     metrics_file = None
     if metrics_path and rank == 0:

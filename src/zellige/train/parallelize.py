@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from zellige.model import VideoDiT
+from zellige.model import VideoDiT, fused
 from zellige.train.timing import StepTimer
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -46,9 +46,13 @@ def parallelize(
     dtype: str,
     activation_checkpointing: bool,
     timer: StepTimer,
+    compile_elementwise: bool = False,
 ) -> VideoDiT:
     """Shards `model` in place over `mesh` and returns it. bfloat16 means bf16 compute with fp32
-    master weights and fp32 gradient reduction; float32 / float64 compute in that dtype."""
+    master weights and fp32 gradient reduction; float32 / float64 compute in that dtype.
+    compile_elementwise fuses the blocks' memory-bound elementwise work with torch.compile
+    (zellige.model.fused)."""
+    fused.use_compiled(compile_elementwise)
     if dtype == "bfloat16":
         # inputs keep their dtypes: activations are bf16 from the first layer on, and the RoPE
         # tables must stay float32 (bf16 angles would blur neighbouring positions)
