@@ -195,3 +195,19 @@ def test_memory_probe_pack_runs_through_the_model():
         blocks = rank_work.make_blocks(config, 2, device, torch.float32)
         rank_work.train_step(blocks, inputs, checkpointing=True)
     assert inputs.num_tokens == 96
+
+
+def test_per_token_timing_runs_the_backward_of_every_projection():
+    from zellige.profiler import rank_work
+    from zellige.profiler.models import dit_config
+
+    config = dit_config("tiny")
+    device = torch.device("cpu")
+    blocks = rank_work.make_blocks(config, 1, device, torch.float32)
+    inputs = rank_work.per_token_inputs(
+        config=config, num_tokens=32, device=device, dtype=torch.float32
+    )
+    rank_work.forward_blocks(blocks, inputs, checkpointing=False).backward(inputs.grad_TD)
+    attention = blocks[0].self_attention
+    for projection in (attention.q, attention.k, attention.v, attention.o):
+        assert projection.weight.grad is not None and projection.weight.grad.abs().sum() > 0

@@ -236,8 +236,16 @@ def plan_rank_inputs(
     )
 
 
-def no_attention(q_TNH: Tensor, k_SNH: Tensor, v_SNH: Tensor) -> Tensor:
-    """Stands in for an attention core when only the per-token layers are timed."""
+def no_self_attention(q_TNH: Tensor, k_TNH: Tensor, v_TNH: Tensor) -> Tensor:
+    """Stands in for the self-attention core when only the per-token layers are timed. It must
+    use k and v: autograd would otherwise skip their projections' backward (two of the six
+    projection GEMMs' gradients)."""
+    return q_TNH + k_TNH + v_TNH
+
+
+def no_cross_attention(q_TNH: Tensor, k_XNH: Tensor, v_XNH: Tensor) -> Tensor:
+    """Stands in for the cross-attention core (the text is empty when per-token layers are
+    timed: text projections are charged per sequence by the cost model)."""
     return q_TNH
 
 
@@ -253,9 +261,9 @@ def per_token_inputs(
         chunk_tokens=[num_tokens],
         chunk_text_tokens=[0],
         positions_T3=positions_T3,
-        self_attention=no_attention,
+        self_attention=no_self_attention,
         device=device,
         dtype=dtype,
     )
-    inputs.cross_attention = no_attention
+    inputs.cross_attention = no_cross_attention
     return inputs

@@ -1,0 +1,85 @@
+"""Re-predicts the ranks of a `zellige validate-profile --json` report under other profiles, so
+the measured times and peaks of one GPU run can be compared with any profile offline.
+
+    python bench/profile_repredict.py REPORT.json --plan-profile P.json [--profile NAME=FILE ...]
+
+Plans are re-drawn by name (recipe/GPUs/planner/seed) with --plan-profile (the profile the GPU
+run drew them with), then every profile predicts the same ranks; prints MAPEs per profile and a
+per-rank table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+from zellige import _core
+from zellige.costs import make_cost_model
+from zellige.profile import load_profile
+from zellige.profiler import fit
+from zellige.profiler.models import model_spec
+from zellige.workload import load_recipe
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("report")
+    parser.add_argument("--plan-profile", required=True)
+    parser.add_argument("--profile", action="append", default=[], help="NAME=FILE (or NAME=)")
+    parser.add_argument("--model", default="wan-14b")
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+    report = json.load(open(args.report))
+    plan_profile = load_profile(args.plan_profile)
+    profiles = {"plan-profile": plan_profile}
+    for item in args.profile:
+        name, _, path = item.partition("=")
+        profiles[name] = load_profile(path or None)
+    full, reduced = model_spec(args.model), model_spec(args.model, args.layers)
+    plans = {}
+    rows = []
+    for rank in report["ranks"]:
+        name = rank["plan"]
+        if name not in plans:
+            recipe, gpus, planner, seed = name.split("/")
+            batch = _core.generate_batch(load_recipe(recipe), int(gpus), int(seed))
+            cost = make_cost_model(full, gpus=int(gpus), profile=plan_profile)
+            plans[name] = (batch, _core.make_plan(planner, batch, cost))
+        batch, plan = plans[name]
+        row = {"rank": rank, "predicted": {}}
+        for label, profile in profiles.items():
+            cost = make_cost_model(reduced, gpus=plan.num_ranks, profile=profile)
+            rank_cost = cost.evaluate(batch, plan).ranks[rank["rank"]]
+            row["predicted"][label] = (
+                rank_cost.linear_s + rank_cost.attention_s,
+                rank_cost.peak_bytes,
+            )
+        rows.append(row)
+    measured_s = [r["rank"]["measured_s"] for r in rows]
+    measured_b = [r["rank"]["measured_peak_bytes"] for r in rows]
+    drift = max(abs(r["predicted"]["plan-profile"][0] / r["rank"]["predicted_s"] - 1) for r in rows)
+    print(f"re-drawn plans reproduce the report's predictions within {drift:.1e} (relative)")
+    print(f"{'profile':<14} {'time MAPE':>10} {'memory MAPE':>12}")
+    for label in profiles:
+        time_mape = fit.mape_percent([r["predicted"][label][0] for r in rows], measured_s)
+        memory_mape = fit.mape_percent([r["predicted"][label][1] for r in rows], measured_b)
+        print(f"{label:<14} {time_mape:>9.2f}% {memory_mape:>11.2f}%")
+    print(
+        f"\n{'plan':<42} {'rank':>4} {'tokens':>7} {'seqs':>4} {'measured ms':>11}  "
+        + "  ".join(f"{p[:12]:>12}" for p in profiles)
+    )
+    for r in rows:
+        rank = r["rank"]
+        errors = "  ".join(
+            f"{100 * (r['predicted'][p][0] / rank['measured_s'] - 1):>+11.1f}%" for p in profiles
+        )
+        print(
+            f"{rank['plan']:<42} {rank['rank']:>4} {rank['tokens']:>7} {rank['num_sequences']:>4} "
+            f"{rank['measured_s'] * 1e3:>11.1f}  {errors}"
+        )
+    print(f"\nmachine: {platform.node()} (CPU, re-prediction only); {len(rows)} ranks")
+
+
+if __name__ == "__main__":
+    main()
