@@ -121,3 +121,20 @@ def test_presets_match_public_parameter_counts() -> None:
             model = VideoDiT(model_preset(name))
         count = sum(p.numel() for p in model.parameters())
         assert abs(count - params) / params < 0.01, (name, count)
+
+
+@pytest.mark.parametrize("num_sequences", [0, 1, 5], ids=["none", "one", "five"])
+def test_per_token_rows_equal_indexing_forward_and_backward(num_sequences: int) -> None:
+    from zellige.model.conditioning import per_token
+
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(num_sequences, 6, 4, generator=generator, dtype=torch.float64)
+    counts = torch.randint(1, 5, (num_sequences,), generator=generator)
+    index = torch.repeat_interleave(torch.arange(num_sequences), counts)
+    grad = torch.randn(index.numel(), 6, 4, generator=generator, dtype=torch.float64)
+    ours, reference = rows.clone().requires_grad_(), rows.clone().requires_grad_()
+    out = per_token(ours, index)
+    out.backward(grad)
+    reference[index].backward(grad)
+    torch.testing.assert_close(out, rows[index], rtol=0, atol=0)
+    torch.testing.assert_close(ours.grad, reference.grad, rtol=1e-15, atol=1e-15)

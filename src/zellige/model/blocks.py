@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from zellige.model import fused
 from zellige.model.attention import AttentionFn
-from zellige.model.conditioning import NUM_BLOCK_MODULATIONS
+from zellige.model.conditioning import NUM_BLOCK_MODULATIONS, modulation_per_token
 
 
 class FloatLayerNorm(nn.LayerNorm):
@@ -116,15 +116,13 @@ class DiTBlock(nn.Module):
         cross_attention: AttentionFn,
     ) -> Tensor:
         modulate, gated = fused.kernels["modulated_layer_norm"], fused.kernels["gated_residual"]
-        # per sequence: shift, scale, gate of attention, then of the FFN; gathered per token
-        # inside the fused functions
-        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = (
-            modulation_S6D + self.modulation
-        ).unbind(dim=1)
-        index_T, eps = sequence_index_T, self.norm_attention.eps
-        h_TD = modulate(x_TD, shift_a, scale_a, index_T, eps)
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = modulation_per_token(
+            modulation_S6D, self.modulation, sequence_index_T
+        )
+        eps = self.norm_attention.eps
+        h_TD = modulate(x_TD, shift_a, scale_a, eps)
         y_TD = self.self_attention(h_TD, rope_cos, rope_sin, self_attention)
-        x_TD = gated(x_TD, y_TD, gate_a, index_T)
+        x_TD = gated(x_TD, y_TD, gate_a)
         x_TD = x_TD + self.cross_attention(self.norm_cross(x_TD), text_XD, cross_attention)
-        h_TD = modulate(x_TD, shift_f, scale_f, index_T, eps)
-        return gated(x_TD, self.ffn(h_TD), gate_f, index_T)
+        h_TD = modulate(x_TD, shift_f, scale_f, eps)
+        return gated(x_TD, self.ffn(h_TD), gate_f)

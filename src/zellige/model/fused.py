@@ -12,19 +12,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def modulated_layer_norm(
-    x_TD: Tensor, shift_SD: Tensor, scale_SD: Tensor, sequence_index_T: Tensor, eps: float
-) -> Tensor:
-    """LayerNorm(x) * (1 + scale) + shift with each token's own sequence's rows."""
+def modulated_layer_norm(x_TD: Tensor, shift_TD: Tensor, scale_TD: Tensor, eps: float) -> Tensor:
+    """LayerNorm(x) * (1 + scale) + shift."""
     wide = _wide(x_TD)
     y_TD = F.layer_norm(x_TD.to(wide), x_TD.shape[-1:], eps=eps)
-    scale_TD = scale_SD[sequence_index_T].to(wide)
-    return (y_TD * (1 + scale_TD) + shift_SD[sequence_index_T].to(wide)).to(x_TD.dtype)
+    return (y_TD * (1 + scale_TD.to(wide)) + shift_TD.to(wide)).to(x_TD.dtype)
 
 
-def gated_residual(x_TD: Tensor, y_TD: Tensor, gate_SD: Tensor, sequence_index_T: Tensor) -> Tensor:
-    """x + gate * y with each token's own sequence's gate."""
-    return x_TD + gate_SD[sequence_index_T] * y_TD
+def gated_residual(x_TD: Tensor, y_TD: Tensor, gate_TD: Tensor) -> Tensor:
+    """x + gate * y."""
+    return x_TD + gate_TD * y_TD
 
 
 def rms_norm_heads(x_TD: Tensor, weight_D: Tensor, eps: float, num_heads: int) -> Tensor:
@@ -62,8 +59,8 @@ _compiled: dict = {}
 
 
 def use_compiled(enabled: bool) -> None:
-    """Switches the blocks' elementwise functions to torch.compile'd ones (dynamic shapes: token
-    and sequence counts change every step; one sequence is its own specialisation) or back."""
+    """Switches the blocks' elementwise functions to torch.compile'd ones (dynamic shapes: the
+    token count changes every step) or back."""
     if enabled and not _compiled:
         _compiled.update({name: torch.compile(fn, dynamic=True) for name, fn in _EAGER.items()})
     kernels.update(_compiled if enabled else _EAGER)
