@@ -56,6 +56,12 @@ constexpr int kMovePartners = 3;
 constexpr int kSwapPartners = 6;
 constexpr int kRemouldPartners = 4;
 constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tried for sharding
+// A sequence of at least this fraction of the mean load per rank is sharded without need when
+// that saves at least kEfficientShapeMinGain of its rank-seconds.
+constexpr double kEfficientShapeMinLoad = 0.1;
+constexpr double kEfficientShapeMinGain = 0.002;
+constexpr double kEfficientShapeTolerance = 0.003;
+constexpr double kEfficientShapeBucket = 0.02;  // relative width of a length bucket
 // Interpolation grid of the per-token layers' time during the sweep (see linear_s).
 constexpr int kStepsPerOctaveLog2 = 7;
 constexpr int64_t kStepsPerOctave = int64_t{1} << kStepsPerOctaveLog2;
@@ -101,8 +107,9 @@ struct ShapeChoice {
   bool evaluated = false;
   bool feasible = false;  // some shape of this degree fits an empty rank's memory
   Shape shape;
-  double time_s = kInf;     // busiest share, per-token layers at the typical per-token rate
-  double memory_bytes = 0;  // largest share
+  double time_s = kInf;        // busiest share, per-token layers at the typical per-token rate
+  double rank_seconds = kInf;  // summed over the shares, likewise
+  double memory_bytes = 0;     // largest share
   std::vector<RankShare> shares;
 };
 
@@ -156,9 +163,9 @@ struct PairHash {
   }
 };
 
-// Stage 2's view of the ranks: a min-tree over rank times, for the first rank (by index) whose
-// time is at most a cut (first fit) and for the least-loaded rank, in O(log ranks) each.
-class RankTree {
+// A min-tree over values (rank times, or a per-node key): the first index whose value is at most a
+// cut (first fit) and the index of the least value, in O(log size) each.
+class MinTree {
  public:
   void reset(const std::vector<double>& time_s) {
     leaves_ = 1;
@@ -176,7 +183,7 @@ class RankTree {
   int64_t first_at_most(double cut_s, int64_t from = 0) const {
     return first_at_most(1, 0, leaves_, cut_s, from);
   }
-  int64_t least_loaded() const {
+  int64_t argmin() const {
     int64_t node = 1;
     while (node < leaves_) {
       node = min_s_[2 * node] <= min_s_[2 * node + 1] ? 2 * node : 2 * node + 1;
@@ -297,18 +304,24 @@ class ZelligePlanner {
   double free_bytes_ = 0;                      // memory capacity minus the fixed bytes, per rank
   std::vector<int64_t> local_tokens_;
   std::vector<double> local_other_s_, local_memory_bytes_, local_estimate_s_;
-  std::vector<int32_t> order_;      // sequence indices by local estimate, longest first
-  std::vector<int32_t> shape_key_;  // the first sequence of the batch with the same lengths
+  std::vector<int32_t> order_;             // sequence indices by local estimate, longest first
+  std::vector<int64_t> efficient_degree_;  // fewest rank-seconds (1: whole on one rank)
+  double mean_load_s_ = 0;                 // local estimates summed, per rank
+  std::vector<int32_t> shape_key_;         // the first sequence of the batch with the same lengths
   std::vector<std::vector<ShapeChoice>> shape_cache_;  // [shape key][degree], filled on demand
 
   // Scratch, reused across calls.
   std::vector<Shape> shapes_;
   std::vector<std::vector<int64_t>> node_ranks_by_time_;
-  std::vector<std::pair<double, int64_t>> node_keys_;
-  RankTree open_ranks_;  // stage 2
+  std::vector<std::pair<double, int64_t>> node_keys_;  // stage 1's scan beyond a node
+  MinTree open_ranks_;                                 // stage 2: rank times
+  // Stage 1: per degree d, over nodes, the time of the node's d-th least-loaded rank.
+  std::vector<MinTree> node_trees_;
+  std::vector<double> node_keys_s_;
   std::vector<int64_t> low_ranks_, candidate_ranks_, best_ranks_, touched_;
   std::vector<std::pair<double, int32_t>> partner_fillers_;
   std::vector<int32_t> longest_fillers_;
+  std::vector<double> rank_seconds_;
   std::vector<char> member_;
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
@@ -348,6 +361,9 @@ void ZelligePlanner::prepare() {
     local_memory_bytes_[i] = share.memory_bytes;
     local_estimate_s_[i] = estimate_s(share);
   }
+  mean_load_s_ = 0;
+  for (double estimate_s : local_estimate_s_) mean_load_s_ += estimate_s;
+  mean_load_s_ /= static_cast<double>(num_ranks_);
   order_.resize(num_sequences_);
   std::iota(order_.begin(), order_.end(), 0);
   std::stable_sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
@@ -359,6 +375,40 @@ void ZelligePlanner::prepare() {
   delta_tokens_.assign(num_ranks_, 0);
   delta_other_s_.assign(num_ranks_, 0.0);
   delta_memory_bytes_.assign(num_ranks_, 0.0);
+
+  // Attention can run faster in shorter blocks, so a long sequence may cost fewer rank-seconds
+  // sharded than whole: its most efficient degree (within a node) makes it an anchor. The degree
+  // changes slowly with the length, so lengths within kEfficientShapeBucket share one answer.
+  efficient_degree_.assign(num_sequences_, 1);
+  std::unordered_map<int64_t, int64_t> degree_of_bucket;
+  const int64_t max_degree = std::min(gpus_per_node_, num_ranks_);
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    if (local_estimate_s_[i] < kEfficientShapeMinLoad * mean_load_s_) continue;
+    const Sequence& sequence = batch_.sequences[i];
+    const int64_t bucket = static_cast<int64_t>(
+        std::log(static_cast<double>(sequence.num_tokens + sequence.text_tokens)) /
+        std::log1p(kEfficientShapeBucket));
+    const auto [it, inserted] = degree_of_bucket.try_emplace(bucket, 1);
+    if (inserted) {
+      // Rank-seconds per degree until two in a row do not improve; then the smallest degree
+      // within kEfficientShapeTolerance of the best (fewer ranks: fewer overlaps, exchanges).
+      rank_seconds_.assign(1, local_estimate_s_[i]);
+      double best_s = local_estimate_s_[i];
+      int misses = 0;
+      for (int64_t degree = 2; degree <= max_degree && misses < 2; ++degree) {
+        const ShapeChoice& choice = shape_at(static_cast<int32_t>(i), degree);
+        rank_seconds_.push_back(choice.feasible ? choice.rank_seconds : kInf);
+        misses = rank_seconds_.back() < best_s ? 0 : misses + 1;
+        best_s = std::min(best_s, rank_seconds_.back());
+      }
+      if (best_s < local_estimate_s_[i] * (1 - kEfficientShapeMinGain)) {
+        int64_t degree = 1;
+        while (rank_seconds_[degree - 1] > best_s * (1 + kEfficientShapeTolerance)) ++degree;
+        it->second = degree;
+      }
+    }
+    efficient_degree_[i] = it->second;
+  }
 }
 
 const ShapeChoice& ZelligePlanner::shape_at(int32_t sequence, int64_t degree) {
@@ -373,15 +423,17 @@ const ShapeChoice& ZelligePlanner::shape_at(int32_t sequence, int64_t degree) {
   shapes_of_degree(degree, num_heads_, gpus_per_node_, &shapes_);
   for (const Shape& shape : shapes_) {
     std::vector<RankShare> shares = cost_model_.shares(seq, to_placement(seq.id, shape, ranks));
-    double time_s = 0, memory_bytes = 0;
+    double time_s = 0, memory_bytes = 0, rank_seconds = 0;
     for (const RankShare& share : shares) {
       time_s = std::max(time_s, estimate_s(share));
       memory_bytes = std::max(memory_bytes, share.memory_bytes);
+      rank_seconds += estimate_s(share);
     }
     if (memory_bytes > free_bytes_ || time_s >= choice.time_s) continue;
     choice.feasible = true;
     choice.shape = shape;
     choice.time_s = time_s;
+    choice.rank_seconds = rank_seconds;
     choice.memory_bytes = memory_bytes;
     choice.shares = std::move(shares);
   }
@@ -427,6 +479,9 @@ void ZelligePlanner::resort_node(const Solution& s, int64_t node) {
     }
     ranks[j] = rank;
   }
+  for (int64_t d = 1; d <= gpus_per_node_; ++d) {
+    node_trees_[d - 1].update(node, s.time_s[ranks[d - 1]]);
+  }
 }
 
 // The `degree` least-loaded ranks of one node (beyond a node: the least loaded whole nodes, then
@@ -450,6 +505,21 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
     return taken == count ? last_time_s : kInf;
   };
 
+  auto busiest_after = [&] {
+    double busiest_s = 0;
+    for (size_t k = 0; k < ranks->size(); ++k) {
+      busiest_s = std::max(busiest_s, s.time_s[(*ranks)[k]] + estimate_s(choice.shares[k]));
+    }
+    return busiest_s;
+  };
+  if (degree <= gpus_per_node_) {
+    // The node whose degree-th least-loaded rank is least loaded; scan below if it lacks memory.
+    ranks->clear();
+    if (take_from_node(node_trees_[degree - 1].argmin(), degree, ranks) < kInf) {
+      std::sort(ranks->begin(), ranks->end());
+      return busiest_after();
+    }
+  }
   const int64_t full_nodes = degree / gpus_per_node_;
   const int64_t partial = degree % gpus_per_node_;
   if (full_nodes > num_nodes_) return kInf;
@@ -486,11 +556,7 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
   }
   // Full nodes in node order, each in rank order, the partial node last: the canonical pattern.
   std::sort(ranks->begin(), ranks->end() - partial);
-  double busiest_s = 0;
-  for (size_t k = 0; k < ranks->size(); ++k) {
-    busiest_s = std::max(busiest_s, s.time_s[(*ranks)[k]] + estimate_s(choice.shares[k]));
-  }
-  return busiest_s;
+  return busiest_after();
 }
 
 void ZelligePlanner::commit_anchor(int32_t sequence, int64_t degree,
@@ -522,13 +588,15 @@ bool ZelligePlanner::place_anchor(int32_t sequence, int64_t degree, Solution* s)
 // degree whose ranks still meet the target with the anchors already placed (else the best seen).
 bool ZelligePlanner::place_anchor_within(int32_t sequence, double share_s, double target_s,
                                          Solution* s) {
-  const int64_t first = degree_for(sequence, share_s);
-  if (first == 0) return false;
+  const int64_t smallest = degree_for(sequence, share_s);
+  if (smallest == 0) return false;
+  const int64_t first = std::max(smallest, efficient_degree_[sequence]);
   const int64_t last = std::min(num_ranks_, 2 * first + 2);
   int64_t best_degree = 0;
   double best_s = kInf;
   for (int64_t degree = first; degree <= last; ++degree) {
     const double busiest_s = select_anchor_ranks(sequence, degree, *s, &candidate_ranks_);
+    if (busiest_s == kInf) continue;  // no ranks with the memory (the target may be infinite)
     if (busiest_s <= target_s) {
       commit_anchor(sequence, degree, candidate_ranks_, s);
       return true;
@@ -624,6 +692,9 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
     std::iota(node_ranks_by_time_[node].begin(), node_ranks_by_time_[node].end(),
               node * gpus_per_node_);
   }
+  node_keys_s_.assign(num_nodes_, 0.0);
+  node_trees_.resize(gpus_per_node_);
+  for (MinTree& tree : node_trees_) tree.reset(node_keys_s_);
   auto place_by_degree = [&](int32_t sequence, int64_t degree) {
     for (; degree >= 1 && degree <= num_ranks_; ++degree) {
       if (place_anchor(sequence, degree, s)) return;
@@ -639,7 +710,8 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
 
   // Stage 1: anchors, longest first.
   for (int32_t sequence : order_) {
-    if (local_memory_bytes_[sequence] <= free_bytes_ && local_estimate_s_[sequence] <= target_s) {
+    if (local_memory_bytes_[sequence] <= free_bytes_ && local_estimate_s_[sequence] <= target_s &&
+        efficient_degree_[sequence] == 1) {
       continue;
     }
     if (!place_anchor_within(sequence, share_fraction * target_s, target_s, s)) {
@@ -674,7 +746,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
       if (chosen < 0 && split_filler(sequence, target_s, s)) continue;
     }
     if (chosen < 0) {
-      chosen = open_ranks_.least_loaded();
+      chosen = open_ranks_.argmin();
       if (s->memory_bytes[chosen] + bytes > free_bytes_) {
         // Rare: the least-loaded rank is out of memory; scan for the least loaded that is not.
         chosen = -1;
@@ -705,13 +777,16 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
 bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s) {
   const int64_t max_degree = std::min(kMaxSplitDegree, gpus_per_node_);
   if (max_degree < 2) return false;
-  const int64_t node = node_of(open_ranks_.least_loaded());
+  const int64_t node = node_of(open_ranks_.argmin());
   std::vector<int64_t>& node_ranks = node_ranks_by_time_[node];
   std::iota(node_ranks.begin(), node_ranks.end(), node * gpus_per_node_);
   std::sort(node_ranks.begin(), node_ranks.end(), [&](int64_t a, int64_t b) {
     return s->time_s[a] < s->time_s[b] || (s->time_s[a] == s->time_s[b] && a < b);
   });
   for (int64_t degree = 2; degree <= max_degree; ++degree) {
+    // A share is at least about 1/degree of the whole: skip pricing shapes that cannot fit.
+    const double least_share_s = 0.95 * local_estimate_s_[sequence] / static_cast<double>(degree);
+    if (s->time_s[node_ranks[degree - 1]] + least_share_s > target_s) continue;
     const ShapeChoice& choice = shape_at(sequence, degree);
     if (!choice.feasible) continue;
     candidate_ranks_.assign(node_ranks.begin(), node_ranks.begin() + degree);
@@ -1033,10 +1108,6 @@ Plan ZelligePlanner::run() {
                   std::chrono::duration<double>(std::max(0.0, options_.time_limit_s)));
   prepare();
 
-  double mean_s = 0;
-  for (double estimate_s : local_estimate_s_) mean_s += estimate_s;
-  mean_s /= static_cast<double>(num_ranks_);
-
   // The sweep: everything local first (target infinity), then a grid of targets just above the
   // mean load (whether a construction meets its target is not monotone in the target, so no
   // bisection from there), bisection up to the best makespan when no grid target was met, and
@@ -1076,14 +1147,16 @@ Plan ZelligePlanner::run() {
     }
     return met;
   };
-  bool any_met = false;
+  // Larger targets rarely help once two have been met.
+  int num_met = 0;
   double highest_tried_s = 0;
   for (double factor : kTargetFactors) {
-    const double target_s = factor * mean_s;
-    if (target_s >= best.makespan_s) break;
-    any_met = try_target(target_s) || any_met;
+    const double target_s = factor * mean_load_s_;
+    if (target_s >= best.makespan_s || num_met == 2) break;
+    num_met += try_target(target_s) ? 1 : 0;
     highest_tried_s = target_s;
   }
+  const bool any_met = num_met > 0;
   if (!any_met && std::isfinite(best.makespan_s)) {
     double low_s = highest_tried_s, high_s = best.makespan_s;
     for (int step = 0; step < kBisectionSteps && low_s < high_s * (1 - kRefineSteps[0]); ++step) {
