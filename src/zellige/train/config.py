@@ -89,11 +89,50 @@ def wan14b_width_h200() -> TrainConfig:
     )
 
 
+def _e2e_h200x8(name: str, model: DiTConfig, recipe: str) -> TrainConfig:
+    """The planner comparison of bench/e2e_compare.py on one node of 8 H200s: the whole step's
+    batch of the recipe (lengths spread about 300x), so placement decides the step time."""
+    return dataclasses.replace(wan14b_h200x8(), name=name, model=model, recipe=recipe)
+
+
+def wan1p3b_opensora2_stage2_h200x8() -> TrainConfig:
+    """Wan 1.3B on Open-Sora 2.0 stage-2 buckets (256px and 768px, 1-129 frames)."""
+    return _e2e_h200x8(
+        "wan1p3b-opensora2-stage2-h200x8", model_preset("wan-1.3b"), "opensora2-stage2"
+    )
+
+
+def wan1p3b_wan_stage3_h200x8() -> TrainConfig:
+    """Wan 1.3B on Wan stage-3 batches (720p images with 5 s 720p clips)."""
+    return _e2e_h200x8("wan1p3b-wan-stage3-h200x8", model_preset("wan-1.3b"), "wan-stage3")
+
+
+def wan14b_width_opensora2_stage2_h200x8() -> TrainConfig:
+    """Wan 14B's layer shapes with 4 of its 40 layers (as wan14b-width-h200), so each planner's
+    run of 23 steps takes minutes, on Open-Sora 2.0 stage-2 buckets."""
+    return _e2e_h200x8(
+        "wan14b-width-opensora2-stage2-h200x8",
+        model_preset("wan-14b", num_layers=4),
+        "opensora2-stage2",
+    )
+
+
+def wan14b_width_wan_stage3_h200x8() -> TrainConfig:
+    """Wan 14B's layer shapes with 4 layers on Wan stage-3 batches."""
+    return _e2e_h200x8(
+        "wan14b-width-wan-stage3-h200x8", model_preset("wan-14b", num_layers=4), "wan-stage3"
+    )
+
+
 CONFIGS: dict[str, Callable[[], TrainConfig]] = {
     "tiny-cpu": tiny_cpu,
     "wan1p3b-h200": wan1p3b_h200,
     "wan14b-h200x8": wan14b_h200x8,
     "wan14b-width-h200": wan14b_width_h200,
+    "wan1p3b-opensora2-stage2-h200x8": wan1p3b_opensora2_stage2_h200x8,
+    "wan1p3b-wan-stage3-h200x8": wan1p3b_wan_stage3_h200x8,
+    "wan14b-width-opensora2-stage2-h200x8": wan14b_width_opensora2_stage2_h200x8,
+    "wan14b-width-wan-stage3-h200x8": wan14b_width_wan_stage3_h200x8,
 }
 
 
