@@ -13,7 +13,7 @@ the FIRST batch is the one trained. `static-cp:C` or `knapformer:SPEC` trains ex
 
 usage: python bench/e2e_compare.py --config NAME [--nproc N] [--planners P,...] [--warmup W]
            [--measured M] [--seed S] [--work-dir DIR] [--markdown FILE] [--reuse]
-           [--time-budget-s T] [--dry-run]
+           [--time-budget-s T] [--commit C] [--dry-run]
 Each run's metrics and log stay in --work-dir; with --reuse a planner whose metrics there are
 complete is not trained again, so a run cut short by a time limit continues where it stopped.
 """
@@ -471,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="start no run expected to end after this many seconds (report what ran)",
     )
+    parser.add_argument("--commit", help="the commit to report (default: git describe)")
     parser.add_argument("--dry-run", action="store_true", help="resolve and print the commands")
     args = parser.parse_args(argv)
 
@@ -553,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = [summarise(name, records, args.warmup) for name, records in histories.items()]
     machine = machine_description(config.device, num_ranks)
     stamp = (
-        f"{machine}; {versions(config.backend)}; commit {git_commit()}; backend "
+        f"{machine}; {versions(config.backend)}; commit {args.commit or git_commit()}; backend "
         f"{config.backend}, {config.dtype}"
     )
     model = config.model
@@ -600,6 +601,12 @@ def main(argv: list[str] | None = None) -> int:
         lines.append("")
     table = results_table(summaries, requested)
     lines += ["## Results", ""] + table + [""]
+    lines += [
+        "pred. error: mean predicted over mean measured step time, minus 1; per-step abs error: "
+        "mean of |predicted - measured| / measured. vs best knapformer / vs dp-cost: tokens/s over "
+        "the highest tokens/s among this report's knapformer runs / over dp-cost's.",
+        "",
+    ]
     agree = True
     if len(histories) > 1:
         batch_problems = same_batches(histories)
