@@ -1,17 +1,18 @@
 // The zellige planner: anchors first, then fillers, then local search (DESIGN.md, issue 3).
 //
 // One construction aims at a target makespan T. Stage 1 gives every *anchor* (a sequence whose
-// local time exceeds T, or that does not fit one rank) the smallest shape (degree, strategy) whose
-// busiest share meets T, on the least-loaded ranks of one node (whole nodes, then part of one,
-// beyond a node's size), widening the shape while those ranks, already holding other anchors'
-// shares, would exceed T; rank sets of different anchors may overlap. Stage 2 packs the *fillers*
-// whole, longest first, onto the first rank that stays within T and has the memory; a filler that
-// fits nowhere is split over a few least-loaded ranks of one node if that stays within T, else
-// goes to the least-loaded rank. A sweep over T (and, when anchors outnumber ranks, over shapes
-// of half the target so that anchors can share ranks) keeps the best construction; dp-cost's plan
-// replaces it if better. Local search then lowers the busiest rank while it can: move or swap a
-// filler, re-mould one of its anchors (another strategy, swap a rank, add one, drop it), or shard
-// one of its fillers.
+// local time exceeds T, that does not fit one rank, or whose attention runs enough faster in
+// shorter blocks that it costs fewer rank-seconds sharded) the smallest shape (degree, strategy)
+// whose busiest share meets T (at least its most efficient degree), on the least-loaded ranks of
+// one node (whole nodes, then part of one, beyond a node's size), widening the shape while those
+// ranks, already holding other anchors' shares, would exceed T; rank sets of different anchors may
+// overlap. Stage 2 packs the *fillers* whole, longest first, onto the first rank that stays within
+// T and has the memory; a filler that fits nowhere is split over a few least-loaded ranks of one
+// node if that stays within T, else goes to the least-loaded rank. A sweep over T (and, when
+// anchors outnumber ranks, over shapes of half the target so that anchors can share ranks) keeps
+// the best construction; dp-cost's plan replaces it if better. Local search then lowers the busiest
+// rank while it can: move or swap a filler, re-mould one of its anchors (another strategy, swap a
+// rank, add one, drop it), or shard one of its fillers.
 //
 // Rank time is additive over the sequences a rank holds except the per-token layers, which depend
 // on the rank's token total (CostModel::linear_time_s), so every rank keeps its totals and every
@@ -24,7 +25,6 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
-#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -1108,10 +1108,10 @@ Plan ZelligePlanner::run() {
                   std::chrono::duration<double>(std::max(0.0, options_.time_limit_s)));
   prepare();
 
-  // The sweep: everything local first (target infinity), then a grid of targets just above the
-  // mean load (whether a construction meets its target is not monotone in the target, so no
-  // bisection from there), bisection up to the best makespan when no grid target was met, and
-  // finally finer steps around the best target.
+  // The sweep: target infinity first (only memory and efficiency make anchors), then a grid of
+  // targets just above the mean load (whether a construction meets its target is not monotone in
+  // the target, so no bisection from there), bisection up to the best makespan when no grid target
+  // was met, and finally finer steps around the best target.
   Solution best, current;
   exact_ = false;
   // A construction can run out of memory where another (or dp-cost) does not: it then counts as
