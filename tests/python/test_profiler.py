@@ -10,7 +10,45 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from zellige.profiler import fit  # noqa: E402
-from zellige.profiler.validate import RankResult, summarise  # noqa: E402
+from zellige.profiler.validate import RankResult, local_copy_s, summarise  # noqa: E402
+
+
+def test_local_copies_are_the_ulysses_messages_of_the_rank():
+    # The stand-in copies q, k, v out and o back in each of 3 passes (forward, recompute,
+    # backward's do out and dq, dk, dv back): 12 messages of tokens * width * (u - 1) / u
+    # elements per layer, each read and written once. Local sequences copy nothing.
+    from zellige import _core
+    from zellige.costs import make_cost_model
+    from zellige.profiler.models import model_spec
+
+    spec = model_spec("wan-14b", 2)
+    cost = make_cost_model(spec, gpus=4)
+    tokens, degree, bytes_per_s = 8192, 4, 1e12
+    batch = _core.Batch(
+        sequences=[
+            _core.Sequence(id=0, num_tokens=tokens, text_tokens=512, source_rank=1),
+            _core.Sequence(id=1, num_tokens=300, text_tokens=512),
+        ]
+    )
+    plan = _core.Plan(
+        num_ranks=4,
+        placements=[
+            _core.Placement(
+                sequence_id=0,
+                strategy=_core.Strategy.ulysses,
+                ranks=[0, 1, 2, 3],
+                ulysses_degree=degree,
+            ),
+            _core.Placement(sequence_id=1, strategy=_core.Strategy.local, ranks=[2]),
+        ],
+    )
+    chunk = tokens // degree
+    message_bytes = chunk * spec.width * (degree - 1) / degree * 2  # bf16
+    expected_s = spec.num_layers * 12 * message_bytes * 2 / bytes_per_s
+    for rank in range(4):
+        assert local_copy_s(cost, batch, plan, rank, bytes_per_s) == pytest.approx(expected_s)
+    local_only = _core.Plan(num_ranks=4, placements=plan.placements[1:])
+    assert local_copy_s(cost, batch, local_only, 2, bytes_per_s) == 0.0
 
 
 def test_mape_on_known_numbers():

@@ -3,7 +3,10 @@
 For plans drawn from the recipes by several planners on several cluster sizes, each chosen rank's
 compute runs for real on the one GPU (rank_work.py: real DiT blocks cut to a few layers,
 the engine's distributed attention with exchanges replaced by local copies), and the cost model,
-asked about the same layer count, predicts its time without exchanges and its peak memory.
+asked about the same layer count, predicts its time without exchanges and its peak memory. The
+local copies that stand in for the exchanges are part of the measured step, so the prediction
+adds them (`local_copy_s`: the bytes the rank would send, read and written at the profile's
+memory bandwidth); the planner's cost model never sees them.
 
 Memory: what a rank holds besides its step (its FSDP shard of weights, gradients and optimizer
 state) cannot be sharded on one GPU, so it is allocated as one buffer of the modelled size; the
@@ -79,12 +82,13 @@ class RankResult:
     rank: int
     tokens: int
     num_sequences: int
-    predicted_s: float
+    predicted_s: float  # cost model (per-token layers + attention) + predicted_copy_s
     measured_s: float
     predicted_peak_bytes: float
     measured_peak_bytes: float
     modelled_state_bytes: float  # the shard buffer (part of both peaks)
     knapformer_work: float  # W summed over the rank's shares
+    predicted_copy_s: float = 0.0  # the exchanges' local stand-in copies (see local_copy_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,6 +103,46 @@ class ValidationReport:
     time_mape_best_scale_percent: float = 0.0
     num_plans: int = 0
     notes: list[str] = field(default_factory=list)
+
+
+def _route_bytes_per_token(cost_model: _core.CostModel, num_ranks: int) -> float:
+    """Bytes the cost model counts per token for routing a sequence from its source rank and
+    back (part of exchange_bytes; the one-GPU run builds inputs in place, so no copy stands in
+    for it): a local placement away from its source sends nothing else."""
+    if num_ranks < 2:
+        return 0.0
+    probe_tokens = 1024
+    probe = _core.Sequence(id=0, num_tokens=probe_tokens, text_tokens=0, source_rank=0)
+    away = _core.Placement(sequence_id=0, strategy=_core.Strategy.local, ranks=[1])
+    return cost_model.exchange_bytes(probe, away) / probe_tokens
+
+
+def local_copy_s(
+    cost_model: _core.CostModel,
+    batch: _core.Batch,
+    plan: _core.Plan,
+    rank: int,
+    memory_bytes_per_s: float,
+) -> float:
+    """Seconds of the local copies that replace the rank's exchanges in the measured step
+    (rank_work.local_exchanges): every message becomes a copy of the same size, read and
+    written once. Bytes per rank: the placement's exchange bytes (every layer and pass, routing
+    left out) times the rank's share of its tokens."""
+    by_id = {s.id: s for s in batch.sequences}
+    route_bytes_per_token = _route_bytes_per_token(cost_model, plan.num_ranks)
+    copied_bytes = 0.0
+    for placement in plan.placements:
+        if rank not in placement.ranks or len(placement.ranks) < 2:
+            continue
+        sequence = by_id[placement.sequence_id]
+        shares = cost_model.shares(sequence, placement)
+        routed_tokens = sum(s.tokens for s in shares if s.rank != sequence.source_rank)
+        sent_bytes = (
+            cost_model.exchange_bytes(sequence, placement) - route_bytes_per_token * routed_tokens
+        )
+        held = sum(s.tokens for s in shares if s.rank == rank)
+        copied_bytes += max(0.0, sent_bytes) * held / sequence.num_tokens
+    return 2.0 * copied_bytes / memory_bytes_per_s
 
 
 def summarise(ranks: list[RankResult], gamma: float) -> ValidationReport:
@@ -348,7 +392,7 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
     results: list[RankResult] = []
     notes = [
         "exchanges excluded: all-to-alls and ring messages ran as local copies of the same size; "
-        "predictions exclude exchange time",
+        "predictions exclude exchange time and add those copies at the profile's memory bandwidth",
         f"{options.num_layers} of {model_spec(options.model).num_layers} layers of {options.model}"
         f", activation checkpointing {'on' if options.activation_checkpointing else 'off'}",
     ]
@@ -375,6 +419,7 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
         state_bytes = max(0, int(fixed_cost_model - reserve - real_weights_and_grads))
         for rank in chosen_ranks(cost, options.ranks_per_plan):
             rank_cost = cost.ranks[rank]
+            copy_s = local_copy_s(cost_model, batch, plan, rank, profile.memory_bytes_per_s)
             measured_s, peak = run_rank(
                 batch=batch,
                 plan=plan,
@@ -391,12 +436,13 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                 rank=rank,
                 tokens=rank_cost.tokens,
                 num_sequences=sum(rank in p.ranks for p in plan.placements),
-                predicted_s=rank_cost.linear_s + rank_cost.attention_s,
+                predicted_s=rank_cost.linear_s + rank_cost.attention_s + copy_s,
                 measured_s=measured_s,
                 predicted_peak_bytes=rank_cost.peak_bytes,
                 measured_peak_bytes=float(peak),
                 modelled_state_bytes=float(state_bytes),
                 knapformer_work=knapformer_rank_work(batch, plan, rank, config.width, gamma),
+                predicted_copy_s=copy_s,
             )
             results.append(result)
             if options.results_jsonl:
