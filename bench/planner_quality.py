@@ -19,17 +19,16 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import math
-import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zellige
+from _provenance import git_commit, machine
 from zellige import _core, joint
 
 RECIPES = ["opensora2-stage2", "wan-stage2", "wan-stage3", "knapformer-joint"]
@@ -180,28 +179,6 @@ def geomean(values: list[float]) -> float:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()}, {cpu}, {os.cpu_count()} cores"
-
-
-def git_commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def report(configs: list[Config], pcie: list[Config], scale, args) -> str:

@@ -12,17 +12,16 @@ fast planner cannot hide a bad plan.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zellige
+from _provenance import git_commit, machine
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,28 +67,6 @@ def measure(workload: str, model: str | None, num_gpus: int, seeds: int) -> list
             row.num_sequences.append(len(batch.sequences))
             row.ratio_to_bound.append(plan.predicted.makespan_s / lower_bound_s)
     return list(rows.values())
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()}, {cpu}, {os.cpu_count()} cores"
-
-
-def git_commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def table(rows: list[Row], workload: str, seeds: int) -> str:
