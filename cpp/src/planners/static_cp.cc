@@ -6,11 +6,11 @@
 // degree u that divides both c and the head count, ring over the remaining c / u (so c = 16 with
 // 24 heads is "Ulysses 8 x ring 2"); u = c is plain Ulysses, u = 1 plain ring.
 #include <algorithm>
-#include <numeric>
-#include <queue>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
+#include "greedy.h"
 #include "rank_loads.h"
 #include "zellige/planners.h"
 
@@ -46,59 +46,34 @@ Plan plan_static_cp(const Batch& batch, const CostModel& cost_model, int64_t gro
   }
   const int64_t num_groups = num_ranks / group_size;
   const int64_t ulysses_degree = ulysses_degree_for(group_size, cost_model.model().num_heads);
-  const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
 
   // Cost of each sequence on group 0, for the longest-first order.
-  std::vector<double> group_time_s(num_sequences);
-  for (int64_t i = 0; i < num_sequences; ++i) {
-    const Sequence& sequence = batch.sequences[i];
-    group_time_s[i] = planners::placement_time_s(
+  std::vector<double> group_time_s;
+  for (const Sequence& sequence : batch.sequences) {
+    group_time_s.push_back(planners::placement_time_s(
         cost_model,
-        cost_model.shares(sequence, group_placement(sequence.id, 0, group_size, ulysses_degree)));
+        cost_model.shares(sequence, group_placement(sequence.id, 0, group_size, ulysses_degree))));
   }
-  std::vector<int64_t> order(num_sequences);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return group_time_s[a] > group_time_s[b]; });
 
   planners::RankLoads loads(cost_model);
-  // (group time = its slowest rank, group index), least loaded first, ties to the lowest group.
-  using Entry = std::pair<double, int64_t>;
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> by_time;
-  for (int64_t group = 0; group < num_groups; ++group) by_time.push({0.0, group});
-
   Plan plan = planners::empty_plan("static-cp:" + std::to_string(group_size), cost_model);
-  plan.placements.resize(num_sequences);
-  std::vector<Entry> full;  // groups without room for the current sequence
-  for (int64_t index : order) {
-    const Sequence& sequence = batch.sequences[index];
-    bool placed = false;
-    while (!by_time.empty()) {
-      const Entry entry = by_time.top();
-      by_time.pop();
-      Placement placement =
-          group_placement(sequence.id, entry.second * group_size, group_size, ulysses_degree);
-      const std::vector<RankShare> shares = cost_model.shares(sequence, placement);
-      if (!loads.fits(shares)) {
-        full.push_back(entry);
-        continue;
-      }
-      loads.add(shares);
-      double time_s = 0;
-      for (int64_t rank : placement.ranks) time_s = std::max(time_s, loads.time_s(rank));
-      by_time.push({time_s, entry.second});
-      plan.placements[index] = std::move(placement);
-      placed = true;
-      break;
-    }
-    for (const Entry& entry : full) by_time.push(entry);
-    full.clear();
-    if (!placed) {
-      throw PlanMemoryError("static-cp:" + std::to_string(group_size) + ": " +
-                            planners::describe_sequence(sequence) + " fits in no group of " +
-                            std::to_string(group_size) + " GPUs: every group is out of memory (" +
-                            planners::format_gib(loads.capacity_bytes()) + " per rank)");
-    }
+  // Bins are groups keyed by their time, the time of their slowest rank.
+  const Sequence* unplaced = planners::place_longest_first(
+      batch, cost_model, group_time_s, std::vector<double>(num_groups, 0.0),
+      [&](const Sequence& sequence, int64_t group) {
+        return group_placement(sequence.id, group * group_size, group_size, ulysses_degree);
+      },
+      [&](const Placement& placement) {
+        double time_s = 0;
+        for (int64_t rank : placement.ranks) time_s = std::max(time_s, loads.time_s(rank));
+        return time_s;
+      },
+      loads, plan);
+  if (unplaced != nullptr) {
+    throw PlanMemoryError("static-cp:" + std::to_string(group_size) + ": " +
+                          planners::describe_sequence(*unplaced) + " fits in no group of " +
+                          std::to_string(group_size) + " GPUs: every group is out of memory (" +
+                          planners::format_gib(loads.capacity_bytes()) + " per rank)");
   }
   return plan;
 }
