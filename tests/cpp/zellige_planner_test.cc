@@ -4,104 +4,25 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
-#include <limits>
 #include <map>
 #include <random>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "test_util.h"
 #include "zellige/planners.h"
 
 namespace zellige {
 namespace {
 
+using test_util::batch_of;
+using test_util::brute_force_makespan;
+using test_util::seeded_profile;
+
 // Stated bound: on tiny batches the planner's makespan is within this factor of the optimum over
 // every placement (every rank subset, strategy and degree); on the cases below it is exact.
 constexpr double kBruteForceBound = 1.01;
-
-// The seeded H200 tables of src/zellige/profiles/h200.json, rebuilt from their TFLOP/s.
-HardwareProfile seeded_profile() {
-  HardwareProfile profile = analytic_profile("test H200", 750e12, 640e12, 4.2e12);
-  const std::vector<double> lengths = {256, 1024, 4096, 16384, 65536, 131072};
-  const std::vector<double> forward_tflops = {450, 540, 610, 630, 650, 656};
-  const std::vector<double> backward_tflops = {250, 300, 550, 555, 560, 564};
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    const double flops = 4.0 * lengths[i] * lengths[i] * 128.0;
-    profile.attention_forward_s_per_head.x.push_back(lengths[i]);
-    profile.attention_forward_s_per_head.y.push_back(flops / (forward_tflops[i] * 1e12));
-    profile.attention_backward_s_per_head.x.push_back(lengths[i]);
-    profile.attention_backward_s_per_head.y.push_back(2.5 * flops / (backward_tflops[i] * 1e12));
-  }
-  profile.attention_forward_s_per_head.source = "seeded";
-  profile.attention_backward_s_per_head.source = "seeded";
-  profile.matmul_forward_flops_per_s = {
-      {256, 1024, 4096, 32768}, {300e12, 500e12, 620e12, 660e12}, "seeded"};
-  profile.matmul_backward_flops_per_s = profile.matmul_forward_flops_per_s;
-  profile.runtime_reserved_bytes = int64_t{3} << 30;
-  profile.validate();
-  return profile;
-}
-
-Batch batch_of(const std::vector<int64_t>& lengths, int64_t text_tokens = 0) {
-  Batch batch;
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    batch.sequences.push_back(
-        sequence_from_tokens(static_cast<int64_t>(i), "video", lengths[i], text_tokens, 0));
-  }
-  return batch;
-}
-
-// Every placement of one sequence: every rank subset under every legal strategy.
-std::vector<Placement> all_placements(int64_t sequence_id, int64_t num_ranks, int64_t num_heads) {
-  std::vector<Placement> result;
-  for (int64_t mask = 1; mask < (int64_t{1} << num_ranks); ++mask) {
-    std::vector<int64_t> ranks;
-    for (int64_t rank = 0; rank < num_ranks; ++rank) {
-      if (mask & (int64_t{1} << rank)) ranks.push_back(rank);
-    }
-    const int64_t degree = static_cast<int64_t>(ranks.size());
-    if (degree == 1) {
-      result.push_back(make_placement(sequence_id, Strategy::kLocal, ranks));
-      continue;
-    }
-    if (degree <= num_heads)
-      result.push_back(make_placement(sequence_id, Strategy::kUlysses, ranks));
-    result.push_back(make_placement(sequence_id, Strategy::kRing, ranks));
-    for (int64_t u = 2; u <= std::min(num_heads, degree / 2); ++u) {
-      if (degree % u == 0)
-        result.push_back(make_placement(sequence_id, Strategy::kHybrid, ranks, u));
-    }
-  }
-  return result;
-}
-
-// The best makespan of any plan that fits (infinity when none does).
-double brute_force_makespan(const Batch& batch, const CostModel& cost_model) {
-  const int64_t num_ranks = cost_model.cluster().num_ranks();
-  std::vector<std::vector<Placement>> options;
-  for (const Sequence& sequence : batch.sequences) {
-    options.push_back(all_placements(sequence.id, num_ranks, cost_model.model().num_heads));
-  }
-  Plan plan;
-  plan.num_ranks = num_ranks;
-  plan.placements.resize(batch.sequences.size());
-  double best = std::numeric_limits<double>::infinity();
-  std::function<void(size_t)> recurse = [&](size_t i) {
-    if (i == options.size()) {
-      const PlanCost cost = cost_model.evaluate(batch, plan);
-      if (cost.fits) best = std::min(best, cost.makespan_s);
-      return;
-    }
-    for (const Placement& placement : options[i]) {
-      plan.placements[i] = placement;
-      recurse(i + 1);
-    }
-  };
-  recurse(0);
-  return best;
-}
 
 // Longest-processing-time of whole sequences by their exact local time (dp-cost's policy).
 PlanCost all_local_lpt_cost(const Batch& batch, const CostModel& cost_model) {
