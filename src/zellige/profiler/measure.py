@@ -138,10 +138,9 @@ def profile_attention(
     options: ProfileOptions, device, dtype, num_heads: int, head_dim: int, progress: Progress
 ) -> tuple[dict, dict, dict]:
     lengths = QUICK_ATTENTION_LENGTHS if options.quick else FULL_ATTENTION_LENGTHS
-    forward, backward = [], []
-    for length in lengths:
-        pairs = heads_per_call(length, num_heads)
-        f_s, b_s = measure_attention(
+
+    def measure(length: int, pairs: int) -> tuple[float, float]:
+        return measure_attention(
             length=length,
             heads_per_call=pairs,
             head_dim=head_dim,
@@ -150,6 +149,11 @@ def profile_attention(
             backend=options.attention_backend,
             repeats=options.repeats,
         )
+
+    forward, backward = [], []
+    for length in lengths:
+        pairs = heads_per_call(length, num_heads)
+        f_s, b_s = measure(length, pairs)
         forward.append(f_s)
         backward.append(b_s)
         flops = 4.0 * length**2 * head_dim
@@ -164,15 +168,7 @@ def profile_attention(
         for pairs in sorted(
             {1, max(1, num_heads // 4), num_heads, heads_per_call(length, num_heads)}
         ):
-            f_s, b_s = measure_attention(
-                length=length,
-                heads_per_call=pairs,
-                head_dim=head_dim,
-                device=device,
-                dtype=dtype,
-                backend=options.attention_backend,
-                repeats=options.repeats,
-            )
+            f_s, b_s = measure(length, pairs)
             sweep[f"L={length},heads={pairs}"] = {
                 "forward_s_per_head": f_s,
                 "backward_s_per_head": b_s,
