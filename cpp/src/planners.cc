@@ -111,6 +111,15 @@ std::vector<std::string> planner_names() {
 
 void check_sequences_fit(const Batch& batch, const CostModel& cost_model) {
   const double capacity_bytes = cost_model.memory_capacity_bytes();
+  // Said apart, since no placement helps: only more GPUs (a larger FSDP shard count) do.
+  if (cost_model.fixed_bytes() > capacity_bytes) {
+    throw PlanMemoryError(
+        "the training state of " + cost_model.model().name + " alone does not fit in memory on " +
+        std::to_string(cost_model.cluster().num_ranks()) + " GPUs: weights, gradients, optimizer " +
+        "state (FSDP over all ranks) and runtime reserve need " +
+        planners::format_gib(cost_model.fixed_bytes()) + " per rank, " +
+        planners::format_gib(capacity_bytes) + " available; use more GPUs");
+  }
   for (const Sequence& sequence : batch.sequences) {
     const double best_bytes = best_memory_bytes(sequence, cost_model, capacity_bytes, true);
     if (best_bytes > capacity_bytes) {

@@ -46,7 +46,7 @@ def make_setup(
     batch_or_workload: str | _core.Batch,
     gpus: int,
     *,
-    gpus_per_node: int = 8,
+    gpus_per_node: int | None = None,  # None: 8, or gpus when fewer
     model: str | None = None,
     profile: str | Path | _core.HardwareProfile | None = None,
     seed: int = 0,
@@ -106,7 +106,7 @@ def plan(
     batch_or_workload: str | _core.Batch,
     gpus: int,
     *,
-    gpus_per_node: int = 8,
+    gpus_per_node: int | None = None,  # None: 8, or gpus when fewer
     model: str | None = None,
     profile: str | Path | _core.HardwareProfile | None = None,
     planner: str = "zellige",
@@ -212,7 +212,7 @@ def compare(
     batch_or_workload: str | _core.Batch,
     gpus: int,
     *,
-    gpus_per_node: int = 8,
+    gpus_per_node: int | None = None,  # None: 8, or gpus when fewer
     model: str | None = None,
     profile: str | Path | _core.HardwareProfile | None = None,
     planners: list[str] | None = None,

@@ -15,6 +15,11 @@ from zellige._core import (
 from zellige.profile import load_profile
 
 
+def default_gpus_per_node(gpus: int) -> int:
+    """8 GPUs per node (an H200 node), or all of them when there are fewer."""
+    return min(8, gpus) if gpus > 0 else 8
+
+
 def make_cost_model(
     model: str | ModelSpec = "mmdit-11b",
     gpus: int = 8,
@@ -28,7 +33,7 @@ def make_cost_model(
     Raises ValueError for an unknown model or link class, a bad cluster shape or profile."""
     spec = model_preset(model) if isinstance(model, str) else model
     if gpus_per_node is None:
-        gpus_per_node = min(8, gpus) if gpus > 0 else 8
+        gpus_per_node = default_gpus_per_node(gpus)
     cluster = make_cluster(gpus, gpus_per_node, links)
     hardware = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     options = CostOptions()

@@ -218,6 +218,23 @@ TEST(PlannersMemory, SequenceThatFitsNowhereIsNamed) {
   EXPECT_NO_THROW(check_sequences_fit(batch_of({256, 1024}, 512), cost_model));
 }
 
+TEST(PlannersMemory, TrainingStateThatFitsNowhereSaysMoreGpus) {
+  // wan-14b's weights, gradients and Adam state (18 bytes per parameter) exceed one H200.
+  const CostModel one_gpu = make_cost_model("wan-14b", 1, 1);
+  ASSERT_GT(one_gpu.fixed_bytes(), one_gpu.memory_capacity_bytes());
+  try {
+    check_sequences_fit(batch_of({256}, 512), one_gpu);
+    ADD_FAILURE() << "the training state of wan-14b fits one GPU";
+  } catch (const PlanMemoryError& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("the training state of wan-14b alone does not fit in memory on 1 GPUs"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("use more GPUs"), std::string::npos) << message;
+  }
+  EXPECT_NO_THROW(check_sequences_fit(batch_of({256}, 512), make_cost_model("wan-14b", 8, 8)));
+}
+
 TEST(PlannersMemory, TightMemoryIsHonouredOrRefused) {
   const CostModel probe = make_cost_model("mmdit-11b", 8, 8);
   const Batch batch = generate_batch(bucket_recipe(), 8, 11);

@@ -6,6 +6,7 @@ import argparse
 
 from zellige import _core
 from zellige.api import Setup, make_setup
+from zellige.costs import default_gpus_per_node
 from zellige.workload import load_batch
 
 
@@ -20,7 +21,9 @@ def add_batch_arguments(parser: argparse.ArgumentParser, required: bool = True) 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser, gpus_required: bool = True) -> None:
     parser.add_argument("--gpus", type=int, required=gpus_required, metavar="N", help="GPU count")
-    parser.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="(8)")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None, metavar="G", help="(8, or --gpus when fewer)"
+    )
     parser.add_argument(
         "--model",
         metavar="M",
@@ -33,7 +36,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, gpus_required: bool =
 
 def setup_from_args(args: argparse.Namespace) -> Setup:
     """The Setup the flags describe; flags left unset take their defaults."""
-    gpus_per_node = 8 if args.gpus_per_node is None else args.gpus_per_node
+    gpus_per_node = args.gpus_per_node
+    if gpus_per_node is None:
+        gpus_per_node = default_gpus_per_node(args.gpus)
     links = args.links or "nvlink"
     seed = args.seed or 0
     if args.workload is not None:
