@@ -1,11 +1,13 @@
-"""Machine and commit lines for the table a benchmark prints last (bench/ is on sys.path when a
-script in it runs)."""
+"""Machine and commit lines for the table a benchmark prints last, and its markdown report
+(bench/ is on sys.path when a script in it runs)."""
 
 from __future__ import annotations
 
 import os
 import platform
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -29,3 +31,11 @@ def git_commit() -> str:
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def write_report(out: Path, title: str, script: str, argv: list[str] | None, text: str) -> None:
+    """Writes `text` under a title and the command that reproduces it."""
+    arguments = shlex.join(argv if argv is not None else sys.argv[1:])
+    command = f"PYTHONPATH=src python bench/{script} {arguments}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# {title}\n\nCommand: `{command}`\n\n{text}\n")

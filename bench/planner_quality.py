@@ -20,7 +20,6 @@ import argparse
 import importlib.metadata
 import math
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zellige
-from _provenance import git_commit, machine
+from _provenance import git_commit, machine, write_report
 from zellige import _core, joint
 
 RECIPES = ["opensora2-stage2", "wan-stage2", "wan-stage3", "knapformer-joint"]
@@ -276,11 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(configs, pcie, scale, args)
     text += f"\nwall time of the whole run: {time.perf_counter() - started:.0f} s"
     if args.out is not None:
-        command = "PYTHONPATH=src python bench/planner_quality.py " + shlex.join(
-            argv if argv is not None else sys.argv[1:]
-        )
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"# Planner quality\n\nCommand: `{command}`\n\n{text}\n")
+        write_report(args.out, "Planner quality", "planner_quality.py", argv, text)
     print(text)
     return 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zellige
-from _provenance import git_commit, machine
+from _provenance import git_commit, machine, write_report
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,11 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"measured {num_gpus} GPUs", file=sys.stderr)
     text = table(rows, args.workload, args.seeds)
     if args.out is not None:
-        command = "PYTHONPATH=src python bench/planning_time.py " + shlex.join(
-            argv if argv is not None else sys.argv[1:]
-        )
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"# Planning time\n\nCommand: `{command}`\n\n{text}\n")
+        write_report(args.out, "Planning time", "planning_time.py", argv, text)
     print(text)
     return 0
 
