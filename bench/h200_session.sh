@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
-# One device call on a single H200: build, planner smoke test (with a backtrace if it crashes),
-# re-measure the profile, validate it on >= 21 plans. Results land in $OUT.
+# Device calls on one H200 (each under the 10-minute limit of a call); results land in $OUT.
+#   bash bench/h200_session.sh profile            # build, planner smoke test, `zellige profile`,
+#                                                 # training throughput (about 6 min)
+#   bash bench/h200_session.sh validate PROFILE   # build, validate-profile on >= 21 plans
+#                                                 # (about 6 min)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/zellige-out}; mkdir -p "$OUT"
+phase=${1:?usage: h200_session.sh profile | validate PROFILE.json}
+profile=$(realpath "${2:-src/zellige/profiles/h200.json}")
 python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
+source_tree=$PWD
 cd /tmp  # import the installed package, not the source tree
-python3 "$OLDPWD/bench/planner_smoke.py" >"$OUT/planner_smoke.txt" 2>&1
-rc=$?; echo "planner smoke rc=$rc"; tail -2 "$OUT/planner_smoke.txt"
-if [ $rc -ne 0 ]; then
-  cuda-gdb -batch -ex run -ex bt --args python3 "$OLDPWD/bench/planner_smoke.py" \
-    >"$OUT/planner_backtrace.txt" 2>&1
-  grep -A25 "SIGSEGV" "$OUT/planner_backtrace.txt" | head -40
-fi
-timeout 150 zellige profile --out "$OUT/h200.json" --details "$OUT/profile_details.json" \
-  2>&1 | tail -5
-timeout 230 zellige validate-profile --profile "$OUT/h200.json" --plans 21 --repeats 1 \
-  --time-budget 200 --json "$OUT/validate.json" --results-jsonl "$OUT/validate.jsonl" \
-  2>&1 | tail -25
+case $phase in
+  profile)
+    python3 "$source_tree/bench/planner_smoke.py" >"$OUT/planner_smoke.txt" 2>&1
+    echo "planner smoke rc=$?"; tail -2 "$OUT/planner_smoke.txt"
+    timeout 240 zellige profile --out "$OUT/h200.json" --details "$OUT/profile_details.json" \
+      >"$OUT/profile.log" 2>&1
+    echo "profile rc=$?"; grep -E "calls L=|host issue|wrote|Error" "$OUT/profile.log"
+    (cd "$source_tree/bench" && timeout 200 python3 train_throughput.py --steps 7 --warmup 2 \
+      --runs wan1p3b-h200:wan-stage2,wan14b-width-h200:wan-stage2 \
+      --json "$OUT/train_throughput.json") >"$OUT/train.log" 2>&1
+    echo "train rc=$?"; tail -8 "$OUT/train.log"
+    ;;
+  validate)
+    timeout 560 zellige validate-profile --profile "$profile" --plans 21 --repeats 3 \
+      --json "$OUT/validate.json" --results-jsonl "$OUT/validate.jsonl" >"$OUT/validate.log" 2>&1
+    echo "validate rc=$?"; tail -30 "$OUT/validate.log"
+    ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac

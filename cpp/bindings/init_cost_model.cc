@@ -32,9 +32,12 @@ void init_cost_model(nb::module_& m) {
       .def_rw("tokens", &RankCost::tokens)
       .def_rw("linear_s", &RankCost::linear_s)
       .def_rw("attention_s", &RankCost::attention_s)
-      .def_rw("exchange_s", &RankCost::exchange_s);
-  add_value_methods(rank_cost,
-                    {"time_s", "peak_bytes", "tokens", "linear_s", "attention_s", "exchange_s"});
+      .def_rw("exchange_s", &RankCost::exchange_s)
+      .def_rw("call_s", &RankCost::call_s)
+      .def_rw("launch_floor_s", &RankCost::launch_floor_s)
+      .def_rw("attention_calls", &RankCost::attention_calls);
+  add_value_methods(rank_cost, {"time_s", "peak_bytes", "tokens", "linear_s", "attention_s",
+                                "exchange_s", "call_s", "launch_floor_s", "attention_calls"});
 
   nb::class_<PlanCost> plan_cost(m, "PlanCost", "Every rank's cost, makespan, bytes and fit.");
   plan_cost.def_rw("ranks", &PlanCost::ranks)

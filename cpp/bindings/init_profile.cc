@@ -41,6 +41,11 @@ void init_profile(nb::module_& m) {
       .def_rw("attention_head_dim", &HardwareProfile::attention_head_dim)
       .def_rw("attention_forward_s_per_head", &HardwareProfile::attention_forward_s_per_head)
       .def_rw("attention_backward_s_per_head", &HardwareProfile::attention_backward_s_per_head)
+      .def_rw("attention_call_lengths", &HardwareProfile::attention_call_lengths)
+      .def_rw("attention_call_forward_s", &HardwareProfile::attention_call_forward_s)
+      .def_rw("attention_call_backward_s", &HardwareProfile::attention_call_backward_s)
+      .def_rw("launch_s_per_layer", &HardwareProfile::launch_s_per_layer)
+      .def_rw("launch_s_per_attention_call", &HardwareProfile::launch_s_per_attention_call)
       .def_rw("matmul_forward_flops_per_s", &HardwareProfile::matmul_forward_flops_per_s)
       .def_rw("matmul_backward_flops_per_s", &HardwareProfile::matmul_backward_flops_per_s)
       .def_rw("exchange_group_sizes", &HardwareProfile::exchange_group_sizes)
@@ -59,7 +64,9 @@ void init_profile(nb::module_& m) {
       profile,
       {"device_name", "created", "matmul_flops_per_s", "attention_flops_per_s",
        "memory_bytes_per_s", "attention_head_dim", "attention_forward_s_per_head",
-       "attention_backward_s_per_head", "matmul_forward_flops_per_s", "matmul_backward_flops_per_s",
+       "attention_backward_s_per_head", "attention_call_lengths", "attention_call_forward_s",
+       "attention_call_backward_s", "launch_s_per_layer", "launch_s_per_attention_call",
+       "matmul_forward_flops_per_s", "matmul_backward_flops_per_s",
        "exchange_group_sizes", "exchange_intra_node_s", "exchange_overlap", "memory_models",
        "activation_bytes_per_token_layer", "checkpoint_bytes_per_token_layer",
        "backward_bytes_per_token_layer", "text_bytes_per_token_layer", "runtime_reserved_bytes"});

@@ -101,6 +101,11 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   attention_backward_ = LogTable(profile_.attention_backward_s_per_head);
   matmul_forward_ = LogTable(profile_.matmul_forward_flops_per_s);
   matmul_backward_ = LogTable(profile_.matmul_backward_flops_per_s);
+  for (size_t i = 0; i < profile_.attention_call_lengths.size(); ++i) {
+    call_log_lengths_.push_back(std::log(profile_.attention_call_lengths[i]));
+    call_forward_.emplace_back(profile_.attention_call_forward_s[i]);
+    call_backward_.emplace_back(profile_.attention_call_backward_s[i]);
+  }
   if (model_.num_heads <= 0 || model_.head_dim <= 0 || model_.num_layers <= 0 ||
       model_.width <= 0) {
     throw std::invalid_argument("cost model: model '" + model_.name +
@@ -202,6 +207,73 @@ double CostModel::text_projection_s(int64_t text_tokens) const {
          2.0 * flops /
              (matmul_backward_.empty() ? profile_.matmul_flops_per_s
                                        : matmul_backward_.held(kRankTextRows));
+}
+
+// log(per-head seconds of a call of `heads` heads / per-head seconds of the largest call measured)
+// at each measured length, heads held inside the measured range; linear in log length between
+// lengths and held beyond them. Calls of more heads than measured run at the full-call rate.
+double CostModel::call_log_slowdown(const std::vector<LogTable>& tables, double length,
+                                    double heads) const {
+  const auto at_length = [&](size_t i) {
+    const LogTable& table = tables[i];
+    const double low = std::exp(table.log_x.front()), high = std::exp(table.log_x.back());
+    const double h = std::clamp(heads, low, high);
+    return std::log(table.held(h) / h) - (table.log_y.back() - table.log_x.back());
+  };
+  const double log_length = std::log(length);
+  if (log_length <= call_log_lengths_.front()) return at_length(0);
+  if (log_length >= call_log_lengths_.back()) return at_length(call_log_lengths_.size() - 1);
+  const size_t i = static_cast<size_t>(std::upper_bound(call_log_lengths_.begin(),
+                                                        call_log_lengths_.end(), log_length) -
+                                       call_log_lengths_.begin()) -
+                   1;
+  const double t =
+      (log_length - call_log_lengths_[i]) / (call_log_lengths_[i + 1] - call_log_lengths_[i]);
+  return (1.0 - t) * at_length(i) + t * at_length(i + 1);
+}
+
+double CostModel::call_excess_per_head_s(double query_tokens, double key_tokens,
+                                         double call_heads) const {
+  if (call_log_lengths_.empty() || query_tokens <= 0 || key_tokens <= 0) return 0;
+  const double length = std::sqrt(query_tokens * key_tokens);
+  const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
+  const double forward_excess =
+      std::max(0.0, std::expm1(call_log_slowdown(call_forward_, length, call_heads)));
+  const double backward_excess =
+      std::max(0.0, std::expm1(call_log_slowdown(call_backward_, length, call_heads)));
+  return forward_passes * head_forward_s(query_tokens, key_tokens) * forward_excess +
+         head_backward_s(query_tokens, key_tokens) * backward_excess;
+}
+
+// The segments each rank of `placement` attends, as the engine groups them into calls (see
+// coalesced.py and the model's SegmentAttention): self-attention of its block's heads against
+// every block (one call per ring step), and cross-attention of its chunk to the text.
+void CostModel::add_attention_calls(const Sequence& sequence, const Placement& placement,
+                                    std::vector<RankCalls>* calls) const {
+  const int64_t unit_tokens = attended_tokens(model_, sequence.num_tokens, sequence.text_tokens);
+  const int64_t u = placement.ulysses_degree;
+  const int64_t r = placement.ring_degree;
+  const int64_t all_heads = model_.num_heads;
+  const bool cross = !model_.joint_attention && sequence.text_tokens > 0;
+  const int64_t small_block = unit_tokens / r, num_big_blocks = unit_tokens % r;
+  const auto block_of = [&](int64_t j) { return small_block + (j < num_big_blocks ? 1 : 0); };
+  for (int64_t j = 0; j < r; ++j) {
+    const int64_t block = block_of(j);
+    for (int64_t k = 0; k < u; ++k) {
+      const int64_t chunk = block / u + (k < block % u ? 1 : 0);
+      const int64_t heads = all_heads / u + (k < all_heads % u ? 1 : 0);
+      RankCalls& rank = (*calls)[placement.ranks[j * u + k]];
+      if (block > 0 && heads > 0) {
+        for (int64_t step = 0; step < r; ++step) {
+          const int64_t key_block = block_of((j + r - step) % r);
+          if (key_block == 0) continue;
+          const int64_t tag = r == 1 ? -1 : sequence.id;
+          rank[{block, key_block, heads, tag, r == 1 ? 0 : step}] += 1;
+        }
+      }
+      if (cross && chunk > 0) rank[{chunk, sequence.text_tokens, all_heads, -2, 0}] += 1;
+    }
+  }
 }
 
 CostModel::Shape CostModel::make_shape(int64_t unit_tokens, int64_t text_tokens,
@@ -432,10 +504,12 @@ PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
   PlanCost cost;
   cost.ranks.assign(static_cast<size_t>(num_ranks), RankCost{});
   std::vector<double> memory(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<RankCalls> calls(static_cast<size_t>(num_ranks));
   for (const Placement& placement : plan.placements) {
     double sent = 0;
-    for (const RankShare& share :
-         shares_and_bytes(*by_id.at(placement.sequence_id), placement, &sent)) {
+    const Sequence& sequence = *by_id.at(placement.sequence_id);
+    add_attention_calls(sequence, placement, &calls);
+    for (const RankShare& share : shares_and_bytes(sequence, placement, &sent)) {
       RankCost& rank = cost.ranks[share.rank];
       rank.tokens += share.tokens;
       rank.attention_s += share.attention_s;
@@ -448,7 +522,21 @@ PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
   for (int64_t i = 0; i < num_ranks; ++i) {
     RankCost& rank = cost.ranks[i];
     rank.linear_s = linear_time_s(rank.tokens);
-    rank.time_s = rank.linear_s + rank.attention_s + rank.exchange_s;
+    const double layers = static_cast<double>(model_.num_layers);
+    for (const auto& [key, segments] : calls[i]) {
+      const double call_heads = static_cast<double>(segments * key[2]);
+      rank.call_s += layers * call_heads *
+                     call_excess_per_head_s(static_cast<double>(key[0]),
+                                            static_cast<double>(key[1]), call_heads);
+    }
+    rank.attention_calls = static_cast<int64_t>(calls[i].size());
+    if (rank.tokens > 0) {
+      rank.launch_floor_s =
+          layers * (profile_.launch_s_per_layer +
+                    profile_.launch_s_per_attention_call * static_cast<double>(rank.attention_calls));
+    }
+    rank.time_s = std::max(rank.linear_s + rank.attention_s + rank.call_s + rank.exchange_s,
+                           rank.launch_floor_s);
     rank.peak_bytes = fixed_bytes_ + memory[i];
     cost.makespan_s = std::max(cost.makespan_s, rank.time_s);
     cost.peak_bytes = std::max(cost.peak_bytes, rank.peak_bytes);

@@ -48,6 +48,28 @@ void HardwareProfile::validate() const {
   attention_backward_s_per_head.validate("attention_backward_s_per_head");
   matmul_forward_flops_per_s.validate("matmul_forward_flops_per_s");
   matmul_backward_flops_per_s.validate("matmul_backward_flops_per_s");
+  if (attention_call_forward_s.size() != attention_call_lengths.size() ||
+      attention_call_backward_s.size() != attention_call_lengths.size()) {
+    throw std::invalid_argument(
+        "profile: attention_call_lengths, attention_call_forward_s and attention_call_backward_s "
+        "differ in length");
+  }
+  for (size_t i = 0; i < attention_call_lengths.size(); ++i) {
+    if (!(attention_call_lengths[i] > 0) ||
+        (i > 0 && !(attention_call_lengths[i] > attention_call_lengths[i - 1]))) {
+      throw std::invalid_argument("profile: attention_call_lengths must be > 0 and increasing");
+    }
+    const std::string at = "[" + std::to_string(i) + "]";
+    attention_call_forward_s[i].validate("attention_call_forward_s" + at);
+    attention_call_backward_s[i].validate("attention_call_backward_s" + at);
+    if (attention_call_forward_s[i].empty() || attention_call_backward_s[i].empty()) {
+      throw std::invalid_argument("profile: attention call tables" + at + " must not be empty");
+    }
+  }
+  if (!(launch_s_per_layer >= 0) || !(launch_s_per_attention_call >= 0)) {
+    throw std::invalid_argument(
+        "profile: launch_s_per_layer and launch_s_per_attention_call must be >= 0");
+  }
   if (exchange_group_sizes.size() != exchange_intra_node_s.size()) {
     throw std::invalid_argument(
         "profile: exchange_group_sizes and exchange_intra_node_s differ in length");

@@ -46,6 +46,10 @@ std::vector<TimelineSegment> simulate(const Batch& batch, const Plan& plan,
       add(static_cast<int64_t>(rank), entry.sequence_id, "exchange", &clock_s,
           entry.share.exchange_s);
     }
+    add(static_cast<int64_t>(rank), -1, "calls", &clock_s, totals.call_s);
+    if (totals.launch_floor_s > clock_s) {
+      add(static_cast<int64_t>(rank), -1, "launch", &clock_s, totals.launch_floor_s - clock_s);
+    }
   }
   return segments;
 }

@@ -25,7 +25,8 @@ _TABLE_FIELDS = (
     "matmul_backward_flops_per_s",
 )
 _REQUIRED_NUMBERS = ("matmul_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s")
-_OPTIONAL_NUMBERS = ("exchange_overlap",)
+_OPTIONAL_NUMBERS = ("exchange_overlap", "launch_s_per_layer", "launch_s_per_attention_call")
+_TABLE_LISTS = ("exchange_intra_node_s", "attention_call_forward_s", "attention_call_backward_s")
 _INTEGERS = ("attention_head_dim", "runtime_reserved_bytes")
 _STRINGS = ("device_name", "created")
 _FIELDS = (
@@ -34,6 +35,11 @@ _FIELDS = (
     *_REQUIRED_NUMBERS,
     "attention_head_dim",
     *_TABLE_FIELDS,
+    "attention_call_lengths",
+    "attention_call_forward_s",
+    "attention_call_backward_s",
+    "launch_s_per_layer",
+    "launch_s_per_attention_call",
     "exchange_group_sizes",
     "exchange_intra_node_s",
     "exchange_overlap",
@@ -113,9 +119,12 @@ def profile_from_dict(data: Any) -> HardwareProfile:
         _integer(v, f"exchange_group_sizes[{i}]")
         for i, v in enumerate(_list(data.get("exchange_group_sizes", []), "exchange_group_sizes"))
     ]
-    profile.exchange_intra_node_s = [
-        _table(v, f"exchange_intra_node_s[{i}]")
-        for i, v in enumerate(_list(data.get("exchange_intra_node_s", []), "exchange_intra_node_s"))
+    for key in _TABLE_LISTS:
+        tables = _list(data.get(key, []), key)
+        setattr(profile, key, [_table(v, f"{key}[{i}]") for i, v in enumerate(tables)])
+    lengths = _list(data.get("attention_call_lengths", []), "attention_call_lengths")
+    profile.attention_call_lengths = [
+        _number(v, f"attention_call_lengths[{i}]") for i, v in enumerate(lengths)
     ]
     models = _list(data.get("memory_models", []), "memory_models")
     if not all(isinstance(name, str) for name in models):
@@ -144,7 +153,7 @@ def profile_to_dict(profile: HardwareProfile) -> dict[str, Any]:
         value = getattr(profile, key)
         if key in _TABLE_FIELDS:
             value = _table_to_dict(value)
-        elif key == "exchange_intra_node_s":
+        elif key in _TABLE_LISTS:
             value = [_table_to_dict(table) for table in value]
         elif isinstance(value, list):
             value = list(value)

@@ -39,6 +39,17 @@ def test_round_trip_is_exact(tmp_path):
     profile.memory_models = ["wan-14b"]
     profile.activation_bytes_per_token_layer = [250000.0]
     profile.checkpoint_bytes_per_token_layer = [10240.0]
+    profile.attention_call_lengths = [256.0, 8192.0]
+    profile.attention_call_forward_s = [
+        zellige.Table(x=[1, 40, 2560], y=[3e-5, 4e-5, 4e-4], source="measured"),
+        zellige.Table(x=[1, 10, 80], y=[3e-4, 8e-4, 4e-3], source="measured"),
+    ]
+    profile.attention_call_backward_s = [
+        zellige.Table(x=[1, 40, 2560], y=[6e-5, 8e-5, 9e-4], source="measured"),
+        zellige.Table(x=[1, 10, 80], y=[8e-4, 2e-3, 1.3e-2], source="measured"),
+    ]
+    profile.launch_s_per_layer = 4e-3
+    profile.launch_s_per_attention_call = 2e-4
     path = tmp_path / "p.json"
     save_profile(profile, path)
     again = load_profile(path)
@@ -75,6 +86,18 @@ BAD_PROFILES = {
     "table-not-object": {**_builtin_dict(), "matmul_backward_flops_per_s": [1, 2]},
     "exchange-length-mismatch": {**_builtin_dict(), "exchange_group_sizes": [4]},
     "overlap-one": {**_builtin_dict(), "exchange_overlap": 1.0},
+    "call-tables-without-lengths": {
+        **_builtin_dict(),
+        "attention_call_lengths": [],
+        "attention_call_forward_s": [{"source": "measured", "x": [1, 2], "y": [1, 2]}],
+    },
+    "call-lengths-decreasing": {
+        **_builtin_dict(),
+        "attention_call_lengths": [512, 256],
+        "attention_call_forward_s": [{"source": "measured", "x": [1], "y": [1]}] * 2,
+        "attention_call_backward_s": [{"source": "measured", "x": [1], "y": [1]}] * 2,
+    },
+    "negative-launch": {**_builtin_dict(), "launch_s_per_layer": -1e-3},
 }
 
 

@@ -169,6 +169,11 @@ def test_quick_profile_writes_a_valid_measured_profile(tmp_path):
     assert data["device_name"]
     assert "torch" in data["created"]
     assert data["attention_head_dim"] == 16  # the tiny model's head dim
+    # Call tables: per length, calls of 1 head up to the full pack; the host's issue time.
+    assert len(data["attention_call_lengths"]) == len(data["attention_call_forward_s"]) >= 2
+    for table in data["attention_call_forward_s"] + data["attention_call_backward_s"]:
+        assert table["x"][0] == 1 and len(table["x"]) >= 3
+    assert data["launch_s_per_layer"] > 0 and data["launch_s_per_attention_call"] >= 0
     profile = load_profile(out)  # the core reads it back
     assert profile.matmul_flops_per_s > 0
     assert json.loads(details.read_text())["model"] == "tiny"

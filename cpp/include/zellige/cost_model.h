@@ -4,7 +4,9 @@
 // forward recompute under activation checkpointing). All memory is peak bytes on a rank.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <map>
 #include <vector>
 
 #include "zellige/cluster.h"
@@ -35,11 +37,15 @@ struct RankShare {
   double memory_bytes = 0;  // activations + attention and exchange buffers of this sequence
 };
 
+// time_s = max(linear_s + attention_s + call_s + exchange_s, launch_floor_s).
 struct RankCost {
   double time_s = 0;
   double peak_bytes = 0;
   int64_t tokens = 0;
   double linear_s = 0, attention_s = 0, exchange_s = 0;
+  double call_s = 0;          // attention calls of few heads beyond the full-call rate (>= 0)
+  double launch_floor_s = 0;  // host time to issue the rank's kernels
+  int64_t attention_calls = 0;  // per layer pass: distinct (shape, heads) groups, ring steps apart
 };
 
 struct LowerBoundSearch;
@@ -84,6 +90,12 @@ class CostModel {
 
   // Every rank's time and peak memory under `plan`, plus makespan, exchange bytes and fit.
   // Throws std::invalid_argument if the plan does not match the batch (see validate_plan).
+  // Beyond the sum of the shares, a rank pays for how its attention runs, which depends on the
+  // other sequences it holds (so the planners' additive shares leave it out): the engine runs
+  // every group of equal (query length, key length, heads) segments as one call, and a call of
+  // few heads is slower per head than the full calls of the per-head tables (call_s, from the
+  // profile's call tables, never negative); and the rank is not done before its host has issued
+  // its kernels (launch_floor_s). Both only add time, so makespan_lower_bound stays a bound.
   PlanCost evaluate(const Batch& batch, const Plan& plan) const;
 
   // Bytes the ranks of `placement` send in total per step (all layers, forward + backward, plus
@@ -103,6 +115,16 @@ class CostModel {
   double head_forward_s(double query_tokens, double key_tokens) const;
   double head_backward_s(double query_tokens, double key_tokens) const;
   double text_projection_s(int64_t text_tokens) const;
+  // One attention call: query tokens, key tokens, heads per segment, then -1 for a coalescable
+  // self-attention segment, -2 for cross-attention, or the sequence id for one of its ring
+  // steps (the last entry), which run one after another.
+  using CallKey = std::array<int64_t, 5>;
+  using RankCalls = std::map<CallKey, int64_t>;  // segments per call
+  void add_attention_calls(const Sequence& sequence, const Placement& placement,
+                           std::vector<RankCalls>* calls) const;
+  // Forward (x forward passes) + backward seconds per head and layer that a call of `call_heads`
+  // heads costs beyond the full-call rate; 0 without call tables.
+  double call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads) const;
   friend struct LowerBoundSearch;  // makespan_lower_bound's candidate search (cost_model.cc)
 
   // A profile table in log space: a lookup costs one log and one exp (planners' hot path).
@@ -128,6 +150,10 @@ class CostModel {
   double fixed_bytes_ = 0;
   double min_linear_time_per_token_s_ = 0;
   LogTable attention_forward_, attention_backward_, matmul_forward_, matmul_backward_;
+  // The profile's call tables: log of the per-head slowdown against the largest call measured.
+  std::vector<double> call_log_lengths_;
+  std::vector<LogTable> call_forward_, call_backward_;
+  double call_log_slowdown(const std::vector<LogTable>& tables, double length, double heads) const;
 };
 
 // A lower bound on the makespan of ANY placement of the batch under this cost model:

@@ -34,6 +34,19 @@ struct HardwareProfile {
   int64_t attention_head_dim = 128;
   Table attention_forward_s_per_head;
   Table attention_backward_s_per_head;
+  // Optional, measured together (all empty = not modelled): GPU seconds of ONE coalesced
+  // attention call over L = attention_call_lengths[i] tokens (increasing) by the total heads H it
+  // holds (x = H = segments x heads per segment), forward and backward. Only their shape in H is
+  // used: a call of few heads (a Ulysses shard, a lone sequence) runs slower per head than the
+  // largest call measured at that length, which is what the per-head tables above describe.
+  std::vector<double> attention_call_lengths;
+  std::vector<Table> attention_call_forward_s;
+  std::vector<Table> attention_call_backward_s;
+  // Optional (0 = not modelled): host seconds to issue one layer's kernels (forward, recompute,
+  // backward) apart from its attention calls, and per attention call (self or cross) and layer.
+  // A rank whose GPU work is shorter waits for its host: CostModel::evaluate's launch floor.
+  double launch_s_per_layer = 0;
+  double launch_s_per_attention_call = 0;
   // Dense GEMM throughput (FLOP/s) against the token count M of the per-token layers. x = M.
   Table matmul_forward_flops_per_s;
   Table matmul_backward_flops_per_s;

@@ -20,6 +20,8 @@ PHASES = {
     "linear": ("#", "tab:blue"),
     "attention": ("=", "tab:orange"),
     "exchange": ("~", "tab:red"),
+    "calls": ("+", "tab:purple"),  # attention calls of few heads (rank level)
+    "launch": (".", "tab:gray"),  # waiting for the host to issue kernels
 }
 
 
@@ -95,6 +97,9 @@ def text_picture(setup: Setup, plan: _core.Plan) -> list[str]:
             ("linear", rank_cost.linear_s),
             ("attention", rank_cost.attention_s),
             ("exchange", rank_cost.exchange_s),
+            ("calls", rank_cost.call_s),
+            ("launch", rank_cost.time_s - rank_cost.linear_s - rank_cost.attention_s
+             - rank_cost.exchange_s - rank_cost.call_s),
         ):
             bar += PHASES[phase][0] * round(seconds * scale)
         head = f"{rank:>4} {rank_cost.time_s:8.4f} s |{bar[:BAR_COLUMNS]:<{BAR_COLUMNS}}| "

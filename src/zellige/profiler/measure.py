@@ -4,6 +4,10 @@ What is measured, and how it maps onto the cost model (cpp/src/cost_model.cc):
 - attention forward/backward per head by segment length, through the engine's coalesced call,
   with segments of one length grouped as the engine groups them (a pack of about
   `PACK_TOKENS` tokens, so short segments are timed as they run: never alone);
+- attention calls by length and total heads (`attention_call_*`): a call of few heads (a Ulysses
+  shard, a lone sequence) runs slower per head than a full pack;
+- the host time to issue one layer and one attention call (`launch_s_*`), from training steps
+  of tiny ranks whose GPU work is shorter than their issue;
 - the per-token layers of the model preset (real zellige.model blocks with both attention cores
   removed) by token count, stored as the GEMM rates that make the cost model's formula
   `flops / rate + elementwise bytes / bandwidth` reproduce the measured times;
@@ -11,6 +15,9 @@ What is measured, and how it maps onto the cost model (cpp/src/cost_model.cc):
   the transient of one layer's backward, from the allocator around real blocks;
 - the device memory the process holds outside its tensors (context, library workspaces);
 - all-to-all time by bytes and group size when several GPUs are visible (see exchange.py).
+
+Times of kernels are GPU times (timing.gpu_time_s: host launch overhead hidden); the host's
+issue time enters the cost model once, as the launch floor.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 from zellige import _core
 from zellige.profiler import rank_work
 from zellige.profiler.models import dit_config, model_spec
-from zellige.profiler.timing import allocated_bytes, median_time_s, synchronize
+from zellige.profiler.timing import allocated_bytes, gpu_time_s, median_time_s, synchronize
 
 PACK_TOKENS = 16384  # tokens of equal-length segments one coalesced call sees on a typical rank
 # The cost model's elementwise traffic per token and width per pass (kElementwiseBytesPerTokenWidth)
@@ -36,7 +43,11 @@ ELEMENTWISE_BYTES_PER_TOKEN_WIDTH = 24
 FULL_ATTENTION_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 FULL_TOKEN_COUNTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 FULL_MEMORY_TOKENS = (8192, 32768)
+CALL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_ATTENTION_LENGTHS = (64, 128, 256)
+QUICK_CALL_LENGTHS = (64, 256)
+LAUNCH_LAYERS = 2
+LAUNCH_SEQUENCES = 8  # a tiny rank of this many distinct lengths, against one of one
 QUICK_TOKEN_COUNTS = (64, 128, 256)
 QUICK_MEMORY_TOKENS = (64, 128)
 
@@ -119,9 +130,9 @@ def measure_attention(
     def forward():
         return coalesced_attention(q, k, v, table, backend=backend)
 
-    forward_s = median_time_s(forward, device, repeats=repeats)
+    forward_s = gpu_time_s(forward, device, repeats=repeats)
     out = forward()
-    backward_s = median_time_s(
+    backward_s = gpu_time_s(
         lambda: torch.autograd.grad(out, (q, k, v), grad_o, retain_graph=True),
         device,
         repeats=repeats,
@@ -161,20 +172,99 @@ def profile_attention(
             f"attention L={length:>6} x {pairs:>4} heads: fwd {flops / f_s / 1e12:6.1f} "
             f"bwd {2.5 * flops / b_s / 1e12:6.1f} TFLOP/s"
         )
-    # How the per-head time depends on the heads sharing one call (Ulysses shards hold fewer).
-    sweep = {}
-    sweep_lengths = (lengths[0], lengths[len(lengths) // 2])
-    for length in sweep_lengths:
-        for pairs in sorted(
-            {1, max(1, num_heads // 4), num_heads, heads_per_call(length, num_heads)}
-        ):
-            f_s, b_s = measure(length, pairs)
-            sweep[f"L={length},heads={pairs}"] = {
-                "forward_s_per_head": f_s,
-                "backward_s_per_head": b_s,
-            }
-    progress(f"attention head sweep at L={sweep_lengths}: {len(sweep)} points")
-    return _table(lengths, forward), _table(lengths, backward), sweep
+    return _table(lengths, forward), _table(lengths, backward)
+
+
+def call_heads(length: int, num_heads: int) -> list[int]:
+    """Total heads of the calls measured at `length`: few (Ulysses shards of num_heads / u), the
+    model's heads, and doublings up to the full pack of the per-head table."""
+    few = {1, 2, 4} | {max(1, num_heads // u) for u in (8, 4, 2)}
+    full = heads_per_call(length, num_heads)
+    doublings = {num_heads * 2**k for k in range(12) if num_heads * 2**k <= full}
+    return sorted(h for h in few | doublings | {full} if h <= full)
+
+
+def profile_attention_calls(
+    options: ProfileOptions, device, dtype, num_heads: int, head_dim: int, progress: Progress
+) -> tuple[list[int], list[dict], list[dict]]:
+    """Seconds of one call by total heads (x) at each call length: the profile's call tables."""
+    lengths = QUICK_CALL_LENGTHS if options.quick else CALL_LENGTHS
+    forward_tables, backward_tables = [], []
+    for length in lengths:
+        heads = call_heads(length, num_heads)
+        forward, backward = [], []
+        for h in heads:
+            f_s, b_s = measure_attention(
+                length=length,
+                heads_per_call=h,
+                head_dim=head_dim,
+                device=device,
+                dtype=dtype,
+                backend=options.attention_backend,
+                repeats=options.repeats,
+            )
+            forward.append(f_s * h)
+            backward.append(b_s * h)
+        forward_tables.append(_table(heads, forward))
+        backward_tables.append(_table(heads, backward))
+        progress(
+            f"attention calls L={length:>6}: per head at {heads[0]} / {num_heads} / {heads[-1]} "
+            f"heads: fwd {forward[0] / heads[0] * 1e6:8.2f} / "
+            f"{forward[heads.index(num_heads)] / num_heads * 1e6:8.2f} / "
+            f"{forward[-1] / heads[-1] * 1e6:8.2f} us"
+        )
+    return list(lengths), forward_tables, backward_tables
+
+
+def _distinct_lengths_plan(
+    lengths: list[int], text_tokens: int
+) -> tuple[_core.Batch, _core.Plan]:
+    batch = _core.Batch()
+    batch.sequences = [
+        _core.sequence_from_tokens(i, "video", n, text_tokens, 0) for i, n in enumerate(lengths)
+    ]
+    plan = _core.Plan()
+    plan.planner = "profile"
+    plan.num_ranks = 1
+    plan.placements = [_core.make_placement(i, _core.Strategy.local, [0]) for i in range(len(lengths))]
+    return batch, plan
+
+
+def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -> dict:
+    """Host seconds to issue one layer apart from its attention calls, and per attention call:
+    training steps (checkpointing on) of tiny ranks, one of 1 sequence and one of
+    LAUNCH_SEQUENCES distinct lengths (each a self- and a cross-attention call), whose GPU
+    work is far shorter than their issue, so their time is the issue time."""
+    config = dit_config(options.model)
+    blocks = rank_work.make_blocks(config, LAUNCH_LAYERS, device, dtype)
+
+    def step_s(lengths: list[int]) -> float:
+        batch, plan = _distinct_lengths_plan(lengths, config.text_tokens)
+        with rank_work.local_exchanges():
+            inputs = rank_work.plan_rank_inputs(
+                batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
+            )
+            return median_time_s(
+                lambda: rank_work.train_step(blocks, inputs, checkpointing=True),
+                device,
+                repeats=max(options.repeats, 5),
+            )
+
+    one = step_s([32])
+    many = step_s([32 + i for i in range(LAUNCH_SEQUENCES)])
+    calls_one, calls_many = 2, 2 * LAUNCH_SEQUENCES  # self + cross per distinct length
+    per_call = max(0.0, (many - one) / (calls_many - calls_one) / LAUNCH_LAYERS)
+    per_layer = max(0.0, one / LAUNCH_LAYERS - calls_one * per_call)
+    progress(
+        f"host issue time: {per_layer * 1e3:.2f} ms per layer + {per_call * 1e3:.3f} ms per "
+        f"attention call (tiny ranks: {one * 1e3:.1f} ms with 1 sequence, {many * 1e3:.1f} ms "
+        f"with {LAUNCH_SEQUENCES}, {LAUNCH_LAYERS} layers)"
+    )
+    return {
+        "launch_s_per_layer": per_layer,
+        "launch_s_per_attention_call": per_call,
+        "step_s": {"1": one, str(LAUNCH_SEQUENCES): many},
+    }
 
 
 def profile_per_token_layers(
@@ -196,9 +286,9 @@ def profile_per_token_layers(
         def forward(inputs=inputs):
             return rank_work.forward_blocks(blocks, inputs, checkpointing=False)
 
-        forward_s = median_time_s(forward, device, repeats=options.repeats)
+        forward_s = gpu_time_s(forward, device, repeats=options.repeats)
         out = forward()
-        backward_s = median_time_s(
+        backward_s = gpu_time_s(
             lambda out=out, inputs=inputs, params=params: torch.autograd.grad(
                 out, params, inputs.grad_TD, retain_graph=True, allow_unused=True
             ),
@@ -358,9 +448,13 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         f"GEMM {gemm_size}^3: {matmul_flops_per_s / 1e12:.1f} TFLOP/s; device copy "
         f"{memory_bytes_per_s / 1e12:.2f} TB/s"
     )
-    attention_forward, attention_backward, head_sweep = profile_attention(
+    attention_forward, attention_backward = profile_attention(
         options, device, dtype, config.num_heads, config.head_dim, progress
     )
+    call_lengths, call_forward, call_backward = profile_attention_calls(
+        options, device, dtype, config.num_heads, config.head_dim, progress
+    )
+    launch = profile_launch(options, device, dtype, progress)
     longest = attention_forward["x"][-1]
     attention_flops_per_s = 4.0 * longest**2 * config.head_dim / attention_forward["y"][-1]
     matmul_forward, matmul_backward, layer_seconds = profile_per_token_layers(
@@ -398,6 +492,11 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "attention_head_dim": config.head_dim,
         "attention_forward_s_per_head": attention_forward,
         "attention_backward_s_per_head": attention_backward,
+        "attention_call_lengths": call_lengths,
+        "attention_call_forward_s": call_forward,
+        "attention_call_backward_s": call_backward,
+        "launch_s_per_layer": launch["launch_s_per_layer"],
+        "launch_s_per_attention_call": launch["launch_s_per_attention_call"],
         "matmul_forward_flops_per_s": matmul_forward,
         "matmul_backward_flops_per_s": matmul_backward,
         "exchange_group_sizes": exchange_sizes,
@@ -418,7 +517,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
     }
     details = {
         "model": options.model,
-        "attention_head_sweep": head_sweep,
+        "launch_steps_s": launch["step_s"],
         "per_token_layer_seconds": layer_seconds,
         "memory": memory,
         "pack_tokens": PACK_TOKENS,
@@ -430,6 +529,9 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
 
 def _check_finite(profile: dict) -> None:
     for key, value in profile.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            _check_finite({f"{key}[{i}]": table for i, table in enumerate(value)})
+            continue
         values = value["y"] if isinstance(value, dict) else value
         if isinstance(values, float | int) and not isinstance(values, bool):
             values = [values]

@@ -53,6 +53,57 @@ def median_time_s(
     return statistics.median(times_s)
 
 
+_SLEEP_CYCLES_PER_S: float | None = None
+MAX_SLEEP_S = 0.2
+
+
+def _sleep_cycles_per_s() -> float:
+    """GPU clock cycles per second of torch.cuda._sleep, measured once."""
+    global _SLEEP_CYCLES_PER_S
+    if _SLEEP_CYCLES_PER_S is None:
+        cycles = 20_000_000
+        torch.cuda._sleep(cycles // 10)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_S = cycles / (start.elapsed_time(end) / 1e3)
+    return _SLEEP_CYCLES_PER_S
+
+
+def gpu_time_s(
+    fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5
+) -> float:
+    """Median GPU seconds of `fn()`: as median_time_s, but each run is queued behind a GPU sleep
+    longer than the host takes to issue it, so the events bracket its kernels back to back and
+    host launch time drops out (the profile measures that apart: its launch floor). On a CPU,
+    the wall clock."""
+    if device.type != "cuda":
+        return median_time_s(fn, device, warmup=warmup, repeats=repeats)
+    synchronize(device)
+    start_s = time.perf_counter()
+    fn()
+    host_s = time.perf_counter() - start_s  # issue time (or more, if fn synchronizes)
+    synchronize(device)
+    if time.perf_counter() - start_s > SLOW_RUN_S:
+        warmup, repeats = 1, min(repeats, 3)
+    for _ in range(warmup - 1):
+        fn()
+    sleep_cycles = int(min(MAX_SLEEP_S, 2.0 * host_s + 1e-3) * _sleep_cycles_per_s())
+    synchronize(device)
+    times_s = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(sleep_cycles)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times_s.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times_s)
+
+
 def reset_peak(device: torch.device) -> int:
     """Resets the allocator's peak and returns the bytes allocated now (0 on CPU)."""
     if device.type != "cuda":

@@ -82,13 +82,17 @@ class RankResult:
     rank: int
     tokens: int
     num_sequences: int
-    predicted_s: float  # cost model (per-token layers + attention) + predicted_copy_s
+    # cost model without exchanges: max(per-token layers + attention + calls + predicted_copy_s,
+    # launch floor)
+    predicted_s: float
     measured_s: float
     predicted_peak_bytes: float
     measured_peak_bytes: float
     modelled_state_bytes: float  # the shard buffer (part of both peaks)
     knapformer_work: float  # W summed over the rank's shares
     predicted_copy_s: float = 0.0  # the exchanges' local stand-in copies (see local_copy_s)
+    predicted_call_s: float = 0.0  # attention calls of few heads (RankCost.call_s)
+    predicted_launch_floor_s: float = 0.0  # host issue time (RankCost.launch_floor_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -436,13 +440,18 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                 rank=rank,
                 tokens=rank_cost.tokens,
                 num_sequences=sum(rank in p.ranks for p in plan.placements),
-                predicted_s=rank_cost.linear_s + rank_cost.attention_s + copy_s,
+                predicted_s=max(
+                    rank_cost.linear_s + rank_cost.attention_s + rank_cost.call_s + copy_s,
+                    rank_cost.launch_floor_s,
+                ),
                 measured_s=measured_s,
                 predicted_peak_bytes=rank_cost.peak_bytes,
                 measured_peak_bytes=float(peak),
                 modelled_state_bytes=float(state_bytes),
                 knapformer_work=knapformer_rank_work(batch, plan, rank, config.width, gamma),
                 predicted_copy_s=copy_s,
+                predicted_call_s=rank_cost.call_s,
+                predicted_launch_floor_s=rank_cost.launch_floor_s,
             )
             results.append(result)
             if options.results_jsonl:

@@ -1,0 +1,164 @@
+// CostModel::evaluate's rank-level terms: attention calls of few heads (the profile's call
+// tables) and the host's launch floor.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "test_util.h"
+#include "zellige/cost_model.h"
+#include "zellige/planners.h"
+#include "zellige/simulator.h"
+
+namespace zellige {
+namespace {
+
+using test_util::seeded_profile;
+
+// Per-head time of a call of H heads = (1 + 3 / H) x the per-head time of a very large call, at
+// every length; measured up to 160 heads.
+double slowdown(double heads) { return 1.0 + 3.0 / heads; }
+const std::vector<double> kCallHeads = {1, 5, 10, 40, 160};
+
+HardwareProfile call_profile() {
+  HardwareProfile profile = seeded_profile();
+  for (double length : {1024.0, 65536.0}) {
+    Table table{kCallHeads, {}, "measured"};
+    for (double h : kCallHeads) table.y.push_back(h * 1e-6 * length * length * slowdown(h));
+    profile.attention_call_lengths.push_back(length);
+    profile.attention_call_forward_s.push_back(table);
+    profile.attention_call_backward_s.push_back(table);
+  }
+  profile.validate();
+  return profile;
+}
+
+CostModel wan14b(const HardwareProfile& profile, int64_t gpus = 8) {
+  return CostModel(model_preset("wan-14b"), profile, make_cluster(gpus, 8));
+}
+
+// What a call of `call_heads` heads over L x L costs beyond the full-call rate, all layers.
+double expected_call_s(const CostModel& model, double length, double call_heads) {
+  const HardwareProfile& profile = model.profile();
+  const double excess = slowdown(call_heads) / slowdown(kCallHeads.back()) - 1.0;
+  const double forward = profile.attention_forward_s_per_head(length);
+  const double backward = profile.attention_backward_s_per_head(length);
+  return static_cast<double>(model.model().num_layers) * call_heads * excess *
+         (2.0 * forward + backward);
+}
+
+TEST(AttentionCalls, FewHeadCallsPayTheMeasuredSlowdown) {
+  const CostModel model = wan14b(call_profile());
+  Batch batch = test_util::batch_of({20000, 40000});
+  Plan plan;
+  plan.num_ranks = 8;
+  plan.placements = {make_placement(0, Strategy::kLocal, {0}),
+                     make_placement(1, Strategy::kUlysses, {2, 3, 4, 5})};
+  const PlanCost cost = model.evaluate(batch, plan);
+  EXPECT_NEAR(cost.ranks[0].call_s, expected_call_s(model, 20000, 40), 1e-9);
+  EXPECT_NEAR(cost.ranks[2].call_s, expected_call_s(model, 40000, 10), 1e-9);
+  EXPECT_GT(cost.ranks[2].call_s / cost.ranks[2].attention_s,
+            cost.ranks[0].call_s / cost.ranks[0].attention_s);  // 10 heads per call, not 40
+  EXPECT_EQ(cost.ranks[0].attention_calls, 1);
+  EXPECT_EQ(cost.ranks[1].attention_calls, 0);
+  EXPECT_DOUBLE_EQ(cost.ranks[0].time_s,
+                   cost.ranks[0].linear_s + cost.ranks[0].attention_s + cost.ranks[0].call_s);
+
+  // The same plan without call tables: no call term, the shares' sum as before.
+  const CostModel plain = wan14b(seeded_profile());
+  const PlanCost plain_cost = plain.evaluate(batch, plan);
+  EXPECT_EQ(plain_cost.ranks[0].call_s, 0);
+  EXPECT_DOUBLE_EQ(plain_cost.ranks[0].time_s, cost.ranks[0].time_s - cost.ranks[0].call_s);
+}
+
+TEST(AttentionCalls, EqualSegmentsShareOneCallAndRingStepsDoNot) {
+  const CostModel model = wan14b(call_profile());
+  Batch batch = test_util::batch_of({20000, 20000, 40000, 3000}, /*text_tokens=*/512);
+  Plan plan;
+  plan.num_ranks = 8;
+  plan.placements = {make_placement(0, Strategy::kLocal, {0}),
+                     make_placement(1, Strategy::kLocal, {0}),
+                     make_placement(2, Strategy::kRing, {6, 7}),
+                     make_placement(3, Strategy::kLocal, {1})};
+  const PlanCost cost = model.evaluate(batch, plan);
+  // Rank 0: one self-attention call of 80 heads, one cross-attention call.
+  EXPECT_EQ(cost.ranks[0].attention_calls, 2);
+  const double one_alone = expected_call_s(model, 20000, 40);
+  EXPECT_GT(cost.ranks[0].call_s, 0);
+  EXPECT_LT(cost.ranks[0].call_s, 2 * one_alone);
+  // Ring: two steps (two calls) and one cross-attention call on each rank.
+  EXPECT_EQ(cost.ranks[6].attention_calls, 3);
+  EXPECT_EQ(cost.ranks[7].attention_calls, 3);
+  // The lower bound ignores both rank-level terms, which only add time.
+  EXPECT_LE(makespan_lower_bound(batch, model), cost.makespan_s);
+}
+
+TEST(AttentionCalls, LaunchFloorBindsOnlyTinyRanks) {
+  HardwareProfile profile = call_profile();
+  profile.launch_s_per_layer = 5e-3;
+  profile.launch_s_per_attention_call = 1e-3;
+  const CostModel model = wan14b(profile);
+  Batch batch = test_util::batch_of({256, 300, 60000}, /*text_tokens=*/512);
+  Plan plan;
+  plan.num_ranks = 8;
+  plan.placements = {make_placement(0, Strategy::kLocal, {0}),
+                     make_placement(1, Strategy::kLocal, {0}),
+                     make_placement(2, Strategy::kLocal, {1})};
+  const PlanCost cost = model.evaluate(batch, plan);
+  const double layers = 40;
+  // Rank 0: 2 distinct lengths, each a self- and a cross-attention call.
+  EXPECT_EQ(cost.ranks[0].attention_calls, 4);
+  EXPECT_NEAR(cost.ranks[0].launch_floor_s, layers * (5e-3 + 4 * 1e-3), 1e-12);
+  EXPECT_DOUBLE_EQ(cost.ranks[0].time_s, cost.ranks[0].launch_floor_s);
+  EXPECT_GT(cost.ranks[1].time_s, cost.ranks[1].launch_floor_s);
+  EXPECT_DOUBLE_EQ(cost.ranks[1].time_s, cost.ranks[1].linear_s + cost.ranks[1].attention_s +
+                                             cost.ranks[1].call_s);
+  EXPECT_EQ(cost.ranks[2].time_s, 0);  // an idle rank waits for nothing
+  EXPECT_EQ(cost.ranks[2].launch_floor_s, 0);
+
+  // The timeline still ends at the rank times.
+  std::vector<double> end(8, 0.0);
+  for (const TimelineSegment& segment : simulate(batch, plan, model)) {
+    end[segment.rank] = segment.end_s;
+  }
+  for (int64_t rank = 0; rank < 8; ++rank) EXPECT_NEAR(end[rank], cost.ranks[rank].time_s, 1e-9);
+}
+
+TEST(AttentionCalls, LowerBoundHoldsForPlannedBatches) {
+  HardwareProfile profile = call_profile();
+  profile.launch_s_per_layer = 1e-3;
+  profile.launch_s_per_attention_call = 1e-4;
+  const CostModel model = wan14b(profile, 16);
+  Recipe recipe;
+  recipe.name = "images-and-clips";
+  recipe.model = "wan-14b";
+  recipe.text_tokens = 512;
+  recipe.buckets = {{"256px", 1, 24, 250, 260, 1.0},
+                    {"480p", 33, 2, 1500, 1600, 1.0},
+                    {"720p", 81, 1, 3500, 3600, 1.0}};
+  const Batch batch = generate_batch(recipe, 16, 3);
+  for (const char* planner : {"dp-cost", "static-cp:4", "zellige"}) {
+    const Plan plan = make_plan(planner, batch, model);
+    EXPECT_LE(makespan_lower_bound(batch, model), model.evaluate(batch, plan).makespan_s)
+        << planner;
+  }
+}
+
+TEST(AttentionCalls, ProfileRejectsBadCallTables) {
+  HardwareProfile profile = call_profile();
+  profile.attention_call_backward_s.pop_back();
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+  profile = call_profile();
+  profile.attention_call_lengths = {65536, 1024};
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+  profile = call_profile();
+  profile.attention_call_forward_s[0] = Table{};
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+  profile = call_profile();
+  profile.launch_s_per_attention_call = -1;
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace zellige
