@@ -98,8 +98,14 @@ def text_picture(setup: Setup, plan: _core.Plan) -> list[str]:
             ("attention", rank_cost.attention_s),
             ("exchange", rank_cost.exchange_s),
             ("calls", rank_cost.call_s),
-            ("launch", rank_cost.time_s - rank_cost.linear_s - rank_cost.attention_s
-             - rank_cost.exchange_s - rank_cost.call_s),
+            (
+                "launch",
+                rank_cost.time_s
+                - rank_cost.linear_s
+                - rank_cost.attention_s
+                - rank_cost.exchange_s
+                - rank_cost.call_s,
+            ),
         ):
             bar += PHASES[phase][0] * round(seconds * scale)
         head = f"{rank:>4} {rank_cost.time_s:8.4f} s |{bar[:BAR_COLUMNS]:<{BAR_COLUMNS}}| "

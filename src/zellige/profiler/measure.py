@@ -216,9 +216,7 @@ def profile_attention_calls(
     return list(lengths), forward_tables, backward_tables
 
 
-def _distinct_lengths_plan(
-    lengths: list[int], text_tokens: int
-) -> tuple[_core.Batch, _core.Plan]:
+def _distinct_lengths_plan(lengths: list[int], text_tokens: int) -> tuple[_core.Batch, _core.Plan]:
     batch = _core.Batch()
     batch.sequences = [
         _core.sequence_from_tokens(i, "video", n, text_tokens, 0) for i, n in enumerate(lengths)
@@ -226,7 +224,9 @@ def _distinct_lengths_plan(
     plan = _core.Plan()
     plan.planner = "profile"
     plan.num_ranks = 1
-    plan.placements = [_core.make_placement(i, _core.Strategy.local, [0]) for i in range(len(lengths))]
+    plan.placements = [
+        _core.make_placement(i, _core.Strategy.local, [0]) for i in range(len(lengths))
+    ]
     return batch, plan
 
 
