@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Device calls on one H200 (each under the 10-minute limit of a call); results land in $OUT.
-#   bash bench/h200_session.sh profile            # build, planner smoke test, `zellige profile`,
-#                                                 # training throughput (about 6 min)
+#   bash bench/h200_session.sh profile            # build, planner smoke tests, `zellige profile`
+#                                                 # (about 5 min)
+#   bash bench/h200_session.sh train              # build, training throughput (about 2 min)
 #   bash bench/h200_session.sh validate PROFILE   # build, validate-profile on >= 21 plans
 #                                                 # (about 6 min)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/zellige-out}; mkdir -p "$OUT"
-phase=${1:?usage: h200_session.sh profile | validate PROFILE.json}
+phase=${1:?usage: h200_session.sh profile | train | validate PROFILE.json}
 profile=$(realpath "${2:-src/zellige/profiles/h200.json}")
 python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
 source_tree=$PWD
@@ -18,7 +19,20 @@ case $phase in
     echo "planner smoke rc=$?"; tail -2 "$OUT/planner_smoke.txt"
     timeout 240 zellige profile --out "$OUT/h200.json" --details "$OUT/profile_details.json" \
       >"$OUT/profile.log" 2>&1
-    echo "profile rc=$?"; grep -E "calls L=|host issue|wrote|Error" "$OUT/profile.log"
+    echo "profile rc=$?"; grep -E "calls L=|host issue|in-step|wrote|Error" "$OUT/profile.log"
+    # the planners on validate-profile's batches (wan-14b on every recipe, the fresh profile)
+    python3 -X faulthandler "$source_tree/bench/planner_smoke.py" --model wan-14b \
+      --profile "$OUT/h200.json" >"$OUT/planner_smoke_wan14b.txt" 2>&1
+    rc=$?; echo "planner smoke (wan-14b, fresh profile) rc=$rc"
+    tail -4 "$OUT/planner_smoke_wan14b.txt"
+    if [ $rc -ne 0 ]; then
+      timeout 60 cuda-gdb -batch -ex run -ex bt --args python3 \
+        "$source_tree/bench/planner_smoke.py" --model wan-14b --profile "$OUT/h200.json" \
+        >"$OUT/planner_backtrace.txt" 2>&1
+      grep -A30 "SIGSEGV" "$OUT/planner_backtrace.txt" | head -40
+    fi
+    ;;
+  train)
     (cd "$source_tree/bench" && timeout 200 python3 train_throughput.py --steps 7 --warmup 2 \
       --runs wan1p3b-h200:wan-stage2,wan14b-width-h200:wan-stage2 \
       --json "$OUT/train_throughput.json") >"$OUT/train.log" 2>&1

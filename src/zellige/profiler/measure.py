@@ -46,6 +46,10 @@ FULL_MEMORY_TOKENS = (8192, 32768)
 CALL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_ATTENTION_LENGTHS = (64, 128, 256)
 QUICK_CALL_LENGTHS = (64, 256)
+IN_STEP_LAYERS = 2
+IN_STEP_TOKENS = (16384, 32768, 65536)  # whole steps: per-token layers at these token counts,
+QUICK_IN_STEP_TOKENS = (128, 256)  # and attention packs of these lengths (one pack of at least
+#                                    PACK_TOKENS tokens each)
 LAUNCH_LAYERS = 2
 LAUNCH_SEQUENCES = 8  # a tiny rank of this many distinct lengths, against one of one
 QUICK_TOKEN_COUNTS = (64, 128, 256)
@@ -214,6 +218,114 @@ def profile_attention_calls(
             f"{forward[-1] / heads[-1] * 1e6:8.2f} us"
         )
     return list(lengths), forward_tables, backward_tables
+
+
+def _log_interpolate(points: dict[int, float], at: float) -> float:
+    """Linear in log x between the points, held beyond them."""
+    xs = sorted(points)
+    if at <= xs[0]:
+        return points[xs[0]]
+    if at >= xs[-1]:
+        return points[xs[-1]]
+    i = max(j for j in range(len(xs)) if xs[j] <= at)
+    t = math.log(at / xs[i]) / math.log(xs[i + 1] / xs[i])
+    return (1 - t) * points[xs[i]] + t * points[xs[i + 1]]
+
+
+def calibrate_in_step(
+    options: ProfileOptions, device, dtype, profile: dict, progress: Progress
+) -> dict:
+    """Kernels timed alone run faster than inside a training step (clocks under a step's load,
+    autograd and checkpointing around them). Whole steps (checkpointing on) of local packs, with
+    the self-attention core and with a stand-in, give per token count the factor by which the
+    per-token layers' GEMM time is off, and per length the factor of the attention tables; both
+    are applied to `profile` (interpolated in log x, held beyond the measured points)."""
+    from zellige.costs import make_cost_model
+    from zellige.profile import profile_from_dict
+
+    config = dit_config(options.model)
+    spec = model_spec(options.model, num_layers=IN_STEP_LAYERS)
+    cost_model = make_cost_model(spec, gpus=1, profile=profile_from_dict(profile))
+    blocks = rank_work.make_blocks(config, IN_STEP_LAYERS, device, dtype)
+    repeats = max(options.repeats, 3)
+
+    def step_s(inputs) -> float:
+        return median_time_s(
+            lambda: rank_work.train_step(blocks, inputs, checkpointing=True),
+            device,
+            repeats=repeats,
+        )
+
+    points = QUICK_IN_STEP_TOKENS if options.quick else IN_STEP_TOKENS
+    pack = max(points[-1] if options.quick else PACK_TOKENS, 1)
+    linear_s, linear_factor, attention_factor = {}, {}, {}
+    for tokens in sorted({*points, *(max(length, pack) for length in points)}):
+        inputs = rank_work.per_token_inputs(
+            config=config, num_tokens=tokens, device=device, dtype=dtype
+        )
+        linear_s[tokens] = step_s(inputs)
+    # The elementwise term of CostModel::linear_time_s is not a GEMM: left as it is.
+    passes = 3  # forward, recompute, backward
+    for tokens in points:
+        elementwise_s = (
+            ELEMENTWISE_BYTES_PER_TOKEN_WIDTH
+            * config.width
+            * dtype.itemsize
+            * tokens
+            * passes
+            / profile["memory_bytes_per_s"]
+            * IN_STEP_LAYERS
+        )
+        predicted = cost_model.linear_time_s(tokens) - elementwise_s
+        linear_factor[tokens] = (linear_s[tokens] - elementwise_s) / predicted
+    forward = profile_from_dict(profile).attention_forward_s_per_head
+    backward = profile_from_dict(profile).attention_backward_s_per_head
+    for length in points:
+        tokens = max(length, pack)
+        count = tokens // length
+        batch, plan = _local_pack_plan(count * length, 0, count)
+        with rank_work.local_exchanges():
+            inputs = rank_work.plan_rank_inputs(
+                batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
+            )
+            inputs.cross_attention = rank_work.no_cross_attention
+            measured = step_s(inputs) - linear_s[tokens]
+        predicted = (
+            IN_STEP_LAYERS * count * config.num_heads * (2 * forward(length) + backward(length))
+        )
+        attention_factor[length] = measured / predicted
+    progress(
+        "in-step factors (step / kernels alone): per-token GEMMs "
+        + ", ".join(f"M={m}: {f:.3f}" for m, f in linear_factor.items())
+        + "; attention "
+        + ", ".join(f"L={n}: {f:.3f}" for n, f in attention_factor.items())
+    )
+    for factors in (linear_factor, attention_factor):
+        for x, factor in factors.items():
+            if options.quick:  # a smoke run: its numbers mean nothing
+                factors[x] = min(max(factor, 0.5), 2.0)
+            elif not 0.5 < factor < 2.0:
+                raise RuntimeError(
+                    f"in-step factor {factor:.3f} is implausible (expected 0.5-2): the GPU is "
+                    "busy with other work, or a measurement failed; re-run `zellige profile`"
+                )
+    for key in ("matmul_forward_flops_per_s", "matmul_backward_flops_per_s"):
+        table = profile[key]
+        table["y"] = [
+            y / _log_interpolate(linear_factor, x)
+            for x, y in zip(table["x"], table["y"], strict=True)
+        ]
+    for key in ("attention_forward_s_per_head", "attention_backward_s_per_head"):
+        table = profile[key]
+        table["y"] = [
+            y * _log_interpolate(attention_factor, x)
+            for x, y in zip(table["x"], table["y"], strict=True)
+        ]
+    return {
+        "linear_factor": {str(k): v for k, v in linear_factor.items()},
+        "attention_factor": {str(k): v for k, v in attention_factor.items()},
+        "linear_step_s": {str(k): v for k, v in linear_s.items()},
+    }
 
 
 def _distinct_lengths_plan(lengths: list[int], text_tokens: int) -> tuple[_core.Batch, _core.Plan]:
@@ -484,7 +596,8 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
             f"measured by `zellige profile --model {options.model}"
             f"{' --quick' if options.quick else ''}` on {started:%Y-%m-%d %H:%M} UTC; "
             f"{_versions(device)}; attention: engine coalesced call "
-            f"({options.attention_backend or 'automatic backend'}), {dtype}"
+            f"({options.attention_backend or 'automatic backend'}), {dtype}; kernel times "
+            "scaled to whole training steps (details: in_step)"
         ),
         "matmul_flops_per_s": matmul_flops_per_s,
         "attention_flops_per_s": attention_flops_per_s,
@@ -523,6 +636,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "pack_tokens": PACK_TOKENS,
         "wall_s": (datetime.datetime.now(datetime.UTC) - started).total_seconds(),
     }
+    details["in_step"] = calibrate_in_step(options, device, dtype, profile, progress)
     _check_finite(profile)
     return ProfileResult(profile=profile, details=details)
 

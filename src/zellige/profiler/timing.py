@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -53,32 +54,38 @@ def median_time_s(
     return statistics.median(times_s)
 
 
-_SLEEP_CYCLES_PER_S: float | None = None
-MAX_SLEEP_S = 0.2
+BURN_S = 0.02  # at least this much heavy GPU work ahead of each timed run
+_BURN: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None
 
 
-def _sleep_cycles_per_s() -> float:
-    """GPU clock cycles per second of torch.cuda._sleep, measured once."""
-    global _SLEEP_CYCLES_PER_S
-    if _SLEEP_CYCLES_PER_S is None:
-        cycles = 20_000_000
-        torch.cuda._sleep(cycles // 10)  # warm-up
+def _burn(seconds: float, device: torch.device) -> None:
+    """Queues about `seconds` of bf16 GEMMs: work that keeps the GPU busy at the clocks and
+    power of a training step (an idle wait, such as torch.cuda._sleep, lets it boost instead)."""
+    global _BURN
+    if _BURN is None:
+        a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+        b, c = torch.randn_like(a), torch.empty_like(a)
+        for _ in range(20):
+            torch.mm(a, b, out=c)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch.cuda._sleep(cycles)
+        for _ in range(50):
+            torch.mm(a, b, out=c)
         end.record()
         end.synchronize()
-        _SLEEP_CYCLES_PER_S = cycles / (start.elapsed_time(end) / 1e3)
-    return _SLEEP_CYCLES_PER_S
+        _BURN = (a, b, c, start.elapsed_time(end) / 1e3 / 50)
+    a, b, c, each_s = _BURN
+    for _ in range(max(1, math.ceil(seconds / each_s))):
+        torch.mm(a, b, out=c)
 
 
 def gpu_time_s(
     fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5
 ) -> float:
-    """Median GPU seconds of `fn()`: as median_time_s, but each run is queued behind a GPU sleep
-    longer than the host takes to issue it, so the events bracket its kernels back to back and
-    host launch time drops out (the profile measures that apart: its launch floor). On a CPU,
-    the wall clock."""
+    """Median GPU seconds of `fn()`: as median_time_s, but each run is queued behind heavy GPU
+    work that lasts longer than the host takes to issue the run, so the events bracket its
+    kernels back to back and host launch time drops out (the profile measures that apart: its
+    launch floor), at the clocks of a busy GPU. On a CPU, the wall clock."""
     if device.type != "cuda":
         return median_time_s(fn, device, warmup=warmup, repeats=repeats)
     synchronize(device)
@@ -90,12 +97,12 @@ def gpu_time_s(
         warmup, repeats = 1, min(repeats, 3)
     for _ in range(warmup - 1):
         fn()
-    sleep_cycles = int(min(MAX_SLEEP_S, 2.0 * host_s + 1e-3) * _sleep_cycles_per_s())
+    burn_s = max(BURN_S, 2.0 * host_s + 1e-3)
     synchronize(device)
     times_s = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(sleep_cycles)
+        _burn(burn_s, device)
         start.record()
         fn()
         end.record()
