@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--base", help="profile JSON that --memory-only starts from")
     parser.add_argument(
+        "--repeats", type=int, default=5, help="timed runs per point, median kept (default 5)"
+    )
+    parser.add_argument(
         "--attention-backend",
         help="engine attention kernel (cudnn, flash, efficient, cpu, math); default automatic",
     )
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model or ("tiny" if args.quick else "wan-14b"),
         quick=args.quick,
         device=device,
-        repeats=3 if args.quick else 5,
+        repeats=min(args.repeats, 3) if args.quick else args.repeats,
         attention_backend=args.attention_backend,
     )
 
