@@ -23,9 +23,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <numeric>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -38,6 +38,15 @@ namespace zellige {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// A number for the plan note, as "%g" prints it. No iostreams in the core: a std::ostringstream
+// here died (SIGSEGV in its locale facets) in processes that had loaded torch first, on the H200
+// machine's build; C stdio does not touch the C++ locale.
+std::string shortest(double value) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", value);
+  return text;
+}
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // A move must lower the busiest rank by more than this fraction, so float noise cannot cycle.
@@ -1207,11 +1216,9 @@ Plan ZelligePlanner::run() {
       plan.placements.push_back(to_placement(id, Shape{}, {best.filler_rank[i]}));
     }
   }
-  std::ostringstream note;
-  note << "anchors=" << best.num_anchors << " target_s=" << best_target_s
-       << " constructed_s=" << constructed_s << (from_dp_cost ? " start=dp-cost" : "")
-       << " search_steps=" << steps;
-  plan.note = note.str();
+  plan.note = "anchors=" + std::to_string(best.num_anchors) + " target_s=" +
+              shortest(best_target_s) + " constructed_s=" + shortest(constructed_s) +
+              (from_dp_cost ? " start=dp-cost" : "") + " search_steps=" + std::to_string(steps);
   plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   return plan;
 }
