@@ -1190,8 +1190,10 @@ Plan ZelligePlanner::run() {
   // that zellige is never worse than it; the all-local construction above is close but orders by
   // estimated time.
   bool from_dp_cost = false;
+  Plan dp_cost_plan;
   try {
-    import_plan(plan_dp_cost(batch_, cost_model_), &current);
+    dp_cost_plan = plan_dp_cost(batch_, cost_model_);
+    import_plan(dp_cost_plan, &current);
     if (current.makespan_s < best.makespan_s) {
       std::swap(best, current);
       from_dp_cost = true;
@@ -1216,9 +1218,18 @@ Plan ZelligePlanner::run() {
       plan.placements.push_back(to_placement(id, Shape{}, {best.filler_rank[i]}));
     }
   }
+  // The search prices ranks by their shares; CostModel::evaluate adds rank-level terms (attention
+  // calls of few heads, the host's launch floor). Where dp-cost's plan comes out faster under
+  // those, it is returned, so that zellige is never worse than dp-cost.
+  const bool dp_cost_final =
+      !dp_cost_plan.placements.empty() &&
+      cost_model_.evaluate(batch_, dp_cost_plan).makespan_s <
+          cost_model_.evaluate(batch_, plan).makespan_s;
+  if (dp_cost_final) plan.placements = dp_cost_plan.placements;
   plan.note = "anchors=" + std::to_string(best.num_anchors) + " target_s=" +
               shortest(best_target_s) + " constructed_s=" + shortest(constructed_s) +
-              (from_dp_cost ? " start=dp-cost" : "") + " search_steps=" + std::to_string(steps);
+              (from_dp_cost ? " start=dp-cost" : "") + " search_steps=" + std::to_string(steps) +
+              (dp_cost_final ? " final=dp-cost" : "");
   plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   return plan;
 }

@@ -34,7 +34,13 @@ import torch
 from zellige import _core
 from zellige.profiler import rank_work
 from zellige.profiler.models import dit_config, model_spec
-from zellige.profiler.timing import allocated_bytes, gpu_time_s, median_time_s, synchronize
+from zellige.profiler.timing import (
+    allocated_bytes,
+    gpu_time_s,
+    median_time_s,
+    release_burn,
+    synchronize,
+)
 
 PACK_TOKENS = 16384  # tokens of equal-length segments one coalesced call sees on a typical rank
 # The cost model's elementwise traffic per token and width per pass (kElementwiseBytesPerTokenWidth)
@@ -531,6 +537,7 @@ def measure_runtime_reserved(device: torch.device) -> int:
     """Device bytes the process holds outside the caching allocator (CUDA context, cuBLAS and
     cuDNN handles) plus the allocator's bytes still allocated when no tensor of ours is alive
     (library workspaces). Assumes this process is alone on the GPU."""
+    release_burn()  # the timing's GEMM operands are ours, not the runtime's
     synchronize(device)
     torch.cuda.empty_cache()
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)

@@ -79,6 +79,12 @@ def _burn(seconds: float, device: torch.device) -> None:
         torch.mm(a, b, out=c)
 
 
+def release_burn() -> None:
+    """Frees the burn's GEMM operands (so that they are not counted as the runtime's memory)."""
+    global _BURN
+    _BURN = None
+
+
 def gpu_time_s(
     fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5
 ) -> float:

@@ -149,6 +149,13 @@ def local_copy_s(
     return 2.0 * copied_bytes / memory_bytes_per_s
 
 
+def predicted_rank_s(rank_cost: _core.RankCost, copy_s: float) -> float:
+    """The cost model's time of a rank run on one GPU: its evaluate() time without exchanges,
+    plus the local copies that stand in for them."""
+    busy_s = rank_cost.linear_s + rank_cost.attention_s + rank_cost.call_s + copy_s
+    return max(busy_s, rank_cost.launch_floor_s)
+
+
 def summarise(ranks: list[RankResult], gamma: float) -> ValidationReport:
     """MAPEs of a list of rank results (pure arithmetic, tested on synthetic numbers)."""
     predicted = [r.predicted_s for r in ranks]
@@ -440,10 +447,7 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                 rank=rank,
                 tokens=rank_cost.tokens,
                 num_sequences=sum(rank in p.ranks for p in plan.placements),
-                predicted_s=max(
-                    rank_cost.linear_s + rank_cost.attention_s + rank_cost.call_s + copy_s,
-                    rank_cost.launch_floor_s,
-                ),
+                predicted_s=predicted_rank_s(rank_cost, copy_s),
                 measured_s=measured_s,
                 predicted_peak_bytes=rank_cost.peak_bytes,
                 measured_peak_bytes=float(peak),
