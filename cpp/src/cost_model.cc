@@ -532,8 +532,8 @@ PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
     rank.attention_calls = static_cast<int64_t>(calls[i].size());
     if (rank.tokens > 0) {
       rank.launch_floor_s =
-          layers * (profile_.launch_s_per_layer +
-                    profile_.launch_s_per_attention_call * static_cast<double>(rank.attention_calls));
+          layers * (profile_.launch_s_per_layer + profile_.launch_s_per_attention_call *
+                                                      static_cast<double>(rank.attention_calls));
     }
     rank.time_s = std::max(rank.linear_s + rank.attention_s + rank.call_s + rank.exchange_s,
                            rank.launch_floor_s);

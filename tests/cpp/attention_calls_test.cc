@@ -77,10 +77,9 @@ TEST(AttentionCalls, EqualSegmentsShareOneCallAndRingStepsDoNot) {
   Batch batch = test_util::batch_of({20000, 20000, 40000, 3000}, /*text_tokens=*/512);
   Plan plan;
   plan.num_ranks = 8;
-  plan.placements = {make_placement(0, Strategy::kLocal, {0}),
-                     make_placement(1, Strategy::kLocal, {0}),
-                     make_placement(2, Strategy::kRing, {6, 7}),
-                     make_placement(3, Strategy::kLocal, {1})};
+  plan.placements = {
+      make_placement(0, Strategy::kLocal, {0}), make_placement(1, Strategy::kLocal, {0}),
+      make_placement(2, Strategy::kRing, {6, 7}), make_placement(3, Strategy::kLocal, {1})};
   const PlanCost cost = model.evaluate(batch, plan);
   // Rank 0: one self-attention call of 80 heads, one cross-attention call.
   EXPECT_EQ(cost.ranks[0].attention_calls, 2);
@@ -112,8 +111,8 @@ TEST(AttentionCalls, LaunchFloorBindsOnlyTinyRanks) {
   EXPECT_NEAR(cost.ranks[0].launch_floor_s, layers * (5e-3 + 4 * 1e-3), 1e-12);
   EXPECT_DOUBLE_EQ(cost.ranks[0].time_s, cost.ranks[0].launch_floor_s);
   EXPECT_GT(cost.ranks[1].time_s, cost.ranks[1].launch_floor_s);
-  EXPECT_DOUBLE_EQ(cost.ranks[1].time_s, cost.ranks[1].linear_s + cost.ranks[1].attention_s +
-                                             cost.ranks[1].call_s);
+  EXPECT_DOUBLE_EQ(cost.ranks[1].time_s,
+                   cost.ranks[1].linear_s + cost.ranks[1].attention_s + cost.ranks[1].call_s);
   EXPECT_EQ(cost.ranks[2].time_s, 0);  // an idle rank waits for nothing
   EXPECT_EQ(cost.ranks[2].launch_floor_s, 0);
 

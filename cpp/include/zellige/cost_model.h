@@ -43,8 +43,8 @@ struct RankCost {
   double peak_bytes = 0;
   int64_t tokens = 0;
   double linear_s = 0, attention_s = 0, exchange_s = 0;
-  double call_s = 0;          // attention calls of few heads beyond the full-call rate (>= 0)
-  double launch_floor_s = 0;  // host time to issue the rank's kernels
+  double call_s = 0;            // attention calls of few heads beyond the full-call rate (>= 0)
+  double launch_floor_s = 0;    // host time to issue the rank's kernels
   int64_t attention_calls = 0;  // per layer pass: distinct (shape, heads) groups, ring steps apart
 };
 

@@ -23,7 +23,7 @@ struct Table {
 
 struct HardwareProfile {
   std::string device_name;
-  std::string created;   // date, library versions: free text for people
+  std::string created;  // date, library versions: free text for people
   // Analytic fallbacks used where a table below is empty.
   double matmul_flops_per_s = 0;     // dense bf16 GEMM rate at large sizes
   double attention_flops_per_s = 0;  // dense attention rate at long lengths

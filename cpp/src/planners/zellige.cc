@@ -1222,12 +1222,11 @@ Plan ZelligePlanner::run() {
   // calls of few heads, the host's launch floor). Where dp-cost's plan comes out faster under
   // those, it is returned, so that zellige is never worse than dp-cost.
   const bool dp_cost_final =
-      !dp_cost_plan.placements.empty() &&
-      cost_model_.evaluate(batch_, dp_cost_plan).makespan_s <
-          cost_model_.evaluate(batch_, plan).makespan_s;
+      !dp_cost_plan.placements.empty() && cost_model_.evaluate(batch_, dp_cost_plan).makespan_s <
+                                              cost_model_.evaluate(batch_, plan).makespan_s;
   if (dp_cost_final) plan.placements = dp_cost_plan.placements;
-  plan.note = "anchors=" + std::to_string(best.num_anchors) + " target_s=" +
-              shortest(best_target_s) + " constructed_s=" + shortest(constructed_s) +
+  plan.note = "anchors=" + std::to_string(best.num_anchors) +
+              " target_s=" + shortest(best_target_s) + " constructed_s=" + shortest(constructed_s) +
               (from_dp_cost ? " start=dp-cost" : "") + " search_steps=" + std::to_string(steps) +
               (dp_cost_final ? " final=dp-cost" : "");
   plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
