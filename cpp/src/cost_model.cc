@@ -58,15 +58,16 @@ double CostModel::LogTable::operator()(double at) const {
   return std::exp(log_y[i] + slope[i] * (log_at - log_x[i]));
 }
 
-double CostModel::LogTable::held(double at) const {
-  const double log_at = std::log(at);
-  if (log_at <= log_x.front()) return std::exp(log_y.front());
-  if (log_at >= log_x.back()) return std::exp(log_y.back());
+double CostModel::LogTable::held(double at) const { return std::exp(log_held(std::log(at))); }
+
+double CostModel::LogTable::log_held(double log_at) const {
+  if (log_at <= log_x.front()) return log_y.front();
+  if (log_at >= log_x.back()) return log_y.back();
   const size_t i =
       static_cast<size_t>(std::upper_bound(log_x.begin() + 1, log_x.end() - 1, log_at) -
                           log_x.begin()) -
       1;
-  return std::exp(log_y[i] + slope[i] * (log_at - log_x[i]));
+  return log_y[i] + slope[i] * (log_at - log_x[i]);
 }
 
 struct CostModel::Shape {
@@ -76,6 +77,8 @@ struct CostModel::Shape {
   // class 0 = small block, 1 = big block.
   double forward_s[2][2] = {{0, 0}, {0, 0}};
   double backward_s[2][2] = {{0, 0}, {0, 0}};
+  // call_excess_per_head_s of one such segment alone in its call, [heads - H / u][q][k].
+  double call_excess_s[2][2][2] = {};
   double text_projection_s = 0;  // per layer, on every rank
 
   int64_t block_tokens(int block_class) const { return small_block + block_class; }
@@ -214,11 +217,11 @@ double CostModel::text_projection_s(int64_t text_tokens) const {
 // lengths and held beyond them. Calls of more heads than measured run at the full-call rate.
 double CostModel::call_log_slowdown(const std::vector<LogTable>& tables, double length,
                                     double heads) const {
+  const double log_heads = std::log(heads);
   const auto at_length = [&](size_t i) {
     const LogTable& table = tables[i];
-    const double low = std::exp(table.log_x.front()), high = std::exp(table.log_x.back());
-    const double h = std::clamp(heads, low, high);
-    return std::log(table.held(h) / h) - (table.log_y.back() - table.log_x.back());
+    const double log_h = std::clamp(log_heads, table.log_x.front(), table.log_x.back());
+    return table.log_held(log_h) - log_h - (table.log_y.back() - table.log_x.back());
   };
   const double log_length = std::log(length);
   if (log_length <= call_log_lengths_.front()) return at_length(0);
@@ -294,6 +297,11 @@ CostModel::Shape CostModel::make_shape(int64_t unit_tokens, int64_t text_tokens,
       const double lk = static_cast<double>(shape.block_tokens(k));
       shape.forward_s[q][k] = head_forward_s(lq, lk);
       shape.backward_s[q][k] = head_backward_s(lq, lk);
+      const double heads = static_cast<double>(model_.num_heads / ulysses_degree);
+      shape.call_excess_s[0][q][k] = call_excess_per_head_s(lq, lk, heads);
+      if (model_.num_heads % ulysses_degree != 0) {  // some ranks hold one head more
+        shape.call_excess_s[1][q][k] = call_excess_per_head_s(lq, lk, heads + 1);
+      }
     }
   }
   return shape;
@@ -319,15 +327,19 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
   RankTerms terms;
   // Self-attention: every ring step pairs this rank's query block with one key block.
   double layer_s = 0;
+  // Each segment is priced as a call of its own (call_excess_per_head_s); evaluate() gives back
+  // what the engine saves by running equal segments of a rank as one call.
+  const int head_class = static_cast<int>(heads - model_.num_heads / shape.ulysses_degree);
   for (int c = 0; c < 2; ++c) {
     const double count = static_cast<double>(shape.block_count(c));
     if (count == 0) continue;
-    layer_s +=
-        count * h *
-        (shape.forward_s[block_class][c] * forward_passes + shape.backward_s[block_class][c]);
+    layer_s += count * h *
+               (shape.forward_s[block_class][c] * forward_passes +
+                shape.backward_s[block_class][c] + shape.call_excess_s[head_class][block_class][c]);
   }
   if (cross) {
-    layer_s += all_heads * (head_forward_s(n, text) * forward_passes + head_backward_s(n, text)) +
+    layer_s += all_heads * (head_forward_s(n, text) * forward_passes + head_backward_s(n, text) +
+                            call_excess_per_head_s(n, text, all_heads)) +
                shape.text_projection_s;
   }
   terms.attention_s = layers * layer_s;
@@ -524,10 +536,14 @@ PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
     rank.linear_s = linear_time_s(rank.tokens);
     const double layers = static_cast<double>(model_.num_layers);
     for (const auto& [key, segments] : calls[i]) {
-      const double call_heads = static_cast<double>(segments * key[2]);
-      rank.call_s += layers * call_heads *
-                     call_excess_per_head_s(static_cast<double>(key[0]),
-                                            static_cast<double>(key[1]), call_heads);
+      const double heads = static_cast<double>(key[2]);
+      const double call_heads = static_cast<double>(segments) * heads;
+      const double lq = static_cast<double>(key[0]), lk = static_cast<double>(key[1]);
+      if (segments > 1) {  // the shares priced each segment as a call of its own
+        rank.call_s +=
+            layers * call_heads *
+            (call_excess_per_head_s(lq, lk, call_heads) - call_excess_per_head_s(lq, lk, heads));
+      }
     }
     rank.attention_calls = static_cast<int64_t>(calls[i].size());
     if (rank.tokens > 0) {

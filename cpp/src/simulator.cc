@@ -40,13 +40,17 @@ std::vector<TimelineSegment> simulate(const Batch& batch, const Plan& plan,
       add(static_cast<int64_t>(rank), entry.sequence_id, "linear", &clock_s,
           totals.linear_s * fraction);
     }
+    // Shares price each segment as a call of its own; the rank's call_s gives back what running
+    // equal segments as one call saves, spread over its attention in proportion.
+    double attention_s = 0;
+    for (const Entry& entry : per_rank[rank]) attention_s += entry.share.attention_s;
+    const double call_scale = attention_s > 0 ? (attention_s + totals.call_s) / attention_s : 1.0;
     for (const Entry& entry : per_rank[rank]) {
       add(static_cast<int64_t>(rank), entry.sequence_id, "attention", &clock_s,
-          entry.share.attention_s);
+          entry.share.attention_s * call_scale);
       add(static_cast<int64_t>(rank), entry.sequence_id, "exchange", &clock_s,
           entry.share.exchange_s);
     }
-    add(static_cast<int64_t>(rank), -1, "calls", &clock_s, totals.call_s);
     if (totals.launch_floor_s > clock_s) {
       add(static_cast<int64_t>(rank), -1, "launch", &clock_s, totals.launch_floor_s - clock_s);
     }

@@ -1,5 +1,6 @@
-// CostModel::evaluate's rank-level terms: attention calls of few heads (the profile's call
-// tables) and the host's launch floor.
+// Attention calls of few heads (the profile's call tables: priced in the shares, each segment a
+// call of its own; evaluate() gives back what grouping equal segments saves) and the host's
+// launch floor (evaluate()).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -50,30 +51,36 @@ double expected_call_s(const CostModel& model, double length, double call_heads)
 
 TEST(AttentionCalls, FewHeadCallsPayTheMeasuredSlowdown) {
   const CostModel model = wan14b(call_profile());
+  const CostModel plain = wan14b(seeded_profile());  // the same tables without call tables
   Batch batch = test_util::batch_of({20000, 40000});
   Plan plan;
   plan.num_ranks = 8;
   plan.placements = {make_placement(0, Strategy::kLocal, {0}),
                      make_placement(1, Strategy::kUlysses, {2, 3, 4, 5})};
   const PlanCost cost = model.evaluate(batch, plan);
-  EXPECT_NEAR(cost.ranks[0].call_s, expected_call_s(model, 20000, 40), 1e-9);
-  EXPECT_NEAR(cost.ranks[2].call_s, expected_call_s(model, 40000, 10), 1e-9);
-  EXPECT_GT(cost.ranks[2].call_s / cost.ranks[2].attention_s,
-            cost.ranks[0].call_s / cost.ranks[0].attention_s);  // 10 heads per call, not 40
+  const PlanCost plain_cost = plain.evaluate(batch, plan);
+  // Each segment is alone in its call: the shares carry the whole slowdown, call_s is 0.
+  EXPECT_NEAR(cost.ranks[0].attention_s - plain_cost.ranks[0].attention_s,
+              expected_call_s(model, 20000, 40), 1e-9);
+  EXPECT_NEAR(cost.ranks[2].attention_s - plain_cost.ranks[2].attention_s,
+              expected_call_s(model, 40000, 10), 1e-9);
+  EXPECT_EQ(cost.ranks[0].call_s, 0);
+  EXPECT_EQ(cost.ranks[2].call_s, 0);
+  // 10 heads a call lose more per head than 40.
+  EXPECT_GT(expected_call_s(model, 40000, 10) / plain_cost.ranks[2].attention_s,
+            expected_call_s(model, 20000, 40) / plain_cost.ranks[0].attention_s);
   EXPECT_EQ(cost.ranks[0].attention_calls, 1);
   EXPECT_EQ(cost.ranks[1].attention_calls, 0);
-  EXPECT_DOUBLE_EQ(cost.ranks[0].time_s,
-                   cost.ranks[0].linear_s + cost.ranks[0].attention_s + cost.ranks[0].call_s);
-
-  // The same plan without call tables: no call term, the shares' sum as before.
-  const CostModel plain = wan14b(seeded_profile());
-  const PlanCost plain_cost = plain.evaluate(batch, plan);
+  EXPECT_DOUBLE_EQ(cost.ranks[0].time_s, cost.ranks[0].linear_s + cost.ranks[0].attention_s);
   EXPECT_EQ(plain_cost.ranks[0].call_s, 0);
-  EXPECT_DOUBLE_EQ(plain_cost.ranks[0].time_s, cost.ranks[0].time_s - cost.ranks[0].call_s);
+  // The shares the planners add up carry the same slowdown.
+  const RankShare share = model.shares(batch.sequences[1], plan.placements[1])[0];
+  EXPECT_DOUBLE_EQ(share.attention_s, cost.ranks[2].attention_s);
 }
 
 TEST(AttentionCalls, EqualSegmentsShareOneCallAndRingStepsDoNot) {
   const CostModel model = wan14b(call_profile());
+  const CostModel plain = wan14b(seeded_profile());
   Batch batch = test_util::batch_of({20000, 20000, 40000, 3000}, /*text_tokens=*/512);
   Plan plan;
   plan.num_ranks = 8;
@@ -81,15 +88,20 @@ TEST(AttentionCalls, EqualSegmentsShareOneCallAndRingStepsDoNot) {
       make_placement(0, Strategy::kLocal, {0}), make_placement(1, Strategy::kLocal, {0}),
       make_placement(2, Strategy::kRing, {6, 7}), make_placement(3, Strategy::kLocal, {1})};
   const PlanCost cost = model.evaluate(batch, plan);
-  // Rank 0: one self-attention call of 80 heads, one cross-attention call.
+  const PlanCost plain_cost = plain.evaluate(batch, plan);
+  // Rank 0: one self-attention call of 80 heads and one cross-attention call of 80: the shares
+  // priced four calls of 40; one call of 80 loses less per head, and call_s gives that back.
   EXPECT_EQ(cost.ranks[0].attention_calls, 2);
-  const double one_alone = expected_call_s(model, 20000, 40);
-  EXPECT_GT(cost.ranks[0].call_s, 0);
-  EXPECT_LT(cost.ranks[0].call_s, 2 * one_alone);
+  const double priced_alone = cost.ranks[0].attention_s - plain_cost.ranks[0].attention_s;
+  EXPECT_LT(cost.ranks[0].call_s, 0);
+  EXPECT_GT(priced_alone + cost.ranks[0].call_s, 0);
+  // Rank 1 and the ring's ranks hold no equal segments: nothing to give back.
+  EXPECT_EQ(cost.ranks[1].call_s, 0);
   // Ring: two steps (two calls) and one cross-attention call on each rank.
   EXPECT_EQ(cost.ranks[6].attention_calls, 3);
   EXPECT_EQ(cost.ranks[7].attention_calls, 3);
-  // The lower bound ignores both rank-level terms, which only add time.
+  EXPECT_EQ(cost.ranks[6].call_s, 0);
+  // The lower bound prices attention at the per-head tables, below any call's rate.
   EXPECT_LE(makespan_lower_bound(batch, model), cost.makespan_s);
 }
 

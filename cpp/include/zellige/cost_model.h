@@ -32,7 +32,7 @@ struct CostOptions {
 struct RankShare {
   int64_t rank = 0;
   int64_t tokens = 0;       // tokens this rank holds for the per-token layers
-  double attention_s = 0;   // self-attention (+ cross-attention) on this rank's segments
+  double attention_s = 0;   // self- (+ cross-) attention, each segment a call of its own
   double exchange_s = 0;    // Ulysses all-to-alls and ring transfers not hidden by compute
   double memory_bytes = 0;  // activations + attention and exchange buffers of this sequence
 };
@@ -43,7 +43,7 @@ struct RankCost {
   double peak_bytes = 0;
   int64_t tokens = 0;
   double linear_s = 0, attention_s = 0, exchange_s = 0;
-  double call_s = 0;            // attention calls of few heads beyond the full-call rate (>= 0)
+  double call_s = 0;            // what grouping equal segments into one call saves (<= 0)
   double launch_floor_s = 0;    // host time to issue the rank's kernels
   int64_t attention_calls = 0;  // per layer pass: distinct (shape, heads) groups, ring steps apart
 };
@@ -90,12 +90,14 @@ class CostModel {
 
   // Every rank's time and peak memory under `plan`, plus makespan, exchange bytes and fit.
   // Throws std::invalid_argument if the plan does not match the batch (see validate_plan).
-  // Beyond the sum of the shares, a rank pays for how its attention runs, which depends on the
-  // other sequences it holds (so the planners' additive shares leave it out): the engine runs
-  // every group of equal (query length, key length, heads) segments as one call, and a call of
-  // few heads is slower per head than the full calls of the per-head tables (call_s, from the
-  // profile's call tables, never negative); and the rank is not done before its host has issued
-  // its kernels (launch_floor_s). Both only add time, so makespan_lower_bound stays a bound.
+  // Two terms depend on a rank's other sequences, so the planners' additive shares leave them
+  // out. Attention calls: a call of few heads is slower per head than the full calls of the
+  // per-head tables (the profile's call tables), and each share prices its segments as calls of
+  // their own; the engine runs every group of equal (query length, key length, heads) segments
+  // of a rank as one call, and call_s gives back what that saves. The launch floor: a rank is
+  // not done before its host has issued its kernels (launch_floor_s). A rank's attention with
+  // call_s is the per-head tables' time plus each actual call's excess (never negative), and
+  // the floor only adds, so makespan_lower_bound stays a bound.
   PlanCost evaluate(const Batch& batch, const Plan& plan) const;
 
   // Bytes the ranks of `placement` send in total per step (all layers, forward + backward, plus
@@ -123,7 +125,7 @@ class CostModel {
   void add_attention_calls(const Sequence& sequence, const Placement& placement,
                            std::vector<RankCalls>* calls) const;
   // Forward (x forward passes) + backward seconds per head and layer that a call of `call_heads`
-  // heads costs beyond the full-call rate; 0 without call tables.
+  // heads costs beyond the full-call rate; never negative, 0 without call tables.
   double call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads) const;
   friend struct LowerBoundSearch;  // makespan_lower_bound's candidate search (cost_model.cc)
 
@@ -133,8 +135,9 @@ class CostModel {
     LogTable() = default;
     explicit LogTable(const Table& table);
     bool empty() const { return log_x.empty(); }
-    double operator()(double at) const;  // as Table::operator()
-    double held(double at) const;        // constant outside the sampled range
+    double operator()(double at) const;    // as Table::operator()
+    double held(double at) const;          // constant outside the sampled range
+    double log_held(double log_at) const;  // log(held(exp(log_at)))
   };
 
   ModelSpec model_;

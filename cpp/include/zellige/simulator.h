@@ -12,9 +12,8 @@
 namespace zellige {
 
 // One bar of the Gantt chart: on `rank`, sequence `sequence_id` spends [start_s, end_s) in
-// `phase` ("linear", "attention", "exchange"); rank-level bars have sequence_id -1: "calls"
-// (attention calls of few heads, RankCost::call_s) and "launch" (waiting for the host to issue
-// the kernels, up to RankCost::launch_floor_s).
+// `phase` ("linear", "attention", "exchange"), or, with sequence_id -1, "launch" (the rank waits
+// for its host to issue its kernels, up to RankCost::launch_floor_s).
 struct TimelineSegment {
   int64_t rank = 0;
   int64_t sequence_id = 0;
@@ -24,8 +23,9 @@ struct TimelineSegment {
 };
 
 // Per rank: per-token layers of all its tokens first (split by sequence in proportion to tokens),
-// then each sequence's attention and exchange in plan order, then the rank-level bars. Ends equal
-// the cost model's rank times. Throws std::invalid_argument if the plan does not match the batch.
+// then each sequence's attention (with the rank's call_s spread over it) and exchange in plan
+// order, then the launch wait. Ends equal the cost model's rank times. Throws std::invalid_argument
+// if the plan does not match the batch.
 std::vector<TimelineSegment> simulate(const Batch& batch, const Plan& plan,
                                       const CostModel& cost_model);
 

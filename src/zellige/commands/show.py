@@ -20,7 +20,6 @@ PHASES = {
     "linear": ("#", "tab:blue"),
     "attention": ("=", "tab:orange"),
     "exchange": ("~", "tab:red"),
-    "calls": ("+", "tab:purple"),  # attention calls of few heads (rank level)
     "launch": (".", "tab:gray"),  # waiting for the host to issue kernels
 }
 
@@ -95,9 +94,8 @@ def text_picture(setup: Setup, plan: _core.Plan) -> list[str]:
         bar = ""
         for phase, seconds in (
             ("linear", rank_cost.linear_s),
-            ("attention", rank_cost.attention_s),
+            ("attention", rank_cost.attention_s + rank_cost.call_s),
             ("exchange", rank_cost.exchange_s),
-            ("calls", rank_cost.call_s),
             (
                 "launch",
                 rank_cost.time_s

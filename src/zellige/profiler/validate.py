@@ -91,7 +91,7 @@ class RankResult:
     modelled_state_bytes: float  # the shard buffer (part of both peaks)
     knapformer_work: float  # W summed over the rank's shares
     predicted_copy_s: float = 0.0  # the exchanges' local stand-in copies (see local_copy_s)
-    predicted_call_s: float = 0.0  # attention calls of few heads (RankCost.call_s)
+    predicted_call_s: float = 0.0  # RankCost.call_s: what one call per equal group saves (<= 0)
     predicted_launch_floor_s: float = 0.0  # host issue time (RankCost.launch_floor_s)
 
 
