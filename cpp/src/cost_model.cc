@@ -77,7 +77,9 @@ struct CostModel::Shape {
   // class 0 = small block, 1 = big block.
   double forward_s[2][2] = {{0, 0}, {0, 0}};
   double backward_s[2][2] = {{0, 0}, {0, 0}};
-  // call_excess_per_head_s of one such segment alone in its call, [heads - H / u][q][k].
+  // call_excess_per_head_s of one such segment alone in its call, [heads - H / u][q][k]; all 0
+  // unless price_calls (make_shape).
+  bool price_calls = true;
   double call_excess_s[2][2][2] = {};
   double text_projection_s = 0;  // per layer, on every rank
 
@@ -279,9 +281,12 @@ void CostModel::add_attention_calls(const Sequence& sequence, const Placement& p
   }
 }
 
+// price_calls = false leaves out every call's excess (the lower bound's shapes).
 CostModel::Shape CostModel::make_shape(int64_t unit_tokens, int64_t text_tokens,
-                                       int64_t ulysses_degree, int64_t ring_degree) const {
+                                       int64_t ulysses_degree, int64_t ring_degree,
+                                       bool price_calls) const {
   Shape shape;
+  shape.price_calls = price_calls;
   shape.unit_tokens = unit_tokens;
   shape.text_tokens = text_tokens;
   shape.ulysses_degree = ulysses_degree;
@@ -297,6 +302,7 @@ CostModel::Shape CostModel::make_shape(int64_t unit_tokens, int64_t text_tokens,
       const double lk = static_cast<double>(shape.block_tokens(k));
       shape.forward_s[q][k] = head_forward_s(lq, lk);
       shape.backward_s[q][k] = head_backward_s(lq, lk);
+      if (!price_calls) continue;
       const double heads = static_cast<double>(model_.num_heads / ulysses_degree);
       shape.call_excess_s[0][q][k] = call_excess_per_head_s(lq, lk, heads);
       if (model_.num_heads % ulysses_degree != 0) {  // some ranks hold one head more
@@ -338,9 +344,10 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
                 shape.backward_s[block_class][c] + shape.call_excess_s[head_class][block_class][c]);
   }
   if (cross) {
-    layer_s += all_heads * (head_forward_s(n, text) * forward_passes + head_backward_s(n, text) +
-                            call_excess_per_head_s(n, text, all_heads)) +
-               shape.text_projection_s;
+    layer_s +=
+        all_heads * (head_forward_s(n, text) * forward_passes + head_backward_s(n, text) +
+                     (shape.price_calls ? call_excess_per_head_s(n, text, all_heads) : 0.0)) +
+        shape.text_projection_s;
   }
   terms.attention_s = layers * layer_s;
 
@@ -674,7 +681,7 @@ struct LowerBoundSearch {
   }
 
   Result evaluate(int64_t unit_tokens, int64_t text_tokens, int64_t u, int64_t r) const {
-    return evaluate(cost.make_shape(unit_tokens, text_tokens, u, r));
+    return evaluate(cost.make_shape(unit_tokens, text_tokens, u, r, /*price_calls=*/false));
   }
 
   // A lower bound on the rank-seconds of every shape with ring degree >= r (u >= 1): per-token
@@ -717,7 +724,8 @@ struct LowerBoundSearch {
     for (int64_t r = 1; r <= max_p; ++r) {
       const double bound = rank_seconds_bound(unit_tokens, text_tokens, r);
       if (bound >= best) break;
-      CostModel::Shape shape = cost.make_shape(unit_tokens, text_tokens, 1, r);
+      CostModel::Shape shape =
+          cost.make_shape(unit_tokens, text_tokens, 1, r, /*price_calls=*/false);
       for (int64_t u = 1; u <= std::min(num_heads, max_p / r); ++u) {
         // More Ulysses ranks only add text projections to the bound.
         if (bound + static_cast<double>((u - 1) * r) * text_projection_s >= best) break;
@@ -736,7 +744,8 @@ struct LowerBoundSearch {
     const int64_t max_p = max_degree(unit_tokens);
     double best = std::numeric_limits<double>::infinity();
     for (int64_t r = 1; r <= max_p; ++r) {
-      CostModel::Shape shape = cost.make_shape(unit_tokens, text_tokens, 1, r);
+      CostModel::Shape shape =
+          cost.make_shape(unit_tokens, text_tokens, 1, r, /*price_calls=*/false);
       for (int64_t u = 1; u <= std::min(num_heads, max_p / r); ++u) {
         shape.ulysses_degree = u;
         const Result result = evaluate(shape);

@@ -108,7 +108,7 @@ class CostModel {
   struct Shape;      // one sequence under (ulysses_degree, ring_degree): two block sizes
   struct RankTerms;  // what one rank of a shape pays
   Shape make_shape(int64_t unit_tokens, int64_t text_tokens, int64_t ulysses_degree,
-                   int64_t ring_degree) const;
+                   int64_t ring_degree, bool price_calls = true) const;
   RankTerms rank_terms(const Shape& shape, int block_class, int next_block_class,
                        int64_t chunk_tokens, int64_t heads, bool ulysses_intra_node,
                        bool ring_intra_node) const;
@@ -162,8 +162,9 @@ class CostModel {
 // A lower bound on the makespan of ANY placement of the batch under this cost model:
 //   max( max over sequences of the smallest possible bottleneck-rank time of that sequence alone,
 //        (sum over sequences of the smallest total rank-seconds of that sequence) / num_ranks ),
-// with per-token layers charged at min_linear_time_per_token_s. Both terms only drop work, so no
-// plan can beat it.
+// with per-token layers charged at min_linear_time_per_token_s and attention at the per-head
+// tables without any call's excess (see evaluate). Both terms only drop work, so no plan can
+// beat it.
 // Derivation: a rank's time is linear_time_s(its tokens) plus the attention and exchange of each
 // share it holds, and linear_time_s(m) >= m * min_linear_time_per_token_s, so a rank's time is at
 // least the sum of its shares charged that way. The makespan is >= the time of the bottleneck
