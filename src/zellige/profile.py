@@ -1,9 +1,9 @@
 """Hardware profiles as JSON: load, validate, save.
 
 A profile file mirrors zellige._core.HardwareProfile field by field; each table is an object
-{"source": "measured" | "seeded" | "analytic", "x": [...], "y": [...]}. The built-in profile
-(profiles/h200.json) is seeded from the measurements in DESIGN.md until `zellige profile`
-replaces it.
+{"source": "measured" | "seeded" | "analytic", "x": [...], "y": [...]} (lists of tables for the
+attention call tables and the exchange tables). The built-in profile (profiles/h200.json) was
+measured on one H200 by `zellige profile` (bench/results/profile_h200_202611.md).
 """
 
 from __future__ import annotations
