@@ -155,26 +155,29 @@ def heads_per_call(length: int, num_heads: int) -> int:
     return num_heads * max(1, PACK_TOKENS // length)
 
 
+def _measure_call(
+    options: ProfileOptions, device, dtype, head_dim: int, length: int, heads: int
+) -> tuple[float, float]:
+    """measure_attention with the profile's backend and repeats."""
+    return measure_attention(
+        length=length,
+        heads_per_call=heads,
+        head_dim=head_dim,
+        device=device,
+        dtype=dtype,
+        backend=options.attention_backend,
+        repeats=options.repeats,
+    )
+
+
 def profile_attention(
     options: ProfileOptions, device, dtype, num_heads: int, head_dim: int, progress: Progress
-) -> tuple[dict, dict, dict]:
+) -> tuple[dict, dict]:
     lengths = QUICK_ATTENTION_LENGTHS if options.quick else FULL_ATTENTION_LENGTHS
-
-    def measure(length: int, pairs: int) -> tuple[float, float]:
-        return measure_attention(
-            length=length,
-            heads_per_call=pairs,
-            head_dim=head_dim,
-            device=device,
-            dtype=dtype,
-            backend=options.attention_backend,
-            repeats=options.repeats,
-        )
-
     forward, backward = [], []
     for length in lengths:
         pairs = heads_per_call(length, num_heads)
-        f_s, b_s = measure(length, pairs)
+        f_s, b_s = _measure_call(options, device, dtype, head_dim, length, pairs)
         forward.append(f_s)
         backward.append(b_s)
         flops = 4.0 * length**2 * head_dim
@@ -204,15 +207,7 @@ def profile_attention_calls(
         heads = call_heads(length, num_heads)
         forward, backward = [], []
         for h in heads:
-            f_s, b_s = measure_attention(
-                length=length,
-                heads_per_call=h,
-                head_dim=head_dim,
-                device=device,
-                dtype=dtype,
-                backend=options.attention_backend,
-                repeats=options.repeats,
-            )
+            f_s, b_s = _measure_call(options, device, dtype, head_dim, length, h)
             forward.append(f_s * h)
             backward.append(b_s * h)
         forward_tables.append(_table(heads, forward))
@@ -334,7 +329,8 @@ def calibrate_in_step(
     }
 
 
-def _distinct_lengths_plan(lengths: list[int], text_tokens: int) -> tuple[_core.Batch, _core.Plan]:
+def _local_plan(lengths: list[int], text_tokens: int) -> tuple[_core.Batch, _core.Plan]:
+    """Sequences of these lengths, all local on rank 0 of 1."""
     batch = _core.Batch()
     batch.sequences = [
         _core.sequence_from_tokens(i, "video", n, text_tokens, 0) for i, n in enumerate(lengths)
@@ -342,9 +338,7 @@ def _distinct_lengths_plan(lengths: list[int], text_tokens: int) -> tuple[_core.
     plan = _core.Plan()
     plan.planner = "profile"
     plan.num_ranks = 1
-    plan.placements = [
-        _core.make_placement(i, _core.Strategy.local, [0]) for i in range(len(lengths))
-    ]
+    plan.placements = [_core.make_placement(i, _core.Strategy.local, [0]) for i in range(len(lengths))]
     return batch, plan
 
 
@@ -357,7 +351,7 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
     blocks = rank_work.make_blocks(config, LAUNCH_LAYERS, device, dtype)
 
     def step_s(lengths: list[int]) -> float:
-        batch, plan = _distinct_lengths_plan(lengths, config.text_tokens)
+        batch, plan = _local_plan(lengths, config.text_tokens)
         with rank_work.local_exchanges():
             inputs = rank_work.plan_rank_inputs(
                 batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
@@ -440,18 +434,7 @@ def _local_pack_plan(
     """`num_sequences` equal sequences of num_tokens in total, all local on rank 0 of 1. A pack,
     not one sequence: real ranks hold several, and the model's cross-attention gathers their
     rows (a single sequence takes a copy-free path that would under-count)."""
-    batch = _core.Batch()
-    batch.sequences = [
-        _core.sequence_from_tokens(i, "video", num_tokens // num_sequences, text_tokens, 0)
-        for i in range(num_sequences)
-    ]
-    plan = _core.Plan()
-    plan.planner = "profile"
-    plan.num_ranks = 1
-    plan.placements = [
-        _core.make_placement(i, _core.Strategy.local, [0]) for i in range(num_sequences)
-    ]
-    return batch, plan
+    return _local_plan([num_tokens // num_sequences] * num_sequences, text_tokens)
 
 
 def _memory_probe(blocks, inputs, checkpointing: bool, device) -> tuple[int, int]:
