@@ -338,7 +338,9 @@ def _local_plan(lengths: list[int], text_tokens: int) -> tuple[_core.Batch, _cor
     plan = _core.Plan()
     plan.planner = "profile"
     plan.num_ranks = 1
-    plan.placements = [_core.make_placement(i, _core.Strategy.local, [0]) for i in range(len(lengths))]
+    plan.placements = [
+        _core.make_placement(i, _core.Strategy.local, [0]) for i in range(len(lengths))
+    ]
     return batch, plan
 
 
