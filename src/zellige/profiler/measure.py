@@ -52,10 +52,11 @@ FULL_MEMORY_TOKENS = (8192, 32768)
 CALL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_ATTENTION_LENGTHS = (64, 128, 256)
 QUICK_CALL_LENGTHS = (64, 256)
+# calibrate_in_step: whole training steps of the per-token layers at these token counts, and of
+# attention packs of these lengths (at least PACK_TOKENS tokens a pack).
 IN_STEP_LAYERS = 2
-IN_STEP_TOKENS = (16384, 32768, 65536)  # whole steps: per-token layers at these token counts,
-QUICK_IN_STEP_TOKENS = (128, 256)  # and attention packs of these lengths (one pack of at least
-#                                    PACK_TOKENS tokens each)
+IN_STEP_TOKENS = (16384, 32768, 65536)
+QUICK_IN_STEP_TOKENS = (128, 256)
 LAUNCH_LAYERS = 2
 LAUNCH_SEQUENCES = 8  # a tiny rank of this many distinct lengths, against one of one
 QUICK_TOKEN_COUNTS = (64, 128, 256)
@@ -258,7 +259,7 @@ def calibrate_in_step(
         )
 
     points = QUICK_IN_STEP_TOKENS if options.quick else IN_STEP_TOKENS
-    pack = max(points[-1] if options.quick else PACK_TOKENS, 1)
+    pack = points[-1] if options.quick else PACK_TOKENS
     linear_s, linear_factor, attention_factor = {}, {}, {}
     for tokens in sorted({*points, *(max(length, pack) for length in points)}):
         inputs = rank_work.per_token_inputs(
