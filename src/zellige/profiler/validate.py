@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import multiprocessing
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ PLAN_SOURCES = (
     ("wan-stage2", 32, "static-cp:2"),
 )
 FORWARD_LATENCY_LENGTHS = (256, 1024, 4096, 16384, 32768, 65536)
+FAST_STEP_REPEATS = 20  # at most this many timed steps of a rank that runs in under a second
 QUICK_LENGTH_RANGE = (16, 160)  # CPU smoke batches: token counts drawn in this range
 
 
@@ -360,10 +362,14 @@ def run_rank(
         start_s = time.perf_counter()
         step()  # warm-up: kernels chosen, workspaces allocated
         synchronize(device)
-        # steps of seconds are steady; more repeats would cost minutes of device time
-        repeats = (
-            min(options.repeats, 2) if time.perf_counter() - start_s > 1.0 else options.repeats
-        )
+        warmup_s = time.perf_counter() - start_s
+        if warmup_s > 1.0:  # steps of seconds are steady; more would cost minutes of device time
+            repeats = min(options.repeats, 2)
+        else:
+            # host-bound steps of tens of ms scatter by +-25% between runs of one shape: time
+            # about a second of them, after a second warm-up
+            step()
+            repeats = max(options.repeats, min(FAST_STEP_REPEATS, math.ceil(1.0 / warmup_s)))
         peak = 0
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
