@@ -367,9 +367,12 @@ def run_rank(
             repeats = min(options.repeats, 2)
         else:
             # host-bound steps of tens of ms scatter by +-25% between runs of one shape: time
-            # about a second of them, after a second warm-up
+            # about a second of them, sized by a second warm-up (the first builds kernel plans)
+            start_s = time.perf_counter()
             step()
-            repeats = max(options.repeats, min(FAST_STEP_REPEATS, math.ceil(1.0 / warmup_s)))
+            synchronize(device)
+            step_s = max(time.perf_counter() - start_s, 1e-3)
+            repeats = max(options.repeats, min(FAST_STEP_REPEATS, math.ceil(1.0 / step_s)))
         peak = 0
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
