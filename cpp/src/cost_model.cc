@@ -149,6 +149,12 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     if (!profile_.text_bytes_per_token_layer.empty()) {
       text_bytes_ = profile_.text_bytes_per_token_layer[i];
     }
+    if (!profile_.launch_s_per_layer.empty()) {
+      launch_s_per_layer_ = profile_.launch_s_per_layer[i];
+    }
+    if (!profile_.launch_s_per_attention_call.empty()) {
+      launch_s_per_call_ = profile_.launch_s_per_attention_call[i];
+    }
   }
 
   // MMDiT double blocks carry two weight sets, so the largest layer is twice a single one.
@@ -555,8 +561,8 @@ PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
     rank.attention_calls = static_cast<int64_t>(calls[i].size());
     if (rank.tokens > 0) {
       rank.launch_floor_s =
-          layers * (profile_.launch_s_per_layer + profile_.launch_s_per_attention_call *
-                                                      static_cast<double>(rank.attention_calls));
+          layers *
+          (launch_s_per_layer_ + launch_s_per_call_ * static_cast<double>(rank.attention_calls));
     }
     rank.time_s = std::max(rank.linear_s + rank.attention_s + rank.call_s + rank.exchange_s,
                            rank.launch_floor_s);

@@ -66,10 +66,6 @@ void HardwareProfile::validate() const {
       throw std::invalid_argument("profile: attention call tables" + at + " must not be empty");
     }
   }
-  if (!(launch_s_per_layer >= 0) || !(launch_s_per_attention_call >= 0)) {
-    throw std::invalid_argument(
-        "profile: launch_s_per_layer and launch_s_per_attention_call must be >= 0");
-  }
   if (exchange_group_sizes.size() != exchange_intra_node_s.size()) {
     throw std::invalid_argument(
         "profile: exchange_group_sizes and exchange_intra_node_s differ in length");
@@ -90,11 +86,18 @@ void HardwareProfile::validate() const {
         "profile: memory_models, activation_bytes_per_token_layer and "
         "checkpoint_bytes_per_token_layer differ in length");
   }
-  for (const auto* optional : {&backward_bytes_per_token_layer, &text_bytes_per_token_layer}) {
+  for (const auto* optional : {&backward_bytes_per_token_layer, &text_bytes_per_token_layer,
+                               &launch_s_per_layer, &launch_s_per_attention_call}) {
     if (!optional->empty() && optional->size() != memory_models.size()) {
       throw std::invalid_argument(
-          "profile: backward_bytes_per_token_layer and text_bytes_per_token_layer must be empty "
-          "or as long as memory_models");
+          "profile: backward_bytes_per_token_layer, text_bytes_per_token_layer, "
+          "launch_s_per_layer and launch_s_per_attention_call must be empty or as long as "
+          "memory_models");
+    }
+    for (double value : *optional) {
+      if (!(value >= 0)) {
+        throw std::invalid_argument("profile: per-model rows must be >= 0");
+      }
     }
   }
   for (size_t i = 0; i < memory_models.size(); ++i) {

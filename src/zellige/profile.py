@@ -25,7 +25,16 @@ _TABLE_FIELDS = (
     "matmul_backward_flops_per_s",
 )
 _REQUIRED_NUMBERS = ("matmul_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s")
-_OPTIONAL_NUMBERS = ("exchange_overlap", "launch_s_per_layer", "launch_s_per_attention_call")
+_OPTIONAL_NUMBERS = ("exchange_overlap",)
+# Rows of numbers, one per model in memory_models (the optional ones may be empty).
+_MODEL_ROWS = (
+    "activation_bytes_per_token_layer",
+    "checkpoint_bytes_per_token_layer",
+    "backward_bytes_per_token_layer",
+    "text_bytes_per_token_layer",
+    "launch_s_per_layer",
+    "launch_s_per_attention_call",
+)
 _TABLE_LISTS = ("exchange_intra_node_s", "attention_call_forward_s", "attention_call_backward_s")
 _INTEGERS = ("attention_head_dim", "runtime_reserved_bytes")
 _STRINGS = ("device_name", "created")
@@ -38,8 +47,6 @@ _FIELDS = (
     "attention_call_lengths",
     "attention_call_forward_s",
     "attention_call_backward_s",
-    "launch_s_per_layer",
-    "launch_s_per_attention_call",
     "exchange_group_sizes",
     "exchange_intra_node_s",
     "exchange_overlap",
@@ -48,6 +55,8 @@ _FIELDS = (
     "checkpoint_bytes_per_token_layer",
     "backward_bytes_per_token_layer",
     "text_bytes_per_token_layer",
+    "launch_s_per_layer",
+    "launch_s_per_attention_call",
     "runtime_reserved_bytes",
 )
 
@@ -130,12 +139,7 @@ def profile_from_dict(data: Any) -> HardwareProfile:
     if not all(isinstance(name, str) for name in models):
         raise ValueError("memory_models must be a list of model names")
     profile.memory_models = models
-    for key in (
-        "activation_bytes_per_token_layer",
-        "checkpoint_bytes_per_token_layer",
-        "backward_bytes_per_token_layer",
-        "text_bytes_per_token_layer",
-    ):
+    for key in _MODEL_ROWS:
         values = _list(data.get(key, []), key)
         setattr(profile, key, [_number(v, f"{key}[{i}]") for i, v in enumerate(values)])
     profile.validate()  # std::invalid_argument -> ValueError

@@ -35,6 +35,17 @@ HardwareProfile call_profile() {
   return profile;
 }
 
+// The profile with launch-floor terms for wan-14b's blocks (its other per-model rows analytic).
+HardwareProfile with_launch(HardwareProfile profile, double per_layer_s, double per_call_s) {
+  profile.memory_models = {"wan-14b"};
+  profile.activation_bytes_per_token_layer = {0};
+  profile.checkpoint_bytes_per_token_layer = {0};
+  profile.launch_s_per_layer = {per_layer_s};
+  profile.launch_s_per_attention_call = {per_call_s};
+  profile.validate();
+  return profile;
+}
+
 CostModel wan14b(const HardwareProfile& profile, int64_t gpus = 8) {
   return CostModel(model_preset("wan-14b"), profile, make_cluster(gpus, 8));
 }
@@ -106,9 +117,7 @@ TEST(AttentionCalls, EqualSegmentsShareOneCallAndRingStepsDoNot) {
 }
 
 TEST(AttentionCalls, LaunchFloorBindsOnlyTinyRanks) {
-  HardwareProfile profile = call_profile();
-  profile.launch_s_per_layer = 5e-3;
-  profile.launch_s_per_attention_call = 1e-3;
+  const HardwareProfile profile = with_launch(call_profile(), 5e-3, 1e-3);
   const CostModel model = wan14b(profile);
   Batch batch = test_util::batch_of({256, 300, 60000}, /*text_tokens=*/512);
   Plan plan;
@@ -134,13 +143,14 @@ TEST(AttentionCalls, LaunchFloorBindsOnlyTinyRanks) {
     end[segment.rank] = segment.end_s;
   }
   for (int64_t rank = 0; rank < 8; ++rank) EXPECT_NEAR(end[rank], cost.ranks[rank].time_s, 1e-9);
+
+  // The floor was measured with wan-14b's blocks: another model gets none from it.
+  const CostModel other(model_preset("wan-1.3b"), profile, make_cluster(8, 8));
+  EXPECT_EQ(other.evaluate(batch, plan).ranks[0].launch_floor_s, 0);
 }
 
 TEST(AttentionCalls, LowerBoundHoldsForPlannedBatches) {
-  HardwareProfile profile = call_profile();
-  profile.launch_s_per_layer = 1e-3;
-  profile.launch_s_per_attention_call = 1e-4;
-  const CostModel model = wan14b(profile, 16);
+  const CostModel model = wan14b(with_launch(call_profile(), 1e-3, 1e-4), 16);
   Recipe recipe;
   recipe.name = "images-and-clips";
   recipe.model = "wan-14b";
@@ -166,8 +176,10 @@ TEST(AttentionCalls, ProfileRejectsBadCallTables) {
   profile = call_profile();
   profile.attention_call_forward_s[0] = Table{};
   EXPECT_THROW(profile.validate(), std::invalid_argument);
-  profile = call_profile();
-  profile.launch_s_per_attention_call = -1;
+  profile = with_launch(call_profile(), 1e-3, 1e-4);
+  profile.launch_s_per_attention_call = {-1};
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+  profile.launch_s_per_attention_call = {1e-4, 1e-4};  // one row per memory model
   EXPECT_THROW(profile.validate(), std::invalid_argument);
 }
 

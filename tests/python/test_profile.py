@@ -48,8 +48,8 @@ def test_round_trip_is_exact(tmp_path):
         zellige.Table(x=[1, 40, 2560], y=[6e-5, 8e-5, 9e-4], source="measured"),
         zellige.Table(x=[1, 10, 80], y=[8e-4, 2e-3, 1.3e-2], source="measured"),
     ]
-    profile.launch_s_per_layer = 4e-3
-    profile.launch_s_per_attention_call = 2e-4
+    profile.launch_s_per_layer = [4e-3]
+    profile.launch_s_per_attention_call = [2e-4]
     path = tmp_path / "p.json"
     save_profile(profile, path)
     again = load_profile(path)
@@ -97,7 +97,9 @@ BAD_PROFILES = {
         "attention_call_forward_s": [{"source": "measured", "x": [1], "y": [1]}] * 2,
         "attention_call_backward_s": [{"source": "measured", "x": [1], "y": [1]}] * 2,
     },
-    "negative-launch": {**_builtin_dict(), "launch_s_per_layer": -1e-3},
+    "negative-launch": {**_builtin_dict(), "launch_s_per_layer": [-1e-3]},
+    "launch-not-a-row": {**_builtin_dict(), "launch_s_per_layer": 1e-3},
+    "launch-row-too-long": {**_builtin_dict(), "launch_s_per_layer": [1e-3, 1e-3]},
 }
 
 

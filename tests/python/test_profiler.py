@@ -180,7 +180,10 @@ def test_quick_profile_writes_a_valid_measured_profile(tmp_path):
     assert len(data["attention_call_lengths"]) == len(data["attention_call_forward_s"]) >= 2
     for table in data["attention_call_forward_s"] + data["attention_call_backward_s"]:
         assert table["x"][0] == 1 and len(table["x"]) >= 3
-    assert data["launch_s_per_layer"] > 0 and data["launch_s_per_attention_call"] >= 0
+    # The host launch time is measured (a row of the profile only where memory is, on a GPU).
+    launch = json.loads(details.read_text())["launch"]
+    assert launch["launch_s_per_layer"] > 0 and launch["launch_s_per_attention_call"] >= 0
+    assert data["launch_s_per_layer"] == [] and data["memory_models"] == []
     profile = load_profile(out)  # the core reads it back
     assert profile.matmul_flops_per_s > 0
     assert json.loads(details.read_text())["model"] == "tiny"
@@ -220,6 +223,9 @@ def test_memory_rows_merge_into_a_profile():
     merged = merge_memory(base, "wan-1.3b", memory)
     row = merged["memory_models"].index("wan-1.3b")
     assert merged["activation_bytes_per_token_layer"][row] == 1000.0
+    # a row the new model was not measured for: 0 (no launch floor); wan-14b keeps its own
+    assert merged["launch_s_per_layer"][row] == 0.0
+    assert merged["launch_s_per_layer"][merged["memory_models"].index("wan-14b")] > 0
     again = merge_memory(merged, "wan-1.3b", {**memory, "text_bytes_per_token_layer": 7.0})
     assert again["memory_models"].count("wan-1.3b") == 1
     assert again["text_bytes_per_token_layer"][row] == 7.0

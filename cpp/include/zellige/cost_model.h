@@ -150,6 +150,8 @@ class CostModel {
   double checkpoint_bytes_ = 0;         // per token per layer, kept with checkpointing
   double backward_bytes_ = 0;           // per token, one layer's backward transient (0: analytic)
   double text_bytes_ = 0;               // per text token per layer, cross-attention (0: none)
+  double launch_s_per_layer_ = 0;       // the model's launch floor terms (0: none)
+  double launch_s_per_call_ = 0;
   double fixed_bytes_ = 0;
   double min_linear_time_per_token_s_ = 0;
   LogTable attention_forward_, attention_backward_, matmul_forward_, matmul_backward_;

@@ -42,11 +42,6 @@ struct HardwareProfile {
   std::vector<double> attention_call_lengths;
   std::vector<Table> attention_call_forward_s;
   std::vector<Table> attention_call_backward_s;
-  // Optional (0 = not modelled): host seconds to issue one layer's kernels (forward, recompute,
-  // backward) apart from its attention calls, and per attention call (self or cross) and layer.
-  // A rank whose GPU work is shorter waits for its host: CostModel::evaluate's launch floor.
-  double launch_s_per_layer = 0;
-  double launch_s_per_attention_call = 0;
   // Dense GEMM throughput (FLOP/s) against the token count M of the per-token layers. x = M.
   Table matmul_forward_flops_per_s;
   Table matmul_backward_flops_per_s;
@@ -70,6 +65,12 @@ struct HardwareProfile {
   // for one layer under activation checkpointing (the recompute) and every layer without (an
   // over-estimate there: backward buffers exist for one layer only). 0 = none.
   std::vector<double> text_bytes_per_token_layer;
+  // Optional likewise (0 = not modelled): host seconds to issue one layer's kernels (forward,
+  // recompute, backward) apart from its attention calls, and per attention call (self or cross)
+  // and layer, for the model's blocks. A rank whose GPU work is shorter waits for its host:
+  // CostModel::evaluate's launch floor.
+  std::vector<double> launch_s_per_layer;
+  std::vector<double> launch_s_per_attention_call;
   int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
 
   void validate() const;  // every non-empty table valid, rates > 0

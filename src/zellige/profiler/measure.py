@@ -576,8 +576,6 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "attention_call_lengths": call_lengths,
         "attention_call_forward_s": call_forward,
         "attention_call_backward_s": call_backward,
-        "launch_s_per_layer": launch["launch_s_per_layer"],
-        "launch_s_per_attention_call": launch["launch_s_per_attention_call"],
         "matmul_forward_flops_per_s": matmul_forward,
         "matmul_backward_flops_per_s": matmul_backward,
         "exchange_group_sizes": exchange_sizes,
@@ -594,11 +592,14 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
             [memory["backward_bytes_per_token_layer"]] if memory else []
         ),
         "text_bytes_per_token_layer": [memory["text_bytes_per_token_layer"]] if memory else [],
+        # rows of the model measured (memory_models): none on a CPU, where memory is not measured
+        "launch_s_per_layer": [launch["launch_s_per_layer"]] if memory else [],
+        "launch_s_per_attention_call": [launch["launch_s_per_attention_call"]] if memory else [],
         "runtime_reserved_bytes": runtime_reserved_bytes,
     }
     details = {
         "model": options.model,
-        "launch_steps_s": launch["step_s"],
+        "launch": launch,
         "per_token_layer_seconds": layer_seconds,
         "memory": memory,
         "pack_tokens": PACK_TOKENS,
@@ -622,19 +623,22 @@ def _check_finite(profile: dict) -> None:
                 raise RuntimeError(f"profile field {key} has a non-finite or negative value")
 
 
-_MEMORY_FIELDS = (
+_MODEL_ROW_FIELDS = (
     "activation_bytes_per_token_layer",
     "checkpoint_bytes_per_token_layer",
     "backward_bytes_per_token_layer",
     "text_bytes_per_token_layer",
+    "launch_s_per_layer",
+    "launch_s_per_attention_call",
 )
 
 
 def merge_memory(base: dict, model: str, memory: dict) -> dict:
-    """`base` (a profile JSON object) with `model`'s memory row added or replaced."""
+    """`base` (a profile JSON object) with `model`'s row added or replaced by the fields of
+    `memory` (others keep their value; 0, not modelled, in a new row)."""
     profile = dict(base)
     models = list(profile.get("memory_models", []))
-    columns = {key: list(profile.get(key, [])) for key in _MEMORY_FIELDS}
+    columns = {key: list(profile.get(key, [])) for key in _MODEL_ROW_FIELDS}
     for values in columns.values():  # optional columns may be empty: 0 means analytic
         values.extend([0.0] * (len(models) - len(values)))
     if model not in models:
@@ -643,7 +647,7 @@ def merge_memory(base: dict, model: str, memory: dict) -> dict:
             values.append(0.0)
     row = models.index(model)
     for key, values in columns.items():
-        values[row] = memory[key]
+        values[row] = memory.get(key, values[row])
         profile[key] = values
     profile["memory_models"] = models
     return profile
@@ -652,19 +656,29 @@ def merge_memory(base: dict, model: str, memory: dict) -> dict:
 def profile_memory_into(
     base: dict, options: ProfileOptions, progress: Progress = print
 ) -> ProfileResult:
-    """Measures only the memory of `options.model` and the runtime reserve, and returns `base`
-    (a profile JSON object) with that model's memory entry added or replaced."""
+    """Measures only the per-model rows of `options.model` (memory, host launch time) and the
+    runtime reserve, and returns `base` (a profile JSON object) with that model's row added or
+    replaced."""
     device = torch.device(options.device)
     if device.type != "cuda":
         raise ValueError("zellige profile --memory-only reads the GPU allocator and found no GPU")
     dtype = torch.bfloat16
     spec = model_spec(options.model)
     memory = profile_memory(options, device, dtype, progress)
-    profile = merge_memory(base, spec.name, memory)
+    launch = profile_launch(options, device, dtype, progress)
+    profile = merge_memory(
+        base,
+        spec.name,
+        {
+            **memory,
+            "launch_s_per_layer": launch["launch_s_per_layer"],
+            "launch_s_per_attention_call": launch["launch_s_per_attention_call"],
+        },
+    )
     profile["runtime_reserved_bytes"] = measure_runtime_reserved(device)
     now = datetime.datetime.now(datetime.UTC)
     profile["created"] = (
-        f"{profile.get('created', '')}; memory of {spec.name} measured by `zellige profile "
-        f"--memory-only` on {now:%Y-%m-%d %H:%M} UTC ({_versions(device)})"
+        f"{profile.get('created', '')}; memory and launch of {spec.name} measured by "
+        f"`zellige profile --memory-only` on {now:%Y-%m-%d %H:%M} UTC ({_versions(device)})"
     )
     return ProfileResult(profile=profile, details={"model": options.model, "memory": memory})
