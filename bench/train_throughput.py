@@ -69,6 +69,9 @@ def summarise(name: str, recipe: str, history: list[dict], warmup: int, peak: fl
                     "cross_attention_s_max",
                     "busy_s_max",
                     "peak_gib",
+                    "peak_backward_gib",
+                    "peak_optimizer_gib",
+                    "predicted_peak_gib",
                 )
             }
             for r in history

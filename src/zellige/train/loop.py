@@ -128,6 +128,8 @@ def train(
         local_loss = step_loss(model, step_input, data.total_tokens, timer)
         # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
         (local_loss * num_ranks).backward()
+        # the step's peak split by phase, against the cost model's (which has no optimizer step)
+        peak_backward_gib = _peak_gib(device, reset=True)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -171,9 +173,12 @@ def train(
             "cross_attention_s_max": float(gathered[:, 3].max()),
             "data_wait_s_max": float(gathered[:, 5].max()),
             "grad_norm": float(_full(grad_norm)),
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30
-            if device.type == "cuda"
-            else None,
+            "peak_gib": None
+            if peak_backward_gib is None
+            else max(peak_backward_gib, _peak_gib(device)),
+            "peak_backward_gib": peak_backward_gib,  # forward and backward
+            "peak_optimizer_gib": _peak_gib(device),  # clipping and the optimizer step
+            "predicted_peak_gib": data.plan["predicted"]["rank_peak_bytes"][rank] / 2**30,
             "lr": scheduler.get_last_lr()[0],
             "planner": config.planner,
         }
@@ -213,6 +218,16 @@ def step_loss(
     loss_dtype = torch.promote_types(velocity_TC.dtype, torch.float32)
     error_TC = velocity_TC.to(loss_dtype) - step_input.velocity_TC.to(loss_dtype)
     return error_TC.square().mean(dim=1).sum() / total_tokens
+
+
+def _peak_gib(device: torch.device, reset: bool = False) -> float | None:
+    """GiB the allocator has held at most since its last reset (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
+    return peak
 
 
 def _step_line(record: dict, total_steps: int) -> str:
