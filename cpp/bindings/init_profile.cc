@@ -51,6 +51,7 @@ void init_profile(nb::module_& m) {
       .def_rw("exchange_group_sizes", &HardwareProfile::exchange_group_sizes)
       .def_rw("exchange_intra_node_s", &HardwareProfile::exchange_intra_node_s)
       .def_rw("exchange_overlap", &HardwareProfile::exchange_overlap)
+      .def_rw("ulysses_layout_s_per_byte", &HardwareProfile::ulysses_layout_s_per_byte)
       .def_rw("memory_models", &HardwareProfile::memory_models)
       .def_rw("activation_bytes_per_token_layer",
               &HardwareProfile::activation_bytes_per_token_layer)
@@ -60,16 +61,31 @@ void init_profile(nb::module_& m) {
       .def_rw("text_bytes_per_token_layer", &HardwareProfile::text_bytes_per_token_layer)
       .def_rw("runtime_reserved_bytes", &HardwareProfile::runtime_reserved_bytes)
       .def("validate", &HardwareProfile::validate);
-  add_value_methods(
-      profile,
-      {"device_name", "created", "matmul_flops_per_s", "attention_flops_per_s",
-       "memory_bytes_per_s", "attention_head_dim", "attention_forward_s_per_head",
-       "attention_backward_s_per_head", "attention_call_lengths", "attention_call_forward_s",
-       "attention_call_backward_s", "launch_s_per_layer", "launch_s_per_attention_call",
-       "matmul_forward_flops_per_s", "matmul_backward_flops_per_s",
-       "exchange_group_sizes", "exchange_intra_node_s", "exchange_overlap", "memory_models",
-       "activation_bytes_per_token_layer", "checkpoint_bytes_per_token_layer",
-       "backward_bytes_per_token_layer", "text_bytes_per_token_layer", "runtime_reserved_bytes"});
+  add_value_methods(profile, {"device_name",
+                              "created",
+                              "matmul_flops_per_s",
+                              "attention_flops_per_s",
+                              "memory_bytes_per_s",
+                              "attention_head_dim",
+                              "attention_forward_s_per_head",
+                              "attention_backward_s_per_head",
+                              "attention_call_lengths",
+                              "attention_call_forward_s",
+                              "attention_call_backward_s",
+                              "launch_s_per_layer",
+                              "launch_s_per_attention_call",
+                              "matmul_forward_flops_per_s",
+                              "matmul_backward_flops_per_s",
+                              "exchange_group_sizes",
+                              "exchange_intra_node_s",
+                              "exchange_overlap",
+                              "ulysses_layout_s_per_byte",
+                              "memory_models",
+                              "activation_bytes_per_token_layer",
+                              "checkpoint_bytes_per_token_layer",
+                              "backward_bytes_per_token_layer",
+                              "text_bytes_per_token_layer",
+                              "runtime_reserved_bytes"});
 
   m.def("analytic_profile", &analytic_profile, nb::arg("device_name"),
         nb::arg("matmul_flops_per_s"), nb::arg("attention_flops_per_s"),

@@ -388,6 +388,7 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
     }
     terms.exchange_s += layers * passes * pass_s * (1.0 - profile_.exchange_overlap);
     terms.sent_bytes += layers * passes * send;
+    terms.attention_s += layers * passes * send * profile_.ulysses_layout_s_per_byte;
   }
 
   // Ring: r - 1 k/v transfers per pass (every block but the next one is forwarded), each hidden

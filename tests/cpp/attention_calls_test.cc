@@ -166,6 +166,32 @@ TEST(AttentionCalls, LowerBoundHoldsForPlannedBatches) {
   }
 }
 
+TEST(UlyssesLayout, ChargesTheShardsPerByteSent) {
+  HardwareProfile profile = seeded_profile();
+  const CostModel plain = wan14b(profile);
+  profile.ulysses_layout_s_per_byte = 1e-12;
+  const CostModel model = wan14b(profile);
+  const Sequence sequence = sequence_from_tokens(0, "video", 40000, 512, 0);
+  const Placement ulysses = make_placement(0, Strategy::kUlysses, {0, 1, 2, 3});
+  const std::vector<RankShare> with = model.shares(sequence, ulysses);
+  const std::vector<RankShare> without = plain.shares(sequence, ulysses);
+  // Every byte a shard sends costs 1 ps: the extra time adds up to the exchanged bytes less
+  // the routing of the sequence's tokens to ranks 1-3 (512 bytes a token each way).
+  double extra_bytes = 0;
+  for (size_t i = 0; i < with.size(); ++i) {
+    EXPECT_GT(with[i].attention_s, without[i].attention_s);
+    extra_bytes += (with[i].attention_s - without[i].attention_s) / 1e-12;
+  }
+  const double routed = 2.0 * 512.0 * static_cast<double>(40000 - with[0].tokens);
+  EXPECT_NEAR(extra_bytes, model.exchange_bytes(sequence, ulysses) - routed, 1e3);
+  // A whole sequence sends nothing and pays nothing.
+  const Placement local = make_placement(0, Strategy::kLocal, {0});
+  EXPECT_DOUBLE_EQ(model.shares(sequence, local)[0].attention_s,
+                   plain.shares(sequence, local)[0].attention_s);
+  profile.ulysses_layout_s_per_byte = -1;
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+}
+
 TEST(AttentionCalls, ProfileRejectsBadCallTables) {
   HardwareProfile profile = call_profile();
   profile.attention_call_backward_s.pop_back();

@@ -51,6 +51,10 @@ struct HardwareProfile {
   std::vector<Table> exchange_intra_node_s;
   // Fraction of a rank's exchange time hidden behind its local attention (0 until measured).
   double exchange_overlap = 0.0;
+  // Seconds per byte a rank sends in Ulysses exchanges that the engine spends laying rows out
+  // around them (send buffers, the call's head layout and back), on the rank's compute; 0 = not
+  // modelled.
+  double ulysses_layout_s_per_byte = 0.0;
   // Memory: bytes per token per layer kept for backward with and without activation
   // checkpointing, per model preset name; 0 = analytic.
   std::vector<std::string> memory_models;

@@ -57,6 +57,9 @@ QUICK_CALL_LENGTHS = (64, 256)
 IN_STEP_LAYERS = 2
 IN_STEP_TOKENS = (16384, 32768, 65536)
 QUICK_IN_STEP_TOKENS = (128, 256)
+# profile_ulysses_layout: (sequence tokens, Ulysses degree) of the shards timed
+ULYSSES_LAYOUT_POINTS = ((32768, 2), (32768, 4), (65536, 8))
+QUICK_ULYSSES_LAYOUT_POINTS = ((256, 2),)
 LAUNCH_LAYERS = 2
 LAUNCH_SEQUENCES = 8  # a tiny rank of this many distinct lengths, against one of one
 QUICK_TOKEN_COUNTS = (64, 128, 256)
@@ -321,6 +324,88 @@ def _local_plan(lengths: list[int], text_tokens: int) -> tuple[_core.Batch, _cor
     return batch, plan
 
 
+def ulysses_sent_bytes(
+    length: int, degree: int, num_heads: int, head_dim: int, bytes_per_element: int
+) -> tuple[float, float]:
+    """(sent, received) bytes of rank 0 of a sequence of `length` tokens under Ulysses `degree`,
+    in one pass (q, k, v out and o back), as CostModel::rank_terms counts them."""
+    chunk = length // degree + (1 if length % degree else 0)
+    heads = num_heads // degree + (1 if num_heads % degree else 0)
+    qkv_send = chunk * (num_heads - heads) * head_dim * bytes_per_element
+    qkv_recv = (length - chunk) * heads * head_dim * bytes_per_element
+    return 3.0 * qkv_send + qkv_recv, 3.0 * qkv_recv + qkv_send
+
+
+def _time_distributed_attention(step, config, device, dtype, repeats: int) -> tuple[float, float]:
+    """GPU seconds of the engine's distributed attention of the rank of `step` over random q, k, v
+    of its tokens: forward, and backward."""
+    from zellige.runtime.attention import distributed_attention
+
+    shape = (int(sum(step.compiled.chunk_num_tokens)), config.num_heads, config.head_dim)
+    q, k, v = (torch.randn(*shape, device=device, dtype=dtype).requires_grad_(True) for _ in "qkv")
+    grad = torch.randn(*shape, device=device, dtype=dtype)
+    forward_s = gpu_time_s(lambda: distributed_attention(q, k, v, step), device, repeats=repeats)
+    out = distributed_attention(q, k, v, step)
+    backward_s = gpu_time_s(
+        lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True),
+        device,
+        repeats=repeats,
+    )
+    return forward_s, backward_s
+
+
+def profile_ulysses_layout(
+    options: ProfileOptions, device, dtype, memory_bytes_per_s: float, progress: Progress
+) -> tuple[float, dict]:
+    """Seconds per byte a rank sends in Ulysses exchanges that the engine spends laying rows out
+    around them (packing the send buffers, gathering the received heads into the call's layout
+    and back): a Ulysses shard's distributed attention, forward and backward, with the exchanges
+    as local copies (rank_work.local_exchanges), less the coalesced call over its block and heads
+    and less those copies, per byte sent. The median over ULYSSES_LAYOUT_POINTS, at least 0."""
+    from zellige.runtime.layout import prepare_step
+
+    config = dit_config(options.model)
+    points = QUICK_ULYSSES_LAYOUT_POINTS if options.quick else ULYSSES_LAYOUT_POINTS
+    per_byte, rows = [], {}
+    for length, degree in points:
+        batch, _ = _local_plan([length], 0)
+        plan = _core.Plan()
+        plan.planner = "profile"
+        plan.num_ranks = degree
+        plan.placements = [_core.make_placement(0, _core.Strategy.ulysses, list(range(degree)))]
+        with rank_work.local_exchanges():
+            step = prepare_step(
+                batch, plan, config.num_heads, device, rank=0, check_agreement=False
+            )
+            forward_s, backward_s = _time_distributed_attention(
+                step, config, device, dtype, options.repeats
+            )
+        heads = config.num_heads // degree + (1 if config.num_heads % degree else 0)
+        call_forward_s, call_backward_s = _measure_call(
+            options, device, dtype, config.head_dim, length, heads
+        )
+        sent, received = ulysses_sent_bytes(
+            length, degree, config.num_heads, config.head_dim, dtype.itemsize
+        )
+        copies_s = 2 * 2.0 * received / memory_bytes_per_s  # two passes, read and written
+        extra_s = forward_s + backward_s - heads * (call_forward_s + call_backward_s) - copies_s
+        per_byte.append(max(0.0, extra_s) / (2 * sent))
+        rows[f"L={length},u={degree}"] = {
+            "forward_s": forward_s,
+            "backward_s": backward_s,
+            "call_s": heads * (call_forward_s + call_backward_s),
+            "copies_s": copies_s,
+            "sent_bytes": 2 * sent,
+        }
+    value = float(np.median(per_byte))
+    progress(
+        f"Ulysses layout: {value * 1e12:.2f} ps per byte sent ("
+        + ", ".join(f"{k}: {b * 1e12:.2f}" for k, b in zip(rows, per_byte, strict=True))
+        + ")"
+    )
+    return value, rows
+
+
 def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -> dict:
     """Host seconds to issue one layer apart from its attention calls, and per attention call:
     training steps (checkpointing on) of tiny ranks, one of 1 sequence and one of
@@ -536,6 +621,9 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         options, device, dtype, config.num_heads, config.head_dim, progress
     )
     launch = profile_launch(options, device, dtype, progress)
+    ulysses_layout_s_per_byte, ulysses_layout = profile_ulysses_layout(
+        options, device, dtype, memory_bytes_per_s, progress
+    )
     longest = attention_forward["x"][-1]
     attention_flops_per_s = 4.0 * longest**2 * config.head_dim / attention_forward["y"][-1]
     matmul_forward, matmul_backward, layer_seconds = profile_per_token_layers(
@@ -576,6 +664,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "attention_call_lengths": call_lengths,
         "attention_call_forward_s": call_forward,
         "attention_call_backward_s": call_backward,
+        "ulysses_layout_s_per_byte": ulysses_layout_s_per_byte,
         "matmul_forward_flops_per_s": matmul_forward,
         "matmul_backward_flops_per_s": matmul_backward,
         "exchange_group_sizes": exchange_sizes,
@@ -600,6 +689,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
     details = {
         "model": options.model,
         "launch": launch,
+        "ulysses_layout": ulysses_layout,
         "per_token_layer_seconds": layer_seconds,
         "memory": memory,
         "pack_tokens": PACK_TOKENS,
