@@ -127,6 +127,9 @@ def main() -> None:
         loss, grads = reference(config, sequences)
         results["reference"] = {"loss": loss, "grads": grads}
         torch.save(results, out_path)
+    # Rank 0 computes the reference alone: tearing gloo down on rank 1 meanwhile aborted it once
+    # ("terminate called without an active exception"), so the ranks leave together.
+    dist.barrier()
     dist.destroy_process_group()
 
 
