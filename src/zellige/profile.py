@@ -27,7 +27,7 @@ _TABLE_FIELDS = (
 _REQUIRED_NUMBERS = ("matmul_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s")
 _OPTIONAL_NUMBERS = ("exchange_overlap", "ulysses_layout_s_per_byte")
 # Rows of numbers, one per model in memory_models (the optional ones may be empty).
-_MODEL_ROWS = (
+MODEL_ROWS = (
     "activation_bytes_per_token_layer",
     "checkpoint_bytes_per_token_layer",
     "backward_bytes_per_token_layer",
@@ -52,12 +52,7 @@ _FIELDS = (
     "exchange_overlap",
     "ulysses_layout_s_per_byte",
     "memory_models",
-    "activation_bytes_per_token_layer",
-    "checkpoint_bytes_per_token_layer",
-    "backward_bytes_per_token_layer",
-    "text_bytes_per_token_layer",
-    "launch_s_per_layer",
-    "launch_s_per_attention_call",
+    *MODEL_ROWS,
     "runtime_reserved_bytes",
 )
 
@@ -140,7 +135,7 @@ def profile_from_dict(data: Any) -> HardwareProfile:
     if not all(isinstance(name, str) for name in models):
         raise ValueError("memory_models must be a list of model names")
     profile.memory_models = models
-    for key in _MODEL_ROWS:
+    for key in MODEL_ROWS:
         values = _list(data.get(key, []), key)
         setattr(profile, key, [_number(v, f"{key}[{i}]") for i, v in enumerate(values)])
     profile.validate()  # std::invalid_argument -> ValueError

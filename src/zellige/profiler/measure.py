@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from zellige import _core
+from zellige.profile import MODEL_ROWS
 from zellige.profiler import rank_work
 from zellige.profiler.models import dit_config, model_spec
 from zellige.profiler.timing import (
@@ -713,22 +714,12 @@ def _check_finite(profile: dict) -> None:
                 raise RuntimeError(f"profile field {key} has a non-finite or negative value")
 
 
-_MODEL_ROW_FIELDS = (
-    "activation_bytes_per_token_layer",
-    "checkpoint_bytes_per_token_layer",
-    "backward_bytes_per_token_layer",
-    "text_bytes_per_token_layer",
-    "launch_s_per_layer",
-    "launch_s_per_attention_call",
-)
-
-
 def merge_memory(base: dict, model: str, memory: dict) -> dict:
     """`base` (a profile JSON object) with `model`'s row added or replaced by the fields of
     `memory` (others keep their value; 0, not modelled, in a new row)."""
     profile = dict(base)
     models = list(profile.get("memory_models", []))
-    columns = {key: list(profile.get(key, [])) for key in _MODEL_ROW_FIELDS}
+    columns = {key: list(profile.get(key, [])) for key in MODEL_ROWS}
     for values in columns.values():  # optional columns may be empty: 0 means analytic
         values.extend([0.0] * (len(models) - len(values)))
     if model not in models:
