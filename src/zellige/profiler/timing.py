@@ -19,28 +19,40 @@ SLOW_RUN_S = 0.1  # past this, a few repeats are enough and more would cost minu
 
 
 def median_time_s(
-    fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    behind_busy_gpu: bool = False,
 ) -> float:
     """Median seconds of `fn()` over `repeats` runs after `warmup` untimed ones (at least one
     warm-up when warmup > 0; a run slower than SLOW_RUN_S gets one warm-up and at most three
     repeats).
 
     On CUDA each run is bracketed by events, so host launch overhead that the GPU hides is not
-    counted, but a launch-bound run still shows its launch gaps."""
+    counted, but a launch-bound run still shows its launch gaps. With `behind_busy_gpu` each run
+    is queued behind heavy GPU work lasting longer than the host takes to issue it (see
+    gpu_time_s)."""
+    host_s = 0.0
     if warmup > 0:
         synchronize(device)
         start_s = time.perf_counter()
         fn()
+        host_s = time.perf_counter() - start_s  # issue time (or more, if fn synchronizes)
         synchronize(device)
         if time.perf_counter() - start_s > SLOW_RUN_S:
             warmup, repeats = 1, min(repeats, 3)
         for _ in range(warmup - 1):
             fn()
+    burn_s = max(BURN_S, 2.0 * host_s + 1e-3)
     synchronize(device)
     times_s = []
     if device.type == "cuda":
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if behind_busy_gpu:
+                _burn(burn_s, device)
             start.record()
             fn()
             end.record()
@@ -88,33 +100,11 @@ def release_burn() -> None:
 def gpu_time_s(
     fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5
 ) -> float:
-    """Median GPU seconds of `fn()`: as median_time_s, but each run is queued behind heavy GPU
-    work that lasts longer than the host takes to issue the run, so the events bracket its
-    kernels back to back and host launch time drops out (the profile measures that apart: its
-    launch floor), at the clocks of a busy GPU. On a CPU, the wall clock."""
-    if device.type != "cuda":
-        return median_time_s(fn, device, warmup=warmup, repeats=repeats)
-    synchronize(device)
-    start_s = time.perf_counter()
-    fn()
-    host_s = time.perf_counter() - start_s  # issue time (or more, if fn synchronizes)
-    synchronize(device)
-    if time.perf_counter() - start_s > SLOW_RUN_S:
-        warmup, repeats = 1, min(repeats, 3)
-    for _ in range(warmup - 1):
-        fn()
-    burn_s = max(BURN_S, 2.0 * host_s + 1e-3)
-    synchronize(device)
-    times_s = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        _burn(burn_s, device)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times_s.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times_s)
+    """Median GPU seconds of `fn()`: median_time_s with each run queued behind heavy GPU work that
+    lasts longer than the host takes to issue the run, so the events bracket its kernels back to
+    back and host launch time drops out (the profile measures that apart: its launch floor), at
+    the clocks of a busy GPU. On a CPU, the wall clock."""
+    return median_time_s(fn, device, warmup=warmup, repeats=repeats, behind_busy_gpu=True)
 
 
 def reset_peak(device: torch.device) -> int:
