@@ -279,6 +279,9 @@ class ZelligePlanner {
   void construct(double target_s, double share_fraction, Solution* s);
   double select_anchor_ranks(int32_t sequence, int64_t degree, const Solution& s,
                              std::vector<int64_t>* ranks);
+  // Records `sequence` as an anchor of its best shape of `degree` on `ranks` (shares added).
+  void add_anchor(int32_t sequence, int64_t degree, const std::vector<int64_t>& ranks, Solution* s);
+  // add_anchor, then the anchor stage's per-node orders of its ranks brought up to date.
   void commit_anchor(int32_t sequence, int64_t degree, const std::vector<int64_t>& ranks,
                      Solution* s);
   bool place_anchor(int32_t sequence, int64_t degree, Solution* s);
@@ -568,8 +571,8 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
   return busiest_after();
 }
 
-void ZelligePlanner::commit_anchor(int32_t sequence, int64_t degree,
-                                   const std::vector<int64_t>& ranks, Solution* s) {
+void ZelligePlanner::add_anchor(int32_t sequence, int64_t degree, const std::vector<int64_t>& ranks,
+                                Solution* s) {
   const ShapeChoice& choice = shape_at(sequence, degree);
   const int32_t slot = s->num_anchors;
   AnchorPlacement& anchor = s->new_anchor();
@@ -580,6 +583,12 @@ void ZelligePlanner::commit_anchor(int32_t sequence, int64_t degree,
   for (size_t k = 0; k < anchor.ranks.size(); ++k) anchor.shares[k].rank = anchor.ranks[k];
   s->anchor_slot[sequence] = slot;
   add_anchor_shares(s, slot);
+}
+
+void ZelligePlanner::commit_anchor(int32_t sequence, int64_t degree,
+                                   const std::vector<int64_t>& ranks, Solution* s) {
+  add_anchor(sequence, degree, ranks, s);
+  const AnchorPlacement& anchor = s->anchors[s->anchor_slot[sequence]];
   for (size_t k = 0; k < anchor.ranks.size(); ++k) {
     if (k == 0 || node_of(anchor.ranks[k]) != node_of(anchor.ranks[k - 1])) {
       resort_node(*s, node_of(anchor.ranks[k]));
@@ -809,15 +818,7 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
                time_with(*s, rank, share.tokens, share.attention_s + share.exchange_s) <= target_s;
     }
     if (!within) continue;
-    const int32_t slot = s->num_anchors;
-    AnchorPlacement& anchor = s->new_anchor();
-    anchor.sequence = sequence;
-    anchor.shape = choice.shape;
-    anchor.ranks = candidate_ranks_;
-    anchor.shares = choice.shares;
-    for (int64_t k = 0; k < degree; ++k) anchor.shares[k].rank = candidate_ranks_[k];
-    s->anchor_slot[sequence] = slot;
-    add_anchor_shares(s, slot);
+    add_anchor(sequence, degree, candidate_ranks_, s);
     for (int64_t rank : candidate_ranks_) open_ranks_.update(rank, s->time_s[rank]);
     return true;
   }
