@@ -17,7 +17,7 @@ case $phase in
   profile)
     timeout 450 zellige profile --repeats 3 --out "$OUT/h200.json" \
       --details "$OUT/profile_details.json" >"$OUT/profile.log" 2>&1
-    echo "profile rc=$?"; grep -E "calls L=|host issue|in-step|Ulysses layout|wrote|Error" "$OUT/profile.log"
+    echo "profile rc=$?"; grep -E "calls L=|host issue|in-step|layout:|wrote|Error" "$OUT/profile.log"
     # the planners on validate-profile's batches (wan-14b on every recipe, the fresh profile)
     python3 -X faulthandler "$source_tree/bench/planner_smoke.py" --model wan-14b \
       --profile "$OUT/h200.json" >"$OUT/planner_smoke_wan14b.txt" 2>&1

@@ -52,6 +52,7 @@ void init_profile(nb::module_& m) {
       .def_rw("exchange_intra_node_s", &HardwareProfile::exchange_intra_node_s)
       .def_rw("exchange_overlap", &HardwareProfile::exchange_overlap)
       .def_rw("ulysses_layout_s_per_byte", &HardwareProfile::ulysses_layout_s_per_byte)
+      .def_rw("ring_layout_s_per_byte", &HardwareProfile::ring_layout_s_per_byte)
       .def_rw("memory_models", &HardwareProfile::memory_models)
       .def_rw("activation_bytes_per_token_layer",
               &HardwareProfile::activation_bytes_per_token_layer)
@@ -80,6 +81,7 @@ void init_profile(nb::module_& m) {
                               "exchange_intra_node_s",
                               "exchange_overlap",
                               "ulysses_layout_s_per_byte",
+                              "ring_layout_s_per_byte",
                               "memory_models",
                               "activation_bytes_per_token_layer",
                               "checkpoint_bytes_per_token_layer",

@@ -414,6 +414,8 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
     terms.exchange_s += layers * (forward_passes * (forward_exposed_s + step_latency_s) +
                                   backward_exposed_s + step_latency_s);
     terms.sent_bytes += layers * kv_sent * (forward_passes + 2.0);
+    terms.attention_s +=
+        layers * kv_sent * (forward_passes + 2.0) * profile_.ring_layout_s_per_byte;
   }
 
   // Memory: kept activations, then the transient buffers of one layer.

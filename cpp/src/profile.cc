@@ -80,6 +80,9 @@ void HardwareProfile::validate() const {
   if (!(ulysses_layout_s_per_byte >= 0) || !std::isfinite(ulysses_layout_s_per_byte)) {
     throw std::invalid_argument("profile: ulysses_layout_s_per_byte must be >= 0");
   }
+  if (!(ring_layout_s_per_byte >= 0) || !std::isfinite(ring_layout_s_per_byte)) {
+    throw std::invalid_argument("profile: ring_layout_s_per_byte must be >= 0");
+  }
   if (!(exchange_overlap >= 0 && exchange_overlap < 1)) {
     throw std::invalid_argument("profile: exchange_overlap must be in [0, 1)");
   }

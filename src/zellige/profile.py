@@ -25,7 +25,7 @@ _TABLE_FIELDS = (
     "matmul_backward_flops_per_s",
 )
 _REQUIRED_NUMBERS = ("matmul_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s")
-_OPTIONAL_NUMBERS = ("exchange_overlap", "ulysses_layout_s_per_byte")
+_OPTIONAL_NUMBERS = ("exchange_overlap", "ulysses_layout_s_per_byte", "ring_layout_s_per_byte")
 # Rows of numbers, one per model in memory_models (the optional ones may be empty).
 MODEL_ROWS = (
     "activation_bytes_per_token_layer",
@@ -51,6 +51,7 @@ _FIELDS = (
     "exchange_intra_node_s",
     "exchange_overlap",
     "ulysses_layout_s_per_byte",
+    "ring_layout_s_per_byte",
     "memory_models",
     *MODEL_ROWS,
     "runtime_reserved_bytes",

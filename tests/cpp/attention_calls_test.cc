@@ -192,6 +192,30 @@ TEST(UlyssesLayout, ChargesTheShardsPerByteSent) {
   EXPECT_THROW(profile.validate(), std::invalid_argument);
 }
 
+TEST(RingLayout, ChargesTheShardsPerByteSent) {
+  HardwareProfile profile = seeded_profile();
+  const CostModel plain = wan14b(profile);
+  profile.ring_layout_s_per_byte = 1e-12;
+  const CostModel model = wan14b(profile);
+  const Sequence sequence = sequence_from_tokens(0, "video", 40000, 512, 0);
+  const Placement ring = make_placement(0, Strategy::kRing, {0, 1, 2, 3});
+  const std::vector<RankShare> with = model.shares(sequence, ring);
+  const std::vector<RankShare> without = plain.shares(sequence, ring);
+  double extra_bytes = 0;
+  for (size_t i = 0; i < with.size(); ++i) {
+    EXPECT_GT(with[i].attention_s, without[i].attention_s);
+    extra_bytes += (with[i].attention_s - without[i].attention_s) / 1e-12;
+  }
+  const double routed = 2.0 * 512.0 * static_cast<double>(40000 - with[0].tokens);
+  EXPECT_NEAR(extra_bytes, model.exchange_bytes(sequence, ring) - routed, 1e3);
+  // Ulysses shards pay the Ulysses rate, not the ring one.
+  const Placement ulysses = make_placement(0, Strategy::kUlysses, {0, 1, 2, 3});
+  EXPECT_DOUBLE_EQ(model.shares(sequence, ulysses)[0].attention_s,
+                   plain.shares(sequence, ulysses)[0].attention_s);
+  profile.ring_layout_s_per_byte = std::nan("");
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+}
+
 TEST(AttentionCalls, ProfileRejectsBadCallTables) {
   HardwareProfile profile = call_profile();
   profile.attention_call_backward_s.pop_back();

@@ -184,11 +184,12 @@ def test_quick_profile_writes_a_valid_measured_profile(tmp_path):
     launch = json.loads(details.read_text())["launch"]
     assert launch["launch_s_per_layer"] > 0 and launch["launch_s_per_attention_call"] >= 0
     assert data["launch_s_per_layer"] == [] and data["memory_models"] == []
-    # Ulysses layout: the engine's row work per byte a shard sends, never negative
-    assert (
-        math.isfinite(data["ulysses_layout_s_per_byte"]) and data["ulysses_layout_s_per_byte"] >= 0
-    )
-    assert json.loads(details.read_text())["ulysses_layout"]["L=256,u=2"]["sent_bytes"] > 0
+    # Ulysses and ring layouts: the engine's row work per byte a shard sends, never negative
+    layouts = json.loads(details.read_text())["layouts"]
+    for strategy in ("ulysses", "ring"):
+        value = data[f"{strategy}_layout_s_per_byte"]
+        assert math.isfinite(value) and value >= 0
+        assert layouts[f"{strategy} L=256,r=2"]["sent_bytes"] > 0
     profile = load_profile(out)  # the core reads it back
     assert profile.matmul_flops_per_s > 0
     assert json.loads(details.read_text())["model"] == "tiny"

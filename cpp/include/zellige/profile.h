@@ -55,6 +55,9 @@ struct HardwareProfile {
   // around them (send buffers, the call's head layout and back), on the rank's compute; 0 = not
   // modelled.
   double ulysses_layout_s_per_byte = 0.0;
+  // The same for ring k/v (and dk/dv) messages: gathering the ring rows into their compact
+  // layout and back, and merging each step's partial output or gradients; 0 = not modelled.
+  double ring_layout_s_per_byte = 0.0;
   // Memory: bytes per token per layer kept for backward with and without activation
   // checkpointing, per model preset name; 0 = analytic.
   std::vector<std::string> memory_models;

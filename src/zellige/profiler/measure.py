@@ -58,11 +58,15 @@ QUICK_CALL_LENGTHS = (64, 256)
 IN_STEP_LAYERS = 2
 IN_STEP_TOKENS = (16384, 32768, 65536)
 QUICK_IN_STEP_TOKENS = (128, 256)
-# profile_ulysses_layout: (sequence tokens, Ulysses degree) of the shards timed
-ULYSSES_LAYOUT_POINTS = ((32768, 2), (32768, 4), (65536, 8))
-QUICK_ULYSSES_LAYOUT_POINTS = ((256, 2),)
+# profile_layouts: (sequence tokens, degree) of the Ulysses and ring shards timed
+LAYOUT_POINTS = {
+    "ulysses": ((32768, 2), (32768, 4), (65536, 8)),
+    "ring": ((32768, 2), (65536, 4), (65536, 8)),
+}
+QUICK_LAYOUT_POINTS = {"ulysses": ((256, 2),), "ring": ((256, 2),)}
 LAUNCH_LAYERS = 2
 LAUNCH_SEQUENCES = 8  # a tiny rank of this many distinct lengths, against one of one
+LAUNCH_REPEATS = 20  # host-bound steps scatter by +-25% from one to the next: take many
 QUICK_TOKEN_COUNTS = (64, 128, 256)
 QUICK_MEMORY_TOKENS = (64, 128)
 
@@ -355,56 +359,96 @@ def _time_distributed_attention(step, config, device, dtype, repeats: int) -> tu
     return forward_s, backward_s
 
 
-def profile_ulysses_layout(
-    options: ProfileOptions, device, dtype, memory_bytes_per_s: float, progress: Progress
-) -> tuple[float, dict]:
-    """Seconds per byte a rank sends in Ulysses exchanges that the engine spends laying rows out
-    around them (packing the send buffers, gathering the received heads into the call's layout
-    and back): a Ulysses shard's distributed attention, forward and backward, with the exchanges
-    as local copies (rank_work.local_exchanges), less the coalesced call over its block and heads
-    and less those copies, per byte sent. The median over ULYSSES_LAYOUT_POINTS, at least 0."""
+def _layout_point(
+    options: ProfileOptions,
+    device,
+    dtype,
+    memory_bytes_per_s: float,
+    strategy: str,
+    length: int,
+    degree: int,
+    call_cache: dict,
+) -> dict:
+    """One shard of a sequence of `length` tokens under `strategy` over `degree` ranks: rank 0's
+    distributed attention (forward + backward, exchanges as local copies), the calls it runs
+    and the copies, and the bytes it sends in that forward and backward, as CostModel counts
+    them."""
     from zellige.runtime.layout import prepare_step
 
     config = dit_config(options.model)
-    points = QUICK_ULYSSES_LAYOUT_POINTS if options.quick else ULYSSES_LAYOUT_POINTS
-    per_byte, rows = [], {}
-    for length, degree in points:
-        batch, _ = _local_plan([length], 0)
-        plan = _core.Plan()
-        plan.planner = "profile"
-        plan.num_ranks = degree
-        plan.placements = [_core.make_placement(0, _core.Strategy.ulysses, list(range(degree)))]
-        with rank_work.local_exchanges():
-            step = prepare_step(
-                batch, plan, config.num_heads, device, rank=0, check_agreement=False
+    batch, _ = _local_plan([length], 0)
+    plan = _core.Plan()
+    plan.planner = "profile"
+    plan.num_ranks = degree
+    plan.placements = [
+        _core.make_placement(0, getattr(_core.Strategy, strategy), list(range(degree)))
+    ]
+    with rank_work.local_exchanges():
+        step = prepare_step(batch, plan, config.num_heads, device, rank=0, check_agreement=False)
+        forward_s, backward_s = _time_distributed_attention(
+            step, config, device, dtype, options.repeats
+        )
+
+    def call_s(call_length: int, heads: int) -> float:
+        key = (call_length, heads)
+        if key not in call_cache:
+            call_cache[key] = sum(
+                _measure_call(options, device, dtype, config.head_dim, call_length, heads)
             )
-            forward_s, backward_s = _time_distributed_attention(
-                step, config, device, dtype, options.repeats
-            )
+        return heads * call_cache[key]
+
+    bpe = dtype.itemsize
+    if strategy == "ulysses":
         heads = config.num_heads // degree + (1 if config.num_heads % degree else 0)
-        call_forward_s, call_backward_s = _measure_call(
-            options, device, dtype, config.head_dim, length, heads
+        calls_s = call_s(length, heads)
+        sent, received = ulysses_sent_bytes(length, degree, config.num_heads, config.head_dim, bpe)
+        sent_bytes, copied_bytes = 2 * sent, 2 * received  # one forward and one backward pass
+    else:  # ring: one call per step, every block but rank 0's own one comes in
+        block = length // degree
+        calls_s = degree * call_s(block, config.num_heads)
+        kv_bytes = 2.0 * block * config.num_heads * config.head_dim * bpe
+        sent_bytes = copied_bytes = 3 * (degree - 1) * kv_bytes  # k/v forward, + dk/dv backward
+    copies_s = 2.0 * copied_bytes / memory_bytes_per_s  # each message read and written once
+    extra_s = forward_s + backward_s - calls_s - copies_s
+    return {
+        "forward_s": forward_s,
+        "backward_s": backward_s,
+        "call_s": calls_s,
+        "copies_s": copies_s,
+        "sent_bytes": sent_bytes,
+        "s_per_byte": max(0.0, extra_s) / sent_bytes,
+    }
+
+
+def profile_layouts(
+    options: ProfileOptions, device, dtype, memory_bytes_per_s: float, progress: Progress
+) -> tuple[dict[str, float], dict]:
+    """Seconds per byte a rank sends in Ulysses and in ring exchanges that the engine spends
+    laying rows out around them (packing send buffers, gathering the rows into the calls'
+    layouts and back, merging ring steps' partial results): a shard's distributed attention
+    with the exchanges as local copies (rank_work.local_exchanges), less its calls and those
+    copies, per byte sent; the median over the points of LAYOUT_POINTS, at least 0. Returns
+    ({"ulysses": s/B, "ring": s/B}, rows)."""
+    call_cache: dict = {}
+    values, rows = {}, {}
+    for strategy, points in (QUICK_LAYOUT_POINTS if options.quick else LAYOUT_POINTS).items():
+        per_byte = []
+        for length, degree in points:
+            row = _layout_point(
+                options, device, dtype, memory_bytes_per_s, strategy, length, degree, call_cache
+            )
+            rows[f"{strategy} L={length},r={degree}"] = row
+            per_byte.append(row["s_per_byte"])
+        values[strategy] = float(np.median(per_byte))
+        progress(
+            f"{strategy} layout: {values[strategy] * 1e12:.2f} ps per byte sent ("
+            + ", ".join(
+                f"L={length}/{degree}: {b * 1e12:.2f}"
+                for (length, degree), b in zip(points, per_byte, strict=True)
+            )
+            + ")"
         )
-        sent, received = ulysses_sent_bytes(
-            length, degree, config.num_heads, config.head_dim, dtype.itemsize
-        )
-        copies_s = 2 * 2.0 * received / memory_bytes_per_s  # two passes, read and written
-        extra_s = forward_s + backward_s - heads * (call_forward_s + call_backward_s) - copies_s
-        per_byte.append(max(0.0, extra_s) / (2 * sent))
-        rows[f"L={length},u={degree}"] = {
-            "forward_s": forward_s,
-            "backward_s": backward_s,
-            "call_s": heads * (call_forward_s + call_backward_s),
-            "copies_s": copies_s,
-            "sent_bytes": 2 * sent,
-        }
-    value = float(np.median(per_byte))
-    progress(
-        f"Ulysses layout: {value * 1e12:.2f} ps per byte sent ("
-        + ", ".join(f"{k}: {b * 1e12:.2f}" for k, b in zip(rows, per_byte, strict=True))
-        + ")"
-    )
-    return value, rows
+    return values, rows
 
 
 def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -> dict:
@@ -424,7 +468,7 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
             return median_time_s(
                 lambda: rank_work.train_step(blocks, inputs, checkpointing=True),
                 device,
-                repeats=max(options.repeats, 5),
+                repeats=max(options.repeats, LAUNCH_REPEATS),
             )
 
     one = step_s([32])
@@ -514,9 +558,7 @@ def _memory_probe(blocks, inputs, checkpointing: bool, device) -> tuple[int, int
     synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     del out
-    inputs.x_TD.grad = None
-    for parameter in blocks.parameters():
-        parameter.grad = None
+    rank_work.clear_grads(blocks, inputs)
     return after_forward - before, peak - after_forward
 
 
@@ -622,7 +664,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         options, device, dtype, config.num_heads, config.head_dim, progress
     )
     launch = profile_launch(options, device, dtype, progress)
-    ulysses_layout_s_per_byte, ulysses_layout = profile_ulysses_layout(
+    layout_s_per_byte, layouts = profile_layouts(
         options, device, dtype, memory_bytes_per_s, progress
     )
     longest = attention_forward["x"][-1]
@@ -665,7 +707,8 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "attention_call_lengths": call_lengths,
         "attention_call_forward_s": call_forward,
         "attention_call_backward_s": call_backward,
-        "ulysses_layout_s_per_byte": ulysses_layout_s_per_byte,
+        "ulysses_layout_s_per_byte": layout_s_per_byte["ulysses"],
+        "ring_layout_s_per_byte": layout_s_per_byte["ring"],
         "matmul_forward_flops_per_s": matmul_forward,
         "matmul_backward_flops_per_s": matmul_backward,
         "exchange_group_sizes": exchange_sizes,
@@ -690,7 +733,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
     details = {
         "model": options.model,
         "launch": launch,
-        "ulysses_layout": ulysses_layout,
+        "layouts": layouts,
         "per_token_layer_seconds": layer_seconds,
         "memory": memory,
         "pack_tokens": PACK_TOKENS,

@@ -160,11 +160,13 @@ def rank_inputs(
     rope_cos, rope_sin = rope_tables(
         positions_T3.to(device), config.head_dim, config.rope_theta, rope_dtype
     )
+    # Text and modulation come out of trainable embeddings in training, so the blocks' backward
+    # computes their gradients too (the text projections' input gradients are a GEMM each).
     return RankInputs(
         x_TD=randn(num_tokens, width).requires_grad_(True),
         grad_TD=randn(num_tokens, width),
-        text_XD=randn(num_text, width),
-        modulation_C6D=randn(len(chunk_tokens), 6, width) * width**-0.5,
+        text_XD=randn(num_text, width).requires_grad_(True),
+        modulation_C6D=(randn(len(chunk_tokens), 6, width) * width**-0.5).requires_grad_(True),
         chunk_index_T=chunk_index_T,
         rope_cos=rope_cos,
         rope_sin=rope_sin,
@@ -195,9 +197,12 @@ def train_step(blocks: nn.ModuleList, inputs: RankInputs, checkpointing: bool) -
     afterwards (the optimizer step is not part of the modelled time)."""
     out_TD = forward_blocks(blocks, inputs, checkpointing)
     out_TD.backward(inputs.grad_TD)
-    inputs.x_TD.grad = None
-    for parameter in blocks.parameters():
-        parameter.grad = None
+    clear_grads(blocks, inputs)
+
+
+def clear_grads(blocks: nn.ModuleList, inputs: RankInputs) -> None:
+    for tensor in (inputs.x_TD, inputs.text_XD, inputs.modulation_C6D, *blocks.parameters()):
+        tensor.grad = None
 
 
 def plan_rank_inputs(
