@@ -215,6 +215,23 @@ def test_quick_validate_runs_ranks_through_the_engine(tmp_path):
     assert any("exchanges excluded" in note for note in report["notes"])
 
 
+def test_quick_validate_with_fsdp_blocks(tmp_path):
+    import torch.distributed as dist
+
+    from zellige.cli import main
+
+    out = tmp_path / "validate.json"
+    code = main(
+        ["validate-profile", "--quick", "--fsdp", "--plans", "1", "--repeats", "1"]
+        + ["--json", str(out)]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["ranks"] and all(r["measured_s"] > 0 for r in report["ranks"])
+    assert any("FSDP2" in note for note in report["notes"])
+    assert not dist.is_initialized()  # the group it made is gone
+
+
 def test_memory_rows_merge_into_a_profile():
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict
     from zellige.profiler.measure import merge_memory
@@ -257,6 +274,50 @@ def test_memory_probe_pack_runs_through_the_model():
         blocks = rank_work.make_blocks(config, 2, device, torch.float32)
         rank_work.train_step(blocks, inputs, checkpointing=True)
     assert inputs.num_tokens == 96
+
+
+def test_fsdp_blocks_compute_the_plain_blocks_step():
+    """The FSDP harness (blocks sharded as in training, over a group of one) runs the same
+    step: equal output, input gradients and weight gradients (fp32 on a CPU)."""
+    import torch.distributed as dist
+
+    from zellige.profiler import rank_work
+    from zellige.profiler.measure import _local_pack_plan
+    from zellige.profiler.models import dit_config
+
+    config = dit_config("tiny")
+    batch, plan = _local_pack_plan(64, config.text_tokens)
+    device, dtype = torch.device("cpu"), torch.float32
+    results = []
+    try:
+        for make in (rank_work.make_blocks, rank_work.make_fsdp_blocks):
+            torch.manual_seed(0)
+            blocks = make(config, 2, device, dtype)
+            with rank_work.local_exchanges():
+                inputs = rank_work.plan_rank_inputs(
+                    batch=batch,
+                    plan=plan,
+                    rank=0,
+                    config=config,
+                    device=device,
+                    dtype=dtype,
+                    generator=torch.Generator().manual_seed(1),
+                )
+                out = rank_work.forward_blocks(blocks, inputs, checkpointing=True)
+                (out * inputs.grad_TD).sum().backward()
+            weight = next(iter(blocks.parameters())).grad
+            weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+            results.append((out.detach(), inputs.x_TD.grad, inputs.text_XD.grad, weight))
+            # a whole step, as validate-profile runs it, keeps the FSDP weight gradients
+            with rank_work.local_exchanges():
+                rank_work.train_step(blocks, inputs, checkpointing=True)
+            kept = next(iter(blocks.parameters())).grad is not None
+            assert kept == isinstance(blocks, rank_work.FSDPBlocks)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    for plain, sharded in zip(*results, strict=True):
+        torch.testing.assert_close(sharded, plain)
 
 
 def test_per_token_timing_runs_the_backward_of_every_projection():

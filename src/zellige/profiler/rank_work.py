@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -175,7 +176,48 @@ def rank_inputs(
     )
 
 
-def forward_blocks(blocks: nn.ModuleList, inputs: RankInputs, checkpointing: bool) -> Tensor:
+class FSDPBlocks(nn.Module):
+    """The blocks as zellige.train runs them (make_fsdp_blocks): the root FSDP unit, whose
+    forward runs every block."""
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, inputs: RankInputs, checkpointing: bool) -> Tensor:
+        return _run_blocks(self.blocks, inputs, checkpointing)
+
+
+def make_fsdp_blocks(
+    config: DiTConfig, num_layers: int, device: torch.device, dtype: torch.dtype
+) -> FSDPBlocks:
+    """`num_layers` blocks sharded as zellige.train shards them, over a group of this one process:
+    fp32 master weights, each block an FSDP2 unit computing in `dtype` and reducing gradients in
+    fp32. Gathered weights, the reduce-scatter buffers and the sharded gradients then live and
+    die as in training, which the plain blocks' bf16 weights and gradients do not."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise RuntimeError("the FSDP harness runs one rank's work in a process group of one")
+    mesh = init_device_mesh(device.type, (1,))
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    blocks = make_blocks(config, num_layers, device, torch.float32)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(FSDPBlocks(blocks), mesh=mesh, mp_policy=policy)
+
+
+def forward_blocks(blocks: nn.Module, inputs: RankInputs, checkpointing: bool) -> Tensor:
+    if isinstance(blocks, FSDPBlocks):
+        return blocks(inputs, checkpointing)  # the root unit's forward: FSDP's hooks run
+    return _run_blocks(blocks, inputs, checkpointing)
+
+
+def _run_blocks(blocks: nn.ModuleList, inputs: RankInputs, checkpointing: bool) -> Tensor:
     x_TD = inputs.x_TD
     for block in blocks:
         args = (
@@ -192,16 +234,26 @@ def forward_blocks(blocks: nn.ModuleList, inputs: RankInputs, checkpointing: boo
     return x_TD
 
 
-def train_step(blocks: nn.ModuleList, inputs: RankInputs, checkpointing: bool) -> None:
-    """Forward + backward of the rank's tokens through `blocks`; weight gradients are dropped
-    afterwards (the optimizer step is not part of the modelled time)."""
+def train_step(blocks: nn.Module, inputs: RankInputs, checkpointing: bool) -> None:
+    """Forward + backward of the rank's tokens through `blocks` (plain or make_fsdp_blocks);
+    the optimizer step is not part of the modelled time. Plain blocks: the output's gradient is
+    inputs.grad_TD, and weight gradients are dropped afterwards. FSDP blocks, as in training:
+    the output's gradient comes out of a loss (so it is freed once the last block has used it),
+    and the sharded fp32 gradients stay allocated (FSDP adds into them), standing for the
+    gradients of the rank's FSDP shard that the cost model counts as always there."""
     out_TD = forward_blocks(blocks, inputs, checkpointing)
-    out_TD.backward(inputs.grad_TD)
-    clear_grads(blocks, inputs)
+    if isinstance(blocks, FSDPBlocks):
+        (out_TD * inputs.grad_TD).sum().backward()
+        clear_grads(None, inputs)
+    else:
+        out_TD.backward(inputs.grad_TD)
+        clear_grads(blocks, inputs)
 
 
-def clear_grads(blocks: nn.ModuleList, inputs: RankInputs) -> None:
-    for tensor in (inputs.x_TD, inputs.text_XD, inputs.modulation_C6D, *blocks.parameters()):
+def clear_grads(blocks: nn.Module | None, inputs: RankInputs) -> None:
+    """Drops the inputs' gradients, and the blocks' weight gradients unless blocks is None."""
+    weights = blocks.parameters() if blocks is not None else ()
+    for tensor in (inputs.x_TD, inputs.text_XD, inputs.modulation_C6D, *weights):
         tensor.grad = None
 
 

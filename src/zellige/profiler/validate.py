@@ -75,6 +75,7 @@ class ValidationOptions:
     time_budget_s: float = 0.0  # stop drawing plans after this many seconds (0: no limit)
     exclude_strategies: tuple[str, ...] = ()  # skip plans that use these ("ring", "hybrid")
     contiguous_kernel_inputs: bool = False  # see rank_work.local_exchanges
+    fsdp: bool = False  # blocks sharded as in training (rank_work.make_fsdp_blocks)
     results_jsonl: str | None = None  # append each rank's result as it is measured
 
 
@@ -149,6 +150,19 @@ def local_copy_s(
         held = sum(s.tokens for s in shares if s.rank == rank)
         copied_bytes += max(0.0, sent_bytes) * held / sequence.num_tokens
     return 2.0 * copied_bytes / memory_bytes_per_s
+
+
+def real_fixed_bytes(spec: _core.ModelSpec, fsdp: bool) -> int:
+    """The part of the cost model's fixed bytes (FSDP shard + two gathered bf16 layers + one
+    layer's fp32 gradients + the runtime reserve) that the harness's blocks really allocate;
+    the rest of the shard is one buffer. Plain blocks: their bf16 weights and bf16 gradients
+    (4 bytes a parameter). FSDP blocks: the gathered layers and the reduce-scatter buffer are
+    real, and so are the fp32 master weights and sharded gradients of the run layers, which
+    stand for part of the shard (8 bytes a parameter more)."""
+    if not fsdp:
+        return 2 * spec.param_count * 2
+    layer_params = spec.param_count / spec.num_layers
+    return int(2 * layer_params * 2 + layer_params * 4 + spec.param_count * 8)
 
 
 def predicted_rank_s(rank_cost: _core.RankCost, copy_s: float) -> float:
@@ -403,7 +417,11 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
     skipped: list[str] = []
     plans = list(itertools.islice(draw_plans(options, profile, skipped), options.num_plans))
     progress(f"{len(plans)} plans drawn" + (f", {len(skipped)} sources skipped" if skipped else ""))
-    blocks = rank_work.make_blocks(config, options.num_layers, device, dtype)
+    own_group = options.fsdp and not torch.distributed.is_initialized()
+    if options.fsdp:
+        blocks = rank_work.make_fsdp_blocks(config, options.num_layers, device, dtype)
+    else:
+        blocks = rank_work.make_blocks(config, options.num_layers, device, dtype)
 
     lengths, latencies = measure_forward_latencies(options, device, dtype, progress)
     gamma, seconds_per_unit = fit.fit_knapformer_gamma(lengths, latencies, config.width)
@@ -418,6 +436,11 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
     ]
     if options.contiguous_kernel_inputs:
         notes.append("attention kernel inputs copied to contiguous tensors (workaround switch)")
+    if options.fsdp:
+        notes.append(
+            "blocks run as in training: FSDP2 units over a group of one, fp32 master weights, "
+            "bf16 compute, fp32 gradient reduction"
+        )
     for plan_index, (name, batch, plan) in enumerate(plans):
         if options.time_budget_s and time.monotonic() - started > options.time_budget_s:
             notes.append(f"time budget reached: {plan_index} plans of {len(plans)}")
@@ -432,11 +455,7 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
         cost = cost_model.evaluate(batch, plan)
         fixed_cost_model = cost_model.fixed_bytes()
         reserve = profile.runtime_reserved_bytes if profile.runtime_reserved_bytes > 0 else 3 << 30
-        # fixed = FSDP shard + gathered layers + one layer's fp32 grads + reserve. Here the blocks'
-        # bf16 weights and grads, the workspaces and the context are real; the rest (the shard,
-        # minus any difference in weights and grads) is the buffer.
-        real_weights_and_grads = 2 * spec.param_count * 2
-        state_bytes = max(0, int(fixed_cost_model - reserve - real_weights_and_grads))
+        state_bytes = max(0, int(fixed_cost_model - reserve - real_fixed_bytes(spec, options.fsdp)))
         for rank in chosen_ranks(cost, options.ranks_per_plan):
             rank_cost = cost.ranks[rank]
             copy_s = local_copy_s(cost_model, batch, plan, rank, profile.memory_bytes_per_s)
@@ -477,6 +496,8 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                 f"{peak / 2**30:7.2f} GiB (predicted / measured)"
             )
     notes.extend(f"skipped {line}" for line in skipped)
+    if own_group:
+        torch.distributed.destroy_process_group()
     report = summarise(results, gamma)
     report.gamma_forward_fit = {
         "lengths": lengths,

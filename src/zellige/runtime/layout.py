@@ -224,11 +224,13 @@ def prepare_step(
     Validation happens before any exchange: a plan that does not match the batch, the world size
     or the head count raises the same ValueError on every rank. With check_agreement (default),
     one tiny all_gather also catches ranks that were handed different batches or plans.
-    rank: defaults to this process's rank in `group`; pass it to build a layout without a
-    process group (tests, tools).
+    rank: defaults to this process's rank in `group`; pass it (and no group) to build a layout
+    without a process group (tests, tools), even where one is initialised.
     """
     device = torch.device(device)
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = (
+        (rank is None or group is not None) and dist.is_available() and dist.is_initialized()
+    )
     if rank is None:
         if not distributed:
             raise ValueError("prepare_step needs an initialised process group or an explicit rank")
