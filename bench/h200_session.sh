@@ -3,8 +3,8 @@
 #   bash bench/h200_session.sh profile            # build, `zellige profile`, planner smoke test
 #                                                 # on its batches (about 6 min)
 #   bash bench/h200_session.sh train              # build, training throughput (about 2 min)
-#   bash bench/h200_session.sh validate PROFILE   # build, validate-profile on >= 21 plans
-#                                                 # (about 6 min)
+#   bash bench/h200_session.sh validate PROFILE [ARGS]  # build, validate-profile on >= 21
+#                                                 # plans (about 6 min); ARGS go to it (--fsdp)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/zellige-out}; mkdir -p "$OUT"
@@ -37,7 +37,7 @@ case $phase in
     echo "train rc=$?"; tail -8 "$OUT/train.log"
     ;;
   validate)
-    timeout 560 zellige validate-profile --profile "$profile" --plans 21 --repeats 3 \
+    timeout 560 zellige validate-profile --profile "$profile" --plans 21 --repeats 3 "${@:3}" \
       --json "$OUT/validate.json" --results-jsonl "$OUT/validate.jsonl" >"$OUT/validate.log" 2>&1
     echo "validate rc=$?"; tail -30 "$OUT/validate.log"
     ;;
