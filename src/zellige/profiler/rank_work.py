@@ -192,11 +192,14 @@ def make_fsdp_blocks(
     config: DiTConfig, num_layers: int, device: torch.device, dtype: torch.dtype
 ) -> FSDPBlocks:
     """`num_layers` blocks sharded as zellige.train shards them, over a group of this one process:
-    fp32 master weights, each block an FSDP2 unit computing in `dtype` and reducing gradients in
-    fp32. Gathered weights, the reduce-scatter buffers and the sharded gradients then live and
-    die as in training, which the plain blocks' bf16 weights and gradients do not."""
+    fp32 master weights, each block an FSDP2 unit computing in `dtype` (bf16: training's policy,
+    gradients reduced in fp32; float32 on a CPU). Gathered weights, the reduce-scatter buffers
+    and the sharded gradients then live and die as in training, which the plain blocks' bf16
+    weights and gradients do not."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from zellige.train.parallelize import bf16_policy
 
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -204,7 +207,7 @@ def make_fsdp_blocks(
     if dist.get_world_size() != 1:
         raise RuntimeError("the FSDP harness runs one rank's work in a process group of one")
     mesh = init_device_mesh(device.type, (1,))
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    policy = bf16_policy() if dtype == torch.bfloat16 else MixedPrecisionPolicy()
     blocks = make_blocks(config, num_layers, device, torch.float32)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)

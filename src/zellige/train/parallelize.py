@@ -39,6 +39,15 @@ class BlockRunner(nn.Module):
         return self._timed(*args)
 
 
+def bf16_policy() -> MixedPrecisionPolicy:
+    """bf16 compute on fp32 master weights, gradients reduced in fp32. Inputs keep their dtypes:
+    activations are bf16 from the first layer on, and the RoPE tables must stay float32 (bf16
+    angles would blur neighbouring positions)."""
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+
+
 def parallelize(
     model: VideoDiT,
     mesh: DeviceMesh,
@@ -54,11 +63,7 @@ def parallelize(
     (zellige.model.fused)."""
     fused.use_compiled(compile_elementwise)
     if dtype == "bfloat16":
-        # inputs keep their dtypes: activations are bf16 from the first layer on, and the RoPE
-        # tables must stay float32 (bf16 angles would blur neighbouring positions)
-        policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
-        )
+        policy = bf16_policy()
     else:
         model.to(DTYPES[dtype])
         policy = MixedPrecisionPolicy()
