@@ -176,16 +176,33 @@ def rank_inputs(
     )
 
 
+class _BlockUnit(nn.Module):
+    """One block as zellige.train makes it an FSDP unit (parallelize.BlockRunner): the recompute
+    of activation checkpointing runs inside the unit."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, checkpointing: bool) -> Tensor:
+        if checkpointing:
+            return checkpoint(self.block, *args, use_reentrant=False)
+        return self.block(*args)
+
+
 class FSDPBlocks(nn.Module):
     """The blocks as zellige.train runs them (make_fsdp_blocks): the root FSDP unit, whose
-    forward runs every block."""
+    forward runs every block's unit."""
 
-    def __init__(self, blocks: nn.ModuleList) -> None:
+    def __init__(self, units: nn.ModuleList) -> None:
         super().__init__()
-        self.blocks = blocks
+        self.units = units
 
     def forward(self, inputs: RankInputs, checkpointing: bool) -> Tensor:
-        return _run_blocks(self.blocks, inputs, checkpointing)
+        x_TD = inputs.x_TD
+        for unit in self.units:
+            x_TD = unit(*_block_args(x_TD, inputs), checkpointing=checkpointing)
+        return x_TD
 
 
 def make_fsdp_blocks(
@@ -208,33 +225,36 @@ def make_fsdp_blocks(
         raise RuntimeError("the FSDP harness runs one rank's work in a process group of one")
     mesh = init_device_mesh(device.type, (1,))
     policy = bf16_policy() if dtype == torch.bfloat16 else MixedPrecisionPolicy()
-    blocks = make_blocks(config, num_layers, device, torch.float32)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    return fully_shard(FSDPBlocks(blocks), mesh=mesh, mp_policy=policy)
+    units = nn.ModuleList(
+        _BlockUnit(block) for block in make_blocks(config, num_layers, device, torch.float32)
+    )
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    return fully_shard(FSDPBlocks(units), mesh=mesh, mp_policy=policy)
 
 
 def forward_blocks(blocks: nn.Module, inputs: RankInputs, checkpointing: bool) -> Tensor:
+    """The rank's tokens through `blocks`: plain blocks (make_blocks) or make_fsdp_blocks."""
     if isinstance(blocks, FSDPBlocks):
-        return blocks(inputs, checkpointing)  # the root unit's forward: FSDP's hooks run
-    return _run_blocks(blocks, inputs, checkpointing)
-
-
-def _run_blocks(blocks: nn.ModuleList, inputs: RankInputs, checkpointing: bool) -> Tensor:
+        return blocks(inputs, checkpointing)  # the root unit's forward, so FSDP's hooks run
     x_TD = inputs.x_TD
     for block in blocks:
-        args = (
-            x_TD,
-            inputs.text_XD,
-            inputs.modulation_C6D,
-            inputs.chunk_index_T,
-            inputs.rope_cos,
-            inputs.rope_sin,
-            inputs.self_attention,
-            inputs.cross_attention,
-        )
+        args = _block_args(x_TD, inputs)
         x_TD = checkpoint(block, *args, use_reentrant=False) if checkpointing else block(*args)
     return x_TD
+
+
+def _block_args(x_TD: Tensor, inputs: RankInputs) -> tuple:
+    return (
+        x_TD,
+        inputs.text_XD,
+        inputs.modulation_C6D,
+        inputs.chunk_index_T,
+        inputs.rope_cos,
+        inputs.rope_sin,
+        inputs.self_attention,
+        inputs.cross_attention,
+    )
 
 
 def train_step(blocks: nn.Module, inputs: RankInputs, checkpointing: bool) -> None:
