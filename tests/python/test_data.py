@@ -87,3 +87,35 @@ def test_step_dataset_materialises_only_this_ranks_sequences() -> None:
     assert data.total_tokens == sum(s["num_tokens"] for s in data.batch["sequences"])
     assert data.plan["planner"] == "dp-cost" and data.plan["plan_ms"] >= 0
     assert torch.equal(dataset[3].source_noisy_TC, data.source_noisy_TC)
+
+
+SPAWNED_LOADER = """
+import torch
+from zellige.data import StepDataset
+from zellige.model import model_preset
+
+if __name__ == "__main__":
+    dataset = StepDataset(model=model_preset("tiny-cpu"), recipe="wan-stage2", planner="dp-cost",
+                          rank=0, num_ranks=1, gpus_per_node=1, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=range(2),
+                                         num_workers=1, multiprocessing_context="spawn")
+    print(sum(1 for _ in loader))
+"""
+
+
+def test_spawned_loader_worker_exits_without_nanobind_leak_reports(tmp_path) -> None:
+    """A spawned worker (as with CUDA) keeps its dataset until interpreter teardown; the core
+    objects it planned with must be gone by then, or nanobind prints leak reports."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "spawned_loader.py"
+    script.write_text(SPAWNED_LOADER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "2"
+    assert "leaked" not in result.stderr, result.stderr

@@ -8,6 +8,8 @@ the sequences this rank loads (source_rank == rank) are materialised here.
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,6 +131,12 @@ class StepData:
     source_text_tokens: list[int] = field(default_factory=list)  # per source sequence
 
 
+def _release_planning_state(dataset_ref: weakref.ref) -> None:
+    dataset = dataset_ref()
+    if dataset is not None:
+        dataset._state = None
+
+
 class StepDataset(torch.utils.data.Dataset):
     """Map-style: item `step` is this rank's StepData for that step.
 
@@ -183,6 +191,10 @@ class StepDataset(torch.utils.data.Dataset):
                 seed=self.seed,
             )
             self._state = (spec, cost_model, recipe, latents)
+            # A DataLoader worker keeps its dataset in a torch module global until interpreter
+            # teardown, where nanobind reports the core objects still alive as leaks: drop them
+            # at exit, before teardown.
+            atexit.register(_release_planning_state, weakref.ref(self))
         return self._state
 
     def batch(self, step: int) -> _core.Batch:
