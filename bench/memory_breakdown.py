@@ -76,7 +76,7 @@ def main() -> None:
     spec = model_spec("wan-14b", num_layers=2)
     profile = load_profile(args.profile)
     cost_model = make_cost_model(spec, gpus=8, profile=profile)
-    layer_grads_fp32 = spec.param_count / 2 * 4
+    layer_grads_fp32 = spec.param_count / spec.num_layers * 4
     blocks = rank_work.make_blocks(config, 2, device, dtype)
     rows = []
     print(

@@ -12,6 +12,9 @@ Memory: what a rank holds besides its step (its FSDP shard of weights, gradients
 state) cannot be sharded on one GPU, so it is allocated as one buffer of the modelled size; the
 gathered block weights, their gradients, library workspaces and the CUDA context are real. Both
 the MAPE of the whole peak and of its step part (peak minus the modelled shard) are reported.
+The blocks are plain bf16 modules by default; with `fsdp` they are sharded as zellige.train
+shards them (FSDP2 over a group of one), so gradients and gathered weights live as in training
+(`real_fixed_bytes` says which part of the modelled fixed bytes each way allocates for real).
 """
 
 from __future__ import annotations
