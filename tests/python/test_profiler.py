@@ -94,11 +94,11 @@ def test_best_scale_minimises_relative_error():
     assert fit.fit_scale(work, measured) == pytest.approx(2.0)
 
 
-def _rank(predicted_s, measured_s, predicted_peak, measured_peak, work, state=0.0):
+def _rank(predicted_s, measured_s, predicted_peak, measured_peak, work, state=0.0, tokens=1):
     return RankResult(
         plan="p",
         rank=0,
-        tokens=1,
+        tokens=tokens,
         num_sequences=1,
         predicted_s=predicted_s,
         measured_s=measured_s,
@@ -122,6 +122,22 @@ def test_summary_on_synthetic_ranks():
     # equal work for unequal times: the best scale still leaves a large error
     assert report.knapformer_time_mape_percent > 20.0
     assert report.num_plans == 1
+
+
+def test_summary_splits_the_errors_by_rank_size():
+    ranks = [
+        _rank(1.10, 1.0, 100.0, 100.0, work=1.0, tokens=50_000),
+        _rank(1.00, 1.0, 102.0, 100.0, work=1.0, tokens=20_000),
+        _rank(0.80, 1.0, 100.0, 100.0, work=1.0, tokens=1_000),
+    ]
+    by_size = summarise(ranks, gamma=0.4).by_size
+    assert list(by_size) == [">= 20k tokens", "< 2k tokens"]  # empty classes left out
+    assert by_size[">= 20k tokens"]["ranks"] == 2
+    assert by_size[">= 20k tokens"]["time_mape_percent"] == pytest.approx(5.0)
+    assert by_size[">= 20k tokens"]["memory_mape_percent"] == pytest.approx(1.0)
+    assert by_size["< 2k tokens"]["time_mape_percent"] == pytest.approx(20.0)
+    cpu = summarise([_rank(1.0, 1.0, 5.0, 0.0, work=1.0)], gamma=0.4).by_size
+    assert cpu["< 2k tokens"]["memory_mape_percent"] is None
 
 
 def test_summary_without_memory_on_cpu():

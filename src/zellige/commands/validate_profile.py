@@ -68,6 +68,12 @@ def format_report(report, options) -> str:
         )
     else:
         lines.append("memory MAPE n/a (no allocator statistics on a CPU)")
+    for label, size in report.by_size.items():
+        memory = size["memory_mape_percent"]
+        lines.append(
+            f"  {label:<14} {size['ranks']:>3} ranks: time MAPE {size['time_mape_percent']:.2f}%"
+            + (f", memory MAPE {memory:.2f}%" if memory is not None else "")
+        )
     lines.append(
         f"KnapFormer gamma model (gamma {report.gamma:.3f} from forward latencies, best single "
         f"scale): time MAPE {report.knapformer_time_mape_percent:.2f}%"

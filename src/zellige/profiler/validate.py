@@ -59,6 +59,8 @@ PLAN_SOURCES = (
     ("wan-stage2", 32, "static-cp:2"),
 )
 FORWARD_LATENCY_LENGTHS = (256, 1024, 4096, 16384, 32768, 65536)
+# The report's rank sizes, by held tokens: (label, at least this many tokens), largest first.
+SIZE_CLASSES = ((">= 20k tokens", 20_000), ("2k-20k tokens", 2_000), ("< 2k tokens", 0))
 FAST_STEP_REPEATS = 20  # at most this many timed steps of a rank that runs in under a second
 QUICK_LENGTH_RANGE = (16, 160)  # CPU smoke batches: token counts drawn in this range
 
@@ -112,6 +114,8 @@ class ValidationReport:
     knapformer_time_mape_percent: float = 0.0
     time_mape_best_scale_percent: float = 0.0
     num_plans: int = 0
+    # per SIZE_CLASSES label: {"ranks", "time_mape_percent", "memory_mape_percent" (or None)}
+    by_size: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -195,7 +199,30 @@ def summarise(ranks: list[RankResult], gamma: float) -> ValidationReport:
             [r.measured_peak_bytes - r.modelled_state_bytes for r in ranks],
         )
     report.num_plans = len({r.plan for r in ranks})
+    for label, members in _by_size(ranks).items():
+        report.by_size[label] = {
+            "ranks": len(members),
+            "time_mape_percent": fit.mape_percent(
+                [r.predicted_s for r in members], [r.measured_s for r in members]
+            ),
+            "memory_mape_percent": (
+                fit.mape_percent(
+                    [r.predicted_peak_bytes for r in members],
+                    [r.measured_peak_bytes for r in members],
+                )
+                if report.memory_mape_percent is not None
+                else None
+            ),
+        }
     return report
+
+
+def _by_size(ranks: list[RankResult]) -> dict[str, list[RankResult]]:
+    groups: dict[str, list[RankResult]] = {}
+    for rank in ranks:
+        label = next(label for label, least in SIZE_CLASSES if rank.tokens >= least)
+        groups.setdefault(label, []).append(rank)
+    return {label: groups[label] for label, _ in SIZE_CLASSES if label in groups}
 
 
 def _quick_batch(num_ranks: int, seed: int, text_tokens: int) -> _core.Batch:
