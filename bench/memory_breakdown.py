@@ -20,10 +20,10 @@ import json
 
 import torch
 
-from zellige import _core
 from zellige.costs import make_cost_model
 from zellige.profile import load_profile
 from zellige.profiler import rank_work
+from zellige.profiler.measure import _local_plan
 from zellige.profiler.models import dit_config, model_spec
 from zellige.profiler.timing import allocated_bytes, synchronize
 
@@ -84,16 +84,7 @@ def main() -> None:
         "| peak-(shares+grads)  GiB"
     )
     for label, lengths in SHAPES:
-        batch = _core.Batch()
-        batch.sequences = [
-            _core.sequence_from_tokens(i, "video", n, 512, 0) for i, n in enumerate(lengths)
-        ]
-        plan = _core.Plan()
-        plan.planner = "diagnostic"
-        plan.num_ranks = 1
-        plan.placements = [
-            _core.make_placement(i, _core.Strategy.local, [0]) for i in range(len(lengths))
-        ]
+        batch, plan = _local_plan(lengths, 512)
         shares = sum(
             share.memory_bytes
             for sequence, placement in zip(batch.sequences, plan.placements, strict=True)

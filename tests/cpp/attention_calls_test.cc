@@ -166,24 +166,30 @@ TEST(AttentionCalls, LowerBoundHoldsForPlannedBatches) {
   }
 }
 
+// `model` charges 1 ps a byte of layout work beyond `plain`: every share of `placement` pays,
+// and the extra time adds up to the bytes the placement exchanges less the routing of the
+// sequence's tokens from rank 0 to the others (512 bytes a token each way for wan-14b).
+void expect_charged_per_byte_sent(const CostModel& model, const CostModel& plain,
+                                  const Sequence& sequence, const Placement& placement) {
+  const std::vector<RankShare> with = model.shares(sequence, placement);
+  const std::vector<RankShare> without = plain.shares(sequence, placement);
+  double extra_bytes = 0;
+  for (size_t i = 0; i < with.size(); ++i) {
+    EXPECT_GT(with[i].attention_s, without[i].attention_s);
+    extra_bytes += (with[i].attention_s - without[i].attention_s) / 1e-12;
+  }
+  const double routed = 2.0 * 512.0 * static_cast<double>(sequence.num_tokens - with[0].tokens);
+  EXPECT_NEAR(extra_bytes, model.exchange_bytes(sequence, placement) - routed, 1e3);
+}
+
 TEST(UlyssesLayout, ChargesTheShardsPerByteSent) {
   HardwareProfile profile = seeded_profile();
   const CostModel plain = wan14b(profile);
   profile.ulysses_layout_s_per_byte = 1e-12;
   const CostModel model = wan14b(profile);
   const Sequence sequence = sequence_from_tokens(0, "video", 40000, 512, 0);
-  const Placement ulysses = make_placement(0, Strategy::kUlysses, {0, 1, 2, 3});
-  const std::vector<RankShare> with = model.shares(sequence, ulysses);
-  const std::vector<RankShare> without = plain.shares(sequence, ulysses);
-  // Every byte a shard sends costs 1 ps: the extra time adds up to the exchanged bytes less
-  // the routing of the sequence's tokens to ranks 1-3 (512 bytes a token each way).
-  double extra_bytes = 0;
-  for (size_t i = 0; i < with.size(); ++i) {
-    EXPECT_GT(with[i].attention_s, without[i].attention_s);
-    extra_bytes += (with[i].attention_s - without[i].attention_s) / 1e-12;
-  }
-  const double routed = 2.0 * 512.0 * static_cast<double>(40000 - with[0].tokens);
-  EXPECT_NEAR(extra_bytes, model.exchange_bytes(sequence, ulysses) - routed, 1e3);
+  expect_charged_per_byte_sent(model, plain, sequence,
+                               make_placement(0, Strategy::kUlysses, {0, 1, 2, 3}));
   // A whole sequence sends nothing and pays nothing.
   const Placement local = make_placement(0, Strategy::kLocal, {0});
   EXPECT_DOUBLE_EQ(model.shares(sequence, local)[0].attention_s,
@@ -198,16 +204,8 @@ TEST(RingLayout, ChargesTheShardsPerByteSent) {
   profile.ring_layout_s_per_byte = 1e-12;
   const CostModel model = wan14b(profile);
   const Sequence sequence = sequence_from_tokens(0, "video", 40000, 512, 0);
-  const Placement ring = make_placement(0, Strategy::kRing, {0, 1, 2, 3});
-  const std::vector<RankShare> with = model.shares(sequence, ring);
-  const std::vector<RankShare> without = plain.shares(sequence, ring);
-  double extra_bytes = 0;
-  for (size_t i = 0; i < with.size(); ++i) {
-    EXPECT_GT(with[i].attention_s, without[i].attention_s);
-    extra_bytes += (with[i].attention_s - without[i].attention_s) / 1e-12;
-  }
-  const double routed = 2.0 * 512.0 * static_cast<double>(40000 - with[0].tokens);
-  EXPECT_NEAR(extra_bytes, model.exchange_bytes(sequence, ring) - routed, 1e3);
+  expect_charged_per_byte_sent(model, plain, sequence,
+                               make_placement(0, Strategy::kRing, {0, 1, 2, 3}));
   // Ulysses shards pay the Ulysses rate, not the ring one.
   const Placement ulysses = make_placement(0, Strategy::kUlysses, {0, 1, 2, 3});
   EXPECT_DOUBLE_EQ(model.shares(sequence, ulysses)[0].attention_s,
