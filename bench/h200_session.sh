@@ -4,11 +4,13 @@
 #                                                 # on its batches (about 6 min)
 #   bash bench/h200_session.sh train              # build, training throughput (about 2 min)
 #   bash bench/h200_session.sh validate PROFILE [ARGS]  # build, validate-profile on >= 21
-#                                                 # plans (about 6 min); ARGS go to it (--fsdp)
+#                                                 # plans (about 6 min); ARGS go to it
+#   bash bench/h200_session.sh memory PROFILE     # build, `zellige profile --memory-only` on
+#                                                 # PROFILE, then validate the result (about 8 min)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/zellige-out}; mkdir -p "$OUT"
-phase=${1:?usage: h200_session.sh profile | train | validate PROFILE.json}
+phase=${1:?usage: h200_session.sh profile | train | validate PROFILE.json | memory PROFILE.json}
 profile=$(realpath "${2:-src/zellige/profiles/h200.json}")
 python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
 source_tree=$PWD
@@ -40,6 +42,14 @@ case $phase in
     timeout 560 zellige validate-profile --profile "$profile" --plans 21 --repeats 3 "${@:3}" \
       --json "$OUT/validate.json" --results-jsonl "$OUT/validate.jsonl" >"$OUT/validate.log" 2>&1
     echo "validate rc=$?"; tail -30 "$OUT/validate.log"
+    ;;
+  memory)
+    timeout 150 zellige profile --memory-only --base "$profile" --out "$OUT/h200.json" \
+      --details "$OUT/memory_details.json" >"$OUT/memory.log" 2>&1
+    echo "memory-only profile rc=$?"; grep -E "memory|launch|reserve|wrote|Error" "$OUT/memory.log"
+    timeout 420 zellige validate-profile --profile "$OUT/h200.json" --plans 21 --repeats 3 \
+      --json "$OUT/validate.json" --results-jsonl "$OUT/validate.jsonl" >"$OUT/validate.log" 2>&1
+    echo "validate rc=$?"; tail -12 "$OUT/validate.log"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -60,6 +60,9 @@ void init_profile(nb::module_& m) {
               &HardwareProfile::checkpoint_bytes_per_token_layer)
       .def_rw("backward_bytes_per_token_layer", &HardwareProfile::backward_bytes_per_token_layer)
       .def_rw("text_bytes_per_token_layer", &HardwareProfile::text_bytes_per_token_layer)
+      .def_rw("step_fixed_bytes", &HardwareProfile::step_fixed_bytes)
+      .def_rw("ulysses_bytes_per_token", &HardwareProfile::ulysses_bytes_per_token)
+      .def_rw("ring_bytes_per_token", &HardwareProfile::ring_bytes_per_token)
       .def_rw("runtime_reserved_bytes", &HardwareProfile::runtime_reserved_bytes)
       .def("validate", &HardwareProfile::validate);
   add_value_methods(profile, {"device_name",
@@ -87,6 +90,9 @@ void init_profile(nb::module_& m) {
                               "checkpoint_bytes_per_token_layer",
                               "backward_bytes_per_token_layer",
                               "text_bytes_per_token_layer",
+                              "step_fixed_bytes",
+                              "ulysses_bytes_per_token",
+                              "ring_bytes_per_token",
                               "runtime_reserved_bytes"});
 
   m.def("analytic_profile", &analytic_profile, nb::arg("device_name"),

@@ -135,6 +135,7 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   activation_bytes_ = bpe * (16.0 * d + 3.0 * static_cast<double>(model_.ffn_width) +
                              (model_.joint_attention ? 0.0 : 2.0 * d));
   checkpoint_bytes_ = d * bpe;  // the layer input
+  double measured_step_fixed_bytes = 0;
   for (size_t i = 0; i < profile_.memory_models.size(); ++i) {
     if (profile_.memory_models[i] != model_.name) continue;
     if (profile_.activation_bytes_per_token_layer[i] > 0) {
@@ -149,6 +150,12 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     if (!profile_.text_bytes_per_token_layer.empty()) {
       text_bytes_ = profile_.text_bytes_per_token_layer[i];
     }
+    if (!profile_.ulysses_bytes_per_token.empty()) {
+      ulysses_bytes_ = profile_.ulysses_bytes_per_token[i];
+    }
+    if (!profile_.ring_bytes_per_token.empty()) ring_bytes_ = profile_.ring_bytes_per_token[i];
+    if (!profile_.step_fixed_bytes.empty())
+      measured_step_fixed_bytes = profile_.step_fixed_bytes[i];
     if (!profile_.launch_s_per_layer.empty()) {
       launch_s_per_layer_ = profile_.launch_s_per_layer[i];
     }
@@ -164,11 +171,14 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   const double reserved =
       static_cast<double>(profile_.runtime_reserved_bytes > 0 ? profile_.runtime_reserved_bytes
                                                               : kDefaultReservedBytes);
+  const double step_fixed_bytes =
+      measured_step_fixed_bytes > 0
+          ? measured_step_fixed_bytes
+          : 2.0 * largest_layer_params * 2.0   // two gathered bf16 layers (prefetch)
+                + largest_layer_params * 4.0;  // one layer's unsharded fp32 gradients
   fixed_bytes_ = static_cast<double>(model_.param_count) * options_.state_bytes_per_param /
                      static_cast<double>(cluster_.num_ranks()) +
-                 2.0 * largest_layer_params * 2.0  // two gathered bf16 layers (prefetch)
-                 + largest_layer_params * 4.0      // one layer's unsharded fp32 gradients
-                 + reserved;
+                 step_fixed_bytes + reserved;
 
   const double layers = static_cast<double>(model_.num_layers);
   const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
@@ -425,13 +435,17 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
   // Measured: one layer's backward transient per token; analytic: q, k, v, o of the segment.
   double buffer_bytes = backward_bytes_ > 0 ? n * backward_bytes_ : 4.0 * block * h * hd * bpe;
   if (cross) buffer_bytes = std::max(buffer_bytes, 2.0 * (n + text) * all_heads * hd * bpe);
-  if (shape.ulysses_degree > 1) buffer_bytes += 2.0 * 3.0 * n * d * bpe;
+  if (shape.ulysses_degree > 1) {
+    // measured, or q/k/v sent and received
+    buffer_bytes += ulysses_bytes_ != 0 ? n * ulysses_bytes_ : 2.0 * 3.0 * n * d * bpe;
+  }
   if (shape.ring_degree > 1) {
     const double largest_block =
         static_cast<double>(shape.block_tokens(shape.num_big_blocks > 0 ? 1 : 0));
-    buffer_bytes += 2.0 * 2.0 * largest_block * h * hd * bpe;  // k/v double buffer
+    // measured, or the k/v double buffer
+    buffer_bytes += ring_bytes_ != 0 ? n * ring_bytes_ : 2.0 * 2.0 * largest_block * h * hd * bpe;
   }
-  terms.memory_bytes = kept_bytes + buffer_bytes;
+  terms.memory_bytes = kept_bytes + std::max(0.0, buffer_bytes);
   return terms;
 }
 

@@ -92,17 +92,30 @@ void HardwareProfile::validate() const {
         "profile: memory_models, activation_bytes_per_token_layer and "
         "checkpoint_bytes_per_token_layer differ in length");
   }
-  for (const auto* optional : {&backward_bytes_per_token_layer, &text_bytes_per_token_layer,
-                               &launch_s_per_layer, &launch_s_per_attention_call}) {
+  for (const auto* optional :
+       {&backward_bytes_per_token_layer, &text_bytes_per_token_layer, &step_fixed_bytes,
+        &launch_s_per_layer, &launch_s_per_attention_call}) {
     if (!optional->empty() && optional->size() != memory_models.size()) {
       throw std::invalid_argument(
           "profile: backward_bytes_per_token_layer, text_bytes_per_token_layer, "
-          "launch_s_per_layer and launch_s_per_attention_call must be empty or as long as "
-          "memory_models");
+          "step_fixed_bytes, launch_s_per_layer and launch_s_per_attention_call must be empty "
+          "or as long as memory_models");
     }
     for (double value : *optional) {
       if (!(value >= 0)) {
         throw std::invalid_argument("profile: per-model rows must be >= 0");
+      }
+    }
+  }
+  for (const auto* signed_row : {&ulysses_bytes_per_token, &ring_bytes_per_token}) {
+    if (!signed_row->empty() && signed_row->size() != memory_models.size()) {
+      throw std::invalid_argument(
+          "profile: ulysses_bytes_per_token and ring_bytes_per_token must be empty or as long "
+          "as memory_models");
+    }
+    for (double value : *signed_row) {
+      if (!std::isfinite(value)) {
+        throw std::invalid_argument("profile: per-model rows must be finite");
       }
     }
   }

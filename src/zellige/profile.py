@@ -32,6 +32,9 @@ MODEL_ROWS = (
     "checkpoint_bytes_per_token_layer",
     "backward_bytes_per_token_layer",
     "text_bytes_per_token_layer",
+    "step_fixed_bytes",
+    "ulysses_bytes_per_token",
+    "ring_bytes_per_token",
     "launch_s_per_layer",
     "launch_s_per_attention_call",
 )

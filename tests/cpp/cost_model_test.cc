@@ -74,6 +74,52 @@ TEST(Profile, ValidateRejectsMissingRates) {
   EXPECT_THROW(profile.validate(), std::invalid_argument);
 }
 
+TEST(CostModel, MeasuredStepFixedBytesReplaceTheAnalyticLayerBuffers) {
+  const ModelSpec model = model_preset("wan-14b");
+  HardwareProfile profile = seeded_profile();
+  profile.memory_models = {"wan-14b", "tiny"};
+  profile.activation_bytes_per_token_layer = {0, 0};
+  profile.checkpoint_bytes_per_token_layer = {0, 0};
+  const double analytic = CostModel(model, profile, make_cluster(8, 8)).fixed_bytes();
+  profile.step_fixed_bytes = {1.5e9, 0};
+  const double layer_params = static_cast<double>(model.param_count) / model.num_layers;
+  // the analytic two gathered bf16 layers and one layer's fp32 gradients give way to 1.5 GB
+  EXPECT_NEAR(CostModel(model, profile, make_cluster(8, 8)).fixed_bytes(),
+              analytic - 8.0 * layer_params + 1.5e9, 1.0);
+  profile.step_fixed_bytes = {0, 1.5e9};  // another model's row changes nothing
+  EXPECT_DOUBLE_EQ(CostModel(model, profile, make_cluster(8, 8)).fixed_bytes(), analytic);
+  profile.step_fixed_bytes = {1.5e9};  // not one per model
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+  profile.step_fixed_bytes = {-1.0, 0};
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+}
+
+TEST(CostModel, MeasuredShardBytesPerTokenReplaceTheAnalyticExchangeBuffers) {
+  const ModelSpec model = model_preset("wan-14b");
+  HardwareProfile profile = seeded_profile();
+  profile.memory_models = {"wan-14b"};
+  profile.activation_bytes_per_token_layer = {0};
+  profile.checkpoint_bytes_per_token_layer = {0};
+  const Sequence sequence = sequence_from_tokens(0, "video", 32768, 512, 0);
+  auto shard_bytes = [&](double ulysses, double ring, Strategy strategy) {
+    profile.ulysses_bytes_per_token = {ulysses};
+    profile.ring_bytes_per_token = {ring};
+    const CostModel cost_model(model, profile, make_cluster(8, 8));
+    return cost_model.shares(sequence, make_placement(0, strategy, {0, 1}))[0].memory_bytes;
+  };
+  // 16384 held tokens each: the measured rate is charged per held token, in place of the
+  // analytic buffers, and a negative rate lowers the peak
+  EXPECT_NEAR(shard_bytes(3000, 0, Strategy::kUlysses) - shard_bytes(1000, 0, Strategy::kUlysses),
+              16384.0 * 2000, 1e-3);
+  EXPECT_NEAR(shard_bytes(0, -500, Strategy::kRing) - shard_bytes(0, 1500, Strategy::kRing),
+              -16384.0 * 2000, 1e-3);
+  EXPECT_DOUBLE_EQ(shard_bytes(0, 7, Strategy::kUlysses), shard_bytes(0, 9, Strategy::kUlysses));
+  profile.ring_bytes_per_token = {std::nan("")};
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+  profile.ring_bytes_per_token = {1.0, 2.0};
+  EXPECT_THROW(profile.validate(), std::invalid_argument);
+}
+
 TEST(CostModel, RejectsModelWithoutHeads) {
   ModelSpec model = model_preset("tiny");
   model.num_heads = 0;

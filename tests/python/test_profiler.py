@@ -231,21 +231,79 @@ def test_quick_validate_runs_ranks_through_the_engine(tmp_path):
     assert any("exchanges excluded" in note for note in report["notes"])
 
 
-def test_quick_validate_with_fsdp_blocks(tmp_path):
+def test_fsdp_blocks_need_a_group_of_one_that_goes_away():
     import torch.distributed as dist
 
-    from zellige.cli import main
+    from zellige.profiler import rank_work
+    from zellige.profiler.measure import _local_pack_plan
+    from zellige.profiler.models import dit_config
 
-    out = tmp_path / "validate.json"
-    code = main(
-        ["validate-profile", "--quick", "--fsdp", "--plans", "1", "--repeats", "1"]
-        + ["--json", str(out)]
+    config = dit_config("tiny")
+    device = torch.device("cpu")
+    with pytest.raises(RuntimeError, match="group of one"):
+        rank_work.make_fsdp_blocks(config, 1, device, torch.float32)
+    with rank_work.process_group_of_one(device):
+        blocks = rank_work.make_fsdp_blocks(config, 1, device, torch.float32)
+        weights = sum(p.numel() * 4 for p in blocks.parameters())
+        assert rank_work.persistent_bytes(blocks) == weights  # no gradients before a step
+        batch, plan = _local_pack_plan(32, config.text_tokens)
+        with rank_work.local_exchanges():
+            inputs = rank_work.plan_rank_inputs(
+                batch=batch,
+                plan=plan,
+                rank=0,
+                config=config,
+                device=device,
+                dtype=torch.float32,
+                output_grad=False,
+            )
+            rank_work.train_step(blocks, inputs, checkpointing=True)
+        assert inputs.grad_TD is None
+        assert rank_work.persistent_bytes(blocks) == 2 * weights  # the sharded gradients stay
+    assert not dist.is_initialized()
+
+
+def test_memory_rows_recover_a_known_memory_model():
+    """Probes made from a known model (per-token rows, step-fixed bytes, text bytes) give those
+    rows back: what the profile stores is what the cost model charges."""
+    from zellige.profiler.measure import MemoryProbe, memory_rows
+
+    layers, sequences, text_tokens = 2, 2, 512
+    inputs, activation, checkpoint, backward = 11_000.0, 450_000.0, 10_240.0, 33_000.0
+    text, fixed = 51_000.0, 1.1e9
+
+    def probe(tokens: int, text_per_sequence: int) -> MemoryProbe:
+        kept_ckpt = layers * checkpoint * tokens
+        step_peak = (
+            layers * checkpoint * tokens
+            + activation * tokens
+            + backward * tokens
+            + text * sequences * text_per_sequence
+            + fixed
+        )
+        return MemoryProbe(
+            inputs=int(inputs * tokens),
+            kept=int(layers * activation * tokens + 40_000.0 * sequences * text_per_sequence),
+            transient=int(backward * tokens),
+            kept_checkpointing=int(kept_ckpt),
+            transient_checkpointing=int(step_peak - kept_ckpt - inputs * tokens),
+        )
+
+    probes = {8192: probe(8192, text_tokens), 32768: probe(32768, text_tokens)}
+    rows = memory_rows(
+        probes,
+        probe(8192, text_tokens + 8192),
+        num_layers=layers,
+        num_sequences=sequences,
+        text_tokens=text_tokens,
+        extra_text_tokens=8192,
     )
-    assert code == 0
-    report = json.loads(out.read_text())
-    assert report["ranks"] and all(r["measured_s"] > 0 for r in report["ranks"])
-    assert any("FSDP2" in note for note in report["notes"])
-    assert not dist.is_initialized()  # the group it made is gone
+    assert rows["activation_bytes_per_token_layer"] == pytest.approx(activation)
+    assert rows["checkpoint_bytes_per_token_layer"] == pytest.approx(checkpoint)
+    assert rows["backward_bytes_per_token_layer"] == pytest.approx(backward, abs=0.01)
+    assert rows["text_bytes_per_token_layer"] == pytest.approx(text)
+    assert rows["text_kept_bytes_per_token_layer"] == pytest.approx(40_000.0 / layers)
+    assert rows["step_fixed_bytes"] == pytest.approx(fixed, rel=1e-6)
 
 
 def test_memory_rows_merge_into_a_profile():
@@ -274,22 +332,25 @@ def test_memory_rows_merge_into_a_profile():
     assert merge_memory(bare, "tiny", memory)["backward_bytes_per_token_layer"] == [300.0]
 
 
-def test_memory_probe_pack_runs_through_the_model():
-    from zellige.profiler import rank_work
-    from zellige.profiler.measure import _local_pack_plan
-    from zellige.profiler.models import dit_config
+def test_memory_probes_run_through_fsdp_blocks():
+    """profile_memory's probes (packs of two sequences, and one sequence whole or as a Ulysses or
+    ring shard, on FSDP blocks) run on a CPU, where the allocator reports nothing, and leave no
+    process group behind."""
+    import torch.distributed as dist
 
-    config = dit_config("tiny")
-    batch, plan = _local_pack_plan(96, config.text_tokens)
+    from zellige.profiler.measure import ProfileOptions, _local_pack_plan, profile_memory
+
+    batch, _ = _local_pack_plan(96, 16)
     assert [s.num_tokens for s in batch.sequences] == [48, 48]
-    device = torch.device("cpu")
-    with rank_work.local_exchanges():
-        inputs = rank_work.plan_rank_inputs(
-            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=torch.float32
-        )
-        blocks = rank_work.make_blocks(config, 2, device, torch.float32)
-        rank_work.train_step(blocks, inputs, checkpointing=True)
-    assert inputs.num_tokens == 96
+    lines: list[str] = []
+    options = ProfileOptions(model="tiny", quick=True, device="cpu")
+    memory = profile_memory(options, torch.device("cpu"), torch.float32, lines.append)
+    assert set(memory["probes"]) == {"64", "128"}
+    assert memory["step_fixed_bytes"] == 0.0  # nothing measured on a CPU
+    assert set(memory["shard_probes"]) == {"local:64", "ulysses:64", "ring:64"}
+    assert memory["ulysses_bytes_per_token"] == memory["ring_bytes_per_token"] == 0.0
+    assert any("step fixed" in line for line in lines)
+    assert not dist.is_initialized()
 
 
 def test_fsdp_blocks_compute_the_plain_blocks_step():
@@ -305,7 +366,7 @@ def test_fsdp_blocks_compute_the_plain_blocks_step():
     batch, plan = _local_pack_plan(64, config.text_tokens)
     device, dtype = torch.device("cpu"), torch.float32
     results = []
-    try:
+    with rank_work.process_group_of_one(device):
         for make in (rank_work.make_blocks, rank_work.make_fsdp_blocks):
             torch.manual_seed(0)
             blocks = make(config, 2, device, dtype)
@@ -323,15 +384,15 @@ def test_fsdp_blocks_compute_the_plain_blocks_step():
                 (out * inputs.grad_TD).sum().backward()
             weight = next(iter(blocks.parameters())).grad
             weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
-            results.append((out.detach(), inputs.x_TD.grad, inputs.text_XD.grad, weight))
+            # copies: the next step adds into the same gradient tensors
+            grads = (out.detach(), inputs.x_TD.grad, inputs.text_XD.grad, weight)
+            results.append(tuple(t.clone() for t in grads))
             # a whole step, as validate-profile runs it, keeps the FSDP weight gradients
             with rank_work.local_exchanges():
                 rank_work.train_step(blocks, inputs, checkpointing=True)
             kept = next(iter(blocks.parameters())).grad is not None
             assert kept == isinstance(blocks, rank_work.FSDPBlocks)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    assert not dist.is_initialized()
     for plain, sharded in zip(*results, strict=True):
         torch.testing.assert_close(sharded, plain)
 

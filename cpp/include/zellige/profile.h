@@ -72,6 +72,17 @@ struct HardwareProfile {
   // for one layer under activation checkpointing (the recompute) and every layer without (an
   // over-estimate there: backward buffers exist for one layer only). 0 = none.
   std::vector<double> text_bytes_per_token_layer;
+  // Optional likewise (0 = analytic: two gathered bf16 layers and one layer's fp32 gradients):
+  // the step's bytes above the FSDP shard that do not grow with tokens, measured at the backward
+  // peak of the model's blocks sharded as in training (gathered and prefetched weights, weight
+  // gradients, reduce-scatter buffers).
+  std::vector<double> step_fixed_bytes;
+  // Optional likewise (0 = analytic): bytes per held token that a Ulysses (ring) shard adds to
+  // the step's peak beyond a local sequence of as many tokens (exchange buffers, head layouts;
+  // may be negative where the shard's attention needs less workspace than a whole sequence's).
+  // Replace the analytic q/k/v send-and-receive (k/v double buffer) term.
+  std::vector<double> ulysses_bytes_per_token;
+  std::vector<double> ring_bytes_per_token;
   // Optional likewise (0 = not modelled): host seconds to issue one layer's kernels (forward,
   // recompute, backward) apart from its attention calls, and per attention call (self or cross)
   // and layer, for the model's blocks. A rank whose GPU work is shorter waits for its host:

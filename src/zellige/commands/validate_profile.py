@@ -43,12 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="hand the attention kernel contiguous copies (workaround switch)",
     )
     parser.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="run the blocks as zellige.train does (FSDP2 over a group of one, fp32 master "
-        "weights): weights and gradients live as in training",
-    )
-    parser.add_argument(
         "--quick", action="store_true", help="CPU smoke run: tiny model, small batches"
     )
 
@@ -103,7 +97,6 @@ def run(args: argparse.Namespace) -> int:
         time_budget_s=args.time_budget,
         exclude_strategies=tuple(s for s in args.exclude.split(",") if s),
         contiguous_kernel_inputs=args.contiguous_kernel_inputs,
-        fsdp=args.fsdp,
         results_jsonl=str(args.results_jsonl) if args.results_jsonl else None,
     )
 

@@ -23,10 +23,11 @@ issue time enters the cost model once, as the launch floor.
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -39,7 +40,9 @@ from zellige.profiler.timing import (
     allocated_bytes,
     gpu_time_s,
     median_time_s,
+    peak_allocated_bytes,
     release_burn,
+    reset_peak_allocated,
     synchronize,
 )
 
@@ -50,6 +53,10 @@ ELEMENTWISE_BYTES_PER_TOKEN_WIDTH = 24
 FULL_ATTENTION_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 FULL_TOKEN_COUNTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 FULL_MEMORY_TOKENS = (8192, 32768)
+# profile_memory: held tokens of the Ulysses and ring shards probed (a sequence of twice as
+# many over 2 ranks) and of the local sequence they are compared with
+FULL_SHARD_TOKENS = 16384
+QUICK_SHARD_TOKENS = 64
 CALL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_ATTENTION_LENGTHS = (64, 128, 256)
 QUICK_CALL_LENGTHS = (64, 256)
@@ -546,6 +553,38 @@ def _local_pack_plan(
     return _local_plan([num_tokens // num_sequences] * num_sequences, text_tokens)
 
 
+def _shard_plan(
+    held_tokens: int, text_tokens: int, strategy: str
+) -> tuple[_core.Batch, _core.Plan]:
+    """Rank 0 holding `held_tokens` of one sequence: the whole of it ("local"), or a shard of a
+    sequence of twice as many tokens under `strategy` ("ulysses", "ring") over 2 ranks."""
+    degree = 1 if strategy == "local" else 2
+    batch, _ = _local_plan([held_tokens * degree], text_tokens)
+    plan = _core.Plan()
+    plan.planner = "profile"
+    plan.num_ranks = degree
+    plan.placements = [
+        _core.make_placement(0, getattr(_core.Strategy, strategy), list(range(degree)))
+    ]
+    return batch, plan
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProbe:
+    """Bytes of one memory probe (one pack on FSDP blocks, as validate-profile runs a rank)."""
+
+    inputs: int  # the step's inputs: layer input, text, modulation, RoPE tables, layout
+    kept: int  # kept after forward without checkpointing
+    transient: int  # peak above that during backward
+    kept_checkpointing: int  # the same with checkpointing
+    transient_checkpointing: int
+
+    @property
+    def step_peak(self) -> int:
+        """Peak above what the rank held before the step, with checkpointing."""
+        return self.inputs + self.kept_checkpointing + self.transient_checkpointing
+
+
 def _memory_probe(blocks, inputs, checkpointing: bool, device) -> tuple[int, int]:
     """(bytes kept after forward, peak bytes above that during backward)."""
     synchronize(device)
@@ -553,86 +592,155 @@ def _memory_probe(blocks, inputs, checkpointing: bool, device) -> tuple[int, int
     out = rank_work.forward_blocks(blocks, inputs, checkpointing)
     synchronize(device)
     after_forward = allocated_bytes(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    out.backward(inputs.grad_TD)
-    synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    del out
-    rank_work.clear_grads(blocks, inputs)
+    reset_peak_allocated(device)
+    loss = rank_work.output_loss(out)
+    del out  # training holds no output beside the graph either
+    loss.backward()
+    peak = peak_allocated_bytes(device)
+    rank_work.clear_grads(None, inputs)  # FSDP keeps its sharded gradients, as in training
     return after_forward - before, peak - after_forward
+
+
+def memory_rows(
+    probes: dict[int, MemoryProbe],
+    with_text: MemoryProbe,
+    *,
+    num_layers: int,
+    num_sequences: int,
+    text_tokens: int,
+    extra_text_tokens: int,
+) -> dict:
+    """The cost model's memory rows from probes at two token counts (`probes`, each a pack of
+    `num_sequences` sequences of `text_tokens` text tokens) and one at the lower count with
+    `extra_text_tokens` more text tokens per sequence. Per token: slopes, so constants drop out;
+    the step's fixed bytes: what is left of the lower probe's peak at zero tokens."""
+    low, high = min(probes), max(probes)
+
+    def slope(field: str) -> float:
+        return (getattr(probes[high], field) - getattr(probes[low], field)) / (high - low)
+
+    activation = slope("kept") / num_layers
+    checkpoint = slope("kept_checkpointing") / num_layers
+    step_slope = slope("step_peak")
+    # Under checkpointing the last layer's recompute (activation) precedes its backward; what
+    # the step holds beyond the kept layer inputs and that recompute is the backward row.
+    backward = step_slope - num_layers * checkpoint - activation
+    text_added = num_sequences * extra_text_tokens
+    # one layer's share of the peak (kept + backward buffers), as the cost model charges it
+    text = (with_text.step_peak - probes[low].step_peak) / text_added
+    text_kept = (with_text.kept - probes[low].kept) / text_added / num_layers
+    step_fixed = probes[low].step_peak - step_slope * low - text * num_sequences * text_tokens
+    return {
+        "activation_bytes_per_token_layer": activation,
+        "checkpoint_bytes_per_token_layer": checkpoint,
+        "backward_bytes_per_token_layer": backward,
+        "backward_bytes_per_token_layer_without_checkpointing": slope("transient")
+        + slope("inputs"),
+        "text_bytes_per_token_layer": text,
+        "text_kept_bytes_per_token_layer": text_kept,
+        "step_fixed_bytes": max(0.0, step_fixed),
+    }
 
 
 def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -> dict:
     """Per token and layer: kept without checkpointing (activation), kept with checkpointing
-    (checkpoint), the transient of one layer's backward beyond the kept bytes (backward), and
-    per TEXT token and layer what cross-attention keeps (text); slopes over two lengths, so
-    per-step constants drop out. Two layers, halved."""
+    (checkpoint), what else the step holds at its peak (backward: one layer's backward
+    buffers, the inputs' RoPE tables), per TEXT token what cross-attention adds (text), and the
+    step's bytes that do not grow with tokens (step_fixed: gathered weights, weight gradients,
+    reduce-scatter buffers). Two layers sharded as in training (FSDP2 over a group of one, as
+    validate-profile measures ranks), the output's gradient from a loss (rank_work.train_step)."""
     config = dit_config(options.model)
     num_layers = 2
-    blocks = rank_work.make_blocks(config, num_layers, device, dtype)
+    num_sequences = 2
 
-    def probe(tokens: int, text_tokens: int) -> tuple[int, int, int, int]:
-        batch, plan = _local_pack_plan(tokens, text_tokens)
+    def probe(blocks, batch: _core.Batch, plan: _core.Plan) -> MemoryProbe:
         with rank_work.local_exchanges():
+            synchronize(device)
+            before_inputs = allocated_bytes(device)
             inputs = rank_work.plan_rank_inputs(
-                batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
+                batch=batch,
+                plan=plan,
+                rank=0,
+                config=config,
+                device=device,
+                dtype=dtype,
+                output_grad=False,
             )
+            synchronize(device)
+            inputs_bytes = allocated_bytes(device) - before_inputs
             rank_work.train_step(blocks, inputs, checkpointing=True)  # warm-up: workspaces
-            return (
-                *_memory_probe(blocks, inputs, False, device),
-                *_memory_probe(blocks, inputs, True, device),
-            )
+            kept, transient = _memory_probe(blocks, inputs, False, device)
+            kept_ckpt, transient_ckpt = _memory_probe(blocks, inputs, True, device)
+        return MemoryProbe(inputs_bytes, kept, transient, kept_ckpt, transient_ckpt)
 
     token_counts = QUICK_MEMORY_TOKENS if options.quick else FULL_MEMORY_TOKENS
+    shard_tokens = QUICK_SHARD_TOKENS if options.quick else FULL_SHARD_TOKENS
+    low = token_counts[0]
     probes = {}
-    for tokens in token_counts:
-        probes[tokens] = probe(tokens, config.text_tokens)
-        kept, transient, kept_ckpt, _ = probes[tokens]
-        progress(
-            f"memory M={tokens:>6}: kept {kept / tokens / num_layers:9.0f} B/token/layer, "
-            f"with checkpointing {kept_ckpt / tokens / num_layers:7.0f}, backward transient "
-            f"{transient / tokens:9.0f} B/token"
-        )
-    low, high = token_counts[0], token_counts[-1]
-
-    def slope(i: int) -> float:
-        return (probes[high][i] - probes[low][i]) / (high - low)
-
-    activation = slope(0) / num_layers
-    # Under checkpointing the last layer's recompute (activation) precedes its backward.
-    backward = slope(3) - activation
-    extra_text = token_counts[0]
-    with_text = probe(low, config.text_tokens + extra_text)
-    # two sequences: each got extra_text more text tokens
-    text = (with_text[0] - probes[low][0]) / (2 * extra_text) / num_layers
-    text_checkpointing = (with_text[3] - probes[low][3]) / (2 * extra_text)
+    shards = {}
+    # training's process group (NCCL on a GPU) is alive for the probes and the runtime reserve
+    with rank_work.process_group_of_one(device):
+        blocks = rank_work.make_fsdp_blocks(config, num_layers, device, dtype)
+        for tokens in token_counts:
+            probes[tokens] = probe(
+                blocks, *_local_pack_plan(tokens, config.text_tokens, num_sequences)
+            )
+            progress(
+                f"memory M={tokens:>6}: kept {probes[tokens].kept / tokens / num_layers:9.0f} "
+                f"B/token/layer, with checkpointing "
+                f"{probes[tokens].kept_checkpointing / tokens / num_layers:7.0f}, step peak "
+                f"{probes[tokens].step_peak / 2**30:6.2f} GiB"
+            )
+        with_text = probe(blocks, *_local_pack_plan(low, config.text_tokens + low, num_sequences))
+        for strategy in ("local", "ulysses", "ring"):
+            shards[strategy] = probe(
+                blocks, *_shard_plan(shard_tokens, config.text_tokens, strategy)
+            )
+        runtime_reserved_bytes = 0
+        if device.type == "cuda":
+            own_bytes = rank_work.persistent_bytes(blocks)
+            runtime_reserved_bytes = measure_runtime_reserved(device, own_bytes)
+        del blocks
+    rows = memory_rows(
+        probes,
+        with_text,
+        num_layers=num_layers,
+        num_sequences=num_sequences,
+        text_tokens=config.text_tokens,
+        extra_text_tokens=low,
+    )
+    # what a shard holds beyond a local sequence of its tokens (both probes hold one sequence)
+    for strategy in ("ulysses", "ring"):
+        extra = shards[strategy].step_peak - shards["local"].step_peak
+        rows[f"{strategy}_bytes_per_token"] = extra / shard_tokens
     progress(
-        f"memory per text token: kept {text:.0f} B/layer; peak under checkpointing "
-        f"{text_checkpointing:.0f} B"
+        f"memory per text token: {rows['text_bytes_per_token_layer']:.0f} B; step fixed "
+        f"(gathered weights, gradients) {rows['step_fixed_bytes'] / 2**30:.2f} GiB; beyond a "
+        f"local sequence: Ulysses {rows['ulysses_bytes_per_token']:.0f} B/token, ring "
+        f"{rows['ring_bytes_per_token']:.0f} B/token (2 ranks, {shard_tokens} held)"
     )
     return {
-        "activation_bytes_per_token_layer": activation,
-        "checkpoint_bytes_per_token_layer": slope(2) / num_layers,
-        "backward_bytes_per_token_layer": backward,
-        "backward_bytes_per_token_layer_without_checkpointing": slope(1),
-        # one layer's share of the peak (kept + backward buffers), as the cost model charges it
-        "text_bytes_per_token_layer": text_checkpointing,
-        "text_kept_bytes_per_token_layer": text,
-        "probes": {str(t): list(v) for t, v in probes.items()},
-        "probe_with_text": {f"{low}+{config.text_tokens + extra_text}": list(with_text)},
+        **rows,
+        "runtime_reserved_bytes": runtime_reserved_bytes,
+        "shard_probes": {f"{strategy}:{shard_tokens}": asdict(p) for strategy, p in shards.items()},
+        "probes": {str(t): asdict(p) for t, p in probes.items()},
+        "probe_with_text": {f"{low}+{config.text_tokens + low}": asdict(with_text)},
     }
 
 
-def measure_runtime_reserved(device: torch.device) -> int:
+def measure_runtime_reserved(device: torch.device, own_bytes: int = 0) -> int:
     """Device bytes the process holds outside the caching allocator (CUDA context, cuBLAS and
-    cuDNN handles) plus the allocator's bytes still allocated when no tensor of ours is alive
-    (library workspaces). Assumes this process is alone on the GPU."""
+    cuDNN handles, communicators) plus the allocator's bytes still allocated apart from our
+    tensors (library workspaces): `own_bytes` are those of ours still alive (the probes' blocks,
+    as validate-profile leaves them out of a rank's peak). Assumes this process is alone on the
+    GPU."""
     release_burn()  # the timing's GEMM operands are ours, not the runtime's
+    gc.collect()
     synchronize(device)
     torch.cuda.empty_cache()
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)
     outside = total_bytes - free_bytes - torch.cuda.memory_reserved(device)
-    return int(outside + torch.cuda.memory_allocated(device))
+    return int(outside + torch.cuda.memory_allocated(device) - own_bytes)
 
 
 def profile_device(options: ProfileOptions, progress: Progress = print) -> ProfileResult:
@@ -677,7 +785,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
     runtime_reserved_bytes = 0
     if device.type == "cuda":
         memory = profile_memory(options, device, dtype, progress)
-        runtime_reserved_bytes = measure_runtime_reserved(device)
+        runtime_reserved_bytes = memory["runtime_reserved_bytes"]
         progress(f"runtime reserve (context, workspaces): {runtime_reserved_bytes / 2**20:.0f} MiB")
     else:
         progress("memory: skipped on CPU (no allocator statistics)")
@@ -725,6 +833,9 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
             [memory["backward_bytes_per_token_layer"]] if memory else []
         ),
         "text_bytes_per_token_layer": [memory["text_bytes_per_token_layer"]] if memory else [],
+        "step_fixed_bytes": [memory["step_fixed_bytes"]] if memory else [],
+        "ulysses_bytes_per_token": [memory["ulysses_bytes_per_token"]] if memory else [],
+        "ring_bytes_per_token": [memory["ring_bytes_per_token"]] if memory else [],
         # rows of the model measured (memory_models): none on a CPU, where memory is not measured
         "launch_s_per_layer": [launch["launch_s_per_layer"]] if memory else [],
         "launch_s_per_attention_call": [launch["launch_s_per_attention_call"]] if memory else [],
@@ -799,7 +910,7 @@ def profile_memory_into(
             "launch_s_per_attention_call": launch["launch_s_per_attention_call"],
         },
     )
-    profile["runtime_reserved_bytes"] = measure_runtime_reserved(device)
+    profile["runtime_reserved_bytes"] = memory["runtime_reserved_bytes"]
     now = datetime.datetime.now(datetime.UTC)
     profile["created"] = (
         f"{profile.get('created', '')}; memory and launch of {spec.name} measured by "

@@ -123,7 +123,7 @@ class RankInputs:
     """What the blocks of one rank see in one step (built once, reused by every layer)."""
 
     x_TD: Tensor
-    grad_TD: Tensor
+    grad_TD: Tensor | None  # the output's gradient for plain blocks; None for FSDP blocks
     text_XD: Tensor
     modulation_C6D: Tensor
     chunk_index_T: Tensor
@@ -147,6 +147,7 @@ def rank_inputs(
     device: torch.device,
     dtype: torch.dtype,
     generator: torch.Generator | None = None,
+    output_grad: bool = True,
 ) -> RankInputs:
     num_tokens = int(sum(chunk_tokens))
     num_text = int(sum(chunk_text_tokens))
@@ -165,7 +166,7 @@ def rank_inputs(
     # computes their gradients too (the text projections' input gradients are a GEMM each).
     return RankInputs(
         x_TD=randn(num_tokens, width).requires_grad_(True),
-        grad_TD=randn(num_tokens, width),
+        grad_TD=randn(num_tokens, width) if output_grad else None,
         text_XD=randn(num_text, width).requires_grad_(True),
         modulation_C6D=(randn(len(chunk_tokens), 6, width) * width**-0.5).requires_grad_(True),
         chunk_index_T=chunk_index_T,
@@ -218,11 +219,11 @@ def make_fsdp_blocks(
 
     from zellige.train.parallelize import bf16_policy
 
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    if dist.get_world_size() != 1:
-        raise RuntimeError("the FSDP harness runs one rank's work in a process group of one")
+    if not dist.is_initialized() or dist.get_world_size() != 1:
+        raise RuntimeError(
+            "the FSDP harness runs one rank's work in a process group of one "
+            "(rank_work.process_group_of_one)"
+        )
     mesh = init_device_mesh(device.type, (1,))
     policy = bf16_policy() if dtype == torch.bfloat16 else MixedPrecisionPolicy()
     units = nn.ModuleList(
@@ -231,6 +232,40 @@ def make_fsdp_blocks(
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     return fully_shard(FSDPBlocks(units), mesh=mesh, mp_policy=policy)
+
+
+@contextlib.contextmanager
+def process_group_of_one(device: torch.device) -> Iterator[None]:
+    """A process group of this one process for make_fsdp_blocks, destroyed on exit; an
+    existing group is used as it is."""
+    if dist.is_initialized():
+        yield
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def persistent_bytes(blocks: nn.Module) -> int:
+    """Bytes of the blocks' weights and of the weight gradients they keep between steps (the
+    local shard of FSDP blocks)."""
+    total = 0
+    for param in blocks.parameters():
+        for tensor in (param, param.grad):
+            if tensor is None:
+                continue
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            total += local.numel() * local.element_size()
+    return total
+
+
+def output_loss(out_TD: Tensor) -> Tensor:
+    """A loss on the blocks' output for FSDP blocks: its backward hands the last block a fresh
+    (T, D) gradient, as the head's backward does in training, and frees the output first."""
+    return out_TD.square().mean()
 
 
 def forward_blocks(blocks: nn.Module, inputs: RankInputs, checkpointing: bool) -> Tensor:
@@ -261,15 +296,14 @@ def train_step(blocks: nn.Module, inputs: RankInputs, checkpointing: bool) -> No
     """Forward + backward of the rank's tokens through `blocks` (plain or make_fsdp_blocks);
     the optimizer step is not part of the modelled time. Plain blocks: the output's gradient is
     inputs.grad_TD, and weight gradients are dropped afterwards. FSDP blocks, as in training:
-    the output's gradient comes out of a loss (so it is freed once the last block has used it),
-    and the sharded fp32 gradients stay allocated (FSDP adds into them), standing for the
-    gradients of the rank's FSDP shard that the cost model counts as always there."""
-    out_TD = forward_blocks(blocks, inputs, checkpointing)
+    the output's gradient comes out of a loss (output_loss; no output or output gradient is
+    held beside the step), and the sharded fp32 gradients stay allocated (FSDP adds into them),
+    as the gradients of the rank's FSDP shard that the cost model counts as always there."""
     if isinstance(blocks, FSDPBlocks):
-        (out_TD * inputs.grad_TD).sum().backward()
+        output_loss(forward_blocks(blocks, inputs, checkpointing)).backward()
         clear_grads(None, inputs)
     else:
-        out_TD.backward(inputs.grad_TD)
+        forward_blocks(blocks, inputs, checkpointing).backward(inputs.grad_TD)
         clear_grads(blocks, inputs)
 
 
@@ -289,9 +323,11 @@ def plan_rank_inputs(
     device: torch.device,
     dtype: torch.dtype,
     generator: torch.Generator | None = None,
+    output_grad: bool = True,
 ) -> RankInputs:
     """Inputs of `rank` under `plan`: its held chunks (from the plan compiler), their text and
-    positions, and the engine's distributed attention over its layout."""
+    positions, and the engine's distributed attention over its layout. `output_grad=False` for
+    FSDP blocks, whose step takes the output's gradient from a loss (train_step)."""
     from zellige.runtime.attention import distributed_attention
     from zellige.runtime.layout import prepare_step
 
@@ -313,6 +349,7 @@ def plan_rank_inputs(
         device=device,
         dtype=dtype,
         generator=generator,
+        output_grad=output_grad,
     )
 
 

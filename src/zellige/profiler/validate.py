@@ -8,17 +8,19 @@ local copies that stand in for the exchanges are part of the measured step, so t
 adds them (`local_copy_s`: the bytes the rank would send, read and written at the profile's
 memory bandwidth); the planner's cost model never sees them.
 
-Memory: what a rank holds besides its step (its FSDP shard of weights, gradients and optimizer
-state) cannot be sharded on one GPU, so it is allocated as one buffer of the modelled size; the
-gathered block weights, their gradients, library workspaces and the CUDA context are real. Both
-the MAPE of the whole peak and of its step part (peak minus the modelled shard) are reported.
-The blocks are plain bf16 modules by default; with `fsdp` they are sharded as zellige.train
-shards them (FSDP2 over a group of one), so gradients and gathered weights live as in training
-(`real_fixed_bytes` says which part of the modelled fixed bytes each way allocates for real).
+Time is measured on plain bf16 blocks. Memory is measured on a second step of the rank on
+blocks sharded as zellige.train shards them (FSDP2 over a group of one: gathered weights,
+weight gradients and reduce-scatter buffers live and die as in training; the output's gradient
+comes from a loss). A rank's FSDP shard of weights, gradients and optimizer state cannot be
+sharded on one GPU: the harness's own weights and kept gradients (both block sets) are left
+out of the measured peak and the modelled shard is put in their place (`rank_peak_bytes`);
+everything else, library workspaces and the CUDA context included, is real. Both the MAPE of
+the whole peak and of its step part (peak minus the modelled shard) are reported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -36,7 +38,12 @@ from zellige.plan_io import plan_from_json, plan_to_json
 from zellige.profile import load_profile
 from zellige.profiler import fit, rank_work
 from zellige.profiler.models import dit_config, model_spec
-from zellige.profiler.timing import median_time_s, synchronize
+from zellige.profiler.timing import (
+    median_time_s,
+    peak_allocated_bytes,
+    reset_peak_allocated,
+    synchronize,
+)
 from zellige.workload import load_recipe
 
 Progress = Callable[[str], None]
@@ -80,7 +87,6 @@ class ValidationOptions:
     time_budget_s: float = 0.0  # stop drawing plans after this many seconds (0: no limit)
     exclude_strategies: tuple[str, ...] = ()  # skip plans that use these ("ring", "hybrid")
     contiguous_kernel_inputs: bool = False  # see rank_work.local_exchanges
-    fsdp: bool = False  # blocks sharded as in training (rank_work.make_fsdp_blocks)
     results_jsonl: str | None = None  # append each rank's result as it is measured
 
 
@@ -96,7 +102,7 @@ class RankResult:
     measured_s: float
     predicted_peak_bytes: float
     measured_peak_bytes: float
-    modelled_state_bytes: float  # the shard buffer (part of both peaks)
+    modelled_state_bytes: float  # the modelled FSDP shard (part of both peaks)
     knapformer_work: float  # W summed over the rank's shares
     predicted_copy_s: float = 0.0  # the exchanges' local stand-in copies (see local_copy_s)
     predicted_call_s: float = 0.0  # RankCost.call_s: what one call per equal group saves (<= 0)
@@ -157,19 +163,6 @@ def local_copy_s(
         held = sum(s.tokens for s in shares if s.rank == rank)
         copied_bytes += max(0.0, sent_bytes) * held / sequence.num_tokens
     return 2.0 * copied_bytes / memory_bytes_per_s
-
-
-def real_fixed_bytes(spec: _core.ModelSpec, fsdp: bool) -> int:
-    """The part of the cost model's fixed bytes (FSDP shard + two gathered bf16 layers + one
-    layer's fp32 gradients + the runtime reserve) that the harness's blocks really allocate;
-    the rest of the shard is one buffer. Plain blocks: their bf16 weights and bf16 gradients
-    (4 bytes a parameter). FSDP blocks: the gathered layers and the reduce-scatter buffer are
-    real, and so are the fp32 master weights and sharded gradients of the run layers, which
-    stand for part of the shard (8 bytes a parameter more)."""
-    if not fsdp:
-        return 2 * spec.param_count * 2
-    layer_params = spec.param_count / spec.num_layers
-    return int(2 * layer_params * 2 + layer_params * 4 + spec.param_count * 8)
 
 
 def predicted_rank_s(rank_cost: _core.RankCost, copy_s: float) -> float:
@@ -386,14 +379,11 @@ def run_rank(
     rank: int,
     blocks,
     config,
-    state_bytes: int,
     options: ValidationOptions,
     device: torch.device,
     dtype: torch.dtype,
-) -> tuple[float, int]:
-    """(median step seconds, peak bytes) of the rank's compute; peak 0 on a CPU."""
-    cuda = device.type == "cuda"
-    state = torch.empty(state_bytes, dtype=torch.uint8, device=device) if cuda else None
+) -> float:
+    """Median step seconds of the rank's compute on plain blocks."""
     with rank_work.local_exchanges(options.contiguous_kernel_inputs):
         inputs = rank_work.plan_rank_inputs(
             batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype
@@ -417,16 +407,50 @@ def run_rank(
             synchronize(device)
             step_s = max(time.perf_counter() - start_s, 1e-3)
             repeats = max(options.repeats, min(FAST_STEP_REPEATS, math.ceil(1.0 / step_s)))
-        peak = 0
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
         seconds = median_time_s(step, device, warmup=0, repeats=repeats)
-        if cuda:
-            peak = torch.cuda.max_memory_allocated(device) + _outside_allocator_bytes(device)
-    del inputs, step, state
-    if cuda:
-        torch.cuda.empty_cache()
-    return seconds, peak
+    return seconds
+
+
+def rank_peak_bytes(
+    *,
+    batch: _core.Batch,
+    plan: _core.Plan,
+    rank: int,
+    fsdp_blocks,
+    plain_blocks,
+    shard_bytes: float,
+    config,
+    options: ValidationOptions,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> float:
+    """Peak device bytes of the rank's step on FSDP blocks, as the rank would hold them: the
+    allocator's peak without the harness's own weights and kept gradients (of both block sets,
+    rank_work.persistent_bytes), plus `shard_bytes` (the modelled FSDP shard that stands in for
+    them) and the CUDA context outside the allocator. 0 on a CPU (no allocator statistics)."""
+    with rank_work.local_exchanges(options.contiguous_kernel_inputs):
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch,
+            plan=plan,
+            rank=rank,
+            config=config,
+            device=device,
+            dtype=dtype,
+            output_grad=False,
+        )
+        rank_work.train_step(fsdp_blocks, inputs, options.activation_checkpointing)  # warm-up
+        harness_bytes = rank_work.persistent_bytes(fsdp_blocks) + rank_work.persistent_bytes(
+            plain_blocks
+        )  # after a step: FSDP's sharded gradients exist from the first one on
+        synchronize(device)
+        reset_peak_allocated(device)
+        rank_work.train_step(fsdp_blocks, inputs, options.activation_checkpointing)
+        peak = peak_allocated_bytes(device)
+    del inputs
+    if device.type != "cuda":
+        return 0.0
+    torch.cuda.empty_cache()
+    return peak - harness_bytes + shard_bytes + _outside_allocator_bytes(device)
 
 
 def validate(options: ValidationOptions, progress: Progress = print) -> ValidationReport:
@@ -447,11 +471,7 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
     skipped: list[str] = []
     plans = list(itertools.islice(draw_plans(options, profile, skipped), options.num_plans))
     progress(f"{len(plans)} plans drawn" + (f", {len(skipped)} sources skipped" if skipped else ""))
-    own_group = options.fsdp and not torch.distributed.is_initialized()
-    if options.fsdp:
-        blocks = rank_work.make_fsdp_blocks(config, options.num_layers, device, dtype)
-    else:
-        blocks = rank_work.make_blocks(config, options.num_layers, device, dtype)
+    blocks = rank_work.make_blocks(config, options.num_layers, device, dtype)
 
     lengths, latencies = measure_forward_latencies(options, device, dtype, progress)
     gamma, seconds_per_unit = fit.fit_knapformer_gamma(lengths, latencies, config.width)
@@ -466,68 +486,83 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
     ]
     if options.contiguous_kernel_inputs:
         notes.append("attention kernel inputs copied to contiguous tensors (workaround switch)")
-    if options.fsdp:
+    if device.type == "cuda":
         notes.append(
-            "blocks run as in training: FSDP2 units over a group of one, fp32 master weights, "
-            "bf16 compute, fp32 gradient reduction"
+            "time on plain bf16 blocks; peak memory on a second step on blocks sharded as in "
+            "training (FSDP2 units over a group of one, fp32 master weights, bf16 compute, fp32 "
+            "gradient reduction), the harness's weights replaced by the modelled FSDP shard"
         )
-    for plan_index, (name, batch, plan) in enumerate(plans):
-        if options.time_budget_s and time.monotonic() - started > options.time_budget_s:
-            notes.append(f"time budget reached: {plan_index} plans of {len(plans)}")
-            progress(notes[-1])
-            break
-        cost_model = make_cost_model(
-            spec,
-            gpus=plan.num_ranks,
-            profile=profile,
-            activation_checkpointing=options.activation_checkpointing,
-        )
-        cost = cost_model.evaluate(batch, plan)
-        fixed_cost_model = cost_model.fixed_bytes()
-        reserve = profile.runtime_reserved_bytes if profile.runtime_reserved_bytes > 0 else 3 << 30
-        state_bytes = max(0, int(fixed_cost_model - reserve - real_fixed_bytes(spec, options.fsdp)))
-        for rank in chosen_ranks(cost, options.ranks_per_plan):
-            rank_cost = cost.ranks[rank]
-            copy_s = local_copy_s(cost_model, batch, plan, rank, profile.memory_bytes_per_s)
-            measured_s, peak = run_rank(
-                batch=batch,
-                plan=plan,
-                rank=rank,
-                blocks=blocks,
-                config=config,
-                state_bytes=state_bytes,
-                options=options,
-                device=device,
-                dtype=dtype,
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(rank_work.process_group_of_one(device))
+        fsdp_blocks = rank_work.make_fsdp_blocks(config, options.num_layers, device, dtype)
+        for plan_index, (name, batch, plan) in enumerate(plans):
+            if options.time_budget_s and time.monotonic() - started > options.time_budget_s:
+                notes.append(f"time budget reached: {plan_index} plans of {len(plans)}")
+                progress(notes[-1])
+                break
+            cost_model = make_cost_model(
+                spec,
+                gpus=plan.num_ranks,
+                profile=profile,
+                activation_checkpointing=options.activation_checkpointing,
             )
-            result = RankResult(
-                plan=name,
-                rank=rank,
-                tokens=rank_cost.tokens,
-                num_sequences=sum(rank in p.ranks for p in plan.placements),
-                predicted_s=predicted_rank_s(rank_cost, copy_s),
-                measured_s=measured_s,
-                predicted_peak_bytes=rank_cost.peak_bytes,
-                measured_peak_bytes=float(peak),
-                modelled_state_bytes=float(state_bytes),
-                knapformer_work=knapformer_rank_work(batch, plan, rank, config.width, gamma),
-                predicted_copy_s=copy_s,
-                predicted_call_s=rank_cost.call_s,
-                predicted_launch_floor_s=rank_cost.launch_floor_s,
+            cost = cost_model.evaluate(batch, plan)
+            shard_bytes = (
+                spec.param_count * cost_model.options.state_bytes_per_param / plan.num_ranks
             )
-            results.append(result)
-            if options.results_jsonl:
-                with open(options.results_jsonl, "a") as stream:
-                    stream.write(json.dumps(dataclasses.asdict(result)) + "\n")
-            progress(
-                f"plan {plan_index + 1:>2}/{options.num_plans} {name:<40} rank {rank:>2} "
-                f"{result.tokens:>7} tokens: time {result.predicted_s * 1e3:9.2f} / "
-                f"{measured_s * 1e3:9.2f} ms, peak {result.predicted_peak_bytes / 2**30:7.2f} / "
-                f"{peak / 2**30:7.2f} GiB (predicted / measured)"
-            )
+            for rank in chosen_ranks(cost, options.ranks_per_plan):
+                rank_cost = cost.ranks[rank]
+                copy_s = local_copy_s(cost_model, batch, plan, rank, profile.memory_bytes_per_s)
+                measured_s = run_rank(
+                    batch=batch,
+                    plan=plan,
+                    rank=rank,
+                    blocks=blocks,
+                    config=config,
+                    options=options,
+                    device=device,
+                    dtype=dtype,
+                )
+                peak = rank_peak_bytes(
+                    batch=batch,
+                    plan=plan,
+                    rank=rank,
+                    fsdp_blocks=fsdp_blocks,
+                    plain_blocks=blocks,
+                    shard_bytes=shard_bytes,
+                    config=config,
+                    options=options,
+                    device=device,
+                    dtype=dtype,
+                )
+                result = RankResult(
+                    plan=name,
+                    rank=rank,
+                    tokens=rank_cost.tokens,
+                    num_sequences=sum(rank in p.ranks for p in plan.placements),
+                    predicted_s=predicted_rank_s(rank_cost, copy_s),
+                    measured_s=measured_s,
+                    predicted_peak_bytes=rank_cost.peak_bytes,
+                    measured_peak_bytes=peak,
+                    modelled_state_bytes=shard_bytes,
+                    knapformer_work=knapformer_rank_work(batch, plan, rank, config.width, gamma),
+                    predicted_copy_s=copy_s,
+                    predicted_call_s=rank_cost.call_s,
+                    predicted_launch_floor_s=rank_cost.launch_floor_s,
+                )
+                results.append(result)
+                if options.results_jsonl:
+                    with open(options.results_jsonl, "a") as stream:
+                        stream.write(json.dumps(dataclasses.asdict(result)) + "\n")
+                progress(
+                    f"plan {plan_index + 1:>2}/{options.num_plans} {name:<40} rank {rank:>2} "
+                    f"{result.tokens:>7} tokens: time {result.predicted_s * 1e3:9.2f} / "
+                    f"{measured_s * 1e3:9.2f} ms, peak "
+                    f"{result.predicted_peak_bytes / 2**30:7.2f} / {peak / 2**30:7.2f} GiB "
+                    "(predicted / measured)"
+                )
+        del fsdp_blocks  # its group goes with the stack
     notes.extend(f"skipped {line}" for line in skipped)
-    if own_group:
-        torch.distributed.destroy_process_group()
     report = summarise(results, gamma)
     report.gamma_forward_fit = {
         "lengths": lengths,
