@@ -231,6 +231,40 @@ def test_quick_validate_runs_ranks_through_the_engine(tmp_path):
     assert any("exchanges excluded" in note for note in report["notes"])
 
 
+def test_validate_summarises_a_results_file_without_running(tmp_path, capsys):
+    import dataclasses
+
+    from zellige.cli import main
+
+    rows = [
+        RankResult(
+            plan=f"wan-stage2/8/dp-cost/{i}",
+            rank=0,
+            tokens=32760,
+            num_sequences=1,
+            predicted_s=1.0,
+            measured_s=1.0 + 0.1 * i,
+            predicted_peak_bytes=20e9,
+            measured_peak_bytes=20e9 * (1.0 + 0.02 * i),
+            modelled_state_bytes=1e9,
+            knapformer_work=1.0,
+        )
+        for i in (1, 2)
+    ]
+    jsonl = tmp_path / "ranks.jsonl"
+    jsonl.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in rows))
+    out = tmp_path / "report.json"
+    assert main(["validate-profile", "--summarise", str(jsonl), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["num_plans"] == 2 and len(report["ranks"]) == 2
+    expected = (1 - 1 / 1.1 + 1 - 1 / 1.2) / 2 * 100
+    assert report["time_mape_percent"] == pytest.approx(expected)
+    assert "summarised from ranks.jsonl" in capsys.readouterr().out
+    jsonl.write_text("")
+    assert main(["validate-profile", "--summarise", str(jsonl)]) != 0
+    assert "holds no rank results" in capsys.readouterr().err
+
+
 def test_fsdp_blocks_need_a_group_of_one_that_goes_away():
     import torch.distributed as dist
 

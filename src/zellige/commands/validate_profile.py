@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="CPU smoke run: tiny model, small batches"
     )
+    parser.add_argument(
+        "--summarise",
+        type=Path,
+        metavar="JSONL",
+        help="run nothing: the report of the ranks in a --results-jsonl file (a run cut short)",
+    )
 
 
 def format_report(report, options) -> str:
@@ -68,13 +74,26 @@ def format_report(report, options) -> str:
             f"  {label:<14} {size['ranks']:>3} ranks: time MAPE {size['time_mape_percent']:.2f}%"
             + (f", memory MAPE {memory:.2f}%" if memory is not None else "")
         )
+    gamma = f"gamma {report.gamma:.3f}" if report.gamma > 0 else "gamma as in the run's log"
     lines.append(
-        f"KnapFormer gamma model (gamma {report.gamma:.3f} from forward latencies, best single "
+        f"KnapFormer gamma model ({gamma} from forward latencies, best single "
         f"scale): time MAPE {report.knapformer_time_mape_percent:.2f}%"
     )
     if report.num_plans < TARGET_PLANS:
         lines.append(f"note: fewer than {TARGET_PLANS} plans: not a measurement of the target")
     return "\n".join(lines)
+
+
+def summarise_jsonl(path: Path):
+    """The report of the ranks a run appended to `path` (--results-jsonl)."""
+    from zellige.profiler.validate import RankResult, summarise
+
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{path} holds no rank results")
+    report = summarise([RankResult(**json.loads(line)) for line in lines], gamma=0.0)
+    report.notes = [f"summarised from {path.name} ({len(lines)} ranks); no rank was run now"]
+    return report
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +122,10 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"[validate] {line}", file=sys.stderr, flush=True)
 
-    report = validate(options, progress)
+    if args.summarise:
+        report = summarise_jsonl(args.summarise)
+    else:
+        report = validate(options, progress)
     if args.json:
         args.json.write_text(json.dumps(report_dict(report), indent=1) + "\n")
     print(format_report(report, options))
