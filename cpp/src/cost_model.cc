@@ -165,9 +165,14 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   }
 
   // MMDiT double blocks carry two weight sets, so the largest layer is twice a single one.
+  const double params = static_cast<double>(model_.param_count);
+  const double block_params = std::min(params, static_cast<double>(block_param_count(model_)));
   const double layer_units = static_cast<double>(model_.num_layers + model_.num_double_layers);
-  const double largest_layer_params = static_cast<double>(model_.param_count) / layer_units *
-                                      (model_.num_double_layers > 0 ? 2.0 : 1.0);
+  const double largest_layer_params =
+      block_params / layer_units * (model_.num_double_layers > 0 ? 2.0 : 1.0);
+  // Parameters outside the blocks (embeddings, time and text MLPs, final layer) belong to the
+  // root FSDP unit, which FSDP2 keeps gathered in bf16 from the forward to the backward's end.
+  const double root_gathered_bytes = 2.0 * (params - block_params);
   const double reserved =
       static_cast<double>(profile_.runtime_reserved_bytes > 0 ? profile_.runtime_reserved_bytes
                                                               : kDefaultReservedBytes);
@@ -176,9 +181,9 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
           ? measured_step_fixed_bytes
           : 2.0 * largest_layer_params * 2.0   // two gathered bf16 layers (prefetch)
                 + largest_layer_params * 4.0;  // one layer's unsharded fp32 gradients
-  fixed_bytes_ = static_cast<double>(model_.param_count) * options_.state_bytes_per_param /
-                     static_cast<double>(cluster_.num_ranks()) +
-                 step_fixed_bytes + reserved;
+  fixed_bytes_ =
+      params * options_.state_bytes_per_param / static_cast<double>(cluster_.num_ranks()) +
+      step_fixed_bytes + root_gathered_bytes + reserved;
 
   const double layers = static_cast<double>(model_.num_layers);
   const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;

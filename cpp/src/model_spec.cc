@@ -9,7 +9,7 @@ namespace {
 //  cross-attention block: self q,k,v,o + cross q,k,v,o + FFN in/out
 //  MMDiT double block: two streams, each q,k,v,o + FFN + 6-way modulation
 //  MMDiT single block: fused q,k,v + FFN in, fused out (= q,k,v,o + FFN) + 3-way modulation
-int64_t count_params(const ModelSpec& m) {
+int64_t count_block_params(const ModelSpec& m) {
   const int64_t d2 = m.width * m.width;
   const int64_t ffn = 2 * m.width * m.ffn_width;
   if (!m.joint_attention) return m.num_layers * (4 * d2 + 4 * d2 + ffn);
@@ -31,11 +31,13 @@ ModelSpec make_model(const std::string& name, int64_t width, int64_t num_double_
   m.ffn_width = ffn_width;
   m.text_tokens = text_tokens;
   m.joint_attention = joint_attention;
-  m.param_count = count_params(m);
+  m.param_count = count_block_params(m);
   return m;
 }
 
 }  // namespace
+
+int64_t block_param_count(const ModelSpec& model) { return count_block_params(model); }
 
 std::vector<std::string> model_preset_names() {
   return {"wan-1.3b", "wan-14b", "mmdit-11b", "hunyuan-13b", "tiny"};

@@ -120,6 +120,19 @@ TEST(CostModel, MeasuredShardBytesPerTokenReplaceTheAnalyticExchangeBuffers) {
   EXPECT_THROW(profile.validate(), std::invalid_argument);
 }
 
+TEST(CostModel, ParametersOutsideTheBlocksStayGatheredInBf16) {
+  ModelSpec model = model_preset("wan-14b");
+  EXPECT_EQ(block_param_count(model), model.param_count);  // a preset counts its blocks only
+  const double blocks_only = CostModel(model, seeded_profile(), make_cluster(8, 8)).fixed_bytes();
+  const double root = 2.0e8;  // embeddings, time and text MLPs, final layer of a real module
+  model.param_count += static_cast<int64_t>(root);
+  const CostOptions options;
+  // its shard of state (as every parameter's) and its gathered bf16 copy; the layer buffers
+  // still follow the blocks' own size
+  EXPECT_NEAR(CostModel(model, seeded_profile(), make_cluster(8, 8)).fixed_bytes() - blocks_only,
+              root * options.state_bytes_per_param / 8.0 + 2.0 * root, 1.0);
+}
+
 TEST(CostModel, RejectsModelWithoutHeads) {
   ModelSpec model = model_preset("tiny");
   model.num_heads = 0;

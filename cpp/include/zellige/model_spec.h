@@ -9,21 +9,25 @@ namespace zellige {
 
 struct ModelSpec {
   std::string name;
-  int64_t width = 0;        // d
-  int64_t num_layers = 0;   // all transformer blocks (MMDiT: double + single)
+  int64_t width = 0;              // d
+  int64_t num_layers = 0;         // all transformer blocks (MMDiT: double + single)
   int64_t num_double_layers = 0;  // MMDiT blocks with separate text/image weights (2x params)
   int64_t num_heads = 0;
-  int64_t head_dim = 0;     // width / num_heads
+  int64_t head_dim = 0;  // width / num_heads
   int64_t ffn_width = 0;
-  int64_t text_tokens = 0;  // default text length
+  int64_t text_tokens = 0;       // default text length
   bool joint_attention = false;  // MMDiT: text joins self-attention; Wan: separate cross-attention
-  int64_t param_count = 0;  // derived from the sizes above by model_preset / make_model
+  int64_t param_count = 0;       // presets: the blocks' (block_param_count); a module's: all
 };
 
 // Presets: "wan-1.3b", "wan-14b", "mmdit-11b", "hunyuan-13b", "tiny" (for tests). Throws
 // std::invalid_argument naming the allowed names for an unknown one.
 ModelSpec model_preset(const std::string& name);
 std::vector<std::string> model_preset_names();
+
+// Parameters of the transformer blocks alone, from the sizes (a preset's param_count; a real
+// module's count adds its embeddings and final layer).
+int64_t block_param_count(const ModelSpec& model);
 
 // Forward FLOPs of ONE layer for one sequence (multiply-add = 2 FLOPs).
 struct LayerFlops {
