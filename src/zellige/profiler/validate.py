@@ -20,7 +20,6 @@ the whole peak and of its step part (peak minus the modelled shard) are reported
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -492,8 +491,7 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
             "training (FSDP2 units over a group of one, fp32 master weights, bf16 compute, fp32 "
             "gradient reduction), the harness's weights replaced by the modelled FSDP shard"
         )
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(rank_work.process_group_of_one(device))
+    with rank_work.process_group_of_one(device):
         fsdp_blocks = rank_work.make_fsdp_blocks(config, options.num_layers, device, dtype)
         for plan_index, (name, batch, plan) in enumerate(plans):
             if options.time_budget_s and time.monotonic() - started > options.time_budget_s:
@@ -561,7 +559,7 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                     f"{result.predicted_peak_bytes / 2**30:7.2f} / {peak / 2**30:7.2f} GiB "
                     "(predicted / measured)"
                 )
-        del fsdp_blocks  # its group goes with the stack
+        del fsdp_blocks  # before its process group goes
     notes.extend(f"skipped {line}" for line in skipped)
     report = summarise(results, gamma)
     report.gamma_forward_fit = {
