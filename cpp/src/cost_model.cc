@@ -154,8 +154,9 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
       ulysses_bytes_ = profile_.ulysses_bytes_per_token[i];
     }
     if (!profile_.ring_bytes_per_token.empty()) ring_bytes_ = profile_.ring_bytes_per_token[i];
-    if (!profile_.step_fixed_bytes.empty())
+    if (!profile_.step_fixed_bytes.empty()) {
       measured_step_fixed_bytes = profile_.step_fixed_bytes[i];
+    }
     if (!profile_.launch_s_per_layer.empty()) {
       launch_s_per_layer_ = profile_.launch_s_per_layer[i];
     }

@@ -263,6 +263,9 @@ def test_validate_summarises_a_results_file_without_running(tmp_path, capsys):
     jsonl.write_text("")
     assert main(["validate-profile", "--summarise", str(jsonl)]) != 0
     assert "holds no rank results" in capsys.readouterr().err
+    jsonl.write_text('{"plan": "x"}\n')
+    assert main(["validate-profile", "--summarise", str(jsonl)]) != 0
+    assert "line 1 is not a rank result" in capsys.readouterr().err
 
 
 def test_fsdp_blocks_need_a_group_of_one_that_goes_away():

@@ -91,7 +91,13 @@ def summarise_jsonl(path: Path):
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"{path} holds no rank results")
-    report = summarise([RankResult(**json.loads(line)) for line in lines], gamma=0.0)
+    ranks = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            ranks.append(RankResult(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError) as error:
+            raise ValueError(f"{path} line {number} is not a rank result: {error}") from None
+    report = summarise(ranks, gamma=0.0)
     report.notes = [f"summarised from {path.name} ({len(lines)} ranks); no rank was run now"]
     return report
 
