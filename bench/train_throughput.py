@@ -17,13 +17,13 @@ import argparse
 import dataclasses
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from _provenance import git_commit
 from zellige.train.config import get_config
 from zellige.train.loop import train
 
@@ -116,13 +116,11 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = git_commit()  # "-dirty" where the tree differs (a device's copy of it may)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
     print(
         f"\n{device}, torch {torch.__version__}, python {platform.python_version()}, "
-        f"commit {commit or '?'}; means over steps {args.warmup + 1}..{args.steps}"
+        f"commit {commit}; means over steps {args.warmup + 1}..{args.steps}"
     )
     header = (
         "config",

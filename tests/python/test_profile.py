@@ -6,7 +6,13 @@ import math
 import pytest
 
 import zellige
-from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
+from zellige.profile import (
+    MODEL_ROWS,
+    load_profile,
+    profile_from_dict,
+    profile_to_dict,
+    save_profile,
+)
 
 
 def test_builtin_profile_is_a_measured_h200():
@@ -36,6 +42,8 @@ def test_round_trip_is_exact(tmp_path):
         zellige.Table(x=[1e3, 1e8], y=[2e-5, 1e-3], source="measured"),
         zellige.Table(x=[1e3, 1e8], y=[3e-5, 2e-3], source="measured"),
     ]
+    for row in MODEL_ROWS:  # one memory model: every row of the built-in one goes
+        setattr(profile, row, [])
     profile.memory_models = ["wan-14b"]
     profile.activation_bytes_per_token_layer = [250000.0]
     profile.checkpoint_bytes_per_token_layer = [10240.0]
@@ -99,7 +107,10 @@ BAD_PROFILES = {
     },
     "negative-launch": {**_builtin_dict(), "launch_s_per_layer": [-1e-3]},
     "launch-not-a-row": {**_builtin_dict(), "launch_s_per_layer": 1e-3},
-    "launch-row-too-long": {**_builtin_dict(), "launch_s_per_layer": [1e-3, 1e-3]},
+    "launch-row-too-long": {
+        **_builtin_dict(),
+        "launch_s_per_layer": [1e-3] * (len(_builtin_dict()["memory_models"]) + 1),
+    },
 }
 
 

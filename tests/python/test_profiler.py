@@ -354,14 +354,14 @@ def test_memory_rows_merge_into_a_profile():
         "backward_bytes_per_token_layer": 300.0,
         "text_bytes_per_token_layer": 40.0,
     }
-    merged = merge_memory(base, "wan-1.3b", memory)
-    row = merged["memory_models"].index("wan-1.3b")
+    merged = merge_memory(base, "hunyuan-13b", memory)
+    row = merged["memory_models"].index("hunyuan-13b")
     assert merged["activation_bytes_per_token_layer"][row] == 1000.0
     # a row the new model was not measured for: 0 (no launch floor); wan-14b keeps its own
     assert merged["launch_s_per_layer"][row] == 0.0
     assert merged["launch_s_per_layer"][merged["memory_models"].index("wan-14b")] > 0
-    again = merge_memory(merged, "wan-1.3b", {**memory, "text_bytes_per_token_layer": 7.0})
-    assert again["memory_models"].count("wan-1.3b") == 1
+    again = merge_memory(merged, "hunyuan-13b", {**memory, "text_bytes_per_token_layer": 7.0})
+    assert again["memory_models"].count("hunyuan-13b") == 1
     assert again["text_bytes_per_token_layer"][row] == 7.0
     profile_from_dict(again)  # the core accepts the merged rows
     # a profile without memory rows gets one row in every column
