@@ -198,7 +198,9 @@ def test_quick_profile_writes_a_valid_measured_profile(tmp_path):
         assert table["x"][0] == 1 and len(table["x"]) >= 3
     # The host launch time is measured (a row of the profile only where memory is, on a GPU).
     launch = json.loads(details.read_text())["launch"]
-    assert launch["launch_s_per_layer"] > 0 and launch["launch_s_per_attention_call"] >= 0
+    # each part is clamped at 0 and a loaded CPU can push either there, never both
+    assert launch["launch_s_per_layer"] >= 0 and launch["launch_s_per_attention_call"] >= 0
+    assert launch["launch_s_per_layer"] + launch["launch_s_per_attention_call"] > 0
     assert data["launch_s_per_layer"] == [] and data["memory_models"] == []
     # Ulysses and ring layouts: the engine's row work per byte a shard sends, never negative
     layouts = json.loads(details.read_text())["layouts"]
