@@ -144,25 +144,17 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     if (profile_.checkpoint_bytes_per_token_layer[i] > 0) {
       checkpoint_bytes_ = profile_.checkpoint_bytes_per_token_layer[i];
     }
-    if (!profile_.backward_bytes_per_token_layer.empty()) {
-      backward_bytes_ = profile_.backward_bytes_per_token_layer[i];
-    }
-    if (!profile_.text_bytes_per_token_layer.empty()) {
-      text_bytes_ = profile_.text_bytes_per_token_layer[i];
-    }
-    if (!profile_.ulysses_bytes_per_token.empty()) {
-      ulysses_bytes_ = profile_.ulysses_bytes_per_token[i];
-    }
-    if (!profile_.ring_bytes_per_token.empty()) ring_bytes_ = profile_.ring_bytes_per_token[i];
-    if (!profile_.step_fixed_bytes.empty()) {
-      measured_step_fixed_bytes = profile_.step_fixed_bytes[i];
-    }
-    if (!profile_.launch_s_per_layer.empty()) {
-      launch_s_per_layer_ = profile_.launch_s_per_layer[i];
-    }
-    if (!profile_.launch_s_per_attention_call.empty()) {
-      launch_s_per_call_ = profile_.launch_s_per_attention_call[i];
-    }
+    // optional rows: empty, or one value per memory model
+    const auto read_row = [i](const std::vector<double>& row, double& value) {
+      if (!row.empty()) value = row[i];
+    };
+    read_row(profile_.backward_bytes_per_token_layer, backward_bytes_);
+    read_row(profile_.text_bytes_per_token_layer, text_bytes_);
+    read_row(profile_.ulysses_bytes_per_token, ulysses_bytes_);
+    read_row(profile_.ring_bytes_per_token, ring_bytes_);
+    read_row(profile_.step_fixed_bytes, measured_step_fixed_bytes);
+    read_row(profile_.launch_s_per_layer, launch_s_per_layer_);
+    read_row(profile_.launch_s_per_attention_call, launch_s_per_call_);
   }
 
   // MMDiT double blocks carry two weight sets, so the largest layer is twice a single one.

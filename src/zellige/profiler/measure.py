@@ -42,7 +42,7 @@ from zellige.profiler.timing import (
     median_time_s,
     peak_allocated_bytes,
     release_burn,
-    reset_peak_allocated,
+    reset_peak,
     synchronize,
 )
 
@@ -590,9 +590,7 @@ def _memory_probe(blocks, inputs, checkpointing: bool, device) -> tuple[int, int
     synchronize(device)
     before = allocated_bytes(device)
     out = rank_work.forward_blocks(blocks, inputs, checkpointing)
-    synchronize(device)
-    after_forward = allocated_bytes(device)
-    reset_peak_allocated(device)
+    after_forward = reset_peak(device)
     loss = rank_work.output_loss(out)
     del out  # training holds no output beside the graph either
     loss.backward()

@@ -120,11 +120,6 @@ def allocated_bytes(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
-def reset_peak_allocated(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 def peak_allocated_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return 0

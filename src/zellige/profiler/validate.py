@@ -40,7 +40,7 @@ from zellige.profiler.models import dit_config, model_spec
 from zellige.profiler.timing import (
     median_time_s,
     peak_allocated_bytes,
-    reset_peak_allocated,
+    reset_peak,
     synchronize,
 )
 from zellige.workload import load_recipe
@@ -441,8 +441,7 @@ def rank_peak_bytes(
         harness_bytes = rank_work.persistent_bytes(fsdp_blocks) + rank_work.persistent_bytes(
             plain_blocks
         )  # after a step: FSDP's sharded gradients exist from the first one on
-        synchronize(device)
-        reset_peak_allocated(device)
+        reset_peak(device)
         rank_work.train_step(fsdp_blocks, inputs, options.activation_checkpointing)
         peak = peak_allocated_bytes(device)
     del inputs
