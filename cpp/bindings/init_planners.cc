@@ -36,6 +36,8 @@ void init_planners(nb::module_& m) {
         "carries the cost model's prediction and plan_ms. Names: dp-tokens, dp-cost, "
         "static-cp:C, knapformer:SPEC[:GAMMA], megatron-dcp, zellige.");
   m.def("planner_names", &planner_names, "The planner name forms make_plan accepts.");
+  m.def("covered_baselines", &covered_baselines, "batch"_a, "cost_model"_a,
+        "The baselines zellige is never worse than on this batch and cluster (docs/planner.md).");
   m.def("predict", &predict, "plan"_a, "batch"_a, "cost_model"_a,
         "Fill plan.predicted in place from the cost model.");
   m.def("check_sequences_fit", &check_sequences_fit, "batch"_a, "cost_model"_a,

@@ -530,7 +530,127 @@ double CostModel::rank_time_s(int64_t tokens, double attention_s, double exchang
   return linear_time_s(tokens) + attention_s + exchange_s;
 }
 
+size_t EvaluationCache::KeyHash::operator()(const std::vector<int64_t>& key) const {
+  uint64_t hash = 1469598103934665603ull;
+  for (int64_t value : key) {
+    hash ^= static_cast<uint64_t>(value) + 0x9e3779b97f4a7c15ull + (hash << 6) + (hash >> 2);
+  }
+  return static_cast<size_t>(hash);
+}
+
+namespace {
+// Stands for the sequence's own id in a memoised call key (ring steps never coalesce across
+// sequences).
+constexpr int64_t kOwnTag = std::numeric_limits<int64_t>::min();
+}  // namespace
+
+// Key: lengths, degrees, then each rank's node renumbered by first appearance (shares depend on
+// the ranks only through which of them share a node).
+const EvaluationCache::Entry& CostModel::cached_terms(const Sequence& sequence,
+                                                      const Placement& placement,
+                                                      EvaluationCache& cache) const {
+  std::vector<int64_t>& key = cache.key_;
+  key.assign({sequence.num_tokens, sequence.text_tokens, placement.ulysses_degree,
+              placement.ring_degree});
+  int64_t first_node = -1, next_label = 0;
+  std::unordered_map<int64_t, int64_t> labels;
+  for (int64_t rank : placement.ranks) {
+    const int64_t node = cluster_.node_of(rank);
+    if (placement.ranks.size() <= 1 || node == first_node) {
+      key.push_back(0);
+      continue;
+    }
+    if (first_node < 0) {
+      first_node = node;
+      labels[node] = next_label++;
+      key.push_back(0);
+      continue;
+    }
+    const auto [it, inserted] = labels.try_emplace(node, next_label);
+    if (inserted) ++next_label;
+    key.push_back(it->second);
+  }
+  auto [it, inserted] = cache.entries_.try_emplace(key);
+  EvaluationCache::Entry& entry = it->second;
+  if (!inserted) return entry;
+  double sent = 0;
+  entry.shares = shares_and_bytes(sequence, placement, &sent);
+  for (RankShare& share : entry.shares) {
+    if (share.rank != sequence.source_rank) {
+      sent -= 2.0 * kRouteBytesPerToken * static_cast<double>(share.tokens);
+    }
+  }
+  entry.exchange_bytes = sent;
+  Sequence own = sequence;
+  own.id = kOwnTag;
+  Placement positions = placement;
+  for (size_t k = 0; k < positions.ranks.size(); ++k) positions.ranks[k] = static_cast<int64_t>(k);
+  std::vector<RankCalls> calls(positions.ranks.size());
+  add_attention_calls(own, positions, &calls);
+  entry.calls.resize(calls.size());
+  entry.call_excess_s.assign(calls.size(), 0.0);
+  const double layers = static_cast<double>(model_.num_layers);
+  for (size_t k = 0; k < calls.size(); ++k) {
+    entry.calls[k].assign(calls[k].begin(), calls[k].end());
+    entry.shares[k].rank = static_cast<int64_t>(k);
+    for (const auto& [call, segments] : calls[k]) {
+      const double heads = static_cast<double>(call[2]);
+      entry.call_excess_s[k] += layers * static_cast<double>(segments) * heads *
+                                call_excess_per_head_s(static_cast<double>(call[0]),
+                                                       static_cast<double>(call[1]), heads);
+    }
+  }
+  return entry;
+}
+
+double CostModel::makespan_floor(const Batch& batch, const Plan& plan,
+                                 EvaluationCache& cache) const {
+  const int64_t num_ranks = cluster_.num_ranks();
+  std::vector<int64_t> tokens(static_cast<size_t>(num_ranks), 0);
+  std::vector<double> other_s(static_cast<size_t>(num_ranks), 0.0);
+  std::unordered_map<int64_t, const Sequence*> by_id;
+  const size_t num_sequences = batch.sequences.size();
+  for (size_t i = 0; i < plan.placements.size(); ++i) {
+    const Placement& placement = plan.placements[i];
+    const Sequence* sequence = i < num_sequences ? &batch.sequences[i] : nullptr;
+    if (sequence == nullptr || sequence->id != placement.sequence_id) {  // not in batch order
+      if (by_id.empty()) {
+        for (const Sequence& s : batch.sequences) by_id[s.id] = &s;
+      }
+      sequence = by_id.at(placement.sequence_id);
+    }
+    const EvaluationCache::Entry& entry = cached_terms(*sequence, placement, cache);
+    for (size_t k = 0; k < entry.shares.size(); ++k) {
+      const RankShare& share = entry.shares[k];
+      const int64_t rank = placement.ranks[k];
+      tokens[rank] += share.tokens;
+      other_s[rank] += share.attention_s + share.exchange_s - entry.call_excess_s[k];
+    }
+  }
+  double floor_s = 0;
+  for (int64_t rank = 0; rank < num_ranks; ++rank) {
+    floor_s = std::max(floor_s, linear_time_s(tokens[rank]) + other_s[rank]);
+  }
+  return floor_s;
+}
+
+std::vector<RankShare> CostModel::shares(const Sequence& sequence, const Placement& placement,
+                                         EvaluationCache& cache) const {
+  std::vector<RankShare> result = cached_terms(sequence, placement, cache).shares;
+  for (size_t k = 0; k < result.size(); ++k) result[k].rank = placement.ranks[k];
+  return result;
+}
+
 PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
+  return evaluate_impl(batch, plan, nullptr);
+}
+
+PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan, EvaluationCache& cache) const {
+  return evaluate_impl(batch, plan, &cache);
+}
+
+PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
+                                  EvaluationCache* cache) const {
   const int64_t num_ranks = cluster_.num_ranks();
   if (plan.num_ranks != num_ranks) {
     throw std::invalid_argument("plan is for " + std::to_string(plan.num_ranks) +
@@ -548,6 +668,27 @@ PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
   for (const Placement& placement : plan.placements) {
     double sent = 0;
     const Sequence& sequence = *by_id.at(placement.sequence_id);
+    if (cache != nullptr) {
+      const EvaluationCache::Entry& entry = cached_terms(sequence, placement, *cache);
+      for (size_t k = 0; k < entry.shares.size(); ++k) {
+        const RankShare& share = entry.shares[k];
+        const int64_t rank_index = placement.ranks[k];
+        RankCost& rank = cost.ranks[rank_index];
+        rank.tokens += share.tokens;
+        rank.attention_s += share.attention_s;
+        rank.exchange_s += share.exchange_s;
+        memory[rank_index] += share.memory_bytes;
+        if (rank_index != sequence.source_rank) {
+          sent += 2.0 * kRouteBytesPerToken * static_cast<double>(share.tokens);
+        }
+        for (auto [call, segments] : entry.calls[k]) {
+          if (call[3] == kOwnTag) call[3] = sequence.id;
+          calls[rank_index][call] += segments;
+        }
+      }
+      cost.exchange_bytes += entry.exchange_bytes + sent;
+      continue;
+    }
     add_attention_calls(sequence, placement, &calls);
     for (const RankShare& share : shares_and_bytes(sequence, placement, &sent)) {
       RankCost& rank = cost.ranks[share.rank];

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "planners/rank_loads.h"
+#include "planners/registry.h"
 
 namespace zellige {
 namespace {
@@ -108,6 +109,60 @@ std::vector<std::string> planner_names() {
   return {"dp-tokens",    "dp-cost", "static-cp:C", "knapformer:SPEC[:GAMMA]",
           "megatron-dcp", "zellige"};
 }
+
+std::vector<std::string> covered_baselines(const Batch& batch, const CostModel& cost_model) {
+  const int64_t num_ranks = cost_model.cluster().num_ranks();
+  const int64_t num_heads = cost_model.model().num_heads;
+  const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
+  std::vector<std::string> names = {"dp-tokens", "dp-cost", "megatron-dcp"};
+  for (int64_t size = 1; size <= num_ranks; ++size) {
+    if (num_ranks % size != 0) continue;
+    if (size > 2 * cost_model.cluster().gpus_per_node && size * num_sequences > kCoveredRankShares) {
+      continue;
+    }
+    names.push_back("static-cp:" + std::to_string(size));
+  }
+  for (int64_t size = 1; size <= num_ranks; ++size) {
+    if (num_ranks % size == 0 && num_heads % size == 0) {
+      names.push_back("knapformer:g" + std::to_string(size) + "n" +
+                      std::to_string(num_ranks / size));
+    }
+  }
+  // Mixed specs: quarters of the cluster, each given one bag size (bag counts must be whole).
+  if (num_ranks % 4 == 0) {
+    const int64_t quarter = num_ranks / 4;
+    const int64_t sizes[] = {1, 2, 4, 8};
+    int64_t quarters[4] = {0, 0, 0, 0};  // per size
+    for (quarters[0] = 0; quarters[0] <= 4; ++quarters[0]) {
+      for (quarters[1] = 0; quarters[0] + quarters[1] <= 4; ++quarters[1]) {
+        for (quarters[2] = 0; quarters[0] + quarters[1] + quarters[2] <= 4; ++quarters[2]) {
+          quarters[3] = 4 - quarters[0] - quarters[1] - quarters[2];
+          std::string spec;
+          int terms = 0;
+          bool valid = true;
+          for (int t = 0; t < 4; ++t) {
+            if (quarters[t] == 0) continue;
+            const int64_t ranks = quarters[t] * quarter;
+            if (ranks % sizes[t] != 0 || num_heads % sizes[t] != 0) valid = false;
+            spec += (terms++ ? "+g" : "g") + std::to_string(sizes[t]) + "n" +
+                    std::to_string(ranks / sizes[t]);
+          }
+          if (valid && terms >= 2) names.push_back("knapformer:" + spec);
+        }
+      }
+    }
+  }
+  return names;
+}
+
+namespace planners {
+
+Plan run_policy(const std::string& planner, const Batch& batch, const CostModel& cost_model,
+                const PlannerOptions& options) {
+  return parse_planner(planner, batch, cost_model, options)();
+}
+
+}  // namespace planners
 
 void check_sequences_fit(const Batch& batch, const CostModel& cost_model) {
   const double capacity_bytes = cost_model.memory_capacity_bytes();

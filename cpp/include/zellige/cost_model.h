@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <unordered_map>
 #include <vector>
 
 #include "zellige/cluster.h"
@@ -49,6 +50,35 @@ struct RankCost {
 };
 
 struct LowerBoundSearch;
+class CostModel;
+
+// A memo for CostModel::evaluate and CostModel::shares: per placement shape (lengths, degrees and
+// the node pattern of its ranks) the shares and attention calls by rank position, which do not
+// depend on which ranks. Planners that price many plans of one batch keep one; results are
+// bit-identical to the unmemoised calls (exchange bytes up to summation order). Tied to the cost
+// model of its first use.
+class EvaluationCache {
+ public:
+  size_t size() const { return entries_.size(); }
+
+ private:
+  friend class CostModel;
+  struct KeyHash {
+    size_t operator()(const std::vector<int64_t>& key) const;
+  };
+  struct Entry {
+    std::vector<RankShare> shares;  // ranks by position 0..degree-1
+    // Per position: the most that grouping this share's segments with equal ones of other
+    // sequences can give back (each segment's whole call excess); see makespan_floor.
+    std::vector<double> call_excess_s;
+    double exchange_bytes = 0;      // sent by the exchanges, routing excluded
+    // Per position: (query, key, heads, tag, step) -> segments; tag kOwnTag stands for the
+    // sequence's id (its ring steps).
+    std::vector<std::vector<std::pair<std::array<int64_t, 5>, int64_t>>> calls;
+  };
+  std::unordered_map<std::vector<int64_t>, Entry, KeyHash> entries_;
+  std::vector<int64_t> key_;  // scratch
+};
 
 struct PlanCost {
   std::vector<RankCost> ranks;
@@ -71,6 +101,9 @@ class CostModel {
   // Per-rank shares of `placement` (ranks in placement order). The placement must be valid for
   // the cluster (see validate_plan); this is the planners' hot path and does not re-check.
   std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement) const;
+  // The same, memoised in `cache` (see EvaluationCache).
+  std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement,
+                                EvaluationCache& cache) const;
 
   // Per-token layers of all layers, forward + backward (+ recompute), on `tokens` tokens: GEMMs
   // at the profile's rate for that token count (held constant outside the sampled range) plus a
@@ -99,6 +132,13 @@ class CostModel {
   // call_s is the per-head tables' time plus each actual call's excess (never negative), and
   // the floor only adds, so makespan_lower_bound stays a bound.
   PlanCost evaluate(const Batch& batch, const Plan& plan) const;
+  // The same, memoised in `cache` (see EvaluationCache).
+  PlanCost evaluate(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
+  // A lower bound on evaluate(batch, plan).makespan_s that skips the grouping of attention calls
+  // and the launch floor: every rank's additive time minus the whole call excess of its shares
+  // (what grouping could give back at most). Cheap, for planners that compare many plans. The
+  // plan must be valid for the batch (not re-checked).
+  double makespan_floor(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
 
   // Bytes the ranks of `placement` send in total per step (all layers, forward + backward, plus
   // routing the sequence's tokens from its source rank and back).
@@ -114,6 +154,9 @@ class CostModel {
                        bool ring_intra_node) const;
   std::vector<RankShare> shares_and_bytes(const Sequence& sequence, const Placement& placement,
                                           double* sent_bytes) const;
+  const EvaluationCache::Entry& cached_terms(const Sequence& sequence, const Placement& placement,
+                                             EvaluationCache& cache) const;
+  PlanCost evaluate_impl(const Batch& batch, const Plan& plan, EvaluationCache* cache) const;
   double head_forward_s(double query_tokens, double key_tokens) const;
   double head_backward_s(double query_tokens, double key_tokens) const;
   double text_projection_s(int64_t text_tokens) const;
