@@ -50,5 +50,5 @@ void init_planners(nb::module_& m) {
   m.def("plan_megatron_dcp", &plan_megatron_dcp, "batch"_a, "cost_model"_a);
   m.def("plan_zellige", &plan_zellige, "batch"_a, "cost_model"_a, "options"_a = PlannerOptions{});
   m.def("candidate_placements", &candidate_placements, "sequence"_a, "cost_model"_a,
-        "max_windows_per_shape"_a);
+        "max_windows_per_shape"_a, "max_degree"_a = 0);
 }

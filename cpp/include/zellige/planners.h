@@ -63,10 +63,10 @@ Plan plan_knapformer(const Batch& batch, const CostModel& cost_model, const std:
 Plan plan_megatron_dcp(const Batch& batch, const CostModel& cost_model);
 Plan plan_zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options);
 
-// Candidate placements of one sequence that the zellige planner and the joint MILP choose from:
-// every strategy at every degree 1..num_ranks on node-aligned rank windows (for the MILP), capped
-// by `max_candidates_per_sequence` windows per (degree, strategy). Exposed for zellige.joint.
+// Candidate placements of one sequence for the joint MILP (zellige.joint): every strategy at every
+// degree 1..max_degree (0: the whole cluster) on node-aligned rank windows, at most
+// `max_windows_per_shape` windows per (degree, strategy).
 std::vector<Placement> candidate_placements(const Sequence& sequence, const CostModel& cost_model,
-                                            int64_t max_windows_per_shape);
+                                            int64_t max_windows_per_shape, int64_t max_degree = 0);
 
 }  // namespace zellige

@@ -1325,7 +1325,7 @@ Plan plan_zellige(const Batch& batch, const CostModel& cost_model, const Planner
 // variety: inside a node, offsets that are multiples of the degree come first; beyond a node,
 // windows start (then end) on node boundaries.
 std::vector<Placement> candidate_placements(const Sequence& sequence, const CostModel& cost_model,
-                                            int64_t max_windows_per_shape) {
+                                            int64_t max_windows_per_shape, int64_t max_degree) {
   if (max_windows_per_shape <= 0) {
     throw std::invalid_argument("max_windows_per_shape must be positive, got " +
                                 std::to_string(max_windows_per_shape));
@@ -1337,7 +1337,8 @@ std::vector<Placement> candidate_placements(const Sequence& sequence, const Cost
   std::vector<Placement> candidates;
   std::vector<int64_t> starts;
   std::vector<Shape> shapes;
-  for (int64_t degree = 1; degree <= num_ranks; ++degree) {
+  const int64_t last_degree = max_degree > 0 ? std::min(max_degree, num_ranks) : num_ranks;
+  for (int64_t degree = 1; degree <= last_degree; ++degree) {
     starts.clear();
     if (degree <= gpus_per_node) {
       for (int pass = 0; pass < 2; ++pass) {
