@@ -922,6 +922,37 @@ struct LowerBoundSearch {
     return best;
   }
 
+  // Every fitting shape's (bottleneck, rank-seconds), sorted by bottleneck, rank-seconds replaced
+  // by their prefix minimum: min_rank_seconds under a bottleneck cap is one binary search. Shapes
+  // that cannot lower that minimum for any cap >= cut_s are skipped: the search stops at the
+  // first ring degree whose rank_seconds_bound reaches the best rank-seconds seen with a
+  // bottleneck <= cut_s.
+  std::vector<std::pair<double, double>> frontier(int64_t unit_tokens, int64_t text_tokens,
+                                                  double cut_s, bool respect_memory) const {
+    const int64_t max_p = max_degree(unit_tokens);
+    std::vector<std::pair<double, double>> points;
+    double seconds_cut = std::numeric_limits<double>::infinity();
+    for (int64_t r = 1; r <= max_p; ++r) {
+      if (rank_seconds_bound(unit_tokens, text_tokens, r) >= seconds_cut) break;
+      CostModel::Shape shape =
+          cost.make_shape(unit_tokens, text_tokens, 1, r, /*price_calls=*/false);
+      for (int64_t u = 1; u <= std::min(num_heads, max_p / r); ++u) {
+        shape.ulysses_degree = u;
+        const Result result = evaluate(shape);
+        if (respect_memory && !result.fits) continue;
+        points.push_back({result.bottleneck_s, result.rank_seconds});
+        if (result.bottleneck_s <= cut_s) {
+          seconds_cut = std::min(seconds_cut, result.rank_seconds);
+        }
+      }
+    }
+    std::sort(points.begin(), points.end());
+    for (size_t i = 1; i < points.size(); ++i) {
+      points[i].second = std::min(points[i].second, points[i - 1].second);
+    }
+    return points;
+  }
+
   const CostModel& cost;
   int64_t num_ranks, gpus_per_node, num_heads;
   double capacity_bytes, min_per_token_s, forward_passes;
@@ -975,7 +1006,50 @@ double makespan_lower_bound(const Batch& batch, const CostModel& cost_model) {
       max_r = r;
     }
   }
-  return std::max(max_bottleneck_s, total_rank_seconds / static_cast<double>(search.num_ranks));
+  const double num_ranks = static_cast<double>(search.num_ranks);
+  const double simple_s = std::max(max_bottleneck_s, total_rank_seconds / num_ranks);
+
+  // Tighter: in a plan of makespan T every sequence takes a shape whose bottleneck is <= T, and
+  // the rank-seconds of all sequences fit into num_ranks x T. So the makespan is above every T
+  // with sum_i (min rank-seconds of sequence i over shapes with bottleneck <= T) > num_ranks x T;
+  // the left side falls and the right side rises with T, so bisection finds the largest such T.
+  std::map<std::pair<int64_t, int64_t>, int64_t> counts;
+  for (const auto& [key, value] : rank_seconds) counts[key] = 0;
+  for (const Sequence& sequence : batch.sequences) {
+    const int64_t unit = attended_tokens(model, sequence.num_tokens, sequence.text_tokens);
+    if (unit > 0) ++counts[{unit, sequence.text_tokens}];
+  }
+  struct Frontier {
+    double count;
+    std::vector<std::pair<double, double>> points;
+  };
+  std::vector<Frontier> frontiers;
+  for (const auto& [key, count] : counts) {
+    std::vector<std::pair<double, double>> points =
+        search.frontier(key.first, key.second, simple_s, true);
+    if (points.empty()) points = search.frontier(key.first, key.second, simple_s, false);
+    frontiers.push_back({static_cast<double>(count), std::move(points)});
+  }
+  auto overflows = [&](double makespan_s) {  // whether no plan can have this makespan
+    double total = 0;
+    for (const Frontier& f : frontiers) {
+      const auto it = std::upper_bound(
+          f.points.begin(), f.points.end(),
+          std::make_pair(makespan_s, std::numeric_limits<double>::infinity()));
+      if (it == f.points.begin()) return true;  // no shape is fast enough
+      total += f.count * std::prev(it)->second;
+    }
+    return total > num_ranks * makespan_s;
+  };
+  double low_s = simple_s;  // a valid bound; overflows(low_s) or not
+  if (!overflows(low_s)) return low_s;
+  double high_s = std::max(low_s, total_rank_seconds / num_ranks) * 2;
+  while (overflows(high_s)) high_s *= 2;
+  for (int step = 0; step < 60 && high_s - low_s > 1e-9 * high_s; ++step) {
+    const double middle_s = 0.5 * (low_s + high_s);
+    (overflows(middle_s) ? low_s : high_s) = middle_s;
+  }
+  return low_s;
 }
 
 }  // namespace zellige

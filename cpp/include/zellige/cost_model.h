@@ -226,7 +226,12 @@ class CostModel {
 // bound (attention areas at the best per-area rate of blocks of at most ceil(L/r) tokens, text
 // projections and ring latencies on >= r ranks; non-decreasing in r) reaches the best found; the
 // bottleneck term skips a sequence whose time under the current maximum's shape is already below
-// that maximum. Runs in milliseconds for 1024 ranks x 4096 sequences of bucketed batches.
+// that maximum.
+// Then tightened: a plan of makespan T gives every sequence a shape whose bottleneck is <= T, and
+// all rank-seconds fit into num_ranks x T; so the bound is the largest T (bisection, from the
+// bound above) at which sum over sequences of (min rank-seconds over shapes with bottleneck <= T)
+// still exceeds num_ranks x T. Runs in milliseconds for 1024 ranks x 4096 sequences of bucketed
+// batches.
 double makespan_lower_bound(const Batch& batch, const CostModel& cost_model);
 
 }  // namespace zellige
