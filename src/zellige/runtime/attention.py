@@ -258,3 +258,16 @@ def distributed_attention(
     kernel = kernel_for(q_TNH.device, q_TNH.dtype, head_dim, backend)
     scale = default_scale(head_dim) if scale is None else scale
     return _DistributedAttention.apply(q_TNH, k_TNH, v_TNH, step, kernel, scale)
+
+
+def cross_attention(
+    q_TNH: Tensor,
+    k_XNH: Tensor,
+    v_XNH: Tensor,
+    step: StepLayout,
+    *,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Each held chunk's queries against its sequence's text rows (route_text's order)."""
+    raise NotImplementedError("cross_attention: being built on branch w13")

@@ -110,3 +110,10 @@ def reverse_route(x_held: Tensor, step: StepLayout) -> Tensor:
             f"got {x_held.shape[0]}"
         )
     return _ReverseRoute.apply(x_held, step)
+
+
+def route_text(text_source: Tensor, step: StepLayout) -> Tensor:
+    """Cross-attention: source text rows [S_text, ...] (the rank's sequences' text in batch
+    order) -> [X, ...], the whole text of each held chunk's sequence, chunks in held order.
+    Differentiable; the backward sums the gradients of a text delivered to several ranks."""
+    raise NotImplementedError("route_text: being built on branch w13")

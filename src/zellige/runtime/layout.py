@@ -294,3 +294,33 @@ def build_step_layout(
         ring=_ring_plan(layout, device),
         global_ranks=global_ranks,
     )
+
+
+Step = StepLayout  # the name the public API uses
+
+
+def compile_step(
+    batch: _core.Batch,
+    plan: _core.Plan,
+    num_heads: int,
+    rank: int,
+    *,
+    joint_attention: bool = False,
+) -> _core.StepProgram:
+    """This rank's StepProgram (C++ plan compiler): picklable, built once, loaded by load_step.
+    Raises ValueError when the plan does not match the batch or the head count."""
+    raise NotImplementedError("compile_step: being built on branch w13")
+
+
+def load_step(
+    program: _core.StepProgram | None,
+    device: torch.device | str,
+    group: dist.ProcessGroup | None = None,
+    *,
+    error: str | None = None,
+    check_agreement: bool = True,
+) -> StepLayout:
+    """The program's arrays on `device`. Every rank of `group` calls it; when any rank passes an
+    `error` (or program None with an error) or the programs are for different batches or plans,
+    every rank raises the same ValueError."""
+    raise NotImplementedError("load_step: being built on branch w13")
