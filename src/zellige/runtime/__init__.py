@@ -74,7 +74,7 @@ from zellige.runtime.attention import distributed_attention
 from zellige.runtime.coalesced import SegmentTable, coalesced_attention
 from zellige.runtime.exchange import reverse_route, route, route_text
 from zellige.runtime.kernels import KERNELS, kernel_for
-from zellige.runtime.layout import Step, StepLayout, compile_step, load_step, prepare_step
+from zellige.runtime.layout import Step, compile_step, load_step, prepare_step
 
 
 def attention_fn(
@@ -98,7 +98,6 @@ __all__ = [
     "KERNELS",
     "SegmentTable",
     "Step",
-    "StepLayout",
     "attention_fn",
     "coalesced_attention",
     "compile_step",
