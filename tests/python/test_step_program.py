@@ -118,3 +118,28 @@ def test_one_rank_step_equals_single_process_attention(joint: bool, one_process_
         torch.testing.assert_close(out[start : start + s.num_tokens], want, rtol=0, atol=1e-13)
         start += s.num_tokens
         text_at += s.text_tokens
+
+
+def test_loader_tensors_that_do_not_match_the_program_are_an_error() -> None:
+    """A plan compiled for another batch: the loader's tensors have other sizes than the program
+    expects; assemble_step hands that to load_step, which raises it on every rank."""
+    from zellige.data import StepDataset
+    from zellige.model import model_preset
+    from zellige.train.step import _source_error
+
+    dataset = StepDataset(
+        model=model_preset("tiny-cpu"),
+        recipe="tiny",
+        planner="dp-cost",
+        rank=0,
+        num_ranks=2,
+        gpus_per_node=2,
+        seed=0,
+    )
+    data = dataset[0]
+    assert data.error is None and _source_error(data) is None
+    data.source_noisy_TC = data.source_noisy_TC[1:]
+    assert "latent tokens" in _source_error(data)
+    data = dataset[0]
+    data.source_text_XE = torch.cat([data.source_text_XE, data.source_text_XE[:1]])
+    assert "text rows" in _source_error(data)
