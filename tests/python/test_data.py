@@ -10,8 +10,8 @@ import torch
 
 import zellige
 from zellige.data import StepDataset, SyntheticLatents
-from zellige.runtime import compile_step
 from zellige.model import model_preset
+from zellige.runtime import compile_step
 
 CONFIG = model_preset("tiny-cpu")
 
