@@ -549,6 +549,24 @@ constexpr int64_t kOwnTag = std::numeric_limits<int64_t>::min();
 const EvaluationCache::Entry& CostModel::cached_terms(const Sequence& sequence,
                                                       const Placement& placement,
                                                       EvaluationCache& cache) const {
+  EvaluationCache::Entry* found = nullptr;
+  bool inserted = false;
+  if (placement.ranks.size() == 1) {
+    auto [it, is_new] =
+        cache.local_entries_.try_emplace({sequence.num_tokens, sequence.text_tokens});
+    found = &it->second;
+    inserted = is_new;
+  } else {
+    found = &find_entry(sequence, placement, cache, &inserted);
+  }
+  EvaluationCache::Entry& entry = *found;
+  if (!inserted) return entry;
+  fill_entry(sequence, placement, &entry);
+  return entry;
+}
+
+EvaluationCache::Entry& CostModel::find_entry(const Sequence& sequence, const Placement& placement,
+                                              EvaluationCache& cache, bool* inserted) const {
   std::vector<int64_t>& key = cache.key_;
   key.assign({sequence.num_tokens, sequence.text_tokens, placement.ulysses_degree,
               placement.ring_degree});
@@ -570,9 +588,14 @@ const EvaluationCache::Entry& CostModel::cached_terms(const Sequence& sequence,
     if (inserted) ++next_label;
     key.push_back(it->second);
   }
-  auto [it, inserted] = cache.entries_.try_emplace(key);
-  EvaluationCache::Entry& entry = it->second;
-  if (!inserted) return entry;
+  auto [it, is_new] = cache.entries_.try_emplace(key);
+  *inserted = is_new;
+  return it->second;
+}
+
+void CostModel::fill_entry(const Sequence& sequence, const Placement& placement,
+                           EvaluationCache::Entry* out) const {
+  EvaluationCache::Entry& entry = *out;
   double sent = 0;
   entry.shares = shares_and_bytes(sequence, placement, &sent);
   for (RankShare& share : entry.shares) {
@@ -600,7 +623,6 @@ const EvaluationCache::Entry& CostModel::cached_terms(const Sequence& sequence,
                                                        static_cast<double>(call[1]), heads);
     }
   }
-  return entry;
 }
 
 double CostModel::makespan_floor(const Batch& batch, const Plan& plan,

@@ -46,10 +46,13 @@ double parse_gamma(const std::string& planner, const std::string& text) {
 
 // Parses `planner` into the policy call it names; throws before any planning for a bad name.
 std::function<Plan()> parse_planner(const std::string& planner, const Batch& batch,
-                                    const CostModel& cost_model, const PlannerOptions& options) {
-  if (planner == "dp-tokens") return [&] { return plan_dp_tokens(batch, cost_model); };
-  if (planner == "dp-cost") return [&] { return plan_dp_cost(batch, cost_model); };
-  if (planner == "megatron-dcp") return [&] { return plan_megatron_dcp(batch, cost_model); };
+                                    const CostModel& cost_model, const PlannerOptions& options,
+                                    EvaluationCache* cache = nullptr) {
+  if (planner == "dp-tokens") return [&, cache] { return planners::dp_tokens(batch, cost_model, cache); };
+  if (planner == "dp-cost") return [&, cache] { return planners::dp_cost(batch, cost_model, cache); };
+  if (planner == "megatron-dcp") {
+    return [&, cache] { return planners::megatron_dcp(batch, cost_model, cache); };
+  }
   if (planner == "zellige") return [&] { return plan_zellige(batch, cost_model, options); };
   const size_t colon = planner.find(':');
   const std::string family = planner.substr(0, colon);
@@ -57,7 +60,9 @@ std::function<Plan()> parse_planner(const std::string& planner, const Batch& bat
   if (family == "static-cp") {
     if (colon == std::string::npos) bad_name(planner, "static-cp needs a group size C");
     const int64_t group_size = parse_group_size(planner, argument);
-    return [&, group_size] { return plan_static_cp(batch, cost_model, group_size); };
+    return [&, group_size, cache] {
+      return planners::static_cp(batch, cost_model, group_size, cache);
+    };
   }
   if (family == "knapformer") {
     if (argument.empty()) bad_name(planner, "knapformer needs a bag spec such as g4n8");
@@ -158,8 +163,8 @@ std::vector<std::string> covered_baselines(const Batch& batch, const CostModel& 
 namespace planners {
 
 Plan run_policy(const std::string& planner, const Batch& batch, const CostModel& cost_model,
-                const PlannerOptions& options) {
-  return parse_planner(planner, batch, cost_model, options)();
+                const PlannerOptions& options, EvaluationCache* cache) {
+  return parse_planner(planner, batch, cost_model, options, cache)();
 }
 
 }  // namespace planners

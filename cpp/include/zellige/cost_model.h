@@ -59,7 +59,7 @@ class CostModel;
 // model of its first use.
 class EvaluationCache {
  public:
-  size_t size() const { return entries_.size(); }
+  size_t size() const { return entries_.size() + local_entries_.size(); }
 
  private:
   friend class CostModel;
@@ -76,7 +76,14 @@ class EvaluationCache {
     // sequence's id (its ring steps).
     std::vector<std::vector<std::pair<std::array<int64_t, 5>, int64_t>>> calls;
   };
+  struct LengthsHash {
+    size_t operator()(const std::pair<int64_t, int64_t>& lengths) const {
+      return std::hash<int64_t>()(lengths.first * 1000003 + lengths.second);
+    }
+  };
   std::unordered_map<std::vector<int64_t>, Entry, KeyHash> entries_;
+  // Single-rank placements by (tokens, text tokens): the common case, without building a key.
+  std::unordered_map<std::pair<int64_t, int64_t>, Entry, LengthsHash> local_entries_;
   std::vector<int64_t> key_;  // scratch
 };
 
@@ -156,6 +163,10 @@ class CostModel {
                                           double* sent_bytes) const;
   const EvaluationCache::Entry& cached_terms(const Sequence& sequence, const Placement& placement,
                                              EvaluationCache& cache) const;
+  EvaluationCache::Entry& find_entry(const Sequence& sequence, const Placement& placement,
+                                     EvaluationCache& cache, bool* inserted) const;
+  void fill_entry(const Sequence& sequence, const Placement& placement,
+                  EvaluationCache::Entry* entry) const;
   PlanCost evaluate_impl(const Batch& batch, const Plan& plan, EvaluationCache* cache) const;
   double head_forward_s(double query_tokens, double key_tokens) const;
   double head_backward_s(double query_tokens, double key_tokens) const;

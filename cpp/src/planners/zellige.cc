@@ -1216,7 +1216,7 @@ Plan ZelligePlanner::run() {
     Seed seed;
     seed.name = name;
     try {
-      seed.plan = planners::run_policy(name, batch_, cost_model_, options_);
+      seed.plan = planners::run_policy(name, batch_, cost_model_, options_, &cache_);
     } catch (const PlanMemoryError&) {
       continue;  // the baseline has no plan within memory: nothing to be worse than
     }
