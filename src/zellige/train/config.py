@@ -31,7 +31,7 @@ class TrainConfig:
     # torch.compile the blocks' per-token layers (norms, modulation, RoPE, projections, FFN);
     # None: on CUDA only
     compile_elementwise: bool | None = None
-    sync_debug: bool = False  # CUDA: warn at every host sync from a step's start to its optimizer step
+    sync_debug: bool = False  # CUDA: warn at each host sync from step start to optimizer step
     learning_rate: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
