@@ -105,6 +105,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1, help="data seed (1: images and videos)")
     parser.add_argument("--json", help="write the summaries here")
     parser.add_argument("--sync-check", action="store_true", help="count host syncs (run 1)")
+    parser.add_argument("--profile", help="hardware profile JSON the plans use (default: built-in)")
     args = parser.parse_args()
 
     rows = []
@@ -124,6 +125,7 @@ def main() -> int:
             planner=args.planner,
             seed=args.seed,
             sync_debug=sync_check,
+            profile=args.profile,
             **changes,
         )
         start = time.perf_counter()
