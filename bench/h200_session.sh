@@ -64,16 +64,16 @@ case $phase in
     compiled_cli='import sys; from zellige.model import fused; fused.use_compiled(True);
 from zellige.cli import main; sys.exit(main(sys.argv[1:]))'
     step_profile="$OUT/h200_compiled.json"
-    timeout 170 python3 -c "$compiled_cli" profile --memory-only --model wan-14b --base "$profile" \
+    timeout 140 python3 -c "$compiled_cli" profile --memory-only --model wan-14b --base "$profile" \
       --out /tmp/h200_wan14b.json --details "$OUT/memory_wan14b.json" >"$OUT/step.log" 2>&1
     echo "memory rows wan-14b rc=$?"
-    timeout 110 python3 -c "$compiled_cli" profile --memory-only --model wan-1.3b \
+    timeout 90 python3 -c "$compiled_cli" profile --memory-only --model wan-1.3b \
       --base /tmp/h200_wan14b.json --out "$step_profile" --details "$OUT/memory_wan1p3b.json" \
       >>"$OUT/step.log" 2>&1
     echo "memory rows wan-1.3b rc=$?"; grep -E "memory M=|step fixed|wrote|Error" "$OUT/step.log"
     [ -s "$step_profile" ] || { step_profile=$profile; echo "using $profile"; }
     cd "$source_tree/bench"
-    timeout 165 python3 train_throughput.py --steps 6 --warmup 2 --sync-check \
+    timeout 160 python3 train_throughput.py --steps 6 --warmup 2 --sync-check \
       --profile "$step_profile" --json "$OUT/train_wan14b.json" --runs \
       wan14b-width-h200:wan-stage2,wan14b-width-h200:wan-stage2:all-checkpointed,wan14b-width-h200:wan-stage3 \
       >>"$OUT/step.log" 2>&1
