@@ -124,8 +124,10 @@ def train(
         data = next(data_iter)
         wait_s = time.perf_counter() - wait_start
         _synchronize(device)
+        allocated_start_gib = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+            allocated_start_gib = torch.cuda.memory_allocated(device) / 2**30
         step_start = time.perf_counter()
         timer.reset()
         checkpointed = _checkpointed_blocks(config, data.plan, rank)
@@ -191,6 +193,7 @@ def train(
             "peak_optimizer_gib": _peak_gib(device),  # clipping and the optimizer step
             "predicted_peak_gib": data.plan["predicted"]["rank_peak_bytes"][rank] / 2**30,
             "checkpointed_blocks": checkpointed,
+            "allocated_start_gib": allocated_start_gib,  # held when the step began
             "lr": scheduler.get_last_lr()[0],
             "planner": config.planner,
         }
@@ -224,8 +227,8 @@ def step_loss(
     cross = SegmentAttention(tokens.tokens_per_sequence, tokens.text_tokens_per_sequence, device)
     velocity_TC = model(
         tokens,
-        timer.wrap("attention", step_input.self_attention),
-        timer.wrap("cross_attention", cross),
+        timer.wrap("attention", step_input.self_attention, fresh_output=False),
+        timer.wrap("cross_attention", cross, fresh_output=False),
     )
     loss_dtype = torch.promote_types(velocity_TC.dtype, torch.float32)
     error_TC = velocity_TC.to(loss_dtype) - step_input.velocity_TC.to(loss_dtype)
