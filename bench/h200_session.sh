@@ -11,6 +11,8 @@
 #                                                 # then the training step of wan-14b width and
 #                                                 # wan-1.3b (about 9 min)
 #   bash bench/h200_session.sh attention          # the attention engine's six packs (about 2 min)
+#   bash bench/h200_session.sh verify             # issue 16 with the shipped profile: training of
+#                                                 # both models, then the attention engine (6 min)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/zellige-out}; mkdir -p "$OUT"
@@ -83,6 +85,21 @@ from zellige.cli import main; sys.exit(main(sys.argv[1:]))'
       wan1p3b-h200:wan-stage2,wan1p3b-h200:wan-stage2:all-checkpointed,wan1p3b-h200:wan-stage3 \
       >>"$OUT/step.log" 2>&1
     echo "train wan-1.3b rc=$?"; tail -6 "$OUT/step.log"
+    ;;
+  verify)
+    cd "$source_tree/bench"
+    timeout 125 python3 train_throughput.py --steps 6 --warmup 2 --sync-check \
+      --json "$OUT/train_wan14b.json" --runs \
+      wan14b-width-h200:wan-stage2,wan14b-width-h200:wan-stage2:all-checkpointed,wan14b-width-h200:wan-stage3 \
+      >"$OUT/verify.log" 2>&1
+    echo "train wan-14b width rc=$?"; tail -5 "$OUT/verify.log"
+    timeout 145 python3 train_throughput.py --steps 6 --warmup 2 --json "$OUT/train_wan1p3b.json" \
+      --runs wan1p3b-h200:wan-stage3,wan1p3b-h200:wan-stage2,wan1p3b-h200:wan-stage2:all-checkpointed \
+      >>"$OUT/verify.log" 2>&1
+    echo "train wan-1.3b rc=$?"; tail -5 "$OUT/verify.log"
+    timeout 100 python3 attention_engine.py --flex-packs 0 --time-budget-s 55 \
+      --out "$OUT/attention_engine.json" >>"$OUT/verify.log" 2>&1
+    echo "attention rc=$?"; tail -12 "$OUT/verify.log"
     ;;
   attention)
     (cd "$source_tree/bench" && timeout 150 python3 attention_engine.py --flex-packs 0 \
