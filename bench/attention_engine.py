@@ -6,9 +6,10 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
   dense-cudnn      one sequence with the pack's FLOPs (L = sqrt(sum L_i^2)), torch SDPA on cuDNN:
                    the reference rate the coalesced call should reach (target >= 90%)
   coalesced-auto   zellige.runtime.coalesced_attention as the engine calls it (automatic kernel
-                   and merge policy: one ragged cuDNN call from RAGGED_MIN_CALLS groups on)
+                   and merge policy)
   coalesced-groups the same, one dense cuDNN call per group of equal lengths (merge="groups")
-  coalesced-ragged the same, one ragged cuDNN call over the whole pack (merge="ragged")
+  coalesced-ragged the same, one ragged cuDNN call over the whole pack (merge="ragged"; run
+                   last per pack: on torch 2.11 it broke the CUDA context on a pack of 8)
   coalesced-Nstreams  groups round-robin on N CUDA streams (--streams)
   coalesced-flash  the grouping with FlashAttention-2 dense kernels (--flash-groups)
   fa2-varlen       packed FlashAttention-2 varlen as shipped in torch (target: auto >= 1.4x)
@@ -211,6 +212,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (no timing)")
     parser.add_argument("--streams", action="store_true", help="also the 2- and 4-stream groups")
     parser.add_argument("--flash-groups", action="store_true", help="also FA2 dense groups")
+    parser.add_argument("--ragged", action="store_true", help="also one ragged cuDNN call")
     args = parser.parse_args()
     if args.smoke:
         global DEVICE
@@ -271,7 +273,6 @@ def main() -> None:
         methods = [
             ("coalesced-auto", bench_coalesced, (table, None)),
             ("coalesced-groups", bench_coalesced, (table, None, 1, "groups")),
-            ("coalesced-ragged", bench_coalesced, (table, None, 1, "ragged")),
             ("fa2-varlen", bench_varlen, (lengths,)),
         ]
         if args.streams:
@@ -279,6 +280,8 @@ def main() -> None:
             methods.append(("coalesced-4streams", bench_coalesced, (table, None, 4, "groups")))
         if args.flash_groups:
             methods.append(("coalesced-flash", bench_coalesced, (table, "flash", 1, "groups")))
+        if args.ragged:
+            methods.append(("coalesced-ragged", bench_coalesced, (table, None, 1, "ragged")))
         if index < args.flex_packs:
             methods.append(("flex-document", bench_flex, (lengths,)))
         for name, run, extra in methods:
@@ -290,7 +293,7 @@ def main() -> None:
             work = dense_flops if name == "dense-cudnn" else flops
             entry["rates"][name] = (work / fwd / 1e12, 2.5 * work / bwd / 1e12)
         # Same function: each coalesced path vs FA2 varlen, outputs and gradients, on this pack.
-        for merge in ("groups", "ragged"):
+        for merge in ("groups", "ragged") if args.ragged else ("groups",):
             try:
                 rows = [t.view(-1, head_dim) for t in (q, k, v)]
                 o_c = coalesced_attention(*rows, table, merge=merge).view_as(q)

@@ -106,7 +106,7 @@ def test_packed_sequences_match_per_sequence_attention(lengths: list[int]) -> No
 def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
     """One ragged call over every group (the math oracle's ragged kernel) computes what the
     per-group dense calls do: outputs, lse and gradients, with gathers and a row no segment
-    covers; auto keeps groups below RAGGED_MIN_CALLS and on CPU (no ragged kernel there)."""
+    covers; auto keeps the groups (no ragged kernel is trusted for automatic use)."""
     from zellige.runtime import coalesced
 
     gen = torch.Generator().manual_seed(3)
@@ -138,5 +138,6 @@ def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
         torch.testing.assert_close(ragged, grouped, rtol=0, atol=1e-12)
     assert torch.isinf(results[1][1][-heads:]).all()
     assert coalesced._ragged_choice(table, q, None, None) is None  # CPU: no ragged kernel
+    assert coalesced._ragged_choice(table, q, "math", "auto") is None  # the oracle: not auto
     with pytest.raises(ValueError, match="merge"):
         coalesced_attention(q, k, v, table, merge="padded")

@@ -6,9 +6,12 @@ tokens at `k_row_offset` of the key/value rows. Segments of equal (q_len, k_len,
 one dense batch [B, n, L, H] (a strided view when they sit side by side, a gather otherwise), so a
 pack of 87 mixed sequences runs in a handful of kernel calls at the dense rate.
 
-A pack of many distinct lengths makes many small calls, each below the dense rate. Such a table
-is merged into ONE ragged call (cuDNN over the packed segments with their cumulative lengths, no
-padding) when it has at least RAGGED_MIN_CALLS groups of one head count (merge policy below).
+A pack of many distinct lengths makes many small calls, each below the dense rate. merge="ragged"
+runs such a table as ONE ragged call over the packed segments (their cumulative lengths, no
+padding). The automatic policy does not choose it: on an H200 (torch 2.11, cuDNN 9.19) torch's
+ragged cuDNN path ran 7x slower than the groups on a pack of 34 sequences, its dq and dk were
+wrong there, and the next pack hit an illegal memory access (bench/results/
+attention_engine_h200_202612.md), although it passes the small check against the math kernel.
 """
 
 from __future__ import annotations
@@ -311,9 +314,11 @@ class _CoalescedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-# Merge policy: a table of at least this many groups (dense calls) runs as one ragged call.
-# bench/attention_engine.py measures both paths on its packs (bench/results/attention_engine_*).
+# Merge policy: "auto" runs one ragged call for tables of at least this many groups (dense calls)
+# only with a ragged kernel trusted for automatic use (AUTO_RAGGED_KERNELS; none today, see the
+# module docstring). bench/attention_engine.py measures both paths on its packs.
 RAGGED_MIN_CALLS = 4
+AUTO_RAGGED_KERNELS: tuple[str, ...] = ()
 MERGE_CHOICES = ("auto", "groups", "ragged")
 
 
@@ -430,6 +435,8 @@ def _ragged_choice(
     kernel = ragged_kernel_for(
         q_rows.device, q_rows.dtype, q_rows.shape[-1], "math" if backend == "math" else None
     )
+    if merge == "auto" and kernel is not None and kernel.name not in AUTO_RAGGED_KERNELS:
+        return None
     layout = _ragged_layout(table, q_rows.device) if kernel is not None else None
     return None if layout is None else (kernel, layout)
 
@@ -452,9 +459,10 @@ def coalesced_attention(
     covers) and, with return_lse, the log-sum-exp per query row (float32; -inf where uncovered).
     backend: a name of KERNELS ("cudnn", "flash", "cpu", ...) or None for the automatic choice.
     streams: on CUDA, run the dense groups round-robin on this many side streams.
-    merge: "groups" (one dense call per group), "ragged" (one ragged call where a verified ragged
-    kernel exists: cuDNN on CUDA, or the math oracle with backend="math"), or "auto"/None
-    ($ZELLIGE_ATTENTION_MERGE, else ragged from RAGGED_MIN_CALLS groups on).
+    merge: "groups" (one dense call per group), "ragged" (one ragged call where a checked ragged
+    kernel exists: cuDNN on CUDA, or the math oracle with backend="math"; measurements only,
+    see the module docstring), or "auto"/None ($ZELLIGE_ATTENTION_MERGE, else the groups unless
+    a kernel of AUTO_RAGGED_KERNELS applies from RAGGED_MIN_CALLS groups on).
     """
     head_dim = q_rows.shape[-1]
     scale_or_default = default_scale(head_dim) if scale is None else scale
