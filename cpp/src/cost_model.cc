@@ -693,6 +693,7 @@ double CostModel::makespan_floor(const Batch& batch, const Plan& plan,
   std::vector<double> other_s(static_cast<size_t>(num_ranks), 0.0);
   std::unordered_map<int64_t, const Sequence*> by_id;
   const size_t num_sequences = batch.sequences.size();
+  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
   for (size_t i = 0; i < plan.placements.size(); ++i) {
     const Placement& placement = plan.placements[i];
     const Sequence* sequence = i < num_sequences ? &batch.sequences[i] : nullptr;
@@ -708,11 +709,15 @@ double CostModel::makespan_floor(const Batch& batch, const Plan& plan,
       const int64_t rank = placement.ranks[k];
       tokens[rank] += share.tokens;
       other_s[rank] += share.attention_s + share.exchange_s - entry.call_excess_s[k];
+      // Adaptive checkpointing may skip every layer's recompute where memory allows.
+      if (skips_recompute) other_s[rank] -= share.recompute_s + share.recompute_exchange_s;
     }
   }
   double floor_s = 0;
   for (int64_t rank = 0; rank < num_ranks; ++rank) {
-    floor_s = std::max(floor_s, linear_time_s(tokens[rank]) + other_s[rank]);
+    const double linear_s = linear_time_s(tokens[rank]) -
+                            (skips_recompute ? linear_recompute_s(tokens[rank]) : 0.0);
+    floor_s = std::max(floor_s, linear_s + other_s[rank]);
   }
   return floor_s;
 }
@@ -753,21 +758,27 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
   std::vector<double> recompute(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
   std::vector<RankCalls> calls(static_cast<size_t>(num_ranks));
+  auto add_share = [&](const RankShare& share, int64_t rank_index) {
+    RankCost& rank = cost.ranks[rank_index];
+    rank.tokens += share.tokens;
+    rank.attention_s += share.attention_s;
+    rank.exchange_s += share.exchange_s;
+    activation[rank_index] += share.layer_activation_bytes;
+    checkpoint[rank_index] += share.layer_checkpoint_bytes;
+    buffer[rank_index] += share.buffer_bytes;
+    recompute[rank_index] += share.recompute_s;
+    recompute_exchange[rank_index] += share.recompute_exchange_s;
+  };
   for (const Placement& placement : plan.placements) {
     double sent = 0;
     const Sequence& sequence = *by_id.at(placement.sequence_id);
     if (cache != nullptr) {
       const EvaluationCache::Entry& entry = cached_terms(sequence, placement, *cache);
       for (size_t k = 0; k < entry.shares.size(); ++k) {
-        const RankShare& share = entry.shares[k];
         const int64_t rank_index = placement.ranks[k];
-        RankCost& rank = cost.ranks[rank_index];
-        rank.tokens += share.tokens;
-        rank.attention_s += share.attention_s;
-        rank.exchange_s += share.exchange_s;
-        memory[rank_index] += share.memory_bytes;
+        add_share(entry.shares[k], rank_index);
         if (rank_index != sequence.source_rank) {
-          sent += 2.0 * kRouteBytesPerToken * static_cast<double>(share.tokens);
+          sent += 2.0 * kRouteBytesPerToken * static_cast<double>(entry.shares[k].tokens);
         }
         for (auto [call, segments] : entry.calls[k]) {
           if (call[3] == kOwnTag) call[3] = sequence.id;
@@ -779,15 +790,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     }
     add_attention_calls(sequence, placement, &calls);
     for (const RankShare& share : shares_and_bytes(sequence, placement, &sent)) {
-      RankCost& rank = cost.ranks[share.rank];
-      rank.tokens += share.tokens;
-      rank.attention_s += share.attention_s;
-      rank.exchange_s += share.exchange_s;
-      activation[share.rank] += share.layer_activation_bytes;
-      checkpoint[share.rank] += share.layer_checkpoint_bytes;
-      buffer[share.rank] += share.buffer_bytes;
-      recompute[share.rank] += share.recompute_s;
-      recompute_exchange[share.rank] += share.recompute_exchange_s;
+      add_share(share, share.rank);
     }
     cost.exchange_bytes += sent;
   }

@@ -168,8 +168,10 @@ TEST(PlannerNeverWorse, MemoisedEvaluationMatchesAndFloorStaysBelow) {
   std::mt19937_64 random(7);
   for (int trial = 0; trial < 24; ++trial) {
     const int64_t num_gpus = trial % 2 ? 16 : 32;
-    const CostModel cost_model(model_preset(trial % 3 ? "mmdit-11b" : "wan-14b"),
-                               seeded_profile(), make_cluster(num_gpus, 8, trial % 4 ? "nvlink" : "pcie"));
+    CostOptions options;
+    options.adaptive_checkpointing = trial % 3 == 1;  // the floor must allow for skipped recompute
+    const CostModel cost_model(model_preset(trial % 3 ? "mmdit-11b" : "wan-14b"), seeded_profile(),
+                               make_cluster(num_gpus, 8, trial % 4 ? "nvlink" : "pcie"), options);
     const Batch batch = random_batch(static_cast<Family>(trial % 7), num_gpus, random);
     EvaluationCache cache;
     for (const std::string& name : covered_baselines(batch, cost_model)) {

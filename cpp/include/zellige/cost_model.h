@@ -172,7 +172,9 @@ class CostModel {
   PlanCost evaluate(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
   // A lower bound on evaluate(batch, plan).makespan_s that skips the grouping of attention calls
   // and the launch floor: every rank's additive time minus the whole call excess of its shares
-  // (what grouping could give back at most). Cheap, for planners that compare many plans. The
+  // (what grouping could give back at most), and under adaptive checkpointing minus every
+  // layer's recompute (what skipping it could give back). Cheap, for planners that compare many
+  // plans. The
   // plan must be valid for the batch (not re-checked).
   double makespan_floor(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
 
