@@ -177,6 +177,15 @@ class CostModel {
   // plans. The
   // plan must be valid for the batch (not re-checked).
   double makespan_floor(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
+  // What makespan_floor adds for `placement`, summed over its ranks, with the per-token layers
+  // charged at min_floor_time_per_token_s(): a plan's floor is at least the sum of this over its
+  // placements divided by the rank count, whichever ranks they use (the shares depend on the
+  // ranks only through which share a node).
+  double floor_rank_seconds(const Sequence& sequence, const Placement& placement,
+                            EvaluationCache& cache) const;
+  // The smallest per-token time of the per-token layers as makespan_floor charges them (under
+  // adaptive checkpointing without their recompute), over any token count.
+  double min_floor_time_per_token_s() const;
 
   // Bytes the ranks of `placement` send in total per step (all layers, forward + backward, plus
   // routing the sequence's tokens from its source rank and back).

@@ -282,6 +282,8 @@ class ZelligePlanner {
   void sort_ranks(std::vector<int64_t>* ranks) const { std::sort(ranks->begin(), ranks->end()); }
 
   void prepare();
+  double floor_bound(const std::string& baseline);
+  double group_floor_rank_seconds(int32_t sequence, int64_t group_size);
   const ShapeChoice& shape_at(int32_t sequence, int64_t degree);
   int64_t degree_for(int32_t sequence, double target_s);
   void construct(double target_s, double share_fraction, Solution* s);
@@ -348,6 +350,8 @@ class ZelligePlanner {
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
   std::vector<RankShare> best_shares_;
+  // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
+  std::unordered_map<int64_t, std::vector<double>> group_floor_s_;
 };
 
 void ZelligePlanner::prepare() {
@@ -431,6 +435,89 @@ void ZelligePlanner::prepare() {
     }
     efficient_degree_[i] = it->second;
   }
+}
+
+// What a sequence adds to makespan_floor's ranks, summed (CostModel::floor_rank_seconds), on one
+// group of `group_size` consecutive node-aligned ranks under the USP rule of static-cp (Ulysses
+// over the largest degree dividing the size and the head count, ring over the rest), which is
+// also KnapFormer's Ulysses over a bag (its bag sizes divide the head count).
+double ZelligePlanner::group_floor_rank_seconds(int32_t sequence, int64_t group_size) {
+  std::vector<double>& memo = group_floor_s_[group_size];
+  if (memo.empty()) memo.assign(num_sequences_, std::numeric_limits<double>::quiet_NaN());
+  double& value = memo[shape_key_[sequence]];
+  if (!std::isnan(value)) return value;
+  int64_t ulysses = 1;
+  for (int64_t u = group_size; u > 1; --u) {
+    if (group_size % u == 0 && num_heads_ % u == 0) {
+      ulysses = u;
+      break;
+    }
+  }
+  const Shape shape{group_size == 1          ? Strategy::kLocal
+                    : ulysses == group_size ? Strategy::kUlysses
+                    : ulysses == 1          ? Strategy::kRing
+                                            : Strategy::kHybrid,
+                    group_size, ulysses};
+  std::vector<int64_t> ranks(group_size);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  const Sequence& seq = batch_.sequences[sequence];
+  value = cost_model_.floor_rank_seconds(seq, to_placement(seq.id, shape, std::move(ranks)), cache_);
+  return value;
+}
+
+// A lower bound on makespan_floor of the named baseline's plan, without building it; 0 when
+// there is none. Baselines that give every sequence one of a few group sizes on node-aligned
+// groups (dp-tokens and dp-cost: 1; static-cp:C: C; knapformer: its bag sizes) charge each
+// sequence at least its smallest floor rank-seconds over those sizes, and the busiest rank's
+// floor is at least the mean over ranks. Whichever ranks the policy picks, this holds.
+double ZelligePlanner::floor_bound(const std::string& baseline) {
+  std::vector<int64_t> sizes;
+  auto aligned = [&](int64_t size, int64_t first_rank) {
+    if (size <= gpus_per_node_) return gpus_per_node_ % size == 0 && first_rank % size == 0;
+    return size % gpus_per_node_ == 0 && first_rank % gpus_per_node_ == 0;
+  };
+  if (baseline == "dp-tokens" || baseline == "dp-cost") {
+    sizes = {1};
+  } else if (baseline.rfind("static-cp:", 0) == 0) {
+    const int64_t size = std::stoll(baseline.substr(10));
+    if (!aligned(size, 0)) return 0;
+    sizes = {size};
+  } else if (baseline.rfind("knapformer:", 0) == 0) {
+    // Covered specs: terms gGnN joined by '+', by increasing G, bags laid out in that order.
+    const std::string spec = baseline.substr(11);
+    int64_t first_rank = 0;
+    size_t begin = 0;
+    while (begin < spec.size()) {
+      const size_t end = std::min(spec.find('+', begin), spec.size());
+      const size_t n = spec.find('n', begin);
+      if (spec[begin] != 'g' || n == std::string::npos || n > end) return 0;
+      const int64_t size = std::stoll(spec.substr(begin + 1, n - begin - 1));
+      const int64_t count = std::stoll(spec.substr(n + 1, end - n - 1));
+      if (size <= 0 || !aligned(size, first_rank)) return 0;
+      sizes.push_back(size);
+      first_rank += size * count;
+      begin = end + 1;
+    }
+    if (sizes.empty()) return 0;
+  } else {
+    return 0;  // megatron-dcp: sizes chosen per group; always built
+  }
+  double total_s = 0, largest_s = 0, smallest_s = kInf;
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    double least_s = kInf;
+    for (int64_t size : sizes) {
+      least_s = std::min(least_s, group_floor_rank_seconds(static_cast<int32_t>(i), size));
+    }
+    total_s += least_s;
+    largest_s = std::max(largest_s, least_s);
+    smallest_s = std::min(smallest_s, least_s);
+  }
+  double bound_s = total_s / static_cast<double>(num_ranks_);
+  // Whole sequences only: a rank holds at least one sequence's whole floor time, when no
+  // sequence's is negative.
+  if (sizes.size() == 1 && sizes[0] == 1 && smallest_s >= 0) bound_s = std::max(bound_s, largest_s);
+  // Summed in another order than makespan_floor's: keep clear of rounding.
+  return bound_s * (1 - 1e-9);
 }
 
 const ShapeChoice& ZelligePlanner::shape_at(int32_t sequence, int64_t degree) {
@@ -1203,16 +1290,53 @@ Plan ZelligePlanner::run() {
   if (std::isfinite(best.makespan_s)) finish(&best);
   const double constructed_s = best.makespan_s;
 
+  // Local search from the sweep's plan, priced exactly at once: its makespan tells which
+  // baselines need to be built at all (below).
+  struct Finalist {
+    std::string source;
+    Plan plan;
+    PlanCost cost;
+  };
+  std::vector<Finalist> finalists;
+  int64_t steps = 0;
+  auto search_from = [&](Solution* s, const std::string& source) {
+    steps += local_search(s, deadline);
+    finalists.push_back({source, to_plan(*s), {}});
+  };
+  double best_s = kInf, best_baseline_s = kInf;
+  auto price_finalists = [&](size_t from) {
+    for (size_t k = from; k < finalists.size(); ++k) {
+      Finalist& finalist = finalists[k];
+      finalist.cost = cost_model_.evaluate(batch_, finalist.plan, cache_);
+      if (finalist.cost.fits) best_s = std::min(best_s, finalist.cost.makespan_s);
+    }
+  };
+  if (std::isfinite(best.makespan_s)) search_from(&best, "sweep");
+  // A baseline start is searched only when its floor is below the sweep's searched makespan (an
+  // additive one, close to the exact): otherwise it rarely ends better and costs a whole search.
+  const double sweep_s = best.makespan_s;
+  price_finalists(0);
+
   // Every covered baseline's plan (planners.h, covered_baselines): the best kBaselineStarts of
-  // them start local searches of their own, and all of them enter the final exact comparison, so
-  // that zellige is never worse than any of them.
+  // them start local searches of their own, and all of them whose floor is within the memory
+  // tie-break window of the best plan enter the final exact comparison, so that zellige is never
+  // worse than any of them. A baseline whose floor is at least the sweep's searched makespan and
+  // above that window would be neither a start nor priced: when a cheap lower bound on its floor
+  // (floor_bound) already says so, it is not built at all.
   struct Seed {
     std::string name;
     Plan plan;
     double floor_s = kInf;  // CostModel::makespan_floor: no plan's exact makespan is below it
   };
+  const double skip_above_s = std::max(sweep_s, best_s * (1 + kMemoryTieBreak));
   std::vector<Seed> seeds;
+  int64_t skipped = 0;
   for (const std::string& name : covered_baselines(batch_, cost_model_)) {
+    const double bound_s = std::isfinite(skip_above_s) ? floor_bound(name) : 0.0;
+    if (bound_s > skip_above_s) {
+      ++skipped;
+      continue;
+    }
     Seed seed;
     seed.name = name;
     try {
@@ -1226,22 +1350,8 @@ Plan ZelligePlanner::run() {
   std::stable_sort(seeds.begin(), seeds.end(),
                    [](const Seed& a, const Seed& b) { return a.floor_s < b.floor_s; });
 
-  // Local search from the sweep's plan and from the most promising baseline plans that fit.
-  struct Finalist {
-    std::string source;
-    Plan plan;
-    PlanCost cost;
-  };
-  std::vector<Finalist> finalists;
-  int64_t steps = 0;
-  auto search_from = [&](Solution* s, const std::string& source) {
-    steps += local_search(s, deadline);
-    finalists.push_back({source, to_plan(*s), {}});
-  };
-  if (std::isfinite(best.makespan_s)) search_from(&best, "sweep");
-  // A baseline start is searched only when its floor is below the sweep's searched makespan (an
-  // additive one, close to the exact): otherwise it rarely ends better and costs a whole search.
-  const double sweep_s = best.makespan_s;
+  // Local search from the most promising baseline plans that fit.
+  const size_t first_baseline_start = finalists.size();
   size_t starts = 0;
   for (const Seed& seed : seeds) {
     if (starts == kBaselineStarts || seed.floor_s >= sweep_s) break;
@@ -1255,11 +1365,7 @@ Plan ZelligePlanner::run() {
   // plan that fits; among plans within kMemoryTieBreak of it and no slower than any baseline, the
   // one with the lowest peak memory. A baseline whose makespan floor is above that window cannot
   // win and need not be priced exactly.
-  double best_s = kInf, best_baseline_s = kInf;
-  for (Finalist& finalist : finalists) {
-    finalist.cost = cost_model_.evaluate(batch_, finalist.plan, cache_);
-    if (finalist.cost.fits) best_s = std::min(best_s, finalist.cost.makespan_s);
-  }
+  price_finalists(first_baseline_start);
   int64_t priced = 0;
   for (Seed& seed : seeds) {
     if (seed.floor_s > best_s * (1 + kMemoryTieBreak)) break;  // seeds are in floor order
@@ -1291,7 +1397,7 @@ Plan ZelligePlanner::run() {
   plan.note = "anchors=" + std::to_string(best.num_anchors) +
               " target_s=" + shortest(best_target_s) + " constructed_s=" + shortest(constructed_s) +
               " search_steps=" + std::to_string(steps) + " baselines=" +
-              std::to_string(seeds.size()) + " priced=" + std::to_string(priced) +
+              std::to_string(seeds.size()) + " skipped=" + std::to_string(skipped) + " priced=" + std::to_string(priced) +
               " final=" + chosen->source +
               (chosen->cost.makespan_s > best_s ? " memory_tie_break" : "");
   plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
