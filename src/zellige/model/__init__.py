@@ -5,7 +5,7 @@ from zellige.model.attention import AttentionFn, SegmentAttention
 from zellige.model.blocks import DiTBlock
 from zellige.model.config import DiTConfig, model_preset, model_preset_names
 from zellige.model.dit import PackedTokens, VideoDiT
-from zellige.model.mmdit import MMDiT, JointTokens
+from zellige.model.mmdit import JointTokens, MMDiT
 
 __all__ = [
     "AttentionFn",
