@@ -17,6 +17,7 @@ RoPE on text), so the runtime's (k, 0, 0) text positions are ignored. QK norm is
 RMSNorm over the whole width (fused.rms_norm_*), shared with blocks.py. No pooled text vector: a
 rank may hold a chunk of a sequence without its text, so conditioning is the flow time alone.
 Legend in config.py (X here: held text tokens, V: held visual tokens, T = X + V).
+
 """
 
 from __future__ import annotations
@@ -67,42 +68,40 @@ class JointTokens:
 
 
 @dataclass(slots=True)
-class _Streams:
-    """Where each modality sits in the held order, and per-stream copies of per-token tables.
+class StreamOrder:
+    """The order the model keeps its activations in: the held text tokens, then the held visual
+    tokens (each in held order), i.e. cat(text_XE rows, latents_VC rows). Double-stream blocks
+    slice it; only attention needs the held order, so it is the one place tokens are permuted.
 
-    `order` lists held positions text first, then visual (each in held order); x_held[order] is
-    cat(x_text, x_visual) and cat(x_text, x_visual)[inverse] is x_held."""
+    `order` lists held positions in stream order (x_held[order] = x_stream) and `inverse` its
+    inverse (x_stream[inverse] = x_held)."""
 
     num_text: int
     order: Tensor
     inverse: Tensor
-    sequence_index_X: Tensor
-    sequence_index_V: Tensor
-    sequence_index_T: Tensor
+    sequence_index: Tensor  # [T] in stream order
 
     @staticmethod
-    def of(tokens: JointTokens) -> _Streams:
+    def of(tokens: JointTokens) -> StreamOrder:
         # stable sort on "is visual": text positions first, each modality keeping held order
         order = torch.argsort(tokens.modality_T != TEXT, stable=True)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        num_text = tokens.text_XE.shape[0]
-        sorted_index = tokens.sequence_index_T[order]
-        return _Streams(
-            num_text=num_text,
+        return StreamOrder(
+            num_text=tokens.text_XE.shape[0],
             order=order,
             inverse=inverse,
-            sequence_index_X=sorted_index[:num_text],
-            sequence_index_V=sorted_index[num_text:],
-            sequence_index_T=tokens.sequence_index_T,
+            sequence_index=tokens.sequence_index_T[order],
         )
 
-    def join(self, text_X: Tensor, visual_V: Tensor) -> Tensor:
-        return torch.cat((text_X, visual_V))[self.inverse]
+    def held_attention(self, attention: AttentionFn) -> AttentionFn:
+        """`attention` over held-order tokens as a function of stream-order q, k, v."""
 
-    def split(self, held_T: Tensor) -> tuple[Tensor, Tensor]:
-        both = held_T[self.order]
-        return both[: self.num_text], both[self.num_text :]
+        def attend(q_TNH: Tensor, k_TNH: Tensor, v_TNH: Tensor) -> Tensor:
+            inverse = self.inverse
+            return attention(q_TNH[inverse], k_TNH[inverse], v_TNH[inverse])[self.order]
+
+        return attend
 
 
 def whole_sequence_attention(sequence_index_T: Tensor) -> AttentionFn:
@@ -205,35 +204,32 @@ class DoubleStreamBlock(nn.Module):
 
     def forward(
         self,
-        x_XD: Tensor,
-        x_VD: Tensor,
+        x_TD: Tensor,
         vec_SD: Tensor,
-        streams: _Streams,
-        rope_V: tuple[Tensor, Tensor],
+        sequence_index_T: Tensor,
+        num_text: int,
+        rope_T: tuple[Tensor, Tensor],
         attention: AttentionFn,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> Tensor:
+        """x_TD, sequence_index_T, rope_T and `attention` in stream order (StreamOrder)."""
         modulate, gated = fused.kernels["modulated_layer_norm"], fused.kernels["gated_residual"]
-        text_mod = self.text.modulation(vec_SD, streams.sequence_index_X)
-        visual_mod = self.visual.modulation(vec_SD, streams.sequence_index_V)
-        qkv = []
-        for x, stream, mod, rope in (
-            (x_XD, self.text, text_mod, None),
-            (x_VD, self.visual, visual_mod, rope_V),
-        ):
-            shift, scale = mod[0], mod[1]
-            qkv.append(stream.attention_in(modulate(x, shift, scale, stream.eps), rope))
-        q, k, v = (streams.join(text, visual) for text, visual in zip(*qkv, strict=True))
-        o_X, o_V = streams.split(attention(q, k, v).flatten(1))
+        parts = []  # (stream, x, modulation) of text, then visual
+        for stream, rows in ((self.text, slice(0, num_text)), (self.visual, slice(num_text, None))):
+            parts.append((stream, x_TD[rows], stream.modulation(vec_SD, sequence_index_T[rows])))
+        # text is not rotated (module docstring)
+        rope_V = tuple(table[num_text:] for table in rope_T)
+        qkv = [
+            stream.attention_in(modulate(x, mod[0], mod[1], stream.eps), rope)
+            for (stream, x, mod), rope in zip(parts, (None, rope_V), strict=True)
+        ]
+        q, k, v = (torch.cat(pair) for pair in zip(*qkv, strict=True))
+        o_TD = attention(q, k, v).flatten(1)
         out = []
-        for x, o, stream, mod in (
-            (x_XD, o_X, self.text, text_mod),
-            (x_VD, o_V, self.visual, visual_mod),
-        ):
+        for (stream, x, mod), o in zip(parts, (o_TD[:num_text], o_TD[num_text:]), strict=True):
             _, _, gate_a, shift_f, scale_f, gate_f = mod
             x = gated(x, stream.attention_out(o), gate_a)
-            x = gated(x, stream.ffn(modulate(x, shift_f, scale_f, stream.eps)), gate_f)
-            out.append(x)
-        return out[0], out[1]
+            out.append(gated(x, stream.ffn(modulate(x, shift_f, scale_f, stream.eps)), gate_f))
+        return torch.cat(out)
 
 
 class SingleStreamBlock(nn.Module):
@@ -258,6 +254,7 @@ class SingleStreamBlock(nn.Module):
         rope_T: tuple[Tensor, Tensor],
         attention: AttentionFn,
     ) -> Tensor:
+        """Every argument in one token order (the model's: StreamOrder)."""
         modulate, gated = fused.kernels["modulated_layer_norm"], fused.kernels["gated_residual"]
         shift, scale, gate = self.modulation(vec_SD, sequence_index_T)
         h = self.linear_in(modulate(x_TD, shift, scale, self.eps))
@@ -285,7 +282,7 @@ class MMDiT(nn.Module):
     """Predicts the rectified-flow velocity of every held visual token (text tokens have none).
 
     `blocks` holds the double-stream blocks then the single-stream ones, so parallelize() wraps
-    both kinds as it wraps VideoDiT's blocks."""
+    both kinds as it wraps VideoDiT's blocks. Activations stay in stream order (StreamOrder)."""
 
     def __init__(self, config: DiTConfig) -> None:
         super().__init__()
@@ -325,37 +322,40 @@ class MMDiT(nn.Module):
         """Velocity [V, C] of the held visual tokens, in their held order."""
         if attention is None:
             attention = whole_sequence_attention(tokens.sequence_index_T)
-        streams = _Streams.of(tokens)
+        streams = StreamOrder.of(tokens)
+        if attention is None:
+            # attention groups by sequence only, so it runs on stream order directly
+            attention = whole_sequence_attention(streams.sequence_index)
+        else:
+            attention = streams.held_attention(attention)
         dtype = self.patch_embedding.weight.dtype
         # RoPE tables in float32 at least (bf16 angles would blur neighbouring positions); text
         # rows get position (0, 0, 0): the identity rotation
-        is_visual_T1 = (tokens.modality_T == VISUAL)[:, None]
+        positions_T3 = tokens.positions_T3[streams.order]
+        positions_T3[: streams.num_text] = 0
         rope_T = rope_tables(
-            tokens.positions_T3 * is_visual_T1,
+            positions_T3,
             self.config.head_dim,
             self.config.rope_theta,
             torch.promote_types(dtype, torch.float32),
         )
-        rope_V = tuple(table[streams.order[streams.num_text :]] for table in rope_T)
-        x_XD = self.text_embedding(tokens.text_XE.to(dtype))
-        x_VD = self.patch_embedding(tokens.latents_VC.to(dtype))
+        x_TD = torch.cat(
+            (
+                self.text_embedding(tokens.text_XE.to(dtype)),
+                self.patch_embedding(tokens.latents_VC.to(dtype)),
+            )
+        )
         vec_SD = self.time_embedding(tokens.timesteps_S)
-        x_TD = None
+        index_T, num_text = streams.sequence_index, streams.num_text
         for block in self.blocks:
             if _is_double(block):
-                x_XD, x_VD = block(x_XD, x_VD, vec_SD, streams, rope_V, attention)
+                x_TD = block(x_TD, vec_SD, index_T, num_text, rope_T, attention)
             else:
-                if x_TD is None:
-                    x_TD = streams.join(x_XD, x_VD)
-                x_TD = block(x_TD, vec_SD, streams.sequence_index_T, rope_T, attention)
-        if x_TD is not None:
-            x_XD, x_VD = streams.split(x_TD)
-        v_VC = self.head(x_VD, vec_SD, streams.sequence_index_V)
-        if x_TD is None and self.blocks:
-            # Only double blocks: the last one's text output feeds nothing. Keep it in the graph
-            # (exactly +0) so its text weights get a zero gradient on every rank, as FSDP needs.
-            v_VC = v_VC + 0 * x_XD.sum()
-        return v_VC
+                x_TD = block(x_TD, vec_SD, index_T, rope_T, attention)
+        # text tokens have no velocity. Slicing keeps the text rows in the graph (zero gradient),
+        # so with only double blocks the last one's text weights still get a gradient on every
+        # rank, as FSDP needs
+        return self.head(x_TD[num_text:], vec_SD, index_T[num_text:])
 
 
 def _is_double(block: nn.Module) -> bool:
