@@ -200,14 +200,15 @@ def test_forward_flops_match_model_spec(num_double_layers: int) -> None:
     """What the blocks execute for one sequence equals ModelSpec's layer FLOPs (linear + joint
     attention over text + visual), plus the AdaLN work it leaves out: the per-sequence
     modulation linears and their expansion to tokens (a one-hot matmul, conditioning.per_token).
-    SDPA's math backend runs as bmm calls, which the counter sees."""
+    Attention is one SDPA call (the sequence alone) on the math backend: bmm calls the counter
+    sees."""
     config = model_preset("mmdit-tiny-cpu", num_double_layers=num_double_layers)
     model = _model(config)
     rows, timesteps = _joint_rows()
     rows = [r for r in rows if r[0] == 0]  # one sequence: 8 text + 24 visual tokens
     counter = FlopCounterMode(display=False)
     with counter, sdpa_kernel(SDPBackend.MATH):
-        model(_tokens(rows, timesteps, [0]))
+        model(_tokens(rows, timesteps, [0]), _dense_attention)
     counts = counter.get_flop_counts()
     block_flops = sum(
         sum(ops.values())
@@ -227,6 +228,11 @@ def test_forward_flops_match_model_spec(num_double_layers: int) -> None:
     assert zellige.train_flops(spec, 24, 8) == 3 * config.num_layers * (
         layer.linear + layer.self_attention
     )
+
+
+def _dense_attention(q_TNH, k_TNH, v_TNH):
+    q, k, v = (t.transpose(0, 1) for t in (q_TNH, k_TNH, v_TNH))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(0, 1)
 
 
 def test_build_model_picks_the_architecture() -> None:

@@ -1,7 +1,7 @@
 """The reference video DiTs over one rank's packed tokens, attention pluggable: Wan-style
 (cross-attention to text, dit.py) and MMDiT (joint text-visual attention, mmdit.py)."""
 
-from zellige.model.attention import AttentionFn, SegmentAttention
+from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock
 from zellige.model.config import DiTConfig, model_preset, model_preset_names
 from zellige.model.dit import PackedTokens, VideoDiT
@@ -14,9 +14,9 @@ __all__ = [
     "JointTokens",
     "MMDiT",
     "PackedTokens",
-    "SegmentAttention",
     "VideoDiT",
     "build_model",
+    "local_attention",
     "model_preset",
     "model_preset_names",
 ]

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from zellige.model import fused
-from zellige.model.attention import AttentionFn, SegmentAttention
+from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import FeedForward, FloatRMSNorm
 from zellige.model.conditioning import (
     TIMESTEP_SCALE,
@@ -112,7 +112,7 @@ def whole_sequence_attention(sequence_index_T: Tensor) -> AttentionFn:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     lengths = torch.bincount(sequence_index_T).tolist() if order.numel() else []
-    segments = SegmentAttention(lengths, lengths, sequence_index_T.device)
+    segments = local_attention(lengths, lengths, sequence_index_T.device)
 
     def attend(q_TNH: Tensor, k_TNH: Tensor, v_TNH: Tensor) -> Tensor:
         return segments(q_TNH[order], k_TNH[order], v_TNH[order])[inverse]
