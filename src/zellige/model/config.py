@@ -116,16 +116,24 @@ _PRESETS: dict[str, DiTConfig] = {
 
 def model_preset(name: str, **overrides: int) -> DiTConfig:
     """A preset by name, optionally with fields replaced (e.g. num_layers=4 for a width probe; an
-    MMDiT keeps its preset's share of double-stream blocks, at least one, unless
-    num_double_layers is given too)."""
+    MMDiT then keeps its share of double-stream blocks (with_layers) unless num_double_layers is
+    given too)."""
     if name not in _PRESETS:
         raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(_PRESETS)}")
     preset = _PRESETS[name]
     if "num_layers" in overrides and "num_double_layers" not in overrides:
-        num_layers, share = overrides["num_layers"], preset.num_double_layers / preset.num_layers
-        kept = max(1, round(share * num_layers)) if preset.num_double_layers else 0
-        overrides["num_double_layers"] = min(kept, num_layers)
+        preset = with_layers(preset, overrides["num_layers"])
     return dataclasses.replace(preset, **overrides)
+
+
+def with_layers(config: DiTConfig, num_layers: int) -> DiTConfig:
+    """`config` cut (or grown) to num_layers blocks; an MMDiT keeps its share of double-stream
+    blocks, at least one (2 of mmdit-11b's blocks: 1 double + 1 single)."""
+    double = 0
+    if config.num_double_layers:
+        share = config.num_double_layers / config.num_layers
+        double = min(max(1, round(share * num_layers)), num_layers)
+    return dataclasses.replace(config, num_layers=num_layers, num_double_layers=double)
 
 
 def model_preset_names() -> list[str]:

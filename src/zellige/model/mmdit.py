@@ -82,17 +82,25 @@ class StreamOrder:
     sequence_index: Tensor  # [T] in stream order
 
     @staticmethod
-    def of(tokens: JointTokens) -> StreamOrder:
+    def of(modality_T: Tensor, sequence_index_T: Tensor) -> StreamOrder:
         # stable sort on "is visual": text positions first, each modality keeping held order
-        order = torch.argsort(tokens.modality_T != TEXT, stable=True)
+        order = torch.argsort(modality_T != TEXT, stable=True)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return StreamOrder(
-            num_text=tokens.text_XE.shape[0],
+            num_text=int((modality_T == TEXT).sum()),
             order=order,
             inverse=inverse,
-            sequence_index=tokens.sequence_index_T[order],
+            sequence_index=sequence_index_T[order],
         )
+
+    def rope(self, positions_T3: Tensor, config: DiTConfig, dtype: torch.dtype):
+        """RoPE tables in stream order, in float32 at least (bf16 angles would blur neighbouring
+        positions); text rows get position (0, 0, 0): the identity rotation."""
+        positions_T3 = positions_T3[self.order]
+        positions_T3[: self.num_text] = 0
+        rope_dtype = torch.promote_types(dtype, torch.float32)
+        return rope_tables(positions_T3, config.head_dim, config.rope_theta, rope_dtype)
 
     def held_attention(self, attention: AttentionFn) -> AttentionFn:
         """`attention` over held-order tokens as a function of stream-order q, k, v."""
@@ -320,25 +328,19 @@ class MMDiT(nn.Module):
 
     def forward(self, tokens: JointTokens, attention: AttentionFn | None = None) -> Tensor:
         """Velocity [V, C] of the held visual tokens, in their held order."""
-        if attention is None:
-            attention = whole_sequence_attention(tokens.sequence_index_T)
-        streams = StreamOrder.of(tokens)
+        streams = StreamOrder.of(tokens.modality_T, tokens.sequence_index_T)
+        if streams.num_text != tokens.text_XE.shape[0]:
+            raise ValueError(
+                f"{streams.num_text} held tokens are tagged text but {tokens.text_XE.shape[0]} "
+                "text feature rows were given"
+            )
         if attention is None:
             # attention groups by sequence only, so it runs on stream order directly
             attention = whole_sequence_attention(streams.sequence_index)
         else:
             attention = streams.held_attention(attention)
         dtype = self.patch_embedding.weight.dtype
-        # RoPE tables in float32 at least (bf16 angles would blur neighbouring positions); text
-        # rows get position (0, 0, 0): the identity rotation
-        positions_T3 = tokens.positions_T3[streams.order]
-        positions_T3[: streams.num_text] = 0
-        rope_T = rope_tables(
-            positions_T3,
-            self.config.head_dim,
-            self.config.rope_theta,
-            torch.promote_types(dtype, torch.float32),
-        )
+        rope_T = streams.rope(tokens.positions_T3, self.config, dtype)
         x_TD = torch.cat(
             (
                 self.text_embedding(tokens.text_XE.to(dtype)),
