@@ -1,4 +1,4 @@
-"""Single-GPU training throughput of the reference DiT at realistic mixed lengths.
+"""Single-GPU training throughput of the reference DiTs at realistic mixed lengths.
 
 Runs the real training loop (zellige.train: FSDP2, activation checkpointing, bf16, AdamW, the
 loader planning ahead) on one GPU for each (config, recipe) and reports tokens/s, MFU and where
@@ -9,6 +9,9 @@ worker, so off the critical path; shown against the step time).
 usage: python bench/train_throughput.py [--runs CONFIG:RECIPE[:compiled],...] [--steps K]
        [--warmup W] [--seed S]
 (":compiled" runs the blocks' elementwise work through torch.compile, see zellige.model.fused)
+MMDiT configs (mmdit11b-width-h200, hunyuan13b-width-h200) run the same way, e.g.
+--runs mmdit11b-width-h200:opensora2-stage2; their cross-attention share is 0 (text joins the
+self-attention, counted as attention) and their FLOPs count text tokens as attended tokens.
 """
 
 from __future__ import annotations
