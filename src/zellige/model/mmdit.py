@@ -17,7 +17,6 @@ RoPE on text), so the runtime's (k, 0, 0) text positions are ignored. QK norm is
 RMSNorm over the whole width (fused.rms_norm_*), shared with blocks.py. No pooled text vector: a
 rank may hold a chunk of a sequence without its text, so conditioning is the flow time alone.
 Legend in config.py (X here: held text tokens, V: held visual tokens, T = X + V).
-
 """
 
 from __future__ import annotations
