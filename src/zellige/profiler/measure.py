@@ -707,10 +707,11 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
             with_text = probe(
                 blocks, *_local_pack_plan(low, config.text_tokens + low, num_sequences)
             )
+        # A joint model's text is held tokens: without it, the shards and the local sequence
+        # hold the same shard_tokens (a cross model's text is the same on all three).
+        shard_text = 0 if config.joint_attention else config.text_tokens
         for strategy in ("local", "ulysses", "ring"):
-            shards[strategy] = probe(
-                blocks, *_shard_plan(shard_tokens, config.text_tokens, strategy)
-            )
+            shards[strategy] = probe(blocks, *_shard_plan(shard_tokens, shard_text, strategy))
         runtime_reserved_bytes = 0
         if device.type == "cuda":
             own_bytes = rank_work.persistent_bytes(blocks)
