@@ -201,7 +201,9 @@ def joint_rank_inputs(
     output_grad: bool = True,
 ) -> JointRankInputs:
     """MMDiT block inputs for held tokens with these tables (held order, as the runtime's step
-    gives them); `attention` works in held order (None: a stand-in, see no_self_attention)."""
+    gives them); `attention` works in held order. The blocks see it through the model's
+    permutation to and from stream order (StreamOrder.held_attention), a per-token cost that
+    the per-token probe (attention = no_self_attention) measures too."""
     from zellige.model.mmdit import StreamOrder
 
     def randn(*shape: int) -> Tensor:
@@ -217,7 +219,7 @@ def joint_rank_inputs(
         sequence_index_T=streams.sequence_index,
         num_text=streams.num_text,
         rope=streams.rope(positions_T3.to(device), config, dtype),
-        attention=no_self_attention if attention is None else streams.held_attention(attention),
+        attention=streams.held_attention(attention),
     )
 
 
@@ -478,7 +480,7 @@ def per_token_inputs(
             modality_T=torch.zeros(num_tokens, dtype=torch.int64),
             sequence_index_T=torch.zeros(num_tokens, dtype=torch.int64),
             positions_T3=positions_T3,
-            attention=None,
+            attention=no_self_attention,
             device=device,
             dtype=dtype,
         )
