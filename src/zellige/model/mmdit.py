@@ -68,47 +68,59 @@ class JointTokens:
 
 @dataclass(slots=True)
 class StreamOrder:
-    """The order the model keeps its activations in: the held text tokens, then the held visual
-    tokens (each in held order), i.e. cat(text_XE rows, latents_VC rows). Double-stream blocks
-    slice it; only attention needs the held order, so it is the one place tokens are permuted.
+    """Where each modality sits among the held tokens. Activations pass between blocks in held
+    order (the runtime's, which attention needs); a double-stream block splits them into its
+    streams (text rows, then visual rows, each in held order) and merges them back.
 
-    `order` lists held positions in stream order (x_held[order] = x_stream) and `inverse` its
-    inverse (x_stream[inverse] = x_held)."""
+    `order` lists the held positions of the text tokens, then of the visual ones (so
+    x_held[order] is cat(x_text, x_visual)); per-stream tables are in that order."""
 
     num_text: int
     order: Tensor
-    inverse: Tensor
-    sequence_index: Tensor  # [T] in stream order
+    sequence_index_X: Tensor
+    sequence_index_V: Tensor
 
     @staticmethod
     def of(modality_T: Tensor, sequence_index_T: Tensor) -> StreamOrder:
         # stable sort on "is visual": text positions first, each modality keeping held order
         order = torch.argsort(modality_T != TEXT, stable=True)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
+        num_text = int((modality_T == TEXT).sum())
+        sorted_index = sequence_index_T[order]
         return StreamOrder(
-            num_text=int((modality_T == TEXT).sum()),
+            num_text=num_text,
             order=order,
-            inverse=inverse,
-            sequence_index=sequence_index_T[order],
+            sequence_index_X=sorted_index[:num_text],
+            sequence_index_V=sorted_index[num_text:],
         )
 
-    def rope(self, positions_T3: Tensor, config: DiTConfig, dtype: torch.dtype):
-        """RoPE tables in stream order, in float32 at least (bf16 angles would blur neighbouring
-        positions); text rows get position (0, 0, 0): the identity rotation."""
-        positions_T3 = positions_T3[self.order]
-        positions_T3[: self.num_text] = 0
-        rope_dtype = torch.promote_types(dtype, torch.float32)
-        return rope_tables(positions_T3, config.head_dim, config.rope_theta, rope_dtype)
+    @property
+    def text_positions(self) -> Tensor:
+        return self.order[: self.num_text]
 
-    def held_attention(self, attention: AttentionFn) -> AttentionFn:
-        """`attention` over held-order tokens as a function of stream-order q, k, v."""
+    @property
+    def visual_positions(self) -> Tensor:
+        return self.order[self.num_text :]
 
-        def attend(q_TNH: Tensor, k_TNH: Tensor, v_TNH: Tensor) -> Tensor:
-            inverse = self.inverse
-            return attention(q_TNH[inverse], k_TNH[inverse], v_TNH[inverse])[self.order]
+    def split(self, x_T: Tensor) -> tuple[Tensor, Tensor]:
+        """Held rows -> (text rows, visual rows): one gather."""
+        both = x_T[self.order]
+        return both[: self.num_text], both[self.num_text :]
 
-        return attend
+    def merge(self, text_X: Tensor, visual_V: Tensor) -> Tensor:
+        """(text rows, visual rows) -> held rows: one write of each part."""
+        held = text_X.new_empty((text_X.shape[0] + visual_V.shape[0], *text_X.shape[1:]))
+        held.index_copy_(0, self.text_positions, text_X)  # in place: no copy of `held` first
+        return held.index_copy_(0, self.visual_positions, visual_V)
+
+
+def rope_without_text(
+    positions_T3: Tensor, modality_T: Tensor, config: DiTConfig, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """RoPE tables of the held tokens, in float32 at least (bf16 angles would blur neighbouring
+    positions); text rows get position (0, 0, 0): the identity rotation."""
+    positions_T3 = positions_T3 * (modality_T != TEXT)[:, None]
+    rope_dtype = torch.promote_types(dtype, torch.float32)
+    return rope_tables(positions_T3, config.head_dim, config.rope_theta, rope_dtype)
 
 
 def whole_sequence_attention(sequence_index_T: Tensor) -> AttentionFn:
@@ -213,30 +225,30 @@ class DoubleStreamBlock(nn.Module):
         self,
         x_TD: Tensor,
         vec_SD: Tensor,
-        sequence_index_T: Tensor,
-        num_text: int,
-        rope_T: tuple[Tensor, Tensor],
+        streams: StreamOrder,
+        rope_V: tuple[Tensor, Tensor],
         attention: AttentionFn,
     ) -> Tensor:
-        """x_TD, sequence_index_T, rope_T and `attention` in stream order (StreamOrder)."""
+        """x_TD and `attention` in held order; rope_V: the visual stream's RoPE tables (text is
+        not rotated, see the module docstring)."""
         modulate, gated = fused.kernels["modulated_layer_norm"], fused.kernels["gated_residual"]
-        parts = []  # (stream, x, modulation) of text, then visual
-        for stream, rows in ((self.text, slice(0, num_text)), (self.visual, slice(num_text, None))):
-            parts.append((stream, x_TD[rows], stream.modulation(vec_SD, sequence_index_T[rows])))
-        # text is not rotated (module docstring)
-        rope_V = tuple(table[num_text:] for table in rope_T)
+        x_XD, x_VD = streams.split(x_TD)
+        parts = (  # (stream, x, modulation, rope) of text, then visual
+            (self.text, x_XD, self.text.modulation(vec_SD, streams.sequence_index_X), None),
+            (self.visual, x_VD, self.visual.modulation(vec_SD, streams.sequence_index_V), rope_V),
+        )
         qkv = [
             stream.attention_in(modulate(x, mod[0], mod[1], stream.eps), rope)
-            for (stream, x, mod), rope in zip(parts, (None, rope_V), strict=True)
+            for stream, x, mod, rope in parts
         ]
-        q, k, v = (torch.cat(pair) for pair in zip(*qkv, strict=True))
-        o_TD = attention(q, k, v).flatten(1)
+        q, k, v = (streams.merge(text, visual) for text, visual in zip(*qkv, strict=True))
+        o_pair = streams.split(attention(q, k, v).flatten(1))
         out = []
-        for (stream, x, mod), o in zip(parts, (o_TD[:num_text], o_TD[num_text:]), strict=True):
+        for (stream, x, mod, _), o in zip(parts, o_pair, strict=True):
             _, _, gate_a, shift_f, scale_f, gate_f = mod
             x = gated(x, stream.attention_out(o), gate_a)
             out.append(gated(x, stream.ffn(modulate(x, shift_f, scale_f, stream.eps)), gate_f))
-        return torch.cat(out)
+        return streams.merge(*out)
 
 
 class SingleStreamBlock(nn.Module):
@@ -261,7 +273,7 @@ class SingleStreamBlock(nn.Module):
         rope_T: tuple[Tensor, Tensor],
         attention: AttentionFn,
     ) -> Tensor:
-        """Every argument in one token order (the model's: StreamOrder)."""
+        """Every argument in held order."""
         modulate, gated = fused.kernels["modulated_layer_norm"], fused.kernels["gated_residual"]
         shift, scale, gate = self.modulation(vec_SD, sequence_index_T)
         h = self.linear_in(modulate(x_TD, shift, scale, self.eps))
@@ -289,7 +301,7 @@ class MMDiT(nn.Module):
     """Predicts the rectified-flow velocity of every held visual token (text tokens have none).
 
     `blocks` holds the double-stream blocks then the single-stream ones, so parallelize() wraps
-    both kinds as it wraps VideoDiT's blocks. Activations stay in stream order (StreamOrder)."""
+    both kinds as it wraps VideoDiT's blocks. Activations pass between blocks in held order."""
 
     def __init__(self, config: DiTConfig) -> None:
         super().__init__()
@@ -334,29 +346,25 @@ class MMDiT(nn.Module):
                 "text feature rows were given"
             )
         if attention is None:
-            # attention groups by sequence only, so it runs on stream order directly
-            attention = whole_sequence_attention(streams.sequence_index)
-        else:
-            attention = streams.held_attention(attention)
+            attention = whole_sequence_attention(tokens.sequence_index_T)
         dtype = self.patch_embedding.weight.dtype
-        rope_T = streams.rope(tokens.positions_T3, self.config, dtype)
-        x_TD = torch.cat(
-            (
-                self.text_embedding(tokens.text_XE.to(dtype)),
-                self.patch_embedding(tokens.latents_VC.to(dtype)),
-            )
+        rope_T = rope_without_text(tokens.positions_T3, tokens.modality_T, self.config, dtype)
+        rope_V = tuple(table[streams.visual_positions] for table in rope_T)
+        x_TD = streams.merge(
+            self.text_embedding(tokens.text_XE.to(dtype)),
+            self.patch_embedding(tokens.latents_VC.to(dtype)),
         )
         vec_SD = self.time_embedding(tokens.timesteps_S)
-        index_T, num_text = streams.sequence_index, streams.num_text
         for block in self.blocks:
             if _is_double(block):
-                x_TD = block(x_TD, vec_SD, index_T, num_text, rope_T, attention)
+                x_TD = block(x_TD, vec_SD, streams, rope_V, attention)
             else:
-                x_TD = block(x_TD, vec_SD, index_T, rope_T, attention)
-        # text tokens have no velocity. Slicing keeps the text rows in the graph (zero gradient),
-        # so with only double blocks the last one's text weights still get a gradient on every
-        # rank, as FSDP needs
-        return self.head(x_TD[num_text:], vec_SD, index_T[num_text:])
+                x_TD = block(x_TD, vec_SD, tokens.sequence_index_T, rope_T, attention)
+        # Text tokens have no velocity. The gather keeps the text rows in the graph (zero
+        # gradient), so with only double blocks the last one's text weights still get a
+        # gradient on every rank, as FSDP needs.
+        x_VD = x_TD[streams.visual_positions]
+        return self.head(x_VD, vec_SD, streams.sequence_index_V)
 
 
 def _is_double(block: nn.Module) -> bool:

@@ -161,28 +161,32 @@ class RankInputs:
 
 @dataclass(kw_only=True, slots=True)
 class JointRankInputs:
-    """The same for MMDiT blocks: held text and visual tokens in the model's stream order
+    """The same for MMDiT blocks: held text and visual tokens in held order, where each sits
     (model.mmdit.StreamOrder), the per-sequence conditioning vector, joint attention."""
 
     x_TD: Tensor
     grad_TD: Tensor | None
     vec_SD: Tensor  # the time embedding's output (trainable upstream, so it gets a gradient)
     sequence_index_T: Tensor
-    num_text: int
-    rope: tuple[Tensor, Tensor]
-    attention: AttentionFn  # stream order in and out
+    streams: object  # StreamOrder
+    rope_T: tuple[Tensor, Tensor]
+    rope_V: tuple[Tensor, Tensor]
+    attention: AttentionFn
 
     @property
     def num_tokens(self) -> int:
         return int(self.x_TD.shape[0])
 
+    @property
+    def num_text(self) -> int:
+        return self.streams.num_text
+
     def args(self, block: nn.Module, x_TD: Tensor) -> tuple:
         from zellige.model.mmdit import DoubleStreamBlock
 
-        common = (self.vec_SD, self.sequence_index_T)
         if isinstance(block, DoubleStreamBlock):
-            return (x_TD, *common, self.num_text, self.rope, self.attention)
-        return (x_TD, *common, self.rope, self.attention)
+            return (x_TD, self.vec_SD, self.streams, self.rope_V, self.attention)
+        return (x_TD, self.vec_SD, self.sequence_index_T, self.rope_T, self.attention)
 
     def leaves(self) -> tuple[Tensor, ...]:
         return (self.x_TD, self.vec_SD)
@@ -201,25 +205,26 @@ def joint_rank_inputs(
     output_grad: bool = True,
 ) -> JointRankInputs:
     """MMDiT block inputs for held tokens with these tables (held order, as the runtime's step
-    gives them); `attention` works in held order. The blocks see it through the model's
-    permutation to and from stream order (StreamOrder.held_attention), a per-token cost that
-    the per-token probe (attention = no_self_attention) measures too."""
-    from zellige.model.mmdit import StreamOrder
+    gives them) and `attention` over them."""
+    from zellige.model.mmdit import StreamOrder, rope_without_text
 
     def randn(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device, dtype)
 
-    streams = StreamOrder.of(modality_T.to(device), sequence_index_T.to(device))
+    modality_T, sequence_index_T = modality_T.to(device), sequence_index_T.to(device)
+    streams = StreamOrder.of(modality_T, sequence_index_T)
+    rope_T = rope_without_text(positions_T3.to(device), modality_T, config, dtype)
     num_tokens, width = int(modality_T.shape[0]), config.width
     num_sequences = int(sequence_index_T.max()) + 1 if num_tokens else 0
     return JointRankInputs(
         x_TD=randn(num_tokens, width).requires_grad_(True),
         grad_TD=randn(num_tokens, width) if output_grad else None,
         vec_SD=randn(num_sequences, width).requires_grad_(True),
-        sequence_index_T=streams.sequence_index,
-        num_text=streams.num_text,
-        rope=streams.rope(positions_T3.to(device), config, dtype),
-        attention=streams.held_attention(attention),
+        sequence_index_T=sequence_index_T,
+        streams=streams,
+        rope_T=rope_T,
+        rope_V=tuple(table[streams.visual_positions] for table in rope_T),
+        attention=attention,
     )
 
 
