@@ -175,3 +175,12 @@ def test_mmdit_resume_gives_identical_next_losses(tmp_path: Path) -> None:
     )
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[2:]]
+
+
+def test_mmdit_tiny_loss_falls_over_50_steps(tmp_path: Path) -> None:
+    history = _train(
+        2, tmp_path, "mmdit", "--steps", "50", "--planner", "dp-cost", config="mmdit-tiny-cpu"
+    )
+    first = sum(r["loss"] for r in history[:5]) / 5
+    last = sum(r["loss"] for r in history[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
