@@ -57,7 +57,9 @@ def joint_step_loss(
 ) -> torch.Tensor:
     """As loop.step_loss: this rank's sum of per-token mean squared velocity errors over its
     held VISUAL tokens (text has no target), divided by the batch's visual token count."""
-    velocity_VC = model(step_input.tokens, timer.wrap("attention", step_input.attention))
+    # a view, not a copy, of the attention output (see StepTimer.wrap), as loop.step_loss does
+    attention = timer.wrap("attention", step_input.attention, fresh_output=False)
+    velocity_VC = model(step_input.tokens, attention)
     loss_dtype = torch.promote_types(velocity_VC.dtype, torch.float32)
     error_VC = velocity_VC.to(loss_dtype) - step_input.velocity_VC.to(loss_dtype)
     return error_VC.square().mean(dim=1).sum() / total_tokens
