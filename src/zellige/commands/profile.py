@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         help="model preset whose per-token layers and memory are measured (default wan-14b; "
-        "tiny with --quick)",
+        "--quick runs the tiny preset of its kind: tiny, or mmdit-tiny for an MMDiT)",
     )
     parser.add_argument(
         "--quick",
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     options = ProfileOptions(
-        model=args.model or ("tiny" if args.quick else "wan-14b"),
+        model=_model_to_run(args.model, args.quick),
         quick=args.quick,
         device=device,
         repeats=min(args.repeats, 3) if args.quick else args.repeats,
@@ -69,3 +69,19 @@ def run(args: argparse.Namespace) -> int:
         args.details.write_text(json.dumps(result.details, indent=1) + "\n")
     print(f"wrote {args.out} ({profile.device_name})")
     return 0
+
+
+def _model_to_run(model: str | None, quick: bool) -> str:
+    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model)."""
+    from zellige.profiler.models import quick_model
+
+    model = model or "wan-14b"
+    if not quick:
+        return model
+    tiny = quick_model(model)
+    if tiny != model:
+        print(
+            f"[profile] --quick: {model} runs as {tiny} (its kind of blocks at tiny sizes)",
+            file=sys.stderr,
+        )
+    return tiny

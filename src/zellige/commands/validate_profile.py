@@ -16,7 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plans", type=int, default=TARGET_PLANS, help="plans to draw (>= 21)")
     parser.add_argument("--profile", help="profile JSON (default: the built-in H200 profile)")
     parser.add_argument(
-        "--model", help="Wan-style model preset (default wan-14b; tiny with --quick)"
+        "--model",
+        help="model preset (default wan-14b; --quick runs the tiny preset of its kind: tiny, "
+        "or mmdit-tiny for an MMDiT)",
     )
     parser.add_argument(
         "--layers", type=int, default=2, help="layers of the model actually run (default 2)"
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     options = ValidationOptions(
         num_plans=args.plans,
         profile=args.profile,
-        model=args.model or ("tiny" if args.quick else "wan-14b"),
+        model=_model_to_run(args.model, args.quick),
         num_layers=args.layers,
         ranks_per_plan=args.ranks_per_plan,
         repeats=args.repeats,
@@ -136,3 +138,19 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(report_dict(report), indent=1) + "\n")
     print(format_report(report, options))
     return 0
+
+
+def _model_to_run(model: str | None, quick: bool) -> str:
+    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model)."""
+    from zellige.profiler.models import quick_model
+
+    model = model or "wan-14b"
+    if not quick:
+        return model
+    tiny = quick_model(model)
+    if tiny != model:
+        print(
+            f"[validate] --quick: {model} runs as {tiny} (its kind of blocks at tiny sizes)",
+            file=sys.stderr,
+        )
+    return tiny

@@ -44,10 +44,10 @@ def load_training_recipe(name: str) -> _core.Recipe:
 
 
 def param_count(config: DiTConfig) -> int:
-    from zellige.model import VideoDiT
+    from zellige.model import build_model
 
     with torch.device("meta"):
-        return sum(p.numel() for p in VideoDiT(config).parameters())
+        return sum(p.numel() for p in build_model(config).parameters())
 
 
 def model_spec(config: DiTConfig, num_params: int | None = None) -> _core.ModelSpec:
@@ -60,7 +60,8 @@ def model_spec(config: DiTConfig, num_params: int | None = None) -> _core.ModelS
         head_dim=config.head_dim,
         ffn_width=config.ffn_width,
         text_tokens=config.text_tokens,
-        joint_attention=False,
+        joint_attention=config.joint_attention,
+        num_double_layers=config.num_double_layers,
         param_count=param_count(config) if num_params is None else num_params,
     )
 

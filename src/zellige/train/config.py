@@ -130,6 +130,36 @@ def wan14b_width_wan_stage3_h200x8() -> TrainConfig:
     )
 
 
+def mmdit_tiny_cpu() -> TrainConfig:
+    """tiny-cpu's run with the MMDiT (joint text-visual attention) at the same sizes."""
+    return dataclasses.replace(
+        tiny_cpu(), name="mmdit-tiny-cpu", model=model_preset("mmdit-tiny-cpu")
+    )
+
+
+def _mmdit_width_h200(name: str, preset: str) -> TrainConfig:
+    """An MMDiT preset's layer shapes with 6 of its blocks (2 double-stream, 4 single-stream:
+    the presets' 1:2 share), so one H200 holds weights, optimizer state and the activations of
+    Open-Sora 2.0 stage-2 micro-batches (up to 129 frames at 768px): per-layer throughput and
+    MFU of the width, next to wan14b-width-h200."""
+    return dataclasses.replace(
+        wan14b_h200x8(),
+        name=name,
+        model=model_preset(preset, num_layers=6, num_double_layers=2),
+        recipe="opensora2-stage2",
+    )
+
+
+def mmdit11b_width_h200() -> TrainConfig:
+    """FLUX / Open-Sora 2.0 width (3072, 24 heads, 512 text tokens) on one H200."""
+    return _mmdit_width_h200("mmdit11b-width-h200", "mmdit-11b")
+
+
+def hunyuan13b_width_h200() -> TrainConfig:
+    """HunyuanVideo width (3072, 24 heads, 256 text tokens) on one H200."""
+    return _mmdit_width_h200("hunyuan13b-width-h200", "hunyuan-13b")
+
+
 CONFIGS: dict[str, Callable[[], TrainConfig]] = {
     "tiny-cpu": tiny_cpu,
     "wan1p3b-h200": wan1p3b_h200,
@@ -139,6 +169,9 @@ CONFIGS: dict[str, Callable[[], TrainConfig]] = {
     "wan1p3b-wan-stage3-h200x8": wan1p3b_wan_stage3_h200x8,
     "wan14b-width-opensora2-stage2-h200x8": wan14b_width_opensora2_stage2_h200x8,
     "wan14b-width-wan-stage3-h200x8": wan14b_width_wan_stage3_h200x8,
+    "mmdit-tiny-cpu": mmdit_tiny_cpu,
+    "mmdit11b-width-h200": mmdit11b_width_h200,
+    "hunyuan13b-width-h200": hunyuan13b_width_h200,
 }
 
 

@@ -14,9 +14,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 from zellige.data import StepDataset, make_loader
-from zellige.model import VideoDiT
+from zellige.model import MMDiT, VideoDiT
+from zellige.model import build_model as reference_model
 from zellige.train.checkpoint import load_checkpoint, save_checkpoint
 from zellige.train.config import TrainConfig
+from zellige.train.mmdit_step import assemble_joint_step, joint_step_loss
 from zellige.train.parallelize import parallelize, set_checkpointed_blocks
 from zellige.train.step import StepInput, assemble_step
 from zellige.train.timing import StepTimer
@@ -38,16 +40,16 @@ def setup_distributed(config: TrainConfig) -> torch.device:
     return device
 
 
-def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> VideoDiT:
+def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> VideoDiT | MMDiT:
     """The sharded model. On CUDA it is built on the meta device and initialised after sharding
     (no rank ever holds the whole model); on CPU built whole, identical on every rank."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     torch.manual_seed(config.seed)
     if device.type == "cuda":
         with torch.device("meta"):
-            model = VideoDiT(config.model)
+            model = reference_model(config.model)
     else:
-        model = VideoDiT(config.model)
+        model = reference_model(config.model)
     parallelize(
         model,
         mesh,
@@ -135,8 +137,12 @@ def train(
         sync_check = config.sync_debug and device.type == "cuda"
         if sync_check:
             torch.cuda.set_sync_debug_mode("warn")  # every host sync until the optimizer step
-        step_input = assemble_step(data, config.model.num_heads, device)
-        local_loss = step_loss(model, step_input, data.total_tokens, timer)
+        if config.model.joint_attention:  # MMDiT: text joins attention (train/mmdit_step.py)
+            step_input = assemble_joint_step(data, config.model.num_heads, device)
+            local_loss = joint_step_loss(model, step_input, data.total_tokens, timer)
+        else:
+            step_input = assemble_step(data, config.model.num_heads, device)
+            local_loss = step_loss(model, step_input, data.total_tokens, timer)
         # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
         (local_loss * num_ranks).backward()
         # the step's peak split by phase, against the cost model's (which has no optimizer step)
