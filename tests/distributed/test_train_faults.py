@@ -154,7 +154,9 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path: Pa
         pids += _rank_pids(launcher.pid).values()
         deadline = time.monotonic() + BOUND_S
         while caught is None and time.monotonic() < deadline:
-            partial = [p for p in os.listdir(out) if p.endswith(".partial") and p != ".latest.partial"]
+            partial = [
+                p for p in os.listdir(out) if p.endswith(".partial") and p != ".latest.partial"
+            ]
             if not partial:
                 time.sleep(0.001)
                 continue

@@ -63,17 +63,20 @@ def find_checkpoint(resume_dir: str | Path) -> CheckpointInfo:
         raise ValueError(f"--resume {where}: not a directory")
     path = where
     latest = where / "latest"
+    name = None
     if latest.is_file():
-        name = latest.read_text().strip()
+        name = latest.read_text(errors="replace").strip()
+        if not name.startswith("step-") or "/" in name:
+            raise ValueError(f"--resume {where}: latest names {name[:40]!r}, not a step-K")
         path = where / name
-        if not name.startswith("step-") or "/" in name or not (path / STATE_FILE).is_file():
-            raise ValueError(f"--resume {where}: latest names {name[:40]!r}, not a checkpoint here")
     if not (path / STATE_FILE).is_file():
         if any(path.glob("rank-*.pt")):
             raise ValueError(
-                f"--resume {where}: a checkpoint of an older zellige (rank-R.pt pickles, "
+                f"--resume {path}: a checkpoint of an older zellige (rank-R.pt pickles, "
                 "which this version does not load)"
             )
+        if name is not None:
+            raise ValueError(f"--resume {where}: latest names {name}, not a checkpoint here")
         raise ValueError(f"--resume {where}: no checkpoint there (no latest, no {STATE_FILE})")
     try:
         state = json.loads((path / STATE_FILE).read_text())

@@ -332,7 +332,9 @@ def train(
         sinks.close()
         watch.close()
     if rank == 0 and progress:
-        say(_summary(history, time.perf_counter() - run_start, num_ranks, saved_now, metrics_path))
+        # with the step lines, on stdout; notices (saved, resumed) go to stderr
+        seconds = time.perf_counter() - run_start
+        print(_summary(history, seconds, num_ranks, saved_now, metrics_path), flush=True)
     return history
 
 
@@ -604,7 +606,8 @@ def _summary(
     tokens = sum(r["tokens"] for r in history)
     step_s = sum(r["step_s"] for r in history)
     line = (
-        f"done: steps {first['step']}-{last['step']} on {num_ranks} ranks in {seconds:.1f} s; "
+        f"done: steps {first['step']}-{last['step']} on {num_ranks} rank{'s' * (num_ranks > 1)} "
+        f"in {seconds:.1f} s; "
         f"loss {first['loss']:.4f} -> {last['loss']:.4f}; "
         f"{tokens / step_s:,.0f} tok/s; mean step {step_s / len(history):.3f} s"
     )
