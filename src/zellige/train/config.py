@@ -236,6 +236,7 @@ def validate_config(config: TrainConfig) -> None:
         ("seed", 0 <= config.seed < 2**32, "in [0, 2**32)"),
         ("device", config.device in ("cpu", "cuda"), "cpu or cuda"),
         ("backend", config.backend in ("gloo", "nccl"), "gloo or nccl"),
+        ("backend", config.backend != "nccl" or config.device == "cuda", "gloo on device cpu"),
         ("dtype", config.dtype in _DTYPES, " or ".join(_DTYPES)),
         ("gpus_per_node", config.gpus_per_node >= 1, "at least 1"),
         ("learning_rate", _finite(config.learning_rate) and config.learning_rate > 0, "> 0"),
