@@ -186,7 +186,8 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path: Pa
         timeout=BOUND_S,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"resumed from {out / latest} at step {saved_step}" in done.stderr
+    assert f"resumed from {out / latest} at step {saved_step}; saved on 2 ranks" in done.stderr
+    assert "resharded to 1" in done.stderr
 
 
 def test_bad_input_is_one_line_from_one_rank_before_training(tmp_path: Path) -> None:
