@@ -1,6 +1,6 @@
 """Checkpoints that resume exactly, on the same or another number of ranks.
 
-Layout of DIR (see docs/checkpoints.md):
+Layout of DIR (the README's training section describes it for users):
     DIR/step-K/            sharded model and optimizer state (torch.distributed.checkpoint, every
                            rank writes its shards in parallel) and train_state.json
     DIR/latest             text "step-K": the newest complete checkpoint
@@ -91,6 +91,8 @@ def find_checkpoint(resume_dir: str | Path) -> CheckpointInfo:
             scheduler=dict(state["scheduler"]),
             files={str(k): dict(v) for k, v in state["files"].items()},
         )
+        if any("/" in name or name in ("", ".", "..") for name in info.files):
+            raise ValueError("a file name is not a plain name")
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
         text = str(error)[:200]
         raise ValueError(f"--resume {path}: {STATE_FILE} is not valid ({text})") from None
