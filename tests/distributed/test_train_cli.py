@@ -198,6 +198,10 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path) -> 
         (["--timeout-s", "0"], "timeout_s must be > 0 seconds"),
         (["--steps", "ten"], "argument --steps: 'ten' is not int"),
         (["--config", "nope"], "unknown config 'nope'"),
+        (["--planner", "bogus"], "planner 'bogus': unknown planner"),
+        (["--planner", "static-cp:3"], "static-cp:3: the group size must divide the 1 GPUs"),
+        (["--recipe", "bogus"], "unknown workload 'bogus'"),
+        (["--profile", "/missing.json"], "profile /missing.json: cannot read"),
     ],
 )
 def test_bad_values_are_one_line(capsys, tmp_path: Path, argv: list[str], words: str) -> None:

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 import zellige
-from zellige.data import StepDataset, make_loader
+from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
 from zellige.model import SegmentAttention, VideoDiT
 from zellige.train.checkpoint import (
     CheckpointInfo,
@@ -79,6 +79,7 @@ def preflight(
     validate_config(config)
     if config.device == "cuda":
         _require_cuda(config)
+    _check_planning(config, num_ranks)
     if out_dir is not None:
         out = Path(out_dir)
         if out.exists() and not out.is_dir():
@@ -126,6 +127,21 @@ def preflight(
             "the resumed run would see other batches (leave data_ranks unset)"
         )
     return RunStart(first_step=info.step, checkpoint=info, data_ranks=info.data_ranks)
+
+
+def _check_planning(config: TrainConfig, num_ranks: int) -> None:
+    """The recipe, profile and planner name resolve, and the planner accepts this cluster:
+    planned here on a token per rank, not in a loader worker after the model is built."""
+    load_training_recipe(config.recipe)
+    spec = model_spec(config.model)
+    cost_model = zellige.make_cost_model(
+        spec, num_ranks, min(config.gpus_per_node, num_ranks), config.profile
+    )
+    sequences = [
+        {"id": r, "num_tokens": 1, "text_tokens": 0, "source_rank": r} for r in range(num_ranks)
+    ]
+    batch = zellige.batch_from_dict({"sequences": sequences}, num_ranks=num_ranks)
+    zellige.make_plan(config.planner, batch, cost_model)
 
 
 def _require_cuda(config: TrainConfig) -> None:
