@@ -125,6 +125,25 @@ def test_stopped_rank_fails_the_run_within_the_timeout(tmp_path: Path) -> None:
     assert _no_rank_traceback(stderr), stderr[-3000:]
 
 
+def test_a_killed_rank_ends_the_run(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    launcher = _launch(2, "--steps", "1000", "--timeout-s", "60", "--metrics", str(metrics))
+    ranks = {}
+    try:
+        _wait_for(lambda: _lines(metrics) >= 2, BOUND_S)
+        ranks = _rank_pids(launcher.pid)
+        os.kill(ranks[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = launcher.communicate(timeout=BOUND_S)
+        elapsed_s = time.monotonic() - killed_at
+    finally:
+        _kill([launcher.pid, *ranks.values()])
+    assert launcher.returncode != 0
+    assert elapsed_s < 30, elapsed_s  # torchrun sees the death; nobody waits for the timeout
+    assert not any(_alive(pid) for pid in ranks.values())
+    assert _no_rank_traceback(stderr), stderr[-3000:]
+
+
 def test_ranks_die_with_their_launcher(tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
     launcher = _launch(2, "--steps", "1000", "--metrics", str(metrics), "--out", str(tmp_path))

@@ -311,9 +311,7 @@ def train(
             except TrainingFailed:
                 raise
             except RuntimeError as error:
-                if not _is_timeout(error):
-                    raise
-                raise watch.stuck(step + 1) from None
+                raise watch.failure(step + 1, error) from None
             record["prediction_comparable"] = profile_note is None
             history.append(record)
             sinks.write(record)
@@ -335,9 +333,7 @@ def train(
                         model_config=config.model,
                     )
                 except RuntimeError as error:
-                    if not _is_timeout(error):
-                        raise
-                    raise watch.stuck(done) from None
+                    raise watch.failure(done, error) from None
                 seconds = time.perf_counter() - saved_at
                 _say_above(bar, f"saved checkpoint {last_saved} ({seconds:.1f} s)")
     except TrainingFailed as failure:
@@ -542,6 +538,29 @@ class _RankWatch:
         if self._store is not None:
             self._store.set(f"zellige/step/{self.rank}", str(step))
 
+    def failure(self, step: int, error: RuntimeError) -> RuntimeError:
+        """What to raise for `error` at `step`: a collective that timed out or lost a peer
+        becomes one line (from one rank); anything else stays as it was."""
+        text = str(error).lower()
+        if "timed out" in text or "timeout" in text:
+            return self.stuck(step)
+        if any(words in text for words in ("connection closed", "connection reset", "broken pipe")):
+            # a rank died; torchrun is about to stop this one too
+            report = self._first_report()
+            return TrainingFailed(
+                f"step {step}: rank {self.rank} lost its connection to another rank (it died?)",
+                report=report,
+            )
+        return error
+
+    def _first_report(self) -> bool:
+        if self._store is None:
+            return True
+        try:
+            return self._store.add("zellige/failure_reported", 1) == 1
+        except Exception:  # the store is gone with the launcher
+            return True
+
     def stuck(self, step: int) -> TrainingFailed:
         """The failure to raise after a collective timed out at `step`."""
         prefix = (
@@ -566,7 +585,7 @@ class _RankWatch:
                 detail = ", ".join(f"rank {r} is still at step {steps[r]}" for r in behind)
             else:
                 detail = "every rank is alive at this step: a rank is stuck inside it"
-            report = self._store.add("zellige/failure_reported", 1) == 1
+            report = self._first_report()
         except Exception:  # the store itself is gone: say what this rank knows
             return TrainingFailed(prefix, report=True)
         return TrainingFailed(f"{prefix}: {detail}", report=report)
@@ -577,12 +596,6 @@ class _RankWatch:
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
-
-
-def _is_timeout(error: RuntimeError) -> bool:
-    """A collective that waited past the process group's timeout (gloo's and NCCL's words)."""
-    text = str(error).lower()
-    return "timed out" in text or "timeout" in text
 
 
 def _seed_of(seed: int, step: int, rank: int) -> int:
