@@ -1,5 +1,6 @@
-"""The training loop on CPU with gloo: placement-independent loss and gradients, exact resume, a
-falling loss, and ranks without tokens (each run under a timeout, so a hang fails the test)."""
+"""The training loop on CPU with gloo: placement-independent loss and gradients, resume that
+continues the loss curve on the same, more or fewer ranks, a falling loss, and ranks without
+tokens (each run under a timeout, so a hang fails the test)."""
 
 from __future__ import annotations
 
