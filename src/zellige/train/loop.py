@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 import zellige
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
-from zellige.model import SegmentAttention, VideoDiT
+from zellige.model import VideoDiT
 from zellige.train.checkpoint import (
     CheckpointInfo,
     find_checkpoint,
@@ -417,7 +417,7 @@ def _run_step(config, model, optimizer, scheduler, timer, device, data_iter, ste
         "step_s": slowest_step_s,
         "tokens": data.total_tokens,
         "train_flops": data.train_flops,
-        "sequences": len(data.batch["sequences"]),
+        "sequences": data.num_sequences,
         "planned_imbalance": max(predicted) / (sum(predicted) / len(predicted)),
         "measured_imbalance": float(rank_busy.max() / rank_busy.mean().clamp_min(1e-12)),
         "predicted_makespan_s": float(data.plan["predicted"]["makespan_s"]),
@@ -664,13 +664,10 @@ def step_loss(
     """This rank's share of the batch's rectified-flow loss: the sum over its tokens of the mean
     squared velocity error, divided by the GLOBAL token count. Summed over ranks it is the
     batch's mean loss whatever the placement, and summed gradients are its gradient."""
-    tokens = step_input.tokens
-    device = tokens.latents_TC.device
-    cross = SegmentAttention(tokens.tokens_per_sequence, tokens.text_tokens_per_sequence, device)
     velocity_TC = model(
-        tokens,
+        step_input.tokens,
         timer.wrap("attention", step_input.self_attention),
-        timer.wrap("cross_attention", cross),
+        timer.wrap("cross_attention", step_input.cross_attention),
     )
     loss_dtype = torch.promote_types(velocity_TC.dtype, torch.float32)
     error_TC = velocity_TC.to(loss_dtype) - step_input.velocity_TC.to(loss_dtype)
