@@ -119,6 +119,7 @@ class StepDataset(torch.utils.data.Dataset):
         seed: int,
         profile: str | None = None,
         activation_checkpointing: bool = True,
+        adaptive_checkpointing: bool = False,
         sequences: list[dict] | None = None,
         plan: dict | None = None,
         data_ranks: int | None = None,
@@ -132,6 +133,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.profile = profile
         self.activation_checkpointing = activation_checkpointing
+        self.adaptive_checkpointing = adaptive_checkpointing
         self.sequences = sequences
         self.fixed_plan = plan
         self.data_ranks = data_ranks or num_ranks
@@ -147,6 +149,7 @@ class StepDataset(torch.utils.data.Dataset):
                 self.gpus_per_node,
                 self.profile,
                 activation_checkpointing=self.activation_checkpointing,
+                adaptive_checkpointing=self.adaptive_checkpointing,
             )
             recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
             latents = SyntheticLatents(
