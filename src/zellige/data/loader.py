@@ -101,8 +101,11 @@ class StepDataset(torch.utils.data.Dataset):
     """Map-style: item `step` is this rank's StepData for that step.
 
     `sequences` fixes the batch of every step (a Batch JSON object's "sequences"), for tests;
-    otherwise each step's batch comes from the recipe with seed (seed, step). `plan` (a Plan JSON
-    object) replaces the planner, for tests that need a particular placement.
+    otherwise each step's batch comes from the recipe with seed (seed, step), drawn for
+    `data_ranks` loader ranks (default num_ranks). A run resumed on another number of ranks keeps
+    its data_ranks, so its steps see the same batches; their sequences are then loaded round
+    robin by the num_ranks ranks. `plan` (a Plan JSON object) replaces the planner, for tests
+    that need a particular placement.
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class StepDataset(torch.utils.data.Dataset):
         adaptive_checkpointing: bool = False,
         sequences: list[dict] | None = None,
         plan: dict | None = None,
+        data_ranks: int | None = None,
     ) -> None:
         self.model = model
         self.recipe_name = recipe
@@ -133,6 +137,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.adaptive_checkpointing = adaptive_checkpointing
         self.sequences = sequences
         self.fixed_plan = plan
+        self.data_ranks = data_ranks or num_ranks
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
@@ -164,7 +169,13 @@ class StepDataset(torch.utils.data.Dataset):
         spec, _, recipe, _ = self._planning_state()
         if self.sequences is not None:
             return zellige.batch_from_dict({"sequences": self.sequences}, num_ranks=self.num_ranks)
-        return zellige.generate_batch(recipe, self.num_ranks, _step_seed(self.seed, step))
+        batch = zellige.generate_batch(recipe, self.data_ranks, _step_seed(self.seed, step))
+        if self.data_ranks == self.num_ranks:
+            return batch
+        data = zellige.batch_to_dict(batch)
+        for index, sequence in enumerate(data["sequences"]):
+            sequence["source_rank"] = index % self.num_ranks
+        return zellige.batch_from_dict(data, num_ranks=self.num_ranks)
 
     def __len__(self) -> int:
         return 2**62
