@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from zellige import _core
+from zellige._files import write_output
 from zellige._json import (
     parse_json,
     read_text,
@@ -21,6 +22,7 @@ from zellige._json import (
     require_number,
     require_object,
     require_str,
+    shown,
 )
 
 _PLAN_FIELDS = ("planner", "num_ranks", "placements", "predicted", "plan_ms", "note", "context")
@@ -47,20 +49,30 @@ def plan_to_dict(plan: _core.Plan) -> dict:
     }
 
 
-def _int_list(obj: dict, key: str, where: str) -> list[int]:
+def _rank_list(obj: dict, key: str, where: str) -> list[int]:
     values = require_list(obj, key, where)
+    if len(values) > _core.MAX_GPUS:
+        raise ValueError(f"{where}: '{key}' lists more than {_core.MAX_GPUS} ranks (the limit)")
     for value in values:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{where}: '{key}' must hold integers, got {json.dumps(value)}")
+            raise ValueError(f"{where}: '{key}' must hold integers, got {shown(value)}")
+        if not 0 <= value < _core.MAX_GPUS:
+            raise ValueError(
+                f"{where}: rank {shown(value)} is outside [0, {_core.MAX_GPUS}) (the GPU limit)"
+            )
     return values
 
 
 def _number_list(obj: dict, key: str, where: str) -> list[float]:
     values = require_list(obj, key, where, [])
+    if len(values) > _core.MAX_GPUS:
+        raise ValueError(f"{where}: '{key}' has more than {_core.MAX_GPUS} entries (the limit)")
+    numbers = []
     for value in values:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{where}: '{key}' must hold numbers, got {json.dumps(value)}")
-    return [float(v) for v in values]
+            raise ValueError(f"{where}: '{key}' must hold numbers, got {shown(value)}")
+        numbers.append(require_number({key: value}, key, where))  # finite
+    return numbers
 
 
 def _placement_from_dict(raw: Any, index: int) -> _core.Placement:
@@ -70,7 +82,7 @@ def _placement_from_dict(raw: Any, index: int) -> _core.Placement:
     reject_unknown(entry, _PLACEMENT_FIELDS, where)
     name = require_str(entry, "strategy", where)
     strategy, ulysses_degree, ring_degree = _core.parse_strategy(name)
-    ranks = _int_list(entry, "ranks", where)
+    ranks = _rank_list(entry, "ranks", where)
     placement = _core.make_placement(seq_id, strategy, ranks, ulysses_degree)
     if strategy == _core.Strategy.hybrid and placement.ring_degree != ring_degree:
         raise ValueError(f"{where}: strategy {name} does not match its {len(ranks)} ranks")
@@ -83,14 +95,16 @@ def plan_from_dict(data: Any) -> _core.Plan:
     reject_unknown(data, _PLAN_FIELDS, "plan")
     plan = _core.Plan(
         planner=require_str(data, "planner", "plan"),
-        num_ranks=require_int(data, "num_ranks", "plan"),
+        num_ranks=require_int(data, "num_ranks", "plan", low=1, high=_core.MAX_GPUS),
         plan_ms=require_number(data, "plan_ms", "plan", 0.0),
         note=require_str(data, "note", "plan", ""),
     )
-    plan.placements = [
-        _placement_from_dict(raw, i)
-        for i, raw in enumerate(require_list(data, "placements", "plan"))
-    ]
+    raw_placements = require_list(data, "placements", "plan")
+    if len(raw_placements) > _core.MAX_BATCH_SEQUENCES:
+        raise ValueError(
+            f"plan: more than {_core.MAX_BATCH_SEQUENCES:,} placements (the sequence limit)"
+        )
+    plan.placements = [_placement_from_dict(raw, i) for i, raw in enumerate(raw_placements)]
     if "predicted" in data:
         raw = require_object(data["predicted"], "plan predicted")
         reject_unknown(raw, _PREDICTED_FIELDS, "plan predicted")
@@ -103,8 +117,9 @@ def plan_from_dict(data: Any) -> _core.Plan:
 
 
 def plan_to_json(plan: _core.Plan, indent: int | None = None) -> str:
-    """Plan JSON; Python's float repr makes every float round-trip exactly."""
-    return json.dumps(plan_to_dict(plan), indent=indent)
+    """Plan JSON; Python's float repr makes every float round-trip exactly. A non-finite number
+    (which JSON cannot hold) raises ValueError instead of writing NaN or Infinity."""
+    return json.dumps(plan_to_dict(plan), indent=indent, allow_nan=False)
 
 
 def plan_from_json(text: str, source: str = "plan") -> _core.Plan:
@@ -132,10 +147,12 @@ def load_plan_with_context(path: str | Path) -> tuple[_core.Plan, dict]:
 
 
 def save_plan(plan: _core.Plan, path: str | Path, context: dict | None = None) -> None:
+    """Writes Plan JSON (with `context`, if given) atomically: a temporary file renamed over
+    `path`."""
     data = plan_to_dict(plan)
     if context is not None:
         data["context"] = context
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    write_output(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
 _core.Plan.to_json = plan_to_json
