@@ -24,6 +24,7 @@ from zellige._json import (
     require_str,
     shown,
 )
+from zellige.workload import batch_fingerprint
 
 _PLAN_FIELDS = ("planner", "num_ranks", "placements", "predicted", "plan_ms", "note", "context")
 _PLACEMENT_FIELDS = ("id", "strategy", "ranks")
@@ -144,6 +145,24 @@ def load_plan_with_context(path: str | Path) -> tuple[_core.Plan, dict]:
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return plan, context
+
+
+def require_plan_for_batch(plan: _core.Plan, context: dict, batch: _core.Batch, where: str) -> None:
+    """Raises ValueError "this plan is not for this batch" when the plan file records another
+    batch's fingerprint (plans written by `zellige plan` do), or, for a plan without one, when
+    its placements do not cover the batch's sequences."""
+    recorded = context.get("batch_fingerprint")
+    if recorded is not None and recorded != batch_fingerprint(batch):
+        raise ValueError(
+            f"{where}: this plan is not for this batch (it was made for batch {str(recorded)[:40]}"
+            f", this one is {batch_fingerprint(batch)}); give the --workload and --seed, or the "
+            "--batch, it was made with"
+        )
+    placed = {p.sequence_id for p in plan.placements}
+    if recorded is None and placed != {s.id for s in batch.sequences}:
+        raise ValueError(
+            f"{where}: this plan is not for this batch (its placements name other sequences)"
+        )
 
 
 def save_plan(plan: _core.Plan, path: str | Path, context: dict | None = None) -> None:

@@ -12,8 +12,8 @@ from zellige._json import require_int, require_str
 from zellige.api import Setup, lower_bound, make_setup, require_finite
 from zellige.commands._args import SEED_MAX, int_in
 from zellige.commands._inputs import add_cluster_arguments
-from zellige.plan_io import load_plan_with_context
-from zellige.workload import batch_fingerprint, batch_from_dict, load_batch, recipe_names
+from zellige.plan_io import load_plan_with_context, require_plan_for_batch
+from zellige.workload import batch_from_dict, load_batch, recipe_names
 
 BAR_COLUMNS = 40
 LINE_COLUMNS = 120
@@ -87,24 +87,6 @@ def setup_for_plan(args: argparse.Namespace, plan: _core.Plan, context: dict) ->
     )
     require_plan_for_batch(plan, context, setup.batch, str(args.plan))
     return setup
-
-
-def require_plan_for_batch(plan: _core.Plan, context: dict, batch: _core.Batch, where: str):
-    """Raises ValueError "this plan is not for this batch" when the plan file records another
-    batch's fingerprint (plans written by `zellige plan` do), or, for a plan without one, when
-    its placements do not cover the batch's sequences."""
-    recorded = context.get("batch_fingerprint")
-    if recorded is not None and recorded != batch_fingerprint(batch):
-        raise ValueError(
-            f"{where}: this plan is not for this batch (it was made for batch {str(recorded)[:40]}"
-            f", this one is {batch_fingerprint(batch)}); give the --workload and --seed, or the "
-            "--batch, it was made with"
-        )
-    placed = {p.sequence_id for p in plan.placements}
-    if recorded is None and placed != {s.id for s in batch.sequences}:
-        raise ValueError(
-            f"{where}: this plan is not for this batch (its placements name other sequences)"
-        )
 
 
 def placement_label(placement: _core.Placement) -> str:
