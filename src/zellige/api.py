@@ -125,6 +125,8 @@ def run_planner(setup: Setup, planner: str, seed: int = 0) -> _core.Plan:
         try:
             result = _core.make_plan(planner, setup.batch, setup.cost_model, options)
         except _core.PlanMemoryError as error:
+            # A profile that predicts inf makes a planner's memory search fail: say the cause.
+            lower_bound(setup)
             if str(error):
                 raise
             # A planner whose every candidate has an inf or NaN time ends without a reason.
