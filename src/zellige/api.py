@@ -43,6 +43,13 @@ class CompareRow:
     error: str | None = None
 
 
+def _require_int_in(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
 def make_setup(
     batch_or_workload: str | _core.Batch,
     gpus: int,
@@ -56,6 +63,10 @@ def make_setup(
     """Resolves a workload name (generated for `gpus` ranks with `seed`) or a Batch, the model
     (default: the workload's own; required with a Batch), the profile (default: built-in H200)
     and the cluster into a Setup. Raises ValueError for any unknown name or invalid value."""
+    # The documented limits, checked before any int reaches the core (where one beyond int64
+    # would be a TypeError, and a huge one a minutes-long allocation).
+    _require_int_in("gpus", gpus, 1, _core.MAX_GPUS)
+    _require_int_in("seed", seed, 0, (1 << 63) - 1)
     workload = None
     if isinstance(batch_or_workload, str):
         workload = batch_or_workload

@@ -2,7 +2,8 @@
 
 Importing this module also gives `_core.Plan` its `to_json()` and `Plan.from_json(text)`.
 A plan file may carry a "context" object (what the CLI needs to rebuild the plan's batch and cost
-model: model, cluster, workload + seed or the batch itself); the Plan ignores it.
+model: model, cluster, workload + seed or the batch itself, and the batch's fingerprint, so that
+`show` and `check` refuse the plan for any other batch); the Plan ignores it.
 """
 
 from __future__ import annotations
