@@ -3,19 +3,23 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
-#include <sstream>
+#include <cstdio>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
-#include <stdexcept>
 
 namespace zellige {
 namespace {
 
+std::string number_text(double value) {  // %g, without iostreams (see test_core_sources.py)
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", value);
+  return text;
+}
+
 std::string range_text(double low, double high) {
-  std::ostringstream out;
-  out << "[" << low << ", " << high << "]";
-  return out.str();
+  return "[" + number_text(low) + ", " + number_text(high) + "]";
 }
 
 // "[i]", built by appending: `"[" + std::to_string(i) + "]"` draws a false -Wrestrict warning
@@ -27,11 +31,6 @@ std::string index_text(size_t i) {
   return text;
 }
 
-std::string number_text(double value) {
-  std::ostringstream out;
-  out << value;
-  return out.str();
-}
 
 void require_in(double value, double low, double high, const std::string& what) {
   if (!(value >= low && value <= high)) {  // NaN fails too

@@ -456,3 +456,14 @@ def test_help_lists_the_workloads(command):
     text = "".join(result.stdout.split())  # argparse may wrap a name at its hyphens
     for name in ("opensora2-stage2", "wan-stage3", "knapformer-mixed-images"):
         assert name in text
+
+
+# ---- the Python API refuses the same limits with a ValueError (no nanobind TypeError) ----
+
+
+@pytest.mark.parametrize("gpus, seed", [(2**63, 0), (1_000_000, 0), (8, -1), (8, 2**64)])
+def test_the_api_refuses_gpus_and_seeds_beyond_the_limits(gpus, seed):
+    import zellige
+
+    with pytest.raises(ValueError, match="gpus|seed"):
+        zellige.plan("wan-stage1", gpus, seed=seed)
