@@ -148,10 +148,14 @@ def load_plan_with_context(path: str | Path) -> tuple[_core.Plan, dict]:
     return plan, context
 
 
-def require_plan_for_batch(plan: _core.Plan, context: dict, batch: _core.Batch, where: str) -> None:
-    """Raises ValueError "this plan is not for this batch" when the plan file records another
-    batch's fingerprint (plans written by `zellige plan` do), or, for a plan without one, when
-    its placements do not cover the batch's sequences."""
+def require_plan_for_batch(
+    plan: _core.Plan, context: dict, batch: _core.Batch, num_ranks: int, where: str
+) -> None:
+    """Raises ValueError when the plan is for another number of ranks, or "this plan is not for
+    this batch" when the plan file records another batch's fingerprint (plans written by
+    `zellige plan` do) or, for a plan without one, when its placements name other sequences."""
+    if plan.num_ranks != num_ranks:
+        raise ValueError(f"{where}: the plan is for {plan.num_ranks} ranks, not {num_ranks}")
     recorded = context.get("batch_fingerprint")
     if recorded is not None and recorded != batch_fingerprint(batch):
         raise ValueError(

@@ -98,7 +98,7 @@ def _batch_and_plan(args: argparse.Namespace) -> tuple[_core.Batch, _core.Plan, 
     setup = setup_from_args(args)
     if args.plan is not None:
         plan, context = load_plan_with_context(args.plan)
-        require_plan_for_batch(plan, context, setup.batch, args.plan)
+        require_plan_for_batch(plan, context, setup.batch, args.nproc, args.plan)
         return setup.batch, plan, setup.model_name, f"plan file {args.plan}"
     plan = run_planner(setup, args.planner, args.seed or 0)
     return setup.batch, plan, setup.model_name, args.planner

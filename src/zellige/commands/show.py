@@ -85,7 +85,7 @@ def setup_for_plan(args: argparse.Namespace, plan: _core.Plan, context: dict) ->
         seed=flag_or_context(args.seed, require_int, "seed", 0),
         links=flag_or_context(args.links, require_str, "links", "nvlink"),
     )
-    require_plan_for_batch(plan, context, setup.batch, str(args.plan))
+    require_plan_for_batch(plan, context, setup.batch, plan.num_ranks, str(args.plan))
     return setup
 
 
