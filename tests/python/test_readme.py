@@ -30,6 +30,7 @@ class Block:
     arg: str  # the file name of a `file` block
     text: str
     line: int
+    language: str = "bash"  # of a `run` block: bash commands, or one python program
 
 
 def marked_blocks(readme: str) -> list[Block]:
@@ -42,7 +43,9 @@ def marked_blocks(readme: str) -> list[Block]:
                 j += 1
             assert lines[j].startswith("```"), f"README line {i + 1}: marker not before a block"
             end = lines.index("```", j + 1)
-            blocks.append(Block(marker[1], marker[2], "\n".join(lines[j + 1 : end]), i + 1))
+            text = "\n".join(lines[j + 1 : end])
+            language = lines[j][3:].strip() or "bash"
+            blocks.append(Block(marker[1], marker[2], text, i + 1, language))
             i = end
         i += 1
     return blocks
@@ -78,31 +81,36 @@ def test_the_readme_marks_the_cpu_commands():
         assert command in text
     # Every command of a marked block runs from the venv, as the README tells a newcomer to.
     for block in README_BLOCKS:
-        if block.kind == "run":
+        if block.kind == "run" and block.language == "bash":
             for command in commands(block.text):
                 assert command.startswith(".venv/bin/"), command
 
 
 def test_readme_commands_run_as_written(tmp_path):
     venv_bin, env = environment()
+
+    def run(command: str) -> str:
+        result = subprocess.run(
+            command.replace(".venv/bin/", venv_bin),
+            shell=True,
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr)
+        return result.stdout
+
     last_output = None
     for block in README_BLOCKS:
         if block.kind == "file":
             (tmp_path / block.arg).write_text(block.text + "\n")
+        elif block.kind == "run" and block.language == "python":
+            (tmp_path / "readme_block.py").write_text(block.text + "\n")
+            last_output = run(".venv/bin/python readme_block.py")
         elif block.kind == "run":
-            last_output = ""
-            for command in commands(block.text):
-                result = subprocess.run(
-                    command.replace(".venv/bin/", venv_bin),
-                    shell=True,
-                    cwd=tmp_path,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=600,
-                )
-                assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr)
-                last_output += result.stdout
+            last_output = "".join(run(command) for command in commands(block.text))
         else:
             assert last_output is not None, f"README line {block.line}: output before any run"
             shown = [WALL_TIME_COLUMN.sub("", line) for line in block.text.splitlines()]
