@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"zellige.commands.{module_name}")
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # --help, or a usage error argparse has already printed
+        return 0 if exit_request.code is None else int(exit_request.code)
     module = importlib.import_module(f"zellige.commands.{COMMANDS[args.command][0]}")
     try:
         return module.run(args)

@@ -23,7 +23,8 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}") from None
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {text[:40]}")
+            allowed = f"a positive integer <= {high}" if low == 1 else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text[:40]}")
         return value
 
     parse.__name__ = "integer"  # argparse names the type in its own messages
