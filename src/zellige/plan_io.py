@@ -66,6 +66,19 @@ def _rank_list(obj: dict, key: str, where: str) -> list[int]:
     return values
 
 
+def _int_list(obj: dict, key: str, where: str) -> list[int]:
+    """A per-rank list of counts: at most MAX_GPUS integers in [0, 2^31)."""
+    values = require_list(obj, key, where)
+    if len(values) > _core.MAX_GPUS:
+        raise ValueError(f"{where}: '{key}' has more than {_core.MAX_GPUS} entries (the limit)")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: '{key}' must hold integers, got {shown(value)}")
+        if not 0 <= value < 1 << 31:
+            raise ValueError(f"{where}: '{key}' holds {shown(value)}, outside [0, 2^31)")
+    return values
+
+
 def _number_list(obj: dict, key: str, where: str) -> list[float]:
     values = require_list(obj, key, where, [])
     if len(values) > _core.MAX_GPUS:
