@@ -168,7 +168,7 @@ def test_profile_command_refuses_zero_repeats(tmp_path, capsys):
     from zellige.cli import main
 
     assert main(["profile", "--quick", "--repeats", "0", "--out", str(tmp_path / "p.json")]) == 2
-    assert "--repeats must be at least 1" in capsys.readouterr().err
+    assert "--repeats: must be a positive integer <= 1000, got 0" in capsys.readouterr().err
 
 
 def test_quick_profile_writes_a_valid_measured_profile(tmp_path):

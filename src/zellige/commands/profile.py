@@ -7,9 +7,17 @@ import json
 import sys
 from pathlib import Path
 
+from zellige._files import check_outputs, write_output
+from zellige.commands._args import int_in
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, type=Path, help="profile JSON to write")
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="profile JSON to write (checked before measuring; written atomically)",
+    )
     parser.add_argument(
         "--model",
         help="model preset whose per-token layers and memory are measured (default wan-14b; "
@@ -30,7 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--base", help="profile JSON that --memory-only starts from")
     parser.add_argument(
-        "--repeats", type=int, default=5, help="timed runs per point, median kept (default 5)"
+        "--repeats",
+        type=int_in(1, 1000),
+        default=5,
+        help="timed runs per point, median kept (default 5)",
     )
     parser.add_argument(
         "--attention-backend",
@@ -39,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    # Before measuring (minutes on a GPU): an output that cannot be written fails now.
+    check_outputs({"--out": args.out, "--details": args.details}, {"--base": args.base})
     import torch
 
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
@@ -66,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     profile = profile_from_dict(result.profile)  # the core validates what it will read
     save_profile(profile, args.out)
     if args.details:
-        args.details.write_text(json.dumps(result.details, indent=1) + "\n")
+        write_output(args.details, json.dumps(result.details, indent=1) + "\n")
     print(f"wrote {args.out} ({profile.device_name})")
     return 0
 
