@@ -713,8 +713,27 @@ double CostModel::makespan_floor(const Batch& batch, const Plan& plan,
       if (skips_recompute) other_s[rank] -= share.recompute_s + share.recompute_exchange_s;
     }
   }
+  return floor_of_totals(tokens, other_s);
+}
+
+void CostModel::floor_terms(const Sequence& sequence, const Placement& placement,
+                            EvaluationCache& cache, std::vector<FloorTerm>* terms) const {
+  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
+  const EvaluationCache::Entry& entry = cached_terms(sequence, placement, cache);
+  terms->resize(entry.shares.size());
+  for (size_t k = 0; k < entry.shares.size(); ++k) {
+    const RankShare& share = entry.shares[k];
+    (*terms)[k].tokens = share.tokens;
+    (*terms)[k].added_s = share.attention_s + share.exchange_s - entry.call_excess_s[k];
+    (*terms)[k].skipped_s = skips_recompute ? share.recompute_s + share.recompute_exchange_s : 0.0;
+  }
+}
+
+double CostModel::floor_of_totals(const std::vector<int64_t>& tokens,
+                                  const std::vector<double>& other_s) const {
+  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
   double floor_s = 0;
-  for (int64_t rank = 0; rank < num_ranks; ++rank) {
+  for (size_t rank = 0; rank < tokens.size(); ++rank) {
     const double linear_s = linear_time_s(tokens[rank]) -
                             (skips_recompute ? linear_recompute_s(tokens[rank]) : 0.0);
     floor_s = std::max(floor_s, linear_s + other_s[rank]);

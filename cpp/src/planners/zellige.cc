@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "rank_loads.h"
 #include "registry.h"
 #include "zellige/planners.h"
 
@@ -55,6 +56,8 @@ std::string shortest(double value) {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // Baseline plans (besides the sweep's) that start a local search of their own.
 constexpr size_t kBaselineStarts = 1;
+// The KnapFormer gamma of the covered specs (make_plan's default: covered_baselines names none).
+constexpr double kCoveredKnapformerGamma = 0.4;
 // Among plans within this fraction of the fastest, the one with the lowest peak memory wins.
 constexpr double kMemoryTieBreak = 0.005;
 // A move must lower the busiest rank by more than this fraction, so float noise cannot cycle.
@@ -283,6 +286,8 @@ class ZelligePlanner {
 
   void prepare();
   double floor_bound(const std::string& baseline);
+  bool aligned_group(int64_t size, int64_t first_rank) const;
+  double bags_floor(const planners::KnapformerBags& bags);
   double group_floor_rank_seconds(int32_t sequence, int64_t group_size);
   const ShapeChoice& shape_at(int32_t sequence, int64_t degree);
   int64_t degree_for(int32_t sequence, double target_s);
@@ -352,6 +357,10 @@ class ZelligePlanner {
   std::vector<RankShare> best_shares_;
   // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
   std::unordered_map<int64_t, std::vector<double>> group_floor_s_;
+  // bags_floor's memo: per bag size, per shape key, makespan_floor's terms by position.
+  std::unordered_map<int64_t, std::vector<std::vector<CostModel::FloorTerm>>> bag_floor_terms_;
+  std::vector<int64_t> floor_tokens_;
+  std::vector<double> floor_other_s_;
 };
 
 void ZelligePlanner::prepare() {
@@ -472,10 +481,7 @@ double ZelligePlanner::group_floor_rank_seconds(int32_t sequence, int64_t group_
 // floor is at least the mean over ranks. Whichever ranks the policy picks, this holds.
 double ZelligePlanner::floor_bound(const std::string& baseline) {
   std::vector<int64_t> sizes;
-  auto aligned = [&](int64_t size, int64_t first_rank) {
-    if (size <= gpus_per_node_) return gpus_per_node_ % size == 0 && first_rank % size == 0;
-    return size % gpus_per_node_ == 0 && first_rank % gpus_per_node_ == 0;
-  };
+  auto aligned = [&](int64_t size, int64_t first_rank) { return aligned_group(size, first_rank); };
   if (baseline == "dp-tokens" || baseline == "dp-cost") {
     sizes = {1};
   } else if (baseline.rfind("static-cp:", 0) == 0) {
@@ -518,6 +524,45 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
   if (sizes.size() == 1 && sizes[0] == 1 && smallest_s >= 0) bound_s = std::max(bound_s, largest_s);
   // Summed in another order than makespan_floor's: keep clear of rounding.
   return bound_s * (1 - 1e-9);
+}
+
+// Whether `size` consecutive ranks from `first_rank` have the node pattern of ranks 0..size-1.
+bool ZelligePlanner::aligned_group(int64_t size, int64_t first_rank) const {
+  if (size <= gpus_per_node_) return gpus_per_node_ % size == 0 && first_rank % size == 0;
+  return size % gpus_per_node_ == 0 && first_rank % gpus_per_node_ == 0;
+}
+
+// makespan_floor of knapformer_plan(bags), bit for bit (the same terms added to the same ranks in
+// the same order), without building the plan; -1 when a bag is not node-aligned.
+double ZelligePlanner::bags_floor(const planners::KnapformerBags& bags) {
+  for (size_t b = 0; b < bags.size.size(); ++b) {
+    if (!aligned_group(bags.size[b], bags.first_rank[b])) return -1;
+  }
+  floor_tokens_.assign(num_ranks_, 0);
+  floor_other_s_.assign(num_ranks_, 0.0);
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    const int64_t bag = bags.of_sequence[i];
+    const int64_t size = bags.size[bag];
+    std::vector<std::vector<CostModel::FloorTerm>>& memo = bag_floor_terms_[size];
+    if (memo.empty()) memo.resize(num_sequences_);
+    std::vector<CostModel::FloorTerm>& terms = memo[shape_key_[i]];
+    if (terms.empty()) {
+      const Sequence& seq = batch_.sequences[i];
+      cost_model_.floor_terms(
+          seq,
+          make_placement(seq.id, size == 1 ? Strategy::kLocal : Strategy::kUlysses,
+                         planners::consecutive_ranks(0, size)),
+          cache_, &terms);
+    }
+    const int64_t first_rank = bags.first_rank[bag];
+    for (size_t k = 0; k < terms.size(); ++k) {
+      const int64_t rank = first_rank + static_cast<int64_t>(k);
+      floor_tokens_[rank] += terms[k].tokens;
+      floor_other_s_[rank] += terms[k].added_s;
+      if (terms[k].skipped_s != 0) floor_other_s_[rank] -= terms[k].skipped_s;
+    }
+  }
+  return cost_model_.floor_of_totals(floor_tokens_, floor_other_s_);
 }
 
 const ShapeChoice& ZelligePlanner::shape_at(int32_t sequence, int64_t degree) {
@@ -1331,6 +1376,7 @@ Plan ZelligePlanner::run() {
   const double skip_above_s = std::max(sweep_s, best_s * (1 + kMemoryTieBreak));
   std::vector<Seed> seeds;
   int64_t skipped = 0;
+  planners::KnapformerWork knapformer_work;  // shared by every KnapFormer spec
   for (const std::string& name : covered_baselines(batch_, cost_model_)) {
     const double bound_s = std::isfinite(skip_above_s) ? floor_bound(name) : 0.0;
     if (bound_s > skip_above_s) {
@@ -1339,6 +1385,25 @@ Plan ZelligePlanner::run() {
     }
     Seed seed;
     seed.name = name;
+    // KnapFormer's bags are chosen without the cost model: price them first, build the plan
+    // only if its floor leaves it a chance.
+    if (name.rfind("knapformer:", 0) == 0) {
+      const std::string spec = name.substr(11);
+      if (knapformer_work.work.empty()) {
+        knapformer_work = planners::knapformer_work(batch_, cost_model_, kCoveredKnapformerGamma);
+      }
+      const planners::KnapformerBags bags =
+          planners::knapformer_assign(batch_, cost_model_, spec, knapformer_work);
+      const double floor_s = bags_floor(bags);
+      if (floor_s > skip_above_s) {
+        ++skipped;
+        continue;
+      }
+      seed.plan = planners::knapformer_plan(batch_, cost_model_, spec, kCoveredKnapformerGamma, bags);
+      seed.floor_s = cost_model_.makespan_floor(batch_, seed.plan, cache_);
+      seeds.push_back(std::move(seed));
+      continue;
+    }
     try {
       seed.plan = planners::run_policy(name, batch_, cost_model_, options_, &cache_);
     } catch (const PlanMemoryError&) {
