@@ -359,6 +359,7 @@ class ZelligePlanner {
   std::unordered_map<int64_t, std::vector<double>> group_floor_s_;
   // bags_floor's memo: per bag size, per shape key, makespan_floor's terms by position.
   std::unordered_map<int64_t, std::vector<std::vector<CostModel::FloorTerm>>> bag_floor_terms_;
+  std::vector<std::vector<std::vector<CostModel::FloorTerm>>*> bag_memos_;
   std::vector<int64_t> floor_tokens_;
   std::vector<double> floor_other_s_;
 };
@@ -508,20 +509,23 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
   } else {
     return 0;  // megatron-dcp: sizes chosen per group; always built
   }
-  double total_s = 0, largest_s = 0, smallest_s = kInf;
+  // The mean over ranks; and the busiest group: a group's busiest rank is at least the mean of
+  // its ranks, so at least any one of its sequences' floor rank-seconds over the group size,
+  // when no sequence's is negative.
+  double total_s = 0, largest_per_rank_s = 0, smallest_s = kInf;
   for (int64_t i = 0; i < num_sequences_; ++i) {
-    double least_s = kInf;
+    double least_s = kInf, least_per_rank_s = kInf;
     for (int64_t size : sizes) {
-      least_s = std::min(least_s, group_floor_rank_seconds(static_cast<int32_t>(i), size));
+      const double rank_seconds = group_floor_rank_seconds(static_cast<int32_t>(i), size);
+      least_s = std::min(least_s, rank_seconds);
+      least_per_rank_s = std::min(least_per_rank_s, rank_seconds / static_cast<double>(size));
+      smallest_s = std::min(smallest_s, rank_seconds);
     }
     total_s += least_s;
-    largest_s = std::max(largest_s, least_s);
-    smallest_s = std::min(smallest_s, least_s);
+    largest_per_rank_s = std::max(largest_per_rank_s, least_per_rank_s);
   }
   double bound_s = total_s / static_cast<double>(num_ranks_);
-  // Whole sequences only: a rank holds at least one sequence's whole floor time, when no
-  // sequence's is negative.
-  if (sizes.size() == 1 && sizes[0] == 1 && smallest_s >= 0) bound_s = std::max(bound_s, largest_s);
+  if (smallest_s >= 0) bound_s = std::max(bound_s, largest_per_rank_s);
   // Summed in another order than makespan_floor's: keep clear of rounding.
   return bound_s * (1 - 1e-9);
 }
@@ -540,12 +544,17 @@ double ZelligePlanner::bags_floor(const planners::KnapformerBags& bags) {
   }
   floor_tokens_.assign(num_ranks_, 0);
   floor_other_s_.assign(num_ranks_, 0.0);
+  // Per bag, its size's memo (one hash lookup per bag, none per sequence).
+  bag_memos_.resize(bags.size.size());
+  for (size_t b = 0; b < bags.size.size(); ++b) {
+    std::vector<std::vector<CostModel::FloorTerm>>& memo = bag_floor_terms_[bags.size[b]];
+    if (memo.empty()) memo.resize(num_sequences_);
+    bag_memos_[b] = &memo;
+  }
   for (int64_t i = 0; i < num_sequences_; ++i) {
     const int64_t bag = bags.of_sequence[i];
     const int64_t size = bags.size[bag];
-    std::vector<std::vector<CostModel::FloorTerm>>& memo = bag_floor_terms_[size];
-    if (memo.empty()) memo.resize(num_sequences_);
-    std::vector<CostModel::FloorTerm>& terms = memo[shape_key_[i]];
+    std::vector<CostModel::FloorTerm>& terms = (*bag_memos_[bag])[shape_key_[i]];
     if (terms.empty()) {
       const Sequence& seq = batch_.sequences[i];
       cost_model_.floor_terms(
