@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -357,6 +358,7 @@ class ZelligePlanner {
   std::vector<RankShare> best_shares_;
   // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
   std::unordered_map<int64_t, std::vector<double>> group_floor_s_;
+  std::map<std::vector<int64_t>, double> floor_bound_of_sizes_;  // floor_bound's results
   // bags_floor's memo: per bag size, per shape key, makespan_floor's terms by position.
   std::unordered_map<int64_t, std::vector<std::vector<CostModel::FloorTerm>>> bag_floor_terms_;
   std::vector<std::vector<std::vector<CostModel::FloorTerm>>*> bag_memos_;
@@ -509,6 +511,11 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
   } else {
     return 0;  // megatron-dcp: sizes chosen per group; always built
   }
+  // The bound depends on the sizes only (dp-tokens, dp-cost, static-cp:1 and knapformer:g1nN
+  // share one, static-cp:C and knapformer:gCnN another, mixed specs their smallest sizes').
+  std::sort(sizes.begin(), sizes.end());
+  const auto [known, inserted] = floor_bound_of_sizes_.try_emplace(sizes, 0.0);
+  if (!inserted) return known->second;
   // The mean over ranks; and the busiest group: a group's busiest rank is at least the mean of
   // its ranks, so at least any one of its sequences' floor rank-seconds over the group size,
   // when no sequence's is negative.
@@ -527,7 +534,8 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
   double bound_s = total_s / static_cast<double>(num_ranks_);
   if (smallest_s >= 0) bound_s = std::max(bound_s, largest_per_rank_s);
   // Summed in another order than makespan_floor's: keep clear of rounding.
-  return bound_s * (1 - 1e-9);
+  known->second = bound_s * (1 - 1e-9);
+  return known->second;
 }
 
 // Whether `size` consecutive ranks from `first_rank` have the node pattern of ranks 0..size-1.
