@@ -8,7 +8,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed as dist
 from test_train import _built, _torchrun
+
+from zellige.runtime import layout, verify
 
 CANARY_READS = [
     "aten._local_scalar_dense.default",  # .item()
@@ -43,3 +48,27 @@ def test_a_rank_without_tokens_reads_nothing_back(tmp_path: Path) -> None:
     records = _reads(tmp_path, "single", ["dp-cost"])
     for rank, reads in enumerate(records["dp-cost"]):
         assert reads == [], f"rank {rank}: the step read tensors back: {reads}"
+
+
+def test_on_cuda_the_ranks_agree_over_host_tensors(monkeypatch) -> None:
+    """load_step's status exchange under an NCCL world (faked: this machine has no GPU) goes over
+    a gloo twin of the world with host tensors, made once per world, and still raises a rank's
+    error on every rank."""
+    verify.init_process_group(0, 1, verify.free_port(), "cpu")
+    try:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        cuda = torch.device("cuda", 0)
+        twin, status_device = layout._status_group(None, cuda)
+        assert status_device.type == "cpu" and twin is not dist.group.WORLD
+        assert layout._status_group(None, cuda)[0] is twin
+        layout._agree_on_status(None, 7, None, cuda)
+        with pytest.raises(ValueError, match="the loader failed"):
+            layout._agree_on_status("the loader failed", 7, None, cuda)
+    finally:
+        dist.destroy_process_group()
+    verify.init_process_group(0, 1, verify.free_port(), "cpu")
+    try:  # a new world gets a new twin
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        assert layout._status_group(None, torch.device("cuda", 0))[0] is not twin
+    finally:
+        dist.destroy_process_group()
