@@ -433,9 +433,9 @@ def solve_joint(
 
 
 # CPU seconds of one zellige plan per sequence, with the rank count's share on top (x (1 + ranks /
-# 4096)): measured 20-25 us a sequence at 1024-4096 GPUs on opensora2 batches
-# (bench/results/planning_time_cpu2_202612.md), so this keeps a margin of about two.
-_WARM_START_S_PER_SEQUENCE = 40e-6
+# 4096)): bench/results/planning_time_cpu2_202612.md measures 35 ms for 4096 sequences at 1024
+# GPUs, 436 ms for 36k at 4096 and 872 ms for 71k at 8192, so this keeps a margin of three to five.
+_WARM_START_S_PER_SEQUENCE = 20e-6
 # The share of time_limit_s the warm start may take.
 _WARM_START_SHARE = 0.25
 
