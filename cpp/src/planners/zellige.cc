@@ -236,7 +236,8 @@ void erase_value(std::vector<int32_t>* values, int32_t value) {
 
 class ZelligePlanner {
  public:
-  ZelligePlanner(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options)
+  ZelligePlanner(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options,
+                 EvaluationCache& cache)
       : batch_(batch),
         cost_model_(cost_model),
         options_(options),
@@ -244,7 +245,8 @@ class ZelligePlanner {
         gpus_per_node_(cost_model.cluster().gpus_per_node),
         num_nodes_(cost_model.cluster().num_nodes),
         num_heads_(cost_model.model().num_heads),
-        num_sequences_(static_cast<int64_t>(batch.sequences.size())) {}
+        num_sequences_(static_cast<int64_t>(batch.sequences.size())),
+        cache_(cache) {}
 
   Plan run();
 
@@ -328,7 +330,8 @@ class ZelligePlanner {
   const int64_t num_ranks_, gpus_per_node_, num_nodes_, num_heads_, num_sequences_;
 
   bool exact_ = true;
-  EvaluationCache cache_;  // memoised shares and exact evaluation of this batch
+  // Memoised shares and exact evaluation of this batch; make_plan prices the result with it.
+  EvaluationCache& cache_;
   mutable std::vector<double> linear_grid_s_;  // -1: not computed yet
   double rate_s_per_token_ = 0;                // per-token layers at the mean token count per rank
   double free_bytes_ = 0;                      // memory capacity minus the fixed bytes, per rank
@@ -1506,8 +1509,19 @@ Plan ZelligePlanner::to_plan(const Solution& s) const {
 }  // namespace
 
 Plan plan_zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options) {
-  return ZelligePlanner(batch, cost_model, options).run();
+  EvaluationCache cache;
+  return ZelligePlanner(batch, cost_model, options, cache).run();
 }
+
+namespace planners {
+
+Plan zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options,
+             EvaluationCache* cache) {
+  if (cache == nullptr) return plan_zellige(batch, cost_model, options);
+  return ZelligePlanner(batch, cost_model, options, *cache).run();
+}
+
+}  // namespace planners
 
 // Node-aligned windows of `degree` consecutive ranks, spread over nodes first so that a cap keeps
 // variety: inside a node, offsets that are multiples of the degree come first; beyond a node,
