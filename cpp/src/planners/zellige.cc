@@ -362,7 +362,14 @@ class ZelligePlanner {
   std::vector<RankShare> best_shares_;
   // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
   std::unordered_map<int64_t, std::vector<double>> group_floor_s_;
-  std::map<std::vector<int64_t>, double> floor_bound_of_sizes_;  // floor_bound's results
+  // floor_bound's sums per set of sizes: the bound without KnapFormer's terms, and per size
+  // index the rank-seconds of the sequences that cannot enter smaller (up) or larger (down) bags.
+  struct SizesFloor {
+    double bound_s = 0;
+    std::vector<double> forced_up_s, forced_down_s;
+    bool shares_nonnegative = false;
+  };
+  std::map<std::vector<int64_t>, SizesFloor> floor_of_sizes_;
   // bags_floor's memo: per bag size, per shape key, makespan_floor's terms by position.
   std::unordered_map<int64_t, std::vector<std::vector<CostModel::FloorTerm>>> bag_floor_terms_;
   std::vector<std::vector<std::vector<CostModel::FloorTerm>>*> bag_memos_;
@@ -552,14 +559,11 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
   }
   // The bound depends on the sizes only (dp-tokens, dp-cost, static-cp:1 and knapformer:g1nN
   // share one, static-cp:C and knapformer:gCnN another; only mixed KnapFormer specs have several).
-  std::vector<int64_t> key = sizes;
-  std::sort(key.begin(), key.end());
-  if (knapformer) {  // sorted already; the bound below also depends on the bag counts
-    key.push_back(-1);
-    key.insert(key.end(), counts.begin(), counts.end());
-  }
-  const auto [known, inserted] = floor_bound_of_sizes_.try_emplace(key, 0.0);
-  if (!inserted) return known->second;
+  std::sort(sizes.begin(), sizes.end());  // KnapFormer's are sorted already (counts match)
+  const auto [known, inserted] = floor_of_sizes_.try_emplace(sizes);
+  SizesFloor& memo = known->second;
+  const size_t num_sizes = sizes.size();
+  if (inserted) {
   // The mean over ranks; and the busiest group: a group's busiest rank is at least the mean of
   // its ranks, so at least any one of its sequences' floor rank-seconds over the group size,
   // when no sequence's is negative.
@@ -573,9 +577,12 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
   // KnapFormer's terms also bound it: the sequences eligible only for sizes >= G (or <= G) all
   // land on the ranks of those terms, whose busiest rank is at least their mean, provided no
   // other sequence's share could lower a rank's floor (every share's floor term >= 0).
-  const size_t num_sizes = sizes.size();
-  std::vector<double> forced_up_s(num_sizes, 0.0), forced_down_s(num_sizes, 0.0);
-  bool shares_nonnegative = knapformer;
+  std::vector<double>& forced_up_s = memo.forced_up_s;
+  std::vector<double>& forced_down_s = memo.forced_down_s;
+  forced_up_s.assign(num_sizes, 0.0);
+  forced_down_s.assign(num_sizes, 0.0);
+  bool& shares_nonnegative = memo.shares_nonnegative;
+  shares_nonnegative = knapformer;
   double total_s = 0, largest_per_rank_s = 0, smallest_s = kInf;
   for (int64_t i = 0; i < num_sequences_; ++i) {
     double least_s = kInf, least_per_rank_s = kInf;
@@ -616,9 +623,13 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
     total_s += least_s;
     largest_per_rank_s = std::max(largest_per_rank_s, least_per_rank_s);
   }
-  double bound_s = total_s / static_cast<double>(num_ranks_);
-  if (smallest_s >= 0) bound_s = std::max(bound_s, largest_per_rank_s);
-  if (shares_nonnegative) {
+  memo.bound_s = total_s / static_cast<double>(num_ranks_);
+  if (smallest_s >= 0) memo.bound_s = std::max(memo.bound_s, largest_per_rank_s);
+  }  // inserted
+  double bound_s = memo.bound_s;
+  if (knapformer && memo.shares_nonnegative) {
+    const std::vector<double>& forced_up_s = memo.forced_up_s;
+    const std::vector<double>& forced_down_s = memo.forced_down_s;
     double up_s = 0, down_s = 0;
     int64_t up_ranks = 0, down_ranks = 0;
     for (size_t t = num_sizes; t-- > 1;) {  // sizes >= sizes[t]
@@ -633,8 +644,7 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
     }
   }
   // Summed in another order than makespan_floor's: keep clear of rounding.
-  known->second = bound_s * (1 - 1e-9);
-  return known->second;
+  return bound_s * (1 - 1e-9);
 }
 
 // Whether `size` consecutive ranks from `first_rank` have the node pattern of ranks 0..size-1.
