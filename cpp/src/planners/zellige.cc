@@ -583,6 +583,25 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
   forced_down_s.assign(num_sizes, 0.0);
   bool& shares_nonnegative = memo.shares_nonnegative;
   shares_nonnegative = knapformer;
+  // The memos by size, looked up once here rather than once per sequence (made by a first call).
+  if (num_sequences_ == 0) return 0;
+  std::vector<std::vector<double>*> group_memos(num_sizes), share_memos(num_sizes);
+  for (size_t t = 0; t < num_sizes; ++t) {
+    group_floor_rank_seconds(0, sizes[t]);
+    group_memos[t] = &group_floor_s_[sizes[t]];
+    if (knapformer) {
+      least_floor_share_s(0, sizes[t]);
+      share_memos[t] = &least_share_s_[sizes[t]];
+    }
+  }
+  auto rank_seconds_of = [&](int64_t i, size_t t) {
+    const double value = (*group_memos[t])[shape_key_[i]];
+    return std::isnan(value) ? group_floor_rank_seconds(static_cast<int32_t>(i), sizes[t]) : value;
+  };
+  auto least_share_of = [&](int64_t i, size_t t) {
+    const double value = (*share_memos[t])[shape_key_[i]];
+    return std::isnan(value) ? least_floor_share_s(static_cast<int32_t>(i), sizes[t]) : value;
+  };
   double total_s = 0, largest_per_rank_s = 0, smallest_s = kInf;
   for (int64_t i = 0; i < num_sequences_; ++i) {
     double least_s = kInf, least_per_rank_s = kInf;
@@ -597,24 +616,22 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
       if (knapformer) {
         lowest = std::min(lowest, t);
         highest = t;
-        shares_nonnegative =
-            shares_nonnegative && least_floor_share_s(static_cast<int32_t>(i), size) >= 0;
+        shares_nonnegative = shares_nonnegative && least_share_of(i, t) >= 0;
       }
       any_eligible = true;
-      const double rank_seconds = group_floor_rank_seconds(static_cast<int32_t>(i), size);
+      const double rank_seconds = rank_seconds_of(i, t);
       least_s = std::min(least_s, rank_seconds);
       least_per_rank_s = std::min(least_per_rank_s, rank_seconds / static_cast<double>(size));
       smallest_s = std::min(smallest_s, rank_seconds);
     }
     if (!any_eligible) {  // the fallback: the largest bags
       const int64_t size = sizes.back();
-      const double rank_seconds = group_floor_rank_seconds(static_cast<int32_t>(i), size);
+      const double rank_seconds = rank_seconds_of(i, num_sizes - 1);
       least_s = rank_seconds;
       least_per_rank_s = rank_seconds / static_cast<double>(size);
       smallest_s = std::min(smallest_s, rank_seconds);
       lowest = highest = num_sizes - 1;
-      shares_nonnegative =
-          shares_nonnegative && least_floor_share_s(static_cast<int32_t>(i), size) >= 0;
+      shares_nonnegative = shares_nonnegative && least_share_of(i, num_sizes - 1) >= 0;
     }
     if (knapformer) {
       forced_up_s[lowest] += least_s;
