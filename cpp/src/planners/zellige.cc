@@ -512,7 +512,8 @@ double ZelligePlanner::least_floor_share_s(int32_t sequence, int64_t size) {
   const double rate_s = cost_model_.min_floor_time_per_token_s();
   value = kInf;
   for (const CostModel::FloorTerm& term : scratch_terms_) {
-    value = std::min(value, rate_s * static_cast<double>(term.tokens) + term.added_s - term.skipped_s);
+    value = std::min(value,
+                     rate_s * static_cast<double>(term.tokens) + term.added_s - term.skipped_s);
   }
   return value;
 }
@@ -564,84 +565,85 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
   SizesFloor& memo = known->second;
   const size_t num_sizes = sizes.size();
   if (inserted) {
-  // The mean over ranks; and the busiest group: a group's busiest rank is at least the mean of
-  // its ranks, so at least any one of its sequences' floor rank-seconds over the group size,
-  // when no sequence's is negative.
-  // KnapFormer with several bag sizes puts a sequence only into bags it is eligible for
-  // (knapformer_assign: a bag of size g takes it when g ranks' share of the total work holds its
-  // work and it has at least g tokens), or into the largest bags when none is: only those sizes
-  // count for it. (With one size, every sequence gets that size anyway.)
-  const planners::KnapformerWork* work = knapformer ? &covered_knapformer_work() : nullptr;
-  const double capacity_per_gpu =
-      knapformer ? work->total_work / static_cast<double>(num_ranks_) : 0.0;
-  // KnapFormer's terms also bound it: the sequences eligible only for sizes >= G (or <= G) all
-  // land on the ranks of those terms, whose busiest rank is at least their mean, provided no
-  // other sequence's share could lower a rank's floor (every share's floor term >= 0).
-  std::vector<double>& forced_up_s = memo.forced_up_s;
-  std::vector<double>& forced_down_s = memo.forced_down_s;
-  forced_up_s.assign(num_sizes, 0.0);
-  forced_down_s.assign(num_sizes, 0.0);
-  bool& shares_nonnegative = memo.shares_nonnegative;
-  shares_nonnegative = knapformer;
-  // The memos by size, looked up once here rather than once per sequence (made by a first call).
-  if (num_sequences_ == 0) return 0;
-  std::vector<std::vector<double>*> group_memos(num_sizes), share_memos(num_sizes);
-  for (size_t t = 0; t < num_sizes; ++t) {
-    group_floor_rank_seconds(0, sizes[t]);
-    group_memos[t] = &group_floor_s_[sizes[t]];
-    if (knapformer) {
-      least_floor_share_s(0, sizes[t]);
-      share_memos[t] = &least_share_s_[sizes[t]];
-    }
-  }
-  auto rank_seconds_of = [&](int64_t i, size_t t) {
-    const double value = (*group_memos[t])[shape_key_[i]];
-    return std::isnan(value) ? group_floor_rank_seconds(static_cast<int32_t>(i), sizes[t]) : value;
-  };
-  auto least_share_of = [&](int64_t i, size_t t) {
-    const double value = (*share_memos[t])[shape_key_[i]];
-    return std::isnan(value) ? least_floor_share_s(static_cast<int32_t>(i), sizes[t]) : value;
-  };
-  double total_s = 0, largest_per_rank_s = 0, smallest_s = kInf;
-  for (int64_t i = 0; i < num_sequences_; ++i) {
-    double least_s = kInf, least_per_rank_s = kInf;
-    bool any_eligible = !knapformer;
-    size_t lowest = num_sizes, highest = 0;  // eligible size indices
+    // The mean over ranks; and the busiest group: a group's busiest rank is at least the mean of
+    // its ranks, so at least any one of its sequences' floor rank-seconds over the group size,
+    // when no sequence's is negative.
+    // KnapFormer with several bag sizes puts a sequence only into bags it is eligible for
+    // (knapformer_assign: a bag of size g takes it when g ranks' share of the total work holds its
+    // work and it has at least g tokens), or into the largest bags when none is: only those sizes
+    // count for it. (With one size, every sequence gets that size anyway.)
+    const planners::KnapformerWork* work = knapformer ? &covered_knapformer_work() : nullptr;
+    const double capacity_per_gpu =
+        knapformer ? work->total_work / static_cast<double>(num_ranks_) : 0.0;
+    // KnapFormer's terms also bound it: the sequences eligible only for sizes >= G (or <= G) all
+    // land on the ranks of those terms, whose busiest rank is at least their mean, provided no
+    // other sequence's share could lower a rank's floor (every share's floor term >= 0).
+    std::vector<double>& forced_up_s = memo.forced_up_s;
+    std::vector<double>& forced_down_s = memo.forced_down_s;
+    forced_up_s.assign(num_sizes, 0.0);
+    forced_down_s.assign(num_sizes, 0.0);
+    bool& shares_nonnegative = memo.shares_nonnegative;
+    shares_nonnegative = knapformer;
+    // The memos by size, looked up once here rather than once per sequence (made by a first call).
+    if (num_sequences_ == 0) return 0;
+    std::vector<std::vector<double>*> group_memos(num_sizes), share_memos(num_sizes);
     for (size_t t = 0; t < num_sizes; ++t) {
-      const int64_t size = sizes[t];
-      if (knapformer && !(capacity_per_gpu * static_cast<double>(size) >= work->work[i] &&
-                          batch_.sequences[i].num_tokens >= size)) {
-        continue;
+      group_floor_rank_seconds(0, sizes[t]);
+      group_memos[t] = &group_floor_s_[sizes[t]];
+      if (knapformer) {
+        least_floor_share_s(0, sizes[t]);
+        share_memos[t] = &least_share_s_[sizes[t]];
+      }
+    }
+    auto rank_seconds_of = [&](int64_t i, size_t t) {
+      const double value = (*group_memos[t])[shape_key_[i]];
+      return std::isnan(value) ? group_floor_rank_seconds(static_cast<int32_t>(i), sizes[t])
+                               : value;
+    };
+    auto least_share_of = [&](int64_t i, size_t t) {
+      const double value = (*share_memos[t])[shape_key_[i]];
+      return std::isnan(value) ? least_floor_share_s(static_cast<int32_t>(i), sizes[t]) : value;
+    };
+    double total_s = 0, largest_per_rank_s = 0, smallest_s = kInf;
+    for (int64_t i = 0; i < num_sequences_; ++i) {
+      double least_s = kInf, least_per_rank_s = kInf;
+      bool any_eligible = !knapformer;
+      size_t lowest = num_sizes, highest = 0;  // eligible size indices
+      for (size_t t = 0; t < num_sizes; ++t) {
+        const int64_t size = sizes[t];
+        if (knapformer && !(capacity_per_gpu * static_cast<double>(size) >= work->work[i] &&
+                            batch_.sequences[i].num_tokens >= size)) {
+          continue;
+        }
+        if (knapformer) {
+          lowest = std::min(lowest, t);
+          highest = t;
+          shares_nonnegative = shares_nonnegative && least_share_of(i, t) >= 0;
+        }
+        any_eligible = true;
+        const double rank_seconds = rank_seconds_of(i, t);
+        least_s = std::min(least_s, rank_seconds);
+        least_per_rank_s = std::min(least_per_rank_s, rank_seconds / static_cast<double>(size));
+        smallest_s = std::min(smallest_s, rank_seconds);
+      }
+      if (!any_eligible) {  // the fallback: the largest bags
+        const int64_t size = sizes.back();
+        const double rank_seconds = rank_seconds_of(i, num_sizes - 1);
+        least_s = rank_seconds;
+        least_per_rank_s = rank_seconds / static_cast<double>(size);
+        smallest_s = std::min(smallest_s, rank_seconds);
+        lowest = highest = num_sizes - 1;
+        shares_nonnegative = shares_nonnegative && least_share_of(i, num_sizes - 1) >= 0;
       }
       if (knapformer) {
-        lowest = std::min(lowest, t);
-        highest = t;
-        shares_nonnegative = shares_nonnegative && least_share_of(i, t) >= 0;
+        forced_up_s[lowest] += least_s;
+        forced_down_s[highest] += least_s;
       }
-      any_eligible = true;
-      const double rank_seconds = rank_seconds_of(i, t);
-      least_s = std::min(least_s, rank_seconds);
-      least_per_rank_s = std::min(least_per_rank_s, rank_seconds / static_cast<double>(size));
-      smallest_s = std::min(smallest_s, rank_seconds);
+      total_s += least_s;
+      largest_per_rank_s = std::max(largest_per_rank_s, least_per_rank_s);
     }
-    if (!any_eligible) {  // the fallback: the largest bags
-      const int64_t size = sizes.back();
-      const double rank_seconds = rank_seconds_of(i, num_sizes - 1);
-      least_s = rank_seconds;
-      least_per_rank_s = rank_seconds / static_cast<double>(size);
-      smallest_s = std::min(smallest_s, rank_seconds);
-      lowest = highest = num_sizes - 1;
-      shares_nonnegative = shares_nonnegative && least_share_of(i, num_sizes - 1) >= 0;
-    }
-    if (knapformer) {
-      forced_up_s[lowest] += least_s;
-      forced_down_s[highest] += least_s;
-    }
-    total_s += least_s;
-    largest_per_rank_s = std::max(largest_per_rank_s, least_per_rank_s);
-  }
-  memo.bound_s = total_s / static_cast<double>(num_ranks_);
-  if (smallest_s >= 0) memo.bound_s = std::max(memo.bound_s, largest_per_rank_s);
+    memo.bound_s = total_s / static_cast<double>(num_ranks_);
+    if (smallest_s >= 0) memo.bound_s = std::max(memo.bound_s, largest_per_rank_s);
   }  // inserted
   double bound_s = memo.bound_s;
   if (knapformer && memo.shares_nonnegative) {
