@@ -17,8 +17,9 @@
 //    redone as one group of all N ranks packed longest first up to M tokens per rank.
 //  - Micro-batches repeat until every sequence is placed.
 // Over our cost model: a sequence's work at degree d is its busiest rank's time as ring attention
-// (Megatron's default p2p CP) on d consecutive ranks, alone, instead of L^2 / d; a group's load is
-// the sum of its sequences' work. Megatron leaves M to the user and runs micro-batches between
+// (Megatron's default p2p CP) on d consecutive ranks, instead of L^2 / d, with the per-token
+// layers at the rate of a rank holding the batch's mean tokens (so that it adds up over a rank's
+// sequences); a group's load is the sum of its sequences' work. Megatron leaves M to the user and runs micro-batches between
 // barriers; a Zellige plan is one step, so the micro-batches' placements are united (memory adds;
 // a sequence whose group has no room in the union waits for a later micro-batch) and M is chosen
 // per batch, as a user tuning it would: the memory limit, and the longest sequence over 1, 2, 4,
@@ -167,7 +168,10 @@ class MegatronDcp {
   const int64_t num_ranks_;
   // By (tokens, text tokens, degree): batches repeat lengths a lot.
   std::map<std::array<int64_t, 3>, double> work_s_;
-  std::vector<int64_t> memory_degree_;                    // 0: not computed yet
+  std::vector<int64_t> memory_degree_;  // 0: not computed yet
+  // The per-token layers' time per token on a rank holding the batch's mean tokens per rank:
+  // alone, a short sequence runs its GEMMs at a small-batch rate it does not have once packed.
+  double linear_s_per_token_ = 0;
 };
 
 double MegatronDcp::work_s(int64_t i, int64_t degree) {
@@ -175,8 +179,12 @@ double MegatronDcp::work_s(int64_t i, int64_t degree) {
   auto [it, inserted] =
       work_s_.try_emplace({sequence.num_tokens, sequence.text_tokens, degree}, 0.0);
   if (inserted) {
-    it->second = planners::placement_time_s(
-        cost_model_, probe_loads_.shares(sequence, ring_placement(sequence.id, 0, degree)));
+    for (const RankShare& share :
+         probe_loads_.shares(sequence, ring_placement(sequence.id, 0, degree))) {
+      const double time_s = static_cast<double>(share.tokens) * linear_s_per_token_ +
+                            share.attention_s + share.exchange_s;
+      it->second = std::max(it->second, time_s);
+    }
   }
   return it->second;
 }
@@ -369,11 +377,15 @@ Plan MegatronDcp::run() {
   const int64_t num_sequences = static_cast<int64_t>(batch_.sequences.size());
   memory_degree_.assign(num_sequences, 0);
   if (num_sequences == 0) return planners::empty_plan("megatron-dcp", cost_model_);
-  int64_t max_text_tokens = 0, tallest = 0;
+  int64_t max_text_tokens = 0, tallest = 0, total_tokens = 0;
   for (int64_t i = 0; i < num_sequences; ++i) {
+    total_tokens += batch_.sequences[i].num_tokens;
     max_text_tokens = std::max(max_text_tokens, batch_.sequences[i].text_tokens);
     if (batch_.sequences[i].num_tokens > batch_.sequences[tallest].num_tokens) tallest = i;
   }
+  const int64_t mean_tokens = std::max<int64_t>(1, total_tokens / num_ranks_);
+  linear_s_per_token_ =
+      cost_model_.linear_time_s(mean_tokens) / static_cast<double>(mean_tokens);
   const int64_t memory_tokens = max_tokens_per_rank(cost_model_, max_text_tokens);
   if (memory_tokens == 0) {
     throw PlanMemoryError("megatron-dcp: no rank has memory for even one token (" +
