@@ -7,13 +7,21 @@ import json
 import sys
 from pathlib import Path
 
+from zellige._files import check_outputs, write_output
+from zellige.commands._args import int_in
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, type=Path, help="profile JSON to write")
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="profile JSON to write (checked before measuring; written atomically)",
+    )
     parser.add_argument(
         "--model",
         help="model preset whose per-token layers and memory are measured (default wan-14b; "
-        "tiny with --quick)",
+        "--quick runs the tiny preset of its kind: tiny, or mmdit-tiny for an MMDiT)",
     )
     parser.add_argument(
         "--quick",
@@ -30,7 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--base", help="profile JSON that --memory-only starts from")
     parser.add_argument(
-        "--repeats", type=int, default=5, help="timed runs per point, median kept (default 5)"
+        "--repeats",
+        type=int_in(1, 1000),
+        default=5,
+        help="timed runs per point, median kept (default 5)",
     )
     parser.add_argument(
         "--attention-backend",
@@ -39,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    # Before measuring (minutes on a GPU): an output that cannot be written fails now.
+    check_outputs({"--out": args.out, "--details": args.details}, {"--base": args.base})
     import torch
 
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
@@ -48,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     options = ProfileOptions(
-        model=args.model or ("tiny" if args.quick else "wan-14b"),
+        model=_model_to_run(args.model, args.quick),
         quick=args.quick,
         device=device,
         repeats=min(args.repeats, 3) if args.quick else args.repeats,
@@ -66,6 +77,22 @@ def run(args: argparse.Namespace) -> int:
     profile = profile_from_dict(result.profile)  # the core validates what it will read
     save_profile(profile, args.out)
     if args.details:
-        args.details.write_text(json.dumps(result.details, indent=1) + "\n")
+        write_output(args.details, json.dumps(result.details, indent=1) + "\n")
     print(f"wrote {args.out} ({profile.device_name})")
     return 0
+
+
+def _model_to_run(model: str | None, quick: bool) -> str:
+    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model)."""
+    from zellige.profiler.models import quick_model
+
+    model = model or "wan-14b"
+    if not quick:
+        return model
+    tiny = quick_model(model)
+    if tiny != model:
+        print(
+            f"[profile] --quick: {model} runs as {tiny} (its kind of blocks at tiny sizes)",
+            file=sys.stderr,
+        )
+    return tiny

@@ -9,26 +9,58 @@ import json
 import sys
 from pathlib import Path
 
+from zellige._files import check_outputs, read_input, write_output
+from zellige.commands._args import SEED_MAX, int_in, nonnegative_float
+
 TARGET_PLANS = 21
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plans", type=int, default=TARGET_PLANS, help="plans to draw (>= 21)")
+    parser.add_argument(
+        "--plans",
+        type=int_in(1, 10_000),
+        default=TARGET_PLANS,
+        help=f"plans to draw ({TARGET_PLANS}; fewer is a smoke run, not a measurement)",
+    )
     parser.add_argument("--profile", help="profile JSON (default: the built-in H200 profile)")
     parser.add_argument(
-        "--model", help="Wan-style model preset (default wan-14b; tiny with --quick)"
+        "--model",
+        help="model preset (default wan-14b; --quick runs the tiny preset of its kind: tiny, "
+        "or mmdit-tiny for an MMDiT)",
     )
     parser.add_argument(
-        "--layers", type=int, default=2, help="layers of the model actually run (default 2)"
+        "--layers",
+        type=int_in(1, 1000),
+        default=2,
+        help="layers of the model actually run (default 2)",
     )
-    parser.add_argument("--ranks-per-plan", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per rank (median)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ranks-per-plan",
+        type=int_in(1, 1024),
+        default=2,
+        help="ranks of each drawn plan that are run here one after another (default 2)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int_in(1, 1000),
+        default=3,
+        help="timed steps per rank, median kept (default 3)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int_in(0, SEED_MAX),
+        default=0,
+        help="seed of the drawn batches and plans (default 0)",
+    )
     parser.add_argument(
         "--no-checkpointing", action="store_true", help="run without activation checkpointing"
     )
     parser.add_argument(
-        "--time-budget", type=float, default=0.0, help="stop drawing plans after SECONDS"
+        "--time-budget",
+        type=nonnegative_float,
+        default=0.0,
+        metavar="SECONDS",
+        help="stop drawing plans after SECONDS (0: no limit)",
     )
     parser.add_argument("--json", type=Path, help="write every rank's numbers here")
     parser.add_argument(
@@ -88,14 +120,14 @@ def summarise_jsonl(path: Path):
     """The report of the ranks a run appended to `path` (--results-jsonl)."""
     from zellige.profiler.validate import RankResult, summarise
 
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in read_input(path).splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"{path} holds no rank results")
     ranks = []
     for number, line in enumerate(lines, start=1):
         try:
             ranks.append(RankResult(**json.loads(line)))
-        except (json.JSONDecodeError, TypeError) as error:
+        except (ValueError, TypeError, RecursionError) as error:
             raise ValueError(f"{path} line {number} is not a rank result: {error}") from None
     report = summarise(ranks, gamma=0.0)
     report.notes = [f"summarised from {path.name} ({len(lines)} ranks); no rank was run now"]
@@ -103,6 +135,10 @@ def summarise_jsonl(path: Path):
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(
+        {"--json": args.json, "--results-jsonl": args.results_jsonl},
+        {"--profile": args.profile, "--summarise": args.summarise},
+    )
     import torch
 
     from zellige.profiler.validate import ValidationOptions, report_dict, validate
@@ -111,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     options = ValidationOptions(
         num_plans=args.plans,
         profile=args.profile,
-        model=args.model or ("tiny" if args.quick else "wan-14b"),
+        model=_model_to_run(args.model, args.quick),
         num_layers=args.layers,
         ranks_per_plan=args.ranks_per_plan,
         repeats=args.repeats,
@@ -133,6 +169,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         report = validate(options, progress)
     if args.json:
-        args.json.write_text(json.dumps(report_dict(report), indent=1) + "\n")
+        write_output(args.json, json.dumps(report_dict(report), indent=1, allow_nan=False) + "\n")
     print(format_report(report, options))
     return 0
+
+
+def _model_to_run(model: str | None, quick: bool) -> str:
+    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model)."""
+    from zellige.profiler.models import quick_model
+
+    model = model or "wan-14b"
+    if not quick:
+        return model
+    tiny = quick_model(model)
+    if tiny != model:
+        print(
+            f"[validate] --quick: {model} runs as {tiny} (its kind of blocks at tiny sizes)",
+            file=sys.stderr,
+        )
+    return tiny
