@@ -643,7 +643,7 @@ TEST(PlannerRules, MegatronDcpDegreesArePowersOfTwoFromMemory) {
   }
   EXPECT_GE(plan.placements[0].degree(), 4);
   EXPECT_GE(plan.placements[1].degree(), 2);
-  // With memory to spare nothing needs CP beyond filling empty ranks: 8 sequences, 8 ranks.
+  // With memory to spare: no rank is left empty (the fill step doubles groups if needed).
   const Plan roomy = make_plan("megatron-dcp", batch, probe);
   std::set<int64_t> busy;
   for (const Placement& placement : roomy.placements) {
