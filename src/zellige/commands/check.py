@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from zellige import _core
-from zellige.commands._inputs import add_batch_arguments, setup_from_args
+from zellige.commands._inputs import add_batch_arguments, add_model_arguments, setup_from_args
 from zellige.plan_io import load_plan
 
 DEFAULT_MAX_TOKENS = {"cpu": 8192, "cuda": 1 << 22}
@@ -22,9 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=16, metavar="D", help="(16)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--gpus-per-node", type=int, default=None, metavar="G")
-    parser.add_argument(
-        "--model", metavar="M", help="model preset for planning and the head count (workload's)"
-    )
+    add_model_arguments(parser, "for planning and the head count (default: the workload's)")
     parser.add_argument(
         "--dtype", default=None, help="float64 | float32 | bfloat16 (float64 on cpu, bf16 on cuda)"
     )
@@ -65,8 +63,10 @@ def _scaled(batch: _core.Batch, max_tokens: int) -> tuple[_core.Batch, float]:
     return scaled, factor
 
 
-def _batch_and_plan(args: argparse.Namespace) -> tuple[_core.Batch, _core.Plan, str, str]:
-    """(batch, plan, model name, where the plan came from). The cluster is --nproc GPUs."""
+def _batch_and_plan(
+    args: argparse.Namespace,
+) -> tuple[_core.Batch, _core.Plan, _core.ModelSpec, str]:
+    """(batch, plan, model, where the plan came from). The cluster is --nproc GPUs."""
     from zellige.api import run_planner
 
     args.gpus, args.profile, args.links = args.nproc, None, None
@@ -74,9 +74,9 @@ def _batch_and_plan(args: argparse.Namespace) -> tuple[_core.Batch, _core.Plan, 
         args.gpus_per_node = min(8, args.nproc)
     setup = setup_from_args(args)
     if args.plan is not None:
-        return setup.batch, load_plan(args.plan), setup.model_name, f"plan file {args.plan}"
+        return setup.batch, load_plan(args.plan), setup.cost_model.model, f"plan file {args.plan}"
     plan = run_planner(setup, args.planner, args.seed or 0)
-    return setup.batch, plan, setup.model_name, args.planner
+    return setup.batch, plan, setup.cost_model.model, args.planner
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--nproc {args.nproc} exceeds the {torch.cuda.device_count()} visible GPUs"
             )
     batch, plan, model, plan_source = _batch_and_plan(args)
-    num_heads = args.heads or _core.model_preset(model).num_heads
+    num_heads = args.heads or model.num_heads
     dtype = args.dtype or ("float64" if args.device == "cpu" else "bfloat16")
     if dtype not in ("float64", "float32", "bfloat16", "float16"):
         raise ValueError(f"--dtype must be float64, float32, bfloat16 or float16, got {dtype}")

@@ -8,6 +8,7 @@ from collections import Counter
 from zellige import _core
 from zellige.api import JOINT, Setup, run_planner
 from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
+from zellige.model_spec import model_spec_to_dict
 from zellige.plan_io import save_plan
 from zellige.workload import batch_to_dict
 
@@ -34,6 +35,9 @@ def plan_context(setup: Setup) -> dict:
         "gpus_per_node": setup.cost_model.cluster.gpus_per_node,
         "links": setup.links,
     }
+    spec = setup.cost_model.model
+    if spec.name not in _core.model_preset_names() or spec != _core.model_preset(spec.name):
+        context["model_spec"] = model_spec_to_dict(spec)  # a spec file's model: keep its sizes
     if setup.profile_path is not None:
         context["profile"] = setup.profile_path
     if setup.workload is not None:

@@ -9,7 +9,8 @@ from collections import defaultdict
 from zellige import _core
 from zellige._json import require_int, require_str
 from zellige.api import Setup, make_setup
-from zellige.commands._inputs import add_cluster_arguments
+from zellige.commands._inputs import add_cluster_arguments, model_from_args
+from zellige.model_spec import model_spec_from_dict
 from zellige.plan_io import load_plan_with_context
 from zellige.workload import batch_from_dict, load_batch
 
@@ -44,7 +45,11 @@ def setup_for_plan(args: argparse.Namespace, plan: _core.Plan, context: dict) ->
     def flag_or_context(flag, read, key, default):  # context fields are type-checked
         return flag if flag is not None else read(context, key, where, default)
 
-    model = flag_or_context(args.model, require_str, "model", "")
+    model = model_from_args(args)
+    if model is None and isinstance(context.get("model_spec"), dict):
+        model = model_spec_from_dict(context["model_spec"], f"{where} model_spec")
+    if model is None:
+        model = require_str(context, "model", where, "")
     if not model:
         raise ValueError(f"{args.plan} does not name its model: pass --model")
     if args.workload is not None:
