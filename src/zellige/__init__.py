@@ -34,6 +34,7 @@ from zellige._core import (
     generate_batch,
     layer_forward_flops,
     make_cluster,
+    make_model_spec,
     make_placement,
     make_plan,
     makespan_lower_bound,
@@ -55,10 +56,19 @@ from zellige._core import (
     total_tokens,
     train_flops,
     validate_batch,
+    validate_model_spec,
     validate_plan,
 )
 from zellige.api import CompareRow, compare, default_planners, plan
 from zellige.costs import make_cost_model
+from zellige.model_spec import (
+    load_model_spec,
+    model_spec_from_dict,
+    model_spec_from_module,
+    model_spec_to_dict,
+    resolve_model,
+    save_model_spec,
+)
 from zellige.plan_io import (
     load_plan,
     plan_from_dict,
@@ -83,6 +93,14 @@ from zellige.workload import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "save_model_spec",
+    "resolve_model",
+    "model_spec_to_dict",
+    "model_spec_from_module",
+    "model_spec_from_dict",
+    "load_model_spec",
+    "validate_model_spec",
+    "make_model_spec",
     "Batch",
     "Bucket",
     "Cluster",

@@ -51,9 +51,7 @@ def model_spec_from_dict(data: object, source: str = "model spec") -> ModelSpec:
         raise ValueError(f"{source}: expected a table of model sizes, got {type(data).__name__}")
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
-        raise ValueError(
-            f"{source}: unknown field '{unknown[0]}' (allowed: {', '.join(_FIELDS)})"
-        )
+        raise ValueError(f"{source}: unknown field '{unknown[0]}' (allowed: {', '.join(_FIELDS)})")
     for key in _REQUIRED:
         if key not in data:
             raise ValueError(f"{source}: missing field '{key}'")
@@ -61,9 +59,7 @@ def model_spec_from_dict(data: object, source: str = "model spec") -> ModelSpec:
         kind = _FIELDS[key]
         # bool is an int in Python: reject it for sizes, and ints for the flag
         if type(value) is not kind:
-            raise ValueError(
-                f"{source}: field '{key}' must be {_TYPE_NAMES[kind]}, got {value!r}"
-            )
+            raise ValueError(f"{source}: field '{key}' must be {_TYPE_NAMES[kind]}, got {value!r}")
     try:
         return _core.make_model_spec(**{"joint_attention": False, **data})
     except ValueError as error:

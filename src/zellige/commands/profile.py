@@ -7,13 +7,19 @@ import json
 import sys
 from pathlib import Path
 
+from zellige.commands._inputs import add_model_arguments, model_from_args
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="profile JSON to write")
+    add_model_arguments(
+        parser, "whose per-token layers and memory are measured (wan-14b; tiny with --quick)"
+    )
     parser.add_argument(
-        "--model",
-        help="model preset whose per-token layers and memory are measured (default wan-14b; "
-        "tiny with --quick)",
+        "--block",
+        metavar="MODULE:FACTORY",
+        help="measure the per-token layers on your own block: FACTORY(model_spec) returns an "
+        "nn.Module with forward(x_TD, attention) (see docs/profiling.md)",
     )
     parser.add_argument(
         "--quick",
@@ -45,14 +51,19 @@ def run(args: argparse.Namespace) -> int:
 
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
     from zellige.profiler.measure import ProfileOptions, profile_device, profile_memory_into
+    from zellige.profiler.models import load_block_factory
+
+    if args.block is not None:
+        load_block_factory(args.block)  # a bad target fails now, not after minutes of measuring
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     options = ProfileOptions(
-        model=args.model or ("tiny" if args.quick else "wan-14b"),
+        model=model_from_args(args) or ("tiny" if args.quick else "wan-14b"),
         quick=args.quick,
         device=device,
         repeats=min(args.repeats, 3) if args.quick else args.repeats,
         attention_backend=args.attention_backend,
+        block=args.block,
     )
 
     def progress(line: str) -> None:

@@ -9,15 +9,15 @@ import json
 import sys
 from pathlib import Path
 
+from zellige.commands._inputs import add_model_arguments, model_from_args
+
 TARGET_PLANS = 21
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plans", type=int, default=TARGET_PLANS, help="plans to draw (>= 21)")
     parser.add_argument("--profile", help="profile JSON (default: the built-in H200 profile)")
-    parser.add_argument(
-        "--model", help="Wan-style model preset (default wan-14b; tiny with --quick)"
-    )
+    add_model_arguments(parser, "a Wan-style model (default wan-14b; tiny with --quick)")
     parser.add_argument(
         "--layers", type=int, default=2, help="layers of the model actually run (default 2)"
     )
@@ -54,8 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def format_report(report, options) -> str:
+    from zellige.profiler.models import model_name
+
     lines = [
-        f"plans {report.num_plans}, ranks {len(report.ranks)}, model {options.model} "
+        f"plans {report.num_plans}, ranks {len(report.ranks)}, model {model_name(options.model)} "
         f"({options.num_layers} layers)",
         *(f"note: {note}" for note in report.notes),
         f"time MAPE {report.time_mape_percent:.2f}%  (after the best single scale: "
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     options = ValidationOptions(
         num_plans=args.plans,
         profile=args.profile,
-        model=args.model or ("tiny" if args.quick else "wan-14b"),
+        model=model_from_args(args) or ("tiny" if args.quick else "wan-14b"),
         num_layers=args.layers,
         ranks_per_plan=args.ranks_per_plan,
         repeats=args.repeats,

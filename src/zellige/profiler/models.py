@@ -7,6 +7,7 @@ import dataclasses
 from zellige import _core
 from zellige.model.config import DiTConfig
 from zellige.model.config import model_preset as dit_preset
+from zellige.model_spec import model_spec_to_dict
 
 # Core preset -> zellige.model preset of the same sizes (the core's "tiny" is the CPU test size).
 _RUNNABLE = {"wan-1.3b": "wan-1.3b", "wan-14b": "wan-14b", "tiny": "tiny-cpu"}
@@ -16,9 +17,34 @@ def runnable_model_names() -> list[str]:
     return list(_RUNNABLE)
 
 
-def dit_config(model: str, num_layers: int | None = None) -> DiTConfig:
+def model_name(model: str | _core.ModelSpec) -> str:
+    return model if isinstance(model, str) else model.name
+
+
+def model_flag(model: str | _core.ModelSpec) -> str:
+    """How a command line named the model (for the profile's provenance)."""
+    return f"--model {model}" if isinstance(model, str) else f"--model-spec ({model.name})"
+
+
+def dit_config(model: str | _core.ModelSpec, num_layers: int | None = None) -> DiTConfig:
     """The reference DiT of core preset `model` (Wan-style models only: the MMDiT presets have
-    no runnable model in zellige.model)."""
+    no runnable model in zellige.model), or of a user's cross-attention ModelSpec (a spec file):
+    the reference blocks at its sizes stand for its blocks."""
+    if isinstance(model, _core.ModelSpec):
+        if model.joint_attention:
+            raise ValueError(
+                f"model '{model.name}' uses joint attention: the profiler's reference blocks are "
+                "Wan-style (cross-attention); spec files of joint models are not profiled yet"
+            )
+        config = DiTConfig(
+            name=model.name,
+            width=model.width,
+            num_layers=model.num_layers,
+            num_heads=model.num_heads,
+            ffn_width=model.ffn_width,
+            text_tokens=model.text_tokens,
+        )
+        return config if num_layers is None else dataclasses.replace(config, num_layers=num_layers)
     if model not in _RUNNABLE:
         raise ValueError(
             f"model '{model}' has no runnable reference DiT (allowed: {', '.join(_RUNNABLE)})"
@@ -27,12 +53,40 @@ def dit_config(model: str, num_layers: int | None = None) -> DiTConfig:
     return config if num_layers is None else dataclasses.replace(config, num_layers=num_layers)
 
 
-def model_spec(model: str, num_layers: int | None = None) -> _core.ModelSpec:
-    """The core's spec of `model`, cut to `num_layers` layers (parameters scaled alike)."""
-    spec = _core.model_preset(model)
+def model_spec(model: str | _core.ModelSpec, num_layers: int | None = None) -> _core.ModelSpec:
+    """The core's spec of `model` (a preset name or a ModelSpec), cut to `num_layers` layers
+    (parameters scaled alike)."""
+    if isinstance(model, str):
+        spec = _core.model_preset(model)
+    else:  # a copy: the cut below must not change the caller's spec
+        spec = _core.ModelSpec(**model_spec_to_dict(model))
     if num_layers is not None:
         if num_layers <= 0 or num_layers > spec.num_layers:
             raise ValueError(f"num_layers must be in 1..{spec.num_layers} for {model}")
         spec.param_count = spec.param_count * num_layers // spec.num_layers
         spec.num_layers = num_layers
     return spec
+
+
+def load_block_factory(target: str):
+    """`module:factory` -> the factory, for `zellige profile --block`. The factory takes the
+    ModelSpec being profiled and returns one block of the user's model as an nn.Module whose
+    `forward(x_TD, attention)` maps [T, D] tokens to [T, D], calling `attention(q_TNH, k_TNH,
+    v_TNH) -> o_TNH` for its attention (the profiler passes a stand-in without the attention
+    core, which the profile measures separately)."""
+    import importlib
+    import sys
+
+    if "" not in sys.path:  # as `python -m`: the user's module lives where the command runs
+        sys.path.insert(0, "")
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"--block must be module:factory (e.g. my_dit:make_block), got {target!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"--block {target}: cannot import {module_name}: {error}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"--block {target}: {module_name} has no callable {attribute!r}")
+    return factory
