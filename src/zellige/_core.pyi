@@ -1264,9 +1264,74 @@ class SegmentKind(enum.Enum):
 
     hybrid = 3
 
-class RankLayout:
+class SegmentGroup:
     """
-    One rank's tables for the runtime (see plan_compiler.h). Integer arrays are numpy int64 arrays owned by Python.
+    Segments of one shape, attended in one dense kernel call (see plan_compiler.h).
+    """
+
+    @property
+    def q_len(self) -> int: ...
+
+    @property
+    def k_len(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def count(self) -> int: ...
+
+    def __repr__(self) -> str: ...
+
+    @property
+    def q_row_offset(self) -> NDArray[numpy.int64]: ...
+
+    @property
+    def k_row_offset(self) -> NDArray[numpy.int64]: ...
+
+class TokenRoute:
+    """
+    One all_to_all of rows: send row i = source row send_index[i], send_splits[r] rows to rank r; destination row p = received row recv_index[p].
+    """
+
+    @property
+    def num_source(self) -> int: ...
+
+    @property
+    def num_held(self) -> int: ...
+
+    @property
+    def send_index(self) -> NDArray[numpy.int64]: ...
+
+    @property
+    def send_splits(self) -> NDArray[numpy.int64]: ...
+
+    @property
+    def recv_splits(self) -> NDArray[numpy.int64]: ...
+
+    @property
+    def recv_index(self) -> NDArray[numpy.int64]: ...
+
+class RingStep:
+    """
+    Ring step s >= 1: messages per peer (compact rows sent, receive-buffer slices) and the attention groups.
+    """
+
+    @property
+    def num_recv_rows(self) -> int: ...
+
+    @property
+    def groups(self) -> list[SegmentGroup]: ...
+
+    @property
+    def sends(self) -> list: ...
+
+    @property
+    def recvs(self) -> list: ...
+
+class StepProgram:
+    """
+    One rank's step program for the runtime (see plan_compiler.h and docs/formats.md). Integer arrays are numpy int64 copies; pickles through its binary form (to_bytes / from_bytes).
     """
 
     @property
@@ -1279,10 +1344,16 @@ class RankLayout:
     def num_heads(self) -> int: ...
 
     @property
+    def joint_attention(self) -> bool: ...
+
+    @property
+    def fingerprint(self) -> int: ...
+
+    @property
     def num_held_tokens(self) -> int: ...
 
     @property
-    def num_source_tokens(self) -> int: ...
+    def num_cross_text_rows(self) -> int: ...
 
     @property
     def world_has_exchange(self) -> bool: ...
@@ -1291,10 +1362,56 @@ class RankLayout:
     def num_exchange_rows(self) -> int: ...
 
     @property
+    def ring_num_rows(self) -> int: ...
+
+    @property
+    def route(self) -> TokenRoute: ...
+
+    @property
+    def visual_route(self) -> TokenRoute: ...
+
+    @property
+    def text_route(self) -> TokenRoute: ...
+
+    @property
+    def cross_text_route(self) -> TokenRoute: ...
+
+    @property
+    def local_groups(self) -> list[SegmentGroup]: ...
+
+    @property
+    def exchange_groups(self) -> list[SegmentGroup]: ...
+
+    @property
+    def ring_step0_groups(self) -> list[SegmentGroup]: ...
+
+    @property
+    def ring_steps(self) -> list[RingStep]: ...
+
+    @property
+    def cross_groups(self) -> list[SegmentGroup]: ...
+
+    @property
+    def num_source_tokens(self) -> int: ...
+
+    @property
     def num_segments(self) -> int: ...
 
     @property
     def token_position_thw(self) -> NDArray[numpy.int64]: ...
+
+    def to_bytes(self) -> bytes:
+        """The program's binary form (versioned)."""
+
+    @staticmethod
+    def from_bytes(data: bytes) -> StepProgram:
+        """A program from to_bytes; ValueError for bytes that are not one."""
+
+    def __getstate__(self) -> bytes: ...
+
+    def __setstate__(self, arg: bytes, /) -> None: ...
+
+    def __eq__(self, arg: StepProgram, /) -> bool: ...
 
     @property
     def chunk_sequence_index(self) -> NDArray[numpy.int64]: ...
@@ -1306,22 +1423,31 @@ class RankLayout:
     def chunk_num_tokens(self) -> NDArray[numpy.int64]: ...
 
     @property
+    def chunk_num_text_tokens(self) -> NDArray[numpy.int64]: ...
+
+    @property
+    def chunk_cross_text_tokens(self) -> NDArray[numpy.int64]: ...
+
+    @property
     def chunk_held_offset(self) -> NDArray[numpy.int64]: ...
+
+    @property
+    def chunk_cross_text_offset(self) -> NDArray[numpy.int64]: ...
 
     @property
     def token_sequence_index(self) -> NDArray[numpy.int64]: ...
 
     @property
-    def route_send_index(self) -> NDArray[numpy.int64]: ...
+    def token_chunk_index(self) -> NDArray[numpy.int64]: ...
 
     @property
-    def route_send_splits(self) -> NDArray[numpy.int64]: ...
+    def token_modality(self) -> NDArray[numpy.int64]: ...
 
     @property
-    def route_recv_splits(self) -> NDArray[numpy.int64]: ...
+    def held_visual_index(self) -> NDArray[numpy.int64]: ...
 
     @property
-    def route_recv_index(self) -> NDArray[numpy.int64]: ...
+    def held_text_index(self) -> NDArray[numpy.int64]: ...
 
     @property
     def exchange_send_index(self) -> NDArray[numpy.int64]: ...
@@ -1357,9 +1483,6 @@ class RankLayout:
     def segment_head_offset(self) -> NDArray[numpy.int64]: ...
 
     @property
-    def cu_seqlens(self) -> NDArray[numpy.int64]: ...
-
-    @property
     def ring_segment(self) -> NDArray[numpy.int64]: ...
 
     @property
@@ -1377,9 +1500,20 @@ class RankLayout:
     @property
     def ring_block_tokens(self) -> NDArray[numpy.int64]: ...
 
-    def __repr__(self) -> "std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> >": ...
+    @property
+    def ring_own_rows(self) -> NDArray[numpy.int64]: ...
 
-def compile_rank_layout(batch: Batch, plan: Plan, rank: int, num_heads: int) -> RankLayout:
+    @property
+    def ring_exchange_rows(self) -> NDArray[numpy.int64]: ...
+
+    def __repr__(self) -> str: ...
+
+def compile_step_program(batch: Batch, plan: Plan, rank: int, num_heads: int, joint_attention: bool = False) -> StepProgram:
     """
-    One rank's layout for the runtime; raises ValueError when the plan does not match the batch or the head count.
+    One rank's step program for the runtime; raises ValueError when the plan does not match the batch or the head count, or the rank would hold more than 2^31 rows.
+    """
+
+def group_segments(q_row_offset: _Sequence[int], k_row_offset: _Sequence[int], q_len: _Sequence[int], k_len: _Sequence[int], num_heads: _Sequence[int]) -> list[SegmentGroup]:
+    """
+    Segments grouped by shape (q_len, k_len, num_heads) into dense calls, largest first; empty segments dropped. The one grouping engine of every attention.
     """

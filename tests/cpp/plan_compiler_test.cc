@@ -71,16 +71,16 @@ using Row = std::tuple<int64_t, int64_t, int64_t>;  // (sequence index, token, h
 
 void check_all_ranks(const Batch& batch, const Plan& plan, int64_t num_heads) {
   const int64_t num_ranks = plan.num_ranks;
-  std::vector<RankLayout> layouts;
+  std::vector<StepProgram> layouts;
   for (int64_t r = 0; r < num_ranks; ++r) {
-    layouts.push_back(compile_rank_layout(batch, plan, r, num_heads));
+    layouts.push_back(compile_step_program(batch, plan, r, num_heads, false));
   }
   const auto& seqs = batch.sequences;
 
   // Held tokens: every token of every sequence exactly once, positions from the grid.
   std::map<std::pair<int64_t, int64_t>, int> held_count;
   std::vector<std::vector<std::pair<int64_t, int64_t>>> held(num_ranks);  // (seq, token)
-  for (const RankLayout& layout : layouts) {
+  for (const StepProgram& layout : layouts) {
     for (size_t c = 0; c < layout.chunk_num_tokens.size(); ++c) {
       EXPECT_EQ(layout.chunk_held_offset[c], static_cast<int64_t>(held[layout.rank].size()));
       for (int64_t t = 0; t < layout.chunk_num_tokens[c]; ++t) {
@@ -118,34 +118,34 @@ void check_all_ranks(const Batch& batch, const Plan& plan, int64_t num_heads) {
   }
   std::vector<std::vector<std::vector<std::pair<int64_t, int64_t>>>> route_sent(
       num_ranks, std::vector<std::vector<std::pair<int64_t, int64_t>>>(num_ranks));
-  for (const RankLayout& layout : layouts) {
-    ASSERT_EQ(layout.num_source_tokens, static_cast<int64_t>(source[layout.rank].size()));
-    std::vector<int64_t> sorted = layout.route_send_index;
+  for (const StepProgram& layout : layouts) {
+    ASSERT_EQ(layout.route.num_source, static_cast<int64_t>(source[layout.rank].size()));
+    std::vector<int64_t> sorted = layout.route.send_index;
     std::sort(sorted.begin(), sorted.end());
     for (int64_t k = 0; k < static_cast<int64_t>(sorted.size()); ++k) ASSERT_EQ(sorted[k], k);
     int64_t row = 0;
     for (int64_t s = 0; s < num_ranks; ++s) {
-      for (int64_t n = 0; n < layout.route_send_splits[s]; ++n) {
-        route_sent[layout.rank][s].push_back(source[layout.rank][layout.route_send_index[row++]]);
+      for (int64_t n = 0; n < layout.route.send_splits[s]; ++n) {
+        route_sent[layout.rank][s].push_back(source[layout.rank][layout.route.send_index[row++]]);
       }
     }
   }
-  for (const RankLayout& layout : layouts) {
+  for (const StepProgram& layout : layouts) {
     std::vector<std::pair<int64_t, int64_t>> received;
     for (int64_t q = 0; q < num_ranks; ++q) {
-      EXPECT_EQ(layout.route_recv_splits[q], layouts[q].route_send_splits[layout.rank]);
+      EXPECT_EQ(layout.route.recv_splits[q], layouts[q].route.send_splits[layout.rank]);
       const auto& part = route_sent[q][layout.rank];
       received.insert(received.end(), part.begin(), part.end());
     }
     for (int64_t p = 0; p < layout.num_held_tokens; ++p) {
-      EXPECT_EQ(received[layout.route_recv_index[p]], held[layout.rank][p]);
+      EXPECT_EQ(received[layout.route.recv_index[p]], held[layout.rank][p]);
     }
   }
 
   // Ulysses exchange: simulate on (seq, token, head) labels of own rows.
   std::vector<std::vector<std::vector<Row>>> exchange_sent(
       num_ranks, std::vector<std::vector<Row>>(num_ranks));
-  for (const RankLayout& layout : layouts) {
+  for (const StepProgram& layout : layouts) {
     EXPECT_EQ(layout.world_has_exchange, layouts[0].world_has_exchange);
     int64_t row = 0;
     for (int64_t s = 0; s < num_ranks; ++s) {
@@ -157,7 +157,7 @@ void check_all_ranks(const Batch& batch, const Plan& plan, int64_t num_heads) {
     }
   }
   std::vector<std::vector<Row>> exchange_rows(num_ranks);
-  for (const RankLayout& layout : layouts) {
+  for (const StepProgram& layout : layouts) {
     std::vector<Row> received;
     for (int64_t q = 0; q < num_ranks; ++q) {
       EXPECT_EQ(layout.exchange_recv_splits[q], layouts[q].exchange_send_splits[layout.rank]);
@@ -174,10 +174,8 @@ void check_all_ranks(const Batch& batch, const Plan& plan, int64_t num_heads) {
   // (seq, token, head) must be a query row exactly once across ranks.
   std::map<Row, int> query_count;
   std::map<std::pair<int64_t, int64_t>, int64_t> first_token_of_segment;  // (rank, segment)
-  for (const RankLayout& layout : layouts) {
-    ASSERT_EQ(static_cast<int64_t>(layout.cu_seqlens.size()), layout.num_segments() + 1);
+  for (const StepProgram& layout : layouts) {
     for (int64_t g = 0; g < layout.num_segments(); ++g) {
-      EXPECT_EQ(layout.cu_seqlens[g + 1] - layout.cu_seqlens[g], layout.segment_num_tokens[g]);
       const int64_t n = layout.segment_num_heads[g];
       const int64_t kind = layout.segment_kind[g];
       const bool in_exchange = layout.segment_in_exchange[g] == 1;
@@ -212,7 +210,7 @@ void check_all_ranks(const Batch& batch, const Plan& plan, int64_t num_heads) {
 
   // Ring table: peers agree on the ring, block sizes match the peers' segments, and the blocks
   // seen over all steps cover the sequence.
-  for (const RankLayout& layout : layouts) {
+  for (const StepProgram& layout : layouts) {
     for (size_t e = 0; e < layout.ring_segment.size(); ++e) {
       const int64_t g = layout.ring_segment[e];
       const int64_t r = layout.ring_degree[e];
@@ -223,7 +221,7 @@ void check_all_ranks(const Batch& batch, const Plan& plan, int64_t num_heads) {
       EXPECT_EQ(layout.ring_block_tokens[begin + j], layout.segment_num_tokens[g]);
       int64_t covered = 0;
       for (int64_t jj = 0; jj < r; ++jj) {
-        const RankLayout& peer = layouts[layout.ring_peers[begin + jj]];
+        const StepProgram& peer = layouts[layout.ring_peers[begin + jj]];
         bool found = false;
         for (size_t f = 0; f < peer.ring_segment.size(); ++f) {
           const int64_t pg = peer.ring_segment[f];
@@ -265,7 +263,7 @@ TEST(PlanCompiler, UnevenHeadsAndOneSequenceOverEveryRank) {
   plan.placements.push_back(make_placement(0, Strategy::kUlysses, {4, 2, 0, 1, 3}));
   plan.placements.push_back(make_placement(1, Strategy::kLocal, {2}));
   check_all_ranks(batch, plan, 24);
-  const RankLayout last = compile_rank_layout(batch, plan, 3, 24);  // position 4: 4 heads
+  const StepProgram last = compile_step_program(batch, plan, 3, 24, false);  // position 4: 4 heads
   ASSERT_EQ(last.num_segments(), 1);
   EXPECT_EQ(last.segment_num_heads[0], 4);
   EXPECT_EQ(last.segment_head_offset[0], 20);
@@ -280,11 +278,11 @@ TEST(PlanCompiler, HybridBlocksAndRanksWithoutWork) {
   plan.num_ranks = 8;
   plan.placements.push_back(make_placement(7, Strategy::kHybrid, {0, 1, 2, 3, 4, 5}, 2));
   check_all_ranks(batch, plan, 3);
-  const RankLayout idle = compile_rank_layout(batch, plan, 7, 3);
+  const StepProgram idle = compile_step_program(batch, plan, 7, 3, false);
   EXPECT_EQ(idle.num_held_tokens, 0);
   EXPECT_EQ(idle.num_segments(), 0);
   EXPECT_TRUE(idle.world_has_exchange);  // it still joins the collective, with zero splits
-  const RankLayout r3 = compile_rank_layout(batch, plan, 3, 3);  // block 1 (5 tokens), chunk 1
+  const StepProgram r3 = compile_step_program(batch, plan, 3, 3, false);  // block 1 (5 tokens), chunk 1
   ASSERT_EQ(r3.ring_segment.size(), 1u);
   EXPECT_EQ(r3.ring_position[0], 1);
   EXPECT_EQ(r3.ring_peers, (std::vector<int64_t>{1, 3, 5}));
@@ -298,14 +296,14 @@ TEST(PlanCompiler, RejectsMismatchedInput) {
   Plan plan;
   plan.num_ranks = 2;
   plan.placements.push_back(make_placement(0, Strategy::kUlysses, {0, 1}));
-  EXPECT_THROW(compile_rank_layout(batch, plan, 2, 4), std::invalid_argument);  // rank
-  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 0), std::invalid_argument);  // heads
-  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 1), std::invalid_argument);  // u > heads
+  EXPECT_THROW(compile_step_program(batch, plan, 2, 4, false), std::invalid_argument);  // rank
+  EXPECT_THROW(compile_step_program(batch, plan, 0, 0, false), std::invalid_argument);  // heads
+  EXPECT_THROW(compile_step_program(batch, plan, 0, 1, false), std::invalid_argument);  // u > heads
   batch.sequences[0].id = 5;
-  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 4), std::invalid_argument);  // no placement
+  EXPECT_THROW(compile_step_program(batch, plan, 0, 4, false), std::invalid_argument);  // no placement
   batch.sequences[0].id = 0;
   batch.sequences[0].source_rank = 3;
-  EXPECT_THROW(compile_rank_layout(batch, plan, 0, 4), std::invalid_argument);  // source rank
+  EXPECT_THROW(compile_step_program(batch, plan, 0, 4, false), std::invalid_argument);  // source rank
 }
 
 }  // namespace

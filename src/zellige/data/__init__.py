@@ -4,11 +4,9 @@ from zellige.data.loader import (
     TINY_RECIPE,
     StepData,
     StepDataset,
-    TextRoute,
     load_training_recipe,
     make_loader,
     model_spec,
-    text_route,
 )
 from zellige.data.synthetic import SequenceSample, SyntheticLatents, grid_positions
 
@@ -18,10 +16,8 @@ __all__ = [
     "StepData",
     "StepDataset",
     "SyntheticLatents",
-    "TextRoute",
     "grid_positions",
     "load_training_recipe",
     "make_loader",
-    "text_route",
     "model_spec",
 ]

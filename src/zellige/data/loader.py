@@ -2,8 +2,9 @@
 
 Every rank generates the same batch description for a step from (recipe, seed, step) — what
 all-gathering the loaders' lengths would give — so every rank's worker makes the same plan and
-compiles its own layout while the main process trains on the previous step. Only the tensors of
-the sequences this rank loads (source_rank == rank) are materialised here.
+compiles its own step program (C++) while the main process trains on the previous step; the
+program crosses to the training process as is (it pickles through its C++ binary form). Only the
+tensors of the sequences this rank loads (source_rank == rank) are materialised here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 import zellige
-from zellige import _core
+from zellige import _core, runtime
 from zellige.data.synthetic import SyntheticLatents
 from zellige.model import DiTConfig
 
@@ -65,69 +66,27 @@ def model_spec(config: DiTConfig, num_params: int | None = None) -> _core.ModelS
 
 
 @dataclass(kw_only=True, slots=True)
-class TextRoute:
-    """Moves each sequence's text features from its source rank to every rank of its placement,
-    as one all_to_all of rows (the per-token route moves only tokens).
-
-    Send row i = source text row send_index[i], rows to rank r in rank order (send_splits[r]).
-    The received rows of sequence (batch index) b start at recv_offset[b]."""
-
-    send_index: np.ndarray
-    send_splits: list[int]
-    recv_splits: list[int]
-    recv_offset: dict[int, int]
-
-
-def text_route(batch: _core.Batch, plan: _core.Plan, rank: int) -> TextRoute:
-    ranks_of = {p.sequence_id: set(p.ranks) for p in plan.placements}
-    sequences = batch.sequences
-    source_offset, offset = {}, 0
-    for index, sequence in enumerate(sequences):
-        if sequence.source_rank == rank:
-            source_offset[index] = offset
-            offset += sequence.text_tokens
-    send_index, send_splits = [], []
-    for dest in range(plan.num_ranks):
-        rows = 0
-        for index, start in source_offset.items():
-            if dest in ranks_of[sequences[index].id]:
-                text_tokens = sequences[index].text_tokens
-                send_index.append(np.arange(start, start + text_tokens))
-                rows += text_tokens
-        send_splits.append(rows)
-    recv_splits, recv_offset, offset = [], {}, 0
-    for source in range(plan.num_ranks):
-        rows = 0
-        for index, sequence in enumerate(sequences):
-            if sequence.source_rank == source and rank in ranks_of[sequence.id]:
-                recv_offset[index] = offset + rows
-                rows += sequence.text_tokens
-        recv_splits.append(rows)
-        offset += rows
-    return TextRoute(
-        send_index=np.concatenate(send_index) if send_index else np.zeros(0, np.int64),
-        send_splits=send_splits,
-        recv_splits=recv_splits,
-        recv_offset=recv_offset,
-    )
-
-
-@dataclass(kw_only=True, slots=True)
 class StepData:
-    """What one rank needs for one step (picklable: it crosses from the loader worker)."""
+    """What one rank needs for one step (picklable: it crosses from the loader worker).
+
+    program: this rank's StepProgram, compiled here, one step ahead; the training process loads
+    it as is (runtime.load_step). error: why it could not be compiled (program None); the
+    training process hands it to load_step so that every rank raises it together."""
 
     step: int
     rank: int
-    batch: dict  # Batch JSON object (zellige.batch_to_dict) of the whole step
-    plan: dict  # Plan JSON object (zellige.plan_to_dict), with prediction and plan_ms
-    text_route: TextRoute
+    program: _core.StepProgram | None
+    error: str | None
+    plan: dict  # Plan JSON object (zellige.plan_to_dict): the step's record for metrics and logs
+    num_sequences: int
     total_tokens: int  # over all ranks: the loss normaliser
     train_flops: float  # forward + backward FLOPs of the whole batch (for MFU)
     # Tensors of the sequences this rank loaded, whole, concatenated in batch order.
     source_noisy_TC: Tensor
     source_velocity_TC: Tensor
     source_timestep_T: Tensor  # the sequence's flow time, repeated per token
-    source_text_XE: Tensor
+    source_text_XE: Tensor  # the text rows of the same sequences, concatenated in batch order
+    source_text_timestep_X: Tensor  # the sequence's flow time, repeated per text row
     source_text_tokens: list[int] = field(default_factory=list)  # per source sequence
 
 
@@ -216,7 +175,15 @@ class StepDataset(torch.utils.data.Dataset):
             options = _core.PlannerOptions(seed=_step_seed(self.seed, step))
             plan = zellige.make_plan(self.planner, batch, cost_model, options)
 
-        noisy, velocity, timestep, text, text_tokens = [], [], [], [], []
+        program, error = None, None
+        try:
+            program = runtime.compile_step(
+                batch, plan, spec.num_heads, self.rank, joint_attention=spec.joint_attention
+            )
+        except ValueError as exc:
+            error = str(exc)
+
+        noisy, velocity, timestep, text, text_timestep, text_tokens = [], [], [], [], [], []
         for sequence in batch.sequences:
             if sequence.source_rank != self.rank:
                 continue
@@ -230,14 +197,16 @@ class StepDataset(torch.utils.data.Dataset):
             velocity.append(sample.velocity_LC)
             timestep.append(torch.full((sequence.num_tokens,), sample.timestep))
             text.append(sample.text_XE)
+            text_timestep.append(torch.full((sequence.text_tokens,), sample.timestep))
             text_tokens.append(sequence.text_tokens)
         channels, text_dim = self.model.token_channels, self.model.text_dim
         return StepData(
             step=step,
             rank=self.rank,
-            batch=zellige.batch_to_dict(batch),
+            program=program,
+            error=error,
             plan=zellige.plan_to_dict(plan),
-            text_route=text_route(batch, plan, self.rank),
+            num_sequences=len(batch.sequences),
             total_tokens=zellige.total_tokens(batch),
             train_flops=float(
                 sum(zellige.train_flops(spec, s.num_tokens, s.text_tokens) for s in batch.sequences)
@@ -246,6 +215,7 @@ class StepDataset(torch.utils.data.Dataset):
             source_velocity_TC=_cat(velocity, (0, channels)),
             source_timestep_T=_cat(timestep, (0,)),
             source_text_XE=_cat(text, (0, text_dim)),
+            source_text_timestep_X=_cat(text_timestep, (0,)),
             source_text_tokens=text_tokens,
         )
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from zellige.model.attention import AttentionFn, SegmentAttention
+from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock, FloatLayerNorm
 from zellige.model.conditioning import TextEmbedding, TimestepEmbedding, modulation_per_token
 from zellige.model.config import DiTConfig
@@ -99,13 +99,13 @@ class VideoDiT(nn.Module):
         cross_attention: AttentionFn | None = None,
     ) -> Tensor:
         """Velocity [T, C]. Without `self_attention`, every local sequence attends whole; without
-        `cross_attention`, each sequence's tokens attend to its text with SegmentAttention."""
+        `cross_attention`, each sequence's tokens attend to its text (local_attention)."""
         device = tokens.latents_TC.device
         if self_attention is None:
             lengths = list(tokens.tokens_per_sequence)
-            self_attention = SegmentAttention(lengths, lengths, device)
+            self_attention = local_attention(lengths, lengths, device)
         if cross_attention is None:
-            cross_attention = SegmentAttention(
+            cross_attention = local_attention(
                 tokens.tokens_per_sequence, tokens.text_tokens_per_sequence, device
             )
         sequence_index_T = tokens.sequence_index()

@@ -360,7 +360,7 @@ def _time_distributed_attention(step, config, device, dtype, repeats: int) -> tu
     of its tokens: forward, and backward."""
     from zellige.runtime.attention import distributed_attention
 
-    shape = (int(sum(step.compiled.chunk_num_tokens)), config.num_heads, config.head_dim)
+    shape = (int(sum(step.program.chunk_num_tokens)), config.num_heads, config.head_dim)
     q, k, v = (torch.randn(*shape, device=device, dtype=dtype).requires_grad_(True) for _ in "qkv")
     grad = torch.randn(*shape, device=device, dtype=dtype)
     forward_s = gpu_time_s(lambda: distributed_attention(q, k, v, step), device, repeats=repeats)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from zellige import _core
-from zellige.model.attention import SegmentAttention
+from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock
 from zellige.model.config import DiTConfig
 from zellige.model.rope import rope_tables
@@ -130,7 +130,7 @@ class RankInputs:
     rope_cos: Tensor
     rope_sin: Tensor
     self_attention: object  # AttentionFn
-    cross_attention: SegmentAttention
+    cross_attention: AttentionFn
 
     @property
     def num_tokens(self) -> int:
@@ -173,7 +173,7 @@ def rank_inputs(
         rope_cos=rope_cos,
         rope_sin=rope_sin,
         self_attention=self_attention,
-        cross_attention=SegmentAttention(list(chunk_tokens), list(chunk_text_tokens), device),
+        cross_attention=local_attention(list(chunk_tokens), list(chunk_text_tokens), device),
     )
 
 
@@ -332,7 +332,7 @@ def plan_rank_inputs(
     from zellige.runtime.layout import prepare_step
 
     step = prepare_step(batch, plan, config.num_heads, device, rank=rank, check_agreement=False)
-    layout = step.compiled
+    layout = step.program
     sequences = batch.sequences
     chunk_tokens = [int(n) for n in layout.chunk_num_tokens]
     chunk_text = [int(sequences[int(i)].text_tokens) for i in layout.chunk_sequence_index]

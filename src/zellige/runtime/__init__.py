@@ -1,38 +1,66 @@
 """zellige.runtime: executes a Plan in PyTorch. The only package that calls torch.distributed.
 
+The C++ plan compiler turns (batch, plan, rank) into a `StepProgram` (zellige._core): every index
+array, split size, ring message and attention group one rank needs for one step. The runtime
+copies those arrays to the device, exchanges tensors and calls attention kernels; it computes no
+bookkeeping of its own. Formats and the flow of a step: docs/architecture.md, docs/formats.md.
+
 Public API (stable; everything else in the package is private):
 
-    step = prepare_step(batch, plan, num_heads, device, group=None)
-        Once per step, on every rank of `group` (default: the world). Compiles this rank's layout
-        (C++ plan compiler) and moves it to `device`. Raises the same ValueError on every rank if
-        the plan does not match the batch, the world size or the head count (never hangs).
-        step.num_source_tokens  S: tokens this rank's loader produced (its sequences, batch order)
-        step.num_held_tokens    T: tokens this rank holds for the per-token layers (held order)
-        step.position_ids       [T, 3] long: (t, h, w) of each held token in its latent grid
-        step.sequence_index     [T] long: index into batch.sequences of each held token
-        step.compiled           the raw zellige._core.RankLayout (chunks, splits, segments)
+    program = compile_step(batch, plan, num_heads, rank, *, joint_attention=False)
+        The rank's StepProgram (C++; picklable, so a loader worker builds it one step ahead and
+        sends it as is). Raises ValueError when the plan does not match the batch or head count.
+    step = load_step(program, device, group=None, *, error=None)
+        Once per step, on every rank of `group` (default: the world): moves the program to
+        `device`. One tiny all_gather makes every rank raise the same ValueError when any rank
+        failed (`error`: a message from the rank's loader, e.g. compile_step's) or when the ranks'
+        programs are for different batches or plans; never a hang.
+    step = prepare_step(batch, plan, num_heads, device, group=None, *, joint_attention=False)
+        compile_step + load_step in one call.
 
-    x_TD = route(x_SD, step)              source tokens -> held tokens (one all_to_all)
-    x_SD = reverse_route(x_TD, step)      held tokens -> source tokens (its inverse)
-        Any dtype and trailing shape; differentiable (backward = the opposite all_to_all).
+    Joint attention (MMDiT, joint_attention=True): a sequence's attended tokens are its text
+    tokens followed by its visual tokens, and every strategy cuts that joint list. Cross-attention
+    models (Wan): held tokens are visual only; each held chunk receives its sequence's whole text.
 
-    o_TNH = distributed_attention(q_TNH, k_TNH, v_TNH, step, *, scale=None, backend=None)
-        Bidirectional self-attention of every sequence under the plan, for the held tokens;
-        equal to single-process attention. Every rank calls it every layer. Differentiable.
-    fn = attention_fn(step, *, backend=None)
-        The same as an `AttentionFn` (q_TNH, k_TNH, v_TNH) -> o_TNH for zellige.model.
+    step.num_source_tokens / step.num_held_tokens     S / T, all modalities
+    step.position_ids      [T, 3] long: (t, h, w) in the latent grid; text token k: (k, 0, 0)
+    step.sequence_index    [T] long: index into batch.sequences
+    step.chunk_index       [T] long: index of the held chunk the token belongs to
+    step.modality          [T] long: 0 visual, 1 text
+    step.visual_index / step.text_index   held positions of the visual / text tokens, in order
+    step.chunk_sequence_index, step.chunk_num_tokens, step.chunk_num_text_tokens,
+    step.chunk_cross_text_tokens          host lists, one entry per held chunk (held order; a chunk
+        may be empty); chunk_num_text_tokens: text tokens among its held tokens (joint);
+        chunk_cross_text_tokens: text rows route_text delivers for it (cross; 0 if empty)
+    step.program           the StepProgram itself
+
+    x_TD = route(x_SD, step, tokens="all")   source tokens -> held tokens (one all_to_all)
+        tokens="visual": x is [S_visual, ...] -> [T_visual, ...]; "text": [S_text, ...] ->
+        [T_text, ...] (joint); "all": [S, ...] -> [T, ...]. Source order: the rank's sequences
+        in batch order, each its text then its visual tokens (per modality: that modality only).
+    x_SD = reverse_route(x_TD, step, tokens="all")   the inverse
+    text_XE = route_text(text_SE, step)   cross-attention: the whole text of each held chunk's
+        sequence, chunks in held order (source: the rank's sequences' text rows in batch order)
+        All three: any dtype and trailing shape, differentiable (route_text's backward sums the
+        gradients of a text delivered to several ranks).
+
+    fn = attention_fn(step)          self- or joint attention over the held tokens:
+        (q_TNH, k_TNH, v_TNH) -> o_TNH, equal to single-process attention of every sequence
+    fn = cross_attention_fn(step)    (q_TNH, k_XNH, v_XNH) -> o_TNH: each held chunk's queries
+        against its sequence's text (rows from route_text); local, no communication
+        Every rank of the group calls the distributed ones every layer. Differentiable.
 
     o_rows = coalesced_attention(q_rows, k_rows, v_rows, table, *, scale, backend, return_lse)
-        Single-device attention of many segments in few kernel calls (e.g. cross-attention of
-        each chunk to its sequence's text): table = SegmentTable.build(q_row_offset,
-        k_row_offset, q_len, k_len, num_heads, device) or SegmentTable.packed(cu_seqlens, N).
-        Rows are [tokens x heads, H], token-major per segment (q_TNH.reshape(-1, H) for packed).
+        Single-device attention of many segments in few kernel calls: table = SegmentTable.build(
+        q_row_offset, k_row_offset, q_len, k_len, num_heads, device) (grouped by the C++ engine
+        that also groups the step program's segments) or SegmentTable.packed(cu_seqlens, N).
 
     kernel_for(device, dtype, head_dim, backend=None) / KERNELS: the attention kernels; the
         automatic choice (cuDNN > flash > efficient on CUDA half precision, ATen flash on CPU) can
         be overridden with backend= or $ZELLIGE_ATTENTION_BACKEND.
 
-Legend: S source tokens, T held tokens, N heads, H head dim, D features; rows = tokens x heads.
+Legend: S source tokens, T held tokens, X cross-attention text rows, N heads, H head dim,
+D features; rows = tokens x heads.
 """
 
 from __future__ import annotations
@@ -44,27 +72,41 @@ from torch import Tensor
 
 from zellige.runtime.attention import distributed_attention
 from zellige.runtime.coalesced import SegmentTable, coalesced_attention
-from zellige.runtime.exchange import reverse_route, route
+from zellige.runtime.exchange import reverse_route, route, route_text
 from zellige.runtime.kernels import KERNELS, kernel_for
-from zellige.runtime.layout import StepLayout, prepare_step
+from zellige.runtime.layout import Step, compile_step, load_step, prepare_step
 
 
 def attention_fn(
-    step: StepLayout, *, backend: str | None = None, scale: float | None = None
+    step: Step, *, backend: str | None = None, scale: float | None = None
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """distributed_attention bound to one step: the model's self-attention callable."""
+    """distributed_attention bound to one step: the model's self- (or joint) attention."""
     return functools.partial(distributed_attention, step=step, backend=backend, scale=scale)
+
+
+def cross_attention_fn(
+    step: Step, *, backend: str | None = None, scale: float | None = None
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """Cross-attention of each held chunk's queries [T, N, H] to its sequence's text rows
+    [X, N, H] (as route_text delivers them), in the step program's dense groups."""
+    from zellige.runtime.attention import cross_attention
+
+    return functools.partial(cross_attention, step=step, backend=backend, scale=scale)
 
 
 __all__ = [
     "KERNELS",
     "SegmentTable",
-    "StepLayout",
+    "Step",
     "attention_fn",
     "coalesced_attention",
+    "compile_step",
+    "cross_attention_fn",
     "distributed_attention",
     "kernel_for",
+    "load_step",
     "prepare_step",
     "reverse_route",
     "route",
+    "route_text",
 ]

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from zellige.runtime.coalesced import backward_into, forward_into
+from zellige.runtime.coalesced import backward_into, coalesced_attention, forward_into
 from zellige.runtime.exchange import all_to_all_rows, p2p, wait_all
 from zellige.runtime.kernels import Kernel, default_scale, kernel_for, lse_dtype
-from zellige.runtime.layout import RingPlan, RingStep, StepLayout
+from zellige.runtime.layout import RingPlan, RingStep, Step
 
 Tensor = torch.Tensor
 
 _GRAD_TAG = 1 << 16  # P2P tags: ring step s uses s for k/v blocks, _GRAD_TAG + s for dk/dv
 
 
-def _issue_kv(rs: RingStep, kv_c: Tensor, step: StepLayout, tag: int) -> tuple[list, Tensor]:
+def _issue_kv(rs: RingStep, kv_c: Tensor, step: Step, tag: int) -> tuple[list, Tensor]:
     recv = kv_c.new_empty((rs.num_recv_rows, *kv_c.shape[1:]))
     sends = []
     for peer, slices in rs.sends:
@@ -36,7 +36,7 @@ def _issue_kv(rs: RingStep, kv_c: Tensor, step: StepLayout, tag: int) -> tuple[l
 
 
 def _ring_forward(
-    ring: RingPlan, step: StepLayout, kernel: Kernel, scale: float, q_c: Tensor, kv_c: Tensor
+    ring: RingPlan, step: Step, kernel: Kernel, scale: float, q_c: Tensor, kv_c: Tensor
 ) -> tuple[Tensor, Tensor]:
     acc = lse_dtype(q_c.dtype)
     o_acc = torch.zeros(q_c.shape, dtype=acc, device=q_c.device)
@@ -62,7 +62,7 @@ def _ring_forward(
 
 def _ring_backward(
     ring: RingPlan,
-    step: StepLayout,
+    step: Step,
     kernel: Kernel,
     scale: float,
     q_c: Tensor,
@@ -135,7 +135,7 @@ def _scatter_ring(ring: RingPlan, compact: Tensor, own_rows: Tensor, exchange_ro
 
 class _DistributedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_TNH, k_TNH, v_TNH, step: StepLayout, kernel: Kernel, scale: float):
+    def forward(ctx, q_TNH, k_TNH, v_TNH, step: Step, kernel: Kernel, scale: float):
         num_tokens, num_heads, head_dim = q_TNH.shape
         q, k, v = (
             t.contiguous().view(num_tokens * num_heads, head_dim) for t in (q_TNH, k_TNH, v_TNH)
@@ -238,7 +238,7 @@ def distributed_attention(
     q_TNH: Tensor,
     k_TNH: Tensor,
     v_TNH: Tensor,
-    step: StepLayout,
+    step: Step,
     *,
     scale: float | None = None,
     backend: str | None = None,
@@ -258,3 +258,37 @@ def distributed_attention(
     kernel = kernel_for(q_TNH.device, q_TNH.dtype, head_dim, backend)
     scale = default_scale(head_dim) if scale is None else scale
     return _DistributedAttention.apply(q_TNH, k_TNH, v_TNH, step, kernel, scale)
+
+
+def cross_attention(
+    q_TNH: Tensor,
+    k_XNH: Tensor,
+    v_XNH: Tensor,
+    step: Step,
+    *,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Each held chunk's queries against its sequence's text rows (route_text's order), in the
+    program's dense groups; a chunk whose sequence has no text gets zeros. Local to the rank."""
+    num_tokens, num_heads, head_dim = q_TNH.shape
+    if num_tokens != step.num_held_tokens or num_heads != step.num_heads:
+        raise ValueError(
+            f"rank {step.rank} holds {step.num_held_tokens} tokens x {step.num_heads} heads, got "
+            f"q of shape {tuple(q_TNH.shape)}"
+        )
+    text_rows = step.routes["cross_text"].num_held
+    if k_XNH.shape[:2] != (text_rows, num_heads) or v_XNH.shape != k_XNH.shape:
+        raise ValueError(
+            f"rank {step.rank} attends to {text_rows} text rows x {num_heads} heads, got k of "
+            f"shape {tuple(k_XNH.shape)} and v of shape {tuple(v_XNH.shape)}"
+        )
+    o_rows = coalesced_attention(
+        q_TNH.reshape(-1, head_dim),
+        k_XNH.reshape(-1, head_dim),
+        v_XNH.reshape(-1, head_dim),
+        step.cross_table,
+        scale=scale,
+        backend=backend,
+    )
+    return o_rows.view(num_tokens, num_heads, head_dim)

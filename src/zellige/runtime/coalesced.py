@@ -4,18 +4,20 @@ Rows: a row is one (token, head) pair of head_dim values. A segment is `q_len` q
 `num_heads` heads at `q_row_offset` (token-major, [q_len, num_heads, H]) attending to `k_len` key
 tokens at `k_row_offset` of the key/value rows. Segments of equal (q_len, k_len, num_heads) form
 one dense batch [B, n, L, H] (a strided view when they sit side by side, a gather otherwise), so a
-pack of 87 mixed sequences runs in a handful of kernel calls at the dense rate.
+pack of 87 mixed sequences runs in a handful of kernel calls at the dense rate. The grouping itself
+is C++ (_core.group_segments, shared with the plan compiler's step programs): one engine for
+self-, joint, cross-attention and ring steps.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from zellige import _core
 from zellige.runtime.kernels import Kernel, default_scale, kernel_for, lse_dtype
 
 Tensor = torch.Tensor
@@ -60,6 +62,35 @@ class SegmentTable:
     k_rows: int = 0
 
     @staticmethod
+    def from_groups(
+        groups: Sequence[_core.SegmentGroup], device: torch.device | str = "cpu"
+    ) -> SegmentTable:
+        """The table of groups made by the C++ grouping engine (a step program's, or build's)."""
+        device = torch.device(device)
+        table_groups, q_spans, k_spans = [], [], []
+        for g in groups:
+            q_offsets, k_offsets = g.q_row_offset.tolist(), g.k_row_offset.tolist()
+            q_rows_each, k_rows_each = g.q_len * g.num_heads, g.k_len * g.num_heads
+            q_spans += [(o, o + q_rows_each) for o in q_offsets]
+            k_spans += [(o, o + k_rows_each) for o in k_offsets]
+            table_groups.append(
+                SegmentGroup(
+                    count=len(q_offsets),
+                    q_len=g.q_len,
+                    k_len=g.k_len,
+                    num_heads=g.num_heads,
+                    q_index=_row_index(q_offsets, q_rows_each, device),
+                    k_index=_row_index(k_offsets, k_rows_each, device),
+                )
+            )
+        return SegmentTable(
+            tuple(table_groups),
+            disjoint=_disjoint(q_spans) and _disjoint(k_spans),
+            q_rows=sum(b - a for a, b in q_spans),
+            k_rows=sum(b - a for a, b in k_spans),
+        )
+
+    @staticmethod
     def build(
         q_row_offset: Sequence[int],
         k_row_offset: Sequence[int],
@@ -68,42 +99,13 @@ class SegmentTable:
         num_heads: Sequence[int],
         device: torch.device | str = "cpu",
     ) -> SegmentTable:
-        """Groups segments by shape; empty segments (no query, key or head) are dropped."""
-        device = torch.device(device)
-        by_shape: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
-        for qo, ko, lq, lk, n in zip(
-            np.asarray(q_row_offset).tolist(),
-            np.asarray(k_row_offset).tolist(),
-            np.asarray(q_len).tolist(),
-            np.asarray(k_len).tolist(),
-            np.asarray(num_heads).tolist(),
-            strict=True,
-        ):
-            if lq > 0 and lk > 0 and n > 0:
-                by_shape[(lq, lk, n)].append((qo, ko))
-        groups = []
-        q_spans, k_spans = [], []
-        for (lq, lk, n), members in by_shape.items():
-            q_spans += [(qo, qo + lq * n) for qo, _ in members]
-            k_spans += [(ko, ko + lk * n) for _, ko in members]
-        for (lq, lk, n), members in sorted(by_shape.items(), reverse=True):
-            members.sort()
-            groups.append(
-                SegmentGroup(
-                    count=len(members),
-                    q_len=lq,
-                    k_len=lk,
-                    num_heads=n,
-                    q_index=_row_index([m[0] for m in members], lq * n, device),
-                    k_index=_row_index([m[1] for m in members], lk * n, device),
-                )
-            )
-        return SegmentTable(
-            tuple(groups),
-            disjoint=_disjoint(q_spans) and _disjoint(k_spans),
-            q_rows=sum(b - a for a, b in q_spans),
-            k_rows=sum(b - a for a, b in k_spans),
-        )
+        """Groups segments by shape (the C++ engine, _core.group_segments); empty segments (no
+        query, key or head) are dropped."""
+        columns = [
+            np.asarray(c, dtype=np.int64).reshape(-1).tolist()
+            for c in (q_row_offset, k_row_offset, q_len, k_len, num_heads)
+        ]
+        return SegmentTable.from_groups(_core.group_segments(*columns), device)
 
     @staticmethod
     def packed(

@@ -1,13 +1,12 @@
-"""StepLayout: one rank's compiled plan as device tensors and dense attention groups.
+"""Step: one rank's StepProgram (C++ plan compiler) as device tensors, and how it is loaded.
 
-Built once per step by `prepare_step` (every layer reuses it). The integer bookkeeping comes from
-the C++ plan compiler (`zellige._core.compile_rank_layout`); this file only moves it to the device
-and derives the per-call groups.
+Built once per step (every layer reuses it). All bookkeeping comes from the program: routes,
+exchange indices, the ring schedule and the dense attention groups; this file only copies arrays
+to the device and wraps the groups as SegmentTables. Formats: docs/formats.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +17,7 @@ from zellige import _core
 from zellige.runtime.coalesced import SegmentTable
 
 Tensor = torch.Tensor
+TOKENS = ("all", "visual", "text")
 
 
 def _long(array: np.ndarray, device: torch.device) -> Tensor:
@@ -31,12 +31,39 @@ def _inverse(index: np.ndarray) -> np.ndarray:
 
 
 @dataclass(slots=True)
-class RingStep:
-    """Ring step s >= 1 for all ring/hybrid segments of the rank: one message per peer each way.
+class DeviceRoute:
+    """A TokenRoute on the device. recv_inverse: received row of each destination row, inverted
+    (recv_index is a permutation of the received rows). A token route sends every source row
+    once; the cross-attention text route may send one row to several ranks (gradients add)."""
 
-    sends: (peer, compact rows of the rank's own blocks going to it, in sequence order);
-    recvs: (peer, rows in the step's receive buffer); table: attention of the rank's query rows
-    (compact) against the received blocks."""
+    num_source: int
+    num_held: int
+    send_index: Tensor
+    recv_index: Tensor
+    recv_inverse: Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    sends_each_row_once: bool
+
+
+def _device_route(route: _core.TokenRoute, device: torch.device) -> DeviceRoute:
+    send_index = route.send_index
+    return DeviceRoute(
+        num_source=route.num_source,
+        num_held=route.num_held,
+        send_index=_long(send_index, device),
+        recv_index=_long(route.recv_index, device),
+        recv_inverse=_long(_inverse(route.recv_index), device),
+        send_splits=route.send_splits.tolist(),
+        recv_splits=route.recv_splits.tolist(),
+        sends_each_row_once=send_index.size == route.num_source,
+    )
+
+
+@dataclass(slots=True)
+class RingStep:
+    """Ring step s >= 1 of the program (see plan_compiler.h RingStep): sends (peer, compact row
+    slices), recvs (peer, receive-buffer slice), the attention table against received blocks."""
 
     sends: list[tuple[int, list[slice]]]
     recvs: list[tuple[int, slice]]
@@ -46,7 +73,7 @@ class RingStep:
 
 @dataclass(slots=True)
 class RingPlan:
-    """Ring and hybrid segments gathered into compact rows (own blocks first, then hybrid)."""
+    """Ring and hybrid segments gathered into compact rows (own-row blocks first, then hybrid)."""
 
     num_rows: int
     own_index: Tensor  # own rows -> compact rows [0, len)
@@ -55,26 +82,46 @@ class RingPlan:
     steps: list[RingStep]
 
 
+def _ring_plan(program: _core.StepProgram, device: torch.device) -> RingPlan:
+    steps = []
+    for step in program.ring_steps:
+        sends = [(peer, [slice(b, e) for b, e in rows]) for peer, rows in step.sends]
+        recvs = [(peer, slice(*rows[0])) for peer, rows in step.recvs]
+        table = SegmentTable.from_groups(step.groups, device)
+        steps.append(RingStep(sends, recvs, step.num_recv_rows, table))
+    return RingPlan(
+        num_rows=program.ring_num_rows,
+        own_index=_long(program.ring_own_rows, device),
+        exchange_index=_long(program.ring_exchange_rows, device),
+        step0=SegmentTable.from_groups(program.ring_step0_groups, device),
+        steps=steps,
+    )
+
+
 @dataclass(slots=True)
-class StepLayout:
+class Step:
     """Everything one rank needs for one step under one plan (see zellige.runtime)."""
 
     rank: int
     num_ranks: int
     num_heads: int
+    joint_attention: bool
     device: torch.device
     group: dist.ProcessGroup | None
-    compiled: _core.RankLayout
+    program: _core.StepProgram
     num_held_tokens: int
     num_source_tokens: int
-    position_ids: Tensor  # [T, 3] (t, h, w) long
+    position_ids: Tensor  # [T, 3] (t, h, w) long; text token k: (k, 0, 0)
     sequence_index: Tensor  # [T] long, index into batch.sequences
-    # route
-    route_send_index: Tensor
-    route_recv_index: Tensor
-    route_recv_inverse: Tensor
-    route_send_splits: list[int]
-    route_recv_splits: list[int]
+    chunk_index: Tensor  # [T] long, index of the held chunk
+    modality: Tensor  # [T] long, 0 visual 1 text
+    visual_index: Tensor  # held positions of the visual tokens
+    text_index: Tensor  # held positions of the text tokens
+    chunk_sequence_index: list[int]
+    chunk_num_tokens: list[int]
+    chunk_num_text_tokens: list[int]
+    chunk_cross_text_tokens: list[int]
+    routes: dict[str, DeviceRoute]  # "all", "visual", "text", "cross_text"
     # Ulysses exchange
     world_has_exchange: bool
     num_exchange_rows: int
@@ -87,105 +134,27 @@ class StepLayout:
     local_table: SegmentTable  # whole local sequences, own rows
     exchange_table: SegmentTable  # Ulysses sequences, exchange rows
     ring: RingPlan
+    cross_table: SegmentTable  # cross-attention: own rows against text rows
     global_ranks: list[int] = field(default_factory=list)  # group rank -> global rank (P2P)
 
 
-def _ring_plan(layout: _core.RankLayout, device: torch.device) -> RingPlan:
-    seg_rows = layout.segment_row_offset
-    seg_tokens = layout.segment_num_tokens
-    seg_heads = layout.segment_num_heads
-    seg_exchange = layout.segment_in_exchange
-    seg_sequence = layout.segment_sequence_index
-    entries = []  # (segment, compact offset, rows)
-    own_parts, exchange_parts = [], []
-    compact = 0
-    for is_exchange in (0, 1):
-        for e, g in enumerate(layout.ring_segment.tolist()):
-            if seg_exchange[g] != is_exchange:
-                continue
-            rows = int(seg_tokens[g] * seg_heads[g])
-            (exchange_parts if is_exchange else own_parts).append(
-                np.arange(seg_rows[g], seg_rows[g] + rows)
-            )
-            entries.append((e, g, compact, rows))
-            compact += rows
-    own_index = np.concatenate(own_parts) if own_parts else np.zeros(0, np.int64)
-    exchange_index = np.concatenate(exchange_parts) if exchange_parts else np.zeros(0, np.int64)
-
-    offsets = [c for _, _, c, _ in entries]
-    tokens = [int(seg_tokens[g]) for _, g, _, _ in entries]
-    heads = [int(seg_heads[g]) for _, g, _, _ in entries]
-    step0 = SegmentTable.build(offsets, offsets, tokens, tokens, heads, device)
-
-    degree, position = layout.ring_degree, layout.ring_position
-    peer_offset, peers, block_tokens = (
-        layout.ring_peer_offset,
-        layout.ring_peers,
-        layout.ring_block_tokens,
-    )
-    steps = []
-    max_degree = int(degree.max()) if degree.size else 1
-    for s in range(1, max_degree):
-        # Messages to / from one peer carry their sequences in batch order on both ends.
-        send_to: dict[int, list[tuple[int, int, int]]] = {}
-        recv_from: dict[int, list[tuple[int, int, int, int]]] = {}
-        for e, g, c, rows in entries:
-            r = int(degree[e])
-            if r <= s or rows == 0:  # an empty block neither sends nor needs anything
-                continue
-            j, base = int(position[e]), int(peer_offset[e])
-            sequence = int(seg_sequence[g])
-            dst, src = (j + s) % r, (j - s) % r
-            if block_tokens[base + dst] > 0:
-                send_to.setdefault(int(peers[base + dst]), []).append((sequence, c, rows))
-            if block_tokens[base + src] > 0:
-                recv_from.setdefault(int(peers[base + src]), []).append(
-                    (sequence, g, c, int(block_tokens[base + src]))
-                )
-        sends = [
-            (peer, [slice(c, c + rows) for _, c, rows in sorted(items)])
-            for peer, items in sorted(send_to.items())
-        ]
-        recvs, q_offsets, k_offsets, q_tokens, k_tokens, q_heads = [], [], [], [], [], []
-        recv_rows_total = 0
-        for peer, items in sorted(recv_from.items()):
-            start = recv_rows_total
-            for _, g, c, block in sorted(items):
-                q_offsets.append(c)
-                k_offsets.append(recv_rows_total)
-                q_tokens.append(int(seg_tokens[g]))
-                k_tokens.append(block)
-                q_heads.append(int(seg_heads[g]))
-                recv_rows_total += block * int(seg_heads[g])
-            recvs.append((peer, slice(start, recv_rows_total)))
-        table = SegmentTable.build(q_offsets, k_offsets, q_tokens, k_tokens, q_heads, device)
-        steps.append(RingStep(sends, recvs, recv_rows_total, table))
-    return RingPlan(compact, _long(own_index, device), _long(exchange_index, device), step0, steps)
-
-
-def _segment_table(layout: _core.RankLayout, kinds: tuple[int, ...], device) -> SegmentTable:
-    mask = np.isin(layout.segment_kind, kinds)
-    rows = layout.segment_row_offset[mask]
-    tokens = layout.segment_num_tokens[mask]
-    return SegmentTable.build(rows, rows, tokens, tokens, layout.segment_num_heads[mask], device)
-
-
-def plan_fingerprint(batch: _core.Batch, plan: _core.Plan) -> int:
-    """A 62-bit digest of what the layout depends on, to detect ranks that disagree."""
-    text = repr(
-        (
-            [
-                (s.id, s.num_tokens, s.source_rank, s.grid_t, s.grid_h, s.grid_w)
-                for s in batch.sequences
-            ],
-            plan.num_ranks,
-            [
-                (p.sequence_id, str(p.strategy), list(p.ranks), p.ulysses_degree)
-                for p in plan.placements
-            ],
-        )
-    )
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+def compile_step(
+    batch: _core.Batch,
+    plan: _core.Plan,
+    num_heads: int,
+    rank: int,
+    *,
+    joint_attention: bool = False,
+) -> _core.StepProgram:
+    """This rank's StepProgram (C++ plan compiler): picklable, built once, loaded by load_step.
+    Raises ValueError when the plan does not match the batch or the head count, or when the rank
+    would hold more rows than any rank's memory (a text far too long, say)."""
+    try:
+        return _core.compile_step_program(batch, plan, rank, num_heads, joint_attention)
+    except MemoryError as exc:  # std::bad_alloc: report it as the input's fault, like the limit
+        raise ValueError(
+            f"rank {rank}: the step program does not fit in host memory ({exc})"
+        ) from None
 
 
 def _agree_on_status(error: str | None, fingerprint: int, group, device: torch.device) -> None:
@@ -204,9 +173,46 @@ def _agree_on_status(error: str | None, fingerprint: int, group, device: torch.d
         raise ValueError(message[0])
     if len({fp for _, fp in rows}) > 1:
         raise ValueError(
-            "ranks disagree on the batch or the plan (fingerprints differ); every rank must "
-            "compile the same plan for the same batch"
+            "ranks disagree on the batch or the plan (their step programs' fingerprints "
+            "differ); every rank must compile the same plan for the same batch"
         )
+
+
+def load_step(
+    program: _core.StepProgram | None,
+    device: torch.device | str,
+    group: dist.ProcessGroup | None = None,
+    *,
+    error: str | None = None,
+    check_agreement: bool = True,
+) -> Step:
+    """The program's arrays on `device`, for every rank of `group` (default: the world).
+
+    Every rank calls it. When any rank passes an `error` (its loader could not compile, or found
+    its tensors do not match the program; program may then be None), or the program is for
+    another world size, or (check_agreement) the ranks' programs are for different batches or
+    plans, every rank raises the same ValueError after one small all_gather; none hangs.
+    Without an initialised process group it only moves the program (no check)."""
+    device = torch.device(device)
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and error is None:
+        if program is None:
+            error = "load_step: no step program and no error message"
+        elif program.num_ranks != dist.get_world_size(group):
+            error = (
+                f"the plan is for {program.num_ranks} ranks but the process group has "
+                f"{dist.get_world_size(group)}"
+            )
+        elif program.rank != dist.get_rank(group):
+            error = f"rank {dist.get_rank(group)} was given the step program of rank {program.rank}"
+    if distributed and check_agreement:
+        fingerprint = program.fingerprint if program is not None else 0
+        _agree_on_status(error, fingerprint, group, device)
+    if error is not None:
+        raise ValueError(error)
+    if program is None:
+        raise ValueError("load_step: no step program and no error message")
+    return _build_step(program, device, group if distributed else None)
 
 
 def prepare_step(
@@ -216,81 +222,83 @@ def prepare_step(
     device: torch.device | str,
     group: dist.ProcessGroup | None = None,
     *,
+    joint_attention: bool = False,
     rank: int | None = None,
     check_agreement: bool = True,
-) -> StepLayout:
-    """Compiles this rank's layout of `plan` for `batch` and moves it to `device`.
-
-    Validation happens before any exchange: a plan that does not match the batch, the world size
-    or the head count raises the same ValueError on every rank. With check_agreement (default),
-    one tiny all_gather also catches ranks that were handed different batches or plans.
-    rank: defaults to this process's rank in `group`; pass it (and no group) to build a layout
-    without a process group (tests, tools), even where one is initialised.
-    """
-    device = torch.device(device)
-    distributed = (
-        (rank is None or group is not None) and dist.is_available() and dist.is_initialized()
-    )
-    if rank is None:
-        if not distributed:
-            raise ValueError("prepare_step needs an initialised process group or an explicit rank")
-        rank = dist.get_rank(group)
-    if distributed:
-        world = dist.get_world_size(group)
-        if plan.num_ranks != world:
-            raise ValueError(
-                f"the plan is for {plan.num_ranks} ranks but the process group has {world}"
-            )
-    error = None
+) -> Step:
+    """compile_step for this process's rank in `group`, then load_step (same errors, raised on
+    every rank). rank: pass it (and no group) to build a step without a process group (tests,
+    tools), even where one is initialised."""
+    if rank is not None and group is None:
+        return _build_step(
+            compile_step(batch, plan, num_heads, rank, joint_attention=joint_attention),
+            torch.device(device),
+            None,
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("prepare_step needs an initialised process group or an explicit rank")
+    program, error = None, None
     try:
-        layout = _core.compile_rank_layout(batch, plan, rank, num_heads)
+        program = compile_step(
+            batch, plan, num_heads, dist.get_rank(group), joint_attention=joint_attention
+        )
     except ValueError as exc:
         error = str(exc)
-    if distributed and check_agreement:
-        _agree_on_status(error, plan_fingerprint(batch, plan), group, device)
-    if error is not None:
-        raise ValueError(error)
-    return build_step_layout(layout, device, group if distributed else None)
+    if error is None and plan.num_ranks != dist.get_world_size(group):
+        error = (
+            f"the plan is for {plan.num_ranks} ranks but the process group has "
+            f"{dist.get_world_size(group)}"
+        )
+    return load_step(program, device, group, error=error, check_agreement=check_agreement)
 
 
-def build_step_layout(
-    layout: _core.RankLayout, device: torch.device, group: dist.ProcessGroup | None
-) -> StepLayout:
-    route_recv_index = layout.route_recv_index
-    exchange_recv_index = layout.exchange_recv_index
+def _build_step(
+    program: _core.StepProgram, device: torch.device, group: dist.ProcessGroup | None
+) -> Step:
     if group is not None or (dist.is_available() and dist.is_initialized()):
         global_ranks = [
             dist.get_global_rank(group, r) if group is not None else r
-            for r in range(layout.num_ranks)
+            for r in range(program.num_ranks)
         ]
     else:
-        global_ranks = list(range(layout.num_ranks))
-    local, ulysses = _core.SegmentKind.local.value, _core.SegmentKind.ulysses.value
-    return StepLayout(
-        rank=layout.rank,
-        num_ranks=layout.num_ranks,
-        num_heads=layout.num_heads,
+        global_ranks = list(range(program.num_ranks))
+    exchange_recv_index = program.exchange_recv_index
+    return Step(
+        rank=program.rank,
+        num_ranks=program.num_ranks,
+        num_heads=program.num_heads,
+        joint_attention=program.joint_attention,
         device=device,
         group=group,
-        compiled=layout,
-        num_held_tokens=layout.num_held_tokens,
-        num_source_tokens=layout.num_source_tokens,
-        position_ids=_long(layout.token_position_thw, device),
-        sequence_index=_long(layout.token_sequence_index, device),
-        route_send_index=_long(layout.route_send_index, device),
-        route_recv_index=_long(route_recv_index, device),
-        route_recv_inverse=_long(_inverse(route_recv_index), device),
-        route_send_splits=layout.route_send_splits.tolist(),
-        route_recv_splits=layout.route_recv_splits.tolist(),
-        world_has_exchange=bool(layout.world_has_exchange),
-        num_exchange_rows=layout.num_exchange_rows,
-        exchange_send_index=_long(layout.exchange_send_index, device),
+        program=program,
+        num_held_tokens=program.num_held_tokens,
+        num_source_tokens=program.num_source_tokens,
+        position_ids=_long(program.token_position_thw, device),
+        sequence_index=_long(program.token_sequence_index, device),
+        chunk_index=_long(program.token_chunk_index, device),
+        modality=_long(program.token_modality, device),
+        visual_index=_long(program.held_visual_index, device),
+        text_index=_long(program.held_text_index, device),
+        chunk_sequence_index=program.chunk_sequence_index.tolist(),
+        chunk_num_tokens=program.chunk_num_tokens.tolist(),
+        chunk_num_text_tokens=program.chunk_num_text_tokens.tolist(),
+        chunk_cross_text_tokens=program.chunk_cross_text_tokens.tolist(),
+        routes={
+            "all": _device_route(program.route, device),
+            "visual": _device_route(program.visual_route, device),
+            "text": _device_route(program.text_route, device),
+            "cross_text": _device_route(program.cross_text_route, device),
+        },
+        world_has_exchange=bool(program.world_has_exchange),
+        num_exchange_rows=program.num_exchange_rows,
+        exchange_send_index=_long(program.exchange_send_index, device),
         exchange_recv_index=_long(exchange_recv_index, device),
         exchange_recv_inverse=_long(_inverse(exchange_recv_index), device),
-        exchange_send_splits=layout.exchange_send_splits.tolist(),
-        exchange_recv_splits=layout.exchange_recv_splits.tolist(),
-        local_table=_segment_table(layout, (local,), device),
-        exchange_table=_segment_table(layout, (ulysses,), device),
-        ring=_ring_plan(layout, device),
+        exchange_send_splits=program.exchange_send_splits.tolist(),
+        exchange_recv_splits=program.exchange_recv_splits.tolist(),
+        local_table=SegmentTable.from_groups(program.local_groups, device),
+        exchange_table=SegmentTable.from_groups(program.exchange_groups, device),
+        ring=_ring_plan(program, device),
+        cross_table=SegmentTable.from_groups(program.cross_groups, device),
         global_ranks=global_ranks,
     )

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 from zellige.data import StepDataset, make_loader
-from zellige.model import SegmentAttention, VideoDiT
+from zellige.model import VideoDiT
 from zellige.train.checkpoint import load_checkpoint, save_checkpoint
 from zellige.train.config import TrainConfig
 from zellige.train.parallelize import parallelize
@@ -164,7 +164,7 @@ def train(
             "step_s": slowest_step_s,
             "tokens": data.total_tokens,
             "train_flops": data.train_flops,
-            "sequences": len(data.batch["sequences"]),
+            "sequences": data.num_sequences,
             "planned_imbalance": max(predicted) / (sum(predicted) / len(predicted)),
             "measured_imbalance": float(rank_busy.max() / rank_busy.mean().clamp_min(1e-12)),
             "predicted_makespan_s": float(data.plan["predicted"]["makespan_s"]),
@@ -207,13 +207,10 @@ def step_loss(
     """This rank's share of the batch's rectified-flow loss: the sum over its tokens of the mean
     squared velocity error, divided by the GLOBAL token count. Summed over ranks it is the
     batch's mean loss whatever the placement, and summed gradients are its gradient."""
-    tokens = step_input.tokens
-    device = tokens.latents_TC.device
-    cross = SegmentAttention(tokens.tokens_per_sequence, tokens.text_tokens_per_sequence, device)
     velocity_TC = model(
-        tokens,
+        step_input.tokens,
         timer.wrap("attention", step_input.self_attention),
-        timer.wrap("cross_attention", cross),
+        timer.wrap("cross_attention", step_input.cross_attention),
     )
     loss_dtype = torch.promote_types(velocity_TC.dtype, torch.float32)
     error_TC = velocity_TC.to(loss_dtype) - step_input.velocity_TC.to(loss_dtype)

@@ -1,37 +1,63 @@
-"""One step's inputs on this rank: route the loaders' tokens to where the plan put them.
+"""One step's inputs on this rank: load the step program and route the loaders' tensors.
 
-The plan was made in the loader worker; here the runtime compiles this rank's layout (all ranks
-check they agree), one all_to_all routes per-token features (noisy latents, target velocity, flow
-time) and another moves each sequence's text to the ranks of its placement.
+The loader worker made the plan and compiled this rank's StepProgram; here the runtime loads it
+(every rank agrees on it, or all raise the same error), one all_to_all routes the per-token
+features (noisy latents, target velocity, flow time) and another moves the text: for a
+cross-attention model each held chunk receives its sequence's text (route_text); for a joint
+model the text tokens are held tokens of their own (route tokens="text").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
-import zellige
 from zellige import runtime
 from zellige.data import StepData
 from zellige.model import AttentionFn, PackedTokens
-from zellige.runtime.exchange import all_to_all_rows
 
 
 @dataclass(kw_only=True, slots=True)
 class StepInput:
+    """tokens: the visual tokens the rank holds, grouped by held chunk (nonempty chunks, held
+    order); tokens.text_XE: cross: each chunk's sequence text; joint: the held text tokens in the
+    order of step.text_index (chunk by chunk)."""
+
     tokens: PackedTokens
-    velocity_TC: Tensor  # the rectified-flow target of each held token
-    self_attention: AttentionFn  # distributed attention bound to this step's layout
-    layout: runtime.StepLayout
+    velocity_TC: Tensor  # the rectified-flow target of each held visual token
+    self_attention: AttentionFn  # distributed self- or joint attention bound to this step
+    cross_attention: AttentionFn  # cross-attention of each chunk to its text (cross models)
+    step: runtime.Step
+
+
+def _source_error(data: StepData) -> str | None:
+    """A loader whose tensors do not match its program (a plan for another batch, say)."""
+    program = data.program
+    if program is None:
+        return None
+    text_route = program.text_route if program.joint_attention else program.cross_text_route
+    checks = [
+        ("latent tokens", data.source_noisy_TC.shape[0], program.visual_route.num_source),
+        ("text rows", data.source_text_XE.shape[0], text_route.num_source),
+    ]
+    for what, got, want in checks:
+        if got != want:
+            return (
+                f"rank {data.rank}: the loader produced {got} {what} but the step program "
+                f"expects {want} (the plan was compiled for another batch)"
+            )
+    return None
 
 
 def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepInput:
-    batch = zellige.batch_from_dict(data.batch)
-    plan = zellige.plan_from_dict(data.plan)
-    layout = runtime.prepare_step(batch, plan, num_heads, device)
+    error = data.error or _source_error(data)
+    step = runtime.load_step(data.program, device, error=error)
+    if step.num_heads != num_heads:
+        raise ValueError(
+            f"the step program is for {step.num_heads} heads, the model has {num_heads}"
+        )
     channels = data.source_noisy_TC.shape[1]
     features_SF = torch.cat(
         [
@@ -44,47 +70,42 @@ def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepI
         ],
         dim=1,
     )
-    held_TF = runtime.route(features_SF, layout)
+    held_VF = runtime.route(features_SF, step, tokens="visual")  # [T_visual, 2C + 1]
+    text_source_XE = data.source_text_XE.to(device, non_blocking=True)
+    timestep_T = held_VF.new_empty(step.num_held_tokens)
+    timestep_T[step.visual_index] = held_VF[:, 2 * channels]
+    if step.joint_attention:
+        text_features = torch.cat(
+            [text_source_XE, data.source_text_timestep_X.to(device)[:, None]], dim=1
+        )
+        held_text_XF = runtime.route(text_features, step, tokens="text")
+        text_XE = held_text_XF[:, :-1]
+        timestep_T[step.text_index] = held_text_XF[:, -1].to(timestep_T.dtype)
+    else:
+        text_XE = runtime.route_text(text_source_XE, step)
 
-    compiled = layout.compiled
-    # PackedTokens wants tokens grouped by sequence in table order: held order does that, chunk by
-    # chunk. A chunk may be empty (a 1-token sequence split 2 ways): it has no row in the table.
-    assert (
-        compiled.chunk_held_offset.tolist()
-        == np.cumsum([0, *compiled.chunk_num_tokens.tolist()])[:-1].tolist()
+    # PackedTokens groups tokens by chunk in held order; a chunk may be empty (a 1-token sequence
+    # split 2 ways): it has no row in the table.
+    program = step.program
+    nonempty = program.chunk_num_tokens > 0
+    text_held = program.chunk_num_text_tokens[nonempty]
+    visual_held = program.chunk_num_tokens[nonempty] - text_held
+    chunk_offsets = torch.as_tensor(program.chunk_held_offset[nonempty], device=device)
+    text_per_chunk = (
+        text_held if step.joint_attention else program.chunk_cross_text_tokens[nonempty]
     )
-    nonempty = compiled.chunk_num_tokens > 0
-    chunk_tokens = compiled.chunk_num_tokens[nonempty].tolist()
-    chunk_sequences = compiled.chunk_sequence_index[nonempty].tolist()
-    chunk_offsets = torch.as_tensor(compiled.chunk_held_offset[nonempty], device=device)
-    text_tokens = [data.batch["sequences"][index]["text_tokens"] for index in chunk_sequences]
-
-    route = data.text_route
-    send_index = torch.as_tensor(route.send_index, dtype=torch.int64, device=device)
-    received_XE, _ = all_to_all_rows(
-        data.source_text_XE.to(device, non_blocking=True)[send_index],
-        route.send_splits,
-        route.recv_splits,
-        layout.group,
-    )
-    recv_rows = [
-        np.arange(route.recv_offset[index], route.recv_offset[index] + count)
-        for index, count in zip(chunk_sequences, text_tokens, strict=True)
-    ]
-    recv_index = np.concatenate(recv_rows) if recv_rows else np.zeros(0, np.int64)
-    text_XE = received_XE[torch.as_tensor(recv_index, device=device)]
-
     tokens = PackedTokens(
-        latents_TC=held_TF[:, :channels],
-        positions_T3=layout.position_ids,
-        timesteps_S=held_TF[chunk_offsets, 2 * channels],
+        latents_TC=held_VF[:, :channels],
+        positions_T3=step.position_ids.index_select(0, step.visual_index),
+        timesteps_S=timestep_T[chunk_offsets],
         text_XE=text_XE,
-        tokens_per_sequence=chunk_tokens,
-        text_tokens_per_sequence=text_tokens,
+        tokens_per_sequence=visual_held.tolist(),
+        text_tokens_per_sequence=text_per_chunk.tolist(),
     )
     return StepInput(
         tokens=tokens,
-        velocity_TC=held_TF[:, channels : 2 * channels],
-        self_attention=runtime.attention_fn(layout),
-        layout=layout,
+        velocity_TC=held_VF[:, channels : 2 * channels],
+        self_attention=runtime.attention_fn(step),
+        cross_attention=runtime.cross_attention_fn(step),
+        step=step,
     )
