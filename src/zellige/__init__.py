@@ -92,7 +92,20 @@ from zellige.workload import (
 
 __version__ = "0.1.0"
 
+# The training-loop API needs torch; it loads on first use so that planning (and the CLI) do not.
+_BALANCER_NAMES = ("Balancer", "BalancedStep", "HeldInputs", "PendingStep", "Sample")
+
+
+def __getattr__(name: str):
+    if name in _BALANCER_NAMES:
+        from zellige import balancer
+
+        return getattr(balancer, name)
+    raise AttributeError(f"module 'zellige' has no attribute {name!r}")
+
+
 __all__ = [
+    *_BALANCER_NAMES,
     "save_model_spec",
     "resolve_model",
     "model_spec_to_dict",
