@@ -141,14 +141,13 @@ class _RankReport:
 class PendingStep:
     """A step whose sizes are gathered and whose plan is being made; `start()` it in order."""
 
-    def __init__(self, balancer, index, samples, batch, schema, future, error) -> None:
+    def __init__(self, balancer, index, samples, batch, schema, future) -> None:
         self._balancer = balancer
         self.index = index
         self.samples = samples
         self.batch = batch
         self._schema = schema
-        self._future: Future | None = future
-        self._error = error
+        self._future: Future = future
 
     def start(self) -> BalancedStep:
         """Waits for the plan and loads this rank's step program (every rank calls it; one small
@@ -218,7 +217,8 @@ class Balancer:
     def schedule(self, samples: list[Sample]) -> PendingStep:
         """Gathers the samples' sizes from every rank now (one all_gather_object; every rank
         calls it) and plans the step, in the background when plan_ahead. Start pending steps in
-        the order they were scheduled."""
+        the order they were scheduled. Raises the same ValueError on every rank when a rank's
+        samples are malformed or the ranks disagree (different Balancers, different steps)."""
         error = None
         try:
             for index, sample in enumerate(samples):
@@ -238,19 +238,19 @@ class Balancer:
         index = self._scheduled
         self._scheduled += 1
         error = _agreement_error(reports)
-        batch = None if error else self._batch(reports)
-        future = None
-        if error is None:
-            if self._executor is not None:
-                future = self._executor.submit(self._plan_and_compile, batch, index)
-            else:
-                future = Future()
-                try:
-                    future.set_result(self._plan_and_compile(batch, index))
-                except Exception as exc:  # noqa: BLE001 - handed to start(), raised on every rank
-                    future.set_exception(exc)
+        if error is not None:  # every rank holds the same reports: all raise it, none waits
+            raise ValueError(error)
+        batch = self._batch(reports)
+        if self._executor is not None:
+            future = self._executor.submit(self._plan_and_compile, batch, index)
+        else:
+            future = Future()
+            try:
+                future.set_result(self._plan_and_compile(batch, index))
+            except Exception as exc:  # noqa: BLE001 - raised by start(), on every rank
+                future.set_exception(exc)
         schema = next((r.schema for r in reports if r.schema is not None), None)
-        return PendingStep(self, index, samples, batch, schema, future, error)
+        return PendingStep(self, index, samples, batch, schema, future)
 
     def _batch(self, reports: list[_RankReport]) -> _core.Batch:
         batch = _core.Batch()
@@ -285,11 +285,10 @@ class Balancer:
         return plan, program
 
     def _start(self, pending: PendingStep) -> BalancedStep:
-        error = pending._error
-        plan = program = None
+        error = plan = program = None
         with self._lock:
             if pending.index != self._started:
-                error = error or (
+                error = (
                     f"rank {self.rank}: started step {pending.index} but step {self._started} "
                     "is the next one (start pending steps once each, in schedule order)"
                 )
@@ -321,6 +320,8 @@ def _agreement_error(reports: list[_RankReport]) -> str | None:
             "ranks built different Balancers (model, planner, seed or world size differ; "
             f"config digests {by_rank})"
         )
+    if not any(r.sizes for r in reports):
+        return "no rank has a sample for this step: skip it on every rank, or give samples"
     if len({r.step_index for r in reports}) > 1:
         by_rank = ", ".join(f"rank {i}: {r.step_index}" for i, r in enumerate(reports))
         return f"ranks are at different steps ({by_rank}): every rank schedules every step"
@@ -425,9 +426,7 @@ class BalancedStep:
                 f"route_samples expects {len(self.samples)} rows (this rank's samples), got "
                 f"{values_B.shape[0]}"
             )
-        rows = [
-            s.num_tokens + (s.text_tokens if self.joint_attention else 0) for s in self.samples
-        ]
+        rows = [s.num_tokens + (s.text_tokens if self.joint_attention else 0) for s in self.samples]
         repeats = torch.tensor(rows, dtype=torch.int64, device=values_B.device)
         per_token = values_B.repeat_interleave(repeats, dim=0)
         held = runtime.route(per_token, self.runtime_step, tokens="all")
