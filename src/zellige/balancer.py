@@ -39,6 +39,7 @@ from torch import Tensor
 from zellige import _core, runtime
 from zellige.costs import make_cost_model
 from zellige.model_spec import model_spec_to_dict, resolve_model
+from zellige.runtime.ops import StepOps
 
 PlanFn = Callable[[_core.Batch, _core.CostModel], _core.Plan]
 
@@ -365,8 +366,10 @@ class BalancedStep:
         self.visual_index = step.visual_index
         self.text_index = step.text_index
         self.num_chunks = len(step.chunk_num_tokens)
-        self.attention = runtime.attention_fn(step)
-        self.cross_attention = None if self.joint_attention else runtime.cross_attention_fn(step)
+        # custom ops (zellige.runtime.ops): a compiled model traces through them
+        self.ops = StepOps(step)
+        self.attention = self.ops.attention
+        self.cross_attention = None if self.joint_attention else self.ops.cross_attention
         sequences = self.batch.sequences
         self.num_global_tokens = sum(s.num_tokens for s in sequences)
         self.num_global_samples = len(sequences)
@@ -409,14 +412,14 @@ class BalancedStep:
     def route_tokens(self, x_SD: Tensor) -> Tensor:
         """This rank's samples' visual tokens [S_vis, ...] (samples in order, each t*h*w rows) ->
         held visual tokens [T_vis, ...]. Differentiable (backward: the way back)."""
-        return runtime.route(x_SD, self.runtime_step, tokens="visual")
+        return self.ops.route(x_SD, "visual")
 
     def route_text(self, text_SE: Tensor) -> Tensor:
         """This rank's samples' text rows [S_txt, ...] (samples in order) -> joint models: held
         text tokens [T_txt, ...]; cross-attention models: [X, ...] each held chunk's whole text."""
         if self.joint_attention:
-            return runtime.route(text_SE, self.runtime_step, tokens="text")
-        return runtime.route_text(text_SE, self.runtime_step)
+            return self.ops.route(text_SE, "text")
+        return self.ops.route_text(text_SE)
 
     def route_samples(self, values_B: Tensor) -> Tensor:
         """Per-sample values [B, ...] of this rank's B samples -> [C, ...] the value of each held
@@ -429,7 +432,7 @@ class BalancedStep:
         rows = [s.num_tokens + (s.text_tokens if self.joint_attention else 0) for s in self.samples]
         repeats = torch.tensor(rows, dtype=torch.int64, device=values_B.device)
         per_token = values_B.repeat_interleave(repeats, dim=0)
-        held = runtime.route(per_token, self.runtime_step, tokens="all")
+        held = self.ops.route(per_token, "all")
         padded = torch.cat([held, held.new_zeros((1, *held.shape[1:]))])
         return padded.index_select(0, self._chunk_first)
 
@@ -449,7 +452,7 @@ class BalancedStep:
     def reverse_tokens(self, x_TD: Tensor) -> Tensor:
         """Held visual tokens [T_vis, ...] -> this rank's samples' tokens [S_vis, ...] (the
         inverse of route_tokens; e.g. predictions for logging or a loss computed at the source)."""
-        return runtime.reverse_route(x_TD, self.runtime_step, tokens="visual")
+        return self.ops.reverse_route(x_TD, "visual")
 
     def unpack(self, x_SD: Tensor) -> list[Tensor]:
         """[S_vis, ...] -> one tensor per sample of this rank, [t*h*w, ...] each."""
