@@ -152,6 +152,69 @@ def _contract_cases(rank: int, world: int, report: dict) -> None:
     report["errors"] = {key: _all_messages(message, world) for key, message in errors.items()}
 
 
+def _compiled_cases(rank: int, world: int, report: dict) -> None:
+    """Each example's model compiled whole (fullgraph: any graph break is an error; aot_eager
+    runs the ops' fake implementations and registered backward) under a plan with every
+    strategy: the same loss and gradients as eager, and no graph break counted."""
+    import dit_cross_attention
+    import mmdit_joint_attention
+    from torch._dynamo.utils import counters
+
+    import zellige
+
+    torch._dynamo.reset()
+    counters.clear()
+    results = {}
+    for example in (dit_cross_attention, mmdit_joint_attention):
+        torch.manual_seed(0)
+        model = (
+            example.TinyDiT() if example is dit_cross_attention else example.TinyMMDiT()
+        ).double()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+        spec = zellige.model_spec_from_module(
+            model, text_tokens=6, joint_attention=example is mmdit_joint_attention, num_heads=4
+        )
+        balancer = zellige.Balancer(spec, planner=hand_made_plan, plan_ahead=False)
+        worst = 0.0
+        for step_index in range(2):
+            step = balancer.step(example.draw_samples(rank, step_index))
+            held = step.inputs()
+            if example is dit_cross_attention:
+                args = (
+                    held.tokens["noisy"].double(), step.position_ids, held.samples["time"],
+                    step.chunk_index, held.text["text"].double(), step.attention,
+                    step.cross_attention,
+                )  # fmt: skip
+            else:
+                chunk_V, chunk_L = step.split(step.chunk_index)
+                args = (
+                    held.tokens["noisy"].double(), step.split(step.position_ids)[0],
+                    held.text["text"].double(), held.samples["time"], chunk_V, chunk_L,
+                    step.attention, step.join, step.split,
+                )  # fmt: skip
+            grads = []
+            for forward in (model, compiled):
+                model.zero_grad()
+                out = forward(*args)
+                loss = step.loss(out.square().mean(dim=1))
+                loss.backward()
+                grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+                grads.append(loss.detach().reshape(1))
+            worst = max(worst, float((grads[0] - grads[2]).abs().max()))
+            worst = max(worst, float((grads[1] - grads[3]).abs().max()))
+        # The routes as ops in a compiled function: there and back is the identity.
+        x = torch.randn(sum(s.num_tokens for s in step.samples), 3, dtype=torch.float64)
+        there_and_back = torch.compile(
+            lambda x, ops=step.ops: ops.reverse_route(ops.route(x, "visual"), "visual"),
+            backend="aot_eager",
+            fullgraph=True,
+        )
+        results[example.__name__] = (worst, bool(torch.equal(there_and_back(x), x)))
+        balancer.close()
+    report["compiled"] = results
+    report["graph_breaks"] = dict(counters["graph_break"])
+
+
 def _worker(rank: int, world: int, port: int, queue) -> None:
     import os
 
@@ -171,6 +234,8 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
             for label, planner in _planners(world).items():
                 report["losses"][(name, label)] = example.train(STEPS, planner)
         _contract_cases(rank, world, report)
+        if world == 2:  # compiling is the slow part; one world size shows the graph is whole
+            _compiled_cases(rank, world, report)
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         report["exception"] = traceback.format_exc()
     if rank == 0:
@@ -225,3 +290,13 @@ def test_disagreement_is_one_error_on_every_rank(report, kind, needle) -> None:
     messages = data["errors"][kind]
     assert len(set(messages)) == 1, messages  # the same message everywhere
     assert messages[0] is not None and needle in messages[0], messages
+
+
+def test_compiled_models_have_no_graph_break_and_match_eager(report) -> None:
+    world, data = report
+    if world != 2:
+        pytest.skip("compiled on 2 processes only")
+    assert data["graph_breaks"] == {}
+    for example, (worst, round_trip) in data["compiled"].items():
+        assert worst <= 1e-12, f"{example}: compiled differs from eager by {worst:.2e}"
+        assert round_trip, example
