@@ -67,8 +67,9 @@ void init_plan_compiler(nb::module_& m) {
   group.def_ro("q_len", &SegmentGroup::q_len)
       .def_ro("k_len", &SegmentGroup::k_len)
       .def_ro("num_heads", &SegmentGroup::num_heads)
-      .def_prop_ro("count",
-                   [](const SegmentGroup& g) { return static_cast<int64_t>(g.q_row_offset.size()); })
+      .def_prop_ro(
+          "count",
+          [](const SegmentGroup& g) { return static_cast<int64_t>(g.q_row_offset.size()); })
       .def("__repr__", [](const SegmentGroup& g) {
         return "SegmentGroup(count=" + std::to_string(g.q_row_offset.size()) +
                ", q_len=" + std::to_string(g.q_len) + ", k_len=" + std::to_string(g.k_len) +
@@ -128,12 +129,12 @@ void init_plan_compiler(nb::module_& m) {
           },
           nb::rv_policy::move)
       .def("to_bytes", &to_bytes, "The program's binary form (versioned).")
-      .def_static("from_bytes",
-                  [](const nb::bytes& bytes) {
-                    return deserialize_step_program(std::string(bytes.c_str(), bytes.size()));
-                  },
-                  nb::arg("data"),
-                  "A program from to_bytes; ValueError for bytes that are not one.")
+      .def_static(
+          "from_bytes",
+          [](const nb::bytes& bytes) {
+            return deserialize_step_program(std::string(bytes.c_str(), bytes.size()));
+          },
+          nb::arg("data"), "A program from to_bytes; ValueError for bytes that are not one.")
       .def("__getstate__", &to_bytes)
       .def("__setstate__",
            [](StepProgram& program, const nb::bytes& bytes) {

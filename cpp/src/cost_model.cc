@@ -265,7 +265,7 @@ double CostModel::call_excess_per_head_s(double query_tokens, double key_tokens,
 }
 
 // The segments each rank of `placement` attends, as the engine groups them into calls (see
-// coalesced.py and the model's SegmentAttention): self-attention of its block's heads against
+// the step program's dense groups, docs/architecture.md): self-attention of its block's heads against
 // every block (one call per ring step), and cross-attention of its chunk to the text.
 void CostModel::add_attention_calls(const Sequence& sequence, const Placement& placement,
                                     std::vector<RankCalls>* calls) const {

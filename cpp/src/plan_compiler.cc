@@ -103,8 +103,8 @@ int64_t program_fingerprint(const Batch& batch, const Plan& plan, int64_t num_he
   hash = fnv1a(hash, joint_attention ? 1 : 0);
   hash = fnv1a(hash, plan.num_ranks);
   for (const Sequence& s : batch.sequences) {
-    for (int64_t v : {s.id, s.num_tokens, s.text_tokens, s.source_rank, s.grid_t, s.grid_h,
-                      s.grid_w}) {
+    for (int64_t v :
+         {s.id, s.num_tokens, s.text_tokens, s.source_rank, s.grid_t, s.grid_h, s.grid_w}) {
       hash = fnv1a(hash, v);
     }
   }
@@ -126,10 +126,10 @@ std::vector<SegmentGroup> group_segments(const std::vector<int64_t>& q_row_offse
                                          const std::vector<int64_t>& k_len,
                                          const std::vector<int64_t>& num_heads) {
   const size_t n = q_row_offset.size();
-  if (k_row_offset.size() != n || q_len.size() != n || k_len.size() != n ||
-      num_heads.size() != n) {
-    throw std::invalid_argument("group_segments: offsets, lengths and heads must have one entry "
-                                "per segment");
+  if (k_row_offset.size() != n || q_len.size() != n || k_len.size() != n || num_heads.size() != n) {
+    throw std::invalid_argument(
+        "group_segments: offsets, lengths and heads must have one entry "
+        "per segment");
   }
   std::map<std::tuple<int64_t, int64_t, int64_t>, std::vector<std::pair<int64_t, int64_t>>> by;
   for (size_t s = 0; s < n; ++s) {
@@ -291,9 +291,9 @@ StepProgram compile_step_program(const Batch& batch, const Plan& plan, int64_t r
       const int64_t first = m.block_offset + m.chunk_offset;
       for (int64_t token = first; token < first + m.chunk_tokens; ++token) {
         const bool text = token < text_of[i];
-        sent_to[dest].push_back({source_all + token, text ? 1 : 0,
-                                 text ? source_text_rows + token
-                                      : source_visual + token - text_of[i]});
+        sent_to[dest].push_back(
+            {source_all + token, text ? 1 : 0,
+             text ? source_text_rows + token : source_visual + token - text_of[i]});
       }
       if (!joint_attention && m.chunk_tokens > 0) {
         for (int64_t t = 0; t < seq.text_tokens; ++t) {
@@ -383,14 +383,14 @@ StepProgram compile_step_program(const Batch& batch, const Plan& plan, int64_t r
     program.segment_head_offset.push_back(head_offset);
   };
   for (const Membership& m : local) {
-    add_segment(m, SegmentKind::kLocal, false, held_offset_of[m.sequence_index] * N,
-                m.chunk_tokens, N, 0);
+    add_segment(m, SegmentKind::kLocal, false, held_offset_of[m.sequence_index] * N, m.chunk_tokens,
+                N, 0);
   }
   std::vector<std::pair<int64_t, Membership>> ring_members;  // (segment index, membership)
   for (const Membership& m : ring) {
     ring_members.emplace_back(program.num_segments(), m);
-    add_segment(m, SegmentKind::kRing, false, held_offset_of[m.sequence_index] * N,
-                m.chunk_tokens, N, 0);
+    add_segment(m, SegmentKind::kRing, false, held_offset_of[m.sequence_index] * N, m.chunk_tokens,
+                N, 0);
   }
 
   // ---- Exchange rows: Ulysses sequences, then hybrid blocks, each longest first. ----
@@ -481,9 +481,8 @@ StepProgram compile_step_program(const Batch& batch, const Plan& plan, int64_t r
   }
 
   // ---- Dense groups of the local and Ulysses segments. ----
-  for (const auto& [kind, groups] :
-       {std::pair{SegmentKind::kLocal, &program.local_groups},
-        std::pair{SegmentKind::kUlysses, &program.exchange_groups}}) {
+  for (const auto& [kind, groups] : {std::pair{SegmentKind::kLocal, &program.local_groups},
+                                     std::pair{SegmentKind::kUlysses, &program.exchange_groups}}) {
     std::vector<int64_t> rows, tokens, heads;
     for (int64_t g = 0; g < program.num_segments(); ++g) {
       if (program.segment_kind[g] != static_cast<int64_t>(kind)) continue;
@@ -695,9 +694,9 @@ void io(A& a, StepProgram& p) {
   }
   io(a, p.num_held_tokens);
   io(a, p.num_cross_text_rows);
-  for (std::vector<int64_t>* v : {&p.token_sequence_index, &p.token_chunk_index,
-                                  &p.token_position_thw, &p.token_modality,
-                                  &p.held_visual_index, &p.held_text_index}) {
+  for (std::vector<int64_t>* v :
+       {&p.token_sequence_index, &p.token_chunk_index, &p.token_position_thw, &p.token_modality,
+        &p.held_visual_index, &p.held_text_index}) {
     io(a, *v);
   }
   for (TokenRoute* r : {&p.route, &p.visual_route, &p.text_route, &p.cross_text_route}) {
@@ -710,10 +709,10 @@ void io(A& a, StepProgram& p) {
   }
   io(a, p.num_exchange_rows);
   for (std::vector<int64_t>* v :
-       {&p.exchange_recv_index, &p.segment_sequence_index, &p.segment_kind,
-        &p.segment_in_exchange, &p.segment_row_offset, &p.segment_num_tokens,
-        &p.segment_num_heads, &p.segment_head_offset, &p.ring_segment, &p.ring_degree,
-        &p.ring_position, &p.ring_peer_offset, &p.ring_peers, &p.ring_block_tokens}) {
+       {&p.exchange_recv_index, &p.segment_sequence_index, &p.segment_kind, &p.segment_in_exchange,
+        &p.segment_row_offset, &p.segment_num_tokens, &p.segment_num_heads, &p.segment_head_offset,
+        &p.ring_segment, &p.ring_degree, &p.ring_position, &p.ring_peer_offset, &p.ring_peers,
+        &p.ring_block_tokens}) {
     io(a, *v);
   }
   io(a, p.local_groups);

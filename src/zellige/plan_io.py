@@ -1,4 +1,4 @@
-"""Plan JSON of DESIGN.md, read and written exactly (floats keep their repr).
+"""Plan JSON (docs/formats.md), read and written exactly (floats keep their repr).
 
 Importing this module also gives `_core.Plan` its `to_json()` and `Plan.from_json(text)`.
 A plan file may carry a "context" object (what the CLI needs to rebuild the plan's batch and cost

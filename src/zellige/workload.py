@@ -1,4 +1,5 @@
-"""Workloads: the built-in recipes (data/recipes.json) and the Batch JSON format of DESIGN.md.
+"""Workloads: the built-in recipes (data/recipes.json) and the Batch JSON format
+(docs/formats.md).
 
 A batch file lists sequences; each gives `num_tokens` directly or `frames`/`height`/`width`
 pixels turned into tokens by the latent geometry. `text_tokens` defaults to the model's text

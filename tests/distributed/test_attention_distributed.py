@@ -1,12 +1,16 @@
-"""Distributed attention on 2, 4 and 8 gloo processes against single-process attention.
+"""Distributed attention on 2, 3 and 4 gloo processes against single-process attention.
 
 One spawn per world size runs every case in one process group (spawning is what costs on a small
-machine). Cases: random batches with random valid plans, and structured ones for the corners:
-head counts the Ulysses degree does not divide, lengths the degree does not divide, 1-token
-sequences (empty chunks and ring blocks), ranks with no work, one sequence over every rank,
+machine). Every case runs as joint attention (MMDiT: each sequence's text tokens then its visual
+tokens attend together; text and visual rows compared separately) and, where marked, as self-
+plus cross-attention (Wan: text delivered by route_text). Cases: random batches with random
+valid plans, and structured ones for the corners: head counts the Ulysses degree does not
+divide, lengths the degree does not divide, 1-token and text-heavy sequences (empty chunks and
+ring blocks, chunks of text only), ranks with no work, one sequence over every rank,
 overlapping rank sets, hybrid. The bound is the one of zellige.runtime.verify (8x the reference's
 own rounding, measured by re-evaluating it with the keys in another order, + 4 unit roundoffs).
-A corrupted layout must FAIL, and a plan that does not fit must raise the same error everywhere.
+A corrupted route must FAIL, and a plan that does not fit (or a text too long for any rank, or
+one rank's loader error) must raise the same error everywhere.
 """
 
 from __future__ import annotations
@@ -20,20 +24,31 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zellige import Strategy, _core, make_placement, sequence_from_tokens
-from zellige.runtime import verify
+from zellige.runtime import compile_step, load_step, verify
 from zellige.runtime.verify import CheckConfig, check_rank
 
-WORLD_SIZES = [2, 4, 8]
-NUM_RANDOM_CASES = 6
+WORLD_SIZES = [2, 3, 4]
+NUM_RANDOM_CASES = 4
 
 
-def _batch(lengths_and_sources: list[tuple[int, int]]) -> _core.Batch:
+def _batch(lengths_and_sources: list[tuple[int, ...]]) -> _core.Batch:
+    """(visual tokens, source rank[, text tokens]) per sequence; text defaults to 3."""
     batch = _core.Batch()
     batch.sequences = [
-        sequence_from_tokens(10 + i, "video", length, 0, source)
-        for i, (length, source) in enumerate(lengths_and_sources)
+        sequence_from_tokens(10 + i, "video", spec[0], spec[2] if len(spec) > 2 else 3, spec[1])
+        for i, spec in enumerate(lengths_and_sources)
     ]
     return batch
+
+
+def _joint(cfg: CheckConfig) -> CheckConfig:
+    cfg.joint_attention = True
+    return cfg
+
+
+def _cross(cfg: CheckConfig) -> CheckConfig:
+    cfg.cross_attention = True
+    return cfg
 
 
 def _plan(world: int, placements: list[tuple[int, str, list[int], int]]) -> _core.Plan:
@@ -52,7 +67,11 @@ def _random_case(rng: random.Random, world: int, num_heads: int):
     num_sequences = rng.randint(1, 6)
     batch = _batch(
         [
-            (1 if rng.random() < 0.2 else rng.randint(2, 40), rng.randrange(world))
+            (
+                1 if rng.random() < 0.2 else rng.randint(2, 40),
+                rng.randrange(world),
+                rng.choice([0, 1, 4, 17]),
+            )
             for _ in range(num_sequences)
         ]
     )
@@ -80,23 +99,23 @@ def _cases(world: int) -> list[tuple[str, _core.Batch, _core.Plan, CheckConfig]]
     reversed_ranks = all_ranks[::-1]
     cases = []
     # Ulysses degrees 2..min(W, 4) against 5 heads (5 = 3 + 2, 2 + 2 + 1, ...), odd lengths.
-    cases.append(
-        (
-            "uneven-heads-and-lengths",
-            _batch([(7, 0), (13, world - 1), (1, 1 % world), (11, 0)]),
-            _plan(
-                world,
-                [
-                    (0, "ulysses", reversed_ranks[: min(world, 4)], 0),
-                    (1, "ring", all_ranks, 0),
-                    (2, "local", [world - 1], 0),
-                    (3, "ulysses", all_ranks[:2], 0),
-                ],
-            ),
-            CheckConfig(num_heads=5, head_dim=8),
-        )
+    uneven = (
+        _batch([(7, 0, 5), (13, world - 1, 2), (1, 1 % world, 0), (11, 0, 6)]),
+        _plan(
+            world,
+            [
+                (0, "ulysses", reversed_ranks[: min(world, 4)], 0),
+                (1, "ring", all_ranks, 0),
+                (2, "local", [world - 1], 0),
+                (3, "ulysses", all_ranks[:2], 0),
+            ],
+        ),
     )
-    # 1-token sequences: empty Ulysses chunks and empty ring blocks.
+    cases.append(
+        ("uneven-heads-and-lengths", *uneven, _joint(CheckConfig(num_heads=5, head_dim=8)))
+    )
+    cases.append(("uneven-heads-cross", *uneven, _cross(CheckConfig(num_heads=5, head_dim=8))))
+    # 1-token sequences, with and without text: empty Ulysses chunks and empty ring blocks.
     placements = [(0, "ulysses", all_ranks[:2], 0), (1, "ring", reversed_ranks, 0)]
     if world >= 4:
         placements.append((2, "hybrid", all_ranks[:4], 2))
@@ -105,9 +124,20 @@ def _cases(world: int) -> list[tuple[str, _core.Batch, _core.Plan, CheckConfig]]
     cases.append(
         (
             "one-token-sequences",
-            _batch([(1, 0), (1, world - 1), (2, 0)]),
+            _batch([(1, 0, 0), (1, world - 1, 2), (2, 0, 0)]),
             _plan(world, placements),
-            CheckConfig(num_heads=4, head_dim=8),
+            _joint(CheckConfig(num_heads=4, head_dim=8)),
+        )
+    )
+    # Text-heavy: far more text than visual tokens, so whole chunks and ring blocks are text.
+    heavy = [(0, "ulysses", all_ranks, 0), (1, "ring", reversed_ranks, 0)]
+    heavy.append((2, "hybrid", all_ranks[:4], 2) if world >= 4 else (2, "ring", all_ranks[:2], 0))
+    cases.append(
+        (
+            "text-heavy",
+            _batch([(1, 0, 30), (3, world - 1, 17), (2, 1, 11)]),
+            _plan(world, heavy),
+            _joint(CheckConfig(num_heads=max(world, 3), head_dim=8)),
         )
     )
     # One sequence over every rank, three ways; other ranks' loaders hold the sources.
@@ -119,22 +149,18 @@ def _cases(world: int) -> list[tuple[str, _core.Batch, _core.Plan, CheckConfig]]
     cases.append(
         (
             "one-sequence-over-every-rank",
-            _batch([(37, world - 1), (29, 0), (23, 1)]),
+            _batch([(37, world - 1, 4), (29, 0, 9), (23, 1, 1)]),
             _plan(world, one),
-            CheckConfig(num_heads=max(world, 3), head_dim=8),
+            _joint(CheckConfig(num_heads=max(world, 3), head_dim=8)),
         )
     )
     if world > 2:  # ranks without any work
-        cases.append(
-            (
-                "idle-ranks",
-                _batch([(9, 0), (6, world - 1), (5, world - 1)]),
-                _plan(
-                    world, [(0, "ring", [1, 0], 0), (1, "ulysses", [0, 1], 0), (2, "local", [1], 0)]
-                ),
-                CheckConfig(num_heads=3, head_dim=8),
-            )
+        idle = (
+            _batch([(9, 0), (6, world - 1), (5, world - 1)]),
+            _plan(world, [(0, "ring", [1, 0], 0), (1, "ulysses", [0, 1], 0), (2, "local", [1], 0)]),
         )
+        cases.append(("idle-ranks", *idle, _joint(CheckConfig(num_heads=3, head_dim=8))))
+        cases.append(("idle-ranks-cross", *idle, _cross(CheckConfig(num_heads=3, head_dim=8))))
     # Overlapping rank sets; two ring sequences over the same ranks in different orders (their
     # blocks share P2P messages per peer) and a hybrid overlapping both.
     overlap = [
@@ -145,32 +171,35 @@ def _cases(world: int) -> list[tuple[str, _core.Batch, _core.Plan, CheckConfig]]
     ]
     if world >= 4:
         overlap.append((4, "hybrid", reversed_ranks[:4], 2))
-    cases.append(
-        (
-            "overlapping-rank-sets",
-            _batch([(19, 0), (17, 1), (12, world - 1), (4, 0), (21, 1)][: len(overlap)]),
-            _plan(world, overlap),
-            CheckConfig(num_heads=3, head_dim=8),
-        )
+    overlapping = (
+        _batch([(19, 0, 7), (17, 1, 0), (12, world - 1, 5), (4, 0, 2), (21, 1, 8)][: len(overlap)]),
+        _plan(world, overlap),
     )
+    cases.append(
+        ("overlapping-rank-sets", *overlapping, _joint(CheckConfig(num_heads=3, head_dim=8)))
+    )
+    cases.append(("overlapping-cross", *overlapping, _cross(CheckConfig(num_heads=3, head_dim=8))))
     rng = random.Random(1000 + world)
     for i in range(NUM_RANDOM_CASES):
         heads = rng.randint(1, 7)
         batch, plan = _random_case(rng, world, heads)
-        cases.append((f"random-{i}", batch, plan, CheckConfig(num_heads=heads, head_dim=8)))
+        mode = _joint if i % 2 == 0 else _cross
+        cases.append((f"random-{i}", batch, plan, mode(CheckConfig(num_heads=heads, head_dim=8))))
     if world == 2:  # half precision through the same path
         batch, plan = _random_case(rng, world, 4)
-        cases.append(("random-bf16", batch, plan, CheckConfig(num_heads=4, dtype="bfloat16")))
+        cfg = _joint(CheckConfig(num_heads=4, dtype="bfloat16"))
+        cases.append(("random-bf16", batch, plan, cfg))
     return cases
 
 
 def _corrupting(prepare):
-    """prepare_step whose route misplaces two held tokens: the check must FAIL."""
+    """prepare_step whose route of all tokens misplaces held tokens: the check must FAIL."""
 
     def corrupted(*args, **kwargs):
         step = prepare(*args, **kwargs)
-        if step.route_recv_index.numel() >= 2:
-            step.route_recv_index = step.route_recv_index.roll(1)
+        route = step.routes["all"]
+        if route.recv_index.numel() >= 2:
+            route.recv_index = route.recv_index.roll(1)
         return step
 
     return corrupted
@@ -180,6 +209,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     verify.init_process_group(rank, world, port, "cpu", timeout=timedelta(seconds=120))
     report = {"cases": [], "corrupted": None, "bad_plan": [], "disagree": None}
+    report["loader_error"] = None
     for name, batch, plan, cfg in _cases(world):
         result = check_rank(batch, plan, cfg)
         report["cases"].append((name, result.errors, result.passed))
@@ -198,6 +228,10 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
     bad.append(("heads", _batch([(5, 0)]), too_wide, CheckConfig(num_heads=1)))
     unknown = _plan(world, [(1, "local", [0], 0)])
     bad.append(("unplaced-sequence", _batch([(5, 0)]), unknown, CheckConfig(num_heads=2)))
+    # A text no rank can hold (joint: it is part of the attended tokens); only rank 1 holds it.
+    huge = _plan(world, [(0, "local", [0], 0), (1, "local", [1], 0)])
+    huge_text = _batch([(5, 0, 2), (5, 1, 2**40)])
+    bad.append(("text-too-long", huge_text, huge, _joint(CheckConfig(num_heads=2))))
     for label, batch, plan, cfg in bad:
         try:
             check_rank(batch, plan, cfg)
@@ -219,6 +253,17 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
     messages = [None] * world
     dist.all_gather_object(messages, message)
     report["disagree"] = messages
+
+    # One rank's loader found its tensors do not match the program: everyone raises its message.
+    program = compile_step(_batch([(6, 0)]), _plan(world, [(0, "local", [0], 0)]), 2, rank)
+    try:
+        load_step(program, "cpu", error="loader mismatch on rank 1" if rank == 1 else None)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    messages = [None] * world
+    dist.all_gather_object(messages, message)
+    report["loader_error"] = messages
     if rank == 0:
         queue.put(report)
     dist.destroy_process_group()
@@ -241,7 +286,11 @@ def test_matches_single_process_attention(report) -> None:
         if not passed
     ]
     assert not failed, f"world {world}: " + "; ".join(failed)
-    assert len(data["cases"]) >= 8
+    assert len(data["cases"]) >= 10
+    names = {name for name, _, _ in data["cases"]}
+    assert {"text-heavy", "one-token-sequences", "overlapping-rank-sets"} <= names
+    checked = {t for _, errors, _ in data["cases"] for t in errors}
+    assert {"o.text", "dk.text", "cross.dk"} <= checked  # text rows and route_text were compared
 
 
 def test_corrupted_layout_fails(report) -> None:
@@ -251,7 +300,12 @@ def test_corrupted_layout_fails(report) -> None:
 
 def test_bad_plan_raises_same_error_on_every_rank(report) -> None:
     _, data = report
-    expected = {"world-size": "ranks", "heads": "head", "unplaced-sequence": "sequence"}
+    expected = {
+        "world-size": "ranks",
+        "heads": "head",
+        "unplaced-sequence": "sequence",
+        "text-too-long": "2^31",
+    }
     for label, messages in data["bad_plan"]:
         assert messages[0] is not None, label
         assert all(m == messages[0] for m in messages), (label, messages)
@@ -262,3 +316,9 @@ def test_ranks_that_disagree_all_refuse(report) -> None:
     _, data = report
     messages = data["disagree"]
     assert all(m is not None and "disagree" in m for m in messages), messages
+
+
+def test_one_loader_error_raises_on_every_rank(report) -> None:
+    _, data = report
+    messages = data["loader_error"]
+    assert all(m == "loader mismatch on rank 1" for m in messages), messages

@@ -121,7 +121,7 @@ def main() -> None:
             for name, p in model.named_parameters()
         }
         held = [0] * num_ranks
-        dist.all_gather_object(held, step_input.layout.num_held_tokens)
+        dist.all_gather_object(held, step_input.step.num_held_tokens)
         results[planner] = {"loss": total.item(), "grads": grads, "held_tokens": held}
     if rank == 0:
         loss, grads = reference(config, sequences)

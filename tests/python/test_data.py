@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
 
 import zellige
-from zellige.data import StepDataset, SyntheticLatents, text_route
+from zellige.data import StepDataset, SyntheticLatents
 from zellige.model import model_preset
+from zellige.runtime import compile_step
 
 CONFIG = model_preset("tiny-cpu")
 
@@ -31,7 +34,7 @@ def test_samples_are_deterministic_by_seed_step_and_id() -> None:
 
 
 @pytest.mark.parametrize("planner", ["dp-cost", "static-cp:2", "knapformer:g2n2"])
-def test_text_route_delivers_each_sequence_text_to_its_ranks(planner: str) -> None:
+def test_program_text_route_delivers_each_sequence_text_to_its_chunks(planner: str) -> None:
     num_ranks = 4
     batch = zellige.generate(zellige.data.load_training_recipe("tiny"), num_ranks, seed=1)
     cost_model = zellige.make_cost_model(zellige.data.model_spec(CONFIG), num_ranks, num_ranks)
@@ -44,8 +47,9 @@ def test_text_route_delivers_each_sequence_text_to_its_ranks(planner: str) -> No
         )
         for r in range(num_ranks)
     }
-    routes = [text_route(batch, plan, r) for r in range(num_ranks)]
-    for rank in range(num_ranks):
+    programs = [compile_step(batch, plan, CONFIG.num_heads, r) for r in range(num_ranks)]
+    routes = [p.cross_text_route for p in programs]
+    for rank, program in enumerate(programs):
         received = np.concatenate(
             [
                 source_rows[src][routes[src].send_index][
@@ -55,17 +59,12 @@ def test_text_route_delivers_each_sequence_text_to_its_ranks(planner: str) -> No
             ]
         )
         assert len(received) == sum(routes[rank].recv_splits)
-        members = [
-            i
-            for i, s in enumerate(sequences)
-            for p in plan.placements
-            if p.sequence_id == s.id and rank in p.ranks
-        ]
-        assert sorted(routes[rank].recv_offset) == members
-        for index in members:
-            start = routes[rank].recv_offset[index]
-            rows = received[start : start + sequences[index].text_tokens]
-            assert (rows == sequences[index].id).all()
+        text_XE = received[routes[rank].recv_index]  # what route_text hands the model
+        offsets = program.chunk_cross_text_offset
+        for c, index in enumerate(program.chunk_sequence_index):
+            count = program.chunk_cross_text_tokens[c]
+            assert count == (sequences[index].text_tokens if program.chunk_num_tokens[c] else 0)
+            assert (text_XE[offsets[c] : offsets[c] + count] == sequences[index].id).all()
 
 
 def test_step_dataset_materialises_only_this_ranks_sequences() -> None:
@@ -79,14 +78,23 @@ def test_step_dataset_materialises_only_this_ranks_sequences() -> None:
         seed=0,
     )
     data = dataset[3]
-    mine = [s for s in data.batch["sequences"] if s["source_rank"] == 1]
-    tokens = sum(s["num_tokens"] for s in mine)
+    batch = dataset.batch(3)
+    mine = [s for s in batch.sequences if s.source_rank == 1]
+    tokens = sum(s.num_tokens for s in mine)
     assert data.source_noisy_TC.shape == (tokens, CONFIG.token_channels)
     assert data.source_velocity_TC.shape == (tokens, CONFIG.token_channels)
-    assert data.source_text_XE.shape == (sum(s["text_tokens"] for s in mine), CONFIG.text_dim)
-    assert data.total_tokens == sum(s["num_tokens"] for s in data.batch["sequences"])
+    assert data.source_text_XE.shape == (sum(s.text_tokens for s in mine), CONFIG.text_dim)
+    assert data.source_text_timestep_X.shape == (sum(s.text_tokens for s in mine),)
+    assert data.total_tokens == sum(s.num_tokens for s in batch.sequences)
+    assert data.num_sequences == len(batch.sequences)
     assert data.plan["planner"] == "dp-cost" and data.plan["plan_ms"] >= 0
     assert torch.equal(dataset[3].source_noisy_TC, data.source_noisy_TC)
+    # The worker's compiled program: this rank's, and it crosses processes by pickle as is.
+    assert data.error is None and data.program.rank == 1
+    assert data.program.visual_route.num_source == tokens
+    again = pickle.loads(pickle.dumps(data))
+    assert again.program == data.program
+    assert again.program.to_bytes() == data.program.to_bytes()
 
 
 SPAWNED_LOADER = """

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from zellige.data.synthetic import grid_positions
-from zellige.model import PackedTokens, SegmentAttention, VideoDiT, model_preset
+from zellige.model import PackedTokens, VideoDiT, local_attention, model_preset
 from zellige.model.rope import rope_axis_dims
 
 CONFIG = model_preset("tiny-cpu")
@@ -109,7 +109,7 @@ def test_segment_attention_matches_per_segment_loop(q_lengths, kv_lengths) -> No
         else:
             expected.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1))
         q_start, kv_start = q_start + q_len, kv_start + kv_len
-    out = SegmentAttention(q_lengths, kv_lengths, "cpu")(q, k, v)
+    out = local_attention(q_lengths, kv_lengths, "cpu")(q, k, v)
     torch.testing.assert_close(out, torch.cat(expected), rtol=0, atol=1e-14)
 
 

@@ -103,10 +103,10 @@ struct StepProgram {
   int64_t fingerprint = 0;
 
   // ---- Held chunks, in held order (one entry per chunk; a chunk may be empty). ----
-  std::vector<int64_t> chunk_sequence_index;  // index into batch.sequences
-  std::vector<int64_t> chunk_token_offset;    // first attended token within the sequence
-  std::vector<int64_t> chunk_num_tokens;      // attended tokens held (joint: text included)
-  std::vector<int64_t> chunk_num_text_tokens;  // joint: text tokens among them; cross: 0
+  std::vector<int64_t> chunk_sequence_index;     // index into batch.sequences
+  std::vector<int64_t> chunk_token_offset;       // first attended token within the sequence
+  std::vector<int64_t> chunk_num_tokens;         // attended tokens held (joint: text included)
+  std::vector<int64_t> chunk_num_text_tokens;    // joint: text tokens among them; cross: 0
   std::vector<int64_t> chunk_cross_text_tokens;  // cross: text rows route_text delivers; joint: 0
   std::vector<int64_t> chunk_held_offset;        // first held token of the chunk
   std::vector<int64_t> chunk_cross_text_offset;  // first text row of the chunk (cross)
@@ -166,14 +166,14 @@ struct StepProgram {
   std::vector<int64_t> ring_block_tokens;
 
   // ---- What the runtime executes: dense attention groups and the ring schedule. ----
-  std::vector<SegmentGroup> local_groups;     // whole local sequences, own rows
-  std::vector<SegmentGroup> exchange_groups;  // Ulysses sequences, exchange rows
-  int64_t ring_num_rows = 0;                  // compact rows of the ring and hybrid segments
-  std::vector<int64_t> ring_own_rows;         // own rows -> compact rows [0, size)
-  std::vector<int64_t> ring_exchange_rows;    // exchange rows -> the compact rows after those
+  std::vector<SegmentGroup> local_groups;       // whole local sequences, own rows
+  std::vector<SegmentGroup> exchange_groups;    // Ulysses sequences, exchange rows
+  int64_t ring_num_rows = 0;                    // compact rows of the ring and hybrid segments
+  std::vector<int64_t> ring_own_rows;           // own rows -> compact rows [0, size)
+  std::vector<int64_t> ring_exchange_rows;      // exchange rows -> the compact rows after those
   std::vector<SegmentGroup> ring_step0_groups;  // each block against itself, compact rows
   std::vector<RingStep> ring_steps;             // steps 1 .. (largest ring degree) - 1
-  std::vector<SegmentGroup> cross_groups;  // cross: own rows (queries) against text rows
+  std::vector<SegmentGroup> cross_groups;       // cross: own rows (queries) against text rows
 
   int64_t num_segments() const { return static_cast<int64_t>(segment_kind.size()); }
   bool operator==(const StepProgram&) const = default;

@@ -1,4 +1,4 @@
-// The zellige planner: anchors first, then fillers, then local search (DESIGN.md, issue 3).
+// The zellige planner: anchors first, then fillers, then local search (docs/architecture.md).
 //
 // One construction aims at a target makespan T. Stage 1 gives every *anchor* (a sequence whose
 // local time exceeds T, that does not fit one rank, or whose attention runs enough faster in

@@ -70,7 +70,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from zellige.runtime.attention import distributed_attention
+from zellige.runtime.attention import cross_attention, distributed_attention
 from zellige.runtime.coalesced import SegmentTable, coalesced_attention
 from zellige.runtime.exchange import reverse_route, route, route_text
 from zellige.runtime.kernels import KERNELS, kernel_for
@@ -89,8 +89,6 @@ def cross_attention_fn(
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """Cross-attention of each held chunk's queries [T, N, H] to its sequence's text rows
     [X, N, H] (as route_text delivers them), in the step program's dense groups."""
-    from zellige.runtime.attention import cross_attention
-
     return functools.partial(cross_attention, step=step, backend=backend, scale=scale)
 
 

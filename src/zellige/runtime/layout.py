@@ -56,7 +56,7 @@ def _device_route(route: _core.TokenRoute, device: torch.device) -> DeviceRoute:
         recv_inverse=_long(_inverse(route.recv_index), device),
         send_splits=route.send_splits.tolist(),
         recv_splits=route.recv_splits.tolist(),
-        sends_each_row_once=send_index.size == route.num_source,
+        sends_each_row_once=bool((np.bincount(send_index, minlength=route.num_source) == 1).all()),
     )
 
 

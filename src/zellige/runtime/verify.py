@@ -283,17 +283,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, batch_json, plan_jsons, cfg, queue) -> None:
+def _worker(rank, world_size, port, batch_json, checks, queue) -> None:
     from zellige.plan_io import plan_from_json
     from zellige.workload import batch_from_json
 
     torch.set_num_threads(1)
-    init_process_group(rank, world_size, port, cfg.device)
+    init_process_group(rank, world_size, port, checks[0][1].device)
     try:
-        cfg.device = f"cuda:{torch.cuda.current_device()}" if cfg.device == "cuda" else cfg.device
         batch = batch_from_json(batch_json)
         results = []
-        for plan_json in plan_jsons:  # one process group for every plan
+        for plan_json, cfg in checks:  # one process group for every plan
+            if cfg.device == "cuda":
+                cfg.device = f"cuda:{torch.cuda.current_device()}"
             result = check_rank(batch, plan_from_json(plan_json), cfg)
             results.append((result.errors, result.kernel))
         if rank == 0:
@@ -306,19 +307,20 @@ def _worker(rank, world_size, port, batch_json, plan_jsons, cfg, queue) -> None:
 
 
 def spawn_check(
-    batch: _core.Batch, plans: list[_core.Plan], cfg: CheckConfig, num_processes: int
+    batch: _core.Batch, checks: list[tuple[_core.Plan, CheckConfig]], num_processes: int
 ) -> list[CheckResult]:
-    """check_rank of each plan on `num_processes` fresh processes (gloo on CPU, NCCL on CUDA),
-    all in one process group. Raises the ranks' ValueError when a plan does not fit."""
+    """check_rank of each (plan, config) on `num_processes` fresh processes (gloo on CPU, NCCL
+    on CUDA), all in one process group (same device for all). Raises the ranks' ValueError when
+    a plan does not fit."""
     from zellige.plan_io import plan_to_json
     from zellige.workload import batch_to_json
 
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    plan_jsons = [plan_to_json(plan) for plan in plans]
+    jsons = [(plan_to_json(plan), cfg) for plan, cfg in checks]
     mp.spawn(
         _worker,
-        args=(num_processes, free_port(), batch_to_json(batch), plan_jsons, cfg, queue),
+        args=(num_processes, free_port(), batch_to_json(batch), jsons, queue),
         nprocs=num_processes,
         join=True,
     )
