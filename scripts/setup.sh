@@ -13,5 +13,5 @@ fi
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q cmake ninja nanobind scikit-build-core
 # The build requirements are installed just above, so build without an isolated environment.
-.venv/bin/python -m pip install -q --no-build-isolation ".[test,train,milp,plot]"
+.venv/bin/python -m pip install -q --no-build-isolation ".[test,train,milp,plot,docs]"
 echo "setup done: source .venv/bin/activate"
