@@ -166,6 +166,12 @@ def test_bad_spec_files_get_one_line_errors(tmp_path, name, text, needle):
 
 
 def test_cli_spec_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n')
+    for command in (["validate-profile", "--quick"], ["profile", "--quick", "--out", "p.json"]):
+        assert_user_error(
+            zellige_cli(*command, "--model-spec", bad, cwd=tmp_path), "missing field 'width'"
+        )
     assert_user_error(
         zellige_cli("compare", *WORKLOAD, "--model-spec", tmp_path / "missing.toml"),
         "cannot read model spec",
