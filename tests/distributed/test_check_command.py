@@ -44,3 +44,10 @@ def test_check_rejects_non_positive_sizes(capsys) -> None:
         assert cli.main([*base, *extra]) == 2
         err = capsys.readouterr().err
         assert err.startswith("zellige: error:") and "positive" in err, err
+
+
+def test_check_only_plan_warns_when_nothing_is_distributed(capsys) -> None:
+    argv = ["check", "--nproc", "2", "--workload", "wan-stage1", "--planner", "dp-cost"]
+    assert cli.main([*argv, "--max-tokens", "300", "--head-dim", "8", "--only-plan"]) == 0
+    out = capsys.readouterr().out
+    assert "strategies local" in out and "warning" in out and "hand-built" not in out

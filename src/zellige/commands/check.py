@@ -248,6 +248,11 @@ def run(args: argparse.Namespace) -> int:
             labels += [p.planner for p in extra]
         else:
             print("  one process: nothing distributed to check (use --nproc 2 or more)")
+    elif not distributed:
+        print(
+            "  warning: the plan places every sequence locally and --only-plan is set: this "
+            "checks no distributed attention"
+        )
     results = spawn_check(run_batch, checks, args.nproc)
     print(
         f"  {num_heads} heads x {args.head_dim}, {dtype}, {kind}; "
