@@ -159,12 +159,25 @@ class PendingStep:
 class Balancer:
     """Plans every training step's placement and executes it for the user's model.
 
-    model: a preset name, a model spec file (.toml / .json) or a ModelSpec: the planner's costs
-        and the head count. planner: a planner name (zellige.planner_names(), e.g. "zellige",
-        "knapformer:g2n2", "static-cp:2") or a function (batch, cost_model) -> Plan (a hand-made
-        placement). plan_ahead: plan in a background thread (see `schedule`).
-    The process group (default: the world) must be initialised; every rank builds an equal
-    Balancer and calls step() / schedule() / start() the same number of times in the same order.
+    Every rank of the process group builds an equal Balancer and calls `step()` (or `schedule()`
+    then `start()`) the same number of times, in the same order.
+
+    Args:
+        model: a preset name, a model spec file (.toml / .json) or a ModelSpec: the cost model's
+            sizes and the head count of the attention callables.
+        planner: a planner name (`zellige.planner_names()`: "zellige", "dp-cost",
+            "static-cp:2", "knapformer:g2n2", ...) or a function (batch, cost_model) -> Plan
+            for a placement of your own.
+        device: where the step's tables and routed tensors live.
+        group: the process group (default: the world); it must be initialised.
+        gpus_per_node, profile, links, activation_checkpointing: the cluster and hardware
+            profile the cost model predicts with (`zellige.make_cost_model`).
+        seed: the planners' seed (step k plans with seed + k).
+        plan_ahead: plan in a background thread, so that `schedule()` returns at once.
+
+    Example:
+        >>> balancer = zellige.Balancer("my_dit.toml", planner="zellige", device="cuda")
+        >>> step = balancer.step(samples)  # this rank's samples
     """
 
     def __init__(
@@ -196,6 +209,12 @@ class Balancer:
             links,
             activation_checkpointing=activation_checkpointing,
         )
+        if isinstance(planner, str):
+            from zellige.api import JOINT, _check_planner_name
+
+            _check_planner_name(planner)  # a typo fails here, not at the first step
+            if planner == JOINT:  # time-limited: ranks could stop at different incumbents
+                raise ValueError("the joint MILP reference is for comparisons, not training")
         self.planner = planner
         self.seed = seed
         self._executor = ThreadPoolExecutor(1, "zellige-plan") if plan_ahead else None

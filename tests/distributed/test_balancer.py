@@ -151,6 +151,8 @@ def _contract_cases(rank: int, world: int, report: dict) -> None:
     errors["no samples anywhere"] = _expect_error(
         lambda: zellige.Balancer("tiny", plan_ahead=False).step([])
     )
+    errors["unknown planner"] = _expect_error(lambda: zellige.Balancer("tiny", planner="zelige"))
+    errors["joint reference"] = _expect_error(lambda: zellige.Balancer("tiny", planner="joint"))
     report["errors"] = {key: _all_messages(message, world) for key, message in errors.items()}
 
 
@@ -287,6 +289,8 @@ def test_routing_and_loss_normalisation(report) -> None:
         ("started out of order", "is the next one"),
         ("bad sample", "rank 1: sample 0: tokens['noisy'] has shape"),
         ("no samples anywhere", "no rank has a sample"),
+        ("unknown planner", "unknown planner 'zelige' (allowed:"),
+        ("joint reference", "not training"),
     ],
 )
 def test_disagreement_is_one_error_on_every_rank(report, kind, needle) -> None:
