@@ -6,9 +6,9 @@ callables. The Zellige part is `train()` (about 50 lines). Run on CPU with 2-4 p
     torchrun --nproc-per-node 2 examples/dit_cross_attention.py --steps 3 --check
 
 --check trains the same steps again in one process without Zellige (float64) and fails unless
-every step's loss agrees. --planner takes any planner name (zellige, knapformer:g1n2,
-static-cp:2, dp-cost, ...). Legend: T tokens, C chunks (a sample's part on this rank), X text
-rows, N heads, H head dim, D width.
+every step's loss agrees; --fsdp shards the model with FSDP2. --planner takes any planner name
+(zellige, knapformer:g1n2, static-cp:2, dp-cost, ...). Legend: T tokens, C chunks (a sample's
+part on this rank), X text rows, N heads, H head dim, D width.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
 
 import zellige
 
@@ -104,14 +105,18 @@ def draw_samples(rank: int, step: int, seed: int = 0) -> list[zellige.Sample]:
 
 
 # ---------------------------------------------------------------- Zellige in the training loop
-def train(steps: int, planner="zellige", seed: int = 0) -> list[float]:
+def train(steps: int, planner="zellige", seed: int = 0, fsdp: bool = False) -> list[float]:
     """Trains `steps` steps on this process group; returns the step losses (every rank)."""
     torch.manual_seed(seed)  # every rank starts from the same weights
     model = TinyDiT().double()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     spec = zellige.model_spec_from_module(
         model, text_tokens=6, joint_attention=False, num_heads=HEADS
     )
+    if fsdp:  # FSDP2 shards the weights; it averages gradients over ranks
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     balancer = zellige.Balancer(spec, planner=planner, seed=seed)
     rank, losses = dist.get_rank(), []
     pending = balancer.schedule(draw_samples(rank, 0, seed))
@@ -132,9 +137,12 @@ def train(steps: int, planner="zellige", seed: int = 0) -> list[float]:
         error_T = (velocity_TC - held.tokens["target"].double()).square().mean(dim=1)
         loss = step.loss(error_T)  # this rank's share of the data-parallel loss
         optimizer.zero_grad()
-        loss.backward()
-        for parameter in model.parameters():  # what DDP / FSDP do (they average: scale by ranks)
-            dist.all_reduce(parameter.grad)
+        if fsdp:
+            (loss * step.num_ranks).backward()  # FSDP's average over ranks becomes a sum
+        else:
+            loss.backward()
+            for parameter in model.parameters():  # plain data parallelism: sum the gradients
+                dist.all_reduce(parameter.grad)
         optimizer.step()
         losses.append(step.reduce(loss))
     balancer.close()
@@ -184,9 +192,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--planner", default="zellige")
     parser.add_argument("--check", action="store_true", help="compare with one process")
+    parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    losses = train(args.steps, args.planner)
+    losses = train(args.steps, args.planner, fsdp=args.fsdp)
     if dist.get_rank() == 0:
         print(" ".join(f"{loss:.12f}" for loss in losses))
         if args.check:

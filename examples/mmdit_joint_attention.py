@@ -167,8 +167,8 @@ def train(steps: int, planner="zellige", seed: int = 0) -> list[float]:
         loss = step.loss(error_V)  # this rank's share of the data-parallel loss
         optimizer.zero_grad()
         loss.backward()
-        for parameter in model.parameters():  # what DDP / FSDP do (they average: scale by ranks)
-            dist.all_reduce(parameter.grad)
+        for parameter in model.parameters():  # data parallelism (DDP / FSDP average instead:
+            dist.all_reduce(parameter.grad)  # backpropagate loss * step.num_ranks with them)
         optimizer.step()
         losses.append(step.reduce(loss))
     balancer.close()

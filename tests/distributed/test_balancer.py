@@ -237,6 +237,10 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
                 report["losses"][(name, "single process")] = example.reference_losses(STEPS, world)
             for label, planner in _planners(world).items():
                 report["losses"][(name, label)] = example.train(STEPS, planner)
+            if example is dit_cross_attention:  # the weights sharded by FSDP2
+                report["losses"][(name, "hand-made, fsdp")] = example.train(
+                    STEPS, hand_made_plan, fsdp=True
+                )
         _contract_cases(rank, world, report)
         if world == 2:  # compiling is the slow part; one world size shows the graph is whole
             _compiled_cases(rank, world, report)
@@ -261,7 +265,8 @@ def report(request):
 def test_examples_match_a_single_process(report, example) -> None:
     world, data = report
     reference = data["losses"][(example, "single process")]
-    for label in _planners(world):
+    labels = [*_planners(world), *(["hand-made, fsdp"] if example == "dit_cross_attention" else [])]
+    for label in labels:
         losses = data["losses"][(example, label)]
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
         assert worst <= TOLERANCE, f"{example} under {label}: {losses} vs {reference}"
