@@ -170,8 +170,10 @@ class Balancer:
             for a placement of your own.
         device: where the step's tables and routed tensors live.
         group: the process group (default: the world); it must be initialised.
-        gpus_per_node, profile, links, activation_checkpointing: the cluster and hardware
-            profile the cost model predicts with (`zellige.make_cost_model`).
+        gpus_per_node: GPUs per node (default 8, or the world when smaller).
+        profile: a hardware profile (path or HardwareProfile; default: the built-in H200 one).
+        links: the link class between GPUs of a node, "nvlink" or "pcie".
+        activation_checkpointing: whether training recomputes activations (memory model).
         seed: the planners' seed (step k plans with seed + k).
         plan_ahead: plan in a background thread, so that `schedule()` returns at once.
 
