@@ -5,9 +5,13 @@ A pack is what one rank attends in one step when it holds whole sequences: the r
 the longest sequence and the fill around it). Methods on the same pack ([T, N, H] bf16):
   dense-cudnn      one sequence with the pack's FLOPs (L = sqrt(sum L_i^2)), torch SDPA on cuDNN:
                    the reference rate the coalesced call should reach (target >= 90%)
-  coalesced-auto   zellige.runtime.coalesced_attention with the automatic kernel choice
-  coalesced-Nstreams  the same, dense groups round-robin on N CUDA streams (tails overlap)
-  coalesced-flash  the same grouping with FlashAttention-2 dense kernels
+  coalesced-auto   zellige.runtime.coalesced_attention as the engine calls it (automatic kernel
+                   and merge policy)
+  coalesced-groups the same, one dense cuDNN call per group of equal lengths (merge="groups")
+  coalesced-ragged the same, one ragged cuDNN call over the whole pack (merge="ragged"; run
+                   last per pack: on torch 2.11 it broke the CUDA context on a pack of 8)
+  coalesced-Nstreams  groups round-robin on N CUDA streams (--streams)
+  coalesced-flash  the grouping with FlashAttention-2 dense kernels (--flash-groups)
   fa2-varlen       packed FlashAttention-2 varlen as shipped in torch (target: auto >= 1.4x)
   flex-document    FlexAttention with a document mask (compiled; first pack only by default)
 FLOPs: forward 4 N H sum L_i^2, backward 2.5x that. Rates in TFLOP/s; median of --repeat timed
@@ -31,6 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import zellige
 from zellige.runtime import SegmentTable, coalesced_attention
 from zellige.runtime import kernels as K
+from zellige.runtime.coalesced import RAGGED_MIN_CALLS
 
 aten = torch.ops.aten
 DEVICE = "cuda"  # --smoke runs the script's logic on the CPU with tiny shapes
@@ -102,12 +107,12 @@ def bench_dense(length: int, heads: int, head_dim: int, repeat: int, gen) -> tup
     return fwd_bwd(forward, (q, k, v), do, repeat)
 
 
-def bench_coalesced(q, k, v, do, table, backend, streams=1, *, repeat):
+def bench_coalesced(q, k, v, do, table, backend, streams=1, merge=None, *, repeat):
     rows = [t.view(-1, t.shape[-1]) for t in (q, k, v)]
     do_rows = do.view(-1, do.shape[-1])
 
     def forward():
-        return coalesced_attention(*rows, table, backend=backend, streams=streams)
+        return coalesced_attention(*rows, table, backend=backend, streams=streams, merge=merge)
 
     return fwd_bwd(forward, (q, k, v), do_rows, repeat)
 
@@ -205,6 +210,9 @@ def main() -> None:
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (no timing)")
+    parser.add_argument("--streams", action="store_true", help="also the 2- and 4-stream groups")
+    parser.add_argument("--flash-groups", action="store_true", help="also FA2 dense groups")
+    parser.add_argument("--ragged", action="store_true", help="also one ragged cuDNN call")
     args = parser.parse_args()
     if args.smoke:
         global DEVICE
@@ -221,8 +229,22 @@ def main() -> None:
         for name in names
     }
     auto = K.kernel_for(device, torch.bfloat16, head_dim).name
-    print(f"kernels passing the check against math (bf16, H={head_dim}): {verified}; auto={auto}")
-    report = {"verified": verified, "auto": auto, "packs": [], "lengths": []}
+    ragged = K.ragged_kernel_for(device, torch.bfloat16, head_dim)
+    ragged_name = None if ragged is None else f"{ragged.name} (lse token-major: "
+    if ragged is not None:
+        ragged_name += f"{getattr(ragged, 'lse_token_major', True)})"
+    print(
+        f"kernels passing the check against math (bf16, H={head_dim}): {verified}; auto={auto}; "
+        f"ragged: {ragged_name}"
+    )
+    report = {
+        "verified": verified,
+        "auto": auto,
+        "ragged": ragged_name,
+        "ragged_min_calls": RAGGED_MIN_CALLS,
+        "packs": [],
+        "lengths": [],
+    }
 
     for index, recipe in enumerate(args.recipes):
         if time.perf_counter() - started > args.time_budget_s:
@@ -250,11 +272,16 @@ def main() -> None:
         dense_flops = 4 * heads * head_dim * dense_length**2
         methods = [
             ("coalesced-auto", bench_coalesced, (table, None)),
-            ("coalesced-2streams", bench_coalesced, (table, None, 2)),
-            ("coalesced-4streams", bench_coalesced, (table, None, 4)),
-            ("coalesced-flash", bench_coalesced, (table, "flash")),
+            ("coalesced-groups", bench_coalesced, (table, None, 1, "groups")),
             ("fa2-varlen", bench_varlen, (lengths,)),
         ]
+        if args.streams:
+            methods.append(("coalesced-2streams", bench_coalesced, (table, None, 2, "groups")))
+            methods.append(("coalesced-4streams", bench_coalesced, (table, None, 4, "groups")))
+        if args.flash_groups:
+            methods.append(("coalesced-flash", bench_coalesced, (table, "flash", 1, "groups")))
+        if args.ragged:
+            methods.append(("coalesced-ragged", bench_coalesced, (table, None, 1, "ragged")))
         if index < args.flex_packs:
             methods.append(("flex-document", bench_flex, (lengths,)))
         for name, run, extra in methods:
@@ -265,19 +292,20 @@ def main() -> None:
         for name, (fwd, bwd) in timings.items():
             work = dense_flops if name == "dense-cudnn" else flops
             entry["rates"][name] = (work / fwd / 1e12, 2.5 * work / bwd / 1e12)
-        # Same function: coalesced vs varlen outputs and gradients on this pack.
-        try:
-            rows = [t.view(-1, head_dim) for t in (q, k, v)]
-            o_c = coalesced_attention(*rows, table).view_as(q)
-            grads_c = torch.autograd.grad(o_c, (q, k, v), do)
-            cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
-            o_v = _VarlenFA2.apply(q, k, v, cu_t, max(lengths), head_dim**-0.5)
-            grads_v = torch.autograd.grad(o_v, (q, k, v), do)
-            entry["rel_diff_vs_varlen"] = [rel_diff(o_c, o_v)] + [
-                rel_diff(a, b) for a, b in zip(grads_c, grads_v, strict=True)
-            ]
-        except Exception as exc:
-            entry["rel_diff_vs_varlen"] = f"failed: {exc}"[:160]
+        # Same function: each coalesced path vs FA2 varlen, outputs and gradients, on this pack.
+        for merge in ("groups", "ragged") if args.ragged else ("groups",):
+            try:
+                rows = [t.view(-1, head_dim) for t in (q, k, v)]
+                o_c = coalesced_attention(*rows, table, merge=merge).view_as(q)
+                grads_c = torch.autograd.grad(o_c, (q, k, v), do)
+                cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+                o_v = _VarlenFA2.apply(q, k, v, cu_t, max(lengths), head_dim**-0.5)
+                grads_v = torch.autograd.grad(o_v, (q, k, v), do)
+                entry[f"rel_diff_{merge}_vs_varlen"] = [rel_diff(o_c, o_v)] + [
+                    rel_diff(a, b) for a, b in zip(grads_c, grads_v, strict=True)
+                ]
+            except Exception as exc:
+                entry[f"rel_diff_{merge}_vs_varlen"] = f"failed: {exc}"[:160]
         report["packs"].append(entry)
         print(json.dumps(entry), flush=True)
         del q, k, v, do
@@ -317,14 +345,17 @@ def main() -> None:
     names = [
         "dense-cudnn",
         "coalesced-auto",
+        "coalesced-groups",
+        "coalesced-ragged",
+        "fa2-varlen",
         "coalesced-2streams",
         "coalesced-4streams",
         "coalesced-flash",
-        "fa2-varlen",
         "flex-document",
     ]
+    names = [n for n in names if any(n in e["rates"] for e in report["packs"])] or names[:5]
     print("| pack | seqs | tokens | calls | " + " | ".join(f"{n} fwd / bwd" for n in names)
-          + " | best/dense fwd, bwd | best/fa2 fwd, bwd | best |")  # fmt: skip
+          + " | auto/dense fwd, bwd | auto/fa2 fwd, bwd | best path |")  # fmt: skip
     print("|" + " --- |" * (len(names) + 7))
     for entry in report["packs"]:
         rates = entry["rates"]
@@ -333,7 +364,8 @@ def main() -> None:
             for n in names
         ]
 
-        coalesced = [n for n in names[1:4] if isinstance(rates.get(n), tuple)]
+        paths = ("coalesced-groups", "coalesced-ragged")
+        coalesced = [n for n in paths if isinstance(rates.get(n), tuple)]
         best = max(coalesced, key=lambda n: rates[n][0] + rates[n][1] / 2.5) if coalesced else "-"
 
         def ratio(a: str, b: str, rates=rates) -> str:
@@ -344,8 +376,8 @@ def main() -> None:
         print(
             f"| {entry['recipe']} | {entry['sequences']} | {entry['tokens']} | {entry['calls']} | "
             + " | ".join(cells)
-            + f" | {ratio(best, 'dense-cudnn')}"
-            + f" | {ratio(best, 'fa2-varlen')} | {best} |"
+            + f" | {ratio('coalesced-auto', 'dense-cudnn')}"
+            + f" | {ratio('coalesced-auto', 'fa2-varlen')} | {best} |"
         )
     m = report["machine"]
     print(

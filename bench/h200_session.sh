@@ -7,6 +7,12 @@
 #                                                 # plans (about 6 min); ARGS go to it
 #   bash bench/h200_session.sh memory PROFILE     # build, `zellige profile --memory-only` on
 #                                                 # PROFILE, then validate the result (about 8 min)
+#   bash bench/h200_session.sh step [PROFILE]     # issue 16: memory rows of the compiled blocks,
+#                                                 # then the training step of wan-14b width and
+#                                                 # wan-1.3b (about 9 min)
+#   bash bench/h200_session.sh attention          # the attention engine's six packs (about 2 min)
+#   bash bench/h200_session.sh verify             # issue 16 with the shipped profile: training of
+#                                                 # both models, then the attention engine (6 min)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/zellige-out}; mkdir -p "$OUT"
@@ -53,6 +59,52 @@ case $phase in
       >"$OUT/validate.log" 2>&1
     echo "validate rc=$?"; tail -12 "$OUT/validate.log"
     # a run cut short still has its ranks: zellige validate-profile --summarise validate.jsonl
+    ;;
+  step)
+    # The profile's memory rows measured on the blocks as training runs them (compiled per-token
+    # layers: fewer, bf16 activations kept), one model after the other into one profile.
+    compiled_cli='import sys; from zellige.model import fused; fused.use_compiled(True);
+from zellige.cli import main; sys.exit(main(sys.argv[1:]))'
+    step_profile="$OUT/h200_compiled.json"
+    timeout 140 python3 -c "$compiled_cli" profile --memory-only --model wan-14b --base "$profile" \
+      --out /tmp/h200_wan14b.json --details "$OUT/memory_wan14b.json" >"$OUT/step.log" 2>&1
+    echo "memory rows wan-14b rc=$?"
+    timeout 90 python3 -c "$compiled_cli" profile --memory-only --model wan-1.3b \
+      --base /tmp/h200_wan14b.json --out "$step_profile" --details "$OUT/memory_wan1p3b.json" \
+      >>"$OUT/step.log" 2>&1
+    echo "memory rows wan-1.3b rc=$?"; grep -E "memory M=|step fixed|wrote|Error" "$OUT/step.log"
+    [ -s "$step_profile" ] || { step_profile=$profile; echo "using $profile"; }
+    cd "$source_tree/bench"
+    timeout 160 python3 train_throughput.py --steps 6 --warmup 2 --sync-check \
+      --profile "$step_profile" --json "$OUT/train_wan14b.json" --runs \
+      wan14b-width-h200:wan-stage2,wan14b-width-h200:wan-stage2:all-checkpointed,wan14b-width-h200:wan-stage3 \
+      >>"$OUT/step.log" 2>&1
+    echo "train wan-14b width rc=$?"; tail -6 "$OUT/step.log"
+    timeout 175 python3 train_throughput.py --steps 6 --warmup 2 --profile "$step_profile" \
+      --json "$OUT/train_wan1p3b.json" --runs \
+      wan1p3b-h200:wan-stage2,wan1p3b-h200:wan-stage2:all-checkpointed,wan1p3b-h200:wan-stage3 \
+      >>"$OUT/step.log" 2>&1
+    echo "train wan-1.3b rc=$?"; tail -6 "$OUT/step.log"
+    ;;
+  verify)
+    cd "$source_tree/bench"
+    timeout 125 python3 train_throughput.py --steps 6 --warmup 2 --sync-check \
+      --json "$OUT/train_wan14b.json" --runs \
+      wan14b-width-h200:wan-stage2,wan14b-width-h200:wan-stage2:all-checkpointed,wan14b-width-h200:wan-stage3 \
+      >"$OUT/verify.log" 2>&1
+    echo "train wan-14b width rc=$?"; tail -5 "$OUT/verify.log"
+    timeout 145 python3 train_throughput.py --steps 6 --warmup 2 --json "$OUT/train_wan1p3b.json" \
+      --runs wan1p3b-h200:wan-stage3,wan1p3b-h200:wan-stage2,wan1p3b-h200:wan-stage2:all-checkpointed \
+      >>"$OUT/verify.log" 2>&1
+    echo "train wan-1.3b rc=$?"; tail -5 "$OUT/verify.log"
+    timeout 100 python3 attention_engine.py --flex-packs 0 --time-budget-s 55 \
+      --out "$OUT/attention_engine.json" >>"$OUT/verify.log" 2>&1
+    echo "attention rc=$?"; tail -12 "$OUT/verify.log"
+    ;;
+  attention)
+    (cd "$source_tree/bench" && timeout 150 python3 attention_engine.py --flex-packs 0 \
+      --time-budget-s 100 --out "$OUT/attention_engine.json") >"$OUT/attention.log" 2>&1
+    echo "attention rc=$?"; tail -14 "$OUT/attention.log"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -6,31 +6,53 @@ the step time goes: self-attention, cross-attention, per-token layers (the rest 
 outside the blocks (embeddings, loss, optimizer, FSDP, route), and planning (done in the loader
 worker, so off the critical path; shown against the step time).
 
-usage: python bench/train_throughput.py [--runs CONFIG:RECIPE[:compiled],...] [--steps K]
-       [--warmup W] [--seed S]
-(":compiled" runs the blocks' elementwise work through torch.compile, see zellige.model.fused)
+usage: python bench/train_throughput.py [--runs CONFIG:RECIPE[:VARIANT...],...] [--steps K]
+       [--warmup W] [--seed S] [--sync-check]
+Variants: ":eager" runs the per-token layers without torch.compile (the default on CUDA compiles
+them, see zellige.model.fused); ":compiled" compiles them anywhere; ":all-checkpointed"
+checkpoints every block (the default checkpoints per step only the blocks the plan's predicted
+memory needs); ":no-checkpointing" checkpoints none. Every step's predicted and measured peak
+are listed. --sync-check: the first run warns at every host sync inside its steps
+(torch.cuda.set_sync_debug_mode) and the summary counts them by source line.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import platform
 import sys
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from _provenance import git_commit
+from zellige.profile import load_profile
 from zellige.train.config import get_config
 from zellige.train.loop import train
 
 DEFAULT_RUNS = "wan1p3b-h200:wan-stage2,wan14b-width-h200:wan-stage2,wan1p3b-h200:wan-stage3"
+VARIANTS = {
+    "eager": {"compile_elementwise": False},
+    "compiled": {"compile_elementwise": True},
+    "all-checkpointed": {"activation_checkpointing": True, "adaptive_checkpointing": False},
+    "no-checkpointing": {"activation_checkpointing": False},
+}
 
 
-def summarise(name: str, recipe: str, history: list[dict], warmup: int, peak: float | None) -> dict:
+def summarise(
+    name: str,
+    recipe: str,
+    history: list[dict],
+    warmup: int,
+    peak: float | None,
+    reserved_gib: float = 0.0,
+) -> dict:
     steps = history[warmup:]
     step_s = sum(r["step_s"] for r in steps)
     flops = sum(r["train_flops"] for r in steps)
@@ -72,9 +94,18 @@ def summarise(name: str, recipe: str, history: list[dict], warmup: int, peak: fl
                     "peak_backward_gib",
                     "peak_optimizer_gib",
                     "predicted_peak_gib",
+                    "checkpointed_blocks",
+                    "allocated_start_gib",
                 )
             }
             for r in history
+        ],
+        # the plan's peak counts the runtime's reserve outside the allocator; the measured peak
+        # is the allocator's
+        "peak_error": [
+            round((r["predicted_peak_gib"] - reserved_gib) / r["peak_gib"] - 1, 4)
+            for r in steps
+            if r["peak_gib"]
         ],
     }
 
@@ -87,29 +118,53 @@ def main() -> int:
     parser.add_argument("--planner", default="dp-cost", help="on one GPU every plan is local")
     parser.add_argument("--seed", type=int, default=1, help="data seed (1: images and videos)")
     parser.add_argument("--json", help="write the summaries here")
+    parser.add_argument("--sync-check", action="store_true", help="count host syncs (run 1)")
+    parser.add_argument("--profile", help="hardware profile JSON the plans use (default: built-in)")
     args = parser.parse_args()
 
     rows = []
-    for run in args.runs.split(","):
-        name, recipe, *variant = run.split(":")
+    for index, run in enumerate(args.runs.split(",")):
+        name, recipe, *variants = run.split(":")
+        unknown = set(variants) - set(VARIANTS)
+        if unknown:
+            print(f"zellige: error: unknown variant(s) {sorted(unknown)} in {run}; allowed: "
+                  f"{', '.join(VARIANTS)}", file=sys.stderr)  # fmt: skip
+            return 2
+        changes = {k: v for variant in variants for k, v in VARIANTS[variant].items()}
+        sync_check = args.sync_check and index == 0
         config = dataclasses.replace(
             get_config(name),
             recipe=recipe,
             steps=args.steps,
             planner=args.planner,
             seed=args.seed,
-            compile_elementwise=variant == ["compiled"],
+            sync_debug=sync_check,
+            profile=args.profile,
+            **changes,
         )
         start = time.perf_counter()
         try:
-            history = train(config, progress=False)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                history = train(config, progress=False)
         except Exception as error:  # keep measuring the other runs; say what failed
             print(f"{run}: FAILED {type(error).__name__}: {error}", file=sys.stderr, flush=True)
             continue
         finally:
+            gc.collect()  # the last run's model and optimizer (FSDP holds reference cycles)
             torch.cuda.empty_cache()
-        row = summarise(name, recipe, history, args.warmup, config.peak_flops_per_s)
-        row["compiled"] = config.compile_elementwise
+        # the cost model reserves 3 GiB where the profile measured no reserve
+        reserved_gib = (load_profile(args.profile).runtime_reserved_bytes or 3 * 2**30) / 2**30
+        row = summarise(name, recipe, history, args.warmup, config.peak_flops_per_s, reserved_gib)
+        row["variants"] = variants
+        if sync_check:
+            syncs = Counter(
+                f"{Path(w.filename).name}:{w.lineno}"
+                for w in caught
+                if "synchroniz" in str(w.message)
+            )
+            row["host_syncs"] = dict(syncs)
+            row["host_syncs_per_step"] = sum(syncs.values()) / len(history)
         row["wall_s"] = time.perf_counter() - start
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -134,12 +189,14 @@ def main() -> int:
         "outside",
         "plan",
         "peak GiB",
+        "ckpt blocks",
+        "peak err max (allocator)",
     )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:
         cells = (
-            r["config"],
+            ":".join([r["config"], *r["variants"]]),
             r["recipe"],
             f"{r['tokens_per_s']:,.0f}",
             f"{100 * r['mfu']:.1f}%",
@@ -150,6 +207,8 @@ def main() -> int:
             f"{100 * r['outside_blocks_share']:.1f}%",
             f"{r['plan_ms']:.2f} ms ({100 * r['plan_share']:.2f}%)",
             f"{r['peak_gib']:.1f}",
+            "/".join(str(s["checkpointed_blocks"]) for s in r["per_step"][args.warmup :]),
+            f"{100 * max(r['peak_error'], key=abs, default=0):+.1f}%",
         )
         print("| " + " | ".join(cells) + " |")
     return 0

@@ -14,17 +14,27 @@ void init_cost_model(nb::module_& m) {
   options.def_rw("activation_checkpointing", &CostOptions::activation_checkpointing)
       .def_rw("bytes_per_element", &CostOptions::bytes_per_element)
       .def_rw("state_bytes_per_param", &CostOptions::state_bytes_per_param)
-      .def_rw("memory_headroom", &CostOptions::memory_headroom);
+      .def_rw("gradient_bytes_per_param", &CostOptions::gradient_bytes_per_param)
+      .def_rw("memory_headroom", &CostOptions::memory_headroom)
+      .def_rw("adaptive_checkpointing", &CostOptions::adaptive_checkpointing);
   add_value_methods(options, {"activation_checkpointing", "bytes_per_element",
-                              "state_bytes_per_param", "memory_headroom"});
+                              "state_bytes_per_param", "gradient_bytes_per_param",
+                              "memory_headroom", "adaptive_checkpointing"});
 
   nb::class_<RankShare> share(m, "RankShare", "What one placement costs one of its ranks.");
   share.def_rw("rank", &RankShare::rank)
       .def_rw("tokens", &RankShare::tokens)
       .def_rw("attention_s", &RankShare::attention_s)
       .def_rw("exchange_s", &RankShare::exchange_s)
-      .def_rw("memory_bytes", &RankShare::memory_bytes);
-  add_value_methods(share, {"rank", "tokens", "attention_s", "exchange_s", "memory_bytes"});
+      .def_rw("memory_bytes", &RankShare::memory_bytes)
+      .def_rw("layer_activation_bytes", &RankShare::layer_activation_bytes)
+      .def_rw("layer_checkpoint_bytes", &RankShare::layer_checkpoint_bytes)
+      .def_rw("buffer_bytes", &RankShare::buffer_bytes)
+      .def_rw("recompute_s", &RankShare::recompute_s)
+      .def_rw("recompute_exchange_s", &RankShare::recompute_exchange_s);
+  add_value_methods(share, {"rank", "tokens", "attention_s", "exchange_s", "memory_bytes",
+                            "layer_activation_bytes", "layer_checkpoint_bytes", "buffer_bytes",
+                            "recompute_s", "recompute_exchange_s"});
 
   nb::class_<RankCost> rank_cost(m, "RankCost", "One rank's time and peak memory in a plan.");
   rank_cost.def_rw("time_s", &RankCost::time_s)
@@ -35,9 +45,11 @@ void init_cost_model(nb::module_& m) {
       .def_rw("exchange_s", &RankCost::exchange_s)
       .def_rw("call_s", &RankCost::call_s)
       .def_rw("launch_floor_s", &RankCost::launch_floor_s)
-      .def_rw("attention_calls", &RankCost::attention_calls);
-  add_value_methods(rank_cost, {"time_s", "peak_bytes", "tokens", "linear_s", "attention_s",
-                                "exchange_s", "call_s", "launch_floor_s", "attention_calls"});
+      .def_rw("attention_calls", &RankCost::attention_calls)
+      .def_rw("checkpointed_layers", &RankCost::checkpointed_layers);
+  add_value_methods(rank_cost,
+                    {"time_s", "peak_bytes", "tokens", "linear_s", "attention_s", "exchange_s",
+                     "call_s", "launch_floor_s", "attention_calls", "checkpointed_layers"});
 
   nb::class_<PlanCost> plan_cost(m, "PlanCost", "Every rank's cost, makespan, bytes and fit.");
   plan_cost.def_rw("ranks", &PlanCost::ranks)
@@ -59,6 +71,11 @@ void init_cost_model(nb::module_& m) {
       .def("linear_time_s", &CostModel::linear_time_s, nb::arg("tokens"))
       .def("min_linear_time_per_token_s", &CostModel::min_linear_time_per_token_s)
       .def("fixed_bytes", &CostModel::fixed_bytes)
+      .def("gradient_bytes", &CostModel::gradient_bytes)
+      .def("rank_peak_bytes", &CostModel::rank_peak_bytes, nb::arg("layer_activation_bytes"),
+           nb::arg("layer_checkpoint_bytes"), nb::arg("buffer_bytes"),
+           nb::arg("checkpointed_layers"))
+      .def("linear_recompute_s", &CostModel::linear_recompute_s, nb::arg("tokens"))
       .def("memory_capacity_bytes", &CostModel::memory_capacity_bytes)
       .def("rank_time_s", &CostModel::rank_time_s, nb::arg("tokens"), nb::arg("attention_s"),
            nb::arg("exchange_s"))

@@ -94,6 +94,8 @@ struct CostModel::RankTerms {
   double exchange_s = 0;
   double memory_bytes = 0;
   double sent_bytes = 0;  // exchanges only; routing is added per placement
+  double recompute_s = 0, recompute_exchange_s = 0;  // checkpointing's share of the two times
+  double layer_activation_bytes = 0, layer_checkpoint_bytes = 0, buffer_bytes = 0;
 };
 
 CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, CostOptions options)
@@ -121,10 +123,12 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     throw std::invalid_argument("cost model: cluster needs ranks, GPU memory and link bandwidths");
   }
   if (options_.bytes_per_element <= 0 || options_.state_bytes_per_param < 0 ||
+      !(options_.gradient_bytes_per_param >= 0 &&
+        options_.gradient_bytes_per_param <= options_.state_bytes_per_param) ||
       !(options_.memory_headroom >= 0 && options_.memory_headroom < 1)) {
     throw std::invalid_argument(
-        "cost model: bytes_per_element must be > 0, state_bytes_per_param >= 0 and "
-        "memory_headroom in [0, 1)");
+        "cost model: bytes_per_element must be > 0, state_bytes_per_param >= 0, "
+        "gradient_bytes_per_param in [0, state_bytes_per_param] and memory_headroom in [0, 1)");
   }
   const double d = static_cast<double>(model_.width);
   const double bpe = static_cast<double>(options_.bytes_per_element);
@@ -174,9 +178,12 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
           ? measured_step_fixed_bytes
           : 2.0 * largest_layer_params * 2.0   // two gathered bf16 layers (prefetch)
                 + largest_layer_params * 4.0;  // one layer's unsharded fp32 gradients
-  fixed_bytes_ =
-      params * options_.state_bytes_per_param / static_cast<double>(cluster_.num_ranks()) +
-      step_fixed_bytes + root_gathered_bytes + reserved;
+  const double ranks = static_cast<double>(cluster_.num_ranks());
+  fixed_bytes_ = params * options_.state_bytes_per_param / ranks + step_fixed_bytes +
+                 root_gathered_bytes + reserved;
+  gradient_bytes_ = params * options_.gradient_bytes_per_param / ranks;
+  layer_gradient_bytes_ =
+      block_params * options_.gradient_bytes_per_param / ranks / layer_units;
 
   const double layers = static_cast<double>(model_.num_layers);
   const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
@@ -395,6 +402,7 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
       pass_s = std::max(send, recv) / link + 4.0 * latency;
     }
     terms.exchange_s += layers * passes * pass_s * (1.0 - profile_.exchange_overlap);
+    if (checkpointing) terms.recompute_exchange_s += layers * pass_s * (1.0 - profile_.exchange_overlap);
     terms.sent_bytes += layers * passes * send;
     terms.attention_s += layers * passes * send * profile_.ulysses_layout_s_per_byte;
   }
@@ -421,15 +429,28 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
     const double step_latency_s = static_cast<double>(shape.ring_degree - 1) * latency;
     terms.exchange_s += layers * (forward_passes * (forward_exposed_s + step_latency_s) +
                                   backward_exposed_s + step_latency_s);
+    if (checkpointing) terms.recompute_exchange_s += layers * (forward_exposed_s + step_latency_s);
     terms.sent_bytes += layers * kv_sent * (forward_passes + 2.0);
     terms.attention_s +=
         layers * kv_sent * (forward_passes + 2.0) * profile_.ring_layout_s_per_byte;
   }
 
+  // Recompute: one more forward pass of every layer's attention (and its exchanges).
+  if (checkpointing) {
+    double forward_layer_s = 0;
+    for (int c = 0; c < 2; ++c) {
+      forward_layer_s += static_cast<double>(shape.block_count(c)) * h * shape.forward_s[block_class][c];
+    }
+    if (cross) forward_layer_s += all_heads * head_forward_s(n, text);
+    terms.recompute_s = layers * forward_layer_s;
+  }
+
   // Memory: kept activations, then the transient buffers of one layer.
-  double kept_bytes = checkpointing ? layers * n * checkpoint_bytes_ + n * activation_bytes_
-                                    : layers * n * activation_bytes_;
-  if (cross) kept_bytes += (checkpointing ? 1.0 : layers) * text * text_bytes_;
+  terms.layer_activation_bytes = n * activation_bytes_ + (cross ? text * text_bytes_ : 0.0);
+  terms.layer_checkpoint_bytes = n * checkpoint_bytes_;
+  const double kept_bytes =
+      checkpointing ? layers * terms.layer_checkpoint_bytes + terms.layer_activation_bytes
+                    : layers * terms.layer_activation_bytes;
   // Measured: one layer's backward transient per token; analytic: q, k, v, o of the segment.
   double buffer_bytes = backward_bytes_ > 0 ? n * backward_bytes_ : 4.0 * block * h * hd * bpe;
   if (cross) buffer_bytes = std::max(buffer_bytes, 2.0 * (n + text) * all_heads * hd * bpe);
@@ -443,7 +464,8 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
     // measured, or the k/v double buffer
     buffer_bytes += ring_bytes_ != 0 ? n * ring_bytes_ : 2.0 * 2.0 * largest_block * h * hd * bpe;
   }
-  terms.memory_bytes = kept_bytes + std::max(0.0, buffer_bytes);
+  terms.buffer_bytes = std::max(0.0, buffer_bytes);
+  terms.memory_bytes = kept_bytes + terms.buffer_bytes;
   return terms;
 }
 
@@ -479,6 +501,11 @@ std::vector<RankShare> CostModel::shares_and_bytes(const Sequence& sequence,
       share.attention_s = terms.attention_s;
       share.exchange_s = terms.exchange_s;
       share.memory_bytes = terms.memory_bytes;
+      share.layer_activation_bytes = terms.layer_activation_bytes;
+      share.layer_checkpoint_bytes = terms.layer_checkpoint_bytes;
+      share.buffer_bytes = terms.buffer_bytes;
+      share.recompute_s = terms.recompute_s;
+      share.recompute_exchange_s = terms.recompute_exchange_s;
       result.push_back(share);
       sent += terms.sent_bytes;
       if (share.rank != sequence.source_rank) {
@@ -518,9 +545,43 @@ double CostModel::linear_time_s(int64_t tokens) const {
          (flops * forward_passes / forward_rate + 2.0 * flops / backward_rate + elementwise_s);
 }
 
+double CostModel::linear_recompute_s(int64_t tokens) const {
+  if (tokens <= 0 || !options_.activation_checkpointing) return 0;
+  const double m = static_cast<double>(tokens);
+  const double forward_rate =
+      (matmul_forward_.empty() ? profile_.matmul_flops_per_s : matmul_forward_.held(m));
+  const double elementwise_s = kElementwiseBytesPerTokenWidth * static_cast<double>(model_.width) *
+                               static_cast<double>(options_.bytes_per_element) * m /
+                               profile_.memory_bytes_per_s;
+  return static_cast<double>(model_.num_layers) *
+         (forward_flops_per_token_ * m / forward_rate + elementwise_s);
+}
+
 double CostModel::min_linear_time_per_token_s() const { return min_linear_time_per_token_s_; }
 
 double CostModel::fixed_bytes() const { return fixed_bytes_; }
+
+double CostModel::gradient_bytes() const { return gradient_bytes_; }
+
+double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
+                                  double buffer_bytes, int64_t checkpointed_layers) const {
+  const int64_t layers = model_.num_layers;
+  const int64_t k = std::clamp<int64_t>(checkpointed_layers, 0, layers);
+  const double held_always = fixed_bytes_ - gradient_bytes_;
+  // The backward runs layer L-1 down to 0. Before layer j: kept activations of layers < j,
+  // gradients of layers > j (blocks only; the root's come last).
+  double below = static_cast<double>(k) * layer_checkpoint_bytes +
+                 static_cast<double>(layers - k) * layer_activation_bytes;
+  double peak = held_always + gradient_bytes_;  // the backward's end: every gradient
+  for (int64_t j = layers - 1; j >= 0; --j) {
+    const bool checkpointed = j < k;
+    below -= checkpointed ? layer_checkpoint_bytes : layer_activation_bytes;
+    const double own = layer_activation_bytes + (checkpointed ? layer_checkpoint_bytes : 0.0);
+    const double grads = static_cast<double>(layers - 1 - j) * layer_gradient_bytes_;
+    peak = std::max(peak, held_always + grads + below + own + buffer_bytes);
+  }
+  return peak;
+}
 
 double CostModel::memory_capacity_bytes() const {
   return static_cast<double>(cluster_.gpu_memory_bytes) * (1.0 - options_.memory_headroom);
@@ -543,7 +604,12 @@ PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
 
   PlanCost cost;
   cost.ranks.assign(static_cast<size_t>(num_ranks), RankCost{});
-  std::vector<double> memory(static_cast<size_t>(num_ranks), 0.0);
+  // per rank: one layer's kept activations without / with checkpointing, buffers, recompute
+  std::vector<double> activation(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> checkpoint(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> buffer(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> recompute(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
   std::vector<RankCalls> calls(static_cast<size_t>(num_ranks));
   for (const Placement& placement : plan.placements) {
     double sent = 0;
@@ -554,7 +620,11 @@ PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
       rank.tokens += share.tokens;
       rank.attention_s += share.attention_s;
       rank.exchange_s += share.exchange_s;
-      memory[share.rank] += share.memory_bytes;
+      activation[share.rank] += share.layer_activation_bytes;
+      checkpoint[share.rank] += share.layer_checkpoint_bytes;
+      buffer[share.rank] += share.buffer_bytes;
+      recompute[share.rank] += share.recompute_s;
+      recompute_exchange[share.rank] += share.recompute_exchange_s;
     }
     cost.exchange_bytes += sent;
   }
@@ -579,9 +649,30 @@ PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
           layers *
           (launch_s_per_layer_ + launch_s_per_call_ * static_cast<double>(rank.attention_calls));
     }
+    // Checkpoint every layer, none, or (adaptive) the fewest whose peak fits; a rank that fits
+    // nowhere keeps every checkpoint. Layers that keep their activations skip the recompute.
+    const int64_t num_layers = model_.num_layers;
+    int64_t k = options_.activation_checkpointing ? num_layers : 0;
+    rank.peak_bytes = rank_peak_bytes(activation[i], checkpoint[i], buffer[i], k);
+    if (options_.activation_checkpointing && options_.adaptive_checkpointing) {
+      for (int64_t fewer = 0; fewer < num_layers; ++fewer) {
+        const double peak = rank_peak_bytes(activation[i], checkpoint[i], buffer[i], fewer);
+        if (peak <= capacity) {
+          k = fewer;
+          rank.peak_bytes = peak;
+          break;
+        }
+      }
+    }
+    rank.checkpointed_layers = k;
+    if (options_.activation_checkpointing) {
+      const double skipped = static_cast<double>(num_layers - k) / layers;
+      rank.linear_s -= skipped * linear_recompute_s(rank.tokens);
+      rank.attention_s -= skipped * recompute[i];
+      rank.exchange_s -= skipped * recompute_exchange[i];
+    }
     rank.time_s = std::max(rank.linear_s + rank.attention_s + rank.call_s + rank.exchange_s,
                            rank.launch_floor_s);
-    rank.peak_bytes = fixed_bytes_ + memory[i];
     cost.makespan_s = std::max(cost.makespan_s, rank.time_s);
     cost.peak_bytes = std::max(cost.peak_bytes, rank.peak_bytes);
     if (rank.peak_bytes > capacity) cost.fits = false;

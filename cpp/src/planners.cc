@@ -137,9 +137,11 @@ void predict(Plan& plan, const Batch& batch, const CostModel& cost_model) {
   plan.predicted.makespan_s = cost.makespan_s;
   plan.predicted.rank_time_s.clear();
   plan.predicted.rank_peak_bytes.clear();
+  plan.predicted.rank_checkpointed_layers.clear();
   for (const RankCost& rank : cost.ranks) {
     plan.predicted.rank_time_s.push_back(rank.time_s);
     plan.predicted.rank_peak_bytes.push_back(rank.peak_bytes);
+    plan.predicted.rank_checkpointed_layers.push_back(rank.checkpointed_layers);
   }
 }
 

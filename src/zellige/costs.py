@@ -27,11 +27,14 @@ def make_cost_model(
     profile: str | Path | HardwareProfile | None = None,
     links: str = "nvlink",
     activation_checkpointing: bool = True,
+    adaptive_checkpointing: bool = False,
 ) -> CostModel:
     """A CostModel for `gpus` GPUs of `gpus_per_node` each (default: 8, or `gpus` when fewer).
     `profile` is a profile JSON path, a HardwareProfile, or None for the built-in H200 profile.
     `model` is a preset name, a model spec file or a ModelSpec (zellige.resolve_model).
-    Raises ValueError for an unknown model or link class, a bad cluster shape or profile."""
+    adaptive_checkpointing: each rank checkpoints only the layers its memory needs (the plan's
+    predicted rank_checkpointed_layers). Raises ValueError for an unknown model or link class, a
+    bad cluster shape or profile."""
     spec = resolve_model(model)
     if gpus_per_node is None:
         gpus_per_node = default_gpus_per_node(gpus)
@@ -39,4 +42,5 @@ def make_cost_model(
     hardware = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     options = CostOptions()
     options.activation_checkpointing = activation_checkpointing
+    options.adaptive_checkpointing = adaptive_checkpointing
     return CostModel(spec, hardware, cluster, options)

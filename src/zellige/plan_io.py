@@ -25,7 +25,7 @@ from zellige._json import (
 
 _PLAN_FIELDS = ("planner", "num_ranks", "placements", "predicted", "plan_ms", "note", "context")
 _PLACEMENT_FIELDS = ("id", "strategy", "ranks")
-_PREDICTED_FIELDS = ("makespan_s", "rank_time_s", "rank_peak_bytes")
+_PREDICTED_FIELDS = ("makespan_s", "rank_time_s", "rank_peak_bytes", "rank_checkpointed_layers")
 
 
 def plan_to_dict(plan: _core.Plan) -> dict:
@@ -41,6 +41,7 @@ def plan_to_dict(plan: _core.Plan) -> dict:
             "makespan_s": predicted.makespan_s,
             "rank_time_s": list(predicted.rank_time_s),
             "rank_peak_bytes": list(predicted.rank_peak_bytes),
+            "rank_checkpointed_layers": list(predicted.rank_checkpointed_layers),
         },
         "plan_ms": plan.plan_ms,
         "note": plan.note,
@@ -98,6 +99,11 @@ def plan_from_dict(data: Any) -> _core.Plan:
             makespan_s=require_number(raw, "makespan_s", "plan predicted"),
             rank_time_s=_number_list(raw, "rank_time_s", "plan predicted"),
             rank_peak_bytes=_number_list(raw, "rank_peak_bytes", "plan predicted"),
+            rank_checkpointed_layers=(
+                _int_list(raw, "rank_checkpointed_layers", "plan predicted")
+                if "rank_checkpointed_layers" in raw
+                else []
+            ),
         )
     return plan
 

@@ -282,13 +282,20 @@ TEST(CostModel, EvaluateAddsMemoryAndSumsRanks) {
   const PlanCost cost = cost_model.evaluate(batch, plan);
   const RankShare a = cost_model.shares(batch.sequences[0], plan.placements[0])[0];
   const RankShare b = cost_model.shares(batch.sequences[1], plan.placements[1])[0];
+  // The peak is the maximum over the backward's progress of the two shares' per-layer sums
+  // (gradients appear layer by layer), never above the planners' additive sum of always-held
+  // state and every share's memory.
   EXPECT_DOUBLE_EQ(cost.ranks[0].peak_bytes,
-                   cost_model.fixed_bytes() + a.memory_bytes + b.memory_bytes);
+                   cost_model.rank_peak_bytes(a.layer_activation_bytes + b.layer_activation_bytes,
+                                              a.layer_checkpoint_bytes + b.layer_checkpoint_bytes,
+                                              a.buffer_bytes + b.buffer_bytes, 30));
+  EXPECT_LE(cost.ranks[0].peak_bytes, cost_model.fixed_bytes() + a.memory_bytes + b.memory_bytes);
+  EXPECT_EQ(cost.ranks[0].checkpointed_layers, 30);
   EXPECT_EQ(cost.ranks[0].tokens, 21024);
   EXPECT_DOUBLE_EQ(cost.ranks[0].time_s,
                    cost_model.rank_time_s(21024, a.attention_s + b.attention_s, 0.0));
   EXPECT_DOUBLE_EQ(cost.ranks[1].time_s, 0);
-  EXPECT_DOUBLE_EQ(cost.ranks[1].peak_bytes, cost_model.fixed_bytes());
+  EXPECT_DOUBLE_EQ(cost.ranks[1].peak_bytes, cost_model.fixed_bytes());  // every gradient
   double makespan = 0;
   for (const RankCost& rank : cost.ranks) makespan = std::max(makespan, rank.time_s);
   EXPECT_DOUBLE_EQ(cost.makespan_s, makespan);
@@ -428,6 +435,79 @@ TEST(LowerBound, BelowHandMadePlansAtScale) {
   }
   // The 118,800-token clip alone needs at least its best split over 32 ranks.
   EXPECT_GT(bound, cost_model.linear_time_s(118800) / 32);
+}
+
+// The peak over the backward's progress, by hand: 3 layers, per layer A = 10, C = 1, buffer 5,
+// gradients g per layer. Layer j's backward holds the kept activations of layers below j, its own
+// full activations (plus its checkpoint when recomputed), the buffer and the gradients above j.
+TEST(CostModel, PeakIsTheMaximumOverTheBackwardsProgress) {
+  ModelSpec spec = model_preset("wan-1.3b");
+  spec.num_layers = 3;
+  const CostModel cost_model(spec, analytic_profile("t", 700e12, 550e12, 4.2e12),
+                             make_cluster(1, 1));
+  const double held = cost_model.fixed_bytes() - cost_model.gradient_bytes();
+  const double root_grads = static_cast<double>(spec.param_count - block_param_count(spec)) * 4.0;
+  const double g = (cost_model.gradient_bytes() - root_grads) / 3.0;
+  ASSERT_GT(g, 0);
+  const double a = 10, c = 1, buffer = 5;
+  // none checkpointed: at layer 2 (first in the backward) 2a below + a own; grads grow after
+  const double none = std::max({held + cost_model.gradient_bytes(), held + 2 * a + a + buffer,
+                                held + g + a + a + buffer, held + 2 * g + a + buffer});
+  EXPECT_NEAR(cost_model.rank_peak_bytes(a, c, buffer, 0), none, 1e-3);
+  // the first 2 checkpointed: layer 1 recomputes (a + c) above the checkpoint of layer 0
+  const double two = std::max({held + cost_model.gradient_bytes(), held + 2 * c + a + buffer,
+                               held + g + c + a + c + buffer, held + 2 * g + a + c + buffer});
+  EXPECT_NEAR(cost_model.rank_peak_bytes(a, c, buffer, 2), two, 1e-3);
+  // more checkpointing never needs more memory when activations outweigh checkpoints
+  const double big_a = 4e9;
+  for (int64_t k = 1; k <= 3; ++k) {
+    EXPECT_LE(cost_model.rank_peak_bytes(big_a, c, buffer, k),
+              cost_model.rank_peak_bytes(big_a, c, buffer, k - 1));
+  }
+}
+
+// Adaptive checkpointing: a rank with room keeps every layer's activations and pays no
+// recompute; a rank without room checkpoints the fewest layers whose peak fits.
+TEST(CostModel, AdaptiveCheckpointingRecomputesOnlyWhatMemoryNeeds) {
+  Batch batch;
+  batch.sequences = {sequence_from_tokens(0, "video", 30000, 512, 0)};
+  Plan plan;
+  plan.num_ranks = 1;
+  plan.placements = {make_placement(0, Strategy::kLocal, {0})};
+  const auto model_with = [](bool adaptive, int64_t memory_bytes) {
+    Cluster cluster = make_cluster(1, 1);
+    cluster.gpu_memory_bytes = memory_bytes;
+    CostOptions options;
+    options.adaptive_checkpointing = adaptive;
+    return CostModel(model_preset("wan-1.3b"), analytic_profile("t", 700e12, 550e12, 4.2e12),
+                     cluster, options);
+  };
+  const PlanCost all = model_with(false, int64_t{141} << 30).evaluate(batch, plan);
+  const PlanCost roomy = model_with(true, int64_t{400} << 30).evaluate(batch, plan);
+  EXPECT_EQ(all.ranks[0].checkpointed_layers, 30);
+  EXPECT_EQ(roomy.ranks[0].checkpointed_layers, 0);
+  const CostModel plain = model_with(false, int64_t{141} << 30);
+  EXPECT_NEAR(all.ranks[0].linear_s - roomy.ranks[0].linear_s,
+              plain.linear_recompute_s(30000), 1e-12);
+  EXPECT_LT(roomy.ranks[0].attention_s, all.ranks[0].attention_s);
+  EXPECT_GT(roomy.ranks[0].peak_bytes, all.ranks[0].peak_bytes);
+
+  // Room for about half the layers' activations: some but not all layers checkpointed, the
+  // chosen count fits, and one fewer would not.
+  const CostModel probe = model_with(true, int64_t{400} << 30);
+  const RankShare share = probe.shares(batch.sequences[0], plan.placements[0])[0];
+  const double half = probe.rank_peak_bytes(share.layer_activation_bytes,
+                                            share.layer_checkpoint_bytes, share.buffer_bytes, 15);
+  const CostModel tight = model_with(true, static_cast<int64_t>(half / 0.95) + 1);
+  const PlanCost cost = tight.evaluate(batch, plan);
+  const int64_t k = cost.ranks[0].checkpointed_layers;
+  EXPECT_GT(k, 0);
+  EXPECT_LT(k, 30);
+  EXPECT_LE(cost.ranks[0].peak_bytes, tight.memory_capacity_bytes());
+  EXPECT_GT(tight.rank_peak_bytes(share.layer_activation_bytes, share.layer_checkpoint_bytes,
+                                  share.buffer_bytes, k - 1),
+            tight.memory_capacity_bytes());
+  EXPECT_TRUE(cost.fits);
 }
 
 }  // namespace

@@ -273,10 +273,17 @@ TEST(PlannersMemory, DpCostSkipsTheLeastLoadedRankWhenItIsFull) {
   const Batch batch = batch_of(lengths);
   const CostModel roomy = make_cost_model("wan-1.3b", 2, 2);
   const Plan unconstrained = make_plan("dp-cost", batch, roomy);
-  const double fixed_bytes = roomy.fixed_bytes();
-  const std::vector<double>& peaks = unconstrained.predicted.rank_peak_bytes;
-  const double room_bytes = 0.5 * (peaks[0] + peaks[1] - 2 * fixed_bytes) * 1.02;
-  ASSERT_GT(std::max(peaks[0], peaks[1]) - fixed_bytes, room_bytes);  // greedy alone overflows
+  // The planners size ranks additively (every share's memory_bytes over the fixed bytes), an
+  // upper bound of the predicted peak (the maximum over the backward's progress): the room is
+  // set on that sum.
+  std::vector<double> additive(2, 0.0);
+  for (const Placement& placement : unconstrained.placements) {
+    for (const RankShare& share : roomy.shares(batch.sequences[placement.sequence_id], placement)) {
+      additive[share.rank] += share.memory_bytes;
+    }
+  }
+  const double room_bytes = 0.5 * (additive[0] + additive[1]) * 1.02;
+  ASSERT_GT(std::max(additive[0], additive[1]), room_bytes);  // greedy alone overflows
 
   const CostModel tight = make_cost_model("wan-1.3b", 2, 2, memory_for_room(roomy, room_bytes));
   const Plan plan = make_plan("dp-cost", batch, tight);
@@ -285,11 +292,13 @@ TEST(PlannersMemory, DpCostSkipsTheLeastLoadedRankWhenItIsFull) {
   for (const Placement& placement : plan.placements) EXPECT_EQ(placement.degree(), 1);
   EXPECT_GE(plan.predicted.makespan_s, unconstrained.predicted.makespan_s * (1 - 1e-12));
 
-  // Three long videos on two ranks with room for about 1.3 of them each: no plan exists.
+  // Three long videos on two ranks with room for about 1.05 of them each: no plan exists. (The
+  // predicted peak of two videos on one rank lays their activations out over the backward's
+  // progress, which the additive sizing over-counts, so 1.3 videos' room can hold two.)
   const Batch three = batch_of({20000, 19000, 18000});
   const CostModel one_each =
       make_cost_model("wan-1.3b", 2, 2,
-                      memory_for_room(roomy, local_memory_bytes(roomy, three.sequences[0]) * 1.3));
+                      memory_for_room(roomy, local_memory_bytes(roomy, three.sequences[0]) * 1.05));
   for (const std::string& name :
        {"dp-tokens", "dp-cost", "static-cp:1", "static-cp:2", "knapformer:g1n2", "megatron-dcp"}) {
     try {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from zellige.data.synthetic import grid_positions
 from zellige.model import PackedTokens, VideoDiT, local_attention, model_preset
@@ -138,3 +139,38 @@ def test_per_token_rows_equal_indexing_forward_and_backward(num_sequences: int) 
     reference[index].backward(grad)
     torch.testing.assert_close(out, rows[index], rtol=0, atol=0)
     torch.testing.assert_close(ours.grad, reference.grad, rtol=1e-15, atol=1e-15)
+
+
+def test_compiled_regions_equal_eager_and_do_not_recompile_per_step() -> None:
+    """The blocks' fused regions traced by torch.compile (aot_eager: the same graphs and
+    partitioner as on a GPU, without code generation) give eager's loss and gradients, and a
+    step of new token and text counts reuses the dynamic-shape graphs."""
+    from torch._dynamo.utils import counters
+
+    from zellige.model import fused
+
+    def loss_and_grads(packed: PackedTokens) -> tuple[Tensor, list[Tensor]]:
+        model = _model()
+        loss = model(packed).square().sum()
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    steps = [_packed(GRIDS, TEXT_TOKENS, seed=1), _packed(GRIDS[1:], TEXT_TOKENS[1:], seed=2)]
+    steps.append(_packed([(2, 2, 3), (1, 3, 3)], [4, 6], seed=3))
+    eager = [loss_and_grads(packed) for packed in steps]
+    torch._dynamo.reset()
+    counters.clear()
+    fused.use_compiled(True, backend="aot_eager")
+    try:
+        compiled = [loss_and_grads(steps[0])]
+        graphs_after_first = counters["stats"]["unique_graphs"]
+        compiled += [loss_and_grads(packed) for packed in steps[1:]]
+        graphs_after_all = counters["stats"]["unique_graphs"]
+    finally:
+        fused.use_compiled(False)
+    for (loss, grads), (loss_c, grads_c) in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(loss_c, loss, rtol=1e-12, atol=0)
+        for grad, grad_c in zip(grads, grads_c, strict=True):
+            torch.testing.assert_close(grad_c, grad, rtol=1e-10, atol=1e-12)
+    assert graphs_after_first > 0
+    assert graphs_after_all == graphs_after_first  # no recompilation for new sizes

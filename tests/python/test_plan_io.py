@@ -49,7 +49,13 @@ def test_format_matches_design_md():
     data = json.loads(_plan().to_json())
     assert data["placements"][0] == {"id": 0, "strategy": "local", "ranks": [5]}
     assert data["placements"][3]["strategy"] == "hybrid(2,3)"
-    assert set(data["predicted"]) == {"makespan_s", "rank_time_s", "rank_peak_bytes"}
+    # rank_checkpointed_layers: optional on reading (plans written before it have none)
+    assert set(data["predicted"]) == {
+        "makespan_s",
+        "rank_time_s",
+        "rank_peak_bytes",
+        "rank_checkpointed_layers",
+    }
 
 
 def test_optional_fields_and_spaced_hybrid():
@@ -182,6 +188,7 @@ def _random_plans(draw) -> zellige.Plan:
             makespan_s=draw(_floats),
             rank_time_s=draw(st.lists(_floats, max_size=12)),
             rank_peak_bytes=draw(st.lists(_floats, max_size=12)),
+            rank_checkpointed_layers=draw(st.lists(st.integers(0, 40), max_size=12)),
         ),
         plan_ms=draw(_floats),
         note=draw(st.text()),

@@ -100,3 +100,44 @@ def test_packed_sequences_match_per_sequence_attention(lengths: list[int]) -> No
     torch.testing.assert_close(o.detach(), o_ref.detach(), rtol=0, atol=1e-12)
     for got, want in zip(leaves, ref_leaves, strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
+    """One ragged call over every group (the math oracle's ragged kernel) computes what the
+    per-group dense calls do: outputs, lse and gradients, with gathers and a row no segment
+    covers; auto keeps the groups (no ragged kernel is trusted for automatic use)."""
+    from zellige.runtime import coalesced
+
+    gen = torch.Generator().manual_seed(3)
+    head_dim = 8
+    lengths = [(5, 7), (3, 3), (5, 7), (9, 2), (1, 4), (3, 3)]  # (q_len, k_len), 4 shapes
+    q_off, k_off, q_total, k_total = [], [0] * len(lengths), 0, 0
+    for lq, _ in lengths:
+        q_off.append(q_total)
+        q_total += lq * heads
+    for i in reversed(range(len(lengths))):  # keys in reverse order: the groups gather
+        k_off[i] = k_total
+        k_total += lengths[i][1] * heads
+    q_total += heads  # one query token of no segment: zero output, -inf lse
+    q = torch.randn(q_total, head_dim, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(k_total, head_dim, generator=gen, dtype=torch.float64) for _ in "kv")
+    do = torch.randn_like(q)
+    q_len, k_len = zip(*lengths, strict=True)
+    table = SegmentTable.build(q_off, k_off, q_len, k_len, [heads] * len(lengths))
+    assert table.num_calls == 4 >= coalesced.RAGGED_MIN_CALLS
+    assert any(isinstance(g.k_index, torch.Tensor) for g in table.groups)
+
+    results = []
+    for merge in ("groups", "ragged"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, lse = coalesced_attention(*leaves, table, backend="math", return_lse=True, merge=merge)
+        o.backward(do)
+        results.append((o.detach(), lse, *(t.grad for t in leaves)))
+    for grouped, ragged in zip(*results, strict=True):
+        torch.testing.assert_close(ragged, grouped, rtol=0, atol=1e-12)
+    assert torch.isinf(results[1][1][-heads:]).all()
+    assert coalesced._ragged_choice(table, q, None, None) is None  # CPU: no ragged kernel
+    assert coalesced._ragged_choice(table, q, "math", "auto") is None  # the oracle: not auto
+    with pytest.raises(ValueError, match="merge"):
+        coalesced_attention(q, k, v, table, merge="padded")

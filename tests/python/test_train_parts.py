@@ -48,3 +48,41 @@ class SlowBackward(torch.autograd.Function):
     def backward(ctx, grad):
         time.sleep(0.03)
         return grad
+
+
+def test_step_timer_leaves_tensors_without_gradients_alone() -> None:
+    """Marks go on tensors that need gradients only: a table passed beside them (RoPE) must not
+    start requiring grad, or every product with it would save operands for its gradient."""
+    timer = StepTimer(torch.device("cpu"))
+    seen = {}
+
+    def region(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        seen["table requires grad"] = table.requires_grad
+        return x * table
+
+    x, table = torch.ones(3, requires_grad=True), torch.full((3,), 2.0)
+    y = timer.wrap("region", region, fresh_output=False)(x, table)
+    assert seen["table requires grad"] is False
+    assert y._is_view()  # fresh_output=False: no copy of the output
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, table)
+    assert set(timer.seconds()) == {"region", "region.backward"}
+
+
+def test_checkpointed_blocks_follow_the_plan() -> None:
+    """Adaptive: the plan's count for this rank; otherwise every block, or none."""
+    import dataclasses
+
+    from zellige.train.loop import _checkpointed_blocks
+
+    config = dataclasses.replace(get_config("wan1p3b-h200"), activation_checkpointing=True)
+    plan = {"predicted": {"rank_checkpointed_layers": [7, 30]}}
+    assert _checkpointed_blocks(config, plan, 0) == 7
+    assert _checkpointed_blocks(config, plan, 1) == 30
+    assert _checkpointed_blocks(config, {"predicted": {}}, 0) == 30  # an older plan: all
+    fixed = dataclasses.replace(config, adaptive_checkpointing=False)
+    assert _checkpointed_blocks(fixed, plan, 0) == 30
+    assert (
+        _checkpointed_blocks(dataclasses.replace(config, activation_checkpointing=False), plan, 0)
+        == 0
+    )

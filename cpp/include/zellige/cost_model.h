@@ -20,10 +20,18 @@ namespace zellige {
 struct CostOptions {
   bool activation_checkpointing = true;
   int64_t bytes_per_element = 2;  // bf16 activations and exchanges
-  // Bytes of training state per parameter, sharded over all ranks by FSDP: bf16 param 2 +
-  // fp32 grad 4 + fp32 master 4 + Adam 8.
-  double state_bytes_per_param = 18.0;
+  // Bytes of training state per parameter, sharded over all ranks by FSDP: fp32 master 4 +
+  // Adam 8 + fp32 grad 4. The bf16 copies are gathered per unit (the step's fixed bytes and the
+  // root's gathered bytes), not held: one H200 measured 16.2 bytes a parameter after the backward.
+  double state_bytes_per_param = 16.0;
   double memory_headroom = 0.05;  // fraction of GPU memory the planner keeps free
+  // The part of state_bytes_per_param that exists only from the backward on: training sets
+  // gradients to None between steps, so a layer's gradients appear when its backward is done.
+  double gradient_bytes_per_param = 4.0;
+  // With activation_checkpointing: evaluate() checkpoints on each rank only as many layers (the
+  // first ones) as its memory needs, and prices the recompute of those alone. The planners still
+  // size ranks as if every layer were checkpointed, so every plan stays feasible.
+  bool adaptive_checkpointing = false;
 };
 
 // What one placement of one sequence costs one of its ranks. Everything is additive over the
@@ -35,6 +43,13 @@ struct RankShare {
   double attention_s = 0;   // self- (+ cross-) attention, each segment a call of its own
   double exchange_s = 0;    // Ulysses all-to-alls and ring transfers not hidden by compute
   double memory_bytes = 0;  // activations + attention and exchange buffers of this sequence
+  // The parts of memory_bytes that evaluate() lays out over the backward's progress: one layer's
+  // kept activations without and with checkpointing, and one layer's backward buffers.
+  double layer_activation_bytes = 0;
+  double layer_checkpoint_bytes = 0;
+  double buffer_bytes = 0;
+  double recompute_s = 0;           // the part of attention_s that recomputes every layer
+  double recompute_exchange_s = 0;  // the part of exchange_s that does
 };
 
 // time_s = max(linear_s + attention_s + call_s + exchange_s, launch_floor_s).
@@ -46,6 +61,7 @@ struct RankCost {
   double call_s = 0;            // what grouping equal segments into one call saves (<= 0)
   double launch_floor_s = 0;    // host time to issue the rank's kernels
   int64_t attention_calls = 0;  // per layer pass: distinct (shape, heads) groups, ring steps apart
+  int64_t checkpointed_layers = 0;  // the first this many layers recompute in the backward
 };
 
 struct LowerBoundSearch;
@@ -82,8 +98,21 @@ class CostModel {
   // Weights, gradients and optimizer state under FSDP over all ranks, gathered layer buffers,
   // and the runtime's reserve: what a rank holds before any sequence.
   double fixed_bytes() const;
+  // The part of fixed_bytes() that is the gradients (present only at the backward's end).
+  double gradient_bytes() const;
   // Usable bytes per rank: GPU memory x (1 - headroom).
   double memory_capacity_bytes() const;
+
+  // Peak bytes of a rank over its step: the maximum over the backward's progress (layer j's
+  // backward holds the kept activations of layers below j, its own full activations, one layer's
+  // buffers and the gradients of the layers above j), or the end of the backward (every
+  // gradient, no activation). Per-layer sums of the rank's shares; the first
+  // `checkpointed_layers` layers keep only their checkpoint.
+  double rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
+                         double buffer_bytes, int64_t checkpointed_layers) const;
+  // Seconds of the per-token layers' recompute of all layers (the part of linear_time_s that
+  // activation checkpointing adds; 0 without it).
+  double linear_recompute_s(int64_t tokens) const;
 
   // A rank's time from its totals: linear_time_s(tokens) + attention_s + exchange_s.
   double rank_time_s(int64_t tokens, double attention_s, double exchange_s) const;
@@ -155,6 +184,8 @@ class CostModel {
   double launch_s_per_layer_ = 0;       // the model's launch floor terms (0: none)
   double launch_s_per_call_ = 0;
   double fixed_bytes_ = 0;
+  double gradient_bytes_ = 0;           // the gradients within fixed_bytes_
+  double layer_gradient_bytes_ = 0;     // one block's gradients (they appear layer by layer)
   double min_linear_time_per_token_s_ = 0;
   LogTable attention_forward_, attention_backward_, matmul_forward_, matmul_backward_;
   // The profile's call tables: log of the per-head slowdown against the largest call measured.

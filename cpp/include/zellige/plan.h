@@ -47,6 +47,7 @@ struct PlanPrediction {
   double makespan_s = 0;
   std::vector<double> rank_time_s;
   std::vector<double> rank_peak_bytes;
+  std::vector<int64_t> rank_checkpointed_layers;  // the first this many layers recompute
 };
 
 struct Plan {

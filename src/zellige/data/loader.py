@@ -116,6 +116,7 @@ class StepDataset(torch.utils.data.Dataset):
         seed: int,
         profile: str | None = None,
         activation_checkpointing: bool = True,
+        adaptive_checkpointing: bool = False,
         sequences: list[dict] | None = None,
         plan: dict | None = None,
     ) -> None:
@@ -128,6 +129,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.profile = profile
         self.activation_checkpointing = activation_checkpointing
+        self.adaptive_checkpointing = adaptive_checkpointing
         self.sequences = sequences
         self.fixed_plan = plan
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
@@ -142,6 +144,7 @@ class StepDataset(torch.utils.data.Dataset):
                 self.gpus_per_node,
                 self.profile,
                 activation_checkpointing=self.activation_checkpointing,
+                adaptive_checkpointing=self.adaptive_checkpointing,
             )
             recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
             latents = SyntheticLatents(

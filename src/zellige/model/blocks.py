@@ -115,14 +115,50 @@ class DiTBlock(nn.Module):
         self_attention: AttentionFn,
         cross_attention: AttentionFn,
     ) -> Tensor:
-        modulate, gated = fused.kernels["modulated_layer_norm"], fused.kernels["gated_residual"]
+        """The per-token layers run as fused.kernels' regions between the two attention calls
+        (the same arithmetic as the submodules' own forwards, fusable by torch.compile)."""
+        kernels = fused.kernels
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = modulation_per_token(
             modulation_S6D, self.modulation, sequence_index_T
         )
         eps = self.norm_attention.eps
-        h_TD = modulate(x_TD, shift_a, scale_a, eps)
-        y_TD = self.self_attention(h_TD, rope_cos, rope_sin, self_attention)
-        x_TD = gated(x_TD, y_TD, gate_a)
-        x_TD = x_TD + self.cross_attention(self.norm_cross(x_TD), text_XD, cross_attention)
-        h_TD = modulate(x_TD, shift_f, scale_f, eps)
-        return gated(x_TD, self.ffn(h_TD), gate_f)
+        sa, ca, ffn = self.self_attention, self.cross_attention, self.ffn
+        qk_eps, heads = sa.norm_q.eps, sa.num_heads
+        q_TNH, k_TNH, v_TNH = kernels["self_attention_in"](
+            x_TD,
+            shift_a,
+            scale_a,
+            eps,
+            (sa.q.weight, sa.q.bias, sa.k.weight, sa.k.bias, sa.v.weight, sa.v.bias,
+             sa.norm_q.weight, sa.norm_k.weight),
+            qk_eps,
+            heads,
+            rope_cos,
+            rope_sin,
+        )  # fmt: skip
+        norm = self.norm_cross
+        x_TD, q_TNH = kernels["self_attention_out_cross_in"](
+            x_TD,
+            self_attention(q_TNH, k_TNH, v_TNH),
+            gate_a,
+            norm.eps,
+            (sa.o.weight, sa.o.bias, norm.weight, norm.bias, ca.q.weight, ca.q.bias,
+             ca.norm_q.weight),
+            ca.norm_q.eps,
+            ca.num_heads,
+        )  # fmt: skip
+        k_XNH, v_XNH = kernels["cross_attention_kv"](
+            text_XD,
+            (ca.k.weight, ca.k.bias, ca.v.weight, ca.v.bias, ca.norm_k.weight),
+            ca.norm_k.eps,
+            ca.num_heads,
+        )
+        return kernels["cross_attention_out_ffn"](
+            x_TD,
+            cross_attention(q_TNH, k_XNH, v_XNH),
+            shift_f,
+            scale_f,
+            gate_f,
+            eps,
+            (ca.o.weight, ca.o.bias, ffn.up.weight, ffn.up.bias, ffn.down.weight, ffn.down.bias),
+        )

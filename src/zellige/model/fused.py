@@ -1,8 +1,14 @@
-"""The elementwise parts of a block (modulated norms, gated residuals, QK norm with RoPE) as plain
-functions. Eager, each is a chain of memory-bound passes over [T, D] (several in float32); under
-torch.compile (use_compiled(True)) each becomes one or two fused kernels. Both compute the same
-thing in float32 (float64 for float64 activations) and return the activation dtype. Legend in
-config.py.
+"""The per-token layers of a block as plain functions over tensors (weights passed in), so that
+torch.compile can fuse everything between two GEMMs, forward and backward: modulated norms, gated
+residuals, QK norm with RoPE, bias adds, GELU.
+
+Two levels: the elementwise pieces (modulated_layer_norm, gated_residual, rms_norm_heads,
+rms_norm_rope), and the block's regions between attention calls (self_attention_in,
+self_attention_out_cross_in, cross_attention_kv, cross_attention_out_ffn), which the blocks call.
+Eager, each piece is a chain of memory-bound passes over [T, D] (several in float32); compiled
+(use_compiled(True)), a region is its GEMMs plus a few fused kernels, and the partitioner keeps
+fewer, bf16 activations for the backward. Both compute the same thing in float32 (float64 for
+float64 activations) and return the activation dtype. Legend in config.py.
 """
 
 from __future__ import annotations
@@ -44,6 +50,77 @@ def rms_norm_rope(
     return rotated.flatten(-2).to(x_TD.dtype)
 
 
+def self_attention_in(
+    x_TD: Tensor,
+    shift_TD: Tensor,
+    scale_TD: Tensor,
+    eps: float,
+    weights: tuple[Tensor, ...],
+    qk_eps: float,
+    num_heads: int,
+    cos_T1P: Tensor,
+    sin_T1P: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Modulated LayerNorm, then q, k (QK norm + RoPE) and v [T, N, H]. weights: q, k, v weight
+    and bias, q and k norm weights."""
+    q_w, q_b, k_w, k_b, v_w, v_b, norm_q_w, norm_k_w = weights
+    h_TD = modulated_layer_norm(x_TD, shift_TD, scale_TD, eps)
+    q_TNH = rms_norm_rope(F.linear(h_TD, q_w, q_b), norm_q_w, qk_eps, num_heads, cos_T1P, sin_T1P)
+    k_TNH = rms_norm_rope(F.linear(h_TD, k_w, k_b), norm_k_w, qk_eps, num_heads, cos_T1P, sin_T1P)
+    v_TNH = F.linear(h_TD, v_w, v_b).unflatten(1, (num_heads, -1))
+    return q_TNH, k_TNH, v_TNH
+
+
+def self_attention_out_cross_in(
+    x_TD: Tensor,
+    attended_TNH: Tensor,
+    gate_TD: Tensor,
+    eps: float,
+    weights: tuple[Tensor, ...],
+    qk_eps: float,
+    num_heads: int,
+) -> tuple[Tensor, Tensor]:
+    """Output projection and gated residual of self-attention, then the cross-attention's
+    LayerNorm (affine) and its query [T, N, H] (QK norm). Returns (x, q). weights: self o
+    weight and bias, cross norm weight and bias, cross q weight and bias, its q norm weight."""
+    o_w, o_b, norm_w, norm_b, q_w, q_b, norm_q_w = weights
+    x_TD = gated_residual(x_TD, F.linear(attended_TNH.flatten(1), o_w, o_b), gate_TD)
+    wide = _wide(x_TD)
+    h_TD = F.layer_norm(x_TD.to(wide), x_TD.shape[-1:], norm_w.to(wide), norm_b.to(wide), eps)
+    q_TNH = rms_norm_heads(F.linear(h_TD.to(x_TD.dtype), q_w, q_b), norm_q_w, qk_eps, num_heads)
+    return x_TD, q_TNH
+
+
+def cross_attention_kv(
+    text_XD: Tensor, weights: tuple[Tensor, ...], qk_eps: float, num_heads: int
+) -> tuple[Tensor, Tensor]:
+    """The text's keys (QK norm) and values [X, N, H]. weights: k and v weight and bias, k norm
+    weight."""
+    k_w, k_b, v_w, v_b, norm_k_w = weights
+    k_XNH = rms_norm_heads(F.linear(text_XD, k_w, k_b), norm_k_w, qk_eps, num_heads)
+    v_XNH = F.linear(text_XD, v_w, v_b).unflatten(1, (num_heads, -1))
+    return k_XNH, v_XNH
+
+
+def cross_attention_out_ffn(
+    x_TD: Tensor,
+    attended_TNH: Tensor,
+    shift_TD: Tensor,
+    scale_TD: Tensor,
+    gate_TD: Tensor,
+    eps: float,
+    weights: tuple[Tensor, ...],
+) -> Tensor:
+    """Cross-attention's output projection and residual, then the modulated LayerNorm, the
+    tanh-GELU FFN and its gated residual. weights: cross o weight and bias, FFN up and down
+    weight and bias."""
+    o_w, o_b, up_w, up_b, down_w, down_b = weights
+    x_TD = x_TD + F.linear(attended_TNH.flatten(1), o_w, o_b)
+    h_TD = modulated_layer_norm(x_TD, shift_TD, scale_TD, eps)
+    hidden_TF = F.gelu(F.linear(h_TD, up_w, up_b), approximate="tanh")
+    return gated_residual(x_TD, F.linear(hidden_TF, down_w, down_b), gate_TD)
+
+
 def _wide(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
@@ -53,14 +130,21 @@ _EAGER = {
     "gated_residual": gated_residual,
     "rms_norm_heads": rms_norm_heads,
     "rms_norm_rope": rms_norm_rope,
+    "self_attention_in": self_attention_in,
+    "self_attention_out_cross_in": self_attention_out_cross_in,
+    "cross_attention_kv": cross_attention_kv,
+    "cross_attention_out_ffn": cross_attention_out_ffn,
 }
 kernels = dict(_EAGER)  # what the blocks call
-_compiled: dict = {}
+_compiled: dict[str, dict] = {}  # by backend
 
 
-def use_compiled(enabled: bool) -> None:
-    """Switches the blocks' elementwise functions to torch.compile'd ones (dynamic shapes: the
-    token count changes every step) or back."""
-    if enabled and not _compiled:
-        _compiled.update({name: torch.compile(fn, dynamic=True) for name, fn in _EAGER.items()})
-    kernels.update(_compiled if enabled else _EAGER)
+def use_compiled(enabled: bool, backend: str = "inductor") -> None:
+    """Switches the blocks' per-token functions to torch.compile'd ones or back. Dynamic shapes
+    from the first call on (the token and text counts change every step), so a new step's sizes
+    reuse the compiled code instead of compiling again."""
+    if enabled and backend not in _compiled:
+        _compiled[backend] = {
+            name: torch.compile(fn, dynamic=True, backend=backend) for name, fn in _EAGER.items()
+        }
+    kernels.update(_compiled[backend] if enabled else _EAGER)

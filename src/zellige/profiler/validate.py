@@ -505,8 +505,13 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                 activation_checkpointing=options.activation_checkpointing,
             )
             cost = cost_model.evaluate(batch, plan)
+            # the shard that is always held: training sets gradients to None between steps and
+            # the cost model adds them as the backward produces them (CostModel.rank_peak_bytes)
+            cost_options = cost_model.options
             shard_bytes = (
-                spec.param_count * cost_model.options.state_bytes_per_param / plan.num_ranks
+                spec.param_count
+                * (cost_options.state_bytes_per_param - cost_options.gradient_bytes_per_param)
+                / plan.num_ranks
             )
             for rank in chosen_ranks(cost, options.ranks_per_plan):
                 rank_cost = cost.ranks[rank]

@@ -7,18 +7,33 @@ one dense batch [B, n, L, H] (a strided view when they sit side by side, a gathe
 pack of 87 mixed sequences runs in a handful of kernel calls at the dense rate. The grouping itself
 is C++ (_core.group_segments, shared with the plan compiler's step programs): one engine for
 self-, joint, cross-attention and ring steps.
+
+A pack of many distinct lengths makes many small calls, each below the dense rate. merge="ragged"
+runs such a table as ONE ragged call over the packed segments (their cumulative lengths, no
+padding). The automatic policy does not choose it: on an H200 (torch 2.11, cuDNN 9.19) torch's
+ragged cuDNN path ran 7x slower than the groups on a pack of 34 sequences, its dq and dk were
+wrong there, and the next pack hit an illegal memory access (bench/results/
+attention_engine_h200_202612.md), although it passes the small check against the math kernel.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from zellige import _core
-from zellige.runtime.kernels import Kernel, default_scale, kernel_for, lse_dtype
+from zellige.runtime.kernels import (
+    Kernel,
+    RaggedKernel,
+    default_scale,
+    kernel_for,
+    lse_dtype,
+    ragged_kernel_for,
+)
 
 Tensor = torch.Tensor
 RowIndex = slice | Tensor  # a contiguous run of rows, or a gather index
@@ -60,6 +75,8 @@ class SegmentTable:
     disjoint: bool = True
     q_rows: int = 0
     k_rows: int = 0
+    # the ragged layout of the groups (_ragged_layout), built on first use; not part of equality
+    merged: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def from_groups(
@@ -299,6 +316,133 @@ class _CoalescedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+# Merge policy: "auto" runs one ragged call for tables of at least this many groups (dense calls)
+# only with a ragged kernel trusted for automatic use (AUTO_RAGGED_KERNELS; none today, see the
+# module docstring). bench/attention_engine.py measures both paths on its packs.
+RAGGED_MIN_CALLS = 4
+AUTO_RAGGED_KERNELS: tuple[str, ...] = ()
+MERGE_CHOICES = ("auto", "groups", "ragged")
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedLayout:
+    """The groups' segments packed back to back in group order (each group's dense rows as they
+    are), as one ragged call sees them: cumulative query / key lengths on the device."""
+
+    num_heads: int
+    cu_q: Tensor  # int32 [segments + 1]
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    q_rows_per_group: tuple[int, ...]
+    k_rows_per_group: tuple[int, ...]
+
+
+def _ragged_layout(table: SegmentTable, device: torch.device) -> RaggedLayout | None:
+    """None unless the segments are disjoint and share one head count (one [T, n, H] buffer)."""
+    if "ragged" not in table.merged:
+        heads = {g.num_heads for g in table.groups}
+        layout = None
+        if table.disjoint and len(heads) == 1:
+            q_lens = [g.q_len for g in table.groups for _ in range(g.count)]
+            k_lens = [g.k_len for g in table.groups for _ in range(g.count)]
+
+            def cumulative(lengths: list[int]) -> Tensor:
+                bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+                return torch.from_numpy(bounds).to(device)
+
+            n = heads.pop()
+            layout = RaggedLayout(
+                num_heads=n,
+                cu_q=cumulative(q_lens),
+                cu_k=cumulative(k_lens),
+                max_q=max(q_lens),
+                max_k=max(k_lens),
+                q_rows_per_group=tuple(g.count * g.q_len * n for g in table.groups),
+                k_rows_per_group=tuple(g.count * g.k_len * n for g in table.groups),
+            )
+        table.merged["ragged"] = layout
+    return table.merged["ragged"]
+
+
+def _packed(rows: Tensor, table: SegmentTable, query: bool, num_heads: int) -> Tensor:
+    """Every group's rows, group after group: [sum rows, H] -> [tokens, n, H]."""
+    parts = [_take(rows, g.q_index if query else g.k_index) for g in table.groups]
+    packed = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return packed.view(-1, num_heads, *rows.shape[1:])
+
+
+def _unpack_into(
+    rows: Tensor, packed: Tensor, table: SegmentTable, layout: RaggedLayout, query: bool
+) -> None:
+    sizes = layout.q_rows_per_group if query else layout.k_rows_per_group
+    for g, part in zip(table.groups, packed.reshape(-1, *rows.shape[1:]).split(sizes), strict=True):
+        _put(rows, g.q_index if query else g.k_index, part)
+
+
+class _RaggedAttention(torch.autograd.Function):
+    """The same function as _CoalescedAttention, as one ragged kernel call over all groups."""
+
+    @staticmethod
+    def forward(ctx, q_rows, k_rows, v_rows, table, layout, kernel, scale):
+        q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
+        n = layout.num_heads
+        o, lse = kernel.forward(
+            _packed(q_rows, table, True, n),
+            _packed(k_rows, table, False, n),
+            _packed(v_rows, table, False, n),
+            layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale,
+        )  # fmt: skip
+        num_q = q_rows.shape[0]
+        o_rows = torch.empty_like(q_rows) if table.q_rows == num_q else torch.zeros_like(q_rows)
+        lse_rows = torch.full(
+            (num_q,), float("-inf"), dtype=lse_dtype(q_rows.dtype), device=q_rows.device
+        )
+        _unpack_into(o_rows, o, table, layout, True)
+        _unpack_into(lse_rows, lse.to(lse_rows.dtype), table, layout, True)
+        ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
+        ctx.table, ctx.layout, ctx.kernel, ctx.scale = table, layout, kernel, scale
+        ctx.mark_non_differentiable(lse_rows)
+        return o_rows, lse_rows
+
+    @staticmethod
+    def backward(ctx, do_rows, _dlse):
+        q_rows, k_rows, v_rows, o_rows, lse_rows = ctx.saved_tensors
+        table, layout, n = ctx.table, ctx.layout, ctx.layout.num_heads
+        do_rows = do_rows.contiguous()
+        q, o, do = (_packed(t, table, True, n) for t in (q_rows, o_rows, do_rows))
+        k, v = (_packed(t, table, False, n) for t in (k_rows, v_rows))
+        lse = _packed(lse_rows[:, None], table, True, n).reshape(-1, n)
+        dq, dk, dv = ctx.kernel.backward(
+            do, q, k, v, o, lse, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, ctx.scale
+        )
+        grads = []
+        for rows, packed, query in ((q_rows, dq, True), (k_rows, dk, False), (v_rows, dv, False)):
+            covered = (table.q_rows if query else table.k_rows) == rows.shape[0]
+            out = torch.empty_like(rows) if covered else torch.zeros_like(rows)
+            _unpack_into(out, packed, table, layout, query)
+            grads.append(out)
+        return *grads, None, None, None, None
+
+
+def _ragged_choice(
+    table: SegmentTable, q_rows: Tensor, backend: str | None, merge: str | None
+) -> tuple[RaggedKernel, RaggedLayout] | None:
+    """The merge policy: (kernel, layout) when this table runs as one ragged call."""
+    merge = merge or os.environ.get("ZELLIGE_ATTENTION_MERGE") or "auto"
+    if merge not in MERGE_CHOICES:
+        raise ValueError(f"unknown attention merge '{merge}' (allowed: {', '.join(MERGE_CHOICES)})")
+    if merge == "groups" or (merge == "auto" and table.num_calls < RAGGED_MIN_CALLS):
+        return None
+    kernel = ragged_kernel_for(
+        q_rows.device, q_rows.dtype, q_rows.shape[-1], "math" if backend == "math" else None
+    )
+    if merge == "auto" and kernel is not None and kernel.name not in AUTO_RAGGED_KERNELS:
+        return None
+    layout = _ragged_layout(table, q_rows.device) if kernel is not None else None
+    return None if layout is None else (kernel, layout)
+
+
 def coalesced_attention(
     q_rows: Tensor,
     k_rows: Tensor,
@@ -309,6 +453,7 @@ def coalesced_attention(
     backend: str | None = None,
     return_lse: bool = False,
     streams: int = 1,
+    merge: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of every segment of `table` in one call; differentiable in q, k, v.
 
@@ -316,8 +461,19 @@ def coalesced_attention(
     covers) and, with return_lse, the log-sum-exp per query row (float32; -inf where uncovered).
     backend: a name of KERNELS ("cudnn", "flash", "cpu", ...) or None for the automatic choice.
     streams: on CUDA, run the dense groups round-robin on this many side streams.
+    merge: "groups" (one dense call per group), "ragged" (one ragged call where a checked ragged
+    kernel exists: cuDNN on CUDA, or the math oracle with backend="math"; measurements only,
+    see the module docstring), or "auto"/None ($ZELLIGE_ATTENTION_MERGE, else the groups unless
+    a kernel of AUTO_RAGGED_KERNELS applies from RAGGED_MIN_CALLS groups on).
     """
     head_dim = q_rows.shape[-1]
+    scale_or_default = default_scale(head_dim) if scale is None else scale
+    ragged = _ragged_choice(table, q_rows, backend, merge)
+    if ragged is not None:
+        o_rows, lse_rows = _RaggedAttention.apply(
+            q_rows, k_rows, v_rows, table, ragged[1], ragged[0], scale_or_default
+        )
+        return (o_rows, lse_rows) if return_lse else o_rows
     kernel = kernel_for(q_rows.device, q_rows.dtype, head_dim, backend)
     scale = default_scale(head_dim) if scale is None else scale
     o_rows, lse_rows = _CoalescedAttention.apply(

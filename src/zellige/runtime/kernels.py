@@ -236,5 +236,142 @@ def kernel_for(
     raise AssertionError("the math kernel always works")
 
 
+class RaggedKernel:
+    """Attention of many sequences of different lengths in ONE call over packed token-major rows
+    (the "THD" layout): q [Tq, n, H], k / v [Tk, n, H], sequence i at cu_q[i]:cu_q[i + 1] of the
+    queries and cu_k[i]:cu_k[i + 1] of the keys (int32, on the device). lse is [Tq, n] (float32,
+    float64 for float64). The coalesced engine uses one to merge a pack's many length groups."""
+
+    name = "base"
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float):
+        raise NotImplementedError
+
+    def backward(self, do, q, k, v, o, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float):
+        raise NotImplementedError
+
+
+class MathRaggedKernel(RaggedKernel):
+    """The math kernel, one sequence at a time: any device and dtype; the oracle."""
+
+    name = "math"
+
+    def _spans(self, cu_q, cu_k):
+        bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+        return zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:], strict=False)
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        math_kernel, o, lse = MathKernel(), torch.empty_like(q), []
+        for q0, q1, k0, k1 in self._spans(cu_q, cu_k):
+            dense = [t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1])]
+            o_part, lse_part = math_kernel.forward(*dense, scale)
+            o[q0:q1] = o_part.transpose(1, 2)[0]
+            lse.append(lse_part[0].transpose(0, 1))
+        return o, torch.cat(lse)
+
+    def backward(self, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale):
+        math_kernel = MathKernel()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for q0, q1, k0, k1 in self._spans(cu_q, cu_k):
+            dense = [
+                t[None].transpose(1, 2) for t in (do[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], o[q0:q1])
+            ]
+            grads = math_kernel.backward(*dense, lse[q0:q1].transpose(0, 1)[None], scale)
+            spans = ((q0, q1), (k0, k1), (k0, k1))
+            for out, grad, (a, b) in zip((dq, dk, dv), grads, spans, strict=True):
+                out[a:b] = grad.transpose(1, 2)[0]
+        return dq, dk, dv
+
+
+class CudnnRaggedKernel(RaggedKernel):
+    """cuDNN fused attention over ragged (packed) sequences, the path torch's nested tensors use
+    (aten._cudnn_attention_forward / _backward with cumulative lengths). Its lse comes back
+    token- or head-major depending on the build: `lse_token_major` is set by the check in
+    ragged_kernel_for, which tries both."""
+
+    name = "cudnn"
+    lse_token_major = True
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        out = aten._cudnn_attention_forward(
+            q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, False, False, scale=scale
+        )
+        o, lse = out[0], out[1]
+        total_q, heads = q.shape[0], q.shape[1]
+        if self.lse_token_major:
+            return o, lse.reshape(total_q, heads)
+        return o, lse.reshape(heads, total_q).transpose(0, 1)
+
+    def backward(self, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale):
+        total_q, heads = q.shape[0], q.shape[1]
+        if self.lse_token_major:
+            stats = lse.reshape(total_q, heads, 1).contiguous()
+        else:
+            stats = lse.transpose(0, 1).reshape(heads, total_q, 1).contiguous()
+        seed = torch.zeros((), dtype=torch.long, device=q.device)
+        offset = torch.zeros((), dtype=torch.long, device=q.device)
+        return aten._cudnn_attention_backward(
+            do, q, k, v, o, stats, seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0, False,
+            scale=scale,
+        )  # fmt: skip
+
+
+_ragged_verified: dict[tuple, RaggedKernel | None] = {}
+
+
+def _ragged_agrees_with_math(kernel: RaggedKernel, device, dtype, head_dim: int) -> bool:
+    """Forward, lse and backward of three uneven sequences against MathRaggedKernel."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    lengths_q, lengths_k, heads = [37, 5, 53], [37, 5, 53], 3
+
+    def rand(rows):
+        return torch.randn(rows, heads, head_dim, generator=gen).to(device, dtype)
+
+    q, do = rand(sum(lengths_q)), rand(sum(lengths_q))
+    k, v = rand(sum(lengths_k)), rand(sum(lengths_k))
+    cu_q = torch.tensor([0, 37, 42, 95], dtype=torch.int32, device=device)
+    cu_k = cu_q.clone()
+    scale = head_dim**-0.5
+    oracle = MathRaggedKernel()
+    try:
+        o, lse = kernel.forward(q, k, v, cu_q, cu_k, 53, 53, scale)
+        grads = kernel.backward(do, q, k, v, o, lse, cu_q, cu_k, 53, 53, scale)
+    except (RuntimeError, TypeError, NotImplementedError, ValueError, AttributeError):
+        return False
+    o_ref, lse_ref = oracle.forward(q, k, v, cu_q, cu_k, 53, 53, scale)
+    grads_ref = oracle.backward(do, q, k, v, o_ref, lse_ref, cu_q, cu_k, 53, 53, scale)
+    tolerance = {torch.float64: 1e-9, torch.float32: 2e-3}.get(dtype, 5e-2)
+    for got, want in [(o, o_ref), (lse, lse_ref), *zip(grads, grads_ref, strict=True)]:
+        if got.shape != want.shape:
+            return False
+        err = (got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)
+        if not bool(err <= tolerance):
+            return False
+    return True
+
+
+def ragged_kernel_for(
+    device: torch.device, dtype: torch.dtype, head_dim: int, backend: str | None = None
+) -> RaggedKernel | None:
+    """A ragged kernel for this device/dtype that agrees with the math oracle, or None. backend:
+    "math" for the oracle itself (any device: tests), None for cuDNN on CUDA (bf16/fp16)."""
+    if backend == "math":
+        return MathRaggedKernel()
+    if backend not in (None, "cudnn"):
+        raise ValueError(f"unknown ragged attention backend '{backend}' (allowed: cudnn, math)")
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    key = (device.type, dtype, head_dim)
+    if key not in _ragged_verified:
+        _ragged_verified[key] = None
+        for token_major in (True, False):
+            kernel = CudnnRaggedKernel()
+            kernel.lse_token_major = token_major
+            if _ragged_agrees_with_math(kernel, device, dtype, head_dim):
+                _ragged_verified[key] = kernel
+                break
+    return _ragged_verified[key]
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)

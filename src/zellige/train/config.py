@@ -25,7 +25,13 @@ class TrainConfig:
     gpus_per_node: int = 8  # cluster shape the planner's cost model assumes
     profile: str | None = None  # hardware profile JSON; None: the built-in H200 profile
     activation_checkpointing: bool = True
-    compile_elementwise: bool = False  # torch.compile the blocks' norms, modulation and RoPE
+    # with activation_checkpointing: each rank checkpoints, per step, only the first blocks its
+    # predicted memory needs (the plan's rank_checkpointed_layers); False: every block
+    adaptive_checkpointing: bool = True
+    # torch.compile the blocks' per-token layers (norms, modulation, RoPE, projections, FFN);
+    # None: on CUDA only
+    compile_elementwise: bool | None = None
+    sync_debug: bool = False  # CUDA: warn at each host sync from step start to optimizer step
     learning_rate: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0

@@ -17,7 +17,7 @@ from zellige.data import StepDataset, make_loader
 from zellige.model import VideoDiT
 from zellige.train.checkpoint import load_checkpoint, save_checkpoint
 from zellige.train.config import TrainConfig
-from zellige.train.parallelize import parallelize
+from zellige.train.parallelize import parallelize, set_checkpointed_blocks
 from zellige.train.step import StepInput, assemble_step
 from zellige.train.timing import StepTimer
 
@@ -54,7 +54,9 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
         dtype=config.dtype,
         activation_checkpointing=config.activation_checkpointing,
         timer=timer,
-        compile_elementwise=config.compile_elementwise,
+        compile_elementwise=device.type == "cuda"
+        if config.compile_elementwise is None
+        else config.compile_elementwise,
     )
     if device.type == "cuda":
         model.to_empty(device=device)
@@ -82,6 +84,7 @@ def train(
         lr=config.learning_rate,
         betas=config.betas,
         weight_decay=config.weight_decay,
+        fused=device.type == "cuda",  # one kernel over all parameters, no per-tensor launches
     )
     warmup = max(config.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -97,6 +100,7 @@ def train(
         seed=config.seed,
         profile=config.profile,
         activation_checkpointing=config.activation_checkpointing,
+        adaptive_checkpointing=config.activation_checkpointing and config.adaptive_checkpointing,
         sequences=sequences,
     )
     num_steps = max(config.steps - first_step, 0)
@@ -120,10 +124,17 @@ def train(
         data = next(data_iter)
         wait_s = time.perf_counter() - wait_start
         _synchronize(device)
+        allocated_start_gib = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+            allocated_start_gib = torch.cuda.memory_allocated(device) / 2**30
         step_start = time.perf_counter()
         timer.reset()
+        checkpointed = _checkpointed_blocks(config, data.plan, rank)
+        set_checkpointed_blocks(model, checkpointed)
+        sync_check = config.sync_debug and device.type == "cuda"
+        if sync_check:
+            torch.cuda.set_sync_debug_mode("warn")  # every host sync until the optimizer step
         step_input = assemble_step(data, config.model.num_heads, device)
         local_loss = step_loss(model, step_input, data.total_tokens, timer)
         # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
@@ -134,6 +145,8 @@ def train(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        if sync_check:
+            torch.cuda.set_sync_debug_mode("default")
         regions = timer.seconds()
         _synchronize(device)
         step_s = time.perf_counter() - step_start
@@ -179,6 +192,8 @@ def train(
             "peak_backward_gib": peak_backward_gib,  # forward and backward
             "peak_optimizer_gib": _peak_gib(device),  # clipping and the optimizer step
             "predicted_peak_gib": data.plan["predicted"]["rank_peak_bytes"][rank] / 2**30,
+            "checkpointed_blocks": checkpointed,
+            "allocated_start_gib": allocated_start_gib,  # held when the step began
             "lr": scheduler.get_last_lr()[0],
             "planner": config.planner,
         }
@@ -209,12 +224,24 @@ def step_loss(
     batch's mean loss whatever the placement, and summed gradients are its gradient."""
     velocity_TC = model(
         step_input.tokens,
-        timer.wrap("attention", step_input.self_attention),
-        timer.wrap("cross_attention", step_input.cross_attention),
+        timer.wrap("attention", step_input.self_attention, fresh_output=False),
+        timer.wrap("cross_attention", step_input.cross_attention, fresh_output=False),
     )
     loss_dtype = torch.promote_types(velocity_TC.dtype, torch.float32)
     error_TC = velocity_TC.to(loss_dtype) - step_input.velocity_TC.to(loss_dtype)
     return error_TC.square().mean(dim=1).sum() / total_tokens
+
+
+def _checkpointed_blocks(config: TrainConfig, plan: dict, rank: int) -> int:
+    """How many of the first blocks this rank checkpoints this step: the plan's choice under
+    adaptive checkpointing, else all of them or none."""
+    num_blocks = config.model.num_layers
+    if not config.activation_checkpointing:
+        return 0
+    chosen = plan["predicted"].get("rank_checkpointed_layers") or []
+    if config.adaptive_checkpointing and len(chosen) > rank:
+        return int(chosen[rank])
+    return num_blocks
 
 
 def _peak_gib(device: torch.device, reset: bool = False) -> float | None:

@@ -22,7 +22,8 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 
 
 class BlockRunner(nn.Module):
-    """Runs one block under the step timer, recomputing it in backward when checkpointing."""
+    """Runs one block under the step timer, recomputing it in backward when checkpointing.
+    `activation_checkpointing` may change between steps (set_checkpointed_blocks)."""
 
     def __init__(self, block: nn.Module, timer: StepTimer, activation_checkpointing: bool) -> None:
         super().__init__()
@@ -37,6 +38,16 @@ class BlockRunner(nn.Module):
 
     def forward(self, *args):
         return self._timed(*args)
+
+
+def set_checkpointed_blocks(model: VideoDiT, count: int) -> None:
+    """Checkpoint the first `count` blocks of a parallelized model and keep the others' activations
+    (the cost model lays memory out the same way: the backward frees the full activations of the
+    last blocks first, while the gradients grow)."""
+    if not 0 <= count <= len(model.blocks):
+        raise ValueError(f"checkpointed blocks must be in [0, {len(model.blocks)}], got {count}")
+    for index, runner in enumerate(model.blocks):
+        runner.activation_checkpointing = index < count
 
 
 def bf16_policy() -> MixedPrecisionPolicy:
@@ -59,8 +70,9 @@ def parallelize(
 ) -> VideoDiT:
     """Shards `model` in place over `mesh` and returns it. bfloat16 means bf16 compute with fp32
     master weights and fp32 gradient reduction; float32 / float64 compute in that dtype.
-    compile_elementwise fuses the blocks' memory-bound elementwise work with torch.compile
-    (zellige.model.fused)."""
+    compile_elementwise fuses the blocks' per-token layers with torch.compile (zellige.model.fused).
+    Each block unit prefetches the next one's all-gather in the forward (FSDP2's backward
+    prefetches one unit by default)."""
     fused.use_compiled(compile_elementwise)
     if dtype == "bfloat16":
         policy = bf16_policy()
@@ -72,4 +84,7 @@ def parallelize(
         fully_shard(runner, mesh=mesh, mp_policy=policy)
         model.blocks[index] = runner
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    runners = list(model.blocks)
+    for runner, following in zip(runners, runners[1:], strict=False):
+        runner.set_modules_to_forward_prefetch([following])
     return model

@@ -37,21 +37,30 @@ class StepTimer:
     def _end(self, key: tuple[str, int]) -> None:
         self._intervals[key[0]].append((self._open.pop(key), self._stamp()))
 
-    def wrap(self, name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    def wrap(
+        self, name: str, fn: Callable[..., Tensor], fresh_output: bool = True
+    ) -> Callable[..., Tensor]:
         """fn(*tensors, *rest) -> tensor, with forward and backward time counted under `name`.
 
-        The leading tensor arguments that require grad carry the backward mark."""
+        The tensor arguments that require grad carry the backward mark; the others pass as they
+        are (a mark would make them require grad: RoPE tables would get gradients computed and
+        their products' operands saved). fresh_output: the output is a copy (a module's output,
+        which FSDP hooks); False: a view, for a function whose output its caller saves anyway
+        (an attention output would otherwise be held twice until the backward)."""
+
+        def is_marked(a) -> bool:
+            return isinstance(a, Tensor) and a.requires_grad
 
         def timed(*args):
             key = (name, self._next_id)
             self._next_id += 1
-            tensors = [a for a in args if isinstance(a, Tensor)]
-            marked = iter(_Mark.apply(self, key, False, *tensors))
-            args = [next(marked) if isinstance(a, Tensor) else a for a in args]
+            inputs = [a for a in args if is_marked(a)]
+            marked = iter(_Mark.apply(self, key, False, False, *inputs))
+            args = [next(marked) if is_marked(a) else a for a in args]
             self._begin(key)
             out = fn(*args)
             self._end(key)
-            return _Mark.apply(self, key, True, out)[0]
+            return _Mark.apply(self, key, True, fresh_output, out)[0]
 
         return timed
 
@@ -77,11 +86,13 @@ class _Mark(torch.autograd.Function):
     backward interval of the region."""
 
     @staticmethod
-    def forward(ctx, timer: StepTimer, key: tuple[str, int], is_output: bool, *tensors: Tensor):
+    def forward(
+        ctx, timer: StepTimer, key: tuple[str, int], is_output: bool, fresh: bool, *tensors: Tensor
+    ):
         ctx.timer, ctx.key, ctx.is_output = timer, key, is_output
-        # a region's output is a fresh tensor, not a view: FSDP hooks module outputs, and views
+        # a module's output is a fresh tensor, not a view: FSDP hooks module outputs, and views
         # of them are fragile under in-place use
-        return tuple(t.clone() if is_output else t.view_as(t) for t in tensors)
+        return tuple(t.clone() if fresh else t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
@@ -90,7 +101,7 @@ class _Mark(torch.autograd.Function):
             ctx.timer._begin(key)
         elif key in ctx.timer._open:
             ctx.timer._end(key)
-        return (None, None, None, *grads)
+        return (None, None, None, None, *grads)
 
 
 class TimedModule(nn.Module):
