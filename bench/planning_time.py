@@ -1,12 +1,17 @@
-"""Planning time of every planner at 8, 32, 128 and 1024 GPUs on recipe batches.
+"""Planning time of every planner at 8, 32, 128 and 1024 GPUs on recipe batches, and of zellige at
+scale against its targets (issue 17.13).
 
 For each GPU count and seed, one step's batch is generated from the recipe (a bucketed loader on
 every rank) and each planner plans it. The table reports the median over seeds of the planner's
-own wall time (`plan_ms`, the policy alone) and of the whole `make_plan` call (name parsing,
-memory check, validation and prediction included), plus the makespan over the lower bound so a
-fast planner cannot hide a bad plan.
+own wall time (`plan_ms`, the policy alone), of the whole `make_plan` call (name parsing, memory
+check, validation and prediction included) and of its thread CPU time (what preemption on shared
+cores does not inflate), plus the makespan over the lower bound so a fast planner cannot hide a bad
+plan. The scale table: zellige at 1024 GPUs with 4096 sequences (recipe steps concatenated) and on
+one recipe batch at 4096 and 8192 GPUs; targets: <= 2 ms median at 32 GPUs, <= 50 ms at 1024 GPUs
+with 4096 sequences, <= 200 ms at 4096 GPUs.
 
-    PYTHONPATH=src python bench/planning_time.py [--gpus 8,32,128,1024] [--seeds 5] [--out FILE]
+    PYTHONPATH=src python bench/planning_time.py [--gpus 8,32,128,1024] [--seeds 5]
+        [--scale-gpus 4096,8192] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Row:
     num_sequences: list[int] = field(default_factory=list)
     plan_ms: list[float] = field(default_factory=list)
     call_ms: list[float] = field(default_factory=list)
+    cpu_ms: list[float] = field(default_factory=list)
     ratio_to_bound: list[float] = field(default_factory=list)
     note: str = ""
 
@@ -55,13 +61,14 @@ def measure(workload: str, model: str | None, num_gpus: int, seeds: int) -> list
         for name, row in rows.items():
             if row.note:
                 continue
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             try:
                 plan = zellige.make_plan(name, batch, cost_model, zellige.PlannerOptions(seed=seed))
             except ValueError as error:  # not built yet, or a memory refusal: say so in the row
                 row.note = str(error).splitlines()[0]
                 continue
             row.call_ms.append((time.perf_counter() - start) * 1e3)
+            row.cpu_ms.append((time.thread_time() - cpu_start) * 1e3)
             row.plan_ms.append(plan.plan_ms)
             row.num_sequences.append(len(batch.sequences))
             row.ratio_to_bound.append(plan.predicted.makespan_s / lower_bound_s)
@@ -72,21 +79,67 @@ def table(rows: list[Row], workload: str, seeds: int) -> str:
     lines = [
         f"Planning time on {workload} batches, median over {seeds} seeds",
         "",
-        "| GPUs | sequences | planner | plan_ms | make_plan ms | makespan / lower bound |",
-        "| ---: | ---: | --- | ---: | ---: | ---: |",
+        "| GPUs | sequences | planner | plan_ms | make_plan ms | make_plan cpu ms | "
+        "makespan / lower bound |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         if row.note:
-            lines.append(f"| {row.num_gpus} | | {row.planner} | - | - | {row.note} |")
+            lines.append(f"| {row.num_gpus} | | {row.planner} | - | - | - | {row.note} |")
             continue
         lines.append(
             f"| {row.num_gpus} | {statistics.median(row.num_sequences):.0f} | {row.planner} | "
             f"{statistics.median(row.plan_ms):.3f} | {statistics.median(row.call_ms):.3f} | "
-            f"{statistics.median(row.ratio_to_bound):.3f} |"
+            f"{statistics.median(row.cpu_ms):.3f} | {statistics.median(row.ratio_to_bound):.3f} |"
         )
-    lines += [
+    return "\n".join(lines)
+
+
+def scale_batch(recipe: zellige.Recipe, num_gpus: int, num_sequences: int) -> zellige.Batch:
+    """`num_sequences` sequences: recipe steps on num_gpus ranks (seeds 0, 1, ...) concatenated,
+    renumbered, truncated."""
+    sequences = []
+    seed = 0
+    while len(sequences) < num_sequences:
+        sequences += list(zellige.generate(recipe, num_gpus, seed).sequences)
+        seed += 1
+    batch = zellige.Batch()
+    batch.sequences = sequences[:num_sequences]
+    for i, sequence in enumerate(batch.sequences):
+        sequence.id = i
+    return batch
+
+
+def scale_table(workload: str, scale_gpus: list[int], repeats: int) -> str:
+    recipe = zellige.load_recipe(workload)
+    cases = [(1024, scale_batch(recipe, 1024, 4096), 50.0)]
+    cases += [(g, zellige.generate(recipe, g, 0), 200.0 if g == 4096 else None) for g in scale_gpus]
+    lines = [
+        f"zellige at scale on {workload} ({repeats} repeats): plan_ms and make_plan thread CPU ms",
         "",
-        f"machine: {machine()}",
+        "| GPUs | sequences | plan_ms median | cpu ms median | target ms |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for num_gpus, batch, target in cases:
+        cost_model = zellige.make_cost_model(recipe.model, num_gpus)
+        plan_ms, cpu_ms = [], []
+        for r in range(repeats):
+            cpu_start = time.thread_time()
+            plan = zellige.make_plan("zellige", batch, cost_model, zellige.PlannerOptions(seed=r))
+            cpu_ms.append((time.thread_time() - cpu_start) * 1e3)
+            plan_ms.append(plan.plan_ms)
+        lines.append(
+            f"| {num_gpus} | {len(batch.sequences)} | {statistics.median(plan_ms):.1f} | "
+            f"{statistics.median(cpu_ms):.1f} | {target if target else '-'} |"
+        )
+        print(f"scale {num_gpus} GPUs done", file=sys.stderr)
+    return "\n".join(lines)
+
+
+def provenance() -> str:
+    lines = [
+        "",
+        f"machine: {machine()} (shared with other jobs: compare CPU times)",
         f"versions: zellige {zellige.__version__}, python {platform.python_version()}, "
         f"{platform.system()} {platform.release()}",
         f"commit: {git_commit()}",
@@ -100,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model preset (default: the recipe's)")
     parser.add_argument("--gpus", default="8,32,128,1024", help="comma-separated GPU counts")
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--scale-gpus", default="4096,8192", help="'' to skip the scale table")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats per scale case")
     parser.add_argument("--out", type=Path, default=None, help="also write the table (markdown)")
     args = parser.parse_args(argv)
 
@@ -108,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += measure(args.workload, args.model, num_gpus, args.seeds)
         print(f"measured {num_gpus} GPUs", file=sys.stderr)
     text = table(rows, args.workload, args.seeds)
+    if args.scale_gpus:
+        scale_gpus = [int(n) for n in args.scale_gpus.split(",")]
+        text += "\n\n" + scale_table(args.workload, scale_gpus, args.repeats)
+    text += "\n" + provenance()
     if args.out is not None:
         write_report(args.out, "Planning time", "planning_time.py", argv, text)
     print(text)

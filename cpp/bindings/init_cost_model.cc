@@ -67,7 +67,7 @@ void init_cost_model(nb::module_& m) {
       .def_prop_ro("profile", &CostModel::profile)
       .def_prop_ro("cluster", &CostModel::cluster)
       .def_prop_ro("options", &CostModel::options)
-      .def("shares", &CostModel::shares, nb::arg("sequence"), nb::arg("placement"))
+      .def("shares", nb::overload_cast<const Sequence&, const Placement&>(&CostModel::shares, nb::const_), nb::arg("sequence"), nb::arg("placement"))
       .def("linear_time_s", &CostModel::linear_time_s, nb::arg("tokens"))
       .def("min_linear_time_per_token_s", &CostModel::min_linear_time_per_token_s)
       .def("fixed_bytes", &CostModel::fixed_bytes)
@@ -79,7 +79,7 @@ void init_cost_model(nb::module_& m) {
       .def("memory_capacity_bytes", &CostModel::memory_capacity_bytes)
       .def("rank_time_s", &CostModel::rank_time_s, nb::arg("tokens"), nb::arg("attention_s"),
            nb::arg("exchange_s"))
-      .def("evaluate", &CostModel::evaluate, nb::arg("batch"), nb::arg("plan"))
+      .def("evaluate", nb::overload_cast<const Batch&, const Plan&>(&CostModel::evaluate, nb::const_), nb::arg("batch"), nb::arg("plan"))
       .def("exchange_bytes", &CostModel::exchange_bytes, nb::arg("sequence"), nb::arg("placement"))
       .def("__repr__", [](const CostModel& cost_model) {
         return "CostModel(model='" + cost_model.model().name + "', device='" +

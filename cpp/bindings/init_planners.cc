@@ -36,6 +36,8 @@ void init_planners(nb::module_& m) {
         "carries the cost model's prediction and plan_ms. Names: dp-tokens, dp-cost, "
         "static-cp:C, knapformer:SPEC[:GAMMA], megatron-dcp, zellige.");
   m.def("planner_names", &planner_names, "The planner name forms make_plan accepts.");
+  m.def("covered_baselines", &covered_baselines, "batch"_a, "cost_model"_a,
+        "The baselines zellige is never worse than on this batch and cluster (docs/planner.md).");
   m.def("predict", &predict, "plan"_a, "batch"_a, "cost_model"_a,
         "Fill plan.predicted in place from the cost model.");
   m.def("check_sequences_fit", &check_sequences_fit, "batch"_a, "cost_model"_a,
@@ -48,5 +50,5 @@ void init_planners(nb::module_& m) {
   m.def("plan_megatron_dcp", &plan_megatron_dcp, "batch"_a, "cost_model"_a);
   m.def("plan_zellige", &plan_zellige, "batch"_a, "cost_model"_a, "options"_a = PlannerOptions{});
   m.def("candidate_placements", &candidate_placements, "sequence"_a, "cost_model"_a,
-        "max_windows_per_shape"_a);
+        "max_windows_per_shape"_a, "max_degree"_a = 0);
 }

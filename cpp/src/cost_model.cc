@@ -591,7 +591,154 @@ double CostModel::rank_time_s(int64_t tokens, double attention_s, double exchang
   return linear_time_s(tokens) + attention_s + exchange_s;
 }
 
+size_t EvaluationCache::KeyHash::operator()(const std::vector<int64_t>& key) const {
+  uint64_t hash = 1469598103934665603ull;
+  for (int64_t value : key) {
+    hash ^= static_cast<uint64_t>(value) + 0x9e3779b97f4a7c15ull + (hash << 6) + (hash >> 2);
+  }
+  return static_cast<size_t>(hash);
+}
+
+namespace {
+// Stands for the sequence's own id in a memoised call key (ring steps never coalesce across
+// sequences).
+constexpr int64_t kOwnTag = std::numeric_limits<int64_t>::min();
+}  // namespace
+
+// Key: lengths, degrees, then each rank's node renumbered by first appearance (shares depend on
+// the ranks only through which of them share a node).
+const EvaluationCache::Entry& CostModel::cached_terms(const Sequence& sequence,
+                                                      const Placement& placement,
+                                                      EvaluationCache& cache) const {
+  EvaluationCache::Entry* found = nullptr;
+  bool inserted = false;
+  if (placement.ranks.size() == 1) {
+    auto [it, is_new] =
+        cache.local_entries_.try_emplace({sequence.num_tokens, sequence.text_tokens});
+    found = &it->second;
+    inserted = is_new;
+  } else {
+    found = &find_entry(sequence, placement, cache, &inserted);
+  }
+  EvaluationCache::Entry& entry = *found;
+  if (!inserted) return entry;
+  fill_entry(sequence, placement, &entry);
+  return entry;
+}
+
+EvaluationCache::Entry& CostModel::find_entry(const Sequence& sequence, const Placement& placement,
+                                              EvaluationCache& cache, bool* inserted) const {
+  std::vector<int64_t>& key = cache.key_;
+  key.assign({sequence.num_tokens, sequence.text_tokens, placement.ulysses_degree,
+              placement.ring_degree});
+  int64_t first_node = -1, next_label = 0;
+  std::unordered_map<int64_t, int64_t> labels;
+  for (int64_t rank : placement.ranks) {
+    const int64_t node = cluster_.node_of(rank);
+    if (placement.ranks.size() <= 1 || node == first_node) {
+      key.push_back(0);
+      continue;
+    }
+    if (first_node < 0) {
+      first_node = node;
+      labels[node] = next_label++;
+      key.push_back(0);
+      continue;
+    }
+    const auto [it, inserted] = labels.try_emplace(node, next_label);
+    if (inserted) ++next_label;
+    key.push_back(it->second);
+  }
+  auto [it, is_new] = cache.entries_.try_emplace(key);
+  *inserted = is_new;
+  return it->second;
+}
+
+void CostModel::fill_entry(const Sequence& sequence, const Placement& placement,
+                           EvaluationCache::Entry* out) const {
+  EvaluationCache::Entry& entry = *out;
+  double sent = 0;
+  entry.shares = shares_and_bytes(sequence, placement, &sent);
+  for (RankShare& share : entry.shares) {
+    if (share.rank != sequence.source_rank) {
+      sent -= 2.0 * kRouteBytesPerToken * static_cast<double>(share.tokens);
+    }
+  }
+  entry.exchange_bytes = sent;
+  Sequence own = sequence;
+  own.id = kOwnTag;
+  Placement positions = placement;
+  for (size_t k = 0; k < positions.ranks.size(); ++k) positions.ranks[k] = static_cast<int64_t>(k);
+  std::vector<RankCalls> calls(positions.ranks.size());
+  add_attention_calls(own, positions, &calls);
+  entry.calls.resize(calls.size());
+  entry.call_excess_s.assign(calls.size(), 0.0);
+  const double layers = static_cast<double>(model_.num_layers);
+  for (size_t k = 0; k < calls.size(); ++k) {
+    entry.calls[k].assign(calls[k].begin(), calls[k].end());
+    entry.shares[k].rank = static_cast<int64_t>(k);
+    for (const auto& [call, segments] : calls[k]) {
+      const double heads = static_cast<double>(call[2]);
+      entry.call_excess_s[k] += layers * static_cast<double>(segments) * heads *
+                                call_excess_per_head_s(static_cast<double>(call[0]),
+                                                       static_cast<double>(call[1]), heads);
+    }
+  }
+}
+
+double CostModel::makespan_floor(const Batch& batch, const Plan& plan,
+                                 EvaluationCache& cache) const {
+  const int64_t num_ranks = cluster_.num_ranks();
+  std::vector<int64_t> tokens(static_cast<size_t>(num_ranks), 0);
+  std::vector<double> other_s(static_cast<size_t>(num_ranks), 0.0);
+  std::unordered_map<int64_t, const Sequence*> by_id;
+  const size_t num_sequences = batch.sequences.size();
+  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
+  for (size_t i = 0; i < plan.placements.size(); ++i) {
+    const Placement& placement = plan.placements[i];
+    const Sequence* sequence = i < num_sequences ? &batch.sequences[i] : nullptr;
+    if (sequence == nullptr || sequence->id != placement.sequence_id) {  // not in batch order
+      if (by_id.empty()) {
+        for (const Sequence& s : batch.sequences) by_id[s.id] = &s;
+      }
+      sequence = by_id.at(placement.sequence_id);
+    }
+    const EvaluationCache::Entry& entry = cached_terms(*sequence, placement, cache);
+    for (size_t k = 0; k < entry.shares.size(); ++k) {
+      const RankShare& share = entry.shares[k];
+      const int64_t rank = placement.ranks[k];
+      tokens[rank] += share.tokens;
+      other_s[rank] += share.attention_s + share.exchange_s - entry.call_excess_s[k];
+      // Adaptive checkpointing may skip every layer's recompute where memory allows.
+      if (skips_recompute) other_s[rank] -= share.recompute_s + share.recompute_exchange_s;
+    }
+  }
+  double floor_s = 0;
+  for (int64_t rank = 0; rank < num_ranks; ++rank) {
+    const double linear_s = linear_time_s(tokens[rank]) -
+                            (skips_recompute ? linear_recompute_s(tokens[rank]) : 0.0);
+    floor_s = std::max(floor_s, linear_s + other_s[rank]);
+  }
+  return floor_s;
+}
+
+std::vector<RankShare> CostModel::shares(const Sequence& sequence, const Placement& placement,
+                                         EvaluationCache& cache) const {
+  std::vector<RankShare> result = cached_terms(sequence, placement, cache).shares;
+  for (size_t k = 0; k < result.size(); ++k) result[k].rank = placement.ranks[k];
+  return result;
+}
+
 PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
+  return evaluate_impl(batch, plan, nullptr);
+}
+
+PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan, EvaluationCache& cache) const {
+  return evaluate_impl(batch, plan, &cache);
+}
+
+PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
+                                  EvaluationCache* cache) const {
   const int64_t num_ranks = cluster_.num_ranks();
   if (plan.num_ranks != num_ranks) {
     throw std::invalid_argument("plan is for " + std::to_string(plan.num_ranks) +
@@ -611,20 +758,39 @@ PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
   std::vector<double> recompute(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
   std::vector<RankCalls> calls(static_cast<size_t>(num_ranks));
+  auto add_share = [&](const RankShare& share, int64_t rank_index) {
+    RankCost& rank = cost.ranks[rank_index];
+    rank.tokens += share.tokens;
+    rank.attention_s += share.attention_s;
+    rank.exchange_s += share.exchange_s;
+    activation[rank_index] += share.layer_activation_bytes;
+    checkpoint[rank_index] += share.layer_checkpoint_bytes;
+    buffer[rank_index] += share.buffer_bytes;
+    recompute[rank_index] += share.recompute_s;
+    recompute_exchange[rank_index] += share.recompute_exchange_s;
+  };
   for (const Placement& placement : plan.placements) {
     double sent = 0;
     const Sequence& sequence = *by_id.at(placement.sequence_id);
+    if (cache != nullptr) {
+      const EvaluationCache::Entry& entry = cached_terms(sequence, placement, *cache);
+      for (size_t k = 0; k < entry.shares.size(); ++k) {
+        const int64_t rank_index = placement.ranks[k];
+        add_share(entry.shares[k], rank_index);
+        if (rank_index != sequence.source_rank) {
+          sent += 2.0 * kRouteBytesPerToken * static_cast<double>(entry.shares[k].tokens);
+        }
+        for (auto [call, segments] : entry.calls[k]) {
+          if (call[3] == kOwnTag) call[3] = sequence.id;
+          calls[rank_index][call] += segments;
+        }
+      }
+      cost.exchange_bytes += entry.exchange_bytes + sent;
+      continue;
+    }
     add_attention_calls(sequence, placement, &calls);
     for (const RankShare& share : shares_and_bytes(sequence, placement, &sent)) {
-      RankCost& rank = cost.ranks[share.rank];
-      rank.tokens += share.tokens;
-      rank.attention_s += share.attention_s;
-      rank.exchange_s += share.exchange_s;
-      activation[share.rank] += share.layer_activation_bytes;
-      checkpoint[share.rank] += share.layer_checkpoint_bytes;
-      buffer[share.rank] += share.buffer_bytes;
-      recompute[share.rank] += share.recompute_s;
-      recompute_exchange[share.rank] += share.recompute_exchange_s;
+      add_share(share, share.rank);
     }
     cost.exchange_bytes += sent;
   }
@@ -872,6 +1038,37 @@ struct LowerBoundSearch {
     return best;
   }
 
+  // Every fitting shape's (bottleneck, rank-seconds), sorted by bottleneck, rank-seconds replaced
+  // by their prefix minimum: min_rank_seconds under a bottleneck cap is one binary search. Shapes
+  // that cannot lower that minimum for any cap >= cut_s are skipped: the search stops at the
+  // first ring degree whose rank_seconds_bound reaches the best rank-seconds seen with a
+  // bottleneck <= cut_s.
+  std::vector<std::pair<double, double>> frontier(int64_t unit_tokens, int64_t text_tokens,
+                                                  double cut_s, bool respect_memory) const {
+    const int64_t max_p = max_degree(unit_tokens);
+    std::vector<std::pair<double, double>> points;
+    double seconds_cut = std::numeric_limits<double>::infinity();
+    for (int64_t r = 1; r <= max_p; ++r) {
+      if (rank_seconds_bound(unit_tokens, text_tokens, r) >= seconds_cut) break;
+      CostModel::Shape shape =
+          cost.make_shape(unit_tokens, text_tokens, 1, r, /*price_calls=*/false);
+      for (int64_t u = 1; u <= std::min(num_heads, max_p / r); ++u) {
+        shape.ulysses_degree = u;
+        const Result result = evaluate(shape);
+        if (respect_memory && !result.fits) continue;
+        points.push_back({result.bottleneck_s, result.rank_seconds});
+        if (result.bottleneck_s <= cut_s) {
+          seconds_cut = std::min(seconds_cut, result.rank_seconds);
+        }
+      }
+    }
+    std::sort(points.begin(), points.end());
+    for (size_t i = 1; i < points.size(); ++i) {
+      points[i].second = std::min(points[i].second, points[i - 1].second);
+    }
+    return points;
+  }
+
   const CostModel& cost;
   int64_t num_ranks, gpus_per_node, num_heads;
   double capacity_bytes, min_per_token_s, forward_passes;
@@ -925,7 +1122,50 @@ double makespan_lower_bound(const Batch& batch, const CostModel& cost_model) {
       max_r = r;
     }
   }
-  return std::max(max_bottleneck_s, total_rank_seconds / static_cast<double>(search.num_ranks));
+  const double num_ranks = static_cast<double>(search.num_ranks);
+  const double simple_s = std::max(max_bottleneck_s, total_rank_seconds / num_ranks);
+
+  // Tighter: in a plan of makespan T every sequence takes a shape whose bottleneck is <= T, and
+  // the rank-seconds of all sequences fit into num_ranks x T. So the makespan is above every T
+  // with sum_i (min rank-seconds of sequence i over shapes with bottleneck <= T) > num_ranks x T;
+  // the left side falls and the right side rises with T, so bisection finds the largest such T.
+  std::map<std::pair<int64_t, int64_t>, int64_t> counts;
+  for (const auto& [key, value] : rank_seconds) counts[key] = 0;
+  for (const Sequence& sequence : batch.sequences) {
+    const int64_t unit = attended_tokens(model, sequence.num_tokens, sequence.text_tokens);
+    if (unit > 0) ++counts[{unit, sequence.text_tokens}];
+  }
+  struct Frontier {
+    double count;
+    std::vector<std::pair<double, double>> points;
+  };
+  std::vector<Frontier> frontiers;
+  for (const auto& [key, count] : counts) {
+    std::vector<std::pair<double, double>> points =
+        search.frontier(key.first, key.second, simple_s, true);
+    if (points.empty()) points = search.frontier(key.first, key.second, simple_s, false);
+    frontiers.push_back({static_cast<double>(count), std::move(points)});
+  }
+  auto overflows = [&](double makespan_s) {  // whether no plan can have this makespan
+    double total = 0;
+    for (const Frontier& f : frontiers) {
+      const auto it = std::upper_bound(
+          f.points.begin(), f.points.end(),
+          std::make_pair(makespan_s, std::numeric_limits<double>::infinity()));
+      if (it == f.points.begin()) return true;  // no shape is fast enough
+      total += f.count * std::prev(it)->second;
+    }
+    return total > num_ranks * makespan_s;
+  };
+  double low_s = simple_s;  // a valid bound; overflows(low_s) or not
+  if (!overflows(low_s)) return low_s;
+  double high_s = std::max(low_s, total_rank_seconds / num_ranks) * 2;
+  while (overflows(high_s)) high_s *= 2;
+  for (int step = 0; step < 60 && high_s - low_s > 1e-9 * high_s; ++step) {
+    const double middle_s = 0.5 * (low_s + high_s);
+    (overflows(middle_s) ? low_s : high_s) = middle_s;
+  }
+  return low_s;
 }
 
 }  // namespace zellige

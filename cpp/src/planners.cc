@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "planners/rank_loads.h"
+#include "planners/registry.h"
 
 namespace zellige {
 namespace {
@@ -45,10 +46,13 @@ double parse_gamma(const std::string& planner, const std::string& text) {
 
 // Parses `planner` into the policy call it names; throws before any planning for a bad name.
 std::function<Plan()> parse_planner(const std::string& planner, const Batch& batch,
-                                    const CostModel& cost_model, const PlannerOptions& options) {
-  if (planner == "dp-tokens") return [&] { return plan_dp_tokens(batch, cost_model); };
-  if (planner == "dp-cost") return [&] { return plan_dp_cost(batch, cost_model); };
-  if (planner == "megatron-dcp") return [&] { return plan_megatron_dcp(batch, cost_model); };
+                                    const CostModel& cost_model, const PlannerOptions& options,
+                                    EvaluationCache* cache = nullptr) {
+  if (planner == "dp-tokens") return [&, cache] { return planners::dp_tokens(batch, cost_model, cache); };
+  if (planner == "dp-cost") return [&, cache] { return planners::dp_cost(batch, cost_model, cache); };
+  if (planner == "megatron-dcp") {
+    return [&, cache] { return planners::megatron_dcp(batch, cost_model, cache); };
+  }
   if (planner == "zellige") return [&] { return plan_zellige(batch, cost_model, options); };
   const size_t colon = planner.find(':');
   const std::string family = planner.substr(0, colon);
@@ -56,7 +60,9 @@ std::function<Plan()> parse_planner(const std::string& planner, const Batch& bat
   if (family == "static-cp") {
     if (colon == std::string::npos) bad_name(planner, "static-cp needs a group size C");
     const int64_t group_size = parse_group_size(planner, argument);
-    return [&, group_size] { return plan_static_cp(batch, cost_model, group_size); };
+    return [&, group_size, cache] {
+      return planners::static_cp(batch, cost_model, group_size, cache);
+    };
   }
   if (family == "knapformer") {
     if (argument.empty()) bad_name(planner, "knapformer needs a bag spec such as g4n8");
@@ -108,6 +114,60 @@ std::vector<std::string> planner_names() {
   return {"dp-tokens",    "dp-cost", "static-cp:C", "knapformer:SPEC[:GAMMA]",
           "megatron-dcp", "zellige"};
 }
+
+std::vector<std::string> covered_baselines(const Batch& batch, const CostModel& cost_model) {
+  const int64_t num_ranks = cost_model.cluster().num_ranks();
+  const int64_t num_heads = cost_model.model().num_heads;
+  const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
+  std::vector<std::string> names = {"dp-tokens", "dp-cost", "megatron-dcp"};
+  for (int64_t size = 1; size <= num_ranks; ++size) {
+    if (num_ranks % size != 0) continue;
+    if (size > 2 * cost_model.cluster().gpus_per_node && size * num_sequences > kCoveredRankShares) {
+      continue;
+    }
+    names.push_back("static-cp:" + std::to_string(size));
+  }
+  for (int64_t size = 1; size <= num_ranks; ++size) {
+    if (num_ranks % size == 0 && num_heads % size == 0) {
+      names.push_back("knapformer:g" + std::to_string(size) + "n" +
+                      std::to_string(num_ranks / size));
+    }
+  }
+  // Mixed specs: quarters of the cluster, each given one bag size (bag counts must be whole).
+  if (num_ranks % 4 == 0) {
+    const int64_t quarter = num_ranks / 4;
+    const int64_t sizes[] = {1, 2, 4, 8};
+    int64_t quarters[4] = {0, 0, 0, 0};  // per size
+    for (quarters[0] = 0; quarters[0] <= 4; ++quarters[0]) {
+      for (quarters[1] = 0; quarters[0] + quarters[1] <= 4; ++quarters[1]) {
+        for (quarters[2] = 0; quarters[0] + quarters[1] + quarters[2] <= 4; ++quarters[2]) {
+          quarters[3] = 4 - quarters[0] - quarters[1] - quarters[2];
+          std::string spec;
+          int terms = 0;
+          bool valid = true;
+          for (int t = 0; t < 4; ++t) {
+            if (quarters[t] == 0) continue;
+            const int64_t ranks = quarters[t] * quarter;
+            if (ranks % sizes[t] != 0 || num_heads % sizes[t] != 0) valid = false;
+            spec += (terms++ ? "+g" : "g") + std::to_string(sizes[t]) + "n" +
+                    std::to_string(ranks / sizes[t]);
+          }
+          if (valid && terms >= 2) names.push_back("knapformer:" + spec);
+        }
+      }
+    }
+  }
+  return names;
+}
+
+namespace planners {
+
+Plan run_policy(const std::string& planner, const Batch& batch, const CostModel& cost_model,
+                const PlannerOptions& options, EvaluationCache* cache) {
+  return parse_planner(planner, batch, cost_model, options, cache)();
+}
+
+}  // namespace planners
 
 void check_sequences_fit(const Batch& batch, const CostModel& cost_model) {
   const double capacity_bytes = cost_model.memory_capacity_bytes();

@@ -1244,6 +1244,11 @@ def make_plan(planner: str, batch: Batch, cost_model: CostModel, options: Planne
 def planner_names() -> list[str]:
     """The planner name forms make_plan accepts."""
 
+def covered_baselines(batch: Batch, cost_model: CostModel) -> list[str]:
+    """
+    The baselines zellige is never worse than on this batch and cluster (docs/planner.md).
+    """
+
 def predict(plan: Plan, batch: Batch, cost_model: CostModel) -> None:
     """Fill plan.predicted in place from the cost model."""
 
@@ -1264,7 +1269,7 @@ def plan_megatron_dcp(batch: Batch, cost_model: CostModel) -> Plan: ...
 
 def plan_zellige(batch: Batch, cost_model: CostModel, options: PlannerOptions = ...) -> Plan: ...
 
-def candidate_placements(sequence: Sequence, cost_model: CostModel, max_windows_per_shape: int) -> list[Placement]: ...
+def candidate_placements(sequence: Sequence, cost_model: CostModel, max_windows_per_shape: int, max_degree: int = 0) -> list[Placement]: ...
 
 class TimelineSegment:
     """One Gantt bar: a rank, a sequence, a phase, [start, end)."""

@@ -11,10 +11,15 @@ proved optimality (over its candidate set and linearised loads).
 Sequences of equal lengths are interchangeable, so they share integer variables (how many of them
 take each candidate) instead of one binary each. Candidate pruning, so 16-32 GPUs with 64-256
 sequences stay solvable: every sequence may run locally on any rank; a sequence may also be
-sharded over up to ceil(4 x its local load / mean load per rank) ranks (at least the smallest
-degree that fits in memory), on at most `max_windows_per_shape` windows per degree, keeping per
-window the strategy with the lowest busiest-rank load (and the one with the least memory when
-memory is tight).
+sharded over up to ceil(4 x its local load / mean load per rank) ranks, widened (doubling, up to
+the whole cluster) until some shape fits in memory, on at most `max_windows_per_shape` windows per
+degree, keeping per window the strategy with the lowest busiest-rank load (and the one with the
+least memory when memory is tight). The zellige planner's own placements join the candidates and
+its plan is the MILP's first incumbent (a warm start), so the reference is never a worse plan than
+zellige under the linearised loads, and can only improve on it.
+
+`time_limit_s` covers everything: the warm-start plan, building the candidates and the solve; when
+it runs out before the MILP has a plan, `plan_joint` raises TimeoutError saying which stage ran out.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class JointProblem:
     candidates: list[list[Candidate]]  # per group; placements carry the group's first id
     num_ranks: int
     free_bytes: float  # memory per rank for sequences: capacity minus the fixed bytes
+    warm_counts: list[list[int]] | None = None  # a plan to start from: counts per candidate
 
     def per_sequence(self, num_sequences: int) -> list[list[Candidate]]:
         """Each sequence's candidates, in batch order."""
@@ -116,6 +122,28 @@ def _candidate(
     )
 
 
+class _Deadline:
+    """Raises TimeoutError naming the stage once `time_limit_s` (from `start`) has passed."""
+
+    def __init__(self, start: float, time_limit_s: float) -> None:
+        self.start = start
+        self.time_limit_s = time_limit_s
+
+    def remaining_s(self) -> float:
+        return self.time_limit_s - (time.perf_counter() - self.start)
+
+    def check(self, stage: str) -> None:
+        if self.remaining_s() <= 0:
+            raise TimeoutError(
+                f"joint MILP: the {self.time_limit_s:g} s time limit ran out while {stage}; "
+                "raise the time limit or lower max_windows_per_shape / max_degree"
+            )
+
+
+def _placement_key(placement: _core.Placement) -> tuple:
+    return (tuple(placement.ranks), placement.strategy.name, placement.ulysses_degree)
+
+
 def joint_problem(
     batch: _core.Batch,
     cost_model: _core.CostModel,
@@ -123,9 +151,13 @@ def joint_problem(
     max_windows_per_shape: int = 4,
     max_degree: int | None = None,
     all_strategies: bool = False,
+    warm_plan: _core.Plan | None = None,
+    deadline: _Deadline | None = None,
 ) -> JointProblem:
     """Groups and their candidates. `max_degree` overrides the per-group degree cap;
-    `all_strategies` keeps every strategy per window instead of the best one (for tests)."""
+    `all_strategies` keeps every strategy per window instead of the best one (for tests);
+    `warm_plan`'s placements join the candidates and become the warm start (problem.warm_counts);
+    `deadline` stops the construction with TimeoutError."""
     num_ranks = cost_model.cluster.num_ranks()
     rate_s = linear_rate_s_per_token(batch, cost_model)
     free_bytes = _free_bytes(cost_model)
@@ -139,9 +171,15 @@ def joint_problem(
         placement = _core.make_placement(sequence.id, _core.Strategy.local, [0])
         local.append(_candidate(sequence, placement, cost_model, rate_s))
     mean_load_s = sum(c.load_s[0] * len(g) for c, g in zip(local, groups, strict=True)) / num_ranks
+    warm_of: dict[int, _core.Placement] = {}
+    if warm_plan is not None:
+        warm_of = {p.sequence_id: p for p in warm_plan.placements}
 
     candidates: list[list[Candidate]] = []
-    for group, local0 in zip(groups, local, strict=True):
+    warm_counts: list[list[int]] | None = [] if warm_plan is not None else None
+    for number, (group, local0) in enumerate(zip(groups, local, strict=True)):
+        if deadline is not None:
+            deadline.check(f"building candidates ({number} of {len(groups)} length groups done)")
         sequence = batch.sequences[group[0]]
         options: list[Candidate] = []
         if local0.memory_bytes[0] <= free_bytes:
@@ -154,18 +192,22 @@ def joint_problem(
         cap = max(1, min(num_ranks, cap))
         if cap >= 2 or not options:
             by_window: dict[tuple[int, ...], list[Candidate]] = {}
-            for placement in _core.candidate_placements(
-                sequence, cost_model, max_windows_per_shape
-            ):
-                if placement.degree() < 2:
-                    continue
-                # Past the cap only while nothing fits yet (memory-bound sequences).
-                if placement.degree() > cap and (options or by_window):
-                    continue
-                candidate = _candidate(sequence, placement, cost_model, rate_s)
-                if max(candidate.memory_bytes) > free_bytes:
-                    continue
-                by_window.setdefault(candidate.ranks, []).append(candidate)
+            low = 2
+            while True:  # widen (doubling) while nothing fits in memory yet
+                for placement in _core.candidate_placements(
+                    sequence, cost_model, max_windows_per_shape, cap
+                ):
+                    if placement.degree() < low:
+                        continue
+                    candidate = _candidate(sequence, placement, cost_model, rate_s)
+                    if max(candidate.memory_bytes) > free_bytes:
+                        continue
+                    by_window.setdefault(candidate.ranks, []).append(candidate)
+                if options or by_window or cap >= num_ranks:
+                    break
+                if deadline is not None:
+                    deadline.check(f"widening the degrees of sequence {sequence.id}")
+                low, cap = cap + 1, min(num_ranks, 2 * cap)
             for window in by_window.values():
                 if all_strategies:
                     options.extend(window)
@@ -175,13 +217,35 @@ def joint_problem(
                 leanest = min(window, key=lambda c: max(c.memory_bytes))
                 if leanest is not fastest and max(fastest.memory_bytes) > free_bytes / 2:
                     options.append(leanest)
+        if warm_counts is not None:
+            index_of = {_placement_key(c.placement): k for k, c in enumerate(options)}
+            counts = [0] * len(options)
+            for index in group:
+                warm = warm_of[batch.sequences[index].id]
+                p = _core.make_placement(
+                    sequence.id,
+                    warm.strategy,
+                    list(warm.ranks),
+                    warm.ulysses_degree if warm.strategy == _core.Strategy.hybrid else 0,
+                )
+                key = _placement_key(p)
+                if key not in index_of:
+                    index_of[key] = len(options)
+                    options.append(_candidate(sequence, p, cost_model, rate_s))
+                    counts.append(0)
+                counts[index_of[key]] += 1
+            warm_counts.append(counts)
         if not options:
             raise _core.PlanMemoryError(
                 f"sequence {sequence.id} fits in memory under no joint candidate placement"
             )
         candidates.append(options)
     return JointProblem(
-        groups=groups, candidates=candidates, num_ranks=num_ranks, free_bytes=free_bytes
+        groups=groups,
+        candidates=candidates,
+        num_ranks=num_ranks,
+        free_bytes=free_bytes,
+        warm_counts=warm_counts,
     )
 
 
@@ -301,7 +365,7 @@ def solve_joint(
     highs.setOptionValue("mip_rel_gap", 1e-6)
     highs.setOptionValue("mip_abs_gap", 1e-9)
     highs.passModel(lp)
-    warm = _warm_start(problem)
+    warm = problem.warm_counts if problem.warm_counts is not None else _warm_start(problem)
     if warm is not None:
         z = np.zeros(num_z + 1)
         loads = np.zeros(num_ranks)
@@ -322,7 +386,10 @@ def solve_joint(
     status = highs.getModelStatus()
     info = highs.getInfo()
     if info.primal_solution_status != 2:  # no feasible point found within the limit
-        raise RuntimeError(f"joint MILP found no plan: {highs.modelStatusToString(status)}")
+        raise TimeoutError(
+            f"joint MILP found no plan within {time_limit_s:g} s: "
+            f"{highs.modelStatusToString(status)}; raise the time limit"
+        )
     z = np.rint(np.asarray(highs.getSolution().col_value[:num_z])).astype(int)
     placements: list[_core.Placement | None] = [None] * len(batch.sequences)
     offset = 0
@@ -370,14 +437,29 @@ def plan_joint(
     *,
     max_windows_per_shape: int = 4,
     max_degree: int | None = None,
+    warm_start: bool = True,
 ) -> _core.Plan:
-    """The joint reference plan; its note reports mip_gap and optimal (see the module doc)."""
+    """The joint reference plan; its note reports mip_gap and optimal (see the module doc).
+    `time_limit_s` covers the warm-start plan (zellige's), the candidates and the solve; raises
+    TimeoutError naming the stage when it runs out before the MILP has a plan."""
     _core.validate_batch(batch, cost_model.cluster.num_ranks())
     _core.check_sequences_fit(batch, cost_model)
     start = time.perf_counter()
+    deadline = _Deadline(start, time_limit_s)
+    warm_plan = None
+    if warm_start:
+        options = _core.PlannerOptions(seed=seed, time_limit_s=max(0.0, time_limit_s / 4))
+        warm_plan = _core.make_plan("zellige", batch, cost_model, options)
+        deadline.check("running the zellige planner for the warm start")
     problem = joint_problem(
-        batch, cost_model, max_windows_per_shape=max_windows_per_shape, max_degree=max_degree
+        batch,
+        cost_model,
+        max_windows_per_shape=max_windows_per_shape,
+        max_degree=max_degree,
+        warm_plan=warm_plan,
+        deadline=deadline,
     )
-    result = solve_joint(batch, cost_model, problem, time_limit_s=time_limit_s, seed=seed)
+    deadline.check("building candidates (all done, none left for the solve)")
+    result = solve_joint(batch, cost_model, problem, time_limit_s=deadline.remaining_s(), seed=seed)
     result.plan.plan_ms = (time.perf_counter() - start) * 1e3
     return result.plan

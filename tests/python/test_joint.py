@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import pytest
 
@@ -117,3 +118,44 @@ def test_candidates_prune_short_sequences_to_local() -> None:
         else:  # videos: sharding options on node windows
             assert max(degrees) >= 2
     assert all(len([c for c in options if len(c.ranks) == 1]) == 16 for options in candidates)
+
+
+def test_time_limit_covers_candidate_construction() -> None:
+    """17.6: the limit stops the construction too, with a message naming the stage."""
+    cost_model = zellige.make_cost_model("wan-14b", 64)
+    batch = zellige.generate("opensora2-stage2", 64, 0)
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"time limit ran out while .*"):
+        joint.plan_joint(batch, cost_model, time_limit_s=1e-3, warm_start=False)
+    assert time.perf_counter() - start < 5.0
+
+
+def test_warm_start_is_the_planners_plan() -> None:
+    """zellige's placements are candidates and the MILP's first incumbent, so the reference's
+    linearised makespan is never above that of zellige's plan."""
+    cost_model = zellige.make_cost_model("mmdit-11b", 16)
+    batch = zellige.generate("knapformer-joint", 16, 2)
+    warm = zellige.make_plan("zellige", batch, cost_model)
+    problem = joint.joint_problem(batch, cost_model, warm_plan=warm)
+    assert problem.warm_counts is not None
+    chosen = {}
+    for members, options, counts in zip(
+        problem.groups, problem.candidates, problem.warm_counts, strict=True
+    ):
+        assert sum(counts) == len(members)
+        for cand, count in zip(options, counts, strict=True):
+            if count:
+                key = (tuple(cand.ranks), cand.placement.strategy.name)
+                chosen[key] = chosen.get(key, 0) + count
+    expected = {}
+    for p in warm.placements:
+        key = (tuple(p.ranks), p.strategy.name)
+        expected[key] = expected.get(key, 0) + 1
+    assert chosen == expected
+    result = joint.solve_joint(batch, cost_model, problem, time_limit_s=5)
+    loads = [0.0] * problem.num_ranks
+    for options, counts in zip(problem.candidates, problem.warm_counts, strict=True):
+        for cand, count in zip(options, counts, strict=True):
+            for r, t in zip(cand.ranks, cand.load_s, strict=True):
+                loads[r] += count * t
+    assert result.objective_s <= max(loads) * (1 + 1e-9)

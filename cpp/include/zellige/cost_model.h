@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <unordered_map>
 #include <vector>
 
 #include "zellige/cluster.h"
@@ -65,6 +66,42 @@ struct RankCost {
 };
 
 struct LowerBoundSearch;
+class CostModel;
+
+// A memo for CostModel::evaluate and CostModel::shares: per placement shape (lengths, degrees and
+// the node pattern of its ranks) the shares and attention calls by rank position, which do not
+// depend on which ranks. Planners that price many plans of one batch keep one; results are
+// bit-identical to the unmemoised calls (exchange bytes up to summation order). Tied to the cost
+// model of its first use.
+class EvaluationCache {
+ public:
+  size_t size() const { return entries_.size() + local_entries_.size(); }
+
+ private:
+  friend class CostModel;
+  struct KeyHash {
+    size_t operator()(const std::vector<int64_t>& key) const;
+  };
+  struct Entry {
+    std::vector<RankShare> shares;  // ranks by position 0..degree-1
+    // Per position: the most that grouping this share's segments with equal ones of other
+    // sequences can give back (each segment's whole call excess); see makespan_floor.
+    std::vector<double> call_excess_s;
+    double exchange_bytes = 0;      // sent by the exchanges, routing excluded
+    // Per position: (query, key, heads, tag, step) -> segments; tag kOwnTag stands for the
+    // sequence's id (its ring steps).
+    std::vector<std::vector<std::pair<std::array<int64_t, 5>, int64_t>>> calls;
+  };
+  struct LengthsHash {
+    size_t operator()(const std::pair<int64_t, int64_t>& lengths) const {
+      return std::hash<int64_t>()(lengths.first * 1000003 + lengths.second);
+    }
+  };
+  std::unordered_map<std::vector<int64_t>, Entry, KeyHash> entries_;
+  // Single-rank placements by (tokens, text tokens): the common case, without building a key.
+  std::unordered_map<std::pair<int64_t, int64_t>, Entry, LengthsHash> local_entries_;
+  std::vector<int64_t> key_;  // scratch
+};
 
 struct PlanCost {
   std::vector<RankCost> ranks;
@@ -87,6 +124,9 @@ class CostModel {
   // Per-rank shares of `placement` (ranks in placement order). The placement must be valid for
   // the cluster (see validate_plan); this is the planners' hot path and does not re-check.
   std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement) const;
+  // The same, memoised in `cache` (see EvaluationCache).
+  std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement,
+                                EvaluationCache& cache) const;
 
   // Per-token layers of all layers, forward + backward (+ recompute), on `tokens` tokens: GEMMs
   // at the profile's rate for that token count (held constant outside the sampled range) plus a
@@ -128,6 +168,15 @@ class CostModel {
   // call_s is the per-head tables' time plus each actual call's excess (never negative), and
   // the floor only adds, so makespan_lower_bound stays a bound.
   PlanCost evaluate(const Batch& batch, const Plan& plan) const;
+  // The same, memoised in `cache` (see EvaluationCache).
+  PlanCost evaluate(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
+  // A lower bound on evaluate(batch, plan).makespan_s that skips the grouping of attention calls
+  // and the launch floor: every rank's additive time minus the whole call excess of its shares
+  // (what grouping could give back at most), and under adaptive checkpointing minus every
+  // layer's recompute (what skipping it could give back). Cheap, for planners that compare many
+  // plans. The
+  // plan must be valid for the batch (not re-checked).
+  double makespan_floor(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
 
   // Bytes the ranks of `placement` send in total per step (all layers, forward + backward, plus
   // routing the sequence's tokens from its source rank and back).
@@ -143,6 +192,13 @@ class CostModel {
                        bool ring_intra_node) const;
   std::vector<RankShare> shares_and_bytes(const Sequence& sequence, const Placement& placement,
                                           double* sent_bytes) const;
+  const EvaluationCache::Entry& cached_terms(const Sequence& sequence, const Placement& placement,
+                                             EvaluationCache& cache) const;
+  EvaluationCache::Entry& find_entry(const Sequence& sequence, const Placement& placement,
+                                     EvaluationCache& cache, bool* inserted) const;
+  void fill_entry(const Sequence& sequence, const Placement& placement,
+                  EvaluationCache::Entry* entry) const;
+  PlanCost evaluate_impl(const Batch& batch, const Plan& plan, EvaluationCache* cache) const;
   double head_forward_s(double query_tokens, double key_tokens) const;
   double head_backward_s(double query_tokens, double key_tokens) const;
   double text_projection_s(int64_t text_tokens) const;
@@ -214,7 +270,12 @@ class CostModel {
 // bound (attention areas at the best per-area rate of blocks of at most ceil(L/r) tokens, text
 // projections and ring latencies on >= r ranks; non-decreasing in r) reaches the best found; the
 // bottleneck term skips a sequence whose time under the current maximum's shape is already below
-// that maximum. Runs in milliseconds for 1024 ranks x 4096 sequences of bucketed batches.
+// that maximum.
+// Then tightened: a plan of makespan T gives every sequence a shape whose bottleneck is <= T, and
+// all rank-seconds fit into num_ranks x T; so the bound is the largest T (bisection, from the
+// bound above) at which sum over sequences of (min rank-seconds over shapes with bottleneck <= T)
+// still exceeds num_ranks x T. Runs in milliseconds for 1024 ranks x 4096 sequences of bucketed
+// batches.
 double makespan_lower_bound(const Batch& batch, const CostModel& cost_model);
 
 }  // namespace zellige

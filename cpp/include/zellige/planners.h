@@ -36,6 +36,17 @@ Plan make_plan(const std::string& planner, const Batch& batch, const CostModel& 
 
 std::vector<std::string> planner_names();  // the forms above, for help texts
 
+// The baseline plans `zellige` is never worse than on this batch and cluster (docs/planner.md):
+// dp-tokens, dp-cost, megatron-dcp, static-cp:C for every C dividing the GPU count (groups beyond
+// two nodes only while C x sequences <= kCoveredRankShares: such a plan alone holds that many
+// shares), knapformer:gGnN (gamma 0.4) for every G dividing both the GPU count and the head
+// count, and the mixed knapformer specs that give each quarter of the cluster one bag size among
+// 1, 2, 4, 8 (GPU counts that are multiples of 4). zellige builds each of them and returns a plan
+// whose makespan under CostModel::evaluate is at most that of every one of them that fits in
+// memory.
+inline constexpr int64_t kCoveredRankShares = int64_t{1} << 13;
+std::vector<std::string> covered_baselines(const Batch& batch, const CostModel& cost_model);
+
 // Fills plan.predicted from the cost model (and throws if the plan does not match the batch).
 void predict(Plan& plan, const Batch& batch, const CostModel& cost_model);
 
@@ -52,10 +63,10 @@ Plan plan_knapformer(const Batch& batch, const CostModel& cost_model, const std:
 Plan plan_megatron_dcp(const Batch& batch, const CostModel& cost_model);
 Plan plan_zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options);
 
-// Candidate placements of one sequence that the zellige planner and the joint MILP choose from:
-// every strategy at every degree 1..num_ranks on node-aligned rank windows (for the MILP), capped
-// by `max_candidates_per_sequence` windows per (degree, strategy). Exposed for zellige.joint.
+// Candidate placements of one sequence for the joint MILP (zellige.joint): every strategy at every
+// degree 1..max_degree (0: the whole cluster) on node-aligned rank windows, at most
+// `max_windows_per_shape` windows per (degree, strategy).
 std::vector<Placement> candidate_placements(const Sequence& sequence, const CostModel& cost_model,
-                                            int64_t max_windows_per_shape);
+                                            int64_t max_windows_per_shape, int64_t max_degree = 0);
 
 }  // namespace zellige

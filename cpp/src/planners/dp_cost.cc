@@ -2,20 +2,24 @@
 // (REFERENCE.md): each sequence goes to the least-loaded rank that has memory room for it.
 #include "greedy.h"
 #include "rank_loads.h"
+#include "registry.h"
 #include "zellige/planners.h"
 
 namespace zellige {
 
 Plan plan_dp_cost(const Batch& batch, const CostModel& cost_model) {
+  return planners::dp_cost(batch, cost_model, nullptr);
+}
+
+Plan planners::dp_cost(const Batch& batch, const CostModel& cost_model, EvaluationCache* cache) {
+  planners::RankLoads loads(cost_model, cache);
   // The sequence alone on one rank; rank 0 stands for any rank (a local placement sends nothing).
   std::vector<double> local_time_s;
   for (const Sequence& sequence : batch.sequences) {
     local_time_s.push_back(planners::placement_time_s(
-        cost_model,
-        cost_model.shares(sequence, make_placement(sequence.id, Strategy::kLocal, {0}))));
+        cost_model, loads.shares(sequence, make_placement(sequence.id, Strategy::kLocal, {0}))));
   }
 
-  planners::RankLoads loads(cost_model);
   std::vector<double> rank_time_s;
   for (int64_t rank = 0; rank < loads.num_ranks(); ++rank)
     rank_time_s.push_back(loads.time_s(rank));

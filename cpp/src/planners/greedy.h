@@ -50,7 +50,7 @@ const Sequence* place_longest_first(const Batch& batch, const CostModel& cost_mo
       const Entry entry = by_key.top();
       by_key.pop();
       Placement placement = placement_in(sequence, entry.second);
-      const std::vector<RankShare> shares = cost_model.shares(sequence, placement);
+      const std::vector<RankShare> shares = loads.shares(sequence, placement);
       if (!loads.fits(shares)) {
         full.push_back(entry);
         continue;

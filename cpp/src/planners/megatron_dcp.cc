@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "rank_loads.h"
+#include "registry.h"
 #include "zellige/planners.h"
 
 namespace zellige {
@@ -106,10 +107,10 @@ std::vector<std::deque<int64_t>> make_buckets(const std::vector<int64_t>& pendin
 
 class MegatronDcp {
  public:
-  MegatronDcp(const Batch& batch, const CostModel& cost_model)
+  MegatronDcp(const Batch& batch, const CostModel& cost_model, EvaluationCache* cache)
       : batch_(batch),
         cost_model_(cost_model),
-        loads_(cost_model),
+        loads_(cost_model, cache),
         num_ranks_(cost_model.cluster().num_ranks()) {}
 
   Plan run();
@@ -155,7 +156,7 @@ void MegatronDcp::prepare_samples() {
     // The memory-derived degree estimates ring buffers from one probe; double until it fits.
     while (true) {
       sample.memory_bytes = planners::placement_memory_bytes(
-          cost_model_.shares(sequence, ring_placement(sequence.id, 0, sample.cp)));
+          loads_.shares(sequence, ring_placement(sequence.id, 0, sample.cp)));
       if (sample.memory_bytes <= room_bytes) break;
       if (sample.cp == num_ranks_) {
         throw PlanMemoryError("megatron-dcp: " + planners::describe_sequence(sequence) +
@@ -289,7 +290,7 @@ std::vector<int64_t> MegatronDcp::round(const std::vector<int64_t>& pending, int
     for (int64_t s : group.samples) {
       const Sequence& sequence = batch_.sequences[samples_[s].index];
       Placement placement = ring_placement(sequence.id, first_rank, group.size);
-      const std::vector<RankShare> shares = cost_model_.shares(sequence, placement);
+      const std::vector<RankShare> shares = loads_.shares(sequence, placement);
       if (!loads_.fits(shares)) {
         leftovers.push_back(s);
         continue;
@@ -328,7 +329,12 @@ Plan MegatronDcp::run() {
 }  // namespace
 
 Plan plan_megatron_dcp(const Batch& batch, const CostModel& cost_model) {
-  return MegatronDcp(batch, cost_model).run();
+  return MegatronDcp(batch, cost_model, nullptr).run();
+}
+
+Plan planners::megatron_dcp(const Batch& batch, const CostModel& cost_model,
+                            EvaluationCache* cache) {
+  return MegatronDcp(batch, cost_model, cache).run();
 }
 
 }  // namespace zellige

@@ -6,8 +6,9 @@
 
 namespace zellige::planners {
 
-RankLoads::RankLoads(const CostModel& cost_model)
+RankLoads::RankLoads(const CostModel& cost_model, EvaluationCache* cache)
     : cost_model_(cost_model),
+      cache_(cache),
       fixed_bytes_(cost_model.fixed_bytes()),
       capacity_bytes_(cost_model.memory_capacity_bytes()),
       tokens_(cost_model.cluster().num_ranks(), 0),

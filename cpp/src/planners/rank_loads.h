@@ -13,7 +13,14 @@ namespace zellige::planners {
 
 class RankLoads {
  public:
-  explicit RankLoads(const CostModel& cost_model);
+  // `cache` (optional) memoises shares() across the policies zellige runs on one batch.
+  explicit RankLoads(const CostModel& cost_model, EvaluationCache* cache = nullptr);
+
+  // cost_model.shares, through the cache when there is one (same values).
+  std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement) const {
+    return cache_ != nullptr ? cost_model_.shares(sequence, placement, *cache_)
+                             : cost_model_.shares(sequence, placement);
+  }
 
   int64_t num_ranks() const { return static_cast<int64_t>(tokens_.size()); }
   // The cost model's rank time from this rank's totals (per-token layers are not additive).
@@ -32,6 +39,7 @@ class RankLoads {
 
  private:
   const CostModel& cost_model_;
+  EvaluationCache* cache_;
   double fixed_bytes_;
   double capacity_bytes_;
   std::vector<int64_t> tokens_;

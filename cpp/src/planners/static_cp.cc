@@ -12,6 +12,7 @@
 
 #include "greedy.h"
 #include "rank_loads.h"
+#include "registry.h"
 #include "zellige/planners.h"
 
 namespace zellige {
@@ -38,6 +39,11 @@ Placement group_placement(int64_t sequence_id, int64_t first_rank, int64_t group
 }  // namespace
 
 Plan plan_static_cp(const Batch& batch, const CostModel& cost_model, int64_t group_size) {
+  return planners::static_cp(batch, cost_model, group_size, nullptr);
+}
+
+Plan planners::static_cp(const Batch& batch, const CostModel& cost_model, int64_t group_size,
+                         EvaluationCache* cache) {
   const int64_t num_ranks = cost_model.cluster().num_ranks();
   if (group_size <= 0 || group_size > num_ranks || num_ranks % group_size != 0) {
     throw std::invalid_argument("static-cp:" + std::to_string(group_size) +
@@ -47,15 +53,15 @@ Plan plan_static_cp(const Batch& batch, const CostModel& cost_model, int64_t gro
   const int64_t num_groups = num_ranks / group_size;
   const int64_t ulysses_degree = ulysses_degree_for(group_size, cost_model.model().num_heads);
 
+  planners::RankLoads loads(cost_model, cache);
   // Cost of each sequence on group 0, for the longest-first order.
   std::vector<double> group_time_s;
   for (const Sequence& sequence : batch.sequences) {
     group_time_s.push_back(planners::placement_time_s(
         cost_model,
-        cost_model.shares(sequence, group_placement(sequence.id, 0, group_size, ulysses_degree))));
+        loads.shares(sequence, group_placement(sequence.id, 0, group_size, ulysses_degree))));
   }
 
-  planners::RankLoads loads(cost_model);
   Plan plan = planners::empty_plan("static-cp:" + std::to_string(group_size), cost_model);
   // Bins are groups keyed by their time, the time of their slowest rank.
   const Sequence* unplaced = planners::place_longest_first(

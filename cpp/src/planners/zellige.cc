@@ -10,9 +10,12 @@
 // T and has the memory; a filler that fits nowhere is split over a few least-loaded ranks of one
 // node if that stays within T, else goes to the least-loaded rank. A sweep over T (and, when
 // anchors outnumber ranks, over shapes of half the target so that anchors can share ranks) keeps
-// the best construction; dp-cost's plan replaces it if better. Local search then lowers the busiest
-// rank while it can: move or swap a filler, re-mould one of its anchors (another strategy, swap a
-// rank, add one, drop it), or shard one of its fillers.
+// the best construction. Local search then lowers the busiest rank while it can: move or swap a
+// filler, re-mould one of its anchors (another strategy, swap a rank, add one, drop it), or shard
+// one of its fillers. Every covered baseline (planners.h) is built too; the most promising one
+// that fits is searched the same way, and the result is the fastest of all these plans under the
+// exact CostModel::evaluate (memoised), so never slower than any covered baseline; within 0.5%
+// of the fastest, the lowest peak memory wins (docs/planner.md).
 //
 // Rank time is additive over the sequences a rank holds except the per-token layers, which depend
 // on the rank's token total (CostModel::linear_time_s), so every rank keeps its totals and every
@@ -32,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "registry.h"
 #include "zellige/planners.h"
 
 namespace zellige {
@@ -49,6 +53,10 @@ std::string shortest(double value) {
 }
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+// Baseline plans (besides the sweep's) that start a local search of their own.
+constexpr size_t kBaselineStarts = 1;
+// Among plans within this fraction of the fastest, the one with the lowest peak memory wins.
+constexpr double kMemoryTieBreak = 0.005;
 // A move must lower the busiest rank by more than this fraction, so float noise cannot cycle.
 constexpr double kMinGain = 1e-9;
 // Targets of the construction sweep, as multiples of the mean local load per rank, then relative
@@ -294,6 +302,7 @@ class ZelligePlanner {
   void remove_anchor_shares(Solution* s, int32_t slot) const;
   void finish(Solution* s) const;
   void import_plan(const Plan& plan, Solution* s);
+  Plan to_plan(const Solution& s) const;
 
   int64_t local_search(Solution* s, Clock::time_point deadline);
   void least_loaded(const Solution& s, int count, const std::vector<char>* excluded,
@@ -311,6 +320,7 @@ class ZelligePlanner {
   const int64_t num_ranks_, gpus_per_node_, num_nodes_, num_heads_, num_sequences_;
 
   bool exact_ = true;
+  EvaluationCache cache_;  // memoised shares and exact evaluation of this batch
   mutable std::vector<double> linear_grid_s_;  // -1: not computed yet
   double rate_s_per_token_ = 0;                // per-token layers at the mean token count per rank
   double free_bytes_ = 0;                      // memory capacity minus the fixed bytes, per rank
@@ -695,11 +705,15 @@ void ZelligePlanner::import_plan(const Plan& plan, Solution* s) {
     anchor.sequence = sequence;
     anchor.shape = {placement.strategy, placement.degree(), placement.ulysses_degree};
     anchor.ranks = placement.ranks;
-    anchor.shares = cost_model_.shares(batch_.sequences[sequence], placement);
+    anchor.shares = cost_model_.shares(batch_.sequences[sequence], placement, cache_);
     s->anchor_slot[sequence] = slot;
     add_anchor_shares(s, slot);
   }
   finish(s);
+  // A plan that overflows a rank's memory is no start for the search (knapformer ignores memory).
+  for (int64_t rank = 0; rank < num_ranks_; ++rank) {
+    if (s->memory_bytes[rank] > free_bytes_) s->makespan_s = kInf;
+  }
 }
 
 // One plan aiming at makespan `target_s`; each anchor's shape alone must fit `share_fraction` of
@@ -1187,50 +1201,117 @@ Plan ZelligePlanner::run() {
   }
   exact_ = true;
   if (std::isfinite(best.makespan_s)) finish(&best);
-  // dp-cost's plan (whole sequences, LPT by exact time) starts the search when it is better, so
-  // that zellige is never worse than it; the all-local construction above is close but orders by
-  // estimated time.
-  bool from_dp_cost = false;
-  Plan dp_cost_plan;
-  try {
-    dp_cost_plan = plan_dp_cost(batch_, cost_model_);
-    import_plan(dp_cost_plan, &current);
-    if (current.makespan_s < best.makespan_s) {
-      std::swap(best, current);
-      from_dp_cost = true;
-    }
-  } catch (const PlanMemoryError&) {
-    // dp-cost found no plan within memory; the sweep's plan stands.
-  }
-  if (!std::isfinite(best.makespan_s)) throw PlanMemoryError(memory_error);
   const double constructed_s = best.makespan_s;
-  const int64_t steps = local_search(&best, deadline);
 
+  // Every covered baseline's plan (planners.h, covered_baselines): the best kBaselineStarts of
+  // them start local searches of their own, and all of them enter the final exact comparison, so
+  // that zellige is never worse than any of them.
+  struct Seed {
+    std::string name;
+    Plan plan;
+    double floor_s = kInf;  // CostModel::makespan_floor: no plan's exact makespan is below it
+  };
+  std::vector<Seed> seeds;
+  for (const std::string& name : covered_baselines(batch_, cost_model_)) {
+    Seed seed;
+    seed.name = name;
+    try {
+      seed.plan = planners::run_policy(name, batch_, cost_model_, options_, &cache_);
+    } catch (const PlanMemoryError&) {
+      continue;  // the baseline has no plan within memory: nothing to be worse than
+    }
+    seed.floor_s = cost_model_.makespan_floor(batch_, seed.plan, cache_);
+    seeds.push_back(std::move(seed));
+  }
+  std::stable_sort(seeds.begin(), seeds.end(),
+                   [](const Seed& a, const Seed& b) { return a.floor_s < b.floor_s; });
+
+  // Local search from the sweep's plan and from the most promising baseline plans that fit.
+  struct Finalist {
+    std::string source;
+    Plan plan;
+    PlanCost cost;
+  };
+  std::vector<Finalist> finalists;
+  int64_t steps = 0;
+  auto search_from = [&](Solution* s, const std::string& source) {
+    steps += local_search(s, deadline);
+    finalists.push_back({source, to_plan(*s), {}});
+  };
+  if (std::isfinite(best.makespan_s)) search_from(&best, "sweep");
+  // A baseline start is searched only when its floor is below the sweep's searched makespan (an
+  // additive one, close to the exact): otherwise it rarely ends better and costs a whole search.
+  const double sweep_s = best.makespan_s;
+  size_t starts = 0;
+  for (const Seed& seed : seeds) {
+    if (starts == kBaselineStarts || seed.floor_s >= sweep_s) break;
+    import_plan(seed.plan, &current);
+    if (!std::isfinite(current.makespan_s)) continue;  // out of memory
+    search_from(&current, "search:" + seed.name);
+    ++starts;
+  }
+
+  // The exact comparison (CostModel::evaluate, as `zellige compare` prices plans): the fastest
+  // plan that fits; among plans within kMemoryTieBreak of it and no slower than any baseline, the
+  // one with the lowest peak memory. A baseline whose makespan floor is above that window cannot
+  // win and need not be priced exactly.
+  double best_s = kInf, best_baseline_s = kInf;
+  for (Finalist& finalist : finalists) {
+    finalist.cost = cost_model_.evaluate(batch_, finalist.plan, cache_);
+    if (finalist.cost.fits) best_s = std::min(best_s, finalist.cost.makespan_s);
+  }
+  int64_t priced = 0;
+  for (Seed& seed : seeds) {
+    if (seed.floor_s > best_s * (1 + kMemoryTieBreak)) break;  // seeds are in floor order
+    Finalist finalist{seed.name, std::move(seed.plan), {}};
+    finalist.cost = cost_model_.evaluate(batch_, finalist.plan, cache_);
+    ++priced;
+    if (!finalist.cost.fits) continue;
+    best_s = std::min(best_s, finalist.cost.makespan_s);
+    best_baseline_s = std::min(best_baseline_s, finalist.cost.makespan_s);
+    finalists.push_back(std::move(finalist));
+  }
+  if (!std::isfinite(best_s)) {
+    throw PlanMemoryError(memory_error.empty()
+                              ? "no construction and no baseline found a plan within memory"
+                              : memory_error);
+  }
+  const double cap_s = std::min(best_s * (1 + kMemoryTieBreak), best_baseline_s);
+  const Finalist* chosen = nullptr;
+  for (const Finalist& finalist : finalists) {
+    if (!finalist.cost.fits || finalist.cost.makespan_s > cap_s) continue;
+    if (chosen == nullptr || finalist.cost.peak_bytes < chosen->cost.peak_bytes ||
+        (finalist.cost.peak_bytes == chosen->cost.peak_bytes &&
+         finalist.cost.makespan_s < chosen->cost.makespan_s)) {
+      chosen = &finalist;
+    }
+  }
+  Plan plan = chosen->plan;
+  plan.planner = "zellige";
+  plan.note = "anchors=" + std::to_string(best.num_anchors) +
+              " target_s=" + shortest(best_target_s) + " constructed_s=" + shortest(constructed_s) +
+              " search_steps=" + std::to_string(steps) + " baselines=" +
+              std::to_string(seeds.size()) + " priced=" + std::to_string(priced) +
+              " final=" + chosen->source +
+              (chosen->cost.makespan_s > best_s ? " memory_tie_break" : "");
+  plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  return plan;
+}
+
+Plan ZelligePlanner::to_plan(const Solution& s) const {
   Plan plan;
   plan.planner = "zellige";
   plan.num_ranks = num_ranks_;
   plan.placements.reserve(num_sequences_);
   for (int64_t i = 0; i < num_sequences_; ++i) {
     const int64_t id = batch_.sequences[i].id;
-    if (best.anchor_slot[i] >= 0) {
-      const AnchorPlacement& anchor = best.anchors[best.anchor_slot[i]];
+    if (s.anchor_slot[i] >= 0) {
+      const AnchorPlacement& anchor = s.anchors[s.anchor_slot[i]];
       plan.placements.push_back(to_placement(id, anchor.shape, anchor.ranks));
     } else {
-      plan.placements.push_back(to_placement(id, Shape{}, {best.filler_rank[i]}));
+      plan.placements.push_back(to_placement(id, Shape{}, {s.filler_rank[i]}));
     }
   }
-  // The search prices ranks by their shares; CostModel::evaluate adds rank-level terms (attention
-  // calls of few heads, the host's launch floor). Where dp-cost's plan comes out faster under
-  // those, it is returned, so that zellige is never worse than dp-cost.
-  const bool dp_cost_final =
-      !dp_cost_plan.placements.empty() && cost_model_.evaluate(batch_, dp_cost_plan).makespan_s <
-                                              cost_model_.evaluate(batch_, plan).makespan_s;
-  if (dp_cost_final) plan.placements = dp_cost_plan.placements;
-  plan.note = "anchors=" + std::to_string(best.num_anchors) +
-              " target_s=" + shortest(best_target_s) + " constructed_s=" + shortest(constructed_s) +
-              (from_dp_cost ? " start=dp-cost" : "") + " search_steps=" + std::to_string(steps) +
-              (dp_cost_final ? " final=dp-cost" : "");
-  plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   return plan;
 }
 
@@ -1244,7 +1325,7 @@ Plan plan_zellige(const Batch& batch, const CostModel& cost_model, const Planner
 // variety: inside a node, offsets that are multiples of the degree come first; beyond a node,
 // windows start (then end) on node boundaries.
 std::vector<Placement> candidate_placements(const Sequence& sequence, const CostModel& cost_model,
-                                            int64_t max_windows_per_shape) {
+                                            int64_t max_windows_per_shape, int64_t max_degree) {
   if (max_windows_per_shape <= 0) {
     throw std::invalid_argument("max_windows_per_shape must be positive, got " +
                                 std::to_string(max_windows_per_shape));
@@ -1256,7 +1337,8 @@ std::vector<Placement> candidate_placements(const Sequence& sequence, const Cost
   std::vector<Placement> candidates;
   std::vector<int64_t> starts;
   std::vector<Shape> shapes;
-  for (int64_t degree = 1; degree <= num_ranks; ++degree) {
+  const int64_t last_degree = max_degree > 0 ? std::min(max_degree, num_ranks) : num_ranks;
+  for (int64_t degree = 1; degree <= last_degree; ++degree) {
     starts.clear();
     if (degree <= gpus_per_node) {
       for (int pass = 0; pass < 2; ++pass) {
