@@ -14,6 +14,8 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
   coalesced-flash  the grouping with FlashAttention-2 dense kernels (--flash-groups)
   fa2-varlen       packed FlashAttention-2 varlen as shipped in torch (target: auto >= 1.4x)
   flex-document    FlexAttention with a document mask (compiled; first pack only by default)
+--joint: MMDiT packs: every sequence attends jointly with its own text of 256-512 tokens (uniform,
+seeded), so each attended length is visual + text tokens, as the step program lays joint sequences.
 FLOPs: forward 4 N H sum L_i^2, backward 2.5x that. Rates in TFLOP/s; median of --repeat timed
 runs after a warm-up, CUDA events. Prints a table last; --out writes every number as JSON.
 """
@@ -49,9 +51,15 @@ RECIPES = [
 ]
 
 
-def make_pack(recipe: str, pack_tokens: int, seed: int) -> list[int]:
+def make_pack(recipe: str, pack_tokens: int, seed: int, joint: bool = False) -> list[int]:
     batch = zellige.generate(recipe, 32, seed)
-    lengths = sorted((s.num_tokens for s in batch.sequences), reverse=True)
+    lengths = [s.num_tokens for s in batch.sequences]
+    if joint:  # each sequence's own text joins its attention (MMDiT): 256-512 tokens
+        text = torch.randint(
+            256, 513, (len(lengths),), generator=torch.Generator().manual_seed(seed)
+        )
+        lengths = [length + int(t) for length, t in zip(lengths, text.tolist(), strict=True)]
+    lengths.sort(reverse=True)
     num_packs = max(1, math.ceil(sum(lengths) / pack_tokens))
     packs: list[list[int]] = [[] for _ in range(num_packs)]
     for length in lengths:
@@ -213,6 +221,9 @@ def main() -> None:
     parser.add_argument("--streams", action="store_true", help="also the 2- and 4-stream groups")
     parser.add_argument("--flash-groups", action="store_true", help="also FA2 dense groups")
     parser.add_argument("--ragged", action="store_true", help="also one ragged cuDNN call")
+    parser.add_argument(
+        "--joint", action="store_true", help="MMDiT packs: each sequence with 256-512 text tokens"
+    )
     args = parser.parse_args()
     if args.smoke:
         global DEVICE
@@ -238,6 +249,7 @@ def main() -> None:
         f"ragged: {ragged_name}"
     )
     report = {
+        "joint": args.joint,
         "verified": verified,
         "auto": auto,
         "ragged": ragged_name,
@@ -250,7 +262,7 @@ def main() -> None:
         if time.perf_counter() - started > args.time_budget_s:
             print(f"time budget spent: skipping {recipe} and later packs")
             break
-        lengths = make_pack(recipe, args.pack_tokens, args.seed)
+        lengths = make_pack(recipe, args.pack_tokens, args.seed, args.joint)
         total = sum(lengths)
         square_sum = sum(length * length for length in lengths)
         flops = 4 * heads * head_dim * square_sum

@@ -1,4 +1,4 @@
-"""Single-GPU training throughput of the reference DiT at realistic mixed lengths.
+"""Single-GPU training throughput of the reference DiTs at realistic mixed lengths.
 
 Runs the real training loop (zellige.train: FSDP2, activation checkpointing, bf16, AdamW, the
 loader planning ahead) on one GPU for each (config, recipe) and reports tokens/s, MFU and where
@@ -14,6 +14,9 @@ checkpoints every block (the default checkpoints per step only the blocks the pl
 memory needs); ":no-checkpointing" checkpoints none. Every step's predicted and measured peak
 are listed. --sync-check: the first run warns at every host sync inside its steps
 (torch.cuda.set_sync_debug_mode) and the summary counts them by source line.
+MMDiT configs (mmdit11b-width-h200, hunyuan13b-width-h200) run the same way, e.g.
+--runs mmdit11b-width-h200:opensora2-stage2; their cross-attention share is 0 (text joins the
+self-attention, counted as attention) and their FLOPs count text tokens as attended tokens.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ void init_cluster(nb::module_& m) {
                     {"num_nodes", "gpus_per_node", "gpu_memory_bytes", "intra_node_bytes_per_s",
                      "inter_node_bytes_per_s", "intra_node_latency_s", "inter_node_latency_s"});
 
+  m.attr("MAX_GPUS") = kMaxGpus;  // the documented limit (cluster.h)
   m.def("make_cluster", &make_cluster, nb::arg("num_gpus"), nb::arg("gpus_per_node"),
         nb::arg("links") = "nvlink", "H200 nodes; links is 'nvlink' or 'pcie'.");
 }

@@ -74,6 +74,12 @@ void init_workload(nb::module_& m) {
   add_value_methods(recipe, {"name", "model", "text_tokens", "text_tokens_min", "text_tokens_max",
                              "geometry", "buckets", "mix", "per_rank_groups"});
 
+  // The documented limits (workload.h), for the Python readers that check before converting.
+  m.attr("MAX_SEQUENCE_TOKENS") = kMaxSequenceTokens;
+  m.attr("MAX_TEXT_TOKENS") = kMaxTextTokens;
+  m.attr("MAX_PIXELS") = kMaxPixels;
+  m.attr("MAX_BATCH_SEQUENCES") = kMaxBatchSequences;
+  m.attr("MAX_BATCH_TOKENS") = kMaxBatchTokens;
   m.def("sequence_from_pixels", &sequence_from_pixels, nb::arg("id"), nb::arg("kind"),
         nb::arg("frames"), nb::arg("height"), nb::arg("width"), nb::arg("text_tokens"),
         nb::arg("source_rank"), nb::arg("geometry") = LatentGeometry(),

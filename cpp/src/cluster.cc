@@ -5,8 +5,9 @@
 namespace zellige {
 
 Cluster make_cluster(int64_t num_gpus, int64_t gpus_per_node, const std::string& links) {
-  if (num_gpus <= 0) {
-    throw std::invalid_argument("--gpus must be positive, got " + std::to_string(num_gpus));
+  if (num_gpus <= 0 || num_gpus > kMaxGpus) {
+    throw std::invalid_argument("--gpus must be in [1, " + std::to_string(kMaxGpus) + "], got " +
+                                std::to_string(num_gpus));
   }
   if (gpus_per_node <= 0) {
     throw std::invalid_argument("--gpus-per-node must be positive, got " +

@@ -41,7 +41,7 @@ ModelSpec make_model(const std::string& name, int64_t width, int64_t num_double_
 int64_t block_param_count(const ModelSpec& model) { return count_block_params(model); }
 
 std::vector<std::string> model_preset_names() {
-  return {"wan-1.3b", "wan-14b", "mmdit-11b", "hunyuan-13b", "tiny"};
+  return {"wan-1.3b", "wan-14b", "mmdit-11b", "hunyuan-13b", "tiny", "mmdit-tiny"};
 }
 
 ModelSpec model_preset(const std::string& name) {
@@ -50,6 +50,7 @@ ModelSpec model_preset(const std::string& name) {
   if (name == "mmdit-11b") return make_model(name, 3072, 19, 38, 24, 4 * 3072, 512, true);
   if (name == "hunyuan-13b") return make_model(name, 3072, 20, 40, 24, 4 * 3072, 256, true);
   if (name == "tiny") return make_model(name, 64, 0, 2, 4, 128, 8, false);
+  if (name == "mmdit-tiny") return make_model(name, 64, 2, 1, 4, 128, 8, true);
   std::string allowed;
   for (const std::string& preset : model_preset_names()) {
     allowed += (allowed.empty() ? "" : ", ") + preset;

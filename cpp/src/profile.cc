@@ -3,9 +3,52 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <cstdio>
 #include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
 
 namespace zellige {
+namespace {
+
+std::string number_text(double value) {  // %g, without iostreams (see test_core_sources.py)
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", value);
+  return text;
+}
+
+std::string range_text(double low, double high) {
+  return "[" + number_text(low) + ", " + number_text(high) + "]";
+}
+
+// "[i]", built by appending: `"[" + std::to_string(i) + "]"` draws a false -Wrestrict warning
+// from GCC 12's inlined operator+(const char*, std::string&&).
+std::string index_text(size_t i) {
+  std::string text("[");
+  text += std::to_string(i);
+  text += ']';
+  return text;
+}
+
+
+void require_in(double value, double low, double high, const std::string& what) {
+  if (!(value >= low && value <= high)) {  // NaN fails too
+    throw std::invalid_argument("profile: " + what + " = " + number_text(value) +
+                                " is outside its physical range " + range_text(low, high));
+  }
+}
+
+// A validated table's samples inside x in [1, kMaxTableX] and y in [y_low, y_high].
+void require_table_in(const Table& table, const std::string& name, double y_low, double y_high) {
+  for (size_t i = 0; i < table.x.size(); ++i) {
+    const std::string at = index_text(i);
+    require_in(table.x[i], 1.0, kMaxTableX, name + ".x" + at);
+    require_in(table.y[i], y_low, y_high, name + ".y" + at);
+  }
+}
+
+}  // namespace
 
 void Table::validate(const std::string& name) const {
   if (x.size() != y.size()) {
@@ -42,12 +85,26 @@ void HardwareProfile::validate() const {
     throw std::invalid_argument(
         "profile: matmul_flops_per_s, attention_flops_per_s and memory_bytes_per_s must be > 0");
   }
-  if (attention_head_dim <= 0)
-    throw std::invalid_argument("profile: attention_head_dim must be > 0");
-  attention_forward_s_per_head.validate("attention_forward_s_per_head");
-  attention_backward_s_per_head.validate("attention_backward_s_per_head");
-  matmul_forward_flops_per_s.validate("matmul_forward_flops_per_s");
-  matmul_backward_flops_per_s.validate("matmul_backward_flops_per_s");
+  require_in(matmul_flops_per_s, kMinRatePerS, kMaxRatePerS, "matmul_flops_per_s");
+  require_in(attention_flops_per_s, kMinRatePerS, kMaxRatePerS, "attention_flops_per_s");
+  require_in(memory_bytes_per_s, kMinRatePerS, kMaxRatePerS, "memory_bytes_per_s");
+  if (attention_head_dim <= 0 || attention_head_dim > kMaxHeadDim) {
+    throw std::invalid_argument("profile: attention_head_dim must be in [1, " +
+                                std::to_string(kMaxHeadDim) + "], got " +
+                                std::to_string(attention_head_dim));
+  }
+  for (const auto& [table, name] :
+       {std::pair{&attention_forward_s_per_head, "attention_forward_s_per_head"},
+        std::pair{&attention_backward_s_per_head, "attention_backward_s_per_head"}}) {
+    table->validate(name);
+    require_table_in(*table, name, kMinTableSeconds, kMaxTableSeconds);
+  }
+  for (const auto& [table, name] :
+       {std::pair{&matmul_forward_flops_per_s, "matmul_forward_flops_per_s"},
+        std::pair{&matmul_backward_flops_per_s, "matmul_backward_flops_per_s"}}) {
+    table->validate(name);
+    require_table_in(*table, name, kMinRatePerS, kMaxRatePerS);
+  }
   if (attention_call_forward_s.size() != attention_call_lengths.size() ||
       attention_call_backward_s.size() != attention_call_lengths.size()) {
     throw std::invalid_argument(
@@ -59,9 +116,14 @@ void HardwareProfile::validate() const {
         (i > 0 && !(attention_call_lengths[i] > attention_call_lengths[i - 1]))) {
       throw std::invalid_argument("profile: attention_call_lengths must be > 0 and increasing");
     }
-    const std::string at = "[" + std::to_string(i) + "]";
-    attention_call_forward_s[i].validate("attention_call_forward_s" + at);
-    attention_call_backward_s[i].validate("attention_call_backward_s" + at);
+    const std::string at = index_text(i);
+    require_in(attention_call_lengths[i], 1.0, kMaxTableX, "attention_call_lengths" + at);
+    for (const auto& [tables, name] :
+         {std::pair{&attention_call_forward_s, "attention_call_forward_s"},
+          std::pair{&attention_call_backward_s, "attention_call_backward_s"}}) {
+      (*tables)[i].validate(name + at);
+      require_table_in((*tables)[i], name + at, kMinTableSeconds, kMaxTableSeconds);
+    }
     if (attention_call_forward_s[i].empty() || attention_call_backward_s[i].empty()) {
       throw std::invalid_argument("profile: attention call tables" + at + " must not be empty");
     }
@@ -71,18 +133,16 @@ void HardwareProfile::validate() const {
         "profile: exchange_group_sizes and exchange_intra_node_s differ in length");
   }
   for (size_t i = 0; i < exchange_group_sizes.size(); ++i) {
-    if (exchange_group_sizes[i] < 2) {
+    if (exchange_group_sizes[i] < 2 || exchange_group_sizes[i] > kMaxTableX) {
       throw std::invalid_argument("profile: exchange group sizes must be >= 2");
     }
-    exchange_intra_node_s[i].validate("exchange_intra_node_s[" +
-                                      std::to_string(exchange_group_sizes[i]) + "]");
+    const std::string name =
+        "exchange_intra_node_s" + index_text(static_cast<size_t>(exchange_group_sizes[i]));
+    exchange_intra_node_s[i].validate(name);
+    require_table_in(exchange_intra_node_s[i], name, kMinTableSeconds, kMaxTableSeconds);
   }
-  if (!(ulysses_layout_s_per_byte >= 0) || !std::isfinite(ulysses_layout_s_per_byte)) {
-    throw std::invalid_argument("profile: ulysses_layout_s_per_byte must be >= 0");
-  }
-  if (!(ring_layout_s_per_byte >= 0) || !std::isfinite(ring_layout_s_per_byte)) {
-    throw std::invalid_argument("profile: ring_layout_s_per_byte must be >= 0");
-  }
+  require_in(ulysses_layout_s_per_byte, 0.0, kMaxLayoutSecondsPerByte, "ulysses_layout_s_per_byte");
+  require_in(ring_layout_s_per_byte, 0.0, kMaxLayoutSecondsPerByte, "ring_layout_s_per_byte");
   if (!(exchange_overlap >= 0 && exchange_overlap < 1)) {
     throw std::invalid_argument("profile: exchange_overlap must be in [0, 1)");
   }
@@ -104,6 +164,30 @@ void HardwareProfile::validate() const {
     for (double value : *optional) {
       if (!(value >= 0)) {
         throw std::invalid_argument("profile: per-model rows must be >= 0");
+      }
+    }
+  }
+  for (size_t i = 0; i < memory_models.size(); ++i) {
+    const std::string of = index_text(i) + " (" + memory_models[i] + ")";
+    for (const auto& [row, name, high] :
+         {std::tuple{&activation_bytes_per_token_layer, "activation_bytes_per_token_layer",
+                     kMaxBytesPerToken},
+          std::tuple{&checkpoint_bytes_per_token_layer, "checkpoint_bytes_per_token_layer",
+                     kMaxBytesPerToken},
+          std::tuple{&backward_bytes_per_token_layer, "backward_bytes_per_token_layer",
+                     kMaxBytesPerToken},
+          std::tuple{&text_bytes_per_token_layer, "text_bytes_per_token_layer", kMaxBytesPerToken},
+          std::tuple{&step_fixed_bytes, "step_fixed_bytes", kMaxProfileBytes},
+          std::tuple{&launch_s_per_layer, "launch_s_per_layer", kMaxLaunchSeconds},
+          std::tuple{&launch_s_per_attention_call, "launch_s_per_attention_call",
+                     kMaxLaunchSeconds}}) {
+      if (!row->empty()) require_in((*row)[i], 0.0, high, name + of);
+    }
+    for (const auto& [row, name] :
+         {std::pair{&ulysses_bytes_per_token, "ulysses_bytes_per_token"},
+          std::pair{&ring_bytes_per_token, "ring_bytes_per_token"}}) {
+      if (!row->empty() && i < row->size()) {
+        require_in((*row)[i], -kMaxBytesPerToken, kMaxBytesPerToken, name + of);
       }
     }
   }
@@ -130,6 +214,8 @@ void HardwareProfile::validate() const {
   if (runtime_reserved_bytes < 0) {
     throw std::invalid_argument("profile: runtime_reserved_bytes must be >= 0");
   }
+  require_in(static_cast<double>(runtime_reserved_bytes), 0.0, kMaxProfileBytes,
+             "runtime_reserved_bytes");
 }
 
 HardwareProfile analytic_profile(const std::string& device_name, double matmul_flops_per_s,

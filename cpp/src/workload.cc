@@ -1,5 +1,7 @@
 #include "zellige/workload.h"
 
+#include "zellige/cluster.h"
+
 #include <algorithm>
 #include <cmath>
 #include <random>
@@ -59,7 +61,18 @@ int64_t draw_text_tokens(std::mt19937_64& rng, const Recipe& recipe) {
   return recipe.text_tokens;
 }
 
+std::string in_range(int64_t low, int64_t high) {
+  return "[" + std::to_string(low) + ", " + std::to_string(high) + "]";
+}
+
+// tokens_per_frame <= kMaxSequenceTokens = 2^32, so h <= 2^16 and the search below takes at most
+// 2^16 divisions (a prime takes them all: well under a millisecond).
 void set_square_grid(Sequence* seq, int64_t grid_t, int64_t tokens_per_frame) {
+  if (tokens_per_frame <= 0 || tokens_per_frame > kMaxSequenceTokens) {
+    throw std::invalid_argument(seq_prefix(seq->id) + "tokens per frame must be in " +
+                                in_range(1, kMaxSequenceTokens) + ", got " +
+                                std::to_string(tokens_per_frame));
+  }
   int64_t h = static_cast<int64_t>(std::sqrt(static_cast<double>(tokens_per_frame)));
   while (h * h > tokens_per_frame) --h;
   while ((h + 1) * (h + 1) <= tokens_per_frame) ++h;
@@ -88,16 +101,44 @@ int64_t latent_frames(int64_t frames, const LatentGeometry& geometry) {
 Sequence sequence_from_pixels(int64_t id, const std::string& kind, int64_t frames, int64_t height,
                               int64_t width, int64_t text_tokens, int64_t source_rank,
                               const LatentGeometry& geometry) {
+  const std::string sizes =
+      std::to_string(frames) + " x " + std::to_string(height) + " x " + std::to_string(width);
   if (frames <= 0 || height <= 0 || width <= 0) {
     throw std::invalid_argument(seq_prefix(id) + "frames, height and width must be positive, got " +
-                                std::to_string(frames) + " x " + std::to_string(height) + " x " +
-                                std::to_string(width));
+                                sizes);
+  }
+  if (frames > kMaxPixels || height > kMaxPixels || width > kMaxPixels) {
+    throw std::invalid_argument(seq_prefix(id) + "frames, height and width must be at most " +
+                                std::to_string(kMaxPixels) + ", got " + sizes);
   }
   if (geometry.temporal_stride <= 0 || geometry.spatial_stride <= 0 || geometry.patch_t <= 0 ||
-      geometry.patch_hw <= 0) {
-    throw std::invalid_argument("latent geometry strides and patch sizes must be positive");
+      geometry.patch_hw <= 0 || geometry.temporal_stride > kMaxPixels ||
+      geometry.spatial_stride > kMaxPixels || geometry.patch_t > kMaxPixels ||
+      geometry.patch_hw > kMaxPixels) {
+    throw std::invalid_argument("latent geometry strides and patch sizes must be in " +
+                                in_range(1, kMaxPixels));
   }
   const int64_t pixels_per_token = geometry.spatial_stride * geometry.patch_hw;
+  // A size the VAE and patchify would not divide evenly is refused, not rounded down: the
+  // latents a real pipeline makes from it would differ from what the plan assumes.
+  if ((frames - 1) % geometry.temporal_stride != 0) {
+    throw std::invalid_argument(seq_prefix(id) + std::to_string(frames) +
+                                " frames: frames - 1 must be a multiple of the VAE's temporal "
+                                "stride " + std::to_string(geometry.temporal_stride));
+  }
+  if (latent_frames(frames, geometry) % geometry.patch_t != 0) {
+    throw std::invalid_argument(seq_prefix(id) + std::to_string(frames) + " frames give " +
+                                std::to_string(latent_frames(frames, geometry)) +
+                                " latent frames, not a multiple of the temporal patch " +
+                                std::to_string(geometry.patch_t));
+  }
+  if (height % pixels_per_token != 0 || width % pixels_per_token != 0) {
+    throw std::invalid_argument(seq_prefix(id) + "height and width must be multiples of " +
+                                std::to_string(pixels_per_token) + " (VAE stride " +
+                                std::to_string(geometry.spatial_stride) + " x patch " +
+                                std::to_string(geometry.patch_hw) + "), got " +
+                                std::to_string(height) + " x " + std::to_string(width));
+  }
   Sequence seq;
   seq.id = id;
   seq.kind = kind;
@@ -113,14 +154,21 @@ Sequence sequence_from_pixels(int64_t id, const std::string& kind, int64_t frame
         " pixels give an empty latent grid (height and width must be at least " +
         std::to_string(pixels_per_token) + ")");
   }
+  // Each factor is at most kMaxPixels = 2^20, so the product cannot overflow int64.
   seq.num_tokens = seq.grid_t * seq.grid_h * seq.grid_w;
+  if (seq.num_tokens > kMaxSequenceTokens) {
+    throw std::invalid_argument(seq_prefix(id) + sizes + " pixels give " +
+                                std::to_string(seq.num_tokens) + " tokens, above the limit of " +
+                                std::to_string(kMaxSequenceTokens));
+  }
   return seq;
 }
 
 Sequence sequence_from_tokens(int64_t id, const std::string& kind, int64_t num_tokens,
                               int64_t text_tokens, int64_t source_rank) {
-  if (num_tokens <= 0) {
-    throw std::invalid_argument(seq_prefix(id) + "num_tokens must be positive, got " +
+  if (num_tokens <= 0 || num_tokens > kMaxSequenceTokens) {
+    throw std::invalid_argument(seq_prefix(id) + "num_tokens must be in " +
+                                in_range(1, kMaxSequenceTokens) + ", got " +
                                 std::to_string(num_tokens));
   }
   Sequence seq;
@@ -134,18 +182,30 @@ Sequence sequence_from_tokens(int64_t id, const std::string& kind, int64_t num_t
 
 void validate_batch(const Batch& batch, int64_t num_ranks) {
   if (batch.sequences.empty()) throw std::invalid_argument("the batch has no sequences");
+  if (static_cast<int64_t>(batch.sequences.size()) > kMaxBatchSequences) {
+    throw std::invalid_argument("the batch has " + std::to_string(batch.sequences.size()) +
+                                " sequences, above the limit of " +
+                                std::to_string(kMaxBatchSequences));
+  }
+  if (num_ranks > kMaxGpus) {
+    throw std::invalid_argument("num_ranks must be at most " + std::to_string(kMaxGpus) +
+                                ", got " + std::to_string(num_ranks));
+  }
+  int64_t total = 0;
   std::unordered_set<int64_t> ids;
   for (const Sequence& seq : batch.sequences) {
     const std::string prefix = seq_prefix(seq.id);
     if (!ids.insert(seq.id).second) {
       throw std::invalid_argument(prefix + "duplicate id " + std::to_string(seq.id));
     }
-    if (seq.num_tokens <= 0) {
-      throw std::invalid_argument(prefix + "num_tokens must be positive, got " +
+    if (seq.num_tokens <= 0 || seq.num_tokens > kMaxSequenceTokens) {
+      throw std::invalid_argument(prefix + "num_tokens must be in " +
+                                  in_range(1, kMaxSequenceTokens) + ", got " +
                                   std::to_string(seq.num_tokens));
     }
-    if (seq.text_tokens < 0) {
-      throw std::invalid_argument(prefix + "text_tokens must be >= 0, got " +
+    if (seq.text_tokens < 0 || seq.text_tokens > kMaxTextTokens) {
+      throw std::invalid_argument(prefix + "text_tokens must be in " +
+                                  in_range(0, kMaxTextTokens) + ", got " +
                                   std::to_string(seq.text_tokens));
     }
     if (seq.source_rank < 0 || (num_ranks > 0 && seq.source_rank >= num_ranks)) {
@@ -153,13 +213,21 @@ void validate_batch(const Batch& batch, int64_t num_ranks) {
                                   " is outside [0, " +
                                   (num_ranks > 0 ? std::to_string(num_ranks) : "inf") + ")");
     }
-    if (seq.grid_t <= 0 || seq.grid_h <= 0 || seq.grid_w <= 0 ||
+    // Each factor is checked against num_tokens before the product, which then cannot overflow.
+    if (seq.grid_t <= 0 || seq.grid_h <= 0 || seq.grid_w <= 0 || seq.grid_t > seq.num_tokens ||
+        seq.grid_h > seq.num_tokens || seq.grid_w > seq.num_tokens ||
+        seq.grid_t * seq.grid_h > seq.num_tokens ||
         seq.grid_t * seq.grid_h * seq.grid_w != seq.num_tokens) {
       throw std::invalid_argument(prefix + "grid " + std::to_string(seq.grid_t) + " x " +
                                   std::to_string(seq.grid_h) + " x " + std::to_string(seq.grid_w) +
                                   " does not multiply to num_tokens " +
                                   std::to_string(seq.num_tokens));
     }
+    total += seq.num_tokens;  // at most 2^20 x 2^32: no overflow
+  }
+  if (total > kMaxBatchTokens) {
+    throw std::invalid_argument("the batch has " + std::to_string(total) +
+                                " tokens, above the limit of " + std::to_string(kMaxBatchTokens));
   }
 }
 
@@ -170,8 +238,9 @@ int64_t total_tokens(const Batch& batch) {
 }
 
 Batch generate_batch(const Recipe& recipe, int64_t num_ranks, uint64_t seed) {
-  if (num_ranks <= 0) {
-    throw std::invalid_argument("num_ranks must be positive, got " + std::to_string(num_ranks));
+  if (num_ranks <= 0 || num_ranks > kMaxGpus) {
+    throw std::invalid_argument("num_ranks must be in " + in_range(1, kMaxGpus) + ", got " +
+                                std::to_string(num_ranks));
   }
   const int num_forms =
       !recipe.buckets.empty() + !recipe.mix.empty() + !recipe.per_rank_groups.empty();
@@ -182,6 +251,14 @@ Batch generate_batch(const Recipe& recipe, int64_t num_ranks, uint64_t seed) {
   std::mt19937_64 rng(seed);
   Batch batch;
   auto next_id = [&batch]() { return static_cast<int64_t>(batch.sequences.size()); };
+  auto add = [&batch, &recipe](const Sequence& seq) {  // refused before it grows without bound
+    if (static_cast<int64_t>(batch.sequences.size()) >= kMaxBatchSequences) {
+      throw std::invalid_argument("recipe '" + recipe.name + "' gives more than " +
+                                  std::to_string(kMaxBatchSequences) +
+                                  " sequences on this many ranks, above the limit");
+    }
+    batch.sequences.push_back(seq);
+  };
 
   if (!recipe.buckets.empty()) {
     std::vector<double> weights;
@@ -206,7 +283,7 @@ Batch generate_batch(const Recipe& recipe, int64_t num_ranks, uint64_t seed) {
         seq.text_tokens = draw_text_tokens(rng, recipe);
         seq.source_rank = rank;
         set_square_grid(&seq, grid_t, tokens_per_frame);
-        batch.sequences.push_back(seq);
+        add(seq);
       }
     }
   } else if (!recipe.mix.empty()) {
@@ -225,18 +302,18 @@ Batch generate_batch(const Recipe& recipe, int64_t num_ranks, uint64_t seed) {
                                                  rank, recipe.geometry);
       const int64_t count =
           entry.kind == "video" ? 1 : std::max<int64_t>(1, largest_video_tokens / first.num_tokens);
-      batch.sequences.push_back(first);
+      add(first);
       for (int64_t i = 1; i < count; ++i) {
         Sequence seq = first;
         seq.id = next_id();
         seq.text_tokens = draw_text_tokens(rng, recipe);
-        batch.sequences.push_back(seq);
+        add(seq);
       }
     }
   } else {
     std::vector<const RankGroup*> group_of_slot;
     for (const RankGroup& group : recipe.per_rank_groups) {
-      if (group.ranks <= 0 || group.batch <= 0 || group.tokens <= 0) {
+      if (group.ranks <= 0 || group.batch <= 0 || group.tokens <= 0 || group.ranks > kMaxGpus) {
         throw std::invalid_argument("recipe '" + recipe.name +
                                     "': rank groups need positive ranks, batch and tokens");
       }
@@ -248,11 +325,11 @@ Batch generate_batch(const Recipe& recipe, int64_t num_ranks, uint64_t seed) {
         const double aspect = uniform_real(rng, 0.96, 1.04);
         const int64_t tokens = std::max<int64_t>(
             1, static_cast<int64_t>(std::llround(static_cast<double>(group.tokens) * aspect)));
-        batch.sequences.push_back(
-            sequence_from_tokens(next_id(), "image", tokens, draw_text_tokens(rng, recipe), rank));
+        add(sequence_from_tokens(next_id(), "image", tokens, draw_text_tokens(rng, recipe), rank));
       }
     }
   }
+  validate_batch(batch, num_ranks);  // the token limit of a batch
   return batch;
 }
 

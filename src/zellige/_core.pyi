@@ -336,6 +336,16 @@ class Recipe:
 
     __hash__: None = None
 
+MAX_SEQUENCE_TOKENS: int = 4294967296
+
+MAX_TEXT_TOKENS: int = 1048576
+
+MAX_PIXELS: int = 1048576
+
+MAX_BATCH_SEQUENCES: int = 1048576
+
+MAX_BATCH_TOKENS: int = 1099511627776
+
 def sequence_from_pixels(id: int, kind: str, frames: int, height: int, width: int, text_tokens: int, source_rank: int, geometry: LatentGeometry = ...) -> Sequence:
     """A sequence from pixels through the latent geometry."""
 
@@ -531,6 +541,8 @@ class Cluster:
     def __eq__(self, arg: object, /) -> object: ...
 
     __hash__: None = None
+
+MAX_GPUS: int = 16384
 
 def make_cluster(num_gpus: int, gpus_per_node: int, links: str = 'nvlink') -> Cluster:
     """H200 nodes; links is 'nvlink' or 'pcie'."""

@@ -3,8 +3,31 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
+
+from zellige._files import read_input
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def cut(text: str, limit: int = 60) -> str:
+    """`text` for an error message: at most `limit` characters and a count of the rest."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """A value as JSON for an error message, cut to `limit` characters."""
+    try:
+        text = json.dumps(value)
+    except ValueError:  # a non-finite float, or an int too long to print
+        text = repr(value) if not isinstance(value, int) else "a very large integer"
+    return cut(text, limit)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (only finite numbers are allowed)")
 
 
 def _ends_open(text: str) -> bool:
@@ -30,7 +53,9 @@ def _ends_open(text: str) -> bool:
 def parse_json(text: str, source: str) -> Any:
     """json.loads with a one-line ValueError that names the source and the position."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError(f"{source}: JSON nested too deeply") from None
     except json.JSONDecodeError as e:
         where = f"line {e.lineno}, column {e.colno}: {e.msg}"
         if e.pos >= len(text.rstrip()) or _ends_open(text):
@@ -39,38 +64,53 @@ def parse_json(text: str, source: str) -> Any:
                 f"parser stopped at {where})"
             ) from None
         raise ValueError(f"{source}: malformed JSON at {where}") from None
+    except ValueError as e:  # NaN/Infinity, or an integer of more than 4300 digits
+        raise ValueError(f"{source}: {e}") from None
 
 
 def read_text(path: str | Path) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not a UTF-8 text file ({e.reason})") from None
+    """An input file's text (at most zellige._files.MAX_INPUT_BYTES); one-line ValueErrors."""
+    return read_input(path)
 
 
-def require_int(obj: dict, key: str, where: str, default: int | None = None) -> int:
-    """An integer field (bool is not an integer); missing -> default, or an error if None."""
+def require_int(
+    obj: dict,
+    key: str,
+    where: str,
+    default: int | None = None,
+    low: int = INT64_MIN,
+    high: int = INT64_MAX,
+) -> int:
+    """An integer field in [low, high] (default: the 64-bit range the core takes; bool is not an
+    integer); missing -> default, or an error if None."""
     if key not in obj:
         if default is None:
             raise ValueError(f"{where}: missing field '{key}'")
         return default
     value = obj[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{where}: field '{key}' must be an integer, got {json.dumps(value)}")
+        raise ValueError(f"{where}: field '{key}' must be an integer, got {shown(value)}")
+    if not low <= value <= high:
+        raise ValueError(f"{where}: field '{key}' must be in [{low}, {high}], got {shown(value)}")
     return value
 
 
 def require_number(obj: dict, key: str, where: str, default: float | None = None) -> float:
+    """A finite number field (int or float, not bool); missing -> default, or an error if None."""
     if key not in obj:
         if default is None:
             raise ValueError(f"{where}: missing field '{key}'")
         return default
     value = obj[key]
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{where}: field '{key}' must be a number, got {json.dumps(value)}")
-    return float(value)
+        raise ValueError(f"{where}: field '{key}' must be a number, got {shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{where}: field '{key}' must be a finite number, got {shown(value)}")
+    return number
 
 
 def require_str(obj: dict, key: str, where: str, default: str | None = None) -> str:
@@ -80,7 +120,7 @@ def require_str(obj: dict, key: str, where: str, default: str | None = None) -> 
         return default
     value = obj[key]
     if not isinstance(value, str):
-        raise ValueError(f"{where}: field '{key}' must be a string, got {json.dumps(value)}")
+        raise ValueError(f"{where}: field '{key}' must be a string, got {shown(value)}")
     return value
 
 
@@ -91,17 +131,19 @@ def require_list(obj: dict, key: str, where: str, default: list | None = None) -
         return default
     value = obj[key]
     if not isinstance(value, list):
-        raise ValueError(f"{where}: field '{key}' must be a list, got {json.dumps(value)}")
+        raise ValueError(f"{where}: field '{key}' must be a list, got {shown(value)}")
     return value
 
 
 def require_object(value: Any, where: str) -> dict:
     if not isinstance(value, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {json.dumps(value)[:60]}")
+        raise ValueError(f"{where}: expected a JSON object, got {shown(value)}")
     return value
 
 
 def reject_unknown(obj: dict, allowed: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(obj) - set(allowed))
     if unknown:
-        raise ValueError(f"{where}: unknown field '{unknown[0]}' (allowed: {', '.join(allowed)})")
+        raise ValueError(
+            f"{where}: unknown field '{cut(unknown[0])}' (allowed: {', '.join(allowed)})"
+        )

@@ -3,6 +3,7 @@ runs several planners on the same batch. Both take a built-in workload name or a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,13 @@ class CompareRow:
     error: str | None = None
 
 
+def _require_int_in(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
 def make_setup(
     batch_or_workload: str | _core.Batch,
     gpus: int,
@@ -56,6 +64,10 @@ def make_setup(
     """Resolves a workload name (generated for `gpus` ranks with `seed`) or a Batch, the model
     (default: the workload's own; required with a Batch), the profile (default: built-in H200)
     and the cluster into a Setup. Raises ValueError for any unknown name or invalid value."""
+    # The documented limits, checked before any int reaches the core (where one beyond int64
+    # would be a TypeError, and a huge one a minutes-long allocation).
+    _require_int_in("gpus", gpus, 1, _core.MAX_GPUS)
+    _require_int_in("seed", seed, 0, (1 << 63) - 1)
     workload = None
     if isinstance(batch_or_workload, str):
         workload = batch_or_workload
@@ -83,6 +95,31 @@ def make_setup(
     )
 
 
+class NonFinitePrediction(ValueError):
+    """A predicted time came out inf or NaN (see require_finite)."""
+
+
+def require_finite(setup: Setup, what: str, *seconds: float) -> None:
+    """Raises NonFinitePrediction (a ValueError) when a predicted time is inf or NaN: the
+    profile's tables, extrapolated along their end segments, left double's range for this batch.
+    Such a time is never shown as a number."""
+    bad = [value for value in seconds if not math.isfinite(value)]
+    if bad:
+        profile = setup.profile_path or "the built-in profile"
+        raise NonFinitePrediction(
+            f"{what}: the cost model predicts a non-finite time ({bad[0]}) for this batch with "
+            f"{profile}: its tables extrapolate out of range here (measure them over these "
+            "lengths)"
+        )
+
+
+def lower_bound(setup: Setup) -> float:
+    """The makespan lower bound of the setup's batch, checked finite."""
+    bound_s = _core.makespan_lower_bound(setup.batch, setup.cost_model)
+    require_finite(setup, "lower bound", bound_s)
+    return bound_s
+
+
 def _check_planner_name(planner: str) -> None:
     """Fails before any planner runs; make_plan still checks the part after the colon."""
     forms = [*_core.planner_names(), JOINT]
@@ -93,15 +130,30 @@ def _check_planner_name(planner: str) -> None:
 
 def run_planner(setup: Setup, planner: str, seed: int = 0) -> _core.Plan:
     """One planner on the setup's batch: a validated Plan with its prediction and plan_ms.
-    Raises ValueError for a bad planner name, PlanMemoryError when it cannot place in memory."""
+    Raises ValueError for a bad planner name or a non-finite prediction, PlanMemoryError when it
+    cannot place in memory."""
     _check_planner_name(planner)
     if planner != JOINT:
         options = _core.PlannerOptions(seed=seed)
-        return _core.make_plan(planner, setup.batch, setup.cost_model, options)
-    # Imported on demand: the MILP reference pulls in highspy.
-    from zellige import joint
+        try:
+            result = _core.make_plan(planner, setup.batch, setup.cost_model, options)
+        except _core.PlanMemoryError as error:
+            # A profile that predicts inf makes a planner's memory search fail: say the cause.
+            lower_bound(setup)
+            if str(error):
+                raise
+            # A planner whose every candidate has an inf or NaN time ends without a reason.
+            raise _core.PlanMemoryError(
+                f"{planner}: found no placement that fits in memory with a finite predicted time"
+            ) from None
+    else:
+        # Imported on demand: the MILP reference pulls in highspy.
+        from zellige import joint
 
-    return joint.plan_joint(setup.batch, setup.cost_model, seed=seed)
+        result = joint.plan_joint(setup.batch, setup.cost_model, seed=seed)
+    predicted = result.predicted
+    require_finite(setup, planner, predicted.makespan_s, *predicted.rank_time_s)
+    return result
 
 
 def plan(
@@ -172,12 +224,14 @@ def compare_setup(setup: Setup, planners: list[str] | None, seed: int = 0) -> li
         _check_planner_name(name)
     # A sequence that fits under no placement is the batch's fault, not a planner's: stop here.
     _core.check_sequences_fit(setup.batch, setup.cost_model)
-    lower_bound_s = _core.makespan_lower_bound(setup.batch, setup.cost_model)
+    lower_bound_s = lower_bound(setup)
     rows = []
     for name in planners:
         try:
             result = run_planner(setup, name, seed)
-        except _core.PlanMemoryError as error:
+            cost = setup.cost_model.evaluate(setup.batch, result)
+            require_finite(setup, name, cost.makespan_s, *(rank.time_s for rank in cost.ranks))
+        except (_core.PlanMemoryError, NonFinitePrediction) as error:
             rows.append(
                 CompareRow(
                     planner=name,
@@ -192,7 +246,6 @@ def compare_setup(setup: Setup, planners: list[str] | None, seed: int = 0) -> li
                 )
             )
             continue
-        cost = setup.cost_model.evaluate(setup.batch, result)
         rank_times_s = [rank.time_s for rank in cost.ranks]
         mean_s = sum(rank_times_s) / len(rank_times_s)
         rows.append(

@@ -27,11 +27,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+MESSAGE_CHARACTERS = 400  # an error message longer than this is cut (it may echo a huge value)
+
+
+def printable(text: str, limit: int = MESSAGE_CHARACTERS) -> str:
+    """One line of `text` safe for a terminal: whitespace runs become one space, other control
+    characters (terminal escapes) are shown escaped, and the middle of an overlong text is cut."""
+    text = " ".join(text.split())
+    text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    if len(text) > limit:
+        cut = len(text) - limit + 60
+        text = f"{text[: limit - 60]} ...[{cut:,} characters cut]... {text[-40:]}"
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage mistakes (a missing flag, `--gpus abc`) also get one line; --help has the usage."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {printable(message)} (see {self.prog} --help)\n")
 
 
 def _one_line(error: BaseException) -> str:
@@ -39,7 +53,7 @@ def _one_line(error: BaseException) -> str:
         text = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
     else:
         text = str(error) or type(error).__name__
-    return " ".join(text.split())
+    return printable(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"zellige.commands.{module_name}")
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # --help, or a usage error argparse has already printed
+        return 0 if exit_request.code is None else int(exit_request.code)
     module = importlib.import_module(f"zellige.commands.{COMMANDS[args.command][0]}")
     try:
         return module.run(args)

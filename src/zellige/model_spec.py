@@ -26,6 +26,8 @@ from pathlib import Path
 
 from zellige import _core
 from zellige._core import ModelSpec
+from zellige._files import read_input
+from zellige._json import INT64_MAX, INT64_MIN, shown
 
 # key -> type; every key of a spec file is a ModelSpec field
 _FIELDS: dict[str, type] = {
@@ -59,7 +61,13 @@ def model_spec_from_dict(data: object, source: str = "model spec") -> ModelSpec:
         kind = _FIELDS[key]
         # bool is an int in Python: reject it for sizes, and ints for the flag
         if type(value) is not kind:
-            raise ValueError(f"{source}: field '{key}' must be {_TYPE_NAMES[kind]}, got {value!r}")
+            raise ValueError(
+                f"{source}: field '{key}' must be {_TYPE_NAMES[kind]}, got {shown(value)}"
+            )
+        if kind is int and not INT64_MIN <= value <= INT64_MAX:  # the core's integers are int64
+            raise ValueError(
+                f"{source}: field '{key}' must be in [{INT64_MIN}, {INT64_MAX}], got {shown(value)}"
+            )
     try:
         return _core.make_model_spec(**{"joint_attention": False, **data})
     except ValueError as error:
@@ -80,10 +88,10 @@ def load_model_spec(path: str | Path) -> ModelSpec:
     path = Path(path)
     if path.suffix not in SPEC_SUFFIXES:
         raise ValueError(f"{path}: a model spec file must end in .toml or .json")
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise ValueError(f"cannot read model spec {path}: {error.strerror}") from None
+    try:  # capped, as every input file (zellige._files)
+        text = read_input(path)
+    except ValueError as error:
+        raise ValueError(f"cannot read model spec {error}") from None
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:

@@ -2,7 +2,8 @@
 
 Importing this module also gives `_core.Plan` its `to_json()` and `Plan.from_json(text)`.
 A plan file may carry a "context" object (what the CLI needs to rebuild the plan's batch and cost
-model: model, cluster, workload + seed or the batch itself); the Plan ignores it.
+model: model, cluster, workload + seed or the batch itself, and the batch's fingerprint, so that
+`show` and `check` refuse the plan for any other batch); the Plan ignores it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from zellige import _core
+from zellige._files import write_output
 from zellige._json import (
     parse_json,
     read_text,
@@ -21,7 +23,9 @@ from zellige._json import (
     require_number,
     require_object,
     require_str,
+    shown,
 )
+from zellige.workload import batch_fingerprint
 
 _PLAN_FIELDS = ("planner", "num_ranks", "placements", "predicted", "plan_ms", "note", "context")
 _PLACEMENT_FIELDS = ("id", "strategy", "ranks")
@@ -48,20 +52,43 @@ def plan_to_dict(plan: _core.Plan) -> dict:
     }
 
 
-def _int_list(obj: dict, key: str, where: str) -> list[int]:
+def _rank_list(obj: dict, key: str, where: str) -> list[int]:
     values = require_list(obj, key, where)
+    if len(values) > _core.MAX_GPUS:
+        raise ValueError(f"{where}: '{key}' lists more than {_core.MAX_GPUS} ranks (the limit)")
     for value in values:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{where}: '{key}' must hold integers, got {json.dumps(value)}")
+            raise ValueError(f"{where}: '{key}' must hold integers, got {shown(value)}")
+        if not 0 <= value < _core.MAX_GPUS:
+            raise ValueError(
+                f"{where}: rank {shown(value)} is outside [0, {_core.MAX_GPUS}) (the GPU limit)"
+            )
+    return values
+
+
+def _int_list(obj: dict, key: str, where: str) -> list[int]:
+    """A per-rank list of counts: at most MAX_GPUS integers in [0, 2^31)."""
+    values = require_list(obj, key, where)
+    if len(values) > _core.MAX_GPUS:
+        raise ValueError(f"{where}: '{key}' has more than {_core.MAX_GPUS} entries (the limit)")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: '{key}' must hold integers, got {shown(value)}")
+        if not 0 <= value < 1 << 31:
+            raise ValueError(f"{where}: '{key}' holds {shown(value)}, outside [0, 2^31)")
     return values
 
 
 def _number_list(obj: dict, key: str, where: str) -> list[float]:
     values = require_list(obj, key, where, [])
+    if len(values) > _core.MAX_GPUS:
+        raise ValueError(f"{where}: '{key}' has more than {_core.MAX_GPUS} entries (the limit)")
+    numbers = []
     for value in values:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{where}: '{key}' must hold numbers, got {json.dumps(value)}")
-    return [float(v) for v in values]
+            raise ValueError(f"{where}: '{key}' must hold numbers, got {shown(value)}")
+        numbers.append(require_number({key: value}, key, where))  # finite
+    return numbers
 
 
 def _placement_from_dict(raw: Any, index: int) -> _core.Placement:
@@ -71,7 +98,7 @@ def _placement_from_dict(raw: Any, index: int) -> _core.Placement:
     reject_unknown(entry, _PLACEMENT_FIELDS, where)
     name = require_str(entry, "strategy", where)
     strategy, ulysses_degree, ring_degree = _core.parse_strategy(name)
-    ranks = _int_list(entry, "ranks", where)
+    ranks = _rank_list(entry, "ranks", where)
     placement = _core.make_placement(seq_id, strategy, ranks, ulysses_degree)
     if strategy == _core.Strategy.hybrid and placement.ring_degree != ring_degree:
         raise ValueError(f"{where}: strategy {name} does not match its {len(ranks)} ranks")
@@ -84,14 +111,16 @@ def plan_from_dict(data: Any) -> _core.Plan:
     reject_unknown(data, _PLAN_FIELDS, "plan")
     plan = _core.Plan(
         planner=require_str(data, "planner", "plan"),
-        num_ranks=require_int(data, "num_ranks", "plan"),
+        num_ranks=require_int(data, "num_ranks", "plan", low=1, high=_core.MAX_GPUS),
         plan_ms=require_number(data, "plan_ms", "plan", 0.0),
         note=require_str(data, "note", "plan", ""),
     )
-    plan.placements = [
-        _placement_from_dict(raw, i)
-        for i, raw in enumerate(require_list(data, "placements", "plan"))
-    ]
+    raw_placements = require_list(data, "placements", "plan")
+    if len(raw_placements) > _core.MAX_BATCH_SEQUENCES:
+        raise ValueError(
+            f"plan: more than {_core.MAX_BATCH_SEQUENCES:,} placements (the sequence limit)"
+        )
+    plan.placements = [_placement_from_dict(raw, i) for i, raw in enumerate(raw_placements)]
     if "predicted" in data:
         raw = require_object(data["predicted"], "plan predicted")
         reject_unknown(raw, _PREDICTED_FIELDS, "plan predicted")
@@ -109,8 +138,9 @@ def plan_from_dict(data: Any) -> _core.Plan:
 
 
 def plan_to_json(plan: _core.Plan, indent: int | None = None) -> str:
-    """Plan JSON; Python's float repr makes every float round-trip exactly."""
-    return json.dumps(plan_to_dict(plan), indent=indent)
+    """Plan JSON; Python's float repr makes every float round-trip exactly. A non-finite number
+    (which JSON cannot hold) raises ValueError instead of writing NaN or Infinity."""
+    return json.dumps(plan_to_dict(plan), indent=indent, allow_nan=False)
 
 
 def plan_from_json(text: str, source: str = "plan") -> _core.Plan:
@@ -137,11 +167,35 @@ def load_plan_with_context(path: str | Path) -> tuple[_core.Plan, dict]:
     return plan, context
 
 
+def require_plan_for_batch(
+    plan: _core.Plan, context: dict, batch: _core.Batch, num_ranks: int, where: str
+) -> None:
+    """Raises ValueError when the plan is for another number of ranks, or "this plan is not for
+    this batch" when the plan file records another batch's fingerprint (plans written by
+    `zellige plan` do) or, for a plan without one, when its placements name other sequences."""
+    if plan.num_ranks != num_ranks:
+        raise ValueError(f"{where}: the plan is for {plan.num_ranks} ranks, not {num_ranks}")
+    recorded = context.get("batch_fingerprint")
+    if recorded is not None and recorded != batch_fingerprint(batch):
+        raise ValueError(
+            f"{where}: this plan is not for this batch (it was made for batch {str(recorded)[:40]}"
+            f", this one is {batch_fingerprint(batch)}); give the --workload and --seed, or the "
+            "--batch, it was made with"
+        )
+    placed = {p.sequence_id for p in plan.placements}
+    if recorded is None and placed != {s.id for s in batch.sequences}:
+        raise ValueError(
+            f"{where}: this plan is not for this batch (its placements name other sequences)"
+        )
+
+
 def save_plan(plan: _core.Plan, path: str | Path, context: dict | None = None) -> None:
+    """Writes Plan JSON (with `context`, if given) atomically: a temporary file renamed over
+    `path`."""
     data = plan_to_dict(plan)
     if context is not None:
         data["context"] = context
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    write_output(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
 _core.Plan.to_json = plan_to_json

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from zellige._core import HardwareProfile, Table
+from zellige._files import write_output
+from zellige._json import parse_json, read_text
 
 BUILTIN_PROFILE = "h200"
 
@@ -169,14 +171,15 @@ def _dumps(data: dict[str, Any]) -> str:
     # One key per line, lists of numbers kept on one line so tables stay readable.
     lines = []
     for key, value in data.items():
-        lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+        lines.append(f"  {json.dumps(key)}: {json.dumps(value, allow_nan=False)}")
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def save_profile(profile: HardwareProfile, path: str | Path) -> None:
-    """Writes the profile as JSON (validated first)."""
+    """Writes the profile as JSON (validated first), atomically: a temporary file renamed over
+    `path`."""
     profile.validate()
-    Path(path).write_text(_dumps(profile_to_dict(profile)))
+    write_output(path, _dumps(profile_to_dict(profile)))
 
 
 def load_profile(path: str | Path | None = None) -> HardwareProfile:
@@ -188,14 +191,8 @@ def load_profile(path: str | Path | None = None) -> HardwareProfile:
         where = f"built-in profile {BUILTIN_PROFILE}"
     else:
         where = f"profile {path}"
-        try:
-            text = Path(path).read_text()
-        except OSError as error:
-            raise ValueError(f"{where}: cannot read ({error.strerror or error})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: malformed JSON ({error.msg} at line {error.lineno})") from None
+        text = read_text(path)  # size-capped; its errors name the path
+    data = parse_json(text, where)  # deep nesting, NaN and Infinity are refused too
     try:
         return profile_from_dict(data)
     except ValueError as error:

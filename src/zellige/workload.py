@@ -9,13 +9,16 @@ length, `source_rank` to 0, `kind` to image (one frame) or video.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from zellige import _core
+from zellige._files import write_output
 from zellige._json import (
+    cut,
     parse_json,
     read_text,
     reject_unknown,
@@ -24,6 +27,7 @@ from zellige._json import (
     require_number,
     require_object,
     require_str,
+    shown,
 )
 
 _SEQUENCE_FIELDS = (
@@ -173,8 +177,14 @@ def _sequence_from_dict(
     if "num_tokens" in entry:
         num_tokens = require_int(entry, "num_tokens", where)
         grid = require_list(entry, "grid", where, [])
-        if grid and (len(grid) != 3 or any(type(v) is not int for v in grid)):
-            raise ValueError(f"{where}: 'grid' must be [t, h, w] integers, got {json.dumps(grid)}")
+        if grid and (
+            len(grid) != 3
+            or any(type(v) is not int or not 1 <= v <= _core.MAX_SEQUENCE_TOKENS for v in grid)
+        ):
+            raise ValueError(
+                f"{where}: 'grid' must be [t, h, w] positive integers multiplying to num_tokens, "
+                f"got {shown(grid)}"
+            )
         kind = require_str(entry, "kind", where, "video" if grid and grid[0] > 1 else "image")
         seq = _core.sequence_from_tokens(seq_id, kind, num_tokens, text_tokens, source_rank)
         if grid:
@@ -192,7 +202,7 @@ def _sequence_from_dict(
     else:
         raise ValueError(f"{where}: missing field 'num_tokens' (or 'frames'/'height'/'width')")
     if seq.kind not in _KINDS:
-        raise ValueError(f"{where}: kind '{seq.kind}' is not one of {', '.join(_KINDS)}")
+        raise ValueError(f"{where}: kind '{cut(seq.kind)}' is not one of {', '.join(_KINDS)}")
     return seq
 
 
@@ -207,11 +217,22 @@ def batch_from_dict(
     data = require_object(data, "batch")
     reject_unknown(data, ("sequences",), "batch")
     raw_sequences = require_list(data, "sequences", "batch")
+    if len(raw_sequences) > _core.MAX_BATCH_SEQUENCES:
+        raise ValueError(
+            f"batch: {len(raw_sequences):,} sequences, above the limit of "
+            f"{_core.MAX_BATCH_SEQUENCES:,}"
+        )
     resolved = _resolve_model(model)
     geometry = geometry or _core.LatentGeometry()
-    sequences = [
-        _sequence_from_dict(raw, i, resolved, geometry) for i, raw in enumerate(raw_sequences)
-    ]
+    sequences, total_tokens = [], 0
+    for i, raw in enumerate(raw_sequences):
+        sequences.append(_sequence_from_dict(raw, i, resolved, geometry))
+        # Checked as we go, so an oversized batch is refused before all of it is gridded.
+        total_tokens += sequences[-1].num_tokens
+        if total_tokens > _core.MAX_BATCH_TOKENS:
+            raise ValueError(
+                f"batch: more than {_core.MAX_BATCH_TOKENS:,} tokens (the limit) by sequence #{i}"
+            )
     batch = _core.Batch(sequences=sequences)
     _core.validate_batch(batch, num_ranks)
     return batch
@@ -249,6 +270,17 @@ def batch_from_json(
         raise ValueError(f"{source}: {e}") from None
 
 
+def batch_fingerprint(batch: _core.Batch) -> str:
+    """A short hash of what a plan depends on: every sequence's id, tokens, text tokens, source
+    rank and grid, in id order. A plan file records it, so that a plan shown or checked against
+    another batch (even one reusing the ids) is recognised as not made for it."""
+    rows = sorted(
+        (s.id, s.num_tokens, s.text_tokens, s.source_rank, s.grid_t, s.grid_h, s.grid_w)
+        for s in batch.sequences
+    )
+    return "sha256:" + hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
 def batch_to_json(batch: _core.Batch) -> str:
     """Batch JSON with one sequence per line."""
     lines = [json.dumps(s) for s in batch_to_dict(batch)["sequences"]]
@@ -266,4 +298,5 @@ def load_batch(
 
 
 def save_batch(batch: _core.Batch, path: str | Path) -> None:
-    Path(path).write_text(batch_to_json(batch))
+    """Writes Batch JSON atomically (a temporary file renamed over `path`)."""
+    write_output(path, batch_to_json(batch))

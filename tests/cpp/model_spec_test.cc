@@ -30,6 +30,12 @@ TEST(ModelPreset, SizesAndParamCounts) {
   EXPECT_NEAR(hunyuan.param_count / 1e9, 12.5, 0.2);
   const ModelSpec tiny = model_preset("tiny");
   EXPECT_EQ(tiny.param_count, 2 * (8 * 64 * 64 + 2 * 64 * 128));
+  // 2 double blocks (two streams of q,k,v,o + FFN + 6-way AdaLN) and 1 single block
+  const ModelSpec mmdit_tiny = model_preset("mmdit-tiny");
+  EXPECT_TRUE(mmdit_tiny.joint_attention);
+  EXPECT_EQ(mmdit_tiny.num_layers, 3);
+  EXPECT_EQ(mmdit_tiny.param_count, 2 * 2 * (10 * 64 * 64 + 2 * 64 * 128) +
+                                        (7 * 64 * 64 + 2 * 64 * 128));
 }
 
 TEST(ModelPreset, EveryNameResolvesAndUnknownListsThem) {

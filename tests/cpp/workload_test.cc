@@ -1,5 +1,7 @@
 #include "zellige/workload.h"
 
+#include "zellige/cluster.h"
+
 #include <gtest/gtest.h>
 
 #include <map>
@@ -33,11 +35,11 @@ TEST(LatentGeometry, CustomStridesAndPatches) {
   g.temporal_stride = 8;
   g.patch_t = 2;
   g.patch_hw = 1;
-  // latent frames (33-1)/8+1 = 5, /2 = 2; 64/8 = 8 per side
-  const Sequence seq = sequence_from_pixels(0, "video", 33, 64, 64, 0, 0, g);
-  EXPECT_EQ(seq.grid_t, 2);
+  // latent frames (41-1)/8+1 = 6, /2 = 3; 64/8 = 8 per side
+  const Sequence seq = sequence_from_pixels(0, "video", 41, 64, 64, 0, 0, g);
+  EXPECT_EQ(seq.grid_t, 3);
   EXPECT_EQ(seq.grid_h, 8);
-  EXPECT_EQ(seq.num_tokens, 128);
+  EXPECT_EQ(seq.num_tokens, 192);
 }
 
 TEST(LatentGeometry, RejectsBadSizes) {
@@ -45,6 +47,67 @@ TEST(LatentGeometry, RejectsBadSizes) {
   EXPECT_THROW(sequence_from_pixels(0, "image", 0, 256, 256, 0, 0, g), std::invalid_argument);
   EXPECT_THROW(sequence_from_pixels(0, "image", 1, -16, 256, 0, 0, g), std::invalid_argument);
   EXPECT_THROW(sequence_from_pixels(0, "image", 1, 8, 256, 0, 0, g), std::invalid_argument);
+}
+
+// Sizes the VAE or the patchify would not divide evenly are refused, never rounded down.
+TEST(LatentGeometry, RefusesSizesThatAreNotWholeMultiples) {
+  LatentGeometry g;  // 4x8x8 VAE, 1x2x2 patch: 16 pixels per token side
+  EXPECT_THROW(sequence_from_pixels(0, "image", 1, 100, 256, 0, 0, g), std::invalid_argument);
+  EXPECT_THROW(sequence_from_pixels(0, "image", 1, 256, 250, 0, 0, g), std::invalid_argument);
+  EXPECT_THROW(sequence_from_pixels(0, "video", 80, 256, 256, 0, 0, g), std::invalid_argument);
+  g.patch_t = 2;  // 81 frames: 21 latent frames, odd
+  EXPECT_THROW(sequence_from_pixels(0, "video", 81, 256, 256, 0, 0, g), std::invalid_argument);
+  EXPECT_EQ(sequence_from_pixels(0, "video", 85, 256, 256, 0, 0, g).grid_t, 11);
+}
+
+// The documented limits: sizes whose token count would overflow int64 (or just be absurd) are
+// refused, as are token counts whose square-grid search would take seconds.
+TEST(WorkloadLimits, RefusesSizesBeyondTheLimits) {
+  const LatentGeometry g;
+  // 2^40 x 2^40 pixels used to overflow int64 into a small positive token count.
+  EXPECT_THROW(sequence_from_pixels(0, "image", 1, int64_t{1} << 40, int64_t{1} << 40, 0, 0, g),
+               std::invalid_argument);
+  // Within kMaxPixels per side, but more tokens than kMaxSequenceTokens.
+  EXPECT_THROW(sequence_from_pixels(0, "video", kMaxPixels - 3, kMaxPixels, kMaxPixels, 0, 0, g),
+               std::invalid_argument);
+  EXPECT_THROW(sequence_from_tokens(0, "image", kMaxSequenceTokens + 1, 0, 0),
+               std::invalid_argument);
+  EXPECT_THROW(sequence_from_tokens(0, "image", (int64_t{1} << 62) + 1, 0, 0),
+               std::invalid_argument);
+  // The largest prime below 2^32 takes the whole 2^16-step search, still instantly.
+  const Sequence prime = sequence_from_tokens(0, "image", 4294967291, 0, 0);
+  EXPECT_EQ(prime.grid_h, 1);
+  EXPECT_EQ(prime.grid_w, 4294967291);
+  const Sequence largest = sequence_from_tokens(0, "image", kMaxSequenceTokens, 0, 0);
+  EXPECT_EQ(largest.grid_h, 65536);
+}
+
+TEST(WorkloadLimits, ValidateBatchRefusesOverflowingGridsAndBounds) {
+  Batch batch;
+  batch.sequences.push_back(sequence_from_tokens(0, "image", 4096, 0, 0));
+  validate_batch(batch, 8);
+  // A grid whose product wraps around int64 to exactly num_tokens must not pass.
+  // (2^62 + 1) x 4 x 1024 = 2^74 + 4096, which wraps to 4096.
+  batch.sequences[0].grid_t = (int64_t{1} << 62) + 1;
+  batch.sequences[0].grid_h = 4;
+  batch.sequences[0].grid_w = 1024;
+  EXPECT_THROW(validate_batch(batch, 8), std::invalid_argument);
+  batch.sequences[0] = sequence_from_tokens(0, "image", 4096, kMaxTextTokens + 1, 0);
+  EXPECT_THROW(validate_batch(batch, 8), std::invalid_argument);
+  batch.sequences[0] = sequence_from_tokens(0, "image", 4096, 0, 0);
+  EXPECT_THROW(validate_batch(batch, kMaxGpus + 1), std::invalid_argument);
+}
+
+TEST(WorkloadLimits, ClusterAndGenerationRefuseTooManyGpus) {
+  EXPECT_THROW(make_cluster(kMaxGpus + 8, 8), std::invalid_argument);
+  EXPECT_THROW(make_cluster(1000000, 8), std::invalid_argument);
+  EXPECT_EQ(make_cluster(kMaxGpus, 8).num_ranks(), kMaxGpus);
+  Recipe recipe;
+  recipe.name = "r";
+  recipe.per_rank_groups = {RankGroup{1, 1, 256}};
+  EXPECT_THROW(generate_batch(recipe, kMaxGpus + 1, 0), std::invalid_argument);
+  recipe.per_rank_groups = {RankGroup{1, kMaxBatchSequences, 256}};
+  EXPECT_THROW(generate_batch(recipe, 2, 0), std::invalid_argument);
 }
 
 TEST(SequenceFromTokens, GridIsNearSquareDivisor) {

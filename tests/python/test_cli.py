@@ -269,7 +269,7 @@ def test_show_rejects_a_plan_for_another_batch(tmp_path):
     assert zellige_cli("plan", *WORKLOAD, "--planner", "dp-tokens", "--out", out).returncode == 0
     # A different seed draws a different batch: the plan no longer covers its sequences.
     result = zellige_cli("show", out, "--workload", "opensora2-stage2", "--seed", 11)
-    assert_user_error(result, "sequence")
+    assert_user_error(result, "this plan is not for this batch")
 
 
 def test_a_sequence_that_fits_nowhere_is_named(tmp_path):

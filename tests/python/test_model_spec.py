@@ -155,6 +155,12 @@ BAD_SPECS = [
         "num_double_layers = 1\n",
         "must be 0 for a cross-attention model",
     ),
+    (  # beyond the core's int64: a one-line error, not the binding's TypeError
+        "bad.toml",
+        'name = "x"\nwidth = 99999999999999999999\nnum_heads = 4\nnum_layers = 2\n'
+        "ffn_width = 8\ntext_tokens = 8\n",
+        "'width' must be in [",
+    ),
 ]
 
 

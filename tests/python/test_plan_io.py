@@ -164,7 +164,8 @@ def test_strategy_names_round_trip():
         assert zellige.strategy_name(placement) == name
 
 
-_floats = st.floats(allow_nan=False)  # infinities round-trip too (JSON Infinity)
+# Finite only: Infinity and NaN are not JSON, so plan files never hold them (issue 17).
+_floats = st.floats(allow_nan=False, allow_infinity=False)
 
 
 @st.composite
@@ -199,3 +200,9 @@ def _random_plans(draw) -> zellige.Plan:
 @given(_random_plans())
 def test_random_plans_round_trip_exactly(plan):
     assert zellige.Plan.from_json(plan.to_json()) == plan
+
+
+def test_a_non_finite_plan_is_refused_not_written_as_invalid_json():
+    plan = zellige.Plan(planner="p", num_ranks=1, plan_ms=float("inf"))
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        plan.to_json()

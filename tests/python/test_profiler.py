@@ -168,7 +168,7 @@ def test_profile_command_refuses_zero_repeats(tmp_path, capsys):
     from zellige.cli import main
 
     assert main(["profile", "--quick", "--repeats", "0", "--out", str(tmp_path / "p.json")]) == 2
-    assert "--repeats must be at least 1" in capsys.readouterr().err
+    assert "--repeats: must be a positive integer <= 1000, got 0" in capsys.readouterr().err
 
 
 def test_quick_profile_writes_a_valid_measured_profile(tmp_path):
@@ -450,3 +450,146 @@ def test_per_token_timing_runs_the_backward_of_every_projection():
     attention = blocks[0].self_attention
     for projection in (attention.q, attention.k, attention.v, attention.o):
         assert projection.weight.grad is not None and projection.weight.grad.abs().sum() > 0
+
+
+def test_mmdit_rank_work_runs_joint_blocks_on_a_sharded_rank():
+    """The harness's MMDiT path: double then single blocks, a rank's held text and visual
+    tokens of a ring shard (text first in the joint list), a training step through them."""
+    from zellige import _core
+    from zellige.model.mmdit import DoubleStreamBlock, SingleStreamBlock
+    from zellige.profiler import rank_work
+    from zellige.profiler.models import dit_config
+
+    config = dit_config("mmdit-tiny")
+    blocks = rank_work.make_blocks(config, 3, torch.device("cpu"), torch.float32)
+    assert [type(b) for b in blocks] == [DoubleStreamBlock, DoubleStreamBlock, SingleStreamBlock]
+    batch = _core.Batch(
+        sequences=[
+            _core.sequence_from_tokens(0, "video", 30, 12, 0),
+            _core.sequence_from_tokens(1, "video", 5, 3, 1),
+        ]
+    )
+    plan = _core.Plan()
+    plan.num_ranks = 2
+    plan.placements = [
+        _core.make_placement(0, _core.Strategy.ring, [0, 1]),
+        _core.make_placement(1, _core.Strategy.local, [0]),
+    ]
+    with rank_work.local_exchanges():
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch,
+            plan=plan,
+            rank=0,
+            config=config,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+        )
+        # rank 0 holds the first half of sequence 0's joint list (its 12 text + 9 visual) and
+        # sequence 1 whole (3 text + 5 visual)
+        assert inputs.num_tokens == 21 + 8 and inputs.num_text == 12 + 3
+        assert inputs.vec_SD.shape[0] == 2
+        rank_work.train_step(blocks, inputs, checkpointing=True)
+    assert all(p.grad is None for p in blocks.parameters())  # dropped after the step
+
+
+def test_mmdit_model_spec_cut_keeps_double_and_single_blocks():
+    from zellige.profiler.models import dit_config, model_spec
+
+    spec = model_spec("mmdit-11b", 2)
+    d, f = 3072, 4 * 3072
+    assert (spec.num_layers, spec.num_double_layers) == (2, 1)
+    assert dit_config("mmdit-11b", 2).num_double_layers == 1
+    assert spec.param_count == 2 * (10 * d * d + 2 * d * f) + 7 * d * d + 2 * d * f
+    assert model_spec("mmdit-11b").param_count == _core_preset("mmdit-11b").param_count
+
+
+def _core_preset(name):
+    from zellige import _core
+
+    return _core.model_preset(name)
+
+
+def test_joint_memory_rows_count_text_as_attended_tokens():
+    from zellige.profiler.measure import MemoryProbe, memory_rows
+
+    layers, sequences, text_tokens = 2, 2, 512
+    per_token = {"kept": 3000.0, "kept_checkpointing": 200.0}
+
+    def probe(tokens: int) -> MemoryProbe:
+        attended = tokens + sequences * text_tokens
+        return MemoryProbe(
+            inputs=int(40 * attended),
+            kept=int(per_token["kept"] * layers * attended),
+            transient=int(900 * attended),
+            kept_checkpointing=int(per_token["kept_checkpointing"] * layers * attended),
+            transient_checkpointing=int(5000 * attended) + 7_000_000,
+        )
+
+    rows = memory_rows(
+        {8192: probe(8192), 32768: probe(32768)},
+        None,
+        num_layers=layers,
+        num_sequences=sequences,
+        text_tokens=text_tokens,
+        extra_text_tokens=0,
+    )
+    assert rows["activation_bytes_per_token_layer"] == pytest.approx(3000.0)
+    assert rows["text_bytes_per_token_layer"] == 0 and rows["text_kept_bytes_per_token_layer"] == 0
+    assert rows["step_fixed_bytes"] == pytest.approx(7_000_000, rel=1e-6)
+
+
+def test_quick_profile_and_validate_run_the_mmdit(tmp_path, capsys):
+    """--model mmdit-11b --quick: both commands run MMDiT blocks (the tiny preset of its kind)."""
+    from zellige import _core
+
+    if not hasattr(_core, "make_plan"):
+        pytest.skip("needs the planners (make_plan)")
+    from zellige.cli import main
+
+    out, details = tmp_path / "profile.json", tmp_path / "details.json"
+    args = ["profile", "--quick", "--model", "mmdit-11b", "--out", str(out)]
+    assert main([*args, "--details", str(details)]) == 0
+    assert "mmdit-11b runs as mmdit-tiny" in capsys.readouterr().err
+    assert json.loads(details.read_text())["model"] == "mmdit-tiny"
+    assert json.loads(out.read_text())["attention_head_dim"] == 16
+    report_path = tmp_path / "validate.json"
+    args = ["validate-profile", "--quick", "--model", "mmdit-11b", "--plans", "1"]
+    assert main([*args, "--repeats", "1", "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert len(report["ranks"]) >= 1
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in report["ranks"])
+    assert any("layers of mmdit-tiny" in note for note in report["notes"])
+
+
+def test_a_joint_spec_file_profiles_on_the_mmdit_blocks(tmp_path, capsys):
+    """A joint-attention spec file (here mmdit-tiny's sizes under the user's name) runs the MMDiT
+    reference blocks at its own sizes, cut as the preset is; profile --quick measures it."""
+    from zellige.cli import main
+    from zellige.model.mmdit import DoubleStreamBlock, SingleStreamBlock
+    from zellige.model_spec import load_model_spec, save_model_spec
+    from zellige.profiler import rank_work
+    from zellige.profiler.models import dit_config, model_spec
+
+    preset = _core_preset("mmdit-tiny")
+    preset.name = "my-mmdit"
+    path = tmp_path / "my_mmdit.toml"
+    save_model_spec(preset, path)
+    spec = load_model_spec(path)
+    config = dit_config(spec)
+    assert (config.joint_attention, config.num_layers, config.num_double_layers) == (True, 3, 2)
+    blocks = rank_work.make_blocks(config, 3, "cpu", torch.float32)
+    assert [type(b) for b in blocks] == [DoubleStreamBlock, DoubleStreamBlock, SingleStreamBlock]
+    cut, cut_preset = model_spec(spec, 2), model_spec("mmdit-tiny", 2)
+    assert (cut.num_layers, cut.num_double_layers, cut.param_count) == (
+        cut_preset.num_layers,
+        cut_preset.num_double_layers,
+        cut_preset.param_count,
+    )
+    assert spec.num_layers == 3  # the cut is a copy
+
+    out, details = tmp_path / "profile.json", tmp_path / "details.json"
+    args = ["profile", "--quick", "--repeats", "1", "--model-spec", str(path), "--out", str(out)]
+    assert main([*args, "--details", str(details)]) == 0
+    assert "runs as" not in capsys.readouterr().err  # a spec file keeps its own sizes
+    assert json.loads(details.read_text())["model"] == "my-mmdit"
+    assert "--model-spec (my-mmdit)" in json.loads(out.read_text())["created"]

@@ -68,7 +68,9 @@ def test_mismatched_plans_are_value_errors() -> None:
         compile_step(batch, plan, 3, 5)
     with pytest.raises(ValueError, match="head"):
         compile_step(batch, plan, 1, 0)  # Ulysses over 2 ranks needs 2 heads
-    batch.sequences[2].text_tokens = 2**40
+    # Within the batch limits (2^32 tokens, 2^20 text tokens: issue 17), but more attended
+    # tokens than the program's int32 positions hold.
+    batch.sequences = [*batch.sequences[:2], sequence_from_tokens(7, "video", 2**31, 5, 0)]
     with pytest.raises(ValueError, match="2\\^31"):
         compile_step(batch, plan, 3, 0, joint_attention=True)
 

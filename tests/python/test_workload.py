@@ -114,7 +114,7 @@ BAD_BATCHES = {
     ),
     "negative-text": (
         {"sequences": [{"id": 2, "num_tokens": 5, "text_tokens": -1}]},
-        "sequence 2: text_tokens must be >= 0",
+        "sequence 2: text_tokens must be in [0, ",
     ),
     "duplicate-id": (
         {"sequences": [{"id": 7, "num_tokens": 5}, {"id": 7, "num_tokens": 6}]},
@@ -135,7 +135,7 @@ BAD_BATCHES = {
     ),
     "tiny-image": (
         {"sequences": [{"id": 1, "height": 8, "width": 256}]},
-        "empty latent grid",
+        "height and width must be multiples of 16",
     ),
 }
 

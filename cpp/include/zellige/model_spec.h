@@ -20,7 +20,8 @@ struct ModelSpec {
   int64_t param_count = 0;       // presets: the blocks' (block_param_count); a module's: all
 };
 
-// Presets: "wan-1.3b", "wan-14b", "mmdit-11b", "hunyuan-13b", "tiny" (for tests). Throws
+// Presets: "wan-1.3b", "wan-14b", "mmdit-11b", "hunyuan-13b", "tiny" and "mmdit-tiny" (for
+// tests and CPU smoke runs: zellige.model's tiny-cpu and mmdit-tiny-cpu). Throws
 // std::invalid_argument naming the allowed names for an unknown one.
 ModelSpec model_preset(const std::string& name);
 std::vector<std::string> model_preset_names();

@@ -7,6 +7,21 @@
 
 namespace zellige {
 
+// Physical ranges of a profile's values (README, "Limits"), checked by HardwareProfile::validate.
+// Wide enough for any GPU or CPU, narrow enough that a typo such as 1e-300 or 1e308 is refused
+// instead of turning predictions into inf or NaN. Predictions are checked for finiteness too
+// (tables extrapolate along their end segments), where they are made.
+inline constexpr double kMinRatePerS = 1e6;       // FLOP/s and bytes/s, rates and rate tables
+inline constexpr double kMaxRatePerS = 1e18;
+inline constexpr double kMinTableSeconds = 1e-9;  // times in the attention and exchange tables
+inline constexpr double kMaxTableSeconds = 1e6;
+inline constexpr double kMaxTableX = 1e15;        // tokens, heads or bytes; at least 1
+inline constexpr double kMaxLaunchSeconds = 1.0;  // host time per layer or per attention call
+inline constexpr double kMaxLayoutSecondsPerByte = 1e-6;
+inline constexpr double kMaxBytesPerToken = 1e9;  // per-model memory rows, per token (and layer)
+inline constexpr double kMaxProfileBytes = 1e15;  // step_fixed_bytes, runtime_reserved_bytes
+inline constexpr int64_t kMaxHeadDim = 65536;
+
 // y(x) sampled at increasing x > 0, interpolated linearly in log-log space and extrapolated along
 // the end segments. `source` says how the samples were obtained: "measured", "seeded" (copied
 // from published measurements, not yet re-measured by `zellige profile`) or "analytic".
@@ -91,7 +106,9 @@ struct HardwareProfile {
   std::vector<double> launch_s_per_attention_call;
   int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
 
-  void validate() const;  // every non-empty table valid, rates > 0
+  // Every non-empty table valid, every value inside the ranges above; throws
+  // std::invalid_argument naming the field, the value and the allowed range.
+  void validate() const;
 };
 
 // A profile with no tables: every time comes from the three peak rates. The built-in H200

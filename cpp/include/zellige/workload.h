@@ -7,6 +7,15 @@
 
 namespace zellige {
 
+// Documented limits (README, "Limits"). Inputs beyond them are refused up front with
+// std::invalid_argument: every size product below then fits in int64, the square-grid search of
+// sequence_from_tokens stays under 2^16 steps, and no request runs for minutes before failing.
+inline constexpr int64_t kMaxSequenceTokens = int64_t{1} << 32;  // latent tokens of one sequence
+inline constexpr int64_t kMaxTextTokens = int64_t{1} << 20;      // text tokens of one sequence
+inline constexpr int64_t kMaxPixels = int64_t{1} << 20;          // frames, height or width
+inline constexpr int64_t kMaxBatchSequences = int64_t{1} << 20;  // sequences in one batch
+inline constexpr int64_t kMaxBatchTokens = int64_t{1} << 40;     // latent tokens of one batch
+
 // Pixels -> latent tokens: a causal VAE (temporal_stride x spatial_stride^2) then a patchify
 // (patch_t x patch_hw^2). Defaults are the 4x8x8 VAE and 1x2x2 patch of most video DiTs.
 struct LatentGeometry {
@@ -33,20 +42,25 @@ struct Batch {
 };
 
 // A sequence from pixels: latent frames = (frames - 1) / temporal_stride + 1 (images: frames = 1),
-// grid_h = height / (spatial_stride * patch_hw), likewise grid_w. Throws std::invalid_argument for
-// non-positive sizes or sizes that leave an empty grid.
+// grid_t = latent frames / patch_t, grid_h = height / (spatial_stride * patch_hw), likewise
+// grid_w. Throws std::invalid_argument for sizes that are not positive, above kMaxPixels, not
+// whole multiples of the geometry (frames - 1 of temporal_stride, latent frames of patch_t,
+// height and width of spatial_stride * patch_hw: nothing is rounded away silently), or that give
+// more than kMaxSequenceTokens tokens.
 Sequence sequence_from_pixels(int64_t id, const std::string& kind, int64_t frames, int64_t height,
                               int64_t width, int64_t text_tokens, int64_t source_rank,
                               const LatentGeometry& geometry);
 
 // A sequence given by its token count: grid (1, h, w) with h the largest divisor of num_tokens
-// not above sqrt(num_tokens). Throws std::invalid_argument for num_tokens <= 0.
+// not above sqrt(num_tokens). Throws std::invalid_argument for num_tokens outside
+// [1, kMaxSequenceTokens].
 Sequence sequence_from_tokens(int64_t id, const std::string& kind, int64_t num_tokens,
                               int64_t text_tokens, int64_t source_rank);
 
-// Throws std::invalid_argument naming the offending sequence: empty batch, duplicate id,
-// num_tokens <= 0, text_tokens < 0, source_rank < 0 or >= num_ranks (when num_ranks > 0),
-// grid that does not multiply to num_tokens.
+// Throws std::invalid_argument naming the offending sequence: empty batch, more than
+// kMaxBatchSequences sequences or kMaxBatchTokens tokens, duplicate id, num_tokens outside
+// [1, kMaxSequenceTokens], text_tokens outside [0, kMaxTextTokens], source_rank < 0 or
+// >= num_ranks (when num_ranks > 0), grid that does not multiply to num_tokens.
 void validate_batch(const Batch& batch, int64_t num_ranks = 0);
 
 int64_t total_tokens(const Batch& batch);
@@ -95,7 +109,8 @@ struct Recipe {
 //    bucketing, at least one);
 //  - per_rank_groups: rank r takes the group at position r mod (sum of group ranks), laid out in
 //    order; tokens jitter by a uniform aspect factor in [0.96, 1.04].
-// Throws std::invalid_argument for num_ranks <= 0 or an empty recipe.
+// Throws std::invalid_argument for num_ranks outside [1, kMaxGpus], an empty recipe, or a batch
+// beyond the limits above.
 Batch generate_batch(const Recipe& recipe, int64_t num_ranks, uint64_t seed);
 
 }  // namespace zellige

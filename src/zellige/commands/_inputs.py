@@ -6,24 +6,43 @@ import argparse
 
 from zellige import _core
 from zellige.api import Setup, make_setup
+from zellige.commands._args import MAX_GPUS, SEED_MAX, int_in
 from zellige.costs import default_gpus_per_node
 from zellige.model_spec import load_model_spec
-from zellige.workload import load_batch
+from zellige.workload import load_batch, recipe_names
 
 
 def add_batch_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
     source = parser.add_mutually_exclusive_group(required=required)
     source.add_argument(
-        "--workload", metavar="NAME", help="a built-in recipe, e.g. opensora2-stage2"
+        "--workload",
+        metavar="NAME",
+        help=f"a built-in recipe, one of: {', '.join(recipe_names())}",
     )
-    source.add_argument("--batch", metavar="FILE", help="a Batch JSON file")
-    parser.add_argument("--seed", type=int, default=None, help="generator and planner seed (0)")
+    source.add_argument("--batch", metavar="FILE", help="a Batch JSON file (needs --model)")
+    parser.add_argument(
+        "--seed",
+        type=int_in(0, SEED_MAX),
+        default=None,
+        metavar="S",
+        help="generator and planner seed, 0 <= S < 2^63 (0)",
+    )
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser, gpus_required: bool = True) -> None:
-    parser.add_argument("--gpus", type=int, required=gpus_required, metavar="N", help="GPU count")
     parser.add_argument(
-        "--gpus-per-node", type=int, default=None, metavar="G", help="(8, or --gpus when fewer)"
+        "--gpus",
+        type=int_in(1, MAX_GPUS),
+        required=gpus_required,
+        metavar="N",
+        help=f"GPU count, 1 to {MAX_GPUS}",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int_in(1, MAX_GPUS),
+        default=None,
+        metavar="G",
+        help="GPUs per node, dividing --gpus (8, or --gpus when fewer)",
     )
     add_model_arguments(parser, "default: the workload's model")
     parser.add_argument("--profile", metavar="FILE", help="hardware profile JSON (built-in H200)")

@@ -13,25 +13,36 @@ import argparse
 import dataclasses
 
 from zellige import _core
+from zellige.commands._args import MAX_TOKENS, int_in
 from zellige.commands._inputs import add_batch_arguments, add_model_arguments, setup_from_args
-from zellige.plan_io import load_plan
+from zellige.plan_io import load_plan_with_context, require_plan_for_batch
 
 DEFAULT_MAX_TOKENS = {"cpu": 8192, "cuda": 1 << 22}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, required=True, metavar="N", help="processes (ranks)")
+    parser.add_argument(
+        "--nproc", type=int_in(1, 1024), required=True, metavar="N", help="processes (ranks)"
+    )
     add_batch_arguments(parser)
     planning = parser.add_mutually_exclusive_group(required=True)
     planning.add_argument("--planner", metavar="P", help="planner that places the batch")
     planning.add_argument("--plan", metavar="FILE", help="a Plan JSON file instead of a planner")
-    parser.add_argument("--heads", type=int, default=None, metavar="H", help="(model's)")
-    parser.add_argument("--head-dim", type=int, default=16, metavar="D", help="(16)")
+    parser.add_argument(
+        "--heads", type=int_in(1, 4096), default=None, metavar="H", help="attention heads (model's)"
+    )
+    parser.add_argument(
+        "--head-dim", type=int_in(1, 1024), default=16, metavar="D", help="head dimension (16)"
+    )
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="gloo on cpu, NCCL on cuda (cpu)"
     )
     parser.add_argument(
-        "--gpus-per-node", type=int, default=None, metavar="G", help="for planning (8, or N)"
+        "--gpus-per-node",
+        type=int_in(1, 1024),
+        default=None,
+        metavar="G",
+        help="for planning (8, or N)",
     )
     add_model_arguments(
         parser,
@@ -47,10 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default=None, help="float64 | float32 | bfloat16 (float64 on cpu, bf16 on cuda)"
     )
-    parser.add_argument("--backend", default=None, help="attention kernel override")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="attention kernel of the engine (cudnn, flash, efficient, cpu, math); "
+        "default: chosen for the device",
+    )
     parser.add_argument(
         "--max-tokens",
-        type=int,
+        type=int_in(1, MAX_TOKENS),
         default=None,
         metavar="T",
         help="scale token counts down to at most T in total (8192 on cpu); placements unchanged",
@@ -96,7 +112,9 @@ def _batch_and_plan(
         args.gpus_per_node = min(8, args.nproc)
     setup = setup_from_args(args)
     if args.plan is not None:
-        return setup.batch, load_plan(args.plan), setup.cost_model.model, f"plan file {args.plan}"
+        plan, context = load_plan_with_context(args.plan)
+        require_plan_for_batch(plan, context, setup.batch, args.nproc, args.plan)
+        return setup.batch, plan, setup.cost_model.model, f"plan file {args.plan}"
     plan = run_planner(setup, args.planner, args.seed or 0)
     return setup.batch, plan, setup.cost_model.model, args.planner
 

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--planners lists no planner")
     rows = compare_setup(setup, planners, setup.seed)
     if args.json:
-        print(json.dumps([row_to_dict(row) for row in rows], indent=1))
+        print(json.dumps([row_to_dict(row) for row in rows], indent=1, allow_nan=False))
         return 0
     cluster = setup.cost_model.cluster
     source = f"{setup.workload} (seed {setup.seed})" if setup.workload else args.batch

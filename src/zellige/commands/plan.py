@@ -6,11 +6,12 @@ import argparse
 from collections import Counter
 
 from zellige import _core
-from zellige.api import JOINT, Setup, run_planner
+from zellige._files import check_outputs
+from zellige.api import JOINT, Setup, lower_bound, run_planner
 from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
 from zellige.model_spec import model_spec_to_dict
 from zellige.plan_io import save_plan
-from zellige.workload import batch_to_dict
+from zellige.workload import batch_fingerprint, batch_to_dict
 
 GIB = 1 << 30
 
@@ -24,7 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help=f"one of: {', '.join([*_core.planner_names(), JOINT])}",
     )
-    parser.add_argument("--out", metavar="FILE", help="write the plan JSON here")
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the plan JSON here (atomically; never over an input; a symlink is replaced)",
+    )
 
 
 def plan_context(setup: Setup) -> dict:
@@ -34,6 +39,8 @@ def plan_context(setup: Setup) -> dict:
         "model": setup.model_name,
         "gpus_per_node": setup.cost_model.cluster.gpus_per_node,
         "links": setup.links,
+        # `show` and `check` refuse the plan for any other batch, even one reusing the ids.
+        "batch_fingerprint": batch_fingerprint(setup.batch),
     }
     spec = setup.cost_model.model
     if spec.name not in _core.model_preset_names() or spec != _core.model_preset(spec.name):
@@ -50,7 +57,7 @@ def plan_context(setup: Setup) -> dict:
 def summary(setup: Setup, plan: _core.Plan) -> list[str]:
     cluster = setup.cost_model.cluster
     cost = setup.cost_model.evaluate(setup.batch, plan)
-    lower_bound_s = _core.makespan_lower_bound(setup.batch, setup.cost_model)
+    lower_bound_s = lower_bound(setup)
     source = f"workload {setup.workload} (seed {setup.seed})" if setup.workload else "batch"
     strategies = Counter(p.strategy.name for p in plan.placements)
     memory = "fits" if cost.fits else "DOES NOT FIT"
@@ -68,6 +75,10 @@ def summary(setup: Setup, plan: _core.Plan) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(
+        {"--out": args.out},
+        {"--batch": args.batch, "--profile": args.profile, "--model-spec": args.model_spec},
+    )
     setup = setup_from_args(args)
     plan = run_planner(setup, args.planner, setup.seed)
     for line in summary(setup, plan):

@@ -7,13 +7,24 @@ import json
 import sys
 from pathlib import Path
 
+from zellige import _core
+from zellige._files import check_outputs, write_output
+from zellige.commands._args import int_in
 from zellige.commands._inputs import add_model_arguments, model_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, type=Path, help="profile JSON to write")
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="profile JSON to write (checked before measuring; written atomically)",
+    )
     add_model_arguments(
-        parser, "whose per-token layers and memory are measured (wan-14b; tiny with --quick)"
+        parser,
+        "whose per-token layers and memory are measured (default wan-14b; --quick runs a "
+        "preset as the tiny preset of its kind: tiny, or mmdit-tiny for an MMDiT; a spec file "
+        "at its own sizes)",
     )
     parser.add_argument(
         "--block",
@@ -36,7 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--base", help="profile JSON that --memory-only starts from")
     parser.add_argument(
-        "--repeats", type=int, default=5, help="timed runs per point, median kept (default 5)"
+        "--repeats",
+        type=int_in(1, 1000),
+        default=5,
+        help="timed runs per point, median kept (default 5)",
     )
     parser.add_argument(
         "--attention-backend",
@@ -45,8 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    # Before measuring (minutes on a GPU): an output that cannot be written fails now.
+    check_outputs(
+        {"--out": args.out, "--details": args.details},
+        {"--base": args.base, "--model-spec": args.model_spec},
+    )
     import torch
 
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
@@ -58,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     options = ProfileOptions(
-        model=model_from_args(args) or ("tiny" if args.quick else "wan-14b"),
+        model=_model_to_run(model_from_args(args), args.quick),
         quick=args.quick,
         device=device,
         repeats=min(args.repeats, 3) if args.quick else args.repeats,
@@ -77,6 +94,24 @@ def run(args: argparse.Namespace) -> int:
     profile = profile_from_dict(result.profile)  # the core validates what it will read
     save_profile(profile, args.out)
     if args.details:
-        args.details.write_text(json.dumps(result.details, indent=1) + "\n")
+        write_output(args.details, json.dumps(result.details, indent=1) + "\n")
     print(f"wrote {args.out} ({profile.device_name})")
     return 0
+
+
+def _model_to_run(model: str | _core.ModelSpec | None, quick: bool) -> str | _core.ModelSpec:
+    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model).
+    A spec file's model runs at its own sizes (the user chose them; --quick only shortens the
+    measurements)."""
+    from zellige.profiler.models import quick_model
+
+    model = model or "wan-14b"
+    if not quick or not isinstance(model, str):
+        return model
+    tiny = quick_model(model)
+    if tiny != model:
+        print(
+            f"[profile] --quick: {model} runs as {tiny} (its kind of blocks at tiny sizes)",
+            file=sys.stderr,
+        )
+    return tiny

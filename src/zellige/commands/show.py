@@ -7,12 +7,14 @@ import argparse
 from collections import defaultdict
 
 from zellige import _core
+from zellige._files import check_outputs, write_output
 from zellige._json import require_int, require_str
-from zellige.api import Setup, make_setup
+from zellige.api import Setup, lower_bound, make_setup, require_finite
+from zellige.commands._args import SEED_MAX, int_in
 from zellige.commands._inputs import add_cluster_arguments, model_from_args
 from zellige.model_spec import model_spec_from_dict
-from zellige.plan_io import load_plan_with_context
-from zellige.workload import batch_from_dict, load_batch
+from zellige.plan_io import load_plan_with_context, require_plan_for_batch
+from zellige.workload import batch_from_dict, load_batch, recipe_names
 
 BAR_COLUMNS = 40
 LINE_COLUMNS = 120
@@ -23,17 +25,34 @@ PHASES = {
     "exchange": ("~", "tab:red"),
     "launch": (".", "tab:gray"),  # waiting for the host to issue kernels
 }
+# PNG legend labels: the timeline draws a rank's per-token layers as one block before attention.
+PNG_LABELS = {
+    "linear": "per-token layers (all layers, drawn as one block)",
+    "attention": "attention (labelled as in the text view: id, u/r/h degree)",
+    "exchange": "exchange (Ulysses all-to-all, ring k/v)",
+    "launch": "waiting for the host to issue kernels",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", metavar="PLAN.json", help="a plan written by `zellige plan --out`")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--workload", metavar="NAME", help="rebuild the batch from this recipe")
+    source.add_argument(
+        "--workload",
+        metavar="NAME",
+        help=f"rebuild the batch from this recipe, one of: {', '.join(recipe_names())}",
+    )
     source.add_argument("--batch", metavar="FILE", help="the plan's Batch JSON file")
-    parser.add_argument("--seed", type=int, default=None, help="with --workload (default: 0)")
+    parser.add_argument(
+        "--seed", type=int_in(0, SEED_MAX), default=None, help="with --workload (default: 0)"
+    )
     # The plan file records the cluster and model; these override it.
     add_cluster_arguments(parser, gpus_required=False)
-    parser.add_argument("--png", metavar="FILE", help="also draw a Gantt chart into this PNG")
+    parser.add_argument(
+        "--png",
+        metavar="FILE",
+        help="also draw a Gantt chart into this PNG (atomically; a symlink is replaced)",
+    )
 
 
 def setup_for_plan(args: argparse.Namespace, plan: _core.Plan, context: dict) -> Setup:
@@ -62,7 +81,7 @@ def setup_for_plan(args: argparse.Namespace, plan: _core.Plan, context: dict) ->
         source = batch_from_dict(context["batch"], model=model, num_ranks=plan.num_ranks)
     else:
         raise ValueError(f"{args.plan} does not carry its batch: pass --batch or --workload")
-    return make_setup(
+    setup = make_setup(
         source,
         plan.num_ranks,
         gpus_per_node=flag_or_context(args.gpus_per_node, require_int, "gpus_per_node", 8),
@@ -71,6 +90,8 @@ def setup_for_plan(args: argparse.Namespace, plan: _core.Plan, context: dict) ->
         seed=flag_or_context(args.seed, require_int, "seed", 0),
         links=flag_or_context(args.links, require_str, "links", "nvlink"),
     )
+    require_plan_for_batch(plan, context, setup.batch, plan.num_ranks, str(args.plan))
+    return setup
 
 
 def placement_label(placement: _core.Placement) -> str:
@@ -83,8 +104,21 @@ def placement_label(placement: _core.Placement) -> str:
     return f"{placement.sequence_id}{strategy.name[0]}{placement.degree()}"
 
 
+def bar_cells(parts: list[tuple[str, float]], scale: float) -> str:
+    """The bar of one rank: `(character, seconds)` parts at `scale` columns per second, rounded
+    so that the bar's length is its rounded total and every part with time shows at least one
+    character (a short exchange would otherwise vanish from the text while the PNG shows it);
+    under a hundredth of a column is rounding residue, not time."""
+    total = round(sum(seconds for _, seconds in parts) * scale)
+    counts = [max(1, round(s * scale)) if s * scale > 0.01 else 0 for _, s in parts]
+    while sum(counts) > max(total, sum(1 for c in counts if c)):
+        counts[counts.index(max(counts))] -= 1
+    return "".join(char * count for (char, _), count in zip(parts, counts, strict=True))
+
+
 def text_picture(setup: Setup, plan: _core.Plan) -> list[str]:
     cost = setup.cost_model.evaluate(setup.batch, plan)
+    require_finite(setup, "plan", cost.makespan_s, *(rank.time_s for rank in cost.ranks))
     labels: dict[int, list[str]] = defaultdict(list)
     for placement in plan.placements:
         for rank in placement.ranks:
@@ -96,7 +130,7 @@ def text_picture(setup: Setup, plan: _core.Plan) -> list[str]:
         f"bar: {legend}; sequences: id, u/r/h = ulysses/ring/hybrid over that many ranks"
     ]
     for rank, rank_cost in enumerate(cost.ranks):
-        bar = ""
+        parts = []
         for phase, seconds in (
             ("linear", rank_cost.linear_s),
             ("attention", rank_cost.attention_s + rank_cost.call_s),
@@ -110,7 +144,8 @@ def text_picture(setup: Setup, plan: _core.Plan) -> list[str]:
                 - rank_cost.call_s,
             ),
         ):
-            bar += PHASES[phase][0] * round(seconds * scale)
+            parts.append((PHASES[phase][0], seconds))
+        bar = bar_cells(parts, scale)
         head = f"{rank:>4} {rank_cost.time_s:8.4f} s |{bar[:BAR_COLUMNS]:<{BAR_COLUMNS}}| "
         lines.append(head + _fit(labels[rank], LINE_COLUMNS - len(head)))
     return lines
@@ -128,36 +163,82 @@ def _fit(labels: list[str], columns: int) -> str:
 
 
 def draw_png(setup: Setup, plan: _core.Plan, path: str) -> None:
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.patches import Patch
 
+    segments = _core.simulate(setup.batch, plan, setup.cost_model)
     bars: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
-    for segment in _core.simulate(setup.batch, plan, setup.cost_model):
+    for segment in segments:
         bars[segment.rank, segment.phase].append((segment.start_s, segment.end_s - segment.start_s))
+    makespan_s = max(segment.end_s for segment in segments)
+    lower_bound_s = lower_bound(setup)
     height_in = min(40.0, 1.5 + 0.22 * plan.num_ranks)
     fig, ax = plt.subplots(figsize=(12, height_in))
     for (rank, phase), spans in bars.items():
         ax.broken_barh(
             spans, (rank - 0.4, 0.8), facecolors=PHASES[phase][1], edgecolor="white", linewidth=0.3
         )
+    # Sequence ids on the attention blocks wide enough to hold them (a few ranks' worth of text).
+    if plan.num_ranks <= 64:
+        labels = {p.sequence_id: placement_label(p) for p in plan.placements}
+        for segment in segments:
+            width_s = segment.end_s - segment.start_s
+            if segment.phase == "attention" and width_s > 0.03 * makespan_s:
+                ax.text(
+                    segment.start_s + width_s / 2,
+                    segment.rank,
+                    labels[segment.sequence_id],
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                )
+    ax.axvline(makespan_s, color="black", linewidth=1.0)
+    ax.axvline(lower_bound_s, color="black", linewidth=1.0, linestyle="--")
     ax.set_ylim(plan.num_ranks - 0.5, -0.5)
     ax.set_xlabel("time in the step (s)")
     ax.set_ylabel("rank")
-    ax.set_title(f"{plan.planner} on {plan.num_ranks} GPUs, {setup.model_name}")
-    ax.legend(
-        handles=[Patch(color=color, label=phase) for phase, (_, color) in PHASES.items()],
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0),
+    source = (
+        f"{setup.workload} (seed {setup.seed})"
+        if setup.workload
+        else f"a batch of {len(setup.batch.sequences)} sequences"
     )
+    ax.set_title(
+        f"{plan.planner} on {plan.num_ranks} GPUs: {source}, {setup.model_name}; "
+        f"makespan {makespan_s:.4f} s, lower bound {lower_bound_s:.4f} s"
+    )
+    present = {phase for _, phase in bars}  # no legend entry for a phase that is not drawn
+    handles = [
+        Patch(color=color, label=PNG_LABELS[phase])
+        for phase, (_, color) in PHASES.items()
+        if phase in present
+    ]
+    handles += [
+        plt.Line2D([], [], color="black", linewidth=1.0, label="makespan"),
+        plt.Line2D([], [], color="black", linewidth=1.0, linestyle="--", label="lower bound"),
+    ]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
+    write_output(path, image.getvalue())
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(
+        {"--png": args.png},
+        {
+            "PLAN.json": args.plan,
+            "--batch": args.batch,
+            "--profile": args.profile,
+            "--model-spec": args.model_spec,
+        },
+    )
     plan, context = load_plan_with_context(args.plan)
     setup = setup_for_plan(args, plan, context)
     _core.validate_plan(plan, setup.batch, plan.num_ranks, setup.cost_model.model.num_heads)

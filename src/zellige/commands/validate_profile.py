@@ -9,26 +9,60 @@ import json
 import sys
 from pathlib import Path
 
+from zellige import _core
+from zellige._files import check_outputs, read_input, write_output
+from zellige.commands._args import SEED_MAX, int_in, nonnegative_float
 from zellige.commands._inputs import add_model_arguments, model_from_args
 
 TARGET_PLANS = 21
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plans", type=int, default=TARGET_PLANS, help="plans to draw (>= 21)")
-    parser.add_argument("--profile", help="profile JSON (default: the built-in H200 profile)")
-    add_model_arguments(parser, "a Wan-style model (default wan-14b; tiny with --quick)")
     parser.add_argument(
-        "--layers", type=int, default=2, help="layers of the model actually run (default 2)"
+        "--plans",
+        type=int_in(1, 10_000),
+        default=TARGET_PLANS,
+        help=f"plans to draw ({TARGET_PLANS}; fewer is a smoke run, not a measurement)",
     )
-    parser.add_argument("--ranks-per-plan", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per rank (median)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", help="profile JSON (default: the built-in H200 profile)")
+    add_model_arguments(
+        parser,
+        "default wan-14b; --quick runs a preset as the tiny preset of its kind: tiny, or "
+        "mmdit-tiny for an MMDiT; a spec file at its own sizes",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int_in(1, 1000),
+        default=2,
+        help="layers of the model actually run (default 2)",
+    )
+    parser.add_argument(
+        "--ranks-per-plan",
+        type=int_in(1, 1024),
+        default=2,
+        help="ranks of each drawn plan that are run here one after another (default 2)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int_in(1, 1000),
+        default=3,
+        help="timed steps per rank, median kept (default 3)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int_in(0, SEED_MAX),
+        default=0,
+        help="seed of the drawn batches and plans (default 0)",
+    )
     parser.add_argument(
         "--no-checkpointing", action="store_true", help="run without activation checkpointing"
     )
     parser.add_argument(
-        "--time-budget", type=float, default=0.0, help="stop drawing plans after SECONDS"
+        "--time-budget",
+        type=nonnegative_float,
+        default=0.0,
+        metavar="SECONDS",
+        help="stop drawing plans after SECONDS (0: no limit)",
     )
     parser.add_argument("--json", type=Path, help="write every rank's numbers here")
     parser.add_argument(
@@ -90,14 +124,14 @@ def summarise_jsonl(path: Path):
     """The report of the ranks a run appended to `path` (--results-jsonl)."""
     from zellige.profiler.validate import RankResult, summarise
 
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in read_input(path).splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"{path} holds no rank results")
     ranks = []
     for number, line in enumerate(lines, start=1):
         try:
             ranks.append(RankResult(**json.loads(line)))
-        except (json.JSONDecodeError, TypeError) as error:
+        except (ValueError, TypeError, RecursionError) as error:
             raise ValueError(f"{path} line {number} is not a rank result: {error}") from None
     report = summarise(ranks, gamma=0.0)
     report.notes = [f"summarised from {path.name} ({len(lines)} ranks); no rank was run now"]
@@ -105,6 +139,14 @@ def summarise_jsonl(path: Path):
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(
+        {"--json": args.json, "--results-jsonl": args.results_jsonl},
+        {
+            "--profile": args.profile,
+            "--summarise": args.summarise,
+            "--model-spec": args.model_spec,
+        },
+    )
     import torch
 
     from zellige.profiler.validate import ValidationOptions, report_dict, validate
@@ -113,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     options = ValidationOptions(
         num_plans=args.plans,
         profile=args.profile,
-        model=model_from_args(args) or ("tiny" if args.quick else "wan-14b"),
+        model=_model_to_run(model_from_args(args), args.quick),
         num_layers=args.layers,
         ranks_per_plan=args.ranks_per_plan,
         repeats=args.repeats,
@@ -135,6 +177,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         report = validate(options, progress)
     if args.json:
-        args.json.write_text(json.dumps(report_dict(report), indent=1) + "\n")
+        write_output(args.json, json.dumps(report_dict(report), indent=1, allow_nan=False) + "\n")
     print(format_report(report, options))
     return 0
+
+
+def _model_to_run(model: str | _core.ModelSpec | None, quick: bool) -> str | _core.ModelSpec:
+    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model).
+    A spec file's model runs at its own sizes (the user chose them)."""
+    from zellige.profiler.models import quick_model
+
+    model = model or "wan-14b"
+    if not quick or not isinstance(model, str):
+        return model
+    tiny = quick_model(model)
+    if tiny != model:
+        print(
+            f"[validate] --quick: {model} runs as {tiny} (its kind of blocks at tiny sizes)",
+            file=sys.stderr,
+        )
+    return tiny

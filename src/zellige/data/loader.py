@@ -44,10 +44,10 @@ def load_training_recipe(name: str) -> _core.Recipe:
 
 
 def param_count(config: DiTConfig) -> int:
-    from zellige.model import VideoDiT
+    from zellige.model import build_model
 
     with torch.device("meta"):
-        return sum(p.numel() for p in VideoDiT(config).parameters())
+        return sum(p.numel() for p in build_model(config).parameters())
 
 
 def model_spec(config: DiTConfig, num_params: int | None = None) -> _core.ModelSpec:
@@ -60,7 +60,8 @@ def model_spec(config: DiTConfig, num_params: int | None = None) -> _core.ModelS
         head_dim=config.head_dim,
         ffn_width=config.ffn_width,
         text_tokens=config.text_tokens,
-        joint_attention=False,
+        joint_attention=config.joint_attention,
+        num_double_layers=config.num_double_layers,
         param_count=param_count(config) if num_params is None else num_params,
     )
 
@@ -100,8 +101,11 @@ class StepDataset(torch.utils.data.Dataset):
     """Map-style: item `step` is this rank's StepData for that step.
 
     `sequences` fixes the batch of every step (a Batch JSON object's "sequences"), for tests;
-    otherwise each step's batch comes from the recipe with seed (seed, step). `plan` (a Plan JSON
-    object) replaces the planner, for tests that need a particular placement.
+    otherwise each step's batch comes from the recipe with seed (seed, step), drawn for
+    `data_ranks` loader ranks (default num_ranks). A run resumed on another number of ranks keeps
+    its data_ranks, so its steps see the same batches; their sequences are then loaded round
+    robin by the num_ranks ranks. `plan` (a Plan JSON object) replaces the planner, for tests
+    that need a particular placement.
     """
 
     def __init__(
@@ -119,6 +123,7 @@ class StepDataset(torch.utils.data.Dataset):
         adaptive_checkpointing: bool = False,
         sequences: list[dict] | None = None,
         plan: dict | None = None,
+        data_ranks: int | None = None,
     ) -> None:
         self.model = model
         self.recipe_name = recipe
@@ -132,6 +137,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.adaptive_checkpointing = adaptive_checkpointing
         self.sequences = sequences
         self.fixed_plan = plan
+        self.data_ranks = data_ranks or num_ranks
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
@@ -163,7 +169,13 @@ class StepDataset(torch.utils.data.Dataset):
         spec, _, recipe, _ = self._planning_state()
         if self.sequences is not None:
             return zellige.batch_from_dict({"sequences": self.sequences}, num_ranks=self.num_ranks)
-        return zellige.generate_batch(recipe, self.num_ranks, _step_seed(self.seed, step))
+        batch = zellige.generate_batch(recipe, self.data_ranks, _step_seed(self.seed, step))
+        if self.data_ranks == self.num_ranks:
+            return batch
+        data = zellige.batch_to_dict(batch)
+        for index, sequence in enumerate(data["sequences"]):
+            sequence["source_rank"] = index % self.num_ranks
+        return zellige.batch_from_dict(data, num_ranks=self.num_ranks)
 
     def __len__(self) -> int:
         return 2**62

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 class DiTConfig:
     name: str
     width: int  # D
-    num_layers: int
+    num_layers: int  # all blocks (MMDiT: double-stream + single-stream), as ModelSpec counts them
     num_heads: int  # N
     ffn_width: int  # F
     text_tokens: int = 512  # default text length the data produces per sequence
@@ -26,6 +26,10 @@ class DiTConfig:
     freq_dim: int = 256  # sinusoidal timestep embedding width
     eps: float = 1e-6
     rope_theta: float = 10000.0
+    # MMDiT (model/mmdit.py): text joins self-attention (no cross-attention); the first
+    # num_double_layers blocks keep separate text and visual weights, the rest share them
+    joint_attention: bool = False
+    num_double_layers: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -41,6 +45,18 @@ class DiTConfig:
             raise ValueError(f"width {self.width} is not a multiple of num_heads {self.num_heads}")
         if self.head_dim % 2 != 0 or self.head_dim < 6:
             raise ValueError(f"head_dim {self.head_dim} must be even and >= 6 for 3D RoPE")
+        if not 0 <= self.num_double_layers <= self.num_layers:
+            raise ValueError(
+                f"num_double_layers {self.num_double_layers} must be in [0, num_layers "
+                f"{self.num_layers}]"
+            )
+        if self.num_double_layers and not self.joint_attention:
+            raise ValueError("num_double_layers > 0 needs joint_attention (an MMDiT)")
+
+    @property
+    def num_single_layers(self) -> int:
+        """MMDiT blocks with weights shared by text and visual tokens (0 for Wan-style)."""
+        return self.num_layers - self.num_double_layers if self.joint_attention else 0
 
 
 _PRESETS: dict[str, DiTConfig] = {
@@ -58,14 +74,66 @@ _PRESETS: dict[str, DiTConfig] = {
         latent_channels=4,
         freq_dim=32,
     ),
+    # MMDiT presets (model/mmdit.py), the shapes of the planning core's presets: FLUX.1 / Open-Sora
+    # 2.0 (19 double + 38 single blocks, T5-XXL text) and HunyuanVideo (20 + 40, 256 text tokens
+    # of a 4096-wide LLM encoder); 16-channel latents with 1x2x2 patches in both.
+    "mmdit-11b": DiTConfig(
+        name="mmdit-11b",
+        width=3072,
+        num_layers=57,
+        num_double_layers=19,
+        num_heads=24,
+        ffn_width=4 * 3072,
+        text_tokens=512,
+        joint_attention=True,
+    ),
+    "hunyuan-13b": DiTConfig(
+        name="hunyuan-13b",
+        width=3072,
+        num_layers=60,
+        num_double_layers=20,
+        num_heads=24,
+        ffn_width=4 * 3072,
+        text_tokens=256,
+        joint_attention=True,
+    ),
+    # tiny-cpu's sizes as an MMDiT: two double-stream blocks then one single-stream block
+    "mmdit-tiny-cpu": DiTConfig(
+        name="mmdit-tiny-cpu",
+        width=64,
+        num_layers=3,
+        num_double_layers=2,
+        num_heads=4,
+        ffn_width=128,
+        text_tokens=8,
+        text_dim=32,
+        latent_channels=4,
+        freq_dim=32,
+        joint_attention=True,
+    ),
 }
 
 
 def model_preset(name: str, **overrides: int) -> DiTConfig:
-    """A preset by name, optionally with fields replaced (e.g. num_layers=4 for a width probe)."""
+    """A preset by name, optionally with fields replaced (e.g. num_layers=4 for a width probe; an
+    MMDiT then keeps its share of double-stream blocks (with_layers) unless num_double_layers is
+    given too)."""
     if name not in _PRESETS:
         raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(_PRESETS)}")
-    return dataclasses.replace(_PRESETS[name], **overrides)
+    preset = _PRESETS[name]
+    if "num_layers" in overrides and "num_double_layers" not in overrides:
+        preset = with_layers(preset, overrides["num_layers"])
+    return dataclasses.replace(preset, **overrides)
+
+
+def with_layers(config: DiTConfig, num_layers: int) -> DiTConfig:
+    """`config` cut (or grown) to num_layers blocks; an MMDiT keeps its share of double-stream
+    blocks, at least one (2 of mmdit-11b's blocks: 1 double + 1 single)."""
+    double = 0
+    if config.num_double_layers:
+        share = config.num_double_layers / config.num_layers
+        double = min(max(1, round(share * num_layers)), num_layers)
+    return dataclasses.replace(config, num_layers=num_layers, num_double_layers=double)
 
 
 def model_preset_names() -> list[str]:

@@ -56,6 +56,8 @@ class VideoDiT(nn.Module):
 
     def __init__(self, config: DiTConfig) -> None:
         super().__init__()
+        if config.joint_attention:
+            raise ValueError(f"{config.name} is a joint-attention model: build it with MMDiT")
         self.config = config
         width = config.width
         # The 1x2x2 patch embedding is a linear map of each token's flattened patch.

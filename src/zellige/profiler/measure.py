@@ -302,7 +302,8 @@ def check_in_step(
             inputs = rank_work.plan_rank_inputs(
                 batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
             )
-            inputs.cross_attention = rank_work.no_cross_attention
+            if not config.joint_attention:
+                inputs.cross_attention = rank_work.no_cross_attention
             measured = step_s(inputs) - linear_s[tokens]
         predicted = (
             IN_STEP_LAYERS * count * config.num_heads * (2 * forward(length) + backward(length))
@@ -468,13 +469,18 @@ def profile_layouts(
 def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -> dict:
     """Host seconds to issue one layer apart from its attention calls, and per attention call:
     training steps (checkpointing on) of tiny ranks, one of 1 sequence and one of
-    LAUNCH_SEQUENCES distinct lengths (each a self- and a cross-attention call), whose GPU
+    LAUNCH_SEQUENCES distinct lengths (each a self- and a cross-attention call, or one joint
+    attention call), whose GPU
     work is far shorter than their issue, so their time is the issue time."""
     config = dit_config(options.model)
     blocks = rank_work.make_blocks(config, LAUNCH_LAYERS, device, dtype)
 
+    # An MMDiT's text joins the attended tokens (GPU work, not issue time): none here, and one
+    # attention call per distinct length; cross-attention models issue two (self + cross).
+    text_tokens, calls_per_length = (0, 1) if config.joint_attention else (config.text_tokens, 2)
+
     def step_s(lengths: list[int]) -> float:
-        batch, plan = _local_plan(lengths, config.text_tokens)
+        batch, plan = _local_plan(lengths, text_tokens)
         with rank_work.local_exchanges():
             inputs = rank_work.plan_rank_inputs(
                 batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
@@ -487,7 +493,7 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
 
     one = step_s([32])
     many = step_s([32 + i for i in range(LAUNCH_SEQUENCES)])
-    calls_one, calls_many = 2, 2 * LAUNCH_SEQUENCES  # self + cross per distinct length
+    calls_one, calls_many = calls_per_length, calls_per_length * LAUNCH_SEQUENCES
     per_call = max(0.0, (many - one) / (calls_many - calls_one) / LAUNCH_LAYERS)
     per_layer = max(0.0, one / LAUNCH_LAYERS - calls_one * per_call)
     progress(
@@ -614,7 +620,7 @@ def _memory_probe(blocks, inputs, checkpointing: bool, device) -> tuple[int, int
 
 def memory_rows(
     probes: dict[int, MemoryProbe],
-    with_text: MemoryProbe,
+    with_text: MemoryProbe | None,
     *,
     num_layers: int,
     num_sequences: int,
@@ -624,7 +630,10 @@ def memory_rows(
     """The cost model's memory rows from probes at two token counts (`probes`, each a pack of
     `num_sequences` sequences of `text_tokens` text tokens) and one at the lower count with
     `extra_text_tokens` more text tokens per sequence. Per token: slopes, so constants drop out;
-    the step's fixed bytes: what is left of the lower probe's peak at zero tokens."""
+    the step's fixed bytes: what is left of the lower probe's peak at zero tokens.
+    with_text None: a joint-attention model, whose text tokens are attended tokens like the
+    visual ones (the cost model charges them per token; its text rows are for cross-attention
+    and stay 0)."""
     low, high = min(probes), max(probes)
 
     def slope(field: str) -> float:
@@ -636,11 +645,15 @@ def memory_rows(
     # Under checkpointing the last layer's recompute (activation) precedes its backward; what
     # the step holds beyond the kept layer inputs and that recompute is the backward row.
     backward = step_slope - num_layers * checkpoint - activation
-    text_added = num_sequences * extra_text_tokens
-    # one layer's share of the peak (kept + backward buffers), as the cost model charges it
-    text = (with_text.step_peak - probes[low].step_peak) / text_added
-    text_kept = (with_text.kept - probes[low].kept) / text_added / num_layers
-    step_fixed = probes[low].step_peak - step_slope * low - text * num_sequences * text_tokens
+    if with_text is None:
+        text = text_kept = 0.0
+        step_fixed = probes[low].step_peak - step_slope * (low + num_sequences * text_tokens)
+    else:
+        text_added = num_sequences * extra_text_tokens
+        # one layer's share of the peak (kept + backward buffers), as the cost model charges it
+        text = (with_text.step_peak - probes[low].step_peak) / text_added
+        text_kept = (with_text.kept - probes[low].kept) / text_added / num_layers
+        step_fixed = probes[low].step_peak - step_slope * low - text * num_sequences * text_tokens
     return {
         "activation_bytes_per_token_layer": activation,
         "checkpoint_bytes_per_token_layer": checkpoint,
@@ -702,11 +715,16 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
                 f"{probes[tokens].kept_checkpointing / tokens / num_layers:7.0f}, step peak "
                 f"{probes[tokens].step_peak / 2**30:6.2f} GiB"
             )
-        with_text = probe(blocks, *_local_pack_plan(low, config.text_tokens + low, num_sequences))
-        for strategy in ("local", "ulysses", "ring"):
-            shards[strategy] = probe(
-                blocks, *_shard_plan(shard_tokens, config.text_tokens, strategy)
+        with_text = None
+        if not config.joint_attention:
+            with_text = probe(
+                blocks, *_local_pack_plan(low, config.text_tokens + low, num_sequences)
             )
+        # A joint model's text is held tokens: without it, the shards and the local sequence
+        # hold the same shard_tokens (a cross model's text is the same on all three).
+        shard_text = 0 if config.joint_attention else config.text_tokens
+        for strategy in ("local", "ulysses", "ring"):
+            shards[strategy] = probe(blocks, *_shard_plan(shard_tokens, shard_text, strategy))
         runtime_reserved_bytes = 0
         if device.type == "cuda":
             own_bytes = rank_work.persistent_bytes(blocks)
@@ -735,7 +753,9 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         "runtime_reserved_bytes": runtime_reserved_bytes,
         "shard_probes": {f"{strategy}:{shard_tokens}": asdict(p) for strategy, p in shards.items()},
         "probes": {str(t): asdict(p) for t, p in probes.items()},
-        "probe_with_text": {f"{low}+{config.text_tokens + low}": asdict(with_text)},
+        "probe_with_text": (
+            {} if with_text is None else {f"{low}+{config.text_tokens + low}": asdict(with_text)}
+        ),
     }
 
 

@@ -1,16 +1,24 @@
-"""The bridge between the planning core's model presets and the runnable reference DiT."""
+"""The bridge between the planning core's model presets and the runnable reference models."""
 
 from __future__ import annotations
 
-import dataclasses
+import torch
 
 from zellige import _core
-from zellige.model.config import DiTConfig
+from zellige.model.config import DiTConfig, with_layers
 from zellige.model.config import model_preset as dit_preset
 from zellige.model_spec import model_spec_to_dict
 
 # Core preset -> zellige.model preset of the same sizes (the core's "tiny" is the CPU test size).
-_RUNNABLE = {"wan-1.3b": "wan-1.3b", "wan-14b": "wan-14b", "tiny": "tiny-cpu"}
+# Wan-style presets run VideoDiT blocks, the MMDiT presets (joint attention) MMDiT blocks.
+_RUNNABLE = {
+    "wan-1.3b": "wan-1.3b",
+    "wan-14b": "wan-14b",
+    "mmdit-11b": "mmdit-11b",
+    "hunyuan-13b": "hunyuan-13b",
+    "tiny": "tiny-cpu",
+    "mmdit-tiny": "mmdit-tiny-cpu",
+}
 
 
 def runnable_model_names() -> list[str]:
@@ -26,16 +34,20 @@ def model_flag(model: str | _core.ModelSpec) -> str:
     return f"--model {model}" if isinstance(model, str) else f"--model-spec ({model.name})"
 
 
+def quick_model(model: str) -> str:
+    """The preset a --quick (CPU smoke) run measures for `model`: the tiny preset of the same
+    kind ("tiny" for a Wan-style model, "mmdit-tiny" for a joint-attention one), so the run
+    goes through the same blocks, runtime and cost model in seconds, with numbers that mean
+    nothing (as every quick run's)."""
+    return "mmdit-tiny" if _core.model_preset(model).joint_attention else "tiny"
+
+
 def dit_config(model: str | _core.ModelSpec, num_layers: int | None = None) -> DiTConfig:
-    """The reference DiT of core preset `model` (Wan-style models only: the MMDiT presets have
-    no runnable model in zellige.model), or of a user's cross-attention ModelSpec (a spec file):
-    the reference blocks at its sizes stand for its blocks."""
+    """The reference model of core preset `model`, or of a user's ModelSpec (a spec file): the
+    reference blocks at its sizes stand for its blocks (VideoDiT blocks for cross-attention,
+    MMDiT blocks for joint attention). Cut to `num_layers` blocks (an MMDiT keeps its share of
+    double-stream blocks: model.config.with_layers)."""
     if isinstance(model, _core.ModelSpec):
-        if model.joint_attention:
-            raise ValueError(
-                f"model '{model.name}' uses joint attention: the profiler's reference blocks are "
-                "Wan-style (cross-attention); spec files of joint models are not profiled yet"
-            )
         config = DiTConfig(
             name=model.name,
             width=model.width,
@@ -43,19 +55,29 @@ def dit_config(model: str | _core.ModelSpec, num_layers: int | None = None) -> D
             num_heads=model.num_heads,
             ffn_width=model.ffn_width,
             text_tokens=model.text_tokens,
+            joint_attention=model.joint_attention,
+            num_double_layers=model.num_double_layers,
         )
-        return config if num_layers is None else dataclasses.replace(config, num_layers=num_layers)
+    elif model not in _RUNNABLE:
+        raise ValueError(
+            f"model '{model}' has no runnable reference model (allowed: {', '.join(_RUNNABLE)})"
+        )
+    else:
+        config = dit_preset(_RUNNABLE[model])
+    return config if num_layers is None else with_layers(config, num_layers)
     if model not in _RUNNABLE:
         raise ValueError(
-            f"model '{model}' has no runnable reference DiT (allowed: {', '.join(_RUNNABLE)})"
+            f"model '{model}' has no runnable reference model (allowed: {', '.join(_RUNNABLE)})"
         )
     config = dit_preset(_RUNNABLE[model])
-    return config if num_layers is None else dataclasses.replace(config, num_layers=num_layers)
+    return config if num_layers is None else with_layers(config, num_layers)
 
 
 def model_spec(model: str | _core.ModelSpec, num_layers: int | None = None) -> _core.ModelSpec:
-    """The core's spec of `model` (a preset name or a ModelSpec), cut to `num_layers` layers
-    (parameters scaled alike)."""
+    """The core's spec of `model` (a preset name or a ModelSpec), cut to `num_layers` layers.
+    Parameters scale with the layers for Wan-style models; an MMDiT's cut keeps double and
+    single blocks as dit_config does and scales its count by the blocks' weight matrices kept
+    (for a preset: exactly the cut blocks' matrices, what the preset counts)."""
     if isinstance(model, str):
         spec = _core.model_preset(model)
     else:  # a copy: the cut below must not change the caller's spec
@@ -63,7 +85,13 @@ def model_spec(model: str | _core.ModelSpec, num_layers: int | None = None) -> _
     if num_layers is not None:
         if num_layers <= 0 or num_layers > spec.num_layers:
             raise ValueError(f"num_layers must be in 1..{spec.num_layers} for {model}")
-        spec.param_count = spec.param_count * num_layers // spec.num_layers
+        if spec.joint_attention:
+            config = dit_config(model, num_layers)
+            spec.num_double_layers = config.num_double_layers
+            kept = block_matrix_params(config)
+            spec.param_count = spec.param_count * kept // block_matrix_params(dit_config(model))
+        else:
+            spec.param_count = spec.param_count * num_layers // spec.num_layers
         spec.num_layers = num_layers
     return spec
 
@@ -90,3 +118,13 @@ def load_block_factory(target: str):
     if not callable(factory):
         raise ValueError(f"--block {target}: {module_name} has no callable {attribute!r}")
     return factory
+
+
+def block_matrix_params(config: DiTConfig) -> int:
+    """Weight-matrix parameters of the model's blocks (no biases or norms), as the planning
+    core's presets count them (cpp/src/model_spec.cc)."""
+    from zellige.model import build_model
+
+    with torch.device("meta"):
+        blocks = build_model(config).blocks
+    return sum(m.weight.numel() for m in blocks.modules() if isinstance(m, torch.nn.Linear))

@@ -13,6 +13,7 @@ chunks, N heads, H head dim, D width.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from zellige import _core
 from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock
-from zellige.model.config import DiTConfig
+from zellige.model.config import DiTConfig, with_layers
 from zellige.model.rope import rope_tables
 
 
@@ -103,7 +104,12 @@ def local_exchanges(contiguous_kernel_inputs: bool = False) -> Iterator[None]:
 def make_blocks(
     config: DiTConfig, num_layers: int, device: torch.device, dtype: torch.dtype
 ) -> nn.ModuleList:
-    """`num_layers` blocks initialised as VideoDiT initialises them."""
+    """`num_layers` blocks initialised as VideoDiT initialises them; for an MMDiT config, its
+    share of double-stream blocks then single-stream ones (with_layers), as MMDiT does."""
+    if config.joint_attention:
+        from zellige.model.mmdit import MMDiT
+
+        return MMDiT(with_layers(config, num_layers)).blocks.to(device=device, dtype=dtype)
     blocks = nn.ModuleList(
         DiTBlock(config.width, config.num_heads, config.ffn_width, config.eps)
         for _ in range(num_layers)
@@ -135,6 +141,91 @@ class RankInputs:
     @property
     def num_tokens(self) -> int:
         return int(self.x_TD.shape[0])
+
+    def args(self, block: nn.Module, x_TD: Tensor) -> tuple:
+        """A DiTBlock's arguments."""
+        return (
+            x_TD,
+            self.text_XD,
+            self.modulation_C6D,
+            self.chunk_index_T,
+            self.rope_cos,
+            self.rope_sin,
+            self.self_attention,
+            self.cross_attention,
+        )
+
+    def leaves(self) -> tuple[Tensor, ...]:
+        return (self.x_TD, self.text_XD, self.modulation_C6D)
+
+
+@dataclass(kw_only=True, slots=True)
+class JointRankInputs:
+    """The same for MMDiT blocks: held text and visual tokens in held order, where each sits
+    (model.mmdit.StreamOrder), the per-sequence conditioning vector, joint attention."""
+
+    x_TD: Tensor
+    grad_TD: Tensor | None
+    vec_SD: Tensor  # the time embedding's output (trainable upstream, so it gets a gradient)
+    sequence_index_T: Tensor
+    streams: object  # StreamOrder
+    rope_T: tuple[Tensor, Tensor]
+    rope_V: tuple[Tensor, Tensor]
+    attention: AttentionFn
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.x_TD.shape[0])
+
+    @property
+    def num_text(self) -> int:
+        return self.streams.num_text
+
+    def args(self, block: nn.Module, x_TD: Tensor) -> tuple:
+        from zellige.model.mmdit import DoubleStreamBlock
+
+        if isinstance(block, DoubleStreamBlock):
+            return (x_TD, self.vec_SD, self.streams, self.rope_V, self.attention)
+        return (x_TD, self.vec_SD, self.sequence_index_T, self.rope_T, self.attention)
+
+    def leaves(self) -> tuple[Tensor, ...]:
+        return (self.x_TD, self.vec_SD)
+
+
+def joint_rank_inputs(
+    *,
+    config: DiTConfig,
+    modality_T: Tensor,
+    sequence_index_T: Tensor,
+    positions_T3: Tensor,
+    attention,
+    device: torch.device,
+    dtype: torch.dtype,
+    generator: torch.Generator | None = None,
+    output_grad: bool = True,
+) -> JointRankInputs:
+    """MMDiT block inputs for held tokens with these tables (held order, as the runtime's step
+    gives them) and `attention` over them."""
+    from zellige.model.mmdit import StreamOrder, rope_without_text
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device, dtype)
+
+    modality_T, sequence_index_T = modality_T.to(device), sequence_index_T.to(device)
+    streams = StreamOrder.of(modality_T, sequence_index_T)
+    rope_T = rope_without_text(positions_T3.to(device), modality_T, config, dtype)
+    num_tokens, width = int(modality_T.shape[0]), config.width
+    num_sequences = int(sequence_index_T.max()) + 1 if num_tokens else 0
+    return JointRankInputs(
+        x_TD=randn(num_tokens, width).requires_grad_(True),
+        grad_TD=randn(num_tokens, width) if output_grad else None,
+        vec_SD=randn(num_sequences, width).requires_grad_(True),
+        sequence_index_T=sequence_index_T,
+        streams=streams,
+        rope_T=rope_T,
+        rope_V=tuple(table[streams.visual_positions] for table in rope_T),
+        attention=attention,
+    )
 
 
 def rank_inputs(
@@ -199,10 +290,10 @@ class FSDPBlocks(nn.Module):
         super().__init__()
         self.units = units
 
-    def forward(self, inputs: RankInputs, checkpointing: bool) -> Tensor:
+    def forward(self, inputs: RankInputs | JointRankInputs, checkpointing: bool) -> Tensor:
         x_TD = inputs.x_TD
         for unit in self.units:
-            x_TD = unit(*_block_args(x_TD, inputs), checkpointing=checkpointing)
+            x_TD = unit(*inputs.args(unit.block, x_TD), checkpointing=checkpointing)
         return x_TD
 
 
@@ -268,31 +359,22 @@ def output_loss(out_TD: Tensor) -> Tensor:
     return out_TD.square().mean()
 
 
-def forward_blocks(blocks: nn.Module, inputs: RankInputs, checkpointing: bool) -> Tensor:
+def forward_blocks(
+    blocks: nn.Module, inputs: RankInputs | JointRankInputs, checkpointing: bool
+) -> Tensor:
     """The rank's tokens through `blocks`: plain blocks (make_blocks) or make_fsdp_blocks."""
     if isinstance(blocks, FSDPBlocks):
         return blocks(inputs, checkpointing)  # the root unit's forward, so FSDP's hooks run
     x_TD = inputs.x_TD
     for block in blocks:
-        args = _block_args(x_TD, inputs)
+        args = inputs.args(block, x_TD)
         x_TD = checkpoint(block, *args, use_reentrant=False) if checkpointing else block(*args)
     return x_TD
 
 
-def _block_args(x_TD: Tensor, inputs: RankInputs) -> tuple:
-    return (
-        x_TD,
-        inputs.text_XD,
-        inputs.modulation_C6D,
-        inputs.chunk_index_T,
-        inputs.rope_cos,
-        inputs.rope_sin,
-        inputs.self_attention,
-        inputs.cross_attention,
-    )
-
-
-def train_step(blocks: nn.Module, inputs: RankInputs, checkpointing: bool) -> None:
+def train_step(
+    blocks: nn.Module, inputs: RankInputs | JointRankInputs, checkpointing: bool
+) -> None:
     """Forward + backward of the rank's tokens through `blocks` (plain or make_fsdp_blocks);
     the optimizer step is not part of the modelled time. Plain blocks: the output's gradient is
     inputs.grad_TD, and weight gradients are dropped afterwards. FSDP blocks, as in training:
@@ -307,10 +389,10 @@ def train_step(blocks: nn.Module, inputs: RankInputs, checkpointing: bool) -> No
         clear_grads(blocks, inputs)
 
 
-def clear_grads(blocks: nn.Module | None, inputs: RankInputs) -> None:
+def clear_grads(blocks: nn.Module | None, inputs: RankInputs | JointRankInputs) -> None:
     """Drops the inputs' gradients, and the blocks' weight gradients unless blocks is None."""
     weights = blocks.parameters() if blocks is not None else ()
-    for tensor in (inputs.x_TD, inputs.text_XD, inputs.modulation_C6D, *weights):
+    for tensor in (*inputs.leaves(), *weights):
         tensor.grad = None
 
 
@@ -324,14 +406,36 @@ def plan_rank_inputs(
     dtype: torch.dtype,
     generator: torch.Generator | None = None,
     output_grad: bool = True,
-) -> RankInputs:
+) -> RankInputs | JointRankInputs:
     """Inputs of `rank` under `plan`: its held chunks (from the plan compiler), their text and
     positions, and the engine's distributed attention over its layout. `output_grad=False` for
     FSDP blocks, whose step takes the output's gradient from a loss (train_step)."""
     from zellige.runtime.attention import distributed_attention
     from zellige.runtime.layout import prepare_step
 
-    step = prepare_step(batch, plan, config.num_heads, device, rank=rank, check_agreement=False)
+    step = prepare_step(
+        batch,
+        plan,
+        config.num_heads,
+        device,
+        rank=rank,
+        check_agreement=False,
+        joint_attention=config.joint_attention,
+    )
+    if config.joint_attention:
+        # local sequence = nonempty held chunk (a rank holds at most one chunk of a sequence)
+        _, local_sequence_T = torch.unique(step.chunk_index, return_inverse=True)
+        return joint_rank_inputs(
+            config=config,
+            modality_T=step.modality,
+            sequence_index_T=local_sequence_T,
+            positions_T3=step.position_ids,
+            attention=functools.partial(distributed_attention, step=step),
+            device=device,
+            dtype=dtype,
+            generator=generator,
+            output_grad=output_grad,
+        )
     layout = step.program
     sequences = batch.sequences
     chunk_tokens = [int(n) for n in layout.chunk_num_tokens]
@@ -368,11 +472,23 @@ def no_cross_attention(q_TNH: Tensor, k_XNH: Tensor, v_XNH: Tensor) -> Tensor:
 
 def per_token_inputs(
     *, config: DiTConfig, num_tokens: int, device: torch.device, dtype: torch.dtype
-) -> RankInputs:
+) -> RankInputs | JointRankInputs:
     """One sequence of `num_tokens` tokens with both attention cores and the text removed: what
-    the cost model calls the per-token layers (projections, norms, modulation, RoPE, FFN)."""
+    the cost model calls the per-token layers (projections, norms, modulation, RoPE, FFN). An
+    MMDiT's tokens are all visual here: a text token costs the same (its stream's weights have
+    the visual stream's shapes), and the cost model charges both alike."""
     positions_T3 = torch.zeros(num_tokens, 3, dtype=torch.int64)
     positions_T3[:, 2] = torch.arange(num_tokens)
+    if config.joint_attention:
+        return joint_rank_inputs(
+            config=config,
+            modality_T=torch.zeros(num_tokens, dtype=torch.int64),
+            sequence_index_T=torch.zeros(num_tokens, dtype=torch.int64),
+            positions_T3=positions_T3,
+            attention=no_self_attention,
+            device=device,
+            dtype=dtype,
+        )
     inputs = rank_inputs(
         config=config,
         chunk_tokens=[num_tokens],

@@ -1,45 +1,126 @@
-"""torchrun --nproc-per-node N -m zellige.train --config NAME [--steps K] [--seed S] [--planner P]
-[--metrics FILE.jsonl] [--out DIR] [--resume DIR]"""
+"""torchrun --nproc-per-node N -m zellige.train --config NAME [--config-file RUN.toml] [--steps K]
+[...any config field as --field-name VALUE] [--metrics FILE.jsonl] [--tensorboard DIR]
+[--wandb PROJECT] [--out DIR] [--resume DIR]
+
+Bad input is one line `zellige.train: error: ...` (from rank 0 only) and exit status 2, before
+any training; a run that fails while training (a non-finite loss, a stuck rank) says so in one
+line and exits with 1.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import ctypes
+import os
+import signal
 import sys
 
 import torch.distributed as dist
 
-from zellige.train.config import CONFIGS, get_config
-from zellige.train.loop import train
+from zellige.train.config import (
+    CONFIGS,
+    FIELD_HELP,
+    field_types,
+    load_config_file,
+    resolve_config,
+)
+from zellige.train.loop import TrainingFailed, say, train
+
+PROG = "zellige.train"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line from rank 0, not a usage block from every rank."""
+
+    def error(self, message: str):
+        say(f"{PROG}: error: {message}")
+        sys.exit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=f"torchrun ... -m {PROG}",
+        description="Train the reference video DiT. Values come from the named config, then "
+        "--config-file, then the flags below.",
+    )
+    parser.add_argument("--config", help=f"named config: {', '.join(CONFIGS)}")
+    parser.add_argument(
+        "--config-file",
+        metavar="RUN.toml",
+        help="TOML file of config fields (and config = NAME, model = PRESET or a [model] table)",
+    )
+    parser.add_argument("--model", metavar="PRESET", help="model preset (e.g. tiny-cpu)")
+    types = field_types()
+    for key, help_text in FIELD_HELP.items():
+        kind = types[key].removesuffix(" | None")
+        flag = "--" + key.replace("_", "-")
+        if kind == "bool":
+            action = argparse.BooleanOptionalAction
+            parser.add_argument(flag, dest=key, action=action, help=help_text)
+        elif kind in ("int", "float", "str"):
+            parser.add_argument(flag, dest=key, type=_number(kind), help=help_text)
+    parser.add_argument("--metrics", metavar="FILE", help="write one JSON object per step")
+    parser.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard scalars here")
+    parser.add_argument("--wandb", metavar="PROJECT", help="log to Weights & Biases (if installed)")
+    parser.add_argument("--out", metavar="DIR", help="checkpoint directory")
+    parser.add_argument("--resume", metavar="DIR", help="resume from this checkpoint directory")
+    return parser
+
+
+def _number(kind: str):
+    def parse(text: str):
+        try:
+            return {"int": int, "float": float, "str": str}[kind](text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not {kind}") from None
+
+    return parse
+
+
+def die_with_launcher() -> None:
+    """Under torchrun on Linux, the kernel kills this rank when its launcher dies: killing
+    torchrun (or its process group; torchrun starts ranks in sessions of their own) must not
+    leave ranks training and writing checkpoints."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() == 1:  # the launcher died before the line above
+        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m zellige.train", description="Train the reference video DiT."
-    )
-    parser.add_argument("--config", required=True, help=f"one of: {', '.join(CONFIGS)}")
-    parser.add_argument("--steps", type=int, help="total steps (resumed ones included)")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument(
-        "--planner",
-        help="zellige, dp-tokens, dp-cost, static-cp:C, knapformer:SPEC[:GAMMA], megatron-dcp",
-    )
-    parser.add_argument("--metrics", help="write one JSON object per step to this file")
-    parser.add_argument("--out", help="checkpoint directory")
-    parser.add_argument("--resume", help="resume from this checkpoint directory")
-    args = parser.parse_args(argv)
-    try:
-        config = get_config(args.config)
-    except ValueError as error:
-        parser.error(str(error))
+    die_with_launcher()
+    args = _parser().parse_args(argv)
     overrides = {
-        key: value
-        for key, value in (("steps", args.steps), ("seed", args.seed), ("planner", args.planner))
-        if value is not None
+        key: getattr(args, key) for key in FIELD_HELP if getattr(args, key, None) is not None
     }
-    config = dataclasses.replace(config, **overrides)
     try:
-        train(config, metrics_path=args.metrics, out_dir=args.out, resume_dir=args.resume)
+        file_values = load_config_file(args.config_file) if args.config_file else {}
+        if args.model is not None:
+            file_values["model"] = args.model
+        config = resolve_config(args.config, file_values, overrides, args.config_file or "")
+    except ValueError as error:
+        say(f"{PROG}: error: {error}")
+        return 2
+    try:
+        train(
+            config,
+            metrics_path=args.metrics,
+            out_dir=args.out,
+            resume_dir=args.resume,
+            tensorboard_dir=args.tensorboard,
+            wandb_project=args.wandb,
+        )
+    except ValueError as error:
+        say(f"{PROG}: error: {error}")
+        return 2
+    except TrainingFailed as failure:
+        if failure.report:
+            print(f"{PROG}: error: {failure}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,10 +1,15 @@
-"""Training configurations: typed, thin, built by named functions. The CLI maps flags onto them."""
+"""Training configurations: typed, thin, built by named functions. A TOML file and the command
+line override their fields (resolve_config), as torchtitan's job files do."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from zellige.model import DiTConfig, model_preset
 
@@ -40,6 +45,10 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints under --out; 0: at the end only
     loader_workers: int = 1  # processes that load data and plan ahead; 0: in the main process
     peak_flops_per_s: float | None = None  # per device, for MFU; None: MFU not reported
+    # loader ranks each step's batch is drawn for; None: the world size of the first run (a
+    # resumed run takes the checkpoint's, so the data stream does not change with the world size)
+    data_ranks: int | None = None
+    timeout_s: float = 600.0  # a collective that waits longer fails the run (a stuck rank)
 
 
 def tiny_cpu() -> TrainConfig:
@@ -130,6 +139,36 @@ def wan14b_width_wan_stage3_h200x8() -> TrainConfig:
     )
 
 
+def mmdit_tiny_cpu() -> TrainConfig:
+    """tiny-cpu's run with the MMDiT (joint text-visual attention) at the same sizes."""
+    return dataclasses.replace(
+        tiny_cpu(), name="mmdit-tiny-cpu", model=model_preset("mmdit-tiny-cpu")
+    )
+
+
+def _mmdit_width_h200(name: str, preset: str) -> TrainConfig:
+    """An MMDiT preset's layer shapes with 6 of its blocks (2 double-stream, 4 single-stream:
+    the presets' 1:2 share), so one H200 holds weights, optimizer state and the activations of
+    Open-Sora 2.0 stage-2 micro-batches (up to 129 frames at 768px): per-layer throughput and
+    MFU of the width, next to wan14b-width-h200."""
+    return dataclasses.replace(
+        wan14b_h200x8(),
+        name=name,
+        model=model_preset(preset, num_layers=6, num_double_layers=2),
+        recipe="opensora2-stage2",
+    )
+
+
+def mmdit11b_width_h200() -> TrainConfig:
+    """FLUX / Open-Sora 2.0 width (3072, 24 heads, 512 text tokens) on one H200."""
+    return _mmdit_width_h200("mmdit11b-width-h200", "mmdit-11b")
+
+
+def hunyuan13b_width_h200() -> TrainConfig:
+    """HunyuanVideo width (3072, 24 heads, 256 text tokens) on one H200."""
+    return _mmdit_width_h200("hunyuan13b-width-h200", "hunyuan-13b")
+
+
 CONFIGS: dict[str, Callable[[], TrainConfig]] = {
     "tiny-cpu": tiny_cpu,
     "wan1p3b-h200": wan1p3b_h200,
@@ -139,6 +178,9 @@ CONFIGS: dict[str, Callable[[], TrainConfig]] = {
     "wan1p3b-wan-stage3-h200x8": wan1p3b_wan_stage3_h200x8,
     "wan14b-width-opensora2-stage2-h200x8": wan14b_width_opensora2_stage2_h200x8,
     "wan14b-width-wan-stage3-h200x8": wan14b_width_wan_stage3_h200x8,
+    "mmdit-tiny-cpu": mmdit_tiny_cpu,
+    "mmdit11b-width-h200": mmdit11b_width_h200,
+    "hunyuan13b-width-h200": hunyuan13b_width_h200,
 }
 
 
@@ -147,3 +189,169 @@ def get_config(name: str) -> TrainConfig:
     if key not in CONFIGS:
         raise ValueError(f"unknown config {name!r}; allowed: {', '.join(CONFIGS)}")
     return CONFIGS[key]()
+
+
+# --- TOML files and command-line overrides -----------------------------------------------------
+
+# Each overridable field: (kind, help). The model is a preset name or a [model] table.
+FIELD_HELP = {
+    "recipe": "workload recipe of the batches (a recipes.json name, or tiny)",
+    "planner": "zellige, dp-tokens, dp-cost, static-cp:C, knapformer:SPEC[:GAMMA], megatron-dcp",
+    "steps": "total steps, resumed ones included (>= 1)",
+    "seed": "seed of the model's initialisation and of every step's data (>= 0)",
+    "device": "cpu or cuda",
+    "backend": "gloo or nccl",
+    "dtype": "float64, float32 or bfloat16",
+    "gpus_per_node": "cluster shape the planner's cost model assumes",
+    "profile": "hardware profile JSON for the cost model (default: the built-in H200 profile)",
+    "activation_checkpointing": "recompute each block in backward",
+    "adaptive_checkpointing": "checkpoint only the blocks each rank's predicted memory needs",
+    "compile_elementwise": "torch.compile the blocks' per-token layers (default: on CUDA only)",
+    "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",
+    "learning_rate": "AdamW peak learning rate",
+    "betas": "AdamW betas (TOML only: a list of two numbers)",
+    "weight_decay": "AdamW weight decay",
+    "warmup_steps": "linear warm-up steps of the learning rate",
+    "grad_clip_norm": "clip the gradient norm to this",
+    "checkpoint_every": "steps between checkpoints under --out (0: at the end only)",
+    "loader_workers": "processes that generate and plan the next steps (0: none)",
+    "peak_flops_per_s": "a device's peak FLOP/s, for MFU",
+    "data_ranks": "loader ranks each step's batch is drawn for (default: the world size)",
+    "timeout_s": "seconds a collective may wait for the other ranks before the run fails",
+}
+_DTYPES = ("float64", "float32", "bfloat16")
+
+
+def field_types() -> dict[str, str]:
+    """Each overridable field's annotation as written ("int", "float | None", ...)."""
+    return {f.name: str(f.type) for f in dataclasses.fields(TrainConfig) if f.name in FIELD_HELP}
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """The keys of a TOML run file: `config` (the named config it starts from), `model` (a preset
+    name, or a table with `preset` and DiTConfig fields to replace) and any TrainConfig field.
+    Raises ValueError with one line for a missing or malformed file or an unknown key."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a UTF-8 text file") from None
+    try:
+        values = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{path}: not valid TOML ({error})") from None
+    allowed = ["config", "model", *FIELD_HELP]
+    for key in values:
+        if key not in allowed:
+            raise ValueError(f"{path}: unknown key {key!r}; allowed: {', '.join(allowed)}")
+    return values
+
+
+def resolve_config(
+    name: str | None, file_values: dict[str, Any], overrides: dict[str, Any], source: str
+) -> TrainConfig:
+    """The named config (command line first, then the file's `config`), with the file's values
+    and then the command line's replacing its fields; validated. `source` names the file in
+    errors."""
+    name = name or file_values.get("config")
+    if name is None:
+        raise ValueError("no config: pass --config NAME or set config = NAME in --config-file")
+    if not isinstance(name, str):
+        raise ValueError(f"{source}: config must be a string (a config name)")
+    config = get_config(name)
+    if "model" in file_values:
+        config = dataclasses.replace(config, model=_model_from(file_values["model"], source))
+    values = {k: v for k, v in file_values.items() if k not in ("config", "model")}
+    replaced = {key: _checked(key, value, source) for key, value in values.items()}
+    replaced |= {key: _checked(key, value, "command line") for key, value in overrides.items()}
+    config = dataclasses.replace(config, **replaced)
+    validate_config(config)
+    return config
+
+
+def validate_config(config: TrainConfig) -> None:
+    """Raises ValueError naming the first field whose value cannot train."""
+    checks = [
+        ("steps", config.steps >= 1, "at least 1"),
+        ("seed", 0 <= config.seed < 2**32, "in [0, 2**32)"),
+        ("device", config.device in ("cpu", "cuda"), "cpu or cuda"),
+        ("backend", config.backend in ("gloo", "nccl"), "gloo or nccl"),
+        ("backend", config.backend != "nccl" or config.device == "cuda", "gloo on device cpu"),
+        ("dtype", config.dtype in _DTYPES, " or ".join(_DTYPES)),
+        ("gpus_per_node", config.gpus_per_node >= 1, "at least 1"),
+        ("learning_rate", _finite(config.learning_rate) and config.learning_rate > 0, "> 0"),
+        ("betas", all(_finite(b) and 0 <= b < 1 for b in config.betas), "two numbers in [0, 1)"),
+        ("weight_decay", _finite(config.weight_decay) and config.weight_decay >= 0, ">= 0"),
+        ("warmup_steps", config.warmup_steps >= 0, ">= 0"),
+        ("grad_clip_norm", _finite(config.grad_clip_norm) and config.grad_clip_norm > 0, "> 0"),
+        ("checkpoint_every", config.checkpoint_every >= 0, ">= 0"),
+        ("loader_workers", config.loader_workers >= 0, ">= 0"),
+        ("peak_flops_per_s", config.peak_flops_per_s is None or config.peak_flops_per_s > 0, "> 0"),
+        ("data_ranks", config.data_ranks is None or config.data_ranks >= 1, "at least 1"),
+        ("timeout_s", _finite(config.timeout_s) and config.timeout_s > 0, "> 0 seconds"),
+    ]
+    for key, ok, allowed in checks:
+        if not ok:
+            raise ValueError(f"{key} must be {allowed}, got {_short(getattr(config, key))}")
+
+
+def _short(value: Any) -> str:
+    """repr for an error message: bounded, so a huge value does not flood the terminal."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def _model_from(value: Any, source: str) -> DiTConfig:
+    if isinstance(value, str):
+        return model_preset(value)
+    if not isinstance(value, dict) or not isinstance(value.get("preset"), str):
+        raise ValueError(f"{source}: model must be a preset name or a table with preset = NAME")
+    fields = {f.name: str(f.type) for f in dataclasses.fields(DiTConfig) if f.name != "name"}
+    overrides = {}
+    for key, item in value.items():
+        if key == "preset":
+            continue
+        if key not in fields:
+            raise ValueError(
+                f"{source}: unknown key model.{key}; allowed: preset, {', '.join(fields)}"
+            )
+        overrides[key] = _typed(f"model.{key}", fields[key], item, source)
+    try:
+        return model_preset(value["preset"], **overrides)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{source}: model: {error}") from None
+
+
+def _checked(key: str, value: Any, source: str) -> Any:
+    return _typed(key, field_types()[key], value, source)
+
+
+def _typed(key: str, kind: str, value: Any, source: str) -> Any:
+    """value as the field's type; ValueError naming key and source if it is not one."""
+    optional = kind.endswith(" | None")
+    base = kind.removesuffix(" | None")
+    if value is None and optional:
+        return None
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, int | float) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+        "tuple[float, float]": isinstance(value, list | tuple)
+        and len(value) == 2
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value),
+    }.get(base, False)
+    if not ok:
+        words = {"int": "an integer", "float": "a number", "str": "a string"}
+        words["bool"] = "true or false"
+        raise ValueError(f"{source}: {key} must be {words.get(base, base)}, got {_short(value)}")
+    if base == "float":
+        return float(value)
+    if base.startswith("tuple"):
+        return tuple(float(v) for v in value)
+    return value

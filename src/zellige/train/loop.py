@@ -2,28 +2,170 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import importlib.util
 import json
+import math
 import os
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
-from zellige.data import StepDataset, make_loader
-from zellige.model import VideoDiT
-from zellige.train.checkpoint import load_checkpoint, save_checkpoint
-from zellige.train.config import TrainConfig
+import zellige
+from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
+from zellige.model import MMDiT, VideoDiT
+from zellige.model import build_model as reference_model
+from zellige.train.checkpoint import (
+    CheckpointInfo,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from zellige.train.config import TrainConfig, validate_config
+from zellige.train.mmdit_step import assemble_joint_step, joint_step_loss
 from zellige.train.parallelize import parallelize, set_checkpointed_blocks
 from zellige.train.step import StepInput, assemble_step
 from zellige.train.timing import StepTimer
 
 
+class TrainingFailed(RuntimeError):
+    """The run stopped (a non-finite loss, a stuck rank). `report`: this rank prints the message
+    (one rank does, so a failure reads as one line)."""
+
+    def __init__(self, message: str, report: bool) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass(kw_only=True, slots=True)
+class RunStart:
+    """What the checks before the process group decided."""
+
+    first_step: int  # steps already done (the checkpoint's)
+    checkpoint: CheckpointInfo | None
+    data_ranks: int
+
+
+def env_rank() -> int:
+    """This process's rank as torchrun set it (0 without torchrun), before any process group."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def say(text: str) -> None:
+    """One line on stderr, from rank 0 only."""
+    if env_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+def preflight(
+    config: TrainConfig,
+    *,
+    num_ranks: int,
+    metrics_path: str | Path | None = None,
+    out_dir: str | Path | None = None,
+    resume_dir: str | Path | None = None,
+    tensorboard_dir: str | Path | None = None,
+    wandb_project: str | None = None,
+) -> RunStart:
+    """Every check that needs no process group, so bad input fails in seconds, before training,
+    the same way on every rank. Raises ValueError with one line; creates out_dir."""
+    validate_config(config)
+    if config.device == "cuda":
+        _require_cuda(config)
+    _check_planning(config, num_ranks)
+    if out_dir is not None:
+        out = Path(out_dir)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out}: exists and is not a directory")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"--out {out}: cannot create ({error.strerror or error})") from None
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise ValueError(f"--out {out}: not writable")
+    for flag, path in (("--metrics", metrics_path), ("--tensorboard", tensorboard_dir)):
+        if path is not None:
+            parent = Path(path).parent
+            if not parent.is_dir() or not os.access(parent, os.W_OK):
+                raise ValueError(f"{flag} {path}: {parent} is not a writable directory")
+    if metrics_path is not None and Path(metrics_path).is_dir():
+        raise ValueError(f"--metrics {metrics_path}: is a directory")
+    if tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(
+            "--tensorboard needs the tensorboard package (pip install tensorboard; the train "
+            "extra includes it)"
+        )
+    if wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb needs the wandb package (pip install wandb)")
+    if resume_dir is None:
+        return RunStart(first_step=0, checkpoint=None, data_ranks=config.data_ranks or num_ranks)
+    info = find_checkpoint(resume_dir)
+    if config.steps < info.step:
+        raise ValueError(
+            f"--steps {config.steps} is below the step of checkpoint {info.path} ({info.step}); "
+            f"--steps counts all steps, resumed ones included: pass more than {info.step}"
+        )
+    model = dataclasses.asdict(config.model)
+    keys = sorted(model.keys() | info.model.keys())
+    differ = [key for key in keys if model.get(key) != info.model.get(key)]
+    if differ:
+        key = differ[0]
+        raise ValueError(
+            f"checkpoint {info.path} holds another model: its {key} is "
+            f"{info.model.get(key)!r}, this run's {model.get(key)!r}"
+        )
+    if config.data_ranks is not None and config.data_ranks != info.data_ranks:
+        raise ValueError(
+            f"data_ranks {config.data_ranks} differs from the checkpoint's {info.data_ranks}: "
+            "the resumed run would see other batches (leave data_ranks unset)"
+        )
+    return RunStart(first_step=info.step, checkpoint=info, data_ranks=info.data_ranks)
+
+
+def _check_planning(config: TrainConfig, num_ranks: int) -> None:
+    """The recipe, profile and planner name resolve, and the planner accepts this cluster:
+    planned here on a token per rank, not in a loader worker after the model is built."""
+    load_training_recipe(config.recipe)
+    spec = model_spec(config.model)
+    cost_model = zellige.make_cost_model(
+        spec, num_ranks, min(config.gpus_per_node, num_ranks), config.profile
+    )
+    sequences = [
+        {"id": r, "num_tokens": 1, "text_tokens": 0, "source_rank": r} for r in range(num_ranks)
+    ]
+    batch = zellige.batch_from_dict({"sequences": sequences}, num_ranks=num_ranks)
+    zellige.make_plan(config.planner, batch, cost_model)
+
+
+def _require_cuda(config: TrainConfig) -> None:
+    if torch.version.cuda is None:
+        raise ValueError(
+            f"config {config.name} trains on CUDA GPUs, but this PyTorch ({torch.__version__}) is "
+            "a CPU-only build; install a CUDA build (README, Training: .venv/bin/pip install "
+            "torch --index-url https://download.pytorch.org/whl/cu128) or use --config tiny-cpu"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError(f"config {config.name} trains on CUDA GPUs, but none is visible")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible "
+            "(start at most that many processes per node)"
+        )
+
+
 def setup_distributed(config: TrainConfig) -> torch.device:
-    """Joins the process group torchrun describes (or a one-process group without torchrun)."""
+    """Joins the process group torchrun describes (or a one-process group without torchrun).
+    A collective that waits more than config.timeout_s fails instead of hanging."""
     if config.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -34,20 +176,24 @@ def setup_distributed(config: TrainConfig) -> torch.device:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         device_id = device if device.type == "cuda" else None
-        dist.init_process_group(backend=config.backend, device_id=device_id)
+        dist.init_process_group(
+            backend=config.backend,
+            device_id=device_id,
+            timeout=datetime.timedelta(seconds=config.timeout_s),
+        )
     return device
 
 
-def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> VideoDiT:
+def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> VideoDiT | MMDiT:
     """The sharded model. On CUDA it is built on the meta device and initialised after sharding
     (no rank ever holds the whole model); on CPU built whole, identical on every rank."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     torch.manual_seed(config.seed)
     if device.type == "cuda":
         with torch.device("meta"):
-            model = VideoDiT(config.model)
+            model = reference_model(config.model)
     else:
-        model = VideoDiT(config.model)
+        model = reference_model(config.model)
     parallelize(
         model,
         mesh,
@@ -70,11 +216,30 @@ def train(
     metrics_path: str | Path | None = None,
     out_dir: str | Path | None = None,
     resume_dir: str | Path | None = None,
+    tensorboard_dir: str | Path | None = None,
+    wandb_project: str | None = None,
     sequences: list[dict] | None = None,
     progress: bool = True,
 ) -> list[dict]:
     """Runs config.steps steps (counting the resumed ones); returns each step's metrics (the same
-    on every rank). `sequences` fixes every step's batch (tests)."""
+    on every rank). `sequences` fixes every step's batch (tests). Bad input raises ValueError
+    before training; a non-finite loss or a stuck rank raises TrainingFailed."""
+    start = preflight(
+        config,
+        num_ranks=int(os.environ.get("WORLD_SIZE", "1")),
+        metrics_path=metrics_path,
+        out_dir=out_dir,
+        resume_dir=resume_dir,
+        tensorboard_dir=tensorboard_dir,
+        wandb_project=wandb_project,
+    )
+    first_step = start.first_step
+    if start.checkpoint is not None and first_step == config.steps:
+        say(
+            f"checkpoint {start.checkpoint.path} is already at step {first_step} = --steps: "
+            f"nothing to do (pass --steps above {first_step} to train on)"
+        )
+        return []
     device = setup_distributed(config)
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     timer = StepTimer(device)
@@ -88,7 +253,21 @@ def train(
     )
     warmup = max(config.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    first_step = load_checkpoint(resume_dir, model, optimizer, scheduler) if resume_dir else 0
+    if start.checkpoint is not None:
+        info = start.checkpoint
+        load_checkpoint(info, model, optimizer, scheduler)
+        resharded = (
+            ""
+            if info.num_ranks == num_ranks
+            else (
+                f"; saved on {info.num_ranks} ranks, the model and optimizer state resharded to "
+                f"{num_ranks}, each step's batch still drawn for {info.data_ranks} loader ranks"
+            )
+        )
+        say(f"resumed from {info.path} at step {info.step}{resharded}")
+    profile_note = _profile_note(config, device)
+    if profile_note:
+        say(profile_note)
 
     dataset = StepDataset(
         model=config.model,
@@ -96,6 +275,7 @@ def train(
         planner=config.planner,
         rank=rank,
         num_ranks=num_ranks,
+        data_ranks=start.data_ranks,
         gpus_per_node=config.gpus_per_node,
         seed=config.seed,
         profile=config.profile,
@@ -103,13 +283,18 @@ def train(
         adaptive_checkpointing=config.activation_checkpointing and config.adaptive_checkpointing,
         sequences=sequences,
     )
-    num_steps = max(config.steps - first_step, 0)
+    num_steps = config.steps - first_step
     loader = make_loader(
         dataset, first_step, num_steps, config.loader_workers, cuda=device.type == "cuda"
     )
-    metrics_file = None
-    if metrics_path and rank == 0:
-        metrics_file = open(metrics_path, "a" if resume_dir else "w")  # noqa: SIM115
+    sinks = _MetricsSinks(
+        config,
+        rank=rank,
+        metrics_path=metrics_path,
+        append=start.checkpoint is not None,
+        tensorboard_dir=tensorboard_dir,
+        wandb_project=wandb_project,
+    )
     bar = tqdm(
         total=config.steps,
         initial=first_step,
@@ -117,103 +302,378 @@ def train(
         file=sys.stderr,
         dynamic_ncols=True,
     )
+    watch = _RankWatch(rank, num_ranks, config.timeout_s)
+    last_saved = start.checkpoint.path if start.checkpoint is not None else None
+    saved_now = None  # the newest checkpoint this run wrote
     history = []
+    run_start = time.perf_counter()
     data_iter = iter(loader)
-    for step in range(first_step, first_step + num_steps):
-        wait_start = time.perf_counter()
-        data = next(data_iter)
-        wait_s = time.perf_counter() - wait_start
-        _synchronize(device)
-        allocated_start_gib = None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            allocated_start_gib = torch.cuda.memory_allocated(device) / 2**30
-        step_start = time.perf_counter()
-        timer.reset()
-        checkpointed = _checkpointed_blocks(config, data.plan, rank)
-        set_checkpointed_blocks(model, checkpointed)
-        sync_check = config.sync_debug and device.type == "cuda"
-        if sync_check:
-            torch.cuda.set_sync_debug_mode("warn")  # every host sync until the optimizer step
+    try:
+        for step in range(first_step, config.steps):
+            try:
+                record = _run_step(
+                    config, model, optimizer, scheduler, timer, device, data_iter, step, watch
+                )
+            except TrainingFailed:
+                raise
+            except RuntimeError as error:
+                raise watch.failure(step + 1, error) from None
+            record["prediction_comparable"] = profile_note is None
+            history.append(record)
+            sinks.write(record)
+            if rank == 0 and progress:
+                bar.update(1)
+                bar.write(_step_line(record, config.steps))
+            done = step + 1
+            due = config.checkpoint_every and done % config.checkpoint_every == 0
+            if out_dir and (due or done == config.steps):
+                saved_at = time.perf_counter()
+                try:
+                    saved_now = last_saved = save_checkpoint(
+                        out_dir,
+                        done,
+                        model,
+                        optimizer,
+                        scheduler,
+                        data_ranks=start.data_ranks,
+                        model_config=config.model,
+                    )
+                except RuntimeError as error:
+                    raise watch.failure(done, error) from None
+                seconds = time.perf_counter() - saved_at
+                _say_above(bar, f"saved checkpoint {last_saved} ({seconds:.1f} s)")
+    except TrainingFailed as failure:
+        kept = f"; the last checkpoint: {last_saved}" if last_saved else ""
+        raise TrainingFailed(str(failure) + kept, failure.report) from None
+    finally:
+        bar.close()
+        sinks.close()
+        watch.close()
+    if rank == 0 and progress:
+        # with the step lines, on stdout; notices (saved, resumed) go to stderr
+        seconds = time.perf_counter() - run_start
+        print(_summary(history, seconds, num_ranks, saved_now, metrics_path), flush=True)
+    return history
+
+
+def _run_step(config, model, optimizer, scheduler, timer, device, data_iter, step, watch) -> dict:
+    """One optimizer step; returns its metrics (gathered: the same on every rank)."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    watch.at_step(step + 1)
+    # torch's generators follow (seed, step, rank): a resumed run continues them on any number
+    # of ranks without storing them (the data has generators of its own)
+    torch.manual_seed(_seed_of(config.seed, step, rank))
+    wait_start = time.perf_counter()
+    data = next(data_iter)
+    wait_s = time.perf_counter() - wait_start
+    _synchronize(device)
+    allocated_start_gib = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        allocated_start_gib = torch.cuda.memory_allocated(device) / 2**30
+    step_start = time.perf_counter()
+    timer.reset()
+    checkpointed = _checkpointed_blocks(config, data.plan, rank)
+    set_checkpointed_blocks(model, checkpointed)
+    sync_check = config.sync_debug and device.type == "cuda"
+    if sync_check:
+        torch.cuda.set_sync_debug_mode("warn")  # every host sync until the optimizer step
+    if config.model.joint_attention:  # MMDiT: text joins attention (train/mmdit_step.py)
+        step_input = assemble_joint_step(data, config.model.num_heads, device)
+        local_loss = joint_step_loss(model, step_input, data.total_tokens, timer)
+    else:
         step_input = assemble_step(data, config.model.num_heads, device)
         local_loss = step_loss(model, step_input, data.total_tokens, timer)
-        # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
-        (local_loss * num_ranks).backward()
-        # the step's peak split by phase, against the cost model's (which has no optimizer step)
-        peak_backward_gib = _peak_gib(device, reset=True)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if sync_check:
-            torch.cuda.set_sync_debug_mode("default")
-        regions = timer.seconds()
-        _synchronize(device)
-        step_s = time.perf_counter() - step_start
+    # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
+    (local_loss * num_ranks).backward()
+    # the step's peak split by phase, against the cost model's (which has no optimizer step)
+    peak_backward_gib = _peak_gib(device, reset=True)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    if sync_check:
+        torch.cuda.set_sync_debug_mode("default")
+    regions = timer.seconds()
+    _synchronize(device)
+    step_s = time.perf_counter() - step_start
 
-        busy_s = regions.get("block", 0.0) + regions.get("block.backward", 0.0)
-        local = torch.tensor(
-            [
-                local_loss.item(),
-                busy_s,
-                regions.get("attention", 0.0) + regions.get("attention.backward", 0.0),
-                regions.get("cross_attention", 0.0) + regions.get("cross_attention.backward", 0.0),
-                step_s,
-                wait_s,
-            ],
-            dtype=torch.float64,
+    busy_s = regions.get("block", 0.0) + regions.get("block.backward", 0.0)
+    local = torch.tensor(
+        [
+            local_loss.item(),
+            busy_s,
+            regions.get("attention", 0.0) + regions.get("attention.backward", 0.0),
+            regions.get("cross_attention", 0.0) + regions.get("cross_attention.backward", 0.0),
+            step_s,
+            wait_s,
+        ],
+        dtype=torch.float64,
+    )
+    gathered = _all_gather(local, device)  # [ranks, fields]
+    loss = float(gathered[:, 0].sum())
+    grad_norm = float(_full(grad_norm))
+    # checked here, after the step's one host sync (not before the optimizer step, which would
+    # add one): the weights it updated are never saved, the run stops (the same on every rank)
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise TrainingFailed(
+            f"step {step + 1}: the loss is {loss} and the gradient norm {grad_norm}: not "
+            "finite; stopped, nothing saved",
+            report=rank == 0,
         )
-        gathered = _all_gather(local, device)  # [ranks, fields]
-        loss = float(gathered[:, 0].sum())
-        rank_busy = gathered[:, 1]
-        slowest_step_s = float(gathered[:, 4].max())
-        predicted = data.plan["predicted"]["rank_time_s"]
-        record = {
-            "step": step + 1,
-            "loss": loss,
-            "tokens_per_s": data.total_tokens / slowest_step_s,
-            "plan_ms": float(data.plan["plan_ms"]),
-            "mfu": _mfu(data.train_flops, slowest_step_s, num_ranks, config.peak_flops_per_s),
-            "step_s": slowest_step_s,
-            "tokens": data.total_tokens,
-            "train_flops": data.train_flops,
-            "sequences": data.num_sequences,
-            "planned_imbalance": max(predicted) / (sum(predicted) / len(predicted)),
-            "measured_imbalance": float(rank_busy.max() / rank_busy.mean().clamp_min(1e-12)),
-            "predicted_makespan_s": float(data.plan["predicted"]["makespan_s"]),
-            "busy_s_max": float(rank_busy.max()),
-            "attention_s_max": float(gathered[:, 2].max()),
-            "cross_attention_s_max": float(gathered[:, 3].max()),
-            "data_wait_s_max": float(gathered[:, 5].max()),
-            "grad_norm": float(_full(grad_norm)),
-            "peak_gib": None
-            if peak_backward_gib is None
-            else max(peak_backward_gib, _peak_gib(device)),
-            "peak_backward_gib": peak_backward_gib,  # forward and backward
-            "peak_optimizer_gib": _peak_gib(device),  # clipping and the optimizer step
-            "predicted_peak_gib": data.plan["predicted"]["rank_peak_bytes"][rank] / 2**30,
-            "checkpointed_blocks": checkpointed,
-            "allocated_start_gib": allocated_start_gib,  # held when the step began
-            "lr": scheduler.get_last_lr()[0],
-            "planner": config.planner,
+    rank_busy = gathered[:, 1]
+    slowest_step_s = float(gathered[:, 4].max())
+    predicted = data.plan["predicted"]["rank_time_s"]
+    return {
+        "step": step + 1,
+        "loss": loss,
+        "tokens_per_s": data.total_tokens / slowest_step_s,
+        "plan_ms": float(data.plan["plan_ms"]),
+        "mfu": _mfu(data.train_flops, slowest_step_s, num_ranks, config.peak_flops_per_s),
+        "step_s": slowest_step_s,
+        "tokens": data.total_tokens,
+        "train_flops": data.train_flops,
+        "sequences": data.num_sequences,
+        "planned_imbalance": max(predicted) / (sum(predicted) / len(predicted)),
+        "measured_imbalance": float(rank_busy.max() / rank_busy.mean().clamp_min(1e-12)),
+        "predicted_makespan_s": float(data.plan["predicted"]["makespan_s"]),
+        "busy_s_max": float(rank_busy.max()),
+        "attention_s_max": float(gathered[:, 2].max()),
+        "cross_attention_s_max": float(gathered[:, 3].max()),
+        "data_wait_s_max": float(gathered[:, 5].max()),
+        "grad_norm": grad_norm,
+        "peak_gib": None
+        if peak_backward_gib is None
+        else max(peak_backward_gib, _peak_gib(device)),
+        "peak_backward_gib": peak_backward_gib,  # forward and backward
+        "peak_optimizer_gib": _peak_gib(device),  # clipping and the optimizer step
+        "predicted_peak_gib": data.plan["predicted"]["rank_peak_bytes"][rank] / 2**30,
+        "checkpointed_blocks": checkpointed,
+        "allocated_start_gib": allocated_start_gib,  # held when the step began
+        "lr": scheduler.get_last_lr()[0],
+        "planner": config.planner,
+    }
+
+
+class _MetricsSinks:
+    """Rank 0 writes each step's record to the JSONL file, TensorBoard and Weights & Biases
+    (each only if asked for). The files are opened at the first record, so a run that fails
+    before training leaves an existing metrics file as it was."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        rank: int,
+        metrics_path: str | Path | None,
+        append: bool,
+        tensorboard_dir: str | Path | None,
+        wandb_project: str | None,
+    ) -> None:
+        self._enabled = rank == 0
+        self._config = config
+        self._metrics_path = metrics_path
+        self._append = append
+        self._tensorboard_dir = tensorboard_dir
+        self._wandb_project = wandb_project
+        self._jsonl = self._tensorboard = self._wandb = None
+        self._opened = False
+
+    def _open(self) -> None:
+        self._opened = True
+        if self._metrics_path:
+            self._jsonl = open(self._metrics_path, "a" if self._append else "w")  # noqa: SIM115
+        if self._tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self._tensorboard_dir))
+        if self._wandb_project:
+            import wandb
+
+            config = dataclasses.asdict(self._config)
+            self._wandb = wandb.init(project=self._wandb_project, config=config)
+
+    def write(self, record: dict) -> None:
+        if not self._enabled:
+            return
+        if not self._opened:
+            self._open()
+        if self._jsonl:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        scalars = {
+            key: value
+            for key, value in record.items()
+            if isinstance(value, int | float) and not isinstance(value, bool) and key != "step"
         }
-        history.append(record)
-        if metrics_file:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-        if rank == 0 and progress:
-            bar.update(1)
-            bar.write(_step_line(record, config.steps))
-        done = step + 1
-        if out_dir and config.checkpoint_every and done % config.checkpoint_every == 0:
-            save_checkpoint(out_dir, done, model, optimizer, scheduler)
-    bar.close()
-    if metrics_file:
-        metrics_file.close()
-    saved_last = config.checkpoint_every and config.steps % config.checkpoint_every == 0
-    if out_dir and num_steps and not saved_last:
-        save_checkpoint(out_dir, config.steps, model, optimizer, scheduler)
-    return history
+        if self._tensorboard:
+            for key, value in scalars.items():
+                self._tensorboard.add_scalar(key, value, record["step"])
+            self._tensorboard.flush()
+        if self._wandb:
+            self._wandb.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tensorboard:
+            self._tensorboard.close()
+        if self._wandb:
+            self._wandb.finish()
+
+
+class _RankWatch:
+    """Names the stuck rank when a collective times out. Each rank counts heartbeats (a thread,
+    once a second) and its step in the launcher's key-value store, which torchrun serves from
+    its own process: a stopped or frozen rank's count stands still, a slow one's step lags."""
+
+    _BEAT_S = 1.0
+
+    def __init__(self, rank: int, num_ranks: int, timeout_s: float) -> None:
+        self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, timeout_s
+        self._store = None
+        if num_ranks > 1 and "MASTER_ADDR" in os.environ:
+            self._store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=30),
+            )
+        self._stop = threading.Event()
+        self._thread = None
+        if self._store is not None:
+            self._thread = threading.Thread(target=self._beat, daemon=True)
+            self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._BEAT_S):
+            try:
+                self._store.add(f"zellige/beats/{self.rank}", 1)
+            except Exception:  # the store went away: the run is ending
+                return
+
+    def at_step(self, step: int) -> None:
+        if self._store is not None:
+            self._store.set(f"zellige/step/{self.rank}", str(step))
+
+    def failure(self, step: int, error: RuntimeError) -> RuntimeError:
+        """What to raise for `error` at `step`: a collective that timed out or lost a peer
+        becomes one line (from one rank); anything else stays as it was."""
+        text = str(error).lower()
+        if "timed out" in text or "timeout" in text:
+            return self.stuck(step)
+        if any(words in text for words in ("connection closed", "connection reset", "broken pipe")):
+            # a rank died; torchrun is about to stop this one too
+            report = self._first_report()
+            return TrainingFailed(
+                f"step {step}: rank {self.rank} lost its connection to another rank (it died?)",
+                report=report,
+            )
+        return error
+
+    def _first_report(self) -> bool:
+        if self._store is None:
+            return True
+        try:
+            return self._store.add("zellige/failure_reported", 1) == 1
+        except Exception:  # the store is gone with the launcher
+            return True
+
+    def stuck(self, step: int) -> TrainingFailed:
+        """The failure to raise after a collective timed out at `step`."""
+        prefix = (
+            f"step {step}: rank {self.rank} waited over {self.timeout_s:g} s (--timeout-s) "
+            "for the other ranks"
+        )
+        if self._store is None:
+            return TrainingFailed(prefix, report=True)
+        try:
+            others = [r for r in range(self.num_ranks) if r != self.rank]
+            before = {r: self._store.add(f"zellige/beats/{r}", 0) for r in others}
+            time.sleep(3 * self._BEAT_S)
+            frozen = [r for r in others if self._store.add(f"zellige/beats/{r}", 0) == before[r]]
+            steps = {}
+            for r in others:
+                if self._store.check([f"zellige/step/{r}"]):
+                    steps[r] = int(self._store.get(f"zellige/step/{r}").decode())
+            behind = [r for r, s in steps.items() if s < step]
+            if frozen:
+                detail = f"rank {_ranks(frozen)} stopped responding (stopped, frozen or dead)"
+            elif behind:
+                detail = ", ".join(f"rank {r} is still at step {steps[r]}" for r in behind)
+            else:
+                detail = "every rank is alive at this step: a rank is stuck inside it"
+            report = self._first_report()
+        except Exception:  # the store itself is gone: say what this rank knows
+            return TrainingFailed(prefix, report=True)
+        return TrainingFailed(f"{prefix}: {detail}", report=report)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _seed_of(seed: int, step: int, rank: int) -> int:
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint32)[0])
+
+
+def _profile_note(config: TrainConfig, device: torch.device) -> str | None:
+    """None when the cost model's profile was measured on this kind of device; otherwise the
+    line that says its predicted times are not comparable with the measured ones."""
+    profile = zellige.load_profile(config.profile)
+    if device.type == "cuda":
+        here = torch.cuda.get_device_name(device)
+        same = profile.device_name == here
+    else:
+        here = "CPU"
+        same = profile.device_name.startswith("CPU")
+    if same:
+        return None
+    source = config.profile or "the built-in profile"
+    return (
+        f"cost model: {source} ({profile.device_name}); this run is on {here}, so the "
+        "predicted step times are the profile's device's, not comparable with the measured "
+        "ones (zellige profile measures this machine; pass its file with --profile)"
+    )
+
+
+def _summary(
+    history: list[dict],
+    seconds: float,
+    num_ranks: int,
+    last_saved: Path | None,
+    metrics_path: str | Path | None,
+) -> str:
+    if not history:
+        return "trained no steps"
+    first, last = history[0], history[-1]
+    tokens = sum(r["tokens"] for r in history)
+    step_s = sum(r["step_s"] for r in history)
+    line = (
+        f"done: steps {first['step']}-{last['step']} on {num_ranks} rank{'s' * (num_ranks > 1)} "
+        f"in {seconds:.1f} s; "
+        f"loss {first['loss']:.4f} -> {last['loss']:.4f}; "
+        f"{tokens / step_s:,.0f} tok/s; mean step {step_s / len(history):.3f} s"
+    )
+    if all(r["prediction_comparable"] for r in history):
+        predicted = sum(r["predicted_makespan_s"] for r in history)
+        line += f" (predicted {predicted / len(history):.3f} s)"
+    mfu = [r["mfu"] for r in history if r["mfu"] is not None]
+    if mfu:
+        line += f"; MFU {100 * sum(mfu) / len(mfu):.1f}%"
+    if last_saved:
+        line += f"; checkpoint {last_saved}"
+    if metrics_path:
+        line += f"; metrics {metrics_path}"
+    return line
+
+
+def _say_above(bar: tqdm, text: str) -> None:
+    if env_rank() == 0:
+        bar.write(text, file=sys.stderr)
 
 
 def step_loss(
@@ -258,7 +718,7 @@ def _step_line(record: dict, total_steps: int) -> str:
     mfu = "-" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
     return (
         f"step {record['step']}/{total_steps} loss {record['loss']:.4f} "
-        f"tok/s {record['tokens_per_s']:.4g} MFU {mfu} "
+        f"tok/s {record['tokens_per_s']:,.0f} MFU {mfu} "
         f"imbalance planned {record['planned_imbalance']:.3f} "
         f"measured {record['measured_imbalance']:.3f} plan {record['plan_ms']:.2f} ms"
     )
