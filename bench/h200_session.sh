@@ -83,8 +83,8 @@ case $phase in
       >"$OUT/train_mmdit.log" 2>&1
     echo "train rc=$?"; tail -6 "$OUT/train_mmdit.log"
     # about 4 min: the budget stops drawing plans in time (fewer than 21: the report says so)
-    timeout 240 zellige validate-profile --model mmdit-11b --profile "$measured" --plans 21 \
-      --repeats 3 --time-budget 180 --json "$OUT/validate_mmdit.json" \
+    timeout 200 zellige validate-profile --model mmdit-11b --profile "$measured" --plans 21 \
+      --repeats 3 --time-budget 150 --json "$OUT/validate_mmdit.json" \
       --results-jsonl "$OUT/validate_mmdit.jsonl" >"$OUT/validate_mmdit.log" 2>&1
     echo "validate rc=$?"; tail -12 "$OUT/validate_mmdit.log"
     ;;

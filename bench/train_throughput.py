@@ -13,7 +13,9 @@ them, see zellige.model.fused); ":compiled" compiles them anywhere; ":all-checkp
 checkpoints every block (the default checkpoints per step only the blocks the plan's predicted
 memory needs); ":no-checkpointing" checkpoints none. Every step's predicted and measured peak
 are listed. --sync-check: the first run warns at every host sync inside its steps
-(torch.cuda.set_sync_debug_mode) and the summary counts them by source line.
+(torch.cuda.set_sync_debug_mode, from step start to the optimizer step) and the summary counts
+them per step and by source line; steps after the warm-up should have 0 (the first steps have
+one-time work: torch.compile, the attention kernel's check on first use).
 MMDiT configs (mmdit11b-width-h200, hunyuan13b-width-h200) run the same way, e.g.
 --runs mmdit11b-width-h200:opensora2-stage2; their cross-attention share is 0 (text joins the
 self-attention, counted as attention) and their FLOPs count text tokens as attended tokens.
@@ -22,6 +24,7 @@ self-attention, counted as attention) and their FLOPs count text tokens as atten
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -113,6 +116,49 @@ def summarise(
     }
 
 
+@contextlib.contextmanager
+def marking_steps(caught: list, step_marks: list[int]):
+    """While inside, the loop's torch.cuda.set_sync_debug_mode("warn") at each step's start
+    appends len(caught) to step_marks: where each step's warnings begin."""
+    set_mode = torch.cuda.set_sync_debug_mode
+
+    def marking(mode) -> None:
+        if mode == "warn":
+            step_marks.append(len(caught))
+        set_mode(mode)
+
+    torch.cuda.set_sync_debug_mode = marking
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode = set_mode
+
+
+def sync_readout(caught: list, step_marks: list[int], warmup: int) -> dict:
+    """Host syncs per step (the warnings between one step's start and the next's) and by source
+    line, all steps and the steps after the warm-up."""
+    bounds = [*step_marks, len(caught)]
+    per_step, steady = [], Counter()
+    for k in range(len(step_marks)):
+        lines = [
+            f"{Path(w.filename).name}:{w.lineno}"
+            for w in caught[bounds[k] : bounds[k + 1]]
+            if "synchroniz" in str(w.message)
+        ]
+        per_step.append(len(lines))
+        if k >= warmup:
+            steady.update(lines)
+    every = Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    return {
+        "host_syncs_by_step": per_step,
+        "host_syncs_after_warmup": sum(steady.values()),
+        "host_syncs_after_warmup_sources": dict(steady),
+        "host_syncs": dict(every),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", default=DEFAULT_RUNS, help="CONFIG:RECIPE pairs, comma-separated")
@@ -146,10 +192,12 @@ def main() -> int:
             **changes,
         )
         start = time.perf_counter()
+        step_marks: list[int] = []
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                history = train(config, progress=False)
+                with marking_steps(caught, step_marks) if sync_check else contextlib.nullcontext():
+                    history = train(config, progress=False)
         except Exception as error:  # keep measuring the other runs; say what failed
             print(f"{run}: FAILED {type(error).__name__}: {error}", file=sys.stderr, flush=True)
             continue
@@ -161,13 +209,7 @@ def main() -> int:
         row = summarise(name, recipe, history, args.warmup, config.peak_flops_per_s, reserved_gib)
         row["variants"] = variants
         if sync_check:
-            syncs = Counter(
-                f"{Path(w.filename).name}:{w.lineno}"
-                for w in caught
-                if "synchroniz" in str(w.message)
-            )
-            row["host_syncs"] = dict(syncs)
-            row["host_syncs_per_step"] = sum(syncs.values()) / len(history)
+            row.update(sync_readout(caught, step_marks, args.warmup))
         row["wall_s"] = time.perf_counter() - start
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -214,6 +256,14 @@ def main() -> int:
             f"{100 * max(r['peak_error'], key=abs, default=0):+.1f}%",
         )
         print("| " + " | ".join(cells) + " |")
+    for r in rows:
+        if "host_syncs_by_step" in r:
+            sources = r["host_syncs_after_warmup_sources"] or "none"
+            print(
+                f"\nsync-check, {r['config']}:{r['recipe']}: host syncs per step "
+                f"{r['host_syncs_by_step']}; after the warm-up (steps {args.warmup + 1}.."
+                f"{args.steps}): {r['host_syncs_after_warmup']} (0 expected), at {sources}"
+            )
     return 0
 
 

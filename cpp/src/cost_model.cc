@@ -713,13 +713,63 @@ double CostModel::makespan_floor(const Batch& batch, const Plan& plan,
       if (skips_recompute) other_s[rank] -= share.recompute_s + share.recompute_exchange_s;
     }
   }
+  return floor_of_totals(tokens, other_s);
+}
+
+void CostModel::floor_terms(const Sequence& sequence, const Placement& placement,
+                            EvaluationCache& cache, std::vector<FloorTerm>* terms) const {
+  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
+  const EvaluationCache::Entry& entry = cached_terms(sequence, placement, cache);
+  terms->resize(entry.shares.size());
+  for (size_t k = 0; k < entry.shares.size(); ++k) {
+    const RankShare& share = entry.shares[k];
+    (*terms)[k].tokens = share.tokens;
+    (*terms)[k].added_s = share.attention_s + share.exchange_s - entry.call_excess_s[k];
+    (*terms)[k].skipped_s = skips_recompute ? share.recompute_s + share.recompute_exchange_s : 0.0;
+  }
+}
+
+double CostModel::floor_of_totals(const std::vector<int64_t>& tokens,
+                                  const std::vector<double>& other_s) const {
+  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
   double floor_s = 0;
-  for (int64_t rank = 0; rank < num_ranks; ++rank) {
+  for (size_t rank = 0; rank < tokens.size(); ++rank) {
     const double linear_s = linear_time_s(tokens[rank]) -
                             (skips_recompute ? linear_recompute_s(tokens[rank]) : 0.0);
     floor_s = std::max(floor_s, linear_s + other_s[rank]);
   }
   return floor_s;
+}
+
+double CostModel::min_floor_time_per_token_s() const {
+  if (!(options_.activation_checkpointing && options_.adaptive_checkpointing)) {
+    return min_linear_time_per_token_s_;
+  }
+  // linear_time_s - linear_recompute_s per token: one forward pass and one elementwise pass less,
+  // each at its fastest rate.
+  const double d = static_cast<double>(model_.width);
+  const double bpe = static_cast<double>(options_.bytes_per_element);
+  return min_linear_time_per_token_s_ -
+         static_cast<double>(model_.num_layers) *
+             (forward_flops_per_token_ /
+                  max_rate(profile_.matmul_forward_flops_per_s, profile_.matmul_flops_per_s) +
+              kElementwiseBytesPerTokenWidth * d * bpe / profile_.memory_bytes_per_s);
+}
+
+double CostModel::floor_rank_seconds(const Sequence& sequence, const Placement& placement,
+                                     EvaluationCache& cache) const {
+  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
+  const double rate_s = min_floor_time_per_token_s();
+  const EvaluationCache::Entry& entry = cached_terms(sequence, placement, cache);
+  double total_s = 0;
+  for (size_t k = 0; k < entry.shares.size(); ++k) {
+    const RankShare& share = entry.shares[k];
+    // As makespan_floor adds it to the rank.
+    double other_s = share.attention_s + share.exchange_s - entry.call_excess_s[k];
+    if (skips_recompute) other_s -= share.recompute_s + share.recompute_exchange_s;
+    total_s += rate_s * static_cast<double>(share.tokens) + other_s;
+  }
+  return total_s;
 }
 
 std::vector<RankShare> CostModel::shares(const Sequence& sequence, const Placement& placement,

@@ -7,12 +7,20 @@
 #include <functional>
 #include <limits>
 #include <stdexcept>
+#include <unordered_map>
+#include <utility>
 
 #include "planners/rank_loads.h"
 #include "planners/registry.h"
 
 namespace zellige {
 namespace {
+
+struct LengthsHash {
+  size_t operator()(const std::pair<int64_t, int64_t>& lengths) const {
+    return std::hash<int64_t>()(lengths.first * 1000003 + lengths.second);
+  }
+};
 
 const char* const kAllowedForms =
     "dp-tokens, dp-cost, static-cp:C, knapformer:SPEC[:GAMMA], megatron-dcp, zellige";
@@ -180,8 +188,13 @@ void check_sequences_fit(const Batch& batch, const CostModel& cost_model) {
         planners::format_gib(cost_model.fixed_bytes()) + " per rank, " +
         planners::format_gib(capacity_bytes) + " available; use more GPUs");
   }
+  // Memory depends on the lengths only, and batches repeat them a lot.
+  std::unordered_map<std::pair<int64_t, int64_t>, double, LengthsHash> best_bytes_of_lengths;
   for (const Sequence& sequence : batch.sequences) {
-    const double best_bytes = best_memory_bytes(sequence, cost_model, capacity_bytes, true);
+    const auto [it, inserted] =
+        best_bytes_of_lengths.try_emplace({sequence.num_tokens, sequence.text_tokens}, 0.0);
+    if (inserted) it->second = best_memory_bytes(sequence, cost_model, capacity_bytes, true);
+    const double best_bytes = it->second;
     if (best_bytes > capacity_bytes) {
       throw PlanMemoryError(planners::describe_sequence(sequence) +
                             " does not fit in memory under any placement on " +
@@ -193,7 +206,8 @@ void check_sequences_fit(const Batch& batch, const CostModel& cost_model) {
 }
 
 void predict(Plan& plan, const Batch& batch, const CostModel& cost_model) {
-  const PlanCost cost = cost_model.evaluate(batch, plan);
+  EvaluationCache cache;  // same costs; placements of equal shapes are priced once
+  const PlanCost cost = cost_model.evaluate(batch, plan, cache);
   plan.predicted.makespan_s = cost.makespan_s;
   plan.predicted.rank_time_s.clear();
   plan.predicted.rank_peak_bytes.clear();

@@ -20,6 +20,9 @@ zellige under the linearised loads, and can only improve on it.
 
 `time_limit_s` covers everything: the warm-start plan, building the candidates and the solve; when
 it runs out before the MILP has a plan, `plan_joint` raises TimeoutError saying which stage ran out.
+The zellige call cannot be interrupted, so the warm start is skipped (the note says
+`warm_start=skipped`) when its estimated CPU time (`warm_start_estimate_s`) exceeds a quarter of
+the limit.
 """
 
 from __future__ import annotations
@@ -429,6 +432,20 @@ def solve_joint(
     )
 
 
+# CPU seconds of one zellige plan per sequence, with the rank count's share on top (x (1 + ranks /
+# 4096)): bench/results/planning_time_cpu2_202612.md measures 35 ms for 4096 sequences at 1024
+# GPUs, 436 ms for 36k at 4096 and 872 ms for 71k at 8192, so this keeps a margin of three to five.
+_WARM_START_S_PER_SEQUENCE = 20e-6
+# The share of time_limit_s the warm start may take.
+_WARM_START_SHARE = 0.25
+
+
+def warm_start_estimate_s(batch: _core.Batch, cost_model: _core.CostModel) -> float:
+    """A generous estimate of the zellige planner's CPU time on this batch (seconds)."""
+    num_ranks = cost_model.cluster.num_ranks()
+    return _WARM_START_S_PER_SEQUENCE * len(batch.sequences) * (1.0 + num_ranks / 4096.0)
+
+
 def plan_joint(
     batch: _core.Batch,
     cost_model: _core.CostModel,
@@ -447,7 +464,12 @@ def plan_joint(
     start = time.perf_counter()
     deadline = _Deadline(start, time_limit_s)
     warm_plan = None
-    if warm_start:
+    # The zellige call runs to its end once started: start it only when it should leave most of
+    # the limit to the candidates and the solve.
+    skip_warm_start = warm_start and (
+        warm_start_estimate_s(batch, cost_model) > _WARM_START_SHARE * time_limit_s
+    )
+    if warm_start and not skip_warm_start:
         options = _core.PlannerOptions(seed=seed, time_limit_s=max(0.0, time_limit_s / 4))
         warm_plan = _core.make_plan("zellige", batch, cost_model, options)
         deadline.check("running the zellige planner for the warm start")
@@ -462,4 +484,6 @@ def plan_joint(
     deadline.check("building candidates (all done, none left for the solve)")
     result = solve_joint(batch, cost_model, problem, time_limit_s=deadline.remaining_s(), seed=seed)
     result.plan.plan_ms = (time.perf_counter() - start) * 1e3
+    if skip_warm_start:
+        result.plan.note += " warm_start=skipped"
     return result.plan

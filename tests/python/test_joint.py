@@ -130,6 +130,30 @@ def test_time_limit_covers_candidate_construction() -> None:
     assert time.perf_counter() - start < 5.0
 
 
+def test_warm_start_skipped_when_it_would_take_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """17.6: the zellige warm start cannot be interrupted, so plan_joint skips it when its
+    estimate exceeds a quarter of the limit (and runs it otherwise)."""
+    cost_model = zellige.make_cost_model("mmdit-11b", 8)
+    batch = zellige.generate("knapformer-joint", 8, 0)
+    calls = []
+    real_make_plan = joint._core.make_plan
+
+    def recording_make_plan(*args, **kwargs):
+        calls.append(args[0])
+        return real_make_plan(*args, **kwargs)
+
+    monkeypatch.setattr(joint._core, "make_plan", recording_make_plan)
+    plan = joint.plan_joint(batch, cost_model, time_limit_s=5, seed=1)
+    assert calls == ["zellige"] and "warm_start=skipped" not in plan.note
+    # The same batch as if the planner took a second per sequence: 5 s is not enough.
+    monkeypatch.setattr(joint, "_WARM_START_S_PER_SEQUENCE", 1.0)
+    assert joint.warm_start_estimate_s(batch, cost_model) > 5 * 0.25
+    calls.clear()
+    plan = joint.plan_joint(batch, cost_model, time_limit_s=5, seed=1)
+    assert calls == [] and "warm_start=skipped" in plan.note
+    assert cost_model.evaluate(batch, plan).fits
+
+
 def test_warm_start_is_the_planners_plan() -> None:
     """zellige's placements are candidates and the MILP's first incumbent, so the reference's
     linearised makespan is never above that of zellige's plan."""

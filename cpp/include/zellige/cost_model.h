@@ -177,6 +177,27 @@ class CostModel {
   // plans. The
   // plan must be valid for the batch (not re-checked).
   double makespan_floor(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
+  // What makespan_floor adds for `placement`, summed over its ranks, with the per-token layers
+  // charged at min_floor_time_per_token_s(): a plan's floor is at least the sum of this over its
+  // placements divided by the rank count, whichever ranks they use (the shares depend on the
+  // ranks only through which share a node).
+  double floor_rank_seconds(const Sequence& sequence, const Placement& placement,
+                            EvaluationCache& cache) const;
+  // makespan_floor by parts, for planners that total ranks themselves (same values, bit for bit):
+  // per position of `placement`, the tokens, the seconds it adds to the rank (`added_s`) and,
+  // under adaptive checkpointing only, the seconds it then takes back (`skipped_s`); and the
+  // floor of per-rank totals so summed.
+  struct FloorTerm {
+    int64_t tokens = 0;
+    double added_s = 0, skipped_s = 0;
+  };
+  void floor_terms(const Sequence& sequence, const Placement& placement, EvaluationCache& cache,
+                   std::vector<FloorTerm>* terms) const;
+  double floor_of_totals(const std::vector<int64_t>& tokens,
+                         const std::vector<double>& other_s) const;
+  // The smallest per-token time of the per-token layers as makespan_floor charges them (under
+  // adaptive checkpointing without their recompute), over any token count.
+  double min_floor_time_per_token_s() const;
 
   // Bytes the ranks of `placement` send in total per step (all layers, forward + backward, plus
   // routing the sequence's tokens from its source rank and back).

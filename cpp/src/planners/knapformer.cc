@@ -8,11 +8,12 @@
 #include <cctype>
 #include <cstdio>
 #include <numeric>
-#include <set>
+#include <queue>
 #include <stdexcept>
 #include <utility>
 
 #include "rank_loads.h"
+#include "registry.h"
 #include "zellige/planners.h"
 
 namespace zellige {
@@ -74,10 +75,39 @@ std::vector<BagTerm> parse_spec(const std::string& spec) {
 
 Plan plan_knapformer(const Batch& batch, const CostModel& cost_model, const std::string& spec,
                      double gamma) {
+  const planners::KnapformerWork work = planners::knapformer_work(batch, cost_model, gamma);
+  const planners::KnapformerBags bags = planners::knapformer_assign(batch, cost_model, spec, work);
+  return planners::knapformer_plan(batch, cost_model, spec, gamma, bags);
+}
+
+planners::KnapformerWork planners::knapformer_work(const Batch& batch, const CostModel& cost_model,
+                                                   double gamma) {
   if (!(gamma >= 0) || gamma > 1e9) {
     throw std::invalid_argument("knapformer gamma must be a finite number >= 0, got " +
                                 std::to_string(gamma));
   }
+  const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
+  const double width = static_cast<double>(cost_model.model().width);
+  KnapformerWork result;
+  result.work.resize(num_sequences);
+  for (int64_t i = 0; i < num_sequences; ++i) {
+    const Sequence& sequence = batch.sequences[i];
+    const double length = static_cast<double>(
+        attended_tokens(cost_model.model(), sequence.num_tokens, sequence.text_tokens));
+    result.work[i] = 24.0 * length * width * width + gamma * 4.0 * length * length * width;
+    result.total_work += result.work[i];
+  }
+  result.order.resize(num_sequences);
+  std::iota(result.order.begin(), result.order.end(), 0);
+  std::stable_sort(result.order.begin(), result.order.end(),
+                   [&](int64_t a, int64_t b) { return result.work[a] > result.work[b]; });
+  return result;
+}
+
+planners::KnapformerBags planners::knapformer_assign(const Batch& batch,
+                                                     const CostModel& cost_model,
+                                                     const std::string& spec,
+                                                     const KnapformerWork& work) {
   const std::vector<BagTerm> terms = parse_spec(spec);
   const int64_t num_ranks = cost_model.cluster().num_ranks();
   const int64_t num_heads = cost_model.model().num_heads;
@@ -96,64 +126,65 @@ Plan plan_knapformer(const Batch& batch, const CostModel& cost_model, const std:
   }
 
   // Bags in layout order: by increasing size, each a block of consecutive ranks.
-  std::vector<int64_t> bag_first_rank, bag_term;
+  KnapformerBags bags;
+  std::vector<int64_t> bag_term;
   for (int64_t rank = 0, t = 0; t < static_cast<int64_t>(terms.size()); ++t) {
     for (int64_t b = 0; b < terms[t].num_bags; ++b, rank += terms[t].bag_size) {
-      bag_first_rank.push_back(rank);
+      bags.first_rank.push_back(rank);
+      bags.size.push_back(terms[t].bag_size);
       bag_term.push_back(t);
     }
   }
   const int64_t num_bags = static_cast<int64_t>(bag_term.size());
+  const double capacity_per_gpu = work.total_work / static_cast<double>(num_ranks);
 
-  const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
-  const double width = static_cast<double>(cost_model.model().width);
-  std::vector<double> work(num_sequences);
-  double total_work = 0;
-  for (int64_t i = 0; i < num_sequences; ++i) {
-    const Sequence& sequence = batch.sequences[i];
-    const double length = static_cast<double>(
-        attended_tokens(cost_model.model(), sequence.num_tokens, sequence.text_tokens));
-    work[i] = 24.0 * length * width * width + gamma * 4.0 * length * length * width;
-    total_work += work[i];
-  }
-  const double capacity_per_gpu = total_work / static_cast<double>(num_ranks);
-
-  std::vector<int64_t> order(num_sequences);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return work[a] > work[b]; });
-
-  char gamma_text[32];
-  std::snprintf(gamma_text, sizeof(gamma_text), "%g", gamma);
-  Plan plan = planners::empty_plan("knapformer:" + spec + ":" + gamma_text, cost_model);
-  plan.placements.resize(num_sequences);
+  bags.of_sequence.assign(batch.sequences.size(), -1);
   // Eligibility depends on the bag size only, so each term keeps its bags ordered by
-  // (occupancy, layout index): the best bag of a size is the first of its set.
+  // (occupancy, layout index) in a min-heap: the best bag of a size is the top of its heap.
+  using Entry = std::pair<double, int64_t>;
+  using Heap = std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>>;
   std::vector<double> occupancy(num_bags, 0.0);
-  std::vector<std::set<std::pair<double, int64_t>>> bags_by_occupancy(terms.size());
-  for (int64_t b = 0; b < num_bags; ++b) bags_by_occupancy[bag_term[b]].insert({0.0, b});
-  for (int64_t index : order) {
+  std::vector<Heap> bags_by_occupancy(terms.size());
+  for (int64_t b = 0; b < num_bags; ++b) bags_by_occupancy[bag_term[b]].push({0.0, b});
+  for (int64_t index : work.order) {
     const Sequence& sequence = batch.sequences[index];
+    const double sequence_work = work.work[index];
     int64_t best = -1;
     for (size_t t = 0; t < terms.size(); ++t) {
       const bool eligible =
-          capacity_per_gpu * static_cast<double>(terms[t].bag_size) >= work[index] &&
+          capacity_per_gpu * static_cast<double>(terms[t].bag_size) >= sequence_work &&
           sequence.num_tokens >= terms[t].bag_size;
-      const int64_t candidate = bags_by_occupancy[t].begin()->second;
+      const int64_t candidate = bags_by_occupancy[t].top().second;
       if (eligible && (best < 0 || std::make_pair(occupancy[candidate], candidate) <
                                        std::make_pair(occupancy[best], best))) {
         best = candidate;
       }
     }
-    if (best < 0) best = bags_by_occupancy.back().begin()->second;  // fallback: the largest bags
+    if (best < 0) best = bags_by_occupancy.back().top().second;  // fallback: the largest bags
     const int64_t size = terms[bag_term[best]].bag_size;
-    bags_by_occupancy[bag_term[best]].erase({occupancy[best], best});
-    occupancy[best] += work[index] / (capacity_per_gpu * static_cast<double>(size));
-    bags_by_occupancy[bag_term[best]].insert({occupancy[best], best});
-    std::vector<int64_t> ranks = planners::consecutive_ranks(bag_first_rank[best], size);
+    Heap& heap = bags_by_occupancy[bag_term[best]];
+    heap.pop();  // `best` is the top of its heap
+    occupancy[best] += sequence_work / (capacity_per_gpu * static_cast<double>(size));
+    heap.push({occupancy[best], best});
+    bags.of_sequence[index] = static_cast<int32_t>(best);
+  }
+  return bags;
+}
+
+Plan planners::knapformer_plan(const Batch& batch, const CostModel& cost_model,
+                               const std::string& spec, double gamma, const KnapformerBags& bags) {
+  char gamma_text[32];
+  std::snprintf(gamma_text, sizeof(gamma_text), "%g", gamma);
+  Plan plan = planners::empty_plan("knapformer:" + spec + ":" + gamma_text, cost_model);
+  const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
+  plan.placements.resize(num_sequences);
+  for (int64_t index = 0; index < num_sequences; ++index) {
+    const int64_t bag = bags.of_sequence[index];
+    const int64_t size = bags.size[bag];
+    std::vector<int64_t> ranks = planners::consecutive_ranks(bags.first_rank[bag], size);
     plan.placements[index] =
-        size == 1 ? make_placement(sequence.id, Strategy::kLocal, std::move(ranks))
-                  : make_placement(sequence.id, Strategy::kUlysses, std::move(ranks));
+        size == 1 ? make_placement(batch.sequences[index].id, Strategy::kLocal, std::move(ranks))
+                  : make_placement(batch.sequences[index].id, Strategy::kUlysses, std::move(ranks));
   }
   return plan;
 }

@@ -1,7 +1,9 @@
 // Private to the planners: run a policy by name, for zellige's baseline seeds.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "zellige/planners.h"
 
@@ -19,5 +21,23 @@ Plan dp_cost(const Batch& batch, const CostModel& cost_model, EvaluationCache* c
 Plan static_cp(const Batch& batch, const CostModel& cost_model, int64_t group_size,
                EvaluationCache* cache);
 Plan megatron_dcp(const Batch& batch, const CostModel& cost_model, EvaluationCache* cache);
+
+// KnapFormer in three steps, so that zellige can price its bags before building a plan.
+// Every spec of one gamma shares the work per sequence and the heaviest-first order.
+struct KnapformerWork {
+  std::vector<double> work;   // per sequence, batch order
+  double total_work = 0;
+  std::vector<int64_t> order;  // heaviest first, ties in batch order
+};
+struct KnapformerBags {
+  std::vector<int64_t> size, first_rank;  // per bag, layout order
+  std::vector<int32_t> of_sequence;       // per sequence (batch order): its bag
+};
+// Throws std::invalid_argument for a bad gamma (knapformer_work) or spec (knapformer_assign).
+KnapformerWork knapformer_work(const Batch& batch, const CostModel& cost_model, double gamma);
+KnapformerBags knapformer_assign(const Batch& batch, const CostModel& cost_model,
+                                 const std::string& spec, const KnapformerWork& work);
+Plan knapformer_plan(const Batch& batch, const CostModel& cost_model, const std::string& spec,
+                     double gamma, const KnapformerBags& bags);
 
 }  // namespace zellige::planners

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -35,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "rank_loads.h"
 #include "registry.h"
 #include "zellige/planners.h"
 
@@ -55,6 +57,8 @@ std::string shortest(double value) {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // Baseline plans (besides the sweep's) that start a local search of their own.
 constexpr size_t kBaselineStarts = 1;
+// The KnapFormer gamma of the covered specs (make_plan's default: covered_baselines names none).
+constexpr double kCoveredKnapformerGamma = 0.4;
 // Among plans within this fraction of the fastest, the one with the lowest peak memory wins.
 constexpr double kMemoryTieBreak = 0.005;
 // A move must lower the busiest rank by more than this fraction, so float noise cannot cycle.
@@ -282,6 +286,10 @@ class ZelligePlanner {
   void sort_ranks(std::vector<int64_t>* ranks) const { std::sort(ranks->begin(), ranks->end()); }
 
   void prepare();
+  double floor_bound(const std::string& baseline);
+  bool aligned_group(int64_t size, int64_t first_rank) const;
+  double bags_floor(const planners::KnapformerBags& bags);
+  double group_floor_rank_seconds(int32_t sequence, int64_t group_size);
   const ShapeChoice& shape_at(int32_t sequence, int64_t degree);
   int64_t degree_for(int32_t sequence, double target_s);
   void construct(double target_s, double share_fraction, Solution* s);
@@ -348,6 +356,14 @@ class ZelligePlanner {
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
   std::vector<RankShare> best_shares_;
+  // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
+  std::unordered_map<int64_t, std::vector<double>> group_floor_s_;
+  std::map<std::vector<int64_t>, double> floor_bound_of_sizes_;  // floor_bound's results
+  // bags_floor's memo: per bag size, per shape key, makespan_floor's terms by position.
+  std::unordered_map<int64_t, std::vector<std::vector<CostModel::FloorTerm>>> bag_floor_terms_;
+  std::vector<std::vector<std::vector<CostModel::FloorTerm>>*> bag_memos_;
+  std::vector<int64_t> floor_tokens_;
+  std::vector<double> floor_other_s_;
 };
 
 void ZelligePlanner::prepare() {
@@ -431,6 +447,139 @@ void ZelligePlanner::prepare() {
     }
     efficient_degree_[i] = it->second;
   }
+}
+
+// What a sequence adds to makespan_floor's ranks, summed (CostModel::floor_rank_seconds), on one
+// group of `group_size` consecutive node-aligned ranks under the USP rule of static-cp (Ulysses
+// over the largest degree dividing the size and the head count, ring over the rest), which is
+// also KnapFormer's Ulysses over a bag (its bag sizes divide the head count).
+double ZelligePlanner::group_floor_rank_seconds(int32_t sequence, int64_t group_size) {
+  std::vector<double>& memo = group_floor_s_[group_size];
+  if (memo.empty()) memo.assign(num_sequences_, std::numeric_limits<double>::quiet_NaN());
+  double& value = memo[shape_key_[sequence]];
+  if (!std::isnan(value)) return value;
+  int64_t ulysses = 1;
+  for (int64_t u = group_size; u > 1; --u) {
+    if (group_size % u == 0 && num_heads_ % u == 0) {
+      ulysses = u;
+      break;
+    }
+  }
+  const Shape shape{group_size == 1          ? Strategy::kLocal
+                    : ulysses == group_size ? Strategy::kUlysses
+                    : ulysses == 1          ? Strategy::kRing
+                                            : Strategy::kHybrid,
+                    group_size, ulysses};
+  std::vector<int64_t> ranks(group_size);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  const Sequence& seq = batch_.sequences[sequence];
+  value = cost_model_.floor_rank_seconds(seq, to_placement(seq.id, shape, std::move(ranks)), cache_);
+  return value;
+}
+
+// A lower bound on makespan_floor of the named baseline's plan, without building it; 0 when
+// there is none. Baselines that give every sequence one of a few group sizes on node-aligned
+// groups (dp-tokens and dp-cost: 1; static-cp:C: C; knapformer: its bag sizes) charge each
+// sequence at least its smallest floor rank-seconds over those sizes, and the busiest rank's
+// floor is at least the mean over ranks. Whichever ranks the policy picks, this holds.
+double ZelligePlanner::floor_bound(const std::string& baseline) {
+  std::vector<int64_t> sizes;
+  auto aligned = [&](int64_t size, int64_t first_rank) { return aligned_group(size, first_rank); };
+  if (baseline == "dp-tokens" || baseline == "dp-cost") {
+    sizes = {1};
+  } else if (baseline.rfind("static-cp:", 0) == 0) {
+    const int64_t size = std::stoll(baseline.substr(10));
+    if (!aligned(size, 0)) return 0;
+    sizes = {size};
+  } else if (baseline.rfind("knapformer:", 0) == 0) {
+    // Covered specs: terms gGnN joined by '+', by increasing G, bags laid out in that order.
+    const std::string spec = baseline.substr(11);
+    int64_t first_rank = 0;
+    size_t begin = 0;
+    while (begin < spec.size()) {
+      const size_t end = std::min(spec.find('+', begin), spec.size());
+      const size_t n = spec.find('n', begin);
+      if (spec[begin] != 'g' || n == std::string::npos || n > end) return 0;
+      const int64_t size = std::stoll(spec.substr(begin + 1, n - begin - 1));
+      const int64_t count = std::stoll(spec.substr(n + 1, end - n - 1));
+      if (size <= 0 || !aligned(size, first_rank)) return 0;
+      sizes.push_back(size);
+      first_rank += size * count;
+      begin = end + 1;
+    }
+    if (sizes.empty()) return 0;
+  } else {
+    return 0;  // megatron-dcp: sizes chosen per group; always built
+  }
+  // The bound depends on the sizes only (dp-tokens, dp-cost, static-cp:1 and knapformer:g1nN
+  // share one, static-cp:C and knapformer:gCnN another, mixed specs their smallest sizes').
+  std::sort(sizes.begin(), sizes.end());
+  const auto [known, inserted] = floor_bound_of_sizes_.try_emplace(sizes, 0.0);
+  if (!inserted) return known->second;
+  // The mean over ranks; and the busiest group: a group's busiest rank is at least the mean of
+  // its ranks, so at least any one of its sequences' floor rank-seconds over the group size,
+  // when no sequence's is negative.
+  double total_s = 0, largest_per_rank_s = 0, smallest_s = kInf;
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    double least_s = kInf, least_per_rank_s = kInf;
+    for (int64_t size : sizes) {
+      const double rank_seconds = group_floor_rank_seconds(static_cast<int32_t>(i), size);
+      least_s = std::min(least_s, rank_seconds);
+      least_per_rank_s = std::min(least_per_rank_s, rank_seconds / static_cast<double>(size));
+      smallest_s = std::min(smallest_s, rank_seconds);
+    }
+    total_s += least_s;
+    largest_per_rank_s = std::max(largest_per_rank_s, least_per_rank_s);
+  }
+  double bound_s = total_s / static_cast<double>(num_ranks_);
+  if (smallest_s >= 0) bound_s = std::max(bound_s, largest_per_rank_s);
+  // Summed in another order than makespan_floor's: keep clear of rounding.
+  known->second = bound_s * (1 - 1e-9);
+  return known->second;
+}
+
+// Whether `size` consecutive ranks from `first_rank` have the node pattern of ranks 0..size-1.
+bool ZelligePlanner::aligned_group(int64_t size, int64_t first_rank) const {
+  if (size <= gpus_per_node_) return gpus_per_node_ % size == 0 && first_rank % size == 0;
+  return size % gpus_per_node_ == 0 && first_rank % gpus_per_node_ == 0;
+}
+
+// makespan_floor of knapformer_plan(bags), bit for bit (the same terms added to the same ranks in
+// the same order), without building the plan; -1 when a bag is not node-aligned.
+double ZelligePlanner::bags_floor(const planners::KnapformerBags& bags) {
+  for (size_t b = 0; b < bags.size.size(); ++b) {
+    if (!aligned_group(bags.size[b], bags.first_rank[b])) return -1;
+  }
+  floor_tokens_.assign(num_ranks_, 0);
+  floor_other_s_.assign(num_ranks_, 0.0);
+  // Per bag, its size's memo (one hash lookup per bag, none per sequence).
+  bag_memos_.resize(bags.size.size());
+  for (size_t b = 0; b < bags.size.size(); ++b) {
+    std::vector<std::vector<CostModel::FloorTerm>>& memo = bag_floor_terms_[bags.size[b]];
+    if (memo.empty()) memo.resize(num_sequences_);
+    bag_memos_[b] = &memo;
+  }
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    const int64_t bag = bags.of_sequence[i];
+    const int64_t size = bags.size[bag];
+    std::vector<CostModel::FloorTerm>& terms = (*bag_memos_[bag])[shape_key_[i]];
+    if (terms.empty()) {
+      const Sequence& seq = batch_.sequences[i];
+      cost_model_.floor_terms(
+          seq,
+          make_placement(seq.id, size == 1 ? Strategy::kLocal : Strategy::kUlysses,
+                         planners::consecutive_ranks(0, size)),
+          cache_, &terms);
+    }
+    const int64_t first_rank = bags.first_rank[bag];
+    for (size_t k = 0; k < terms.size(); ++k) {
+      const int64_t rank = first_rank + static_cast<int64_t>(k);
+      floor_tokens_[rank] += terms[k].tokens;
+      floor_other_s_[rank] += terms[k].added_s;
+      if (terms[k].skipped_s != 0) floor_other_s_[rank] -= terms[k].skipped_s;
+    }
+  }
+  return cost_model_.floor_of_totals(floor_tokens_, floor_other_s_);
 }
 
 const ShapeChoice& ZelligePlanner::shape_at(int32_t sequence, int64_t degree) {
@@ -1203,30 +1352,8 @@ Plan ZelligePlanner::run() {
   if (std::isfinite(best.makespan_s)) finish(&best);
   const double constructed_s = best.makespan_s;
 
-  // Every covered baseline's plan (planners.h, covered_baselines): the best kBaselineStarts of
-  // them start local searches of their own, and all of them enter the final exact comparison, so
-  // that zellige is never worse than any of them.
-  struct Seed {
-    std::string name;
-    Plan plan;
-    double floor_s = kInf;  // CostModel::makespan_floor: no plan's exact makespan is below it
-  };
-  std::vector<Seed> seeds;
-  for (const std::string& name : covered_baselines(batch_, cost_model_)) {
-    Seed seed;
-    seed.name = name;
-    try {
-      seed.plan = planners::run_policy(name, batch_, cost_model_, options_, &cache_);
-    } catch (const PlanMemoryError&) {
-      continue;  // the baseline has no plan within memory: nothing to be worse than
-    }
-    seed.floor_s = cost_model_.makespan_floor(batch_, seed.plan, cache_);
-    seeds.push_back(std::move(seed));
-  }
-  std::stable_sort(seeds.begin(), seeds.end(),
-                   [](const Seed& a, const Seed& b) { return a.floor_s < b.floor_s; });
-
-  // Local search from the sweep's plan and from the most promising baseline plans that fit.
+  // Local search from the sweep's plan, priced exactly at once: its makespan tells which
+  // baselines need to be built at all (below).
   struct Finalist {
     std::string source;
     Plan plan;
@@ -1238,10 +1365,75 @@ Plan ZelligePlanner::run() {
     steps += local_search(s, deadline);
     finalists.push_back({source, to_plan(*s), {}});
   };
+  double best_s = kInf, best_baseline_s = kInf;
+  auto price_finalists = [&](size_t from) {
+    for (size_t k = from; k < finalists.size(); ++k) {
+      Finalist& finalist = finalists[k];
+      finalist.cost = cost_model_.evaluate(batch_, finalist.plan, cache_);
+      if (finalist.cost.fits) best_s = std::min(best_s, finalist.cost.makespan_s);
+    }
+  };
   if (std::isfinite(best.makespan_s)) search_from(&best, "sweep");
   // A baseline start is searched only when its floor is below the sweep's searched makespan (an
   // additive one, close to the exact): otherwise it rarely ends better and costs a whole search.
   const double sweep_s = best.makespan_s;
+  price_finalists(0);
+
+  // Every covered baseline's plan (planners.h, covered_baselines): the best kBaselineStarts of
+  // them start local searches of their own, and all of them whose floor is within the memory
+  // tie-break window of the best plan enter the final exact comparison, so that zellige is never
+  // worse than any of them. A baseline whose floor is at least the sweep's searched makespan and
+  // above that window would be neither a start nor priced: when a cheap lower bound on its floor
+  // (floor_bound) already says so, it is not built at all.
+  struct Seed {
+    std::string name;
+    Plan plan;
+    double floor_s = kInf;  // CostModel::makespan_floor: no plan's exact makespan is below it
+  };
+  const double skip_above_s = std::max(sweep_s, best_s * (1 + kMemoryTieBreak));
+  std::vector<Seed> seeds;
+  int64_t skipped = 0;
+  planners::KnapformerWork knapformer_work;  // shared by every KnapFormer spec
+  for (const std::string& name : covered_baselines(batch_, cost_model_)) {
+    const double bound_s = std::isfinite(skip_above_s) ? floor_bound(name) : 0.0;
+    if (bound_s > skip_above_s) {
+      ++skipped;
+      continue;
+    }
+    Seed seed;
+    seed.name = name;
+    // KnapFormer's bags are chosen without the cost model: price them first, build the plan
+    // only if its floor leaves it a chance.
+    if (name.rfind("knapformer:", 0) == 0) {
+      const std::string spec = name.substr(11);
+      if (knapformer_work.work.empty()) {
+        knapformer_work = planners::knapformer_work(batch_, cost_model_, kCoveredKnapformerGamma);
+      }
+      const planners::KnapformerBags bags =
+          planners::knapformer_assign(batch_, cost_model_, spec, knapformer_work);
+      const double floor_s = bags_floor(bags);
+      if (floor_s > skip_above_s) {
+        ++skipped;
+        continue;
+      }
+      seed.plan = planners::knapformer_plan(batch_, cost_model_, spec, kCoveredKnapformerGamma, bags);
+      seed.floor_s = cost_model_.makespan_floor(batch_, seed.plan, cache_);
+      seeds.push_back(std::move(seed));
+      continue;
+    }
+    try {
+      seed.plan = planners::run_policy(name, batch_, cost_model_, options_, &cache_);
+    } catch (const PlanMemoryError&) {
+      continue;  // the baseline has no plan within memory: nothing to be worse than
+    }
+    seed.floor_s = cost_model_.makespan_floor(batch_, seed.plan, cache_);
+    seeds.push_back(std::move(seed));
+  }
+  std::stable_sort(seeds.begin(), seeds.end(),
+                   [](const Seed& a, const Seed& b) { return a.floor_s < b.floor_s; });
+
+  // Local search from the most promising baseline plans that fit.
+  const size_t first_baseline_start = finalists.size();
   size_t starts = 0;
   for (const Seed& seed : seeds) {
     if (starts == kBaselineStarts || seed.floor_s >= sweep_s) break;
@@ -1255,11 +1447,7 @@ Plan ZelligePlanner::run() {
   // plan that fits; among plans within kMemoryTieBreak of it and no slower than any baseline, the
   // one with the lowest peak memory. A baseline whose makespan floor is above that window cannot
   // win and need not be priced exactly.
-  double best_s = kInf, best_baseline_s = kInf;
-  for (Finalist& finalist : finalists) {
-    finalist.cost = cost_model_.evaluate(batch_, finalist.plan, cache_);
-    if (finalist.cost.fits) best_s = std::min(best_s, finalist.cost.makespan_s);
-  }
+  price_finalists(first_baseline_start);
   int64_t priced = 0;
   for (Seed& seed : seeds) {
     if (seed.floor_s > best_s * (1 + kMemoryTieBreak)) break;  // seeds are in floor order
@@ -1291,7 +1479,7 @@ Plan ZelligePlanner::run() {
   plan.note = "anchors=" + std::to_string(best.num_anchors) +
               " target_s=" + shortest(best_target_s) + " constructed_s=" + shortest(constructed_s) +
               " search_steps=" + std::to_string(steps) + " baselines=" +
-              std::to_string(seeds.size()) + " priced=" + std::to_string(priced) +
+              std::to_string(seeds.size()) + " skipped=" + std::to_string(skipped) + " priced=" + std::to_string(priced) +
               " final=" + chosen->source +
               (chosen->cost.makespan_s > best_s ? " memory_tie_break" : "");
   plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();

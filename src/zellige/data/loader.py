@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -89,6 +89,16 @@ class StepData:
     source_text_XE: Tensor  # the text rows of the same sequences, concatenated in batch order
     source_text_timestep_X: Tensor  # the sequence's flow time, repeated per text row
     source_text_tokens: list[int] = field(default_factory=list)  # per source sequence
+
+    def pin_memory(self) -> StepData:
+        """The tensors in pinned memory (the DataLoader calls this with pin_memory=True), so the
+        step copies them to the GPU with non_blocking=True: no host sync."""
+        pinned = {
+            f.name: value.pin_memory()
+            for f in fields(self)
+            if isinstance(value := getattr(self, f.name), Tensor)
+        }
+        return replace(self, **pinned)
 
 
 def _release_planning_state(dataset_ref: weakref.ref) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -32,11 +33,19 @@ class PackedTokens:
     text_XE: Tensor  # text-encoder features of the local sequences, concatenated
     tokens_per_sequence: Sequence[int]  # host ints, len S
     text_tokens_per_sequence: Sequence[int]  # host ints, len S
+    # [T] long, the local sequence of each token, on the tokens' device (the training step
+    # builds it with its other tables); None: sequence_index() builds it from the host ints
+    sequence_index_T: Tensor | None = None
 
     def sequence_index(self) -> Tensor:
-        counts = torch.tensor(list(self.tokens_per_sequence), dtype=torch.int64)
-        indices = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-        return indices.to(self.latents_TC.device)
+        """Made on the host from host ints and copied without a host sync."""
+        if self.sequence_index_T is not None:
+            return self.sequence_index_T
+        from zellige.runtime.coalesced import to_device
+
+        counts = np.asarray(list(self.tokens_per_sequence), dtype=np.int64)
+        indices = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+        return to_device(torch.from_numpy(indices), self.latents_TC.device)
 
 
 class OutputHead(nn.Module):

@@ -55,6 +55,9 @@ Public API (stable; everything else in the package is private):
         q_row_offset, k_row_offset, q_len, k_len, num_heads, device) (grouped by the C++ engine
         that also groups the step program's segments) or SegmentTable.packed(cu_seqlens, N).
 
+    t = to_device(host_tensor, device)   a host tensor on the device with no host sync (pinned
+        and non_blocking on CUDA): how the step's tables reach the GPU.
+
     kernel_for(device, dtype, head_dim, backend=None) / KERNELS: the attention kernels; the
         automatic choice (cuDNN > flash > efficient on CUDA half precision, ATen flash on CPU) can
         be overridden with backend= or $ZELLIGE_ATTENTION_BACKEND.
@@ -71,7 +74,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from zellige.runtime.attention import cross_attention, distributed_attention
-from zellige.runtime.coalesced import SegmentTable, coalesced_attention
+from zellige.runtime.coalesced import SegmentTable, coalesced_attention, to_device
 from zellige.runtime.exchange import reverse_route, route, route_text
 from zellige.runtime.kernels import KERNELS, kernel_for
 from zellige.runtime.layout import Step, compile_step, load_step, prepare_step
@@ -107,4 +110,5 @@ __all__ = [
     "reverse_route",
     "route",
     "route_text",
+    "to_device",
 ]

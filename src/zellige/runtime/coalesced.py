@@ -51,12 +51,24 @@ class SegmentGroup:
     k_index: RowIndex
 
 
+def to_device(host: Tensor, device: torch.device | str) -> Tensor:
+    """A host tensor on `device` without a host sync: on CUDA it is copied from pinned memory
+    with non_blocking=True (a pageable copy makes the host wait for the GPU; the caching host
+    allocator keeps the pinned block until the copy has run). Elsewhere a plain .to()."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    if not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _row_index(offsets: list[int], rows_each: int, device: torch.device) -> RowIndex:
     if all(b == a + rows_each for a, b in zip(offsets, offsets[1:], strict=False)):
         return slice(offsets[0], offsets[0] + rows_each * len(offsets))
-    starts = torch.tensor(offsets, dtype=torch.long)
-    index = (starts[:, None] + torch.arange(rows_each)[None, :]).reshape(-1)
-    return index.to(device)
+    starts = np.asarray(offsets, dtype=np.int64)
+    index = (starts[:, None] + np.arange(rows_each, dtype=np.int64)[None, :]).reshape(-1)
+    return to_device(torch.from_numpy(index), device)
 
 
 def _disjoint(spans: list[tuple[int, int]]) -> bool:
@@ -349,7 +361,7 @@ def _ragged_layout(table: SegmentTable, device: torch.device) -> RaggedLayout | 
 
             def cumulative(lengths: list[int]) -> Tensor:
                 bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-                return torch.from_numpy(bounds).to(device)
+                return to_device(torch.from_numpy(bounds), device)
 
             n = heads.pop()
             layout = RaggedLayout(

@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 
 from zellige import _core
-from zellige.runtime.coalesced import SegmentTable
+from zellige.runtime.coalesced import SegmentTable, to_device
 
 Tensor = torch.Tensor
 TOKENS = ("all", "visual", "text")
 
 
 def _long(array: np.ndarray, device: torch.device) -> Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+    """A program array (host numpy) on the device; never read back (no host sync)."""
+    return to_device(torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)), device)
 
 
 def _inverse(index: np.ndarray) -> np.ndarray:
@@ -157,19 +158,43 @@ def compile_step(
         ) from None
 
 
+# The world's gloo twin for the status exchange on CUDA: {"world": the default group it mirrors,
+# "host": the gloo group}; made again when the default group is (a new init_process_group).
+_HOST_GROUP: dict = {}
+
+
+def _status_group(group, device: torch.device):
+    """The group that exchanges the loaders' status as host tensors, so that reading it involves
+    no device (gathering a CUDA tensor and reading it on the host would wait for the GPU's
+    queue: a host sync in every step). CPU devices use `group`; on CUDA the world's statuses go
+    over a gloo group made once (every rank calls load_step, so every rank makes it); a
+    subgroup without a CPU backend gathers on the device (one sync per step)."""
+    if device.type == "cpu":
+        return group, torch.device("cpu")
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend:  # a group with a CPU backend ("cpu:gloo,cuda:nccl" or gloo)
+        return group, torch.device("cpu")
+    if group is not None and group is not dist.group.WORLD:
+        return group, device
+    if _HOST_GROUP.get("world") is not dist.group.WORLD:
+        _HOST_GROUP.update(world=dist.group.WORLD, host=dist.new_group(backend="gloo"))
+    return _HOST_GROUP["host"], torch.device("cpu")
+
+
 def _agree_on_status(error: str | None, fingerprint: int, group, device: torch.device) -> None:
     """One small all_gather: every rank learns whether any rank failed or disagrees, so all raise
     the same error instead of some entering a collective the others never join."""
-    status = torch.tensor([1 if error else 0, fingerprint], dtype=torch.long, device=device)
+    status_group, status_device = _status_group(group, device)
+    status = torch.tensor([1 if error else 0, fingerprint], dtype=torch.long, device=status_device)
     world = dist.get_world_size(group)
     gathered = [torch.zeros_like(status) for _ in range(world)]
-    dist.all_gather(gathered, status, group=group)
+    dist.all_gather(gathered, status, group=status_group)
     rows = torch.stack(gathered).cpu().tolist()
     failed = [r for r, (flag, _) in enumerate(rows) if flag]
     if failed:
         message = [error]
         source = dist.get_global_rank(group, failed[0]) if group is not None else failed[0]
-        dist.broadcast_object_list(message, src=source, group=group)
+        dist.broadcast_object_list(message, src=source, group=status_group)
         raise ValueError(message[0])
     if len({fp for _, fp in rows}) > 1:
         raise ValueError(

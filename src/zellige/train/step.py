@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -75,9 +76,8 @@ def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepI
     timestep_T = held_VF.new_empty(step.num_held_tokens)
     timestep_T[step.visual_index] = held_VF[:, 2 * channels]
     if step.joint_attention:
-        text_features = torch.cat(
-            [text_source_XE, data.source_text_timestep_X.to(device)[:, None]], dim=1
-        )
+        text_timestep_X = data.source_text_timestep_X.to(device, non_blocking=True)
+        text_features = torch.cat([text_source_XE, text_timestep_X[:, None]], dim=1)
         held_text_XF = runtime.route(text_features, step, tokens="text")
         text_XE = held_text_XF[:, :-1]
         timestep_T[step.text_index] = held_text_XF[:, -1].to(timestep_T.dtype)
@@ -85,12 +85,14 @@ def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepI
         text_XE = runtime.route_text(text_source_XE, step)
 
     # PackedTokens groups tokens by chunk in held order; a chunk may be empty (a 1-token sequence
-    # split 2 ways): it has no row in the table.
+    # split 2 ways): it has no row in the table. Its tables come from the program's host arrays
+    # and reach the device by non-blocking copies (no host sync; see runtime.to_device).
     program = step.program
     nonempty = program.chunk_num_tokens > 0
     text_held = program.chunk_num_text_tokens[nonempty]
     visual_held = program.chunk_num_tokens[nonempty] - text_held
-    chunk_offsets = torch.as_tensor(program.chunk_held_offset[nonempty], device=device)
+    chunk_offsets = runtime.to_device(torch.from_numpy(program.chunk_held_offset[nonempty]), device)
+    chunk_of_visual = np.repeat(np.arange(visual_held.size, dtype=np.int64), visual_held)
     text_per_chunk = (
         text_held if step.joint_attention else program.chunk_cross_text_tokens[nonempty]
     )
@@ -101,6 +103,7 @@ def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepI
         text_XE=text_XE,
         tokens_per_sequence=visual_held.tolist(),
         text_tokens_per_sequence=text_per_chunk.tolist(),
+        sequence_index_T=runtime.to_device(torch.from_numpy(chunk_of_visual), device),
     )
     return StepInput(
         tokens=tokens,
