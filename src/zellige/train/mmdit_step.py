@@ -39,8 +39,8 @@ def assemble_joint_step(data: StepData, num_heads: int, device: torch.device) ->
     # in held order, as routed.tokens.timesteps_S lists them (one per nonempty chunk). Built from
     # the program's host arrays and copied (pinned, non-blocking): no read back from the device.
     program = step.program
-    _, local_sequence_T = np.unique(program.token_chunk_index, return_inverse=True)
-    local_sequence_T = local_sequence_T.reshape(-1).astype(np.int64)
+    local_sequence_of_chunk = np.cumsum(program.chunk_num_tokens > 0) - 1
+    local_sequence_T = local_sequence_of_chunk[program.token_chunk_index].astype(np.int64)
     streams = StreamOrder.from_host(
         program.held_text_index, program.held_visual_index, local_sequence_T, device
     )
