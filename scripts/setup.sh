@@ -26,7 +26,7 @@ step 4 "build tools: cmake, ninja, nanobind, scikit-build-core"
 .venv/bin/python -m pip install -q cmake ninja nanobind scikit-build-core
 step 5 "zellige: compiling the C++ core and bindings, installing the package (about a minute)"
 # The build requirements are installed just above, so build without an isolated environment.
-.venv/bin/python -m pip install -q --no-build-isolation ".[test,train,milp,plot]"
+.venv/bin/python -m pip install -q --no-build-isolation ".[test,train,milp,plot,docs]"
 printf '[setup done %3ds] commands are in .venv/bin (e.g. .venv/bin/zellige, .venv/bin/torchrun);\n' \
   $((SECONDS - START))
 echo "  or: source .venv/bin/activate"

@@ -33,6 +33,11 @@ void init_model_spec(nb::module_& m) {
 
   m.def("model_preset", &model_preset, nb::arg("name"));
   m.def("model_preset_names", &model_preset_names);
+  m.def("validate_model_spec", &validate_model_spec, nb::arg("model"));
+  m.def("make_model_spec", &make_model_spec, nb::arg("name"), nb::arg("width"),
+        nb::arg("num_heads"), nb::arg("num_layers"), nb::arg("ffn_width"), nb::arg("text_tokens"),
+        nb::arg("joint_attention"), nb::arg("num_double_layers") = 0, nb::arg("head_dim") = 0,
+        nb::arg("param_count") = 0);
   m.def("layer_forward_flops", &layer_forward_flops, nb::arg("model"), nb::arg("num_tokens"),
         nb::arg("text_tokens"));
   m.def("attended_tokens", &attended_tokens, nb::arg("model"), nb::arg("num_tokens"),

@@ -1,6 +1,7 @@
 #include "zellige/model_spec.h"
 
 #include <stdexcept>
+#include <string>
 
 namespace zellige {
 namespace {
@@ -55,6 +56,62 @@ ModelSpec model_preset(const std::string& name) {
     allowed += (allowed.empty() ? "" : ", ") + preset;
   }
   throw std::invalid_argument("unknown model '" + name + "' (allowed: " + allowed + ")");
+}
+
+void validate_model_spec(const ModelSpec& m) {
+  const std::string where = "model '" + m.name + "': ";
+  if (m.name.empty()) throw std::invalid_argument("model: name must not be empty");
+  const auto positive = [&](int64_t value, const char* field) {
+    if (value <= 0) {
+      throw std::invalid_argument(where + field + " must be > 0, got " + std::to_string(value));
+    }
+  };
+  positive(m.width, "width");
+  positive(m.num_heads, "num_heads");
+  positive(m.head_dim, "head_dim");
+  positive(m.num_layers, "num_layers");
+  positive(m.ffn_width, "ffn_width");
+  if (m.text_tokens < 0) {  // 0: a model without text (class- or unconditioned)
+    throw std::invalid_argument(where + "text_tokens must be >= 0, got " +
+                                std::to_string(m.text_tokens));
+  }
+  positive(m.param_count, "param_count");
+  if (m.head_dim * m.num_heads != m.width) {
+    throw std::invalid_argument(where + "head_dim * num_heads must equal width (" +
+                                std::to_string(m.head_dim) + " * " + std::to_string(m.num_heads) +
+                                " != " + std::to_string(m.width) + ")");
+  }
+  if (m.num_double_layers < 0 || m.num_double_layers > m.num_layers) {
+    throw std::invalid_argument(where + "num_double_layers must be in 0.." +
+                                std::to_string(m.num_layers) + " (num_layers), got " +
+                                std::to_string(m.num_double_layers));
+  }
+  if (!m.joint_attention && m.num_double_layers != 0) {
+    throw std::invalid_argument(where +
+                                "num_double_layers must be 0 for a cross-attention model "
+                                "(double-stream layers are joint attention's)");
+  }
+}
+
+ModelSpec make_model_spec(const std::string& name, int64_t width, int64_t num_heads,
+                          int64_t num_layers, int64_t ffn_width, int64_t text_tokens,
+                          bool joint_attention, int64_t num_double_layers, int64_t head_dim,
+                          int64_t param_count) {
+  ModelSpec m;
+  m.name = name;
+  m.width = width;
+  m.num_heads = num_heads;
+  m.head_dim = head_dim != 0 ? head_dim : (num_heads > 0 ? width / num_heads : 0);
+  m.num_layers = num_layers;
+  m.num_double_layers = num_double_layers;
+  m.ffn_width = ffn_width;
+  m.text_tokens = text_tokens;
+  m.joint_attention = joint_attention;
+  m.param_count = 1;  // checked below with the sizes, then counted
+  validate_model_spec(m);
+  m.param_count = param_count != 0 ? param_count : count_block_params(m);
+  validate_model_spec(m);
+  return m;
 }
 
 int64_t attended_tokens(const ModelSpec& model, int64_t num_tokens, int64_t text_tokens) {

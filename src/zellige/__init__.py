@@ -34,6 +34,7 @@ from zellige._core import (
     generate_batch,
     layer_forward_flops,
     make_cluster,
+    make_model_spec,
     make_placement,
     make_plan,
     makespan_lower_bound,
@@ -55,10 +56,19 @@ from zellige._core import (
     total_tokens,
     train_flops,
     validate_batch,
+    validate_model_spec,
     validate_plan,
 )
 from zellige.api import CompareRow, compare, default_planners, plan
 from zellige.costs import make_cost_model
+from zellige.model_spec import (
+    load_model_spec,
+    model_spec_from_dict,
+    model_spec_from_module,
+    model_spec_to_dict,
+    resolve_model,
+    save_model_spec,
+)
 from zellige.plan_io import (
     load_plan,
     plan_from_dict,
@@ -82,7 +92,28 @@ from zellige.workload import (
 
 __version__ = "0.1.0"
 
+# The training-loop API needs torch; it loads on first use so that planning (and the CLI) do not.
+_BALANCER_NAMES = ("Balancer", "BalancedStep", "HeldInputs", "PendingStep", "Sample")
+
+
+def __getattr__(name: str):
+    if name in _BALANCER_NAMES:
+        from zellige import balancer
+
+        return getattr(balancer, name)
+    raise AttributeError(f"module 'zellige' has no attribute {name!r}")
+
+
 __all__ = [
+    *_BALANCER_NAMES,
+    "save_model_spec",
+    "resolve_model",
+    "model_spec_to_dict",
+    "model_spec_from_module",
+    "model_spec_from_dict",
+    "load_model_spec",
+    "validate_model_spec",
+    "make_model_spec",
     "Batch",
     "Bucket",
     "Cluster",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from zellige import _core
 from zellige.costs import make_cost_model
+from zellige.model_spec import resolve_model
 from zellige.workload import generate, load_recipe
 
 JOINT = "joint"  # the MILP reference, in Python (zellige.joint); every other name is make_plan's
@@ -20,7 +21,7 @@ class Setup:
 
     batch: _core.Batch
     cost_model: _core.CostModel
-    model_name: str
+    model_name: str  # the preset's or the spec's name
     links: str
     profile_path: str | None  # None: the built-in profile
     workload: str | None  # the recipe the batch came from, if any
@@ -55,7 +56,7 @@ def make_setup(
     gpus: int,
     *,
     gpus_per_node: int | None = None,  # None: 8, or gpus when fewer
-    model: str | None = None,
+    model: str | Path | _core.ModelSpec | None = None,
     profile: str | Path | _core.HardwareProfile | None = None,
     seed: int = 0,
     links: str = "nvlink",
@@ -75,8 +76,9 @@ def make_setup(
     elif model is None:
         names = ", ".join(_core.model_preset_names())
         raise ValueError(f"a batch needs a model (one of: {names})")
+    spec = resolve_model(model)  # a preset name, a spec file or a ModelSpec
     # The cost model checks the model, cluster and profile before any batch is made.
-    cost_model = make_cost_model(model, gpus, gpus_per_node, profile, links)
+    cost_model = make_cost_model(spec, gpus, gpus_per_node, profile, links)
     if workload is not None:
         batch = generate(recipe, gpus, seed)
     else:
@@ -85,7 +87,7 @@ def make_setup(
     return Setup(
         batch=batch,
         cost_model=cost_model,
-        model_name=model,
+        model_name=spec.name,
         links=links,
         profile_path=str(profile) if isinstance(profile, str | Path) else None,
         workload=workload,
@@ -159,7 +161,7 @@ def plan(
     gpus: int,
     *,
     gpus_per_node: int | None = None,  # None: 8, or gpus when fewer
-    model: str | None = None,
+    model: str | Path | _core.ModelSpec | None = None,
     profile: str | Path | _core.HardwareProfile | None = None,
     planner: str = "zellige",
     seed: int = 0,
@@ -266,7 +268,7 @@ def compare(
     gpus: int,
     *,
     gpus_per_node: int | None = None,  # None: 8, or gpus when fewer
-    model: str | None = None,
+    model: str | Path | _core.ModelSpec | None = None,
     profile: str | Path | _core.HardwareProfile | None = None,
     planners: list[str] | None = None,
     seed: int = 0,

@@ -10,8 +10,8 @@ from zellige._core import (
     HardwareProfile,
     ModelSpec,
     make_cluster,
-    model_preset,
 )
+from zellige.model_spec import resolve_model
 from zellige.profile import load_profile
 
 
@@ -21,7 +21,7 @@ def default_gpus_per_node(gpus: int) -> int:
 
 
 def make_cost_model(
-    model: str | ModelSpec = "mmdit-11b",
+    model: str | Path | ModelSpec = "mmdit-11b",
     gpus: int = 8,
     gpus_per_node: int | None = None,
     profile: str | Path | HardwareProfile | None = None,
@@ -31,10 +31,11 @@ def make_cost_model(
 ) -> CostModel:
     """A CostModel for `gpus` GPUs of `gpus_per_node` each (default: 8, or `gpus` when fewer).
     `profile` is a profile JSON path, a HardwareProfile, or None for the built-in H200 profile.
+    `model` is a preset name, a model spec file or a ModelSpec (zellige.resolve_model).
     adaptive_checkpointing: each rank checkpoints only the layers its memory needs (the plan's
     predicted rank_checkpointed_layers). Raises ValueError for an unknown model or link class, a
     bad cluster shape or profile."""
-    spec = model_preset(model) if isinstance(model, str) else model
+    spec = resolve_model(model)
     if gpus_per_node is None:
         gpus_per_node = default_gpus_per_node(gpus)
     cluster = make_cluster(gpus, gpus_per_node, links)

@@ -48,6 +48,45 @@ TEST(ModelPreset, EveryNameResolvesAndUnknownListsThem) {
   }
 }
 
+TEST(ModelSpecFromSizes, EqualsThePresetOfTheSameSizes) {
+  for (const std::string& name : model_preset_names()) {
+    const ModelSpec preset = model_preset(name);
+    validate_model_spec(preset);
+    const ModelSpec made = make_model_spec(name, preset.width, preset.num_heads, preset.num_layers,
+                                           preset.ffn_width, preset.text_tokens,
+                                           preset.joint_attention, preset.num_double_layers);
+    EXPECT_EQ(made.head_dim, preset.head_dim) << name;
+    EXPECT_EQ(made.param_count, preset.param_count) << name;
+  }
+  EXPECT_EQ(make_model_spec("m", 64, 4, 2, 128, 8, false, 0, 0, 12345).param_count, 12345);
+}
+
+TEST(ModelSpecFromSizes, RejectsEachBadFieldByName) {
+  const auto message = [](auto make) {
+    try {
+      make();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([] { make_model_spec("m", 0, 4, 2, 128, 8, false); }).find("width"),
+            std::string::npos);
+  EXPECT_NE(message([] { make_model_spec("m", 64, 4, 2, 128, 8, false, 0, 20); })
+                .find("head_dim * num_heads must equal width"),
+            std::string::npos);
+  EXPECT_NE(message([] { make_model_spec("m", 64, 4, 2, 128, 8, false, 1); })
+                .find("cross-attention"),
+            std::string::npos);
+  EXPECT_NE(message([] { make_model_spec("m", 64, 4, 2, 128, 8, true, 3); })
+                .find("num_double_layers must be in 0..2"),
+            std::string::npos);
+  EXPECT_NE(message([] { make_model_spec("m", 64, 4, 2, 128, -1, true); }).find("text_tokens"),
+            std::string::npos);
+  EXPECT_NE(message([] { make_model_spec("", 64, 4, 2, 128, 8, true); }).find("name"),
+            std::string::npos);
+}
+
 TEST(LayerFlops, CrossAttentionBreakEvenAtThreeWidthPlusFfn) {
   // REFERENCE.md: attention equals the linear layers at s = 3d + ffn (~29k for wan-14b).
   const ModelSpec m = model_preset("wan-14b");

@@ -643,13 +643,50 @@ TEST(PlannerRules, MegatronDcpDegreesArePowersOfTwoFromMemory) {
   }
   EXPECT_GE(plan.placements[0].degree(), 4);
   EXPECT_GE(plan.placements[1].degree(), 2);
-  // With memory to spare nothing needs CP beyond filling empty ranks: 8 sequences, 8 ranks.
+  // With memory to spare: no rank is left empty (the fill step doubles groups if needed).
   const Plan roomy = make_plan("megatron-dcp", batch, probe);
   std::set<int64_t> busy;
   for (const Placement& placement : roomy.placements) {
     busy.insert(placement.ranks.begin(), placement.ranks.end());
   }
   EXPECT_EQ(busy.size(), 8u);  // empty ranks are filled by doubling groups
+}
+
+TEST(PlannerRules, MegatronDcpShardsALongSequenceWhenThatLowersTheMakespan) {
+  // Memory to spare (every sequence fits one rank): Megatron's degree from memory alone would keep
+  // the 120k video whole, which is dp-cost's plan with that video as the makespan. The knob M and
+  // the packing-aware choice shard it because that lowers the critical path.
+  const CostModel cost_model = make_cost_model("mmdit-11b", 8, 8);
+  std::vector<int64_t> lengths = {120000};
+  for (int i = 0; i < 14; ++i) lengths.push_back(6000 + 500 * i);
+  const Batch batch = batch_of(lengths, 512);
+  const Plan plan = make_plan("megatron-dcp", batch, cost_model);
+  const Plan dp_cost = make_plan("dp-cost", batch, cost_model);
+  expect_places_every_sequence_once(plan, batch, 8, 24, "megatron-dcp");
+  EXPECT_GE(plan.placements[0].degree(), 2);
+  EXPECT_LT(plan.predicted.makespan_s, 0.8 * dp_cost.predicted.makespan_s);
+  for (double peak : plan.predicted.rank_peak_bytes) {
+    EXPECT_LE(peak, cost_model.memory_capacity_bytes());
+  }
+}
+
+TEST(PlannerRules, MegatronDcpUsesTheWholeClusterAsItsNonPowerOfTwoGroup) {
+  // 24 GPUs: groups are powers of two up to 16 or all 24 ranks. A video that needs more than 16
+  // ranks by memory (room for 12k tokens a rank) gets the whole cluster.
+  const CostModel probe = make_cost_model("mmdit-11b", 24, 8);
+  const double room_bytes =
+      local_memory_bytes(probe, sequence_from_tokens(0, "video", 12000, 512, 0));
+  const CostModel cost_model =
+      make_cost_model("mmdit-11b", 24, 8, memory_for_room(probe, room_bytes));
+  const Batch batch = batch_of({240000, 1500, 1500, 1000, 1000, 500}, 512);
+  const Plan plan = make_plan("megatron-dcp", batch, cost_model);
+  expect_places_every_sequence_once(plan, batch, 24, 24, "megatron-dcp");
+  EXPECT_EQ(plan.placements[0].degree(), 24);
+  for (const Placement& placement : plan.placements) {
+    const int64_t degree = placement.degree();
+    EXPECT_TRUE((degree & (degree - 1)) == 0 || degree == 24) << "degree " << degree;
+    for (int64_t k = 1; k < degree; ++k) EXPECT_EQ(placement.ranks[k], placement.ranks[0] + k);
+  }
 }
 
 }  // namespace

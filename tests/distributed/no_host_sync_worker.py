@@ -3,7 +3,8 @@ every read of a tensor's values on the host; rank 0 saves every rank's records a
 
 usage: torchrun --nproc-per-node N no_host_sync_worker.py OUT.json BATCH PLANNER [PLANNER ...]
 (BATCH and PLANNER as in train_grad_worker.py; PLANNER "canary" runs the step with reads made
-on purpose, to show that the guard sees them)
+on purpose, to show that the guard sees them; "mmdit:PLANNER" runs the MMDiT's joint step,
+mmdit_step.py, under PLANNER instead of the Wan-style model's)
 
 The guarded window is what the training loop runs after the loader hands a step over (the
 second step: the first does one-time work, like the attention kernel's check on first use):
@@ -32,14 +33,16 @@ import traceback
 import numpy as np
 import torch
 import torch.distributed as dist
+from mmdit_grad_worker import make_model as make_mmdit
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from train_grad_worker import BATCHES, RING_PLAN, make_model
 
 from zellige.data import StepDataset
 from zellige.runtime import layout
-from zellige.train.config import tiny_cpu
+from zellige.train.config import mmdit_tiny_cpu, tiny_cpu
 from zellige.train.loop import setup_distributed, step_loss
+from zellige.train.mmdit_step import assemble_joint_step, joint_step_loss
 from zellige.train.parallelize import parallelize
 from zellige.train.step import assemble_step
 from zellige.train.timing import StepTimer
@@ -168,13 +171,26 @@ def canary() -> None:
 
 def main() -> None:
     out_path, batch_name, planners = sys.argv[1], sys.argv[2], sys.argv[3:]
-    config = dataclasses.replace(tiny_cpu(), dtype="float64", activation_checkpointing=True)
-    device = setup_distributed(config)
+    configs = {
+        joint: dataclasses.replace(
+            mmdit_tiny_cpu() if joint else tiny_cpu(),
+            dtype="float64",
+            activation_checkpointing=True,
+        )
+        for joint in (False, True)
+    }
+    device = setup_distributed(configs[False])
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     records = {}
-    for planner in planners:
+    for name in planners:
+        joint = name.startswith("mmdit:")
+        planner = name.removeprefix("mmdit:")
+        config = configs[joint]
+        assemble, loss_of = (
+            (assemble_joint_step, joint_step_loss) if joint else (assemble_step, step_loss)
+        )
         timer = StepTimer(device)
-        model = make_model(config)
+        model = make_mmdit(config) if joint else make_model(config)
         mesh = init_device_mesh("cpu", (num_ranks,))
         parallelize(model, mesh, dtype="float64", activation_checkpointing=True, timer=timer)
         dataset = StepDataset(
@@ -193,15 +209,15 @@ def main() -> None:
         for step in range(2):
             data = dataset[step]
             with guarded() if step else contextlib.nullcontext() as guard:
-                step_input = assemble_step(data, config.model.num_heads, device)
-                loss = step_loss(model, step_input, data.total_tokens, timer)
+                step_input = assemble(data, config.model.num_heads, device)
+                loss = loss_of(model, step_input, data.total_tokens, timer)
                 (loss * num_ranks).backward()
                 if step and planner == "canary":
                     canary()
             model.zero_grad(set_to_none=True)
         everyone = [None] * num_ranks
         dist.all_gather_object(everyone, guard.reads)
-        records[planner] = everyone
+        records[name] = everyone
     if rank == 0:
         with open(out_path, "w") as out:
             json.dump(records, out, indent=1)

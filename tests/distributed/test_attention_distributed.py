@@ -304,7 +304,7 @@ def test_bad_plan_raises_same_error_on_every_rank(report) -> None:
         "world-size": "ranks",
         "heads": "head",
         "unplaced-sequence": "sequence",
-        "text-too-long": "2^31",
+        "text-too-long": "text_tokens must be in [0, 1048576]",  # the batch limit comes first
     }
     for label, messages in data["bad_plan"]:
         assert messages[0] is not None, label

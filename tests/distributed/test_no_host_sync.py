@@ -44,6 +44,16 @@ def test_the_training_step_reads_nothing_back(tmp_path: Path) -> None:
         assert got == CANARY_READS, f"rank {rank}: the guard missed a read: {reads}"
 
 
+def test_the_mmdit_step_reads_nothing_back(tmp_path: Path) -> None:
+    """The joint step (mmdit_step.py): its stream order and local sequence index come from the
+    program's host arrays, so neither the step nor the MMDiT's forward reads anything back."""
+    planners = ["mmdit:hand-ring", *(f"mmdit:{p}" for p in ("dp-cost", "zellige") if _built(p))]
+    records = _reads(tmp_path, "mixed", planners)
+    for planner in planners:
+        for rank, reads in enumerate(records[planner]):
+            assert reads == [], f"{planner}, rank {rank}: the step read tensors back: {reads}"
+
+
 def test_a_rank_without_tokens_reads_nothing_back(tmp_path: Path) -> None:
     records = _reads(tmp_path, "single", ["dp-cost"])
     for rank, reads in enumerate(records["dp-cost"]):

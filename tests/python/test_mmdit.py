@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import zellige
 from zellige.data.synthetic import grid_positions
 from zellige.model import JointTokens, MMDiT, VideoDiT, build_model, model_preset
-from zellige.model.mmdit import TEXT, VISUAL, whole_sequence_attention
+from zellige.model.mmdit import TEXT, VISUAL, StreamOrder, whole_sequence_attention
 
 CONFIG = model_preset("mmdit-tiny-cpu")
 # (grid, text tokens): a 1-token video, a textless one, text longer than the video
@@ -155,6 +155,30 @@ def test_sharded_held_tokens_equal_the_whole_sequence_model() -> None:
         torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-13, msg=name)
 
 
+def test_the_stream_order_from_host_tables_equals_the_derived_one() -> None:
+    """StreamOrder.from_host (what mmdit_step.py builds from the step program, no read back)
+    gives the same order, text count and per-stream tables as StreamOrder.of, and the model
+    gives the same velocity with either."""
+    rows, timesteps = _joint_rows(seed=3)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(4)).tolist()
+    tokens = _tokens([rows[i] for i in order], timesteps, [0, 1, 2, 3])
+    modality = tokens.modality_T.numpy()
+    host = StreamOrder.from_host(
+        (modality == TEXT).nonzero()[0],
+        (modality == VISUAL).nonzero()[0],
+        tokens.sequence_index_T.numpy(),
+        torch.device("cpu"),
+    )
+    derived = StreamOrder.of(tokens.modality_T, tokens.sequence_index_T)
+    assert host.num_text == derived.num_text == sum(r[1] == TEXT for r in rows)
+    for name in ("order", "sequence_index_X", "sequence_index_V"):
+        assert torch.equal(getattr(host, name), getattr(derived, name)), name
+    model = _model()
+    expected = model(tokens)
+    tokens.streams = host
+    assert torch.equal(model(tokens), expected)
+
+
 def test_only_double_blocks_still_give_every_weight_a_gradient() -> None:
     config = model_preset("mmdit-tiny-cpu", num_layers=2, num_double_layers=2)
     model = _model(config)
@@ -251,3 +275,43 @@ def test_reduced_depth_keeps_the_double_block_share() -> None:
     assert model_preset("hunyuan-13b", num_layers=3).num_double_layers == 1
     assert model_preset("mmdit-11b", num_layers=1).num_double_layers == 1
     assert model_preset("wan-14b", num_layers=4).num_double_layers == 0
+
+
+def test_compiled_regions_equal_eager_and_do_not_recompile_per_step() -> None:
+    """The double- and single-stream blocks' fused regions traced by torch.compile (aot_eager:
+    the same graphs and partitioner as on a GPU, without code generation) give eager's loss and
+    gradients, and steps of new token, text and sequence counts reuse the dynamic-shape graphs."""
+    from torch._dynamo.utils import counters
+
+    from zellige.model import fused
+
+    rows, timesteps = _joint_rows(seed=5)
+
+    def step(sequences: list[int]) -> JointTokens:
+        return _tokens([r for r in rows if r[0] in sequences], timesteps, sequences)
+
+    def loss_and_grads(tokens: JointTokens) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model = _model()
+        loss = model(tokens).square().sum()
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    # every step holds at least 2 text and 2 visual tokens (dynamic shapes specialise 0 and 1)
+    steps = [step([0, 1, 2, 3]), step([0, 3]), step([1, 3]), step([0, 1])]
+    eager = [loss_and_grads(tokens) for tokens in steps]
+    torch._dynamo.reset()
+    counters.clear()
+    fused.use_compiled(True, backend="aot_eager")
+    try:
+        compiled = [loss_and_grads(steps[0])]
+        graphs_after_first = counters["stats"]["unique_graphs"]
+        compiled += [loss_and_grads(tokens) for tokens in steps[1:]]
+        graphs_after_all = counters["stats"]["unique_graphs"]
+    finally:
+        fused.use_compiled(False)
+    for (loss, grads), (loss_c, grads_c) in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(loss_c, loss, rtol=1e-12, atol=0)
+        for grad, grad_c in zip(grads, grads_c, strict=True):
+            torch.testing.assert_close(grad_c, grad, rtol=1e-10, atol=1e-12)
+    assert graphs_after_first > 0
+    assert graphs_after_all == graphs_after_first  # no recompilation for new sizes

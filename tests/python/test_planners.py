@@ -155,3 +155,28 @@ def test_zellige_is_registered() -> None:
             pytest.skip(str(error))
         raise
     assert plan.planner == "zellige"
+
+
+@pytest.mark.parametrize(
+    ("workload", "gpus"), [("opensora2-stage2", 32), ("wan-stage3", 8), ("wan-stage3", 32)]
+)
+def test_megatron_dcp_shards_long_videos_on_h200_memory(workload: str, gpus: int) -> None:
+    # Megatron-Core's dynamic CP over our cost model: on H200 memory every sequence fits one rank,
+    # yet the plan must shard the long videos when that lowers the makespan (the schedule that
+    # keeps every sequence whole is dp-cost's, which the reworked baseline has to beat here).
+    recipe = zellige.load_recipe(workload)
+    cost_model = zellige.make_cost_model(recipe.model, gpus, 8)
+    for seed in range(3):
+        batch = zellige.generate(recipe, gpus, seed)
+        plan = zellige.make_plan("megatron-dcp", batch, cost_model)  # validated by make_plan
+        _core.validate_plan(plan, batch, gpus, cost_model.model.num_heads)
+        assert max(plan.predicted.rank_peak_bytes) <= cost_model.memory_capacity_bytes()
+        dp_cost = zellige.make_plan("dp-cost", batch, cost_model)
+        assert plan.predicted.makespan_s < 0.95 * dp_cost.predicted.makespan_s
+        longest = max(range(len(batch.sequences)), key=lambda i: batch.sequences[i].num_tokens)
+        assert len(plan.placements[longest].ranks) > 1
+        for placement in plan.placements:
+            degree = len(placement.ranks)
+            # Megatron's groups: powers of two or the whole cluster, on consecutive ranks.
+            assert degree & (degree - 1) == 0 or degree == gpus
+            assert placement.ranks == list(range(placement.ranks[0], placement.ranks[0] + degree))

@@ -559,3 +559,37 @@ def test_quick_profile_and_validate_run_the_mmdit(tmp_path, capsys):
     assert len(report["ranks"]) >= 1
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in report["ranks"])
     assert any("layers of mmdit-tiny" in note for note in report["notes"])
+
+
+def test_a_joint_spec_file_profiles_on_the_mmdit_blocks(tmp_path, capsys):
+    """A joint-attention spec file (here mmdit-tiny's sizes under the user's name) runs the MMDiT
+    reference blocks at its own sizes, cut as the preset is; profile --quick measures it."""
+    from zellige.cli import main
+    from zellige.model.mmdit import DoubleStreamBlock, SingleStreamBlock
+    from zellige.model_spec import load_model_spec, save_model_spec
+    from zellige.profiler import rank_work
+    from zellige.profiler.models import dit_config, model_spec
+
+    preset = _core_preset("mmdit-tiny")
+    preset.name = "my-mmdit"
+    path = tmp_path / "my_mmdit.toml"
+    save_model_spec(preset, path)
+    spec = load_model_spec(path)
+    config = dit_config(spec)
+    assert (config.joint_attention, config.num_layers, config.num_double_layers) == (True, 3, 2)
+    blocks = rank_work.make_blocks(config, 3, "cpu", torch.float32)
+    assert [type(b) for b in blocks] == [DoubleStreamBlock, DoubleStreamBlock, SingleStreamBlock]
+    cut, cut_preset = model_spec(spec, 2), model_spec("mmdit-tiny", 2)
+    assert (cut.num_layers, cut.num_double_layers, cut.param_count) == (
+        cut_preset.num_layers,
+        cut_preset.num_double_layers,
+        cut_preset.param_count,
+    )
+    assert spec.num_layers == 3  # the cut is a copy
+
+    out, details = tmp_path / "profile.json", tmp_path / "details.json"
+    args = ["profile", "--quick", "--repeats", "1", "--model-spec", str(path), "--out", str(out)]
+    assert main([*args, "--details", str(details)]) == 0
+    assert "runs as" not in capsys.readouterr().err  # a spec file keeps its own sizes
+    assert json.loads(details.read_text())["model"] == "my-mmdit"
+    assert "--model-spec (my-mmdit)" in json.loads(out.read_text())["created"]

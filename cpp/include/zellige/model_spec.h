@@ -26,6 +26,19 @@ struct ModelSpec {
 ModelSpec model_preset(const std::string& name);
 std::vector<std::string> model_preset_names();
 
+// Checks a model given by its sizes (a spec file, a user's module; zellige.load_model_spec) and
+// throws std::invalid_argument naming the field that is wrong and what is allowed: every size
+// > 0, head_dim * num_heads == width (the cost model's attention width is the model's), a
+// cross-attention model has no double-stream layers, a joint one at most num_layers of them.
+void validate_model_spec(const ModelSpec& model);
+
+// A validated ModelSpec from sizes. head_dim 0: width / num_heads; param_count 0: the blocks'
+// count (block_param_count), as for a preset.
+ModelSpec make_model_spec(const std::string& name, int64_t width, int64_t num_heads,
+                          int64_t num_layers, int64_t ffn_width, int64_t text_tokens,
+                          bool joint_attention, int64_t num_double_layers = 0,
+                          int64_t head_dim = 0, int64_t param_count = 0);
+
 // Parameters of the transformer blocks alone, from the sizes (a preset's param_count; a real
 // module's count adds its embeddings and final layer).
 int64_t block_param_count(const ModelSpec& model);

@@ -1,24 +1,36 @@
-// megatron-dcp: Megatron-Core dynamic (hybrid) context parallelism, as REFERENCE.md describes it.
-//  - Degree from memory: cp = max(1, 2^ceil(log2(L / max_tokens_per_rank))), where
-//    max_tokens_per_rank is the longest sequence one rank holds within memory under this cost
-//    model; CP is Megatron's default ring (p2p) attention.
-//  - Workload L^2 / cp (attention only). Samples sorted by length and cut into as many buckets of
-//    roughly equal work as there are distinct degrees; the next sample is the first bucket head
-//    with a home: the least-loaded group of its size, or a new group on free ranks when that one
-//    is less loaded. A round stops once some smaller degree was placed and the slack between the
-//    most and least loaded rank is <= 5%; then the last sample of the most loaded group is
-//    trimmed while that lowers the slack, and empty ranks are filled by doubling the smallest
-//    group. Groups of a round lie on consecutive ranks in creation order (power-of-two aligned
-//    when sizes descend). Leftover samples start the next round.
-// Megatron runs its rounds as micro-batches separated by barriers; a Zellige plan is one step in
-// which a rank runs all its sequences, so the rounds' placements are united and their memory adds:
-// groups without room are skipped, and a round that places nothing raises PlanMemoryError.
+// megatron-dcp: Megatron-Core's dynamic context parallelism ("default_dynamic_cp" scheduler of its
+// sequence-packing data schedule, 2026), re-stated over Zellige's cost model. docs/planner.md
+// describes it and where this differs; the algorithm, in our words:
+//  - The knob M (Megatron's max_seqlen_per_dp_cp_rank): tokens one rank may hold in a
+//    micro-batch. A sequence of L tokens needs degree max(1, 2^ceil(log2(L / M))); degrees are
+//    powers of two below the GPU count N, or N itself (Megatron builds one communicator per
+//    power of two and one for the whole data x context group, which may be a non-power of two).
+//  - One micro-batch: sequences longest first. The longest opens a group at its needed degree on
+//    ranks 0..d-1. Every later sequence tries each degree from its needed one, doubling up to N:
+//    every existing group of that size whose ranks keep <= M tokens, and a new group on the next
+//    free ranks; it takes the option with the lowest projected makespan of the micro-batch (the
+//    first in that scan order on ties), unless that exceeds a cap of 5% over "a rank holding M
+//    tokens against the longest sequence"; no option -> the sequence waits for the next
+//    micro-batch. So a sequence shards beyond its needed degree only when that lowers the
+//    critical path. Then empty ranks are filled: the first group of the smallest size doubles
+//    (at most to N), the groups after it moving right; when no group can, the micro-batch is
+//    redone as one group of all N ranks packed longest first up to M tokens per rank.
+//  - Micro-batches repeat until every sequence is placed.
+// Over our cost model: a sequence's work at degree d is its busiest rank's time as ring attention
+// (Megatron's default p2p CP) on d consecutive ranks, instead of L^2 / d, with the per-token
+// layers at the rate of a rank holding the batch's mean tokens (so that it adds up over a rank's
+// sequences); a group's load is the sum of its sequences' work. Megatron leaves M to the user and runs micro-batches between
+// barriers; a Zellige plan is one step, so the micro-batches' placements are united (memory adds;
+// a sequence whose group has no room in the union waits for a later micro-batch) and M is chosen
+// per batch, as a user tuning it would: the memory limit, and the longest sequence over 1, 2, 4,
+// ... ranks until its share is below the mean rank load; the plan with the lowest rank time wins.
 #include <algorithm>
+#include <array>
 #include <cmath>
-#include <deque>
+#include <limits>
 #include <map>
 #include <numeric>
-#include <set>
+#include <optional>
 #include <utility>
 
 #include "rank_loads.h"
@@ -28,23 +40,7 @@
 namespace zellige {
 namespace {
 
-constexpr double kBalanceSlack = 0.05;    // stop a round once max - min <= 5% of max
-constexpr double kBucketOverfill = 1.10;  // a bucket closes above 110% of its work target
-
-struct Sample {
-  int64_t index = 0;        // in the batch
-  double length = 0;        // attended tokens
-  int64_t cp = 1;           // degree from memory
-  double work = 0;          // length^2 / cp
-  double memory_bytes = 0;  // per rank at degree cp, the sample alone
-};
-
-struct Group {
-  int64_t size = 0;
-  double load = 0;               // sum of work, the same on every member
-  double memory_bytes = 0;       // sum of the samples' per-rank memory
-  std::vector<int64_t> samples;  // positions in the samples vector, in placement order
-};
+constexpr double kCapSlack = 0.05;  // Megatron's workload cap: 5% over tallest x M
 
 Placement ring_placement(int64_t sequence_id, int64_t first_rank, int64_t size) {
   std::vector<int64_t> ranks = planners::consecutive_ranks(first_rank, size);
@@ -73,257 +69,358 @@ int64_t max_tokens_per_rank(const CostModel& cost_model, int64_t text_tokens) {
   return low;
 }
 
-// Buckets of roughly equal work, as many as there are distinct degrees; contiguous in `pending`.
-std::vector<std::deque<int64_t>> make_buckets(const std::vector<int64_t>& pending,
-                                              const std::vector<Sample>& samples) {
-  std::set<int64_t> degrees;
-  double total_work = 0;
-  for (int64_t s : pending) {
-    degrees.insert(samples[s].cp);
-    total_work += samples[s].work;
+// Groups of one size in creation order, as a segment tree of (min load, min tokens per rank), so
+// "the first group that stays under X with room for Y tokens" and "the least loaded group with
+// room" take O(log groups) in the usual case.
+class GroupTree {
+ public:
+  explicit GroupTree(int64_t capacity) {
+    while (leaves_ < capacity) leaves_ *= 2;
+    load_.assign(2 * leaves_, kInf);
+    tokens_.assign(2 * leaves_, kInf);
   }
-  const int64_t num_buckets = static_cast<int64_t>(degrees.size());
-  const double target = total_work / static_cast<double>(num_buckets);
-  const int64_t num_pending = static_cast<int64_t>(pending.size());
-  std::vector<std::deque<int64_t>> buckets;
-  std::deque<int64_t> current;
-  double current_work = 0;
-  for (int64_t i = 0; i < num_pending; ++i) {
-    const double work = samples[pending[i]].work;
-    // Close the bucket when it would overflow, or to keep a sample for every bucket still to come.
-    const int64_t buckets_to_come = num_buckets - static_cast<int64_t>(buckets.size());
-    if (!current.empty() && (current_work + work > target * kBucketOverfill ||
-                             num_pending - i <= buckets_to_come - 1)) {
-      buckets.push_back(std::move(current));
-      current = {};
-      current_work = 0;
+  int64_t size() const { return static_cast<int64_t>(groups_.size()); }
+  int64_t group(int64_t leaf) const { return groups_[leaf]; }
+  int64_t push(int64_t group) {
+    groups_.push_back(group);
+    return size() - 1;
+  }
+  void set(int64_t leaf, double load, double tokens) {
+    int64_t node = leaf + leaves_;
+    load_[node] = load, tokens_[node] = tokens;
+    for (node /= 2; node >= 1; node /= 2) {
+      load_[node] = std::min(load_[2 * node], load_[2 * node + 1]);
+      tokens_[node] = std::min(tokens_[2 * node], tokens_[2 * node + 1]);
     }
-    current.push_back(pending[i]);
-    current_work += work;
   }
-  if (!current.empty()) buckets.push_back(std::move(current));
-  return buckets;
-}
+  // The first leaf with load <= max_load and tokens <= max_tokens, or -1.
+  int64_t first_fit(double max_load, double max_tokens) const {
+    return first_fit(1, max_load, max_tokens);
+  }
+  // The first leaf of least load among those with tokens <= max_tokens, or -1.
+  int64_t least_loaded(double max_tokens) const {
+    int64_t best = -1;
+    double best_load = kInf;
+    least_loaded(1, max_tokens, &best, &best_load);
+    return best;
+  }
+
+ private:
+  static constexpr double kInf = std::numeric_limits<double>::infinity();
+  int64_t first_fit(int64_t node, double max_load, double max_tokens) const {
+    if (load_[node] > max_load || tokens_[node] > max_tokens) return -1;
+    if (node >= leaves_) return node - leaves_;
+    const int64_t left = first_fit(2 * node, max_load, max_tokens);
+    return left >= 0 ? left : first_fit(2 * node + 1, max_load, max_tokens);
+  }
+  void least_loaded(int64_t node, double max_tokens, int64_t* best, double* best_load) const {
+    if (tokens_[node] > max_tokens || load_[node] >= *best_load) return;
+    if (node >= leaves_) {
+      *best = node - leaves_, *best_load = load_[node];
+      return;
+    }
+    least_loaded(2 * node, max_tokens, best, best_load);
+    least_loaded(2 * node + 1, max_tokens, best, best_load);
+  }
+  int64_t leaves_ = 1;
+  std::vector<double> load_, tokens_;
+  std::vector<int64_t> groups_;
+};
+
+struct Group {
+  int64_t size = 0;
+  int64_t first_rank = 0;
+  double load_s = 0;             // sum of the samples' work at this size, on every member
+  double tokens_per_rank = 0;    // sum of L / size
+  std::vector<int64_t> samples;  // batch indices, in placement order
+  int64_t leaf = 0;              // in the micro-batch's tree of its size
+};
 
 class MegatronDcp {
  public:
   MegatronDcp(const Batch& batch, const CostModel& cost_model, EvaluationCache* cache)
       : batch_(batch),
         cost_model_(cost_model),
-        loads_(cost_model, cache),
+        cache_(cache != nullptr ? cache : &own_cache_),
+        probe_loads_(cost_model, cache_),
         num_ranks_(cost_model.cluster().num_ranks()) {}
 
   Plan run();
 
  private:
-  void prepare_samples();
-  // One round over `pending`; places what it can into plan_ and returns the leftovers.
-  std::vector<int64_t> round(const std::vector<int64_t>& pending, int64_t* num_placed);
-  void trim_overload(std::vector<Group>& groups, std::vector<int64_t>& leftovers) const;
+  // The needed degree of sequence i under knob M (tokens), memory included.
+  int64_t needed_degree(int64_t i, double max_tokens);
+  // Busiest-rank time of sequence i alone as ring attention on `degree` consecutive ranks.
+  double work_s(int64_t i, int64_t degree);
+  int64_t memory_degree(int64_t i);
+  // One micro-batch over `pending` (longest first): its groups; the rest goes to `leftovers`.
+  std::vector<Group> micro_batch(const std::vector<int64_t>& pending, double max_tokens,
+                                 std::vector<int64_t>* leftovers);
+  bool fill_empty_ranks(std::vector<Group>& groups);
+  // The whole schedule under knob M; nullopt when a micro-batch places nothing within memory.
+  std::optional<Plan> schedule(double max_tokens, double* rank_time_s);
 
   const Batch& batch_;
   const CostModel& cost_model_;
-  planners::RankLoads loads_;
+  EvaluationCache own_cache_;  // when the caller passes none: shapes repeat across the knobs
+  EvaluationCache* cache_;
+  planners::RankLoads probe_loads_;  // for shares only
   const int64_t num_ranks_;
-  std::vector<Sample> samples_;
-  Plan plan_;
+  // By (tokens, text tokens, degree): batches repeat lengths a lot.
+  std::map<std::array<int64_t, 3>, double> work_s_;
+  std::vector<int64_t> memory_degree_;  // 0: not computed yet
+  // The per-token layers' time per token on a rank holding the batch's mean tokens per rank:
+  // alone, a short sequence runs its GEMMs at a small-batch rate it does not have once packed.
+  double linear_s_per_token_ = 0;
 };
 
-void MegatronDcp::prepare_samples() {
-  int64_t max_text_tokens = 0;
-  for (const Sequence& sequence : batch_.sequences) {
-    max_text_tokens = std::max(max_text_tokens, sequence.text_tokens);
+double MegatronDcp::work_s(int64_t i, int64_t degree) {
+  const Sequence& sequence = batch_.sequences[i];
+  auto [it, inserted] =
+      work_s_.try_emplace({sequence.num_tokens, sequence.text_tokens, degree}, 0.0);
+  if (inserted) {
+    for (const RankShare& share :
+         probe_loads_.shares(sequence, ring_placement(sequence.id, 0, degree))) {
+      const double time_s = static_cast<double>(share.tokens) * linear_s_per_token_ +
+                            share.attention_s + share.exchange_s;
+      it->second = std::max(it->second, time_s);
+    }
   }
-  const int64_t max_tokens = max_tokens_per_rank(cost_model_, max_text_tokens);
-  if (max_tokens == 0) {
+  return it->second;
+}
+
+int64_t MegatronDcp::memory_degree(int64_t i) {
+  if (memory_degree_[i] > 0) return memory_degree_[i];
+  const double room_bytes = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
+  const Sequence& sequence = batch_.sequences[i];
+  int64_t degree = 1;
+  while (planners::placement_memory_bytes(probe_loads_.shares(
+             sequence, ring_placement(sequence.id, 0, degree))) > room_bytes) {
+    if (degree == num_ranks_) {
+      throw PlanMemoryError("megatron-dcp: " + planners::describe_sequence(sequence) +
+                            " does not fit in memory even as ring attention over all " +
+                            std::to_string(num_ranks_) + " GPUs");
+    }
+    degree = std::min(degree * 2, num_ranks_);
+  }
+  return memory_degree_[i] = degree;
+}
+
+int64_t MegatronDcp::needed_degree(int64_t i, double max_tokens) {
+  const double tokens = static_cast<double>(batch_.sequences[i].num_tokens);
+  int64_t degree = 1;
+  while (static_cast<double>(degree) * max_tokens < tokens && degree < num_ranks_) degree *= 2;
+  degree = std::max(degree, memory_degree(i));
+  return std::min(degree, num_ranks_);  // beyond the largest power of two: the whole group
+}
+
+std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
+                                            double max_tokens, std::vector<int64_t>* leftovers) {
+  std::vector<Group> groups;
+  std::map<int64_t, GroupTree> trees;  // by group size
+  int64_t used_ranks = 0;
+  double makespan_s = 0;  // of this micro-batch, in work units
+
+  auto tree = [&](int64_t size) -> GroupTree& {
+    return trees.try_emplace(size, num_ranks_ / size + 1).first->second;
+  };
+  auto add = [&](int64_t g, int64_t i, double work) {
+    Group& group = groups[g];
+    group.load_s += work;
+    group.tokens_per_rank +=
+        static_cast<double>(batch_.sequences[i].num_tokens) / static_cast<double>(group.size);
+    group.samples.push_back(i);
+    tree(group.size).set(group.leaf, group.load_s, group.tokens_per_rank);
+    makespan_s = std::max(makespan_s, group.load_s);
+  };
+  auto open = [&](int64_t size) {
+    const int64_t g = static_cast<int64_t>(groups.size());
+    groups.push_back({size, used_ranks, 0.0, 0.0, {}, 0});
+    used_ranks += size;
+    groups[g].leaf = tree(size).push(g);
+    return g;
+  };
+
+  const int64_t tallest = pending.front();
+  const int64_t first_degree = needed_degree(tallest, max_tokens);
+  add(open(first_degree), tallest, work_s(tallest, first_degree));
+  // Megatron's cap, tallest x M in L^2 units: the tallest's work at the (fractional) degree L / M.
+  const double tallest_tokens = static_cast<double>(batch_.sequences[tallest].num_tokens);
+  const double cap_s = (1.0 + kCapSlack) * work_s(tallest, first_degree) *
+                       static_cast<double>(first_degree) * max_tokens / tallest_tokens;
+
+  for (size_t k = 1; k < pending.size(); ++k) {
+    const int64_t i = pending[k];
+    const double tokens = static_cast<double>(batch_.sequences[i].num_tokens);
+    double best_s = std::numeric_limits<double>::infinity();
+    int64_t best_group = -1, best_new = 0;
+    for (int64_t degree = needed_degree(i, max_tokens); degree <= num_ranks_; degree *= 2) {
+      const auto found = trees.find(degree);
+      const bool can_open = num_ranks_ - used_ranks >= degree;
+      if (found == trees.end() && !can_open) {  // no option of this size: skip its pricing
+        if (degree == num_ranks_) break;
+        continue;
+      }
+      const double work = work_s(i, degree);
+      const double room = max_tokens - tokens / static_cast<double>(degree);
+      auto consider = [&](double projected_s, int64_t group, int64_t new_size) {
+        if (projected_s <= cap_s && projected_s < best_s) {
+          best_s = projected_s, best_group = group, best_new = new_size;
+        }
+      };
+      if (found != trees.end()) {
+        const GroupTree& same = found->second;
+        // Adding to a group that stays under the makespan ties at the makespan: the first such
+        // group wins; otherwise the least loaded one.
+        int64_t leaf = same.first_fit(makespan_s - work, room);
+        if (leaf < 0) leaf = same.least_loaded(room);
+        if (leaf >= 0) {
+          const int64_t g = same.group(leaf);
+          consider(std::max(makespan_s, groups[g].load_s + work), g, 0);
+        }
+      }
+      if (can_open) consider(std::max(makespan_s, work), -1, degree);
+      if (best_s <= makespan_s) break;  // nothing later in the scan can be strictly lower
+      if (degree == num_ranks_) break;
+    }
+    if (best_group < 0 && best_new == 0) {
+      leftovers->push_back(i);
+      continue;
+    }
+    const int64_t g = best_group >= 0 ? best_group : open(best_new);
+    add(g, i, work_s(i, groups[g].size));
+  }
+
+  if (!fill_empty_ranks(groups)) {
+    // One group of all ranks, packed longest first while every rank keeps <= M tokens.
+    groups.assign(1, Group{num_ranks_, 0, 0.0, 0.0, {}, 0});
+    leftovers->clear();
+    for (int64_t i : pending) {
+      const double share = static_cast<double>(batch_.sequences[i].num_tokens) /
+                           static_cast<double>(num_ranks_);
+      if (groups[0].tokens_per_rank + share <= max_tokens) {
+        groups[0].tokens_per_rank += share;
+        groups[0].samples.push_back(i);
+      } else {
+        leftovers->push_back(i);
+      }
+    }
+    if (groups[0].samples.empty()) {  // Megatron asserts; place the longest anyway
+      groups[0].samples.push_back(pending.front());
+      leftovers->erase(leftovers->begin());
+    }
+  }
+  return groups;
+}
+
+bool MegatronDcp::fill_empty_ranks(std::vector<Group>& groups) {
+  int64_t used_ranks = 0;
+  for (const Group& group : groups) used_ranks += group.size;
+  while (used_ranks < num_ranks_) {
+    int64_t smallest = num_ranks_;
+    for (const Group& group : groups) smallest = std::min(smallest, group.size);
+    const int64_t grown = std::min(2 * smallest, num_ranks_);
+    const int64_t extra = grown - smallest;
+    int64_t g = 0;
+    while (g < static_cast<int64_t>(groups.size()) &&
+           (groups[g].size != smallest || extra > num_ranks_ - used_ranks)) {
+      ++g;
+    }
+    if (g == static_cast<int64_t>(groups.size())) return false;
+    groups[g].size = grown;
+    groups[g].load_s = 0;
+    for (int64_t i : groups[g].samples) groups[g].load_s += work_s(i, grown);
+    for (size_t h = g + 1; h < groups.size(); ++h) groups[h].first_rank += extra;
+    used_ranks += extra;
+  }
+  return true;
+}
+
+std::optional<Plan> MegatronDcp::schedule(double max_tokens, double* rank_time_s) {
+  planners::RankLoads loads(cost_model_, cache_);
+  Plan plan = planners::empty_plan("megatron-dcp", cost_model_);
+  plan.placements.resize(batch_.sequences.size());
+  std::vector<int64_t> pending(batch_.sequences.size());
+  std::iota(pending.begin(), pending.end(), 0);
+  while (!pending.empty()) {
+    std::stable_sort(pending.begin(), pending.end(), [&](int64_t a, int64_t b) {
+      return batch_.sequences[a].num_tokens > batch_.sequences[b].num_tokens;
+    });
+    std::vector<int64_t> leftovers;
+    const std::vector<Group> groups = micro_batch(pending, max_tokens, &leftovers);
+    int64_t num_placed = 0;
+    for (const Group& group : groups) {
+      for (int64_t i : group.samples) {
+        const Sequence& sequence = batch_.sequences[i];
+        Placement placement = ring_placement(sequence.id, group.first_rank, group.size);
+        const std::vector<RankShare> shares = loads.shares(sequence, placement);
+        if (!loads.fits(shares)) {  // the union holds every micro-batch: try a later one
+          leftovers.push_back(i);
+          continue;
+        }
+        loads.add(shares);
+        plan.placements[i] = std::move(placement);
+        ++num_placed;
+      }
+    }
+    if (num_placed == 0) return std::nullopt;
+    pending = std::move(leftovers);
+  }
+  *rank_time_s = 0;
+  for (int64_t rank = 0; rank < num_ranks_; ++rank) {
+    *rank_time_s = std::max(*rank_time_s, loads.time_s(rank));
+  }
+  return plan;
+}
+
+Plan MegatronDcp::run() {
+  const int64_t num_sequences = static_cast<int64_t>(batch_.sequences.size());
+  memory_degree_.assign(num_sequences, 0);
+  if (num_sequences == 0) return planners::empty_plan("megatron-dcp", cost_model_);
+  int64_t max_text_tokens = 0, tallest = 0, total_tokens = 0;
+  for (int64_t i = 0; i < num_sequences; ++i) {
+    total_tokens += batch_.sequences[i].num_tokens;
+    max_text_tokens = std::max(max_text_tokens, batch_.sequences[i].text_tokens);
+    if (batch_.sequences[i].num_tokens > batch_.sequences[tallest].num_tokens) tallest = i;
+  }
+  const int64_t mean_tokens = std::max<int64_t>(1, total_tokens / num_ranks_);
+  linear_s_per_token_ =
+      cost_model_.linear_time_s(mean_tokens) / static_cast<double>(mean_tokens);
+  const int64_t memory_tokens = max_tokens_per_rank(cost_model_, max_text_tokens);
+  if (memory_tokens == 0) {
     throw PlanMemoryError("megatron-dcp: no rank has memory for even one token (" +
                           planners::format_gib(cost_model_.fixed_bytes()) + " fixed, " +
                           planners::format_gib(cost_model_.memory_capacity_bytes()) +
                           " available)");
   }
-  const double max_length =
-      static_cast<double>(attended_tokens(cost_model_.model(), max_tokens, max_text_tokens));
-  const double room_bytes = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
+  for (int64_t i = 0; i < num_sequences; ++i) memory_degree(i);  // throws for a misfit
 
-  for (int64_t i = 0; i < static_cast<int64_t>(batch_.sequences.size()); ++i) {
-    const Sequence& sequence = batch_.sequences[i];
-    Sample sample;
-    sample.index = i;
-    sample.length = static_cast<double>(
-        attended_tokens(cost_model_.model(), sequence.num_tokens, sequence.text_tokens));
-    while (static_cast<double>(sample.cp) * max_length < sample.length) sample.cp *= 2;
-    sample.cp = std::min(sample.cp, num_ranks_);  // or the entire DP x CP group
-    // The memory-derived degree estimates ring buffers from one probe; double until it fits.
-    while (true) {
-      sample.memory_bytes = planners::placement_memory_bytes(
-          loads_.shares(sequence, ring_placement(sequence.id, 0, sample.cp)));
-      if (sample.memory_bytes <= room_bytes) break;
-      if (sample.cp == num_ranks_) {
-        throw PlanMemoryError("megatron-dcp: " + planners::describe_sequence(sequence) +
-                              " does not fit in memory even as ring attention over all " +
-                              std::to_string(num_ranks_) + " GPUs");
-      }
-      sample.cp = std::min(sample.cp * 2, num_ranks_);
-    }
-    sample.work = sample.length * sample.length / static_cast<double>(sample.cp);
-    samples_.push_back(sample);
-  }
-}
-
-void MegatronDcp::trim_overload(std::vector<Group>& groups, std::vector<int64_t>& leftovers) const {
-  while (true) {
-    double max_load = 0, min_load = groups.front().load;
-    int64_t most_loaded = 0;
-    for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g) {
-      if (groups[g].load > max_load) max_load = groups[g].load, most_loaded = g;
-      min_load = std::min(min_load, groups[g].load);
-    }
-    const double slack = max_load - min_load;
-    if (slack <= kBalanceSlack * max_load) return;
-    Group& group = groups[most_loaded];
-    if (group.samples.size() <= 1) return;
-    const Sample& last = samples_[group.samples.back()];
-    double projected_max = 0, projected_min = group.load - last.work;
-    for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g) {
-      const double load = g == most_loaded ? group.load - last.work : groups[g].load;
-      projected_max = std::max(projected_max, load);
-      projected_min = std::min(projected_min, load);
-    }
-    if (projected_max - projected_min >= slack) return;
-    group.load -= last.work;
-    group.memory_bytes -= last.memory_bytes;
-    leftovers.push_back(group.samples.back());
-    group.samples.pop_back();
-  }
-}
-
-std::vector<int64_t> MegatronDcp::round(const std::vector<int64_t>& pending, int64_t* num_placed) {
-  std::vector<std::deque<int64_t>> buckets = make_buckets(pending, samples_);
-  // Memory in a round is checked against the emptiest rank; exact per-rank checks follow once
-  // the round's layout is known, and a sample that does not fit then waits for the next round.
-  double base_bytes = loads_.peak_bytes(0);
-  for (int64_t rank = 1; rank < num_ranks_; ++rank) {
-    base_bytes = std::min(base_bytes, loads_.peak_bytes(rank));
-  }
-  const double capacity_bytes = loads_.capacity_bytes();
-
-  std::vector<Group> groups;
-  std::map<int64_t, std::set<std::pair<double, int64_t>>> groups_by_size;  // (load, group)
-  std::set<std::pair<double, int64_t>> groups_by_load;
-  int64_t used_ranks = 0;
-  double max_load = 0;
-  int64_t first_degree = 0;
-  bool check_balance = false;
-  int64_t num_remaining = static_cast<int64_t>(pending.size());
-
-  while (num_remaining > 0) {
-    // The first bucket head with a home: a group of its size with room, or enough free ranks.
-    int64_t bucket = -1, existing = -1;
-    bool open_new = false;
-    for (int64_t b = 0; b < static_cast<int64_t>(buckets.size()) && bucket < 0; ++b) {
-      if (buckets[b].empty()) continue;
-      const Sample& sample = samples_[buckets[b].front()];
-      existing = -1;
-      for (const auto& [load, g] : groups_by_size[sample.cp]) {
-        if (base_bytes + groups[g].memory_bytes + sample.memory_bytes <= capacity_bytes) {
-          existing = g;
-          break;
-        }
-      }
-      const bool can_open = num_ranks_ - used_ranks >= sample.cp &&
-                            base_bytes + sample.memory_bytes <= capacity_bytes;
-      if (existing < 0 && !can_open) continue;
-      bucket = b;
-      // Free ranks carry no load in this round: a new group wins over any loaded one.
-      open_new = can_open && (existing < 0 || groups[existing].load > 0);
-    }
-    if (bucket < 0) break;
-
-    const int64_t s = buckets[bucket].front();
-    buckets[bucket].pop_front();
-    --num_remaining;
-    const Sample& sample = samples_[s];
-    int64_t g = existing;
-    if (open_new) {
-      g = static_cast<int64_t>(groups.size());
-      groups.push_back({sample.cp, 0.0, 0.0, {}});
-      used_ranks += sample.cp;
-    } else {
-      groups_by_size[sample.cp].erase({groups[g].load, g});
-      groups_by_load.erase({groups[g].load, g});
-    }
-    groups[g].load += sample.work;
-    groups[g].memory_bytes += sample.memory_bytes;
-    groups[g].samples.push_back(s);
-    groups_by_size[sample.cp].insert({groups[g].load, g});
-    groups_by_load.insert({groups[g].load, g});
-    max_load = std::max(max_load, groups[g].load);
-
-    if (first_degree == 0) first_degree = sample.cp;
-    if (sample.cp < first_degree) check_balance = true;
-    const double min_load = used_ranks < num_ranks_ ? 0.0 : groups_by_load.begin()->first;
-    if (check_balance && num_remaining > 0 && max_load - min_load <= kBalanceSlack * max_load) {
-      break;
-    }
+  // The knob M: the memory limit, then the tallest over 1, 2, 4, ... ranks while its share is
+  // above the mean rank load (sharding it further cannot lower the makespan's bottleneck).
+  double mean_load_s = 0;
+  for (int64_t i = 0; i < num_sequences; ++i) mean_load_s += work_s(i, 1);
+  mean_load_s /= static_cast<double>(num_ranks_);
+  const double tallest_tokens = static_cast<double>(batch_.sequences[tallest].num_tokens);
+  std::vector<double> knobs = {static_cast<double>(memory_tokens)};
+  for (int64_t ranks = 1; ranks <= num_ranks_; ranks *= 2) {
+    const double knob = std::ceil(tallest_tokens / static_cast<double>(ranks));
+    if (knob < knobs.front()) knobs.push_back(knob);
+    if (work_s(tallest, ranks) <= mean_load_s) break;
   }
 
-  std::vector<int64_t> leftovers;
-  for (const std::deque<int64_t>& b : buckets)
-    leftovers.insert(leftovers.end(), b.begin(), b.end());
-  *num_placed = 0;
-  if (groups.empty()) return leftovers;
-  if (used_ranks == num_ranks_) trim_overload(groups, leftovers);
-
-  // Fill empty ranks by doubling the smallest group (the first of that size).
-  while (used_ranks < num_ranks_) {
-    int64_t smallest = 0;
-    for (int64_t g = 1; g < static_cast<int64_t>(groups.size()); ++g) {
-      if (groups[g].size < groups[smallest].size) smallest = g;
-    }
-    const int64_t grow = std::min(groups[smallest].size, num_ranks_ - used_ranks);
-    groups[smallest].size += grow;
-    used_ranks += grow;
+  std::optional<Plan> best;
+  double best_s = std::numeric_limits<double>::infinity();
+  for (double knob : knobs) {
+    double rank_time_s = 0;
+    std::optional<Plan> plan = schedule(knob, &rank_time_s);
+    if (plan && rank_time_s < best_s) best = std::move(plan), best_s = rank_time_s;
   }
-
-  int64_t first_rank = 0;
-  for (const Group& group : groups) {
-    for (int64_t s : group.samples) {
-      const Sequence& sequence = batch_.sequences[samples_[s].index];
-      Placement placement = ring_placement(sequence.id, first_rank, group.size);
-      const std::vector<RankShare> shares = loads_.shares(sequence, placement);
-      if (!loads_.fits(shares)) {
-        leftovers.push_back(s);
-        continue;
-      }
-      loads_.add(shares);
-      plan_.placements[samples_[s].index] = std::move(placement);
-      ++*num_placed;
-    }
-    first_rank += group.size;
+  if (!best) {
+    throw PlanMemoryError("megatron-dcp: no micro-batch schedule fits in memory (" +
+                          planners::format_gib(cost_model_.memory_capacity_bytes()) +
+                          " per rank)");
   }
-  return leftovers;
-}
-
-Plan MegatronDcp::run() {
-  plan_ = planners::empty_plan("megatron-dcp", cost_model_);
-  plan_.placements.resize(batch_.sequences.size());
-  prepare_samples();
-  std::vector<int64_t> pending(samples_.size());
-  std::iota(pending.begin(), pending.end(), 0);
-  std::stable_sort(pending.begin(), pending.end(),
-                   [&](int64_t a, int64_t b) { return samples_[a].length > samples_[b].length; });
-  while (!pending.empty()) {
-    int64_t num_placed = 0;
-    pending = round(pending, &num_placed);
-    if (num_placed == 0) {
-      const Sequence& sequence = batch_.sequences[samples_[pending.front()].index];
-      throw PlanMemoryError("megatron-dcp: " + planners::describe_sequence(sequence) +
-                            " fits in no group of " + std::to_string(samples_[pending.front()].cp) +
-                            " GPUs: out of memory (" +
-                            planners::format_gib(loads_.capacity_bytes()) + " per rank)");
-    }
-  }
-  return plan_;
+  return *std::move(best);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@ from zellige import _core
 from zellige.api import Setup, make_setup
 from zellige.commands._args import MAX_GPUS, SEED_MAX, int_in
 from zellige.costs import default_gpus_per_node
+from zellige.model_spec import load_model_spec
 from zellige.workload import load_batch, recipe_names
 
 
@@ -43,14 +44,31 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, gpus_required: bool =
         metavar="G",
         help="GPUs per node, dividing --gpus (8, or --gpus when fewer)",
     )
-    parser.add_argument(
-        "--model",
-        metavar="M",
-        help=f"model preset ({', '.join(_core.model_preset_names())}); "
-        "default: the workload's model",
-    )
+    add_model_arguments(parser, "default: the workload's model")
     parser.add_argument("--profile", metavar="FILE", help="hardware profile JSON (built-in H200)")
     parser.add_argument("--links", default=None, metavar="nvlink|pcie", help="link class (nvlink)")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+    """--model PRESET or --model-spec FILE: the two ways of naming a model (one of them)."""
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument(
+        "--model",
+        metavar="M",
+        help=f"model preset ({', '.join(_core.model_preset_names())}); {default}",
+    )
+    model.add_argument(
+        "--model-spec",
+        metavar="FILE",
+        help="your model's sizes as a TOML or JSON model spec file (see docs/formats)",
+    )
+
+
+def model_from_args(args: argparse.Namespace) -> str | _core.ModelSpec | None:
+    """The preset name, the spec file's ModelSpec, or None when neither flag is given."""
+    if getattr(args, "model_spec", None) is not None:
+        return load_model_spec(args.model_spec)
+    return args.model
 
 
 def setup_from_args(args: argparse.Namespace) -> Setup:
@@ -60,20 +78,21 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
         gpus_per_node = default_gpus_per_node(args.gpus)
     links = args.links or "nvlink"
     seed = args.seed or 0
+    model = model_from_args(args)
     if args.workload is not None:
         source = args.workload
     else:
-        if args.model is None:
+        if model is None:
             names = ", ".join(_core.model_preset_names())
-            raise ValueError(f"--batch needs --model (one of: {names})")
+            raise ValueError(f"--batch needs --model (one of: {names}) or --model-spec FILE")
         # Checked before reading the batch, so a bad cluster is reported as such.
         _core.make_cluster(args.gpus, gpus_per_node, links)
-        source = load_batch(args.batch, model=args.model, num_ranks=args.gpus)
+        source = load_batch(args.batch, model=model, num_ranks=args.gpus)
     return make_setup(
         source,
         args.gpus,
         gpus_per_node=gpus_per_node,
-        model=args.model,
+        model=model,
         profile=args.profile,
         seed=seed,
         links=links,

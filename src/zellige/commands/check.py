@@ -14,7 +14,7 @@ import dataclasses
 
 from zellige import _core
 from zellige.commands._args import MAX_TOKENS, int_in
-from zellige.commands._inputs import add_batch_arguments, setup_from_args
+from zellige.commands._inputs import add_batch_arguments, add_model_arguments, setup_from_args
 from zellige.plan_io import load_plan_with_context, require_plan_for_batch
 
 DEFAULT_MAX_TOKENS = {"cpu": 8192, "cuda": 1 << 22}
@@ -44,11 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="G",
         help="for planning (8, or N)",
     )
-    parser.add_argument(
-        "--model",
-        metavar="M",
-        help=f"model preset ({', '.join(_core.model_preset_names())}): planning, head count and "
-        "attention kind (MMDiT presets: joint; Wan: self + cross); default: the workload's",
+    add_model_arguments(
+        parser,
+        "planning, head count and attention kind (MMDiT presets: joint; Wan: self + cross); "
+        "default: the workload's",
     )
     parser.add_argument(
         "--only-plan",
@@ -102,8 +101,10 @@ def _scaled(batch: _core.Batch, max_tokens: int) -> tuple[_core.Batch, float]:
     return scaled, factor
 
 
-def _batch_and_plan(args: argparse.Namespace) -> tuple[_core.Batch, _core.Plan, str, str]:
-    """(batch, plan, model name, where the plan came from). The cluster is --nproc GPUs."""
+def _batch_and_plan(
+    args: argparse.Namespace,
+) -> tuple[_core.Batch, _core.Plan, _core.ModelSpec, str]:
+    """(batch, plan, model, where the plan came from). The cluster is --nproc GPUs."""
     from zellige.api import run_planner
 
     args.gpus, args.profile, args.links = args.nproc, None, None
@@ -113,9 +114,9 @@ def _batch_and_plan(args: argparse.Namespace) -> tuple[_core.Batch, _core.Plan, 
     if args.plan is not None:
         plan, context = load_plan_with_context(args.plan)
         require_plan_for_batch(plan, context, setup.batch, args.nproc, args.plan)
-        return setup.batch, plan, setup.model_name, f"plan file {args.plan}"
+        return setup.batch, plan, setup.cost_model.model, f"plan file {args.plan}"
     plan = run_planner(setup, args.planner, args.seed or 0)
-    return setup.batch, plan, setup.model_name, args.planner
+    return setup.batch, plan, setup.cost_model.model, args.planner
 
 
 def _distributed_plans(
@@ -201,13 +202,12 @@ def run(args: argparse.Namespace) -> int:
                 f"--nproc {args.nproc} exceeds the {torch.cuda.device_count()} visible GPUs"
             )
     batch, plan, model, plan_source = _batch_and_plan(args)
-    preset = _core.model_preset(model)
-    num_heads = args.heads if args.heads is not None else preset.num_heads
+    num_heads = args.heads if args.heads is not None else model.num_heads
     if num_heads <= 0 or args.head_dim <= 0:
         raise ValueError(
             f"--heads and --head-dim must be positive, got {num_heads} and {args.head_dim}"
         )
-    joint = preset.joint_attention
+    joint = model.joint_attention
     kind = (
         "joint attention over [text, visual]"
         if joint
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"check: {plan_source} on {args.nproc} processes "
         f"({'nccl' if args.device == 'cuda' else 'gloo'}, {args.device}), "
-        f"{len(batch.sequences)} sequences, {_core.total_tokens(batch):,} tokens, {model}, "
+        f"{len(batch.sequences)} sequences, {_core.total_tokens(batch):,} tokens, {model.name}, "
         f"strategies {', '.join(strategies)}"
     )
     if factor < 1.0:

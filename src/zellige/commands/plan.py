@@ -9,6 +9,7 @@ from zellige import _core
 from zellige._files import check_outputs
 from zellige.api import JOINT, Setup, lower_bound, run_planner
 from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
+from zellige.model_spec import model_spec_to_dict
 from zellige.plan_io import save_plan
 from zellige.workload import batch_fingerprint, batch_to_dict
 
@@ -41,6 +42,9 @@ def plan_context(setup: Setup) -> dict:
         # `show` and `check` refuse the plan for any other batch, even one reusing the ids.
         "batch_fingerprint": batch_fingerprint(setup.batch),
     }
+    spec = setup.cost_model.model
+    if spec.name not in _core.model_preset_names() or spec != _core.model_preset(spec.name):
+        context["model_spec"] = model_spec_to_dict(spec)  # a spec file's model: keep its sizes
     if setup.profile_path is not None:
         context["profile"] = setup.profile_path
     if setup.workload is not None:
@@ -71,7 +75,10 @@ def summary(setup: Setup, plan: _core.Plan) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_outputs({"--out": args.out}, {"--batch": args.batch, "--profile": args.profile})
+    check_outputs(
+        {"--out": args.out},
+        {"--batch": args.batch, "--profile": args.profile, "--model-spec": args.model_spec},
+    )
     setup = setup_from_args(args)
     plan = run_planner(setup, args.planner, setup.seed)
     for line in summary(setup, plan):

@@ -7,8 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+from zellige import _core
 from zellige._files import check_outputs, write_output
 from zellige.commands._args import int_in
+from zellige.commands._inputs import add_model_arguments, model_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,10 +20,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="profile JSON to write (checked before measuring; written atomically)",
     )
+    add_model_arguments(
+        parser,
+        "whose per-token layers and memory are measured (default wan-14b; --quick runs a "
+        "preset as the tiny preset of its kind: tiny, or mmdit-tiny for an MMDiT; a spec file "
+        "at its own sizes)",
+    )
     parser.add_argument(
-        "--model",
-        help="model preset whose per-token layers and memory are measured (default wan-14b; "
-        "--quick runs the tiny preset of its kind: tiny, or mmdit-tiny for an MMDiT)",
+        "--block",
+        metavar="MODULE:FACTORY",
+        help="measure the per-token layers on your own block: FACTORY(model_spec) returns an "
+        "nn.Module with forward(x_TD, attention) (see docs/profiling.md)",
     )
     parser.add_argument(
         "--quick",
@@ -51,19 +60,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Before measuring (minutes on a GPU): an output that cannot be written fails now.
-    check_outputs({"--out": args.out, "--details": args.details}, {"--base": args.base})
+    check_outputs(
+        {"--out": args.out, "--details": args.details},
+        {"--base": args.base, "--model-spec": args.model_spec},
+    )
     import torch
 
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
     from zellige.profiler.measure import ProfileOptions, profile_device, profile_memory_into
+    from zellige.profiler.models import load_block_factory
+
+    if args.block is not None:
+        load_block_factory(args.block)  # a bad target fails now, not after minutes of measuring
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     options = ProfileOptions(
-        model=_model_to_run(args.model, args.quick),
+        model=_model_to_run(model_from_args(args), args.quick),
         quick=args.quick,
         device=device,
         repeats=min(args.repeats, 3) if args.quick else args.repeats,
         attention_backend=args.attention_backend,
+        block=args.block,
     )
 
     def progress(line: str) -> None:
@@ -82,12 +99,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_to_run(model: str | None, quick: bool) -> str:
-    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model)."""
+def _model_to_run(model: str | _core.ModelSpec | None, quick: bool) -> str | _core.ModelSpec:
+    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model).
+    A spec file's model runs at its own sizes (the user chose them; --quick only shortens the
+    measurements)."""
     from zellige.profiler.models import quick_model
 
     model = model or "wan-14b"
-    if not quick:
+    if not quick or not isinstance(model, str):
         return model
     tiny = quick_model(model)
     if tiny != model:

@@ -11,7 +11,8 @@ from zellige._files import check_outputs, write_output
 from zellige._json import require_int, require_str
 from zellige.api import Setup, lower_bound, make_setup, require_finite
 from zellige.commands._args import SEED_MAX, int_in
-from zellige.commands._inputs import add_cluster_arguments
+from zellige.commands._inputs import add_cluster_arguments, model_from_args
+from zellige.model_spec import model_spec_from_dict
 from zellige.plan_io import load_plan_with_context, require_plan_for_batch
 from zellige.workload import batch_from_dict, load_batch, recipe_names
 
@@ -63,7 +64,11 @@ def setup_for_plan(args: argparse.Namespace, plan: _core.Plan, context: dict) ->
     def flag_or_context(flag, read, key, default):  # context fields are type-checked
         return flag if flag is not None else read(context, key, where, default)
 
-    model = flag_or_context(args.model, require_str, "model", "")
+    model = model_from_args(args)
+    if model is None and isinstance(context.get("model_spec"), dict):
+        model = model_spec_from_dict(context["model_spec"], f"{where} model_spec")
+    if model is None:
+        model = require_str(context, "model", where, "")
     if not model:
         raise ValueError(f"{args.plan} does not name its model: pass --model")
     if args.workload is not None:
@@ -227,7 +232,12 @@ def draw_png(setup: Setup, plan: _core.Plan, path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     check_outputs(
         {"--png": args.png},
-        {"PLAN.json": args.plan, "--batch": args.batch, "--profile": args.profile},
+        {
+            "PLAN.json": args.plan,
+            "--batch": args.batch,
+            "--profile": args.profile,
+            "--model-spec": args.model_spec,
+        },
     )
     plan, context = load_plan_with_context(args.plan)
     setup = setup_for_plan(args, plan, context)

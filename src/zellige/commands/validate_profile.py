@@ -9,8 +9,10 @@ import json
 import sys
 from pathlib import Path
 
+from zellige import _core
 from zellige._files import check_outputs, read_input, write_output
 from zellige.commands._args import SEED_MAX, int_in, nonnegative_float
+from zellige.commands._inputs import add_model_arguments, model_from_args
 
 TARGET_PLANS = 21
 
@@ -23,10 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"plans to draw ({TARGET_PLANS}; fewer is a smoke run, not a measurement)",
     )
     parser.add_argument("--profile", help="profile JSON (default: the built-in H200 profile)")
-    parser.add_argument(
-        "--model",
-        help="model preset (default wan-14b; --quick runs the tiny preset of its kind: tiny, "
-        "or mmdit-tiny for an MMDiT)",
+    add_model_arguments(
+        parser,
+        "default wan-14b; --quick runs a preset as the tiny preset of its kind: tiny, or "
+        "mmdit-tiny for an MMDiT; a spec file at its own sizes",
     )
     parser.add_argument(
         "--layers",
@@ -86,8 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def format_report(report, options) -> str:
+    from zellige.profiler.models import model_name
+
     lines = [
-        f"plans {report.num_plans}, ranks {len(report.ranks)}, model {options.model} "
+        f"plans {report.num_plans}, ranks {len(report.ranks)}, model {model_name(options.model)} "
         f"({options.num_layers} layers)",
         *(f"note: {note}" for note in report.notes),
         f"time MAPE {report.time_mape_percent:.2f}%  (after the best single scale: "
@@ -137,7 +141,11 @@ def summarise_jsonl(path: Path):
 def run(args: argparse.Namespace) -> int:
     check_outputs(
         {"--json": args.json, "--results-jsonl": args.results_jsonl},
-        {"--profile": args.profile, "--summarise": args.summarise},
+        {
+            "--profile": args.profile,
+            "--summarise": args.summarise,
+            "--model-spec": args.model_spec,
+        },
     )
     import torch
 
@@ -147,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     options = ValidationOptions(
         num_plans=args.plans,
         profile=args.profile,
-        model=_model_to_run(args.model, args.quick),
+        model=_model_to_run(model_from_args(args), args.quick),
         num_layers=args.layers,
         ranks_per_plan=args.ranks_per_plan,
         repeats=args.repeats,
@@ -174,12 +182,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_to_run(model: str | None, quick: bool) -> str:
-    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model)."""
+def _model_to_run(model: str | _core.ModelSpec | None, quick: bool) -> str | _core.ModelSpec:
+    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model).
+    A spec file's model runs at its own sizes (the user chose them)."""
     from zellige.profiler.models import quick_model
 
     model = model or "wan-14b"
-    if not quick:
+    if not quick or not isinstance(model, str):
         return model
     tiny = quick_model(model)
     if tiny != model:

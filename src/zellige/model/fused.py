@@ -4,7 +4,10 @@ residuals, QK norm with RoPE, bias adds, GELU.
 
 Two levels: the elementwise pieces (modulated_layer_norm, gated_residual, rms_norm_heads,
 rms_norm_rope), and the block's regions between attention calls (self_attention_in,
-self_attention_out_cross_in, cross_attention_kv, cross_attention_out_ffn), which the blocks call.
+self_attention_out_cross_in, cross_attention_kv, cross_attention_out_ffn), which the blocks call;
+the MMDiT's (mmdit.py) likewise: joint_stream_in and joint_stream_out_ffn per stream of a
+double-stream block, single_stream_in and single_stream_out around a single-stream block's
+attention.
 Eager, each piece is a chain of memory-bound passes over [T, D] (several in float32); compiled
 (use_compiled(True)), a region is its GEMMs plus a few fused kernels, and the partitioner keeps
 fewer, bf16 activations for the backward. Both compute the same thing in float32 (float64 for
@@ -121,6 +124,106 @@ def cross_attention_out_ffn(
     return gated_residual(x_TD, F.linear(hidden_TF, down_w, down_b), gate_TD)
 
 
+def joint_stream_in(
+    x_TD: Tensor,
+    shift_TD: Tensor,
+    scale_TD: Tensor,
+    eps: float,
+    weights: tuple[Tensor, ...],
+    qk_eps: float,
+    num_heads: int,
+    cos_T1P: Tensor | None = None,
+    sin_T1P: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One stream of an MMDiT double-stream block before the joint attention: modulated
+    LayerNorm, the fused QKV projection, QK norm, RoPE on q and k when cos/sin are given (the
+    text stream is not rotated). Returns q, k, v [T, N, H]. weights: qkv weight and bias, q and
+    k norm weights."""
+    qkv_w, qkv_b, norm_q_w, norm_k_w = weights
+    h_TD = modulated_layer_norm(x_TD, shift_TD, scale_TD, eps)
+    qkv_T3D = F.linear(h_TD, qkv_w, qkv_b)
+    return qkv_heads(qkv_T3D, norm_q_w, norm_k_w, qk_eps, num_heads, cos_T1P, sin_T1P)
+
+
+def qkv_heads(
+    qkv_T3D: Tensor,
+    norm_q_w: Tensor,
+    norm_k_w: Tensor,
+    qk_eps: float,
+    num_heads: int,
+    cos_T1P: Tensor | None,
+    sin_T1P: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A fused [T, 3D] projection -> q, k, v [T, N, H]: QK norm, then RoPE on q and k when
+    cos/sin are given."""
+    q_TD, k_TD, v_TD = qkv_T3D.chunk(3, dim=1)
+    if cos_T1P is None:
+        q_TNH = rms_norm_heads(q_TD, norm_q_w, qk_eps, num_heads)
+        k_TNH = rms_norm_heads(k_TD, norm_k_w, qk_eps, num_heads)
+    else:
+        q_TNH = rms_norm_rope(q_TD, norm_q_w, qk_eps, num_heads, cos_T1P, sin_T1P)
+        k_TNH = rms_norm_rope(k_TD, norm_k_w, qk_eps, num_heads, cos_T1P, sin_T1P)
+    return q_TNH, k_TNH, v_TD.unflatten(1, (num_heads, -1))
+
+
+def joint_stream_out_ffn(
+    x_TD: Tensor,
+    attended_TD: Tensor,
+    gate_a_TD: Tensor,
+    shift_f_TD: Tensor,
+    scale_f_TD: Tensor,
+    gate_f_TD: Tensor,
+    eps: float,
+    weights: tuple[Tensor, ...],
+) -> Tensor:
+    """One stream of an MMDiT double-stream block after the joint attention: output projection
+    and gated residual, modulated LayerNorm, tanh-GELU FFN and its gated residual. weights:
+    o weight and bias, FFN up and down weight and bias."""
+    o_w, o_b, up_w, up_b, down_w, down_b = weights
+    x_TD = gated_residual(x_TD, F.linear(attended_TD, o_w, o_b), gate_a_TD)
+    h_TD = modulated_layer_norm(x_TD, shift_f_TD, scale_f_TD, eps)
+    hidden_TF = F.gelu(F.linear(h_TD, up_w, up_b), approximate="tanh")
+    return gated_residual(x_TD, F.linear(hidden_TF, down_w, down_b), gate_f_TD)
+
+
+def single_stream_in(
+    x_TD: Tensor,
+    shift_TD: Tensor,
+    scale_TD: Tensor,
+    eps: float,
+    weights: tuple[Tensor, ...],
+    qk_eps: float,
+    num_heads: int,
+    cos_T1P: Tensor,
+    sin_T1P: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """An MMDiT single-stream block before the joint attention: modulated LayerNorm, the one
+    input projection, split into QKV (QK norm, RoPE) and the MLP's pre-activation [T, F].
+    Returns q, k, v [T, N, H] and the pre-activation. weights: input weight and bias, q and k
+    norm weights."""
+    in_w, in_b, norm_q_w, norm_k_w = weights
+    h_TE = F.linear(modulated_layer_norm(x_TD, shift_TD, scale_TD, eps), in_w, in_b)
+    width = x_TD.shape[1]
+    qkv_T3D, mlp_TF = h_TE.split((3 * width, h_TE.shape[1] - 3 * width), dim=1)
+    qkv = qkv_heads(qkv_T3D, norm_q_w, norm_k_w, qk_eps, num_heads, cos_T1P, sin_T1P)
+    return (*qkv, mlp_TF)
+
+
+def single_stream_out(
+    x_TD: Tensor,
+    attended_TNH: Tensor,
+    mlp_TF: Tensor,
+    gate_TD: Tensor,
+    weights: tuple[Tensor, ...],
+) -> Tensor:
+    """An MMDiT single-stream block after the joint attention: the attention output and the
+    tanh-GELU of the MLP pre-activation through one output projection, one gated residual.
+    weights: output weight and bias."""
+    out_w, out_b = weights
+    joined_TE = torch.cat((attended_TNH.flatten(1), F.gelu(mlp_TF, approximate="tanh")), dim=1)
+    return gated_residual(x_TD, F.linear(joined_TE, out_w, out_b), gate_TD)
+
+
 def _wide(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
@@ -134,6 +237,10 @@ _EAGER = {
     "self_attention_out_cross_in": self_attention_out_cross_in,
     "cross_attention_kv": cross_attention_kv,
     "cross_attention_out_ffn": cross_attention_out_ffn,
+    "joint_stream_in": joint_stream_in,
+    "joint_stream_out_ffn": joint_stream_out_ffn,
+    "single_stream_in": single_stream_in,
+    "single_stream_out": single_stream_out,
 }
 kernels = dict(_EAGER)  # what the blocks call
 _compiled: dict[str, dict] = {}  # by backend

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -54,6 +55,9 @@ class JointTokens:
     sequence_index_T: Tensor  # int64 in [0, S): row of timesteps_S
     positions_T3: Tensor  # int64 (t, h, w) in the sequence's latent grid (text rows ignored)
     timesteps_S: Tensor  # flow time t in [0, 1] of each sequence held here
+    # where each modality sits, when the caller built it from host tables (no host sync);
+    # None: the model derives it from modality_T (which reads the text count back)
+    streams: StreamOrder | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.modality_T.shape[0]
@@ -91,6 +95,32 @@ class StreamOrder:
             order=order,
             sequence_index_X=sorted_index[:num_text],
             sequence_index_V=sorted_index[num_text:],
+        )
+
+    @staticmethod
+    def from_host(
+        text_positions: np.ndarray,
+        visual_positions: np.ndarray,
+        sequence_index_T: np.ndarray,
+        device: torch.device,
+    ) -> StreamOrder:
+        """The same order from host (numpy) tables, each modality's held positions in ascending
+        order: built on the host and copied to the device (pinned, non-blocking), so nothing is
+        read back. Equal to of() for the same tokens."""
+        from zellige.runtime.coalesced import to_device  # as attention.py: no import cycle
+
+        order = np.concatenate((text_positions, visual_positions)).astype(np.int64)
+        sorted_index = np.asarray(sequence_index_T, dtype=np.int64)[order]
+        num_text = len(text_positions)
+
+        def move(array: np.ndarray) -> Tensor:
+            return to_device(torch.from_numpy(np.ascontiguousarray(array)), device)
+
+        return StreamOrder(
+            num_text=num_text,
+            order=move(order),
+            sequence_index_X=move(sorted_index[:num_text]),
+            sequence_index_V=move(sorted_index[num_text:]),
         )
 
     @property
@@ -168,7 +198,8 @@ class Modulation(nn.Module):
 
 
 class StreamAttentionIn(nn.Module):
-    """One stream's fused QKV projection and QK norm (RoPE where the stream is rotated)."""
+    """One stream's fused QKV projection and QK norm weights (fused.joint_stream_in applies
+    them, with RoPE where the stream is rotated)."""
 
     def __init__(self, width: int, num_heads: int, eps: float) -> None:
         super().__init__()
@@ -176,29 +207,6 @@ class StreamAttentionIn(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.norm_q = FloatRMSNorm(width, eps=eps)
         self.norm_k = FloatRMSNorm(width, eps=eps)
-
-    def forward(self, h_TD: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, ...]:
-        return qk_norm_heads(self.qkv(h_TD), self.norm_q, self.norm_k, self.num_heads, rope)
-
-
-def qk_norm_heads(
-    qkv_T3D: Tensor,
-    norm_q: FloatRMSNorm,
-    norm_k: FloatRMSNorm,
-    num_heads: int,
-    rope: tuple[Tensor, Tensor] | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """[T, 3D] -> q, k, v [T, N, H]: QK norm, then RoPE on q and k when `rope` is given."""
-    q_TD, k_TD, v_TD = qkv_T3D.chunk(3, dim=1)
-    if rope is None:
-        norm = fused.kernels["rms_norm_heads"]
-        q = norm(q_TD, norm_q.weight, norm_q.eps, num_heads)
-        k = norm(k_TD, norm_k.weight, norm_k.eps, num_heads)
-    else:
-        norm_rope = fused.kernels["rms_norm_rope"]
-        q = norm_rope(q_TD, norm_q.weight, norm_q.eps, num_heads, *rope)
-        k = norm_rope(k_TD, norm_k.weight, norm_k.eps, num_heads, *rope)
-    return q, k, v_TD.unflatten(1, (num_heads, -1))
 
 
 class Stream(nn.Module):
@@ -230,30 +238,65 @@ class DoubleStreamBlock(nn.Module):
         attention: AttentionFn,
     ) -> Tensor:
         """x_TD and `attention` in held order; rope_V: the visual stream's RoPE tables (text is
-        not rotated, see the module docstring)."""
-        modulate, gated = fused.kernels["modulated_layer_norm"], fused.kernels["gated_residual"]
+        not rotated, see the module docstring). The per-token layers run as fused.kernels'
+        regions (per stream: joint_stream_in before the attention, joint_stream_out_ffn after)."""
+        kernels = fused.kernels
         x_XD, x_VD = streams.split(x_TD)
         parts = (  # (stream, x, modulation, rope) of text, then visual
-            (self.text, x_XD, self.text.modulation(vec_SD, streams.sequence_index_X), None),
+            (self.text, x_XD, self.text.modulation(vec_SD, streams.sequence_index_X), ()),
             (self.visual, x_VD, self.visual.modulation(vec_SD, streams.sequence_index_V), rope_V),
         )
-        qkv = [
-            stream.attention_in(modulate(x, mod[0], mod[1], stream.eps), rope)
-            for stream, x, mod, rope in parts
-        ]
+        qkv = []
+        for stream, x, mod, rope in parts:
+            attention_in = stream.attention_in
+            qkv.append(
+                kernels["joint_stream_in"](
+                    x,
+                    mod[0],
+                    mod[1],
+                    stream.eps,
+                    (
+                        attention_in.qkv.weight,
+                        attention_in.qkv.bias,
+                        attention_in.norm_q.weight,
+                        attention_in.norm_k.weight,
+                    ),
+                    attention_in.norm_q.eps,
+                    attention_in.num_heads,
+                    *rope,
+                )
+            )
         q, k, v = (streams.merge(text, visual) for text, visual in zip(*qkv, strict=True))
         o_pair = streams.split(attention(q, k, v).flatten(1))
         out = []
         for (stream, x, mod, _), o in zip(parts, o_pair, strict=True):
             _, _, gate_a, shift_f, scale_f, gate_f = mod
-            x = gated(x, stream.attention_out(o), gate_a)
-            out.append(gated(x, stream.ffn(modulate(x, shift_f, scale_f, stream.eps)), gate_f))
+            ffn = stream.ffn
+            out.append(
+                kernels["joint_stream_out_ffn"](
+                    x,
+                    o,
+                    gate_a,
+                    shift_f,
+                    scale_f,
+                    gate_f,
+                    stream.eps,
+                    (
+                        stream.attention_out.weight,
+                        stream.attention_out.bias,
+                        ffn.up.weight,
+                        ffn.up.bias,
+                        ffn.down.weight,
+                        ffn.down.bias,
+                    ),
+                )
+            )
         return streams.merge(*out)
 
 
 class SingleStreamBlock(nn.Module):
     """Shared weights over the joint token list: one projection feeds attention (QKV) and the
-    MLP in parallel, one projection maps both back, one gated residual."""
+    MLP (tanh-GELU) in parallel, one projection maps both back, one gated residual."""
 
     def __init__(self, width: int, num_heads: int, ffn_width: int, eps: float) -> None:
         super().__init__()
@@ -262,7 +305,6 @@ class SingleStreamBlock(nn.Module):
         self.linear_in = nn.Linear(width, 3 * width + ffn_width)
         self.norm_q = FloatRMSNorm(width, eps=eps)
         self.norm_k = FloatRMSNorm(width, eps=eps)
-        self.act = nn.GELU(approximate="tanh")
         self.linear_out = nn.Linear(width + ffn_width, width)
 
     def forward(
@@ -273,14 +315,23 @@ class SingleStreamBlock(nn.Module):
         rope_T: tuple[Tensor, Tensor],
         attention: AttentionFn,
     ) -> Tensor:
-        """Every argument in held order."""
-        modulate, gated = fused.kernels["modulated_layer_norm"], fused.kernels["gated_residual"]
+        """Every argument in held order. The per-token layers run as fused.kernels' regions
+        (single_stream_in before the attention, single_stream_out after)."""
+        kernels = fused.kernels
         shift, scale, gate = self.modulation(vec_SD, sequence_index_T)
-        h = self.linear_in(modulate(x_TD, shift, scale, self.eps))
-        qkv, mlp = h.split((3 * self.width, h.shape[1] - 3 * self.width), dim=1)
-        q, k, v = qk_norm_heads(qkv, self.norm_q, self.norm_k, self.num_heads, rope_T)
-        joined = torch.cat((attention(q, k, v).flatten(1), self.act(mlp)), dim=1)
-        return gated(x_TD, self.linear_out(joined), gate)
+        q, k, v, mlp = kernels["single_stream_in"](
+            x_TD,
+            shift,
+            scale,
+            self.eps,
+            (self.linear_in.weight, self.linear_in.bias, self.norm_q.weight, self.norm_k.weight),
+            self.norm_q.eps,
+            self.num_heads,
+            *rope_T,
+        )
+        return kernels["single_stream_out"](
+            x_TD, attention(q, k, v), mlp, gate, (self.linear_out.weight, self.linear_out.bias)
+        )
 
 
 class FinalLayer(nn.Module):
@@ -339,7 +390,9 @@ class MMDiT(nn.Module):
 
     def forward(self, tokens: JointTokens, attention: AttentionFn | None = None) -> Tensor:
         """Velocity [V, C] of the held visual tokens, in their held order."""
-        streams = StreamOrder.of(tokens.modality_T, tokens.sequence_index_T)
+        streams = tokens.streams
+        if streams is None:
+            streams = StreamOrder.of(tokens.modality_T, tokens.sequence_index_T)
         if streams.num_text != tokens.text_XE.shape[0]:
             raise ValueError(
                 f"{streams.num_text} held tokens are tagged text but {tokens.text_XE.shape[0]} "

@@ -35,7 +35,13 @@ import torch
 from zellige import _core
 from zellige.profile import MODEL_ROWS
 from zellige.profiler import rank_work
-from zellige.profiler.models import dit_config, model_spec
+from zellige.profiler.models import (
+    dit_config,
+    load_block_factory,
+    model_flag,
+    model_name,
+    model_spec,
+)
 from zellige.profiler.timing import (
     allocated_bytes,
     gpu_time_s,
@@ -82,11 +88,12 @@ Progress = Callable[[str], None]
 
 @dataclass(kw_only=True, slots=True)
 class ProfileOptions:
-    model: str = "wan-14b"
+    model: str | _core.ModelSpec = "wan-14b"  # a preset name or a spec file's ModelSpec
     quick: bool = False  # a few small points: a smoke test (the only mode allowed on a CPU)
     device: str = "cuda"
     repeats: int = 5
     attention_backend: str | None = None  # engine kernel override; None = the engine's choice
+    block: str | None = None  # module:factory of the user's block for the per-token layers
 
 
 @dataclass(kw_only=True, slots=True)
@@ -508,7 +515,11 @@ def profile_per_token_layers(
     spec = model_spec(options.model)
     config = dit_config(options.model)
     forward_flops_per_token = _core.layer_forward_flops(spec, 1, 0).linear
-    blocks = rank_work.make_blocks(config, 1, device, dtype)
+    if options.block is None:
+        blocks = rank_work.make_blocks(config, 1, device, dtype)
+    else:  # the user's own block: forward(x_TD, attention) -> y_TD
+        blocks = load_block_factory(options.block)(spec).to(device=device, dtype=dtype)
+        progress(f"per-token layers: the user's block {options.block}")
     token_counts = QUICK_TOKEN_COUNTS if options.quick else FULL_TOKEN_COUNTS
     forward_rates, backward_rates, seconds = [], [], {}
     for tokens in token_counts:
@@ -518,6 +529,8 @@ def profile_per_token_layers(
         params = [inputs.x_TD, *blocks.parameters()]
 
         def forward(inputs=inputs):
+            if options.block is not None:
+                return blocks(inputs.x_TD, rank_work.no_self_attention)
             return rank_work.forward_blocks(blocks, inputs, checkpointing=False)
 
         forward_s = gpu_time_s(forward, device, repeats=options.repeats)
@@ -772,7 +785,9 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
     config = dit_config(options.model)
     spec = model_spec(options.model)
     started = datetime.datetime.now(datetime.UTC)
-    progress(f"profiling {_device_name(device)} for {options.model} ({_versions(device)})")
+    progress(
+        f"profiling {_device_name(device)} for {model_name(options.model)} ({_versions(device)})"
+    )
 
     gemm_size = 1024 if options.quick else 8192
     matmul_flops_per_s = measure_matmul_peak(device, dtype, gemm_size, options.repeats)
@@ -819,7 +834,8 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
     profile = {
         "device_name": _device_name(device),
         "created": (
-            f"measured by `zellige profile --model {options.model}"
+            f"measured by `zellige profile {model_flag(options.model)}"
+            f"{f' --block {options.block}' if options.block else ''}"
             f"{' --quick' if options.quick else ''}` on {started:%Y-%m-%d %H:%M} UTC; "
             f"{_versions(device)}; attention: engine coalesced call "
             f"({options.attention_backend or 'automatic backend'}), {dtype}"
@@ -860,7 +876,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "runtime_reserved_bytes": runtime_reserved_bytes,
     }
     details = {
-        "model": options.model,
+        "model": model_name(options.model),
         "launch": launch,
         "layouts": layouts,
         "per_token_layer_seconds": layer_seconds,
@@ -934,4 +950,6 @@ def profile_memory_into(
         f"{profile.get('created', '')}; memory and launch of {spec.name} measured by "
         f"`zellige profile --memory-only` on {now:%Y-%m-%d %H:%M} UTC ({_versions(device)})"
     )
-    return ProfileResult(profile=profile, details={"model": options.model, "memory": memory})
+    return ProfileResult(
+        profile=profile, details={"model": model_name(options.model), "memory": memory}
+    )

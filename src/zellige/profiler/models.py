@@ -7,6 +7,7 @@ import torch
 from zellige import _core
 from zellige.model.config import DiTConfig, with_layers
 from zellige.model.config import model_preset as dit_preset
+from zellige.model_spec import model_spec_to_dict
 
 # Core preset -> zellige.model preset of the same sizes (the core's "tiny" is the CPU test size).
 # Wan-style presets run VideoDiT blocks, the MMDiT presets (joint attention) MMDiT blocks.
@@ -24,6 +25,15 @@ def runnable_model_names() -> list[str]:
     return list(_RUNNABLE)
 
 
+def model_name(model: str | _core.ModelSpec) -> str:
+    return model if isinstance(model, str) else model.name
+
+
+def model_flag(model: str | _core.ModelSpec) -> str:
+    """How a command line named the model (for the profile's provenance)."""
+    return f"--model {model}" if isinstance(model, str) else f"--model-spec ({model.name})"
+
+
 def quick_model(model: str) -> str:
     """The preset a --quick (CPU smoke) run measures for `model`: the tiny preset of the same
     kind ("tiny" for a Wan-style model, "mmdit-tiny" for a joint-attention one), so the run
@@ -32,9 +42,29 @@ def quick_model(model: str) -> str:
     return "mmdit-tiny" if _core.model_preset(model).joint_attention else "tiny"
 
 
-def dit_config(model: str, num_layers: int | None = None) -> DiTConfig:
-    """The reference model of core preset `model`, cut to `num_layers` blocks (an MMDiT keeps
-    its share of double-stream blocks: model.config.with_layers)."""
+def dit_config(model: str | _core.ModelSpec, num_layers: int | None = None) -> DiTConfig:
+    """The reference model of core preset `model`, or of a user's ModelSpec (a spec file): the
+    reference blocks at its sizes stand for its blocks (VideoDiT blocks for cross-attention,
+    MMDiT blocks for joint attention). Cut to `num_layers` blocks (an MMDiT keeps its share of
+    double-stream blocks: model.config.with_layers)."""
+    if isinstance(model, _core.ModelSpec):
+        config = DiTConfig(
+            name=model.name,
+            width=model.width,
+            num_layers=model.num_layers,
+            num_heads=model.num_heads,
+            ffn_width=model.ffn_width,
+            text_tokens=model.text_tokens,
+            joint_attention=model.joint_attention,
+            num_double_layers=model.num_double_layers,
+        )
+    elif model not in _RUNNABLE:
+        raise ValueError(
+            f"model '{model}' has no runnable reference model (allowed: {', '.join(_RUNNABLE)})"
+        )
+    else:
+        config = dit_preset(_RUNNABLE[model])
+    return config if num_layers is None else with_layers(config, num_layers)
     if model not in _RUNNABLE:
         raise ValueError(
             f"model '{model}' has no runnable reference model (allowed: {', '.join(_RUNNABLE)})"
@@ -43,22 +73,51 @@ def dit_config(model: str, num_layers: int | None = None) -> DiTConfig:
     return config if num_layers is None else with_layers(config, num_layers)
 
 
-def model_spec(model: str, num_layers: int | None = None) -> _core.ModelSpec:
-    """The core's spec of `model`, cut to `num_layers` layers. Parameters scale with the layers
-    for Wan-style models; an MMDiT's cut keeps double and single blocks as dit_config does and
-    counts its blocks' weight matrices (what the preset counts)."""
-    spec = _core.model_preset(model)
+def model_spec(model: str | _core.ModelSpec, num_layers: int | None = None) -> _core.ModelSpec:
+    """The core's spec of `model` (a preset name or a ModelSpec), cut to `num_layers` layers.
+    Parameters scale with the layers for Wan-style models; an MMDiT's cut keeps double and
+    single blocks as dit_config does and scales its count by the blocks' weight matrices kept
+    (for a preset: exactly the cut blocks' matrices, what the preset counts)."""
+    if isinstance(model, str):
+        spec = _core.model_preset(model)
+    else:  # a copy: the cut below must not change the caller's spec
+        spec = _core.ModelSpec(**model_spec_to_dict(model))
     if num_layers is not None:
         if num_layers <= 0 or num_layers > spec.num_layers:
             raise ValueError(f"num_layers must be in 1..{spec.num_layers} for {model}")
         if spec.joint_attention:
             config = dit_config(model, num_layers)
             spec.num_double_layers = config.num_double_layers
-            spec.param_count = block_matrix_params(config)
+            kept = block_matrix_params(config)
+            spec.param_count = spec.param_count * kept // block_matrix_params(dit_config(model))
         else:
             spec.param_count = spec.param_count * num_layers // spec.num_layers
         spec.num_layers = num_layers
     return spec
+
+
+def load_block_factory(target: str):
+    """`module:factory` -> the factory, for `zellige profile --block`. The factory takes the
+    ModelSpec being profiled and returns one block of the user's model as an nn.Module whose
+    `forward(x_TD, attention)` maps [T, D] tokens to [T, D], calling `attention(q_TNH, k_TNH,
+    v_TNH) -> o_TNH` for its attention (the profiler passes a stand-in without the attention
+    core, which the profile measures separately)."""
+    import importlib
+    import sys
+
+    if "" not in sys.path:  # as `python -m`: the user's module lives where the command runs
+        sys.path.insert(0, "")
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"--block must be module:factory (e.g. my_dit:make_block), got {target!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"--block {target}: cannot import {module_name}: {error}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"--block {target}: {module_name} has no callable {attribute!r}")
+    return factory
 
 
 def block_matrix_params(config: DiTConfig) -> int:

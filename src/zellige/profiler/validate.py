@@ -36,7 +36,7 @@ from zellige.costs import make_cost_model
 from zellige.plan_io import plan_from_json, plan_to_json
 from zellige.profile import load_profile
 from zellige.profiler import fit, rank_work
-from zellige.profiler.models import dit_config, model_spec
+from zellige.profiler.models import dit_config, model_name, model_spec
 from zellige.profiler.timing import (
     median_time_s,
     peak_allocated_bytes,
@@ -75,7 +75,7 @@ QUICK_LENGTH_RANGE = (16, 160)  # CPU smoke batches: token counts drawn in this 
 class ValidationOptions:
     num_plans: int = 21
     profile: str | None = None  # profile JSON; None: the built-in one
-    model: str = "wan-14b"
+    model: str | _core.ModelSpec = "wan-14b"  # a preset name or a spec file's ModelSpec
     num_layers: int = 2
     ranks_per_plan: int = 2  # the plan's slowest rank and its median rank
     repeats: int = 3
@@ -486,8 +486,9 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
     notes = [
         "exchanges excluded: all-to-alls and ring messages ran as local copies of the same size; "
         "predictions exclude exchange time and add those copies at the profile's memory bandwidth",
-        f"{options.num_layers} of {model_spec(options.model).num_layers} layers of {options.model}"
-        f", activation checkpointing {'on' if options.activation_checkpointing else 'off'}",
+        f"{options.num_layers} of {model_spec(options.model).num_layers} layers of "
+        f"{model_name(options.model)}, activation checkpointing "
+        f"{'on' if options.activation_checkpointing else 'off'}",
     ]
     if options.contiguous_kernel_inputs:
         notes.append("attention kernel inputs copied to contiguous tensors (workaround switch)")

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from zellige import runtime
 from zellige.data import StepData
 from zellige.model import AttentionFn, JointTokens, MMDiT
+from zellige.model.mmdit import StreamOrder
 from zellige.train.step import assemble_step
 
 
@@ -34,15 +36,22 @@ def assemble_joint_step(data: StepData, num_heads: int, device: torch.device) ->
     if not step.joint_attention:
         raise ValueError("the step program is not for a joint-attention model (an MMDiT's)")
     # A rank holds at most one chunk of a sequence, so nonempty chunks are the local sequences,
-    # in held order, as routed.tokens.timesteps_S lists them (one per nonempty chunk).
-    _, local_sequence_T = torch.unique(step.chunk_index, return_inverse=True)
+    # in held order, as routed.tokens.timesteps_S lists them (one per nonempty chunk). Built from
+    # the program's host arrays and copied (pinned, non-blocking): no read back from the device.
+    program = step.program
+    local_sequence_of_chunk = np.cumsum(program.chunk_num_tokens > 0) - 1
+    local_sequence_T = local_sequence_of_chunk[program.token_chunk_index].astype(np.int64)
+    streams = StreamOrder.from_host(
+        program.held_text_index, program.held_visual_index, local_sequence_T, device
+    )
     tokens = JointTokens(
         latents_VC=routed.tokens.latents_TC,
         text_XE=routed.tokens.text_XE,
         modality_T=step.modality,
-        sequence_index_T=local_sequence_T,
+        sequence_index_T=runtime.to_device(torch.from_numpy(local_sequence_T), device),
         positions_T3=step.position_ids,
         timesteps_S=routed.tokens.timesteps_S,
+        streams=streams,
     )
     return JointStepInput(
         tokens=tokens,

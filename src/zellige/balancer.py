@@ -1,0 +1,508 @@
+"""Balancer: Zellige in a training loop that has its own model, data loader and optimiser.
+
+Each rank hands the balancer the samples its own loader drew. The balancer gathers their sizes
+across the ranks (one all_gather_object), places the step's sequences with a planner, and gives
+back a `BalancedStep`: the rank's share of the step (tokens routed to where the plan put them),
+the attention callables the model calls instead of its own attention, the way back for outputs,
+and the loss normalisation that makes loss and gradients those of data parallelism.
+
+    balancer = zellige.Balancer("my_dit.toml", planner="zellige", device=device)
+    for samples in loader:                          # this rank's samples: list[zellige.Sample]
+        step = balancer.step(samples)
+        held = step.inputs()                        # dicts of held tensors (below)
+        v_TC = model(held.tokens["latents"], held.samples["timestep"], held.text["text"],
+                     step.attention, step.cross_attention, step.chunk_index, step.position_ids)
+        loss = step.loss((v_TC - held.tokens["target"]).square().mean(-1))
+        (loss * step.num_ranks).backward()          # DDP / FSDP average gradients over ranks
+
+One step ahead: `pending = balancer.schedule(samples)` gathers the sizes now and plans in a
+background thread; `pending.start()` (the next iteration) waits for the plan and loads it.
+
+Legend: T held tokens (joint models: text and visual), T_vis / T_txt their visual / text part,
+X cross-attention text rows, C held chunks (a sequence's part on this rank), N heads, H head dim.
+Layouts, formats and the flow of a step: docs/architecture.md, docs/formats.md, docs/training.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from zellige import _core, runtime
+from zellige.costs import make_cost_model
+from zellige.model_spec import model_spec_to_dict, resolve_model
+from zellige.runtime.ops import StepOps
+
+PlanFn = Callable[[_core.Batch, _core.CostModel], _core.Plan]
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One sample this rank's loader drew, and its tensors (all optional).
+
+    grid_thw: its latent token grid (t, h, w) after VAE and patchify: t*h*w visual tokens.
+    text_tokens: its text length (0: no text).
+    tokens: per visual token, [t*h*w, ...] each (latents, targets, noise, masks ...), tokens in
+        (t, h, w) raster order.
+    text: per text token, [text_tokens, ...] each (text-encoder features ...).
+    values: per sample, any shape (flow time, class label, pooled text embedding ...).
+    Every rank's samples must carry the same keys, dtypes and trailing shapes (checked).
+    """
+
+    grid_thw: tuple[int, int, int]
+    text_tokens: int = 0
+    tokens: dict[str, Tensor] = field(default_factory=dict)
+    text: dict[str, Tensor] = field(default_factory=dict)
+    values: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+
+@dataclass(kw_only=True, slots=True)
+class HeldInputs:
+    """The samples' tensors as this rank holds them for the step.
+
+    tokens[k]: [T_vis, ...] held visual tokens (order of step.visual_index in the joint list).
+    text[k]: joint models: [T_txt, ...] held text tokens (order of step.text_index);
+        cross-attention models: [X, ...] the whole text of each held chunk's sequence, the rows
+        step.cross_attention expects as keys and values.
+    samples[k]: [C, ...] the value of each held chunk's sample (zeros for an empty chunk).
+    """
+
+    tokens: dict[str, Tensor]
+    text: dict[str, Tensor]
+    samples: dict[str, Tensor]
+
+
+# field kind -> {name: (trailing shape, dtype name)}; identical on every rank that has samples
+Schema = dict[str, dict[str, tuple[tuple[int, ...], str]]]
+
+
+def _schema(samples: list[Sample]) -> Schema | None:
+    """The samples' tensor layout; ValueError if two samples of this rank disagree."""
+    if not samples:
+        return None
+
+    def layout(sample: Sample) -> Schema:
+        return {
+            kind: {
+                name: (tuple(t.shape[0 if kind == "values" else 1 :]), str(t.dtype))
+                for name, t in sorted(getattr(sample, kind).items())
+            }
+            for kind in ("tokens", "text", "values")
+        }
+
+    first = layout(samples[0])
+    for index, sample in enumerate(samples[1:], start=1):
+        if layout(sample) != first:
+            raise ValueError(
+                f"sample {index} carries tensors {layout(sample)}, sample 0 {first}: every "
+                "sample needs the same keys, dtypes and trailing shapes"
+            )
+    return first
+
+
+def _check_sample(index: int, sample: Sample) -> None:
+    grid = tuple(sample.grid_thw)
+    if len(grid) != 3 or any(not isinstance(n, int) or n <= 0 for n in grid):
+        raise ValueError(f"sample {index}: grid_thw must be 3 positive ints, got {sample.grid_thw}")
+    if not isinstance(sample.text_tokens, int) or sample.text_tokens < 0:
+        raise ValueError(f"sample {index}: text_tokens must be an int >= 0")
+    for kind, rows in (("tokens", sample.num_tokens), ("text", sample.text_tokens)):
+        for name, tensor in getattr(sample, kind).items():
+            if tensor.dim() == 0 or tensor.shape[0] != rows:
+                raise ValueError(
+                    f"sample {index}: {kind}[{name!r}] has shape {tuple(tensor.shape)}, "
+                    f"expected {rows} rows ({'t*h*w' if kind == 'tokens' else 'text_tokens'})"
+                )
+
+
+@dataclass(kw_only=True, slots=True)
+class _RankReport:
+    """What each rank contributes to the one metadata all_gather."""
+
+    error: str | None
+    step_index: int
+    config: str  # digest of what every rank must agree on
+    sizes: list[tuple[int, int, int, int]]  # (t, h, w, text_tokens) per sample
+    schema: Schema | None
+
+
+class PendingStep:
+    """A step whose sizes are gathered and whose plan is being made; `start()` it in order."""
+
+    def __init__(self, balancer, index, samples, batch, schema, future) -> None:
+        self._balancer = balancer
+        self.index = index
+        self.samples = samples
+        self.batch = batch
+        self._schema = schema
+        self._future: Future = future
+
+    def start(self) -> BalancedStep:
+        """Waits for the plan and loads this rank's step program (every rank calls it; one small
+        all_gather checks that all ranks start the same step with the same plan)."""
+        return self._balancer._start(self)
+
+
+class Balancer:
+    """Plans every training step's placement and executes it for the user's model.
+
+    Every rank of the process group builds an equal Balancer and calls `step()` (or `schedule()`
+    then `start()`) the same number of times, in the same order.
+
+    Args:
+        model: a preset name, a model spec file (.toml / .json) or a ModelSpec: the cost model's
+            sizes and the head count of the attention callables.
+        planner: a planner name (`zellige.planner_names()`: "zellige", "dp-cost",
+            "static-cp:2", "knapformer:g2n2", ...) or a function (batch, cost_model) -> Plan
+            for a placement of your own.
+        device: where the step's tables and routed tensors live.
+        group: the process group (default: the world); it must be initialised.
+        gpus_per_node: GPUs per node (default 8, or the world when smaller).
+        profile: a hardware profile (path or HardwareProfile; default: the built-in H200 one).
+        links: the link class between GPUs of a node, "nvlink" or "pcie".
+        activation_checkpointing: whether training recomputes activations (memory model).
+        seed: the planners' seed (step k plans with seed + k).
+        plan_ahead: plan in a background thread, so that `schedule()` returns at once.
+
+    Example:
+        >>> balancer = zellige.Balancer("my_dit.toml", planner="zellige", device="cuda")
+        >>> step = balancer.step(samples)  # this rank's samples
+    """
+
+    def __init__(
+        self,
+        model: str | Path | _core.ModelSpec,
+        *,
+        planner: str | PlanFn = "zellige",
+        device: torch.device | str = "cpu",
+        group: dist.ProcessGroup | None = None,
+        gpus_per_node: int | None = None,
+        profile: str | Path | _core.HardwareProfile | None = None,
+        links: str = "nvlink",
+        activation_checkpointing: bool = True,
+        seed: int = 0,
+        plan_ahead: bool = True,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("Balancer needs an initialised process group (torchrun)")
+        self.spec = resolve_model(model)
+        self.device = torch.device(device)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.cost_model = make_cost_model(
+            self.spec,
+            self.num_ranks,
+            gpus_per_node,
+            profile,
+            links,
+            activation_checkpointing=activation_checkpointing,
+        )
+        if isinstance(planner, str):
+            from zellige.api import JOINT, _check_planner_name
+
+            _check_planner_name(planner)  # a typo fails here, not at the first step
+            if planner == JOINT:  # time-limited: ranks could stop at different incumbents
+                raise ValueError("the joint MILP reference is for comparisons, not training")
+        self.planner = planner
+        self.seed = seed
+        self._executor = ThreadPoolExecutor(1, "zellige-plan") if plan_ahead else None
+        self._scheduled = 0  # steps scheduled so far (the next one's index)
+        self._started = 0  # steps started so far
+        self._lock = threading.Lock()
+        planner_name = planner if isinstance(planner, str) else getattr(planner, "__name__", "fn")
+        self._config = hashlib.sha256(
+            repr((model_spec_to_dict(self.spec), planner_name, seed, self.num_ranks)).encode()
+        ).hexdigest()[:16]
+
+    @property
+    def joint_attention(self) -> bool:
+        return self.spec.joint_attention
+
+    def step(self, samples: list[Sample]) -> BalancedStep:
+        """schedule(samples).start(): the step planned and loaded now."""
+        return self.schedule(samples).start()
+
+    def schedule(self, samples: list[Sample]) -> PendingStep:
+        """Gathers the samples' sizes from every rank now (one all_gather_object; every rank
+        calls it) and plans the step, in the background when plan_ahead. Start pending steps in
+        the order they were scheduled. Raises the same ValueError on every rank when a rank's
+        samples are malformed or the ranks disagree (different Balancers, different steps)."""
+        error = None
+        try:
+            for index, sample in enumerate(samples):
+                _check_sample(index, sample)
+            schema = _schema(samples)
+        except ValueError as exc:
+            error, schema = f"rank {self.rank}: {exc}", None
+        report = _RankReport(
+            error=error,
+            step_index=self._scheduled,
+            config=self._config,
+            sizes=[(*map(int, s.grid_thw), int(s.text_tokens)) for s in samples],
+            schema=schema,
+        )
+        reports: list[_RankReport | None] = [None] * self.num_ranks
+        dist.all_gather_object(reports, report, group=self.group)
+        index = self._scheduled
+        self._scheduled += 1
+        error = _agreement_error(reports)
+        if error is not None:  # every rank holds the same reports: all raise it, none waits
+            raise ValueError(error)
+        batch = self._batch(reports)
+        if self._executor is not None:
+            future = self._executor.submit(self._plan_and_compile, batch, index)
+        else:
+            future = Future()
+            try:
+                future.set_result(self._plan_and_compile(batch, index))
+            except Exception as exc:  # noqa: BLE001 - raised by start(), on every rank
+                future.set_exception(exc)
+        schema = next((r.schema for r in reports if r.schema is not None), None)
+        return PendingStep(self, index, samples, batch, schema, future)
+
+    def _batch(self, reports: list[_RankReport]) -> _core.Batch:
+        batch = _core.Batch()
+        sequences = []
+        for rank, report in enumerate(reports):
+            for t, h, w, text_tokens in report.sizes:
+                sequence = _core.Sequence()
+                sequence.id = len(sequences)
+                sequence.kind = "video" if t > 1 else "image"
+                sequence.num_tokens = t * h * w
+                sequence.text_tokens = text_tokens
+                sequence.source_rank = rank
+                sequence.grid_t, sequence.grid_h, sequence.grid_w = t, h, w
+                sequences.append(sequence)
+        batch.sequences = sequences
+        return batch
+
+    def make_plan(self, batch: _core.Batch, step_index: int = 0) -> _core.Plan:
+        """The plan of one step's batch (what every rank computes alike)."""
+        if callable(self.planner):
+            plan = self.planner(batch, self.cost_model)
+            _core.predict(plan, batch, self.cost_model)
+            return plan
+        options = _core.PlannerOptions(seed=self.seed + step_index)
+        return _core.make_plan(self.planner, batch, self.cost_model, options)
+
+    def _plan_and_compile(self, batch: _core.Batch, index: int):
+        plan = self.make_plan(batch, index)
+        program = runtime.compile_step(
+            batch, plan, self.spec.num_heads, self.rank, joint_attention=self.joint_attention
+        )
+        return plan, program
+
+    def _start(self, pending: PendingStep) -> BalancedStep:
+        error = plan = program = None
+        with self._lock:
+            if pending.index != self._started:
+                error = (
+                    f"rank {self.rank}: started step {pending.index} but step {self._started} "
+                    "is the next one (start pending steps once each, in schedule order)"
+                )
+            else:
+                self._started += 1
+        if error is None:
+            try:
+                plan, program = pending._future.result()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by load_step
+                error = f"rank {self.rank}: planning step {pending.index} failed: {exc}"
+        step = runtime.load_step(program, self.device, self.group, error=error)
+        return BalancedStep(self, pending, plan, step)
+
+    def close(self) -> None:
+        """Stops the planning thread (also at interpreter exit)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def _agreement_error(reports: list[_RankReport]) -> str | None:
+    """The same message on every rank (all hold the same reports) or None."""
+    for report in reports:
+        if report.error:
+            return report.error
+    if len({r.config for r in reports}) > 1:
+        by_rank = ", ".join(f"rank {i}: {r.config}" for i, r in enumerate(reports))
+        return (
+            "ranks built different Balancers (model, planner, seed or world size differ; "
+            f"config digests {by_rank})"
+        )
+    if not any(r.sizes for r in reports):
+        return "no rank has a sample for this step: skip it on every rank, or give samples"
+    if len({r.step_index for r in reports}) > 1:
+        by_rank = ", ".join(f"rank {i}: {r.step_index}" for i, r in enumerate(reports))
+        return f"ranks are at different steps ({by_rank}): every rank schedules every step"
+    schemas = {repr(r.schema) for r in reports if r.schema is not None}
+    if len(schemas) > 1:
+        ranks = [(i, r.schema) for i, r in enumerate(reports) if r.schema is not None]
+        return (
+            f"ranks' samples carry different tensors: rank {ranks[0][0]} {ranks[0][1]}, "
+            f"rank {ranks[-1][0]} {ranks[-1][1]}"
+        )
+    return None
+
+
+class BalancedStep:
+    """One step as this rank executes it (see the module docstring).
+
+    Model-facing tables (device tensors): position_ids [T, 3] (t, h, w) of each held token (text
+    token k: (k, 0, 0)), chunk_index [T] (held chunk of each token), sequence_index [T] (index
+    into batch.sequences), modality [T] (0 visual, 1 text), visual_index [T_vis] / text_index
+    [T_txt] (positions in the joint held list). attention / cross_attention: the callables
+    (q_TNH, k_TNH, v_TNH) -> o_TNH. Every rank calls every collective method (inputs, route*,
+    reverse*, attention) the same number of times.
+    """
+
+    def __init__(self, balancer, pending, plan, step: runtime.Step) -> None:
+        self._balancer = balancer
+        self.index = pending.index
+        self.samples: list[Sample] = pending.samples
+        self.batch: _core.Batch = pending.batch
+        self.plan: _core.Plan = plan
+        self.runtime_step = step
+        self._schema = pending._schema
+        self.rank = balancer.rank
+        self.num_ranks = balancer.num_ranks
+        self.joint_attention = balancer.joint_attention
+        self.device = balancer.device
+        self.position_ids = step.position_ids
+        self.chunk_index = step.chunk_index
+        self.sequence_index = step.sequence_index
+        self.modality = step.modality
+        self.visual_index = step.visual_index
+        self.text_index = step.text_index
+        self.num_chunks = len(step.chunk_num_tokens)
+        # custom ops (zellige.runtime.ops): a compiled model traces through them
+        self.ops = StepOps(step)
+        self.attention = self.ops.attention
+        self.cross_attention = None if self.joint_attention else self.ops.cross_attention
+        sequences = self.batch.sequences
+        self.num_global_tokens = sum(s.num_tokens for s in sequences)
+        self.num_global_samples = len(sequences)
+        chunk_sequences = torch.tensor(step.chunk_sequence_index, dtype=torch.int64)
+        self._chunk_tokens = torch.tensor(
+            [sequences[i].num_tokens for i in step.chunk_sequence_index], dtype=torch.float64
+        ).to(self.device)
+        self.chunk_sequence_index = chunk_sequences.to(self.device)
+        # first held position of each chunk (T for an empty chunk: a zero row is appended)
+        num_held = step.num_held_tokens
+        first = torch.full((self.num_chunks,), num_held, dtype=torch.int64)
+        if num_held:
+            positions = torch.arange(num_held, dtype=torch.int64)
+            first.scatter_reduce_(0, step.chunk_index.cpu(), positions, "amin")
+        self._chunk_first = first.to(self.device)
+
+    # ---- tensors in
+    def inputs(self) -> HeldInputs:
+        """Routes every tensor the samples carry (Sample.tokens / text / values) to the ranks
+        that hold them: one all_to_all per field."""
+        schema = self._schema or {"tokens": {}, "text": {}, "values": {}}
+        tokens, text, samples = {}, {}, {}
+        for name, (shape, dtype) in schema["tokens"].items():
+            tokens[name] = self.route_tokens(self._source("tokens", name, shape, dtype))
+        for name, (shape, dtype) in schema["text"].items():
+            text[name] = self.route_text(self._source("text", name, shape, dtype))
+        for name, (shape, dtype) in schema["values"].items():
+            source = self._source("values", name, shape, dtype)
+            samples[name] = self.route_samples(source)
+        return HeldInputs(tokens=tokens, text=text, samples=samples)
+
+    def _source(self, kind: str, name: str, shape, dtype: str) -> Tensor:
+        parts = [getattr(s, kind)[name] for s in self.samples]
+        if kind == "values":
+            parts = [p[None] for p in parts]
+        if not parts:
+            return torch.zeros((0, *shape), dtype=getattr(torch, dtype.split(".")[-1]))
+        return torch.cat(parts).to(self.device, non_blocking=True)
+
+    def route_tokens(self, x_SD: Tensor) -> Tensor:
+        """This rank's samples' visual tokens [S_vis, ...] (samples in order, each t*h*w rows) ->
+        held visual tokens [T_vis, ...]. Differentiable (backward: the way back)."""
+        return self.ops.route(x_SD, "visual")
+
+    def route_text(self, text_SE: Tensor) -> Tensor:
+        """This rank's samples' text rows [S_txt, ...] (samples in order) -> joint models: held
+        text tokens [T_txt, ...]; cross-attention models: [X, ...] each held chunk's whole text."""
+        if self.joint_attention:
+            return self.ops.route(text_SE, "text")
+        return self.ops.route_text(text_SE)
+
+    def route_samples(self, values_B: Tensor) -> Tensor:
+        """Per-sample values [B, ...] of this rank's B samples -> [C, ...] the value of each held
+        chunk's sample (zeros for an empty chunk). They travel with the sample's tokens."""
+        if values_B.shape[0] != len(self.samples):
+            raise ValueError(
+                f"route_samples expects {len(self.samples)} rows (this rank's samples), got "
+                f"{values_B.shape[0]}"
+            )
+        rows = [s.num_tokens + (s.text_tokens if self.joint_attention else 0) for s in self.samples]
+        repeats = torch.tensor(rows, dtype=torch.int64, device=values_B.device)
+        per_token = values_B.repeat_interleave(repeats, dim=0)
+        held = self.ops.route(per_token, "all")
+        padded = torch.cat([held, held.new_zeros((1, *held.shape[1:]))])
+        return padded.index_select(0, self._chunk_first)
+
+    # ---- joint token lists
+    def join(self, visual_TD: Tensor, text_TD: Tensor) -> Tensor:
+        """Joint models: the held joint token list [T, ...] from its visual [T_vis, ...] and text
+        [T_txt, ...] parts (the order attention expects). Differentiable."""
+        out = visual_TD.new_empty((visual_TD.shape[0] + text_TD.shape[0], *visual_TD.shape[1:]))
+        out = out.index_copy(0, self.visual_index, visual_TD)
+        return out.index_copy(0, self.text_index, text_TD)
+
+    def split(self, x_TD: Tensor) -> tuple[Tensor, Tensor]:
+        """The inverse of join: (visual [T_vis, ...], text [T_txt, ...])."""
+        return x_TD.index_select(0, self.visual_index), x_TD.index_select(0, self.text_index)
+
+    # ---- outputs back
+    def reverse_tokens(self, x_TD: Tensor) -> Tensor:
+        """Held visual tokens [T_vis, ...] -> this rank's samples' tokens [S_vis, ...] (the
+        inverse of route_tokens; e.g. predictions for logging or a loss computed at the source)."""
+        return self.ops.reverse_route(x_TD, "visual")
+
+    def unpack(self, x_SD: Tensor) -> list[Tensor]:
+        """[S_vis, ...] -> one tensor per sample of this rank, [t*h*w, ...] each."""
+        return list(x_SD.split([s.num_tokens for s in self.samples]))
+
+    # ---- loss
+    def loss(self, loss_T: Tensor, *, per: str = "token") -> Tensor:
+        """This rank's share of the step's loss from a loss per held visual token [T_vis]: summed
+        over ranks it is the loss data parallelism computes on the whole batch, whatever the
+        placement, so gradients summed over ranks are its gradients. DDP and FSDP average
+        gradients over ranks: backpropagate `loss * step.num_ranks`.
+
+        per="token": the mean over every visual token of the batch (tokens weigh alike);
+        per="sample": the mean over samples of each sample's mean over its tokens."""
+        if loss_T.shape[0] != self.visual_index.shape[0]:
+            raise ValueError(
+                f"loss expects one value per held visual token ({self.visual_index.shape[0]}), "
+                f"got {loss_T.shape[0]}"
+            )
+        if per == "token":
+            return loss_T.sum() / self.num_global_tokens
+        if per == "sample":
+            chunk_T = self.chunk_index.index_select(0, self.visual_index)
+            tokens_T = self._chunk_tokens.index_select(0, chunk_T).to(loss_T.dtype)
+            return (loss_T / tokens_T).sum() / self.num_global_samples
+        raise ValueError(f"per must be 'token' or 'sample', got {per!r}")
+
+    def reduce(self, value: Tensor) -> float:
+        """The sum over ranks of a rank's share (e.g. loss), for logging (one all_reduce)."""
+        total = value.detach().to(torch.float64).clone()
+        dist.all_reduce(total, group=self._balancer.group)
+        return float(total)
