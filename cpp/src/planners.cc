@@ -61,7 +61,9 @@ std::function<Plan()> parse_planner(const std::string& planner, const Batch& bat
   if (planner == "megatron-dcp") {
     return [&, cache] { return planners::megatron_dcp(batch, cost_model, cache); };
   }
-  if (planner == "zellige") return [&] { return plan_zellige(batch, cost_model, options); };
+  if (planner == "zellige") {
+    return [&, cache] { return planners::zellige(batch, cost_model, options, cache); };
+  }
   const size_t colon = planner.find(':');
   const std::string family = planner.substr(0, colon);
   const std::string argument = colon == std::string::npos ? "" : planner.substr(colon + 1);
@@ -207,6 +209,13 @@ void check_sequences_fit(const Batch& batch, const CostModel& cost_model) {
 
 void predict(Plan& plan, const Batch& batch, const CostModel& cost_model) {
   EvaluationCache cache;  // same costs; placements of equal shapes are priced once
+  planners::predict_with(plan, batch, cost_model, cache);
+}
+
+namespace planners {
+
+void predict_with(Plan& plan, const Batch& batch, const CostModel& cost_model,
+                  EvaluationCache& cache) {
   const PlanCost cost = cost_model.evaluate(batch, plan, cache);
   plan.predicted.makespan_s = cost.makespan_s;
   plan.predicted.rank_time_s.clear();
@@ -219,10 +228,15 @@ void predict(Plan& plan, const Batch& batch, const CostModel& cost_model) {
   }
 }
 
+}  // namespace planners
+
 Plan make_plan(const std::string& planner, const Batch& batch, const CostModel& cost_model,
                const PlannerOptions& options) {
   const int64_t num_ranks = cost_model.cluster().num_ranks();
-  const std::function<Plan()> run = parse_planner(planner, batch, cost_model, options);
+  // Shared by the policy (those that price shares) and the prediction below: bit-identical
+  // numbers, but the shapes the policy priced are not priced again.
+  EvaluationCache cache;
+  const std::function<Plan()> run = parse_planner(planner, batch, cost_model, options, &cache);
   validate_batch(batch, num_ranks);
   check_sequences_fit(batch, cost_model);
 
@@ -233,7 +247,7 @@ Plan make_plan(const std::string& planner, const Batch& batch, const CostModel& 
   plan.plan_ms = std::chrono::duration<double, std::milli>(stop - start).count();
 
   validate_plan(plan, batch, num_ranks, cost_model.model().num_heads);
-  predict(plan, batch, cost_model);
+  planners::predict_with(plan, batch, cost_model, cache);
   // A plan never leaves here out of memory: knapformer has no memory term, and the others only
   // estimate memory additively while choosing.
   const double capacity_bytes = cost_model.memory_capacity_bytes();

@@ -236,7 +236,8 @@ void erase_value(std::vector<int32_t>* values, int32_t value) {
 
 class ZelligePlanner {
  public:
-  ZelligePlanner(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options)
+  ZelligePlanner(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options,
+                 EvaluationCache& cache)
       : batch_(batch),
         cost_model_(cost_model),
         options_(options),
@@ -244,7 +245,8 @@ class ZelligePlanner {
         gpus_per_node_(cost_model.cluster().gpus_per_node),
         num_nodes_(cost_model.cluster().num_nodes),
         num_heads_(cost_model.model().num_heads),
-        num_sequences_(static_cast<int64_t>(batch.sequences.size())) {}
+        num_sequences_(static_cast<int64_t>(batch.sequences.size())),
+        cache_(cache) {}
 
   Plan run();
 
@@ -290,6 +292,7 @@ class ZelligePlanner {
   bool aligned_group(int64_t size, int64_t first_rank) const;
   double bags_floor(const planners::KnapformerBags& bags);
   double group_floor_rank_seconds(int32_t sequence, int64_t group_size);
+  double least_floor_share_s(int32_t sequence, int64_t size);
   const ShapeChoice& shape_at(int32_t sequence, int64_t degree);
   int64_t degree_for(int32_t sequence, double target_s);
   void construct(double target_s, double share_fraction, Solution* s);
@@ -328,7 +331,8 @@ class ZelligePlanner {
   const int64_t num_ranks_, gpus_per_node_, num_nodes_, num_heads_, num_sequences_;
 
   bool exact_ = true;
-  EvaluationCache cache_;  // memoised shares and exact evaluation of this batch
+  // Memoised shares and exact evaluation of this batch; make_plan prices the result with it.
+  EvaluationCache& cache_;
   mutable std::vector<double> linear_grid_s_;  // -1: not computed yet
   double rate_s_per_token_ = 0;                // per-token layers at the mean token count per rank
   double free_bytes_ = 0;                      // memory capacity minus the fixed bytes, per rank
@@ -358,12 +362,28 @@ class ZelligePlanner {
   std::vector<RankShare> best_shares_;
   // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
   std::unordered_map<int64_t, std::vector<double>> group_floor_s_;
-  std::map<std::vector<int64_t>, double> floor_bound_of_sizes_;  // floor_bound's results
+  // floor_bound's sums per set of sizes: the bound without KnapFormer's terms, and per size
+  // index the rank-seconds of the sequences that cannot enter smaller (up) or larger (down) bags.
+  struct SizesFloor {
+    double bound_s = 0;
+    std::vector<double> forced_up_s, forced_down_s;
+    bool shares_nonnegative = false;
+  };
+  std::map<std::vector<int64_t>, SizesFloor> floor_of_sizes_;
   // bags_floor's memo: per bag size, per shape key, makespan_floor's terms by position.
   std::unordered_map<int64_t, std::vector<std::vector<CostModel::FloorTerm>>> bag_floor_terms_;
   std::vector<std::vector<std::vector<CostModel::FloorTerm>>*> bag_memos_;
   std::vector<int64_t> floor_tokens_;
   std::vector<double> floor_other_s_;
+  std::unordered_map<int64_t, std::vector<double>> least_share_s_;  // least_floor_share_s's memo
+  std::vector<CostModel::FloorTerm> scratch_terms_;
+  planners::KnapformerWork knapformer_work_;  // covered KnapFormer's (gamma 0.4); empty: not yet
+  const planners::KnapformerWork& covered_knapformer_work() {
+    if (knapformer_work_.work.empty()) {
+      knapformer_work_ = planners::knapformer_work(batch_, cost_model_, kCoveredKnapformerGamma);
+    }
+    return knapformer_work_;
+  }
 };
 
 void ZelligePlanner::prepare() {
@@ -477,6 +497,27 @@ double ZelligePlanner::group_floor_rank_seconds(int32_t sequence, int64_t group_
   return value;
 }
 
+// The smallest floor term (makespan_floor's, per-token layers at their fastest rate) that a
+// KnapFormer bag of `size` ranks (Ulysses) adds to one of its ranks for `sequence`.
+double ZelligePlanner::least_floor_share_s(int32_t sequence, int64_t size) {
+  std::vector<double>& memo = least_share_s_[size];
+  if (memo.empty()) memo.assign(num_sequences_, std::numeric_limits<double>::quiet_NaN());
+  double& value = memo[shape_key_[sequence]];
+  if (!std::isnan(value)) return value;
+  const Sequence& seq = batch_.sequences[sequence];
+  cost_model_.floor_terms(seq,
+                          make_placement(seq.id, size == 1 ? Strategy::kLocal : Strategy::kUlysses,
+                                         planners::consecutive_ranks(0, size)),
+                          cache_, &scratch_terms_);
+  const double rate_s = cost_model_.min_floor_time_per_token_s();
+  value = kInf;
+  for (const CostModel::FloorTerm& term : scratch_terms_) {
+    value = std::min(value,
+                     rate_s * static_cast<double>(term.tokens) + term.added_s - term.skipped_s);
+  }
+  return value;
+}
+
 // A lower bound on makespan_floor of the named baseline's plan, without building it; 0 when
 // there is none. Baselines that give every sequence one of a few group sizes on node-aligned
 // groups (dp-tokens and dp-cost: 1; static-cp:C: C; knapformer: its bag sizes) charge each
@@ -485,6 +526,8 @@ double ZelligePlanner::group_floor_rank_seconds(int32_t sequence, int64_t group_
 double ZelligePlanner::floor_bound(const std::string& baseline) {
   std::vector<int64_t> sizes;
   auto aligned = [&](int64_t size, int64_t first_rank) { return aligned_group(size, first_rank); };
+  bool knapformer = false;
+  std::vector<int64_t> counts;  // KnapFormer: bags per size
   if (baseline == "dp-tokens" || baseline == "dp-cost") {
     sizes = {1};
   } else if (baseline.rfind("static-cp:", 0) == 0) {
@@ -504,38 +547,123 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
       const int64_t count = std::stoll(spec.substr(n + 1, end - n - 1));
       if (size <= 0 || !aligned(size, first_rank)) return 0;
       sizes.push_back(size);
+      counts.push_back(count);
       first_rank += size * count;
       begin = end + 1;
     }
     if (sizes.empty()) return 0;
+    // Covered specs list their sizes increasing: the last is KnapFormer's fallback (largest).
+    if (!std::is_sorted(sizes.begin(), sizes.end())) return 0;
+    knapformer = sizes.size() > 1;
   } else {
     return 0;  // megatron-dcp: sizes chosen per group; always built
   }
   // The bound depends on the sizes only (dp-tokens, dp-cost, static-cp:1 and knapformer:g1nN
-  // share one, static-cp:C and knapformer:gCnN another, mixed specs their smallest sizes').
-  std::sort(sizes.begin(), sizes.end());
-  const auto [known, inserted] = floor_bound_of_sizes_.try_emplace(sizes, 0.0);
-  if (!inserted) return known->second;
-  // The mean over ranks; and the busiest group: a group's busiest rank is at least the mean of
-  // its ranks, so at least any one of its sequences' floor rank-seconds over the group size,
-  // when no sequence's is negative.
-  double total_s = 0, largest_per_rank_s = 0, smallest_s = kInf;
-  for (int64_t i = 0; i < num_sequences_; ++i) {
-    double least_s = kInf, least_per_rank_s = kInf;
-    for (int64_t size : sizes) {
-      const double rank_seconds = group_floor_rank_seconds(static_cast<int32_t>(i), size);
-      least_s = std::min(least_s, rank_seconds);
-      least_per_rank_s = std::min(least_per_rank_s, rank_seconds / static_cast<double>(size));
-      smallest_s = std::min(smallest_s, rank_seconds);
+  // share one, static-cp:C and knapformer:gCnN another; only mixed KnapFormer specs have several).
+  std::sort(sizes.begin(), sizes.end());  // KnapFormer's are sorted already (counts match)
+  const auto [known, inserted] = floor_of_sizes_.try_emplace(sizes);
+  SizesFloor& memo = known->second;
+  const size_t num_sizes = sizes.size();
+  if (inserted) {
+    // The mean over ranks; and the busiest group: a group's busiest rank is at least the mean of
+    // its ranks, so at least any one of its sequences' floor rank-seconds over the group size,
+    // when no sequence's is negative.
+    // KnapFormer with several bag sizes puts a sequence only into bags it is eligible for
+    // (knapformer_assign: a bag of size g takes it when g ranks' share of the total work holds its
+    // work and it has at least g tokens), or into the largest bags when none is: only those sizes
+    // count for it. (With one size, every sequence gets that size anyway.)
+    const planners::KnapformerWork* work = knapformer ? &covered_knapformer_work() : nullptr;
+    const double capacity_per_gpu =
+        knapformer ? work->total_work / static_cast<double>(num_ranks_) : 0.0;
+    // KnapFormer's terms also bound it: the sequences eligible only for sizes >= G (or <= G) all
+    // land on the ranks of those terms, whose busiest rank is at least their mean, provided no
+    // other sequence's share could lower a rank's floor (every share's floor term >= 0).
+    std::vector<double>& forced_up_s = memo.forced_up_s;
+    std::vector<double>& forced_down_s = memo.forced_down_s;
+    forced_up_s.assign(num_sizes, 0.0);
+    forced_down_s.assign(num_sizes, 0.0);
+    bool& shares_nonnegative = memo.shares_nonnegative;
+    shares_nonnegative = knapformer;
+    // The memos by size, looked up once here rather than once per sequence (made by a first call).
+    if (num_sequences_ == 0) return 0;
+    std::vector<std::vector<double>*> group_memos(num_sizes), share_memos(num_sizes);
+    for (size_t t = 0; t < num_sizes; ++t) {
+      group_floor_rank_seconds(0, sizes[t]);
+      group_memos[t] = &group_floor_s_[sizes[t]];
+      if (knapformer) {
+        least_floor_share_s(0, sizes[t]);
+        share_memos[t] = &least_share_s_[sizes[t]];
+      }
     }
-    total_s += least_s;
-    largest_per_rank_s = std::max(largest_per_rank_s, least_per_rank_s);
+    auto rank_seconds_of = [&](int64_t i, size_t t) {
+      const double value = (*group_memos[t])[shape_key_[i]];
+      return std::isnan(value) ? group_floor_rank_seconds(static_cast<int32_t>(i), sizes[t])
+                               : value;
+    };
+    auto least_share_of = [&](int64_t i, size_t t) {
+      const double value = (*share_memos[t])[shape_key_[i]];
+      return std::isnan(value) ? least_floor_share_s(static_cast<int32_t>(i), sizes[t]) : value;
+    };
+    double total_s = 0, largest_per_rank_s = 0, smallest_s = kInf;
+    for (int64_t i = 0; i < num_sequences_; ++i) {
+      double least_s = kInf, least_per_rank_s = kInf;
+      bool any_eligible = !knapformer;
+      size_t lowest = num_sizes, highest = 0;  // eligible size indices
+      for (size_t t = 0; t < num_sizes; ++t) {
+        const int64_t size = sizes[t];
+        if (knapformer && !(capacity_per_gpu * static_cast<double>(size) >= work->work[i] &&
+                            batch_.sequences[i].num_tokens >= size)) {
+          continue;
+        }
+        if (knapformer) {
+          lowest = std::min(lowest, t);
+          highest = t;
+          shares_nonnegative = shares_nonnegative && least_share_of(i, t) >= 0;
+        }
+        any_eligible = true;
+        const double rank_seconds = rank_seconds_of(i, t);
+        least_s = std::min(least_s, rank_seconds);
+        least_per_rank_s = std::min(least_per_rank_s, rank_seconds / static_cast<double>(size));
+        smallest_s = std::min(smallest_s, rank_seconds);
+      }
+      if (!any_eligible) {  // the fallback: the largest bags
+        const int64_t size = sizes.back();
+        const double rank_seconds = rank_seconds_of(i, num_sizes - 1);
+        least_s = rank_seconds;
+        least_per_rank_s = rank_seconds / static_cast<double>(size);
+        smallest_s = std::min(smallest_s, rank_seconds);
+        lowest = highest = num_sizes - 1;
+        shares_nonnegative = shares_nonnegative && least_share_of(i, num_sizes - 1) >= 0;
+      }
+      if (knapformer) {
+        forced_up_s[lowest] += least_s;
+        forced_down_s[highest] += least_s;
+      }
+      total_s += least_s;
+      largest_per_rank_s = std::max(largest_per_rank_s, least_per_rank_s);
+    }
+    memo.bound_s = total_s / static_cast<double>(num_ranks_);
+    if (smallest_s >= 0) memo.bound_s = std::max(memo.bound_s, largest_per_rank_s);
+  }  // inserted
+  double bound_s = memo.bound_s;
+  if (knapformer && memo.shares_nonnegative) {
+    const std::vector<double>& forced_up_s = memo.forced_up_s;
+    const std::vector<double>& forced_down_s = memo.forced_down_s;
+    double up_s = 0, down_s = 0;
+    int64_t up_ranks = 0, down_ranks = 0;
+    for (size_t t = num_sizes; t-- > 1;) {  // sizes >= sizes[t]
+      up_s += forced_up_s[t];
+      up_ranks += sizes[t] * counts[t];
+      bound_s = std::max(bound_s, up_s / static_cast<double>(up_ranks));
+    }
+    for (size_t t = 0; t + 1 < num_sizes; ++t) {  // sizes <= sizes[t]
+      down_s += forced_down_s[t];
+      down_ranks += sizes[t] * counts[t];
+      bound_s = std::max(bound_s, down_s / static_cast<double>(down_ranks));
+    }
   }
-  double bound_s = total_s / static_cast<double>(num_ranks_);
-  if (smallest_s >= 0) bound_s = std::max(bound_s, largest_per_rank_s);
   // Summed in another order than makespan_floor's: keep clear of rounding.
-  known->second = bound_s * (1 - 1e-9);
-  return known->second;
+  return bound_s * (1 - 1e-9);
 }
 
 // Whether `size` consecutive ranks from `first_rank` have the node pattern of ranks 0..size-1.
@@ -1393,7 +1521,6 @@ Plan ZelligePlanner::run() {
   const double skip_above_s = std::max(sweep_s, best_s * (1 + kMemoryTieBreak));
   std::vector<Seed> seeds;
   int64_t skipped = 0;
-  planners::KnapformerWork knapformer_work;  // shared by every KnapFormer spec
   for (const std::string& name : covered_baselines(batch_, cost_model_)) {
     const double bound_s = std::isfinite(skip_above_s) ? floor_bound(name) : 0.0;
     if (bound_s > skip_above_s) {
@@ -1406,11 +1533,8 @@ Plan ZelligePlanner::run() {
     // only if its floor leaves it a chance.
     if (name.rfind("knapformer:", 0) == 0) {
       const std::string spec = name.substr(11);
-      if (knapformer_work.work.empty()) {
-        knapformer_work = planners::knapformer_work(batch_, cost_model_, kCoveredKnapformerGamma);
-      }
       const planners::KnapformerBags bags =
-          planners::knapformer_assign(batch_, cost_model_, spec, knapformer_work);
+          planners::knapformer_assign(batch_, cost_model_, spec, covered_knapformer_work());
       const double floor_s = bags_floor(bags);
       if (floor_s > skip_above_s) {
         ++skipped;
@@ -1506,8 +1630,19 @@ Plan ZelligePlanner::to_plan(const Solution& s) const {
 }  // namespace
 
 Plan plan_zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options) {
-  return ZelligePlanner(batch, cost_model, options).run();
+  EvaluationCache cache;
+  return ZelligePlanner(batch, cost_model, options, cache).run();
 }
+
+namespace planners {
+
+Plan zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options,
+             EvaluationCache* cache) {
+  if (cache == nullptr) return plan_zellige(batch, cost_model, options);
+  return ZelligePlanner(batch, cost_model, options, *cache).run();
+}
+
+}  // namespace planners
 
 // Node-aligned windows of `degree` consecutive ranks, spread over nodes first so that a cap keeps
 // variety: inside a node, offsets that are multiples of the degree come first; beyond a node,
