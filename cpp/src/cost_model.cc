@@ -1000,7 +1000,15 @@ struct LowerBoundSearch {
                                                            chunk, heads, ulysses_intra, ring_intra);
         const double time_s =
             static_cast<double>(chunk) * min_per_token_s + terms.attention_s + terms.exchange_s;
-        if (cost.fixed_bytes() + terms.memory_bytes > capacity_bytes) result.fits = false;
+        // The fit test evaluate() applies to a rank holding only this share, checkpointing every
+        // layer it may (the least memory): the planners' additive sizing is stricter and would
+        // exclude plans evaluate() accepts, so the bound would not hold for them.
+        const int64_t checkpointed_layers =
+            cost.options().activation_checkpointing ? cost.model().num_layers : 0;
+        if (cost.rank_peak_bytes(terms.layer_activation_bytes, terms.layer_checkpoint_bytes,
+                                 terms.buffer_bytes, checkpointed_layers) > capacity_bytes) {
+          result.fits = false;
+        }
         result.bottleneck_s = std::max(result.bottleneck_s, time_s);
         result.rank_seconds += static_cast<double>(type.count * ranks_in_range) * time_s;
       }

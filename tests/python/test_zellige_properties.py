@@ -56,6 +56,9 @@ def plan_or_none(planner: str, batch, cost_model, seed: int = 0):
 @example(lengths=[53225, 53225], cluster=(1, 1), model="tiny", links="nvlink", seed=0)
 # Two long videos on two GPUs: an anchor found no ranks with the memory at an infinite target.
 @example(lengths=[62735, 64421], cluster=(2, 2), model="mmdit-11b", links="nvlink", seed=0)
+# The bound's shapes must fit as evaluate() fits a rank (peak over the backward), not by the
+# planners' stricter additive sizing, or it excludes the plan that is best (it did, by 6e-6).
+@example(lengths=[79964, 81216], cluster=(2, 2), model="mmdit-11b", links="pcie", seed=0)
 def test_zellige_plan_properties(lengths, cluster, model, links, seed) -> None:
     gpus, gpus_per_node = cluster
     cost_model = zellige.make_cost_model(model, gpus, gpus_per_node, links=links)
