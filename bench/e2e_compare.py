@@ -75,6 +75,9 @@ class RunSummary:
     plan_ms: float
     data_wait_s: float
     peak_gib: float | None
+    # False when the run's profile is of another device (a CPU run under the H200 profile): its
+    # predicted times are that device's, so the errors say nothing about the cost model
+    prediction_comparable: bool = True
 
 
 # ---- candidates of the tuned families --------------------------------------------------------
@@ -190,6 +193,7 @@ def summarise(planner: str, records: list[dict], warmup_steps: int) -> RunSummar
         plan_ms=sum(r["plan_ms"] for r in steps) / len(steps),
         data_wait_s=sum(r["data_wait_s_max"] for r in steps) / len(steps),
         peak_gib=max(peaks) if peaks else None,
+        prediction_comparable=all(r.get("prediction_comparable", True) for r in steps),
     )
 
 
@@ -383,8 +387,8 @@ def results_table(summaries: list[RunSummary], requested: dict[str, str]) -> lis
             f"{s.tokens_per_s:,.0f}",
             _fmt(s.mfu, ".1f", 100, "%"),
             f"{s.predicted_step_s:.4g}",
-            f"{100 * s.predicted_error:+.1f}%",
-            f"{100 * s.predicted_abs_error_per_step:.1f}%",
+            f"{100 * s.predicted_error:+.1f}%" if s.prediction_comparable else "- (a)",
+            f"{100 * s.predicted_abs_error_per_step:.1f}%" if s.prediction_comparable else "- (a)",
             f"{s.planned_imbalance:.3f} / {s.measured_imbalance:.3f}",
             _fmt(ratios[s.planner]["vs_best_knapformer"], ".3f", suffix="x"),
             _fmt(ratios[s.planner]["vs_dp_cost"], ".3f", suffix="x"),
@@ -607,6 +611,13 @@ def main(argv: list[str] | None = None) -> int:
         "the highest tokens/s among this report's knapformer runs / over dp-cost's.",
         "",
     ]
+    if not all(s.prediction_comparable for s in summaries):
+        lines += [
+            "(a) not comparable: the cost model's profile was measured on another device than "
+            "this run's (e.g. the built-in H200 profile on a CPU run), so its predicted times are "
+            "that device's; `zellige profile` measures this machine and `--profile` uses it.",
+            "",
+        ]
     agree = True
     if len(histories) > 1:
         batch_problems = same_batches(histories)

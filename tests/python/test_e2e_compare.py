@@ -192,3 +192,16 @@ def test_expected_run_time_learns_speed_and_startup_from_finished_runs() -> None
     # runs took twice the predicted step time, with 30 s and 50 s around their steps
     finished = [(10.0, 20.0, 50.0), (5.0, 10.0, 60.0)]
     assert e2e.expected_run_s(2.0, 10, finished) == pytest.approx(40.0 + 50.0)
+
+
+def test_results_table_hides_errors_of_a_profile_from_another_device() -> None:
+    history = _history([1.0, 1.0, 2.0, 2.0])
+    for record in history:
+        record["prediction_comparable"] = False  # a CPU run under the H200 profile
+    summary = e2e.summarise("dp-cost", history, WARMUP_STEPS)
+    assert not summary.prediction_comparable
+    (row,) = e2e.results_table([summary], {"dp-cost": "dp-cost"})[2:]
+    assert row.count("- (a)") == 2 and "%" not in row.split("|")[6]
+    comparable = e2e.summarise("dp-cost", _history([1.0, 1.0, 2.0, 2.0]), WARMUP_STEPS)
+    assert comparable.prediction_comparable
+    assert "- (a)" not in e2e.results_table([comparable], {"dp-cost": "dp-cost"})[2]
