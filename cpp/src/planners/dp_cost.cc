@@ -26,7 +26,7 @@ Plan planners::dp_cost(const Batch& batch, const CostModel& cost_model, Evaluati
   Plan plan = planners::empty_plan("dp-cost", cost_model);
   // Bins are ranks keyed by their time.
   const Sequence* unplaced = planners::place_longest_first(
-      batch, cost_model, local_time_s, rank_time_s,
+      batch, local_time_s, rank_time_s,
       [](const Sequence& sequence, int64_t rank) {
         return make_placement(sequence.id, Strategy::kLocal, {rank});
       },

@@ -19,7 +19,7 @@ Plan planners::dp_tokens(const Batch& batch, const CostModel& cost_model, Evalua
   Plan plan = planners::empty_plan("dp-tokens", cost_model);
   // Bins are ranks keyed by their token count.
   const Sequence* unplaced = planners::place_longest_first(
-      batch, cost_model, num_tokens, std::vector<int64_t>(loads.num_ranks(), 0),
+      batch, num_tokens, std::vector<int64_t>(loads.num_ranks(), 0),
       [](const Sequence& sequence, int64_t rank) {
         return make_placement(sequence.id, Strategy::kLocal, {rank});
       },

@@ -24,7 +24,7 @@ namespace zellige::planners {
 // once `loads` holds it. Fills plan.placements in batch order; returns the first sequence that
 // fits in no bin (plan is then incomplete), or nullptr.
 template <typename Size, typename Key, typename PlacementIn, typename KeyAfter>
-const Sequence* place_longest_first(const Batch& batch, const CostModel& cost_model,
+const Sequence* place_longest_first(const Batch& batch,
                                     const std::vector<Size>& size,
                                     const std::vector<Key>& initial_keys, PlacementIn placement_in,
                                     KeyAfter key_after, RankLoads& loads, Plan& plan) {

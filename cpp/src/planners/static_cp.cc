@@ -65,7 +65,7 @@ Plan planners::static_cp(const Batch& batch, const CostModel& cost_model, int64_
   Plan plan = planners::empty_plan("static-cp:" + std::to_string(group_size), cost_model);
   // Bins are groups keyed by their time, the time of their slowest rank.
   const Sequence* unplaced = planners::place_longest_first(
-      batch, cost_model, group_time_s, std::vector<double>(num_groups, 0.0),
+      batch, group_time_s, std::vector<double>(num_groups, 0.0),
       [&](const Sequence& sequence, int64_t group) {
         return group_placement(sequence.id, group * group_size, group_size, ulysses_degree);
       },
