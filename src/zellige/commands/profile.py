@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from zellige import _core
 from zellige._files import check_outputs, write_output
 from zellige.commands._args import int_in
 from zellige.commands._inputs import add_model_arguments, model_from_args
@@ -68,14 +67,14 @@ def run(args: argparse.Namespace) -> int:
 
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
     from zellige.profiler.measure import ProfileOptions, profile_device, profile_memory_into
-    from zellige.profiler.models import load_block_factory
+    from zellige.profiler.models import load_block_factory, model_to_run
 
     if args.block is not None:
         load_block_factory(args.block)  # a bad target fails now, not after minutes of measuring
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     options = ProfileOptions(
-        model=_model_to_run(model_from_args(args), args.quick),
+        model=model_to_run(model_from_args(args), args.quick, "profile"),
         quick=args.quick,
         device=device,
         repeats=min(args.repeats, 3) if args.quick else args.repeats,
@@ -97,21 +96,3 @@ def run(args: argparse.Namespace) -> int:
         write_output(args.details, json.dumps(result.details, indent=1) + "\n")
     print(f"wrote {args.out} ({profile.device_name})")
     return 0
-
-
-def _model_to_run(model: str | _core.ModelSpec | None, quick: bool) -> str | _core.ModelSpec:
-    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model).
-    A spec file's model runs at its own sizes (the user chose them; --quick only shortens the
-    measurements)."""
-    from zellige.profiler.models import quick_model
-
-    model = model or "wan-14b"
-    if not quick or not isinstance(model, str):
-        return model
-    tiny = quick_model(model)
-    if tiny != model:
-        print(
-            f"[profile] --quick: {model} runs as {tiny} (its kind of blocks at tiny sizes)",
-            file=sys.stderr,
-        )
-    return tiny

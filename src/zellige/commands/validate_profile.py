@@ -9,7 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-from zellige import _core
 from zellige._files import check_outputs, read_input, write_output
 from zellige.commands._args import SEED_MAX, int_in, nonnegative_float
 from zellige.commands._inputs import add_model_arguments, model_from_args
@@ -149,13 +148,14 @@ def run(args: argparse.Namespace) -> int:
     )
     import torch
 
+    from zellige.profiler.models import model_to_run
     from zellige.profiler.validate import ValidationOptions, report_dict, validate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     options = ValidationOptions(
         num_plans=args.plans,
         profile=args.profile,
-        model=_model_to_run(model_from_args(args), args.quick),
+        model=model_to_run(model_from_args(args), args.quick, "validate"),
         num_layers=args.layers,
         ranks_per_plan=args.ranks_per_plan,
         repeats=args.repeats,
@@ -180,20 +180,3 @@ def run(args: argparse.Namespace) -> int:
         write_output(args.json, json.dumps(report_dict(report), indent=1, allow_nan=False) + "\n")
     print(format_report(report, options))
     return 0
-
-
-def _model_to_run(model: str | _core.ModelSpec | None, quick: bool) -> str | _core.ModelSpec:
-    """--model (default wan-14b); --quick runs the tiny preset of its kind (models.quick_model).
-    A spec file's model runs at its own sizes (the user chose them)."""
-    from zellige.profiler.models import quick_model
-
-    model = model or "wan-14b"
-    if not quick or not isinstance(model, str):
-        return model
-    tiny = quick_model(model)
-    if tiny != model:
-        print(
-            f"[validate] --quick: {model} runs as {tiny} (its kind of blocks at tiny sizes)",
-            file=sys.stderr,
-        )
-    return tiny

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from zellige import _core
@@ -40,6 +42,24 @@ def quick_model(model: str) -> str:
     goes through the same blocks, runtime and cost model in seconds, with numbers that mean
     nothing (as every quick run's)."""
     return "mmdit-tiny" if _core.model_preset(model).joint_attention else "tiny"
+
+
+def model_to_run(
+    model: str | _core.ModelSpec | None, quick: bool, command: str
+) -> str | _core.ModelSpec:
+    """What `zellige profile` / `validate-profile` measure for --model (default wan-14b): with
+    --quick, the tiny preset of its kind (quick_model), said on stderr. A spec file's model runs
+    at its own sizes (the user chose them; --quick only shortens the measurements)."""
+    model = model or "wan-14b"
+    if not quick or not isinstance(model, str):
+        return model
+    tiny = quick_model(model)
+    if tiny != model:
+        print(
+            f"[{command}] --quick: {model} runs as {tiny} (its kind of blocks at tiny sizes)",
+            file=sys.stderr,
+        )
+    return tiny
 
 
 def dit_config(model: str | _core.ModelSpec, num_layers: int | None = None) -> DiTConfig:
