@@ -64,6 +64,10 @@ def test_on_cuda_the_ranks_agree_over_host_tensors(monkeypatch) -> None:
     """load_step's status exchange under an NCCL world (faked: this machine has no GPU) goes over
     a gloo twin of the world with host tensors, made once per world, and still raises a rank's
     error on every rank."""
+    # init_process_group sets the rendezvous variables in this process's environment: restore
+    # them, or later tests' subprocesses inherit a port that is no longer free
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "0")
     verify.init_process_group(0, 1, verify.free_port(), "cpu")
     try:
         monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")

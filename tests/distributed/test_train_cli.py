@@ -26,7 +26,9 @@ TIMEOUT_S = 180
 
 def _train(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "zellige.train", "--loader-workers", "0", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # a single process picks its own rendezvous port: drop any that an earlier test left behind
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
@@ -201,7 +203,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path) -> 
         (["--planner", "bogus"], "planner 'bogus': unknown planner"),
         (["--planner", "static-cp:3"], "static-cp:3: the group size must divide the 1 GPUs"),
         (["--recipe", "bogus"], "unknown workload 'bogus'"),
-        (["--profile", "/missing.json"], "profile /missing.json: cannot read"),
+        (["--profile", "/missing.json"], "/missing.json: cannot read"),
     ],
 )
 def test_bad_values_are_one_line(capsys, tmp_path: Path, argv: list[str], words: str) -> None:

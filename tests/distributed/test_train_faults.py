@@ -26,7 +26,9 @@ def _command(nproc: int, *args: str) -> list[str]:
 
 
 def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1")
+    # a single-process run picks its own rendezvous port: drop any an earlier test left behind
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "OMP_NUM_THREADS": "1"}
 
 
 def _launch(nproc: int, *args: str) -> subprocess.Popen:
