@@ -297,6 +297,16 @@ class CostModel {
 // bound above) at which sum over sequences of (min rank-seconds over shapes with bottleneck <= T)
 // still exceeds num_ranks x T. Runs in milliseconds for 1024 ranks x 4096 sequences of bucketed
 // batches.
+// Three terms of evaluate() that the above leaves out are added where they are certain:
+// - call excess: a ring step's segment is always a call of its own (it pays its excess exactly);
+//   a segment without ring, or a cross-attention segment, can share its call only with equal
+//   segments of other sequences (at most one per sequence of the same length, or text length),
+//   so it pays at least the least excess per head over that range of call sizes;
+// - launch floor: a share's rank issues at least that share's own distinct calls, so its time is
+//   at least their launch floor (bottleneck only: the floor is a max, not a sum over shares);
+// - per-token rate: in a plan of makespan T no rank holds more tokens than T / (the least
+//   per-token time), so its per-token layers run at most at the GEMM rates reached up to that
+//   count (not under adaptive checkpointing, which may skip their recompute).
 double makespan_lower_bound(const Batch& batch, const CostModel& cost_model);
 
 }  // namespace zellige
