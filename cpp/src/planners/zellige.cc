@@ -77,6 +77,11 @@ constexpr int kMovePartners = 3;
 constexpr int kSwapPartners = 6;
 constexpr int kRemouldPartners = 4;
 constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tried for sharding
+// Whole-anchor moves (zellige_moves.h): windows on this many least-loaded nodes (and the anchor's
+// own), this many partner anchors, and at most this many such moves per anchor of a search.
+constexpr int kWindowNodes = 4;
+constexpr size_t kPairPartners = 8;
+constexpr int64_t kAnchorMovesPerAnchor = 4;
 // A sequence of at least this fraction of the mean load per rank is sharded without need when
 // that saves at least kEfficientShapeMinGain of its rank-seconds.
 constexpr double kEfficientShapeMinLoad = 0.1;
@@ -249,6 +254,8 @@ class ZelligePlanner {
         cache_(cache) {}
 
   Plan run();
+  // Local search alone from `start` (planners::zellige_search, for tests of the moves).
+  Plan search_only(const Plan& start, bool whole_anchor_moves);
 
  private:
   // Per-token layers' time: exact in local search and final pricing; during the construction
@@ -322,6 +329,11 @@ class ZelligePlanner {
   bool try_swap(Solution* s, int64_t busiest);
   bool try_remould(Solution* s, int64_t busiest);
   bool try_promote(Solution* s, int64_t busiest);
+  // zellige_moves.h
+  void window_nodes(const Solution& s, const AnchorPlacement& anchor, int count,
+                    std::vector<int64_t>* nodes);
+  bool try_relocate(Solution* s, int64_t busiest);
+  bool try_pair(Solution* s, int64_t busiest);
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
                       const std::vector<RankShare>& new_shares);
 
@@ -360,6 +372,13 @@ class ZelligePlanner {
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
   std::vector<RankShare> best_shares_;
+  // zellige_moves.h's scratch and budget.
+  std::vector<double> node_load_s_;
+  std::vector<int64_t> window_nodes_;
+  std::vector<int32_t> partner_slots_;
+  std::vector<RankShare> candidate_shares_, pair_old_, pair_new_, best_pair_shares_;
+  int64_t relocations_left_ = 0;
+  bool whole_anchor_moves_ = true;
   // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
   std::unordered_map<int64_t, std::vector<double>> group_floor_s_;
   // floor_bound's sums per set of sizes: the bound without KnapFormer's terms, and per size
@@ -1389,12 +1408,13 @@ bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
 int64_t ZelligePlanner::local_search(Solution* s, Clock::time_point deadline) {
   const int64_t max_steps = 20 * (num_sequences_ + num_ranks_) + 1000;
   int64_t step = 0;
+  relocations_left_ = whole_anchor_moves_ ? kAnchorMovesPerAnchor * s->num_anchors : 0;
   for (; step < max_steps; ++step) {
     if ((step & 15) == 15 && Clock::now() > deadline) break;
     const int64_t busiest =
         std::max_element(s->time_s.begin(), s->time_s.end()) - s->time_s.begin();
     if (!try_move(s, busiest) && !try_swap(s, busiest) && !try_remould(s, busiest) &&
-        !try_promote(s, busiest)) {
+        !try_promote(s, busiest) && !try_relocate(s, busiest) && !try_pair(s, busiest)) {
       break;
     }
   }
@@ -1610,6 +1630,15 @@ Plan ZelligePlanner::run() {
   return plan;
 }
 
+Plan ZelligePlanner::search_only(const Plan& start, bool whole_anchor_moves) {
+  prepare();
+  whole_anchor_moves_ = whole_anchor_moves;
+  Solution s;
+  import_plan(start, &s);
+  local_search(&s, Clock::now() + std::chrono::seconds(60));
+  return to_plan(s);
+}
+
 Plan ZelligePlanner::to_plan(const Solution& s) const {
   Plan plan;
   plan.planner = "zellige";
@@ -1627,6 +1656,8 @@ Plan ZelligePlanner::to_plan(const Solution& s) const {
   return plan;
 }
 
+#include "zellige_moves.h"
+
 }  // namespace
 
 Plan plan_zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options) {
@@ -1640,6 +1671,13 @@ Plan zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptio
              EvaluationCache* cache) {
   if (cache == nullptr) return plan_zellige(batch, cost_model, options);
   return ZelligePlanner(batch, cost_model, options, *cache).run();
+}
+
+Plan zellige_search(const Batch& batch, const CostModel& cost_model, const Plan& start,
+                    bool whole_anchor_moves) {
+  EvaluationCache cache;
+  const PlannerOptions options;
+  return ZelligePlanner(batch, cost_model, options, cache).search_only(start, whole_anchor_moves);
 }
 
 }  // namespace planners
