@@ -934,12 +934,21 @@ class AreaEnvelope {
 
 }  // namespace
 
+// makespan_lower_bound's whole-share refinement (below): only while (distinct lengths) x ranks
+// is at most this; how far above the fluid bound it looks; its multipliers, per T.
+constexpr double kExclusiveShareWork = 8192;
+constexpr double kExclusiveShareReach = 1.25;
+constexpr int kExclusiveShareClasses = 4;
+constexpr double kExclusiveShareMultipliers[] = {0.0,  0.02, 0.05, 0.1, 0.15, 0.2,
+                                                 0.25, 0.3,  0.4,  0.5, 0.7,  1.0};
+
 // The candidate search behind makespan_lower_bound; see the derivation in cost_model.h.
 struct LowerBoundSearch {
   struct Result {
     bool fits = true;
     double bottleneck_s = 0;
     double rank_seconds = 0;
+    double least_share_s = std::numeric_limits<double>::infinity();  // additive, least rank
   };
 
   explicit LowerBoundSearch(const CostModel& model)
@@ -1019,6 +1028,7 @@ struct LowerBoundSearch {
           result.fits = false;
         }
         result.bottleneck_s = std::max(result.bottleneck_s, std::max(time_s, launch_s));
+        result.least_share_s = std::min(result.least_share_s, time_s);
         result.rank_seconds += static_cast<double>(type.count * ranks_in_range) * time_s;
       }
     }
@@ -1188,6 +1198,22 @@ struct LowerBoundSearch {
     return best;
   }
 
+  // Every shape of a sequence (fitting or not) with its degree.
+  std::vector<std::pair<Result, int64_t>> every_shape(int64_t unit_tokens,
+                                                      int64_t text_tokens) const {
+    std::vector<std::pair<Result, int64_t>> shapes;
+    const int64_t max_p = max_degree(unit_tokens);
+    for (int64_t r = 1; r <= max_p; ++r) {
+      CostModel::Shape shape =
+          cost.make_shape(unit_tokens, text_tokens, 1, r, /*price_calls=*/false);
+      for (int64_t u = 1; u <= std::min(num_heads, max_p / r); ++u) {
+        shape.ulysses_degree = u;
+        shapes.push_back({evaluate(shape), u * r});
+      }
+    }
+    return shapes;
+  }
+
   // Smallest bottleneck-rank time of a sequence over all fitting shapes, and its shape.
   double min_bottleneck_s(int64_t unit_tokens, int64_t text_tokens, bool respect_memory,
                           int64_t* best_u, int64_t* best_r) const {
@@ -1352,14 +1378,84 @@ double makespan_lower_bound(const Batch& batch, const CostModel& cost_model) {
     return total > num_ranks * makespan_s;
   };
   double low_s = simple_s;  // a valid bound; overflows(low_s) or not
-  if (!overflows(low_s)) return low_s;
-  double high_s = std::max(low_s, total_rank_seconds / num_ranks) * 2;
-  while (overflows(high_s)) high_s *= 2;
-  for (int step = 0; step < 60 && high_s - low_s > 1e-9 * high_s; ++step) {
-    const double middle_s = 0.5 * (low_s + high_s);
-    (overflows(middle_s) ? low_s : high_s) = middle_s;
+  if (overflows(low_s)) {
+    double high_s = std::max(low_s, total_rank_seconds / num_ranks) * 2;
+    while (overflows(high_s)) high_s *= 2;
+    for (int step = 0; step < 60 && high_s - low_s > 1e-9 * high_s; ++step) {
+      const double middle_s = 0.5 * (low_s + high_s);
+      (overflows(middle_s) ? low_s : high_s) = middle_s;
+    }
   }
-  return low_s;
+  if (static_cast<double>(counts.size()) * num_ranks > kExclusiveShareWork) return low_s;
+
+  // Whole shares: a rank of a plan of makespan T holds shares whose times sum to at most T, so
+  // for any dual feasible function u of bin packing (u_k(x) = floor((k + 1) x) / k: the u of
+  // fractions summing to <= 1 sum to <= 1), sum over all shares of u(share / T) <= num_ranks;
+  // for u_1, no rank holds two shares above T / 2. With that constraint, picking shapes of least
+  // total rank-seconds is a knapsack; its Lagrangian relaxation (a multiplier >= 0 per unit,
+  // minus it per rank of the cluster) is below the knapsack's optimum, so T is impossible when it
+  // still exceeds num_ranks x T. A shape's shares are charged at its least share (u grows).
+  // Every shape counts here (the frontiers above keep only those of least rank-seconds), so
+  // only for small clusters and batches. Every T so found is a bound by itself (a plan of
+  // makespan T' meets these conditions at every T >= T'), monotone or not.
+  struct Point {
+    double bottleneck_s, rank_seconds, least_share_s;
+    double degree;
+  };
+  struct Candidates {
+    double count;
+    std::vector<Point> points;
+  };
+  std::vector<Candidates> candidates;
+  for (const auto& [key, count] : counts) {
+    Candidates entry{static_cast<double>(count), {}};
+    for (const bool respect_memory : {true, false}) {
+      for (const auto& [result, degree] : search.every_shape(key.first, key.second)) {
+        if (respect_memory && !result.fits) continue;
+        entry.points.push_back({result.bottleneck_s, result.rank_seconds, result.least_share_s,
+                                static_cast<double>(degree)});
+      }
+      if (!entry.points.empty()) break;  // a sequence that fits nowhere counts every shape
+    }
+    candidates.push_back(std::move(entry));
+  }
+  auto excluded = [&](double makespan_s) {  // whether no plan has a makespan <= this
+    double adjust = 0;
+    if (per_token_cap) {
+      adjust = (search.per_token_s_within(makespan_s) - search.min_per_token_s) * total_unit_tokens;
+    }
+    for (int k = 1; k <= kExclusiveShareClasses; ++k) {
+      for (const double multiplier : kExclusiveShareMultipliers) {
+        const double price_s = multiplier * makespan_s;  // per unit of a rank's capacity
+        double total = adjust - price_s * num_ranks;
+        for (const Candidates& entry : candidates) {
+          double best = std::numeric_limits<double>::infinity();
+          for (const Point& point : entry.points) {
+            if (point.bottleneck_s > makespan_s) continue;
+            // The dual feasible function u_k(x) = floor((k + 1) x) / k of the share's fraction
+            // of T (a hair lower where (k + 1) x is whole, where u_k is x itself).
+            const double fraction = point.least_share_s / makespan_s;
+            const double used =
+                std::floor((k + 1) * fraction - 1e-9) / static_cast<double>(k);
+            best = std::min(best,
+                            point.rank_seconds + price_s * point.degree * std::max(0.0, used));
+          }
+          if (!std::isfinite(best)) return true;
+          total += entry.count * best;
+        }
+        if (total > num_ranks * makespan_s) return true;
+      }
+    }
+    return false;
+  };
+  double high_s = low_s * kExclusiveShareReach;
+  if (excluded(high_s)) return high_s;
+  double best_s = low_s;
+  for (int step = 0; step < 40 && high_s - best_s > 1e-9 * high_s; ++step) {
+    const double middle_s = 0.5 * (best_s + high_s);
+    (excluded(middle_s) ? best_s : high_s) = middle_s;
+  }
+  return best_s;
 }
 
 }  // namespace zellige
