@@ -56,7 +56,7 @@ std::string shortest(double value) {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // Baseline plans (besides the sweep's) that start a local search of their own.
-constexpr size_t kBaselineStarts = 1;
+constexpr size_t kBaselineStarts = 4;
 // The KnapFormer gamma of the covered specs (make_plan's default: covered_baselines names none).
 constexpr double kCoveredKnapformerGamma = 0.4;
 // Among plans within this fraction of the fastest, the one with the lowest peak memory wins.
