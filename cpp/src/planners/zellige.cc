@@ -11,9 +11,10 @@
 // node if that stays within T, else goes to the least-loaded rank. A sweep over T (and, when
 // anchors outnumber ranks, over shapes of half the target so that anchors can share ranks) keeps
 // the best construction. Local search then lowers the busiest rank while it can: move or swap a
-// filler, re-mould one of its anchors (another strategy, swap a rank, add one, drop it), or shard
-// one of its fillers. Every covered baseline (planners.h) is built too; the most promising one
-// that fits is searched the same way, and the result is the fastest of all these plans under the
+// filler, re-mould one of its anchors (another strategy, swap a rank, add one, drop it), shard
+// one of its fillers, or, failing those, move a whole anchor to an aligned window or put two
+// anchors on the union of their ranks (zellige_moves.h). Every covered baseline (planners.h) is
+// built too; the (up to four) most promising ones that fit are searched the same way, and the result is the fastest of all these plans under the
 // exact CostModel::evaluate (memoised), so never slower than any covered baseline; within 0.5%
 // of the fastest, the lowest peak memory wins (docs/planner.md).
 //
