@@ -83,6 +83,10 @@ constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tr
 constexpr int kWindowNodes = 4;
 constexpr size_t kPairPartners = 8;
 constexpr int64_t kAnchorMovesPerAnchor = 4;
+// The bag start (zellige_moves.h): sequences of at least this fraction of the mean load per rank
+// go to bags; only while (such sequences) x ranks is at most kBagWork.
+constexpr double kBagItemFraction = 0.25;
+constexpr double kBagWork = 65536;
 // A sequence of at least this fraction of the mean load per rank is sharded without need when
 // that saves at least kEfficientShapeMinGain of its rank-seconds.
 constexpr double kEfficientShapeMinLoad = 0.1;
@@ -335,6 +339,7 @@ class ZelligePlanner {
                     std::vector<int64_t>* nodes);
   bool try_relocate(Solution* s, int64_t busiest);
   bool try_pair(Solution* s, int64_t busiest);
+  bool bag_start(bool busiest_only, Plan* plan);
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
                       const std::vector<RankShare>& new_shares);
 
@@ -379,6 +384,8 @@ class ZelligePlanner {
   std::vector<int32_t> partner_slots_;
   std::vector<RankShare> candidate_shares_, pair_old_, pair_new_, best_pair_shares_;
   int64_t relocations_left_ = 0;
+  std::vector<int32_t> bag_items_;
+  std::vector<double> rank_load_s_;
   bool whole_anchor_moves_ = true;
   // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
   std::unordered_map<int64_t, std::vector<double>> group_floor_s_;
@@ -1586,6 +1593,12 @@ Plan ZelligePlanner::run() {
     if (!std::isfinite(current.makespan_s)) continue;  // out of memory
     search_from(&current, "search:" + seed.name);
     ++starts;
+  }
+  for (const bool busiest_only : {true, false}) {
+    Plan bags;
+    if (!bag_start(busiest_only, &bags)) break;
+    import_plan(bags, &current);
+    if (std::isfinite(current.makespan_s)) search_from(&current, "search:bags");
   }
 
   // The exact comparison (CostModel::evaluate, as `zellige compare` prices plans): the fastest

@@ -168,3 +168,147 @@ bool ZelligePlanner::try_pair(Solution* s, int64_t busiest) {
   }
   return true;
 }
+
+// A starting point of aligned bags (what the best known plans of a few huge sequences look like:
+// a few windows of 4 to 16 ranks, each holding several long videos over all of its ranks). The
+// long sequences (at least kBagItemFraction of the mean load per rank, or too large for one rank)
+// go whole to bags, each in the best shape of its bag's size, longest first to the bag that ends
+// earliest (LPT); the rest go whole to the least-loaded rank. The bags: from every uniform
+// partition (half a node to four nodes), a bag is split in halves or two neighbours merged while
+// that lowers the busiest bag (the best such change each step). Estimates only (shape_at's busiest share); the
+// plan is searched and priced exactly like every other start. False when the batch has fewer
+// than two long sequences, or more than half as many as ranks, or too many for this to be cheap.
+bool ZelligePlanner::bag_start(bool busiest_only, Plan* plan) {
+  bag_items_.clear();
+  for (int32_t sequence : order_) {
+    if (local_estimate_s_[sequence] >= kBagItemFraction * mean_load_s_ ||
+        local_memory_bytes_[sequence] > free_bytes_) {
+      bag_items_.push_back(sequence);
+    }
+  }
+  // Bags pay off when long sequences are few next to the ranks (each gets several); elsewhere
+  // the sweep and the baselines' bags already do well, and this would cost planning time.
+  const int64_t items = static_cast<int64_t>(bag_items_.size());
+  if (items < 2 || 2 * items > num_ranks_ ||
+      static_cast<double>(items) * static_cast<double>(num_ranks_) > kBagWork) {
+    return false;
+  }
+
+  struct Bag {
+    int64_t first, size;
+  };
+  // The busiest bag's estimated time under LPT, and each item's bag (index), or infinity when an
+  // item fits no bag's memory.
+  std::vector<double> load_s, bytes;
+  auto assign = [&](const std::vector<Bag>& bags, std::vector<int32_t>* of_item) {
+    load_s.assign(bags.size(), 0.0);
+    bytes.assign(bags.size(), 0.0);
+    of_item->assign(bag_items_.size(), -1);
+    double busiest_s = 0;
+    for (size_t i = 0; i < bag_items_.size(); ++i) {
+      int32_t best = -1;
+      double best_s = kInf;
+      for (size_t b = 0; b < bags.size(); ++b) {
+        const ShapeChoice& choice = shape_at(bag_items_[i], bags[b].size);
+        if (!choice.feasible || bytes[b] + choice.memory_bytes > free_bytes_) continue;
+        const double end_s = load_s[b] + choice.time_s;
+        if (end_s < best_s) {
+          best_s = end_s;
+          best = static_cast<int32_t>(b);
+        }
+      }
+      if (best < 0) return kInf;
+      (*of_item)[i] = best;
+      load_s[best] = best_s;
+      bytes[best] += shape_at(bag_items_[i], bags[best].size).memory_bytes;
+      busiest_s = std::max(busiest_s, best_s);
+    }
+    return busiest_s;
+  };
+  std::vector<Bag> best_bags;
+  double best_s = kInf;
+  std::vector<int32_t> of_item;
+  for (int64_t size : {gpus_per_node_ / 2, gpus_per_node_, 2 * gpus_per_node_,
+                       4 * gpus_per_node_}) {
+    if (size < 2 || size > num_ranks_ || num_ranks_ % size != 0) continue;
+    std::vector<Bag> bags;
+    for (int64_t first = 0; first < num_ranks_; first += size) bags.push_back({first, size});
+    double bags_s = assign(bags, &of_item);
+    for (int64_t step = 0; step < 4 * num_nodes_ + 8 && std::isfinite(bags_s); ++step) {
+      // Every bag (or the busiest only) split in halves or merged with its next neighbour
+      // (the busiest: with either neighbour).
+      std::vector<std::vector<Bag>> candidates;
+      const size_t busiest = static_cast<size_t>(
+          std::max_element(load_s.begin(), load_s.end()) - load_s.begin());
+      if (busiest_only && busiest > 0) {
+        std::vector<Bag> merged = bags;
+        merged[busiest - 1] = {bags[busiest - 1].first,
+                               bags[busiest - 1].size + bags[busiest].size};
+        merged.erase(merged.begin() + static_cast<int64_t>(busiest));
+        candidates.push_back(std::move(merged));
+      }
+      for (size_t b = 0; b < bags.size(); ++b) {
+        if (busiest_only && b != busiest) continue;
+        const Bag bag = bags[b];
+        if (bag.size % 2 == 0) {
+          std::vector<Bag> split = bags;
+          split[b] = {bag.first, bag.size / 2};
+          split.insert(split.begin() + static_cast<int64_t>(b) + 1,
+                       Bag{bag.first + bag.size / 2, bag.size / 2});
+          candidates.push_back(std::move(split));
+        }
+        if (b + 1 < bags.size()) {
+          std::vector<Bag> merged = bags;
+          merged[b] = {bag.first, bag.size + bags[b + 1].size};
+          merged.erase(merged.begin() + static_cast<int64_t>(b) + 1);
+          candidates.push_back(std::move(merged));
+        }
+      }
+      double step_s = bags_s;
+      std::vector<Bag> step_bags;
+      for (const std::vector<Bag>& candidate : candidates) {
+        const double candidate_s = assign(candidate, &of_item);
+        if (candidate_s < step_s * (1 - kMinGain)) {
+          step_s = candidate_s;
+          step_bags = candidate;
+        }
+      }
+      if (step_bags.empty()) break;
+      bags = std::move(step_bags);
+      bags_s = assign(bags, &of_item);  // load_s of the accepted partition
+    }
+    if (bags_s < best_s) {
+      best_s = bags_s;
+      best_bags = bags;
+    }
+  }
+  if (!std::isfinite(best_s)) return false;
+
+  // The plan: items on their bags, then the rest whole on the least-loaded rank.
+  assign(best_bags, &of_item);
+  plan->num_ranks = num_ranks_;
+  plan->placements.clear();
+  rank_load_s_.assign(num_ranks_, 0.0);
+  member_.assign(num_ranks_, 0);  // scratch: nothing else uses it between searches
+  std::vector<char> is_item(num_sequences_, 0);
+  for (size_t i = 0; i < bag_items_.size(); ++i) {
+    const int32_t sequence = bag_items_[i];
+    is_item[sequence] = 1;
+    const Bag& bag = best_bags[of_item[i]];
+    const ShapeChoice& choice = shape_at(sequence, bag.size);
+    std::vector<int64_t> ranks(bag.size);
+    std::iota(ranks.begin(), ranks.end(), bag.first);
+    for (int64_t k = 0; k < bag.size; ++k) {
+      rank_load_s_[bag.first + k] += estimate_s(choice.shares[k]);
+    }
+    plan->placements.push_back(to_placement(batch_.sequences[sequence].id, choice.shape, ranks));
+  }
+  for (int32_t sequence : order_) {
+    if (is_item[sequence]) continue;
+    const int64_t rank =
+        std::min_element(rank_load_s_.begin(), rank_load_s_.end()) - rank_load_s_.begin();
+    rank_load_s_[rank] += local_estimate_s_[sequence];
+    plan->placements.push_back(to_placement(batch_.sequences[sequence].id, Shape{}, {rank}));
+  }
+  return true;
+}
