@@ -14,9 +14,11 @@
 // filler, re-mould one of its anchors (another strategy, swap a rank, add one, drop it), shard
 // one of its fillers, or, failing those, move a whole anchor to an aligned window or put two
 // anchors on the union of their ranks (zellige_moves.h). Every covered baseline (planners.h) is
-// built too; the (up to four) most promising ones that fit are searched the same way, and the result is the fastest of all these plans under the
-// exact CostModel::evaluate (memoised), so never slower than any covered baseline; within 0.5%
-// of the fastest, the lowest peak memory wins (docs/planner.md).
+// built too; the (up to four) most promising ones that fit are searched the same way, and so is
+// a start of aligned bags when a few long sequences dominate (zellige_moves.h); the result is the
+// fastest of all these plans under the exact CostModel::evaluate (memoised), so never slower
+// than any covered baseline; within 0.5% of the fastest, the lowest peak memory wins
+// (docs/planner.md).
 //
 // Rank time is additive over the sequences a rank holds except the per-token layers, which depend
 // on the rank's token total (CostModel::linear_time_s), so every rank keeps its totals and every

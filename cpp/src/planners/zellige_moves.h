@@ -174,10 +174,11 @@ bool ZelligePlanner::try_pair(Solution* s, int64_t busiest) {
 // long sequences (at least kBagItemFraction of the mean load per rank, or too large for one rank)
 // go whole to bags, each in the best shape of its bag's size, longest first to the bag that ends
 // earliest (LPT); the rest go whole to the least-loaded rank. The bags: from every uniform
-// partition (half a node to four nodes), a bag is split in halves or two neighbours merged while
-// that lowers the busiest bag (the best such change each step). Estimates only (shape_at's busiest share); the
-// plan is searched and priced exactly like every other start. False when the batch has fewer
-// than two long sequences, or more than half as many as ranks, or too many for this to be cheap.
+// partition (half a node to four nodes), bags are split in halves or two neighbours merged while
+// that lowers the busiest bag, taking the best such change each step, over every bag or
+// (`busiest_only`) the busiest one. Estimates only (shape_at's busiest share): the plan is
+// searched and priced exactly like every other start. False when the batch has fewer than two
+// long sequences, or more than half as many as ranks, or too many for this to be cheap.
 bool ZelligePlanner::bag_start(bool busiest_only, Plan* plan) {
   bag_items_.clear();
   for (int32_t sequence : order_) {
