@@ -89,6 +89,7 @@ constexpr int64_t kAnchorMovesPerAnchor = 4;
 // go to bags; only while (such sequences) x ranks is at most kBagWork.
 constexpr double kBagItemFraction = 0.25;
 constexpr double kBagWork = 65536;
+constexpr int32_t kBagRun = 4;
 // A sequence of at least this fraction of the mean load per rank is sharded without need when
 // that saves at least kEfficientShapeMinGain of its rank-seconds.
 constexpr double kEfficientShapeMinLoad = 0.1;
@@ -341,7 +342,7 @@ class ZelligePlanner {
                     std::vector<int64_t>* nodes);
   bool try_relocate(Solution* s, int64_t busiest);
   bool try_pair(Solution* s, int64_t busiest);
-  bool bag_start(bool busiest_only, Plan* plan);
+  bool bag_start(bool busiest_only, int32_t max_run, Plan* plan);
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
                       const std::vector<RankShare>& new_shares);
 
@@ -1597,10 +1598,12 @@ Plan ZelligePlanner::run() {
     ++starts;
   }
   for (const bool busiest_only : {true, false}) {
-    Plan bags;
-    if (!bag_start(busiest_only, &bags)) break;
-    import_plan(bags, &current);
-    if (std::isfinite(current.makespan_s)) search_from(&current, "search:bags");
+    for (const int32_t max_run : {int32_t{1}, kBagRun}) {
+      Plan bags;
+      if (!bag_start(busiest_only, max_run, &bags)) break;
+      import_plan(bags, &current);
+      if (std::isfinite(current.makespan_s)) search_from(&current, "search:bags");
+    }
   }
 
   // The exact comparison (CostModel::evaluate, as `zellige compare` prices plans): the fastest

@@ -173,13 +173,14 @@ bool ZelligePlanner::try_pair(Solution* s, int64_t busiest) {
 // a few windows of 4 to 16 ranks, each holding several long videos over all of its ranks). The
 // long sequences (at least kBagItemFraction of the mean load per rank, or too large for one rank)
 // go whole to bags, each in the best shape of its bag's size, longest first to the bag that ends
-// earliest (LPT); the rest go whole to the least-loaded rank. The bags: from every uniform
+// earliest (LPT), or to a run of up to `max_run` neighbouring bags when that ends earlier; the
+// rest go whole to the least-loaded rank. The bags: from every uniform
 // partition (half a node to four nodes), bags are split in halves or two neighbours merged while
 // that lowers the busiest bag, taking the best such change each step, over every bag or
 // (`busiest_only`) the busiest one. Estimates only (shape_at's busiest share): the plan is
 // searched and priced exactly like every other start. False when the batch has fewer than two
 // long sequences, or more than half as many as ranks, or too many for this to be cheap.
-bool ZelligePlanner::bag_start(bool busiest_only, Plan* plan) {
+bool ZelligePlanner::bag_start(bool busiest_only, int32_t max_run, Plan* plan) {
   bag_items_.clear();
   for (int32_t sequence : order_) {
     if (local_estimate_s_[sequence] >= kBagItemFraction * mean_load_s_ ||
@@ -198,37 +199,53 @@ bool ZelligePlanner::bag_start(bool busiest_only, Plan* plan) {
   struct Bag {
     int64_t first, size;
   };
-  // The busiest bag's estimated time under LPT, and each item's bag (index), or infinity when an
-  // item fits no bag's memory.
+  // The busiest bag's estimated time under LPT, and each item's window (first bag, bag count):
+  // consecutive bags, so that a sequence may also span a few neighbouring bags (a bag's ranks then
+  // run it after their own sequences: rank times add up); infinity when an item fits nowhere.
   std::vector<double> load_s, bytes;
-  auto assign = [&](const std::vector<Bag>& bags, std::vector<int32_t>* of_item) {
-    load_s.assign(bags.size(), 0.0);
-    bytes.assign(bags.size(), 0.0);
-    of_item->assign(bag_items_.size(), -1);
+  using Window = std::pair<int32_t, int32_t>;
+  auto assign = [&](const std::vector<Bag>& bags, std::vector<Window>* of_item) {
+    const int32_t num_bags = static_cast<int32_t>(bags.size());
+    load_s.assign(num_bags, 0.0);
+    bytes.assign(num_bags, 0.0);
+    of_item->assign(bag_items_.size(), {-1, 0});
     double busiest_s = 0;
     for (size_t i = 0; i < bag_items_.size(); ++i) {
-      int32_t best = -1;
+      Window best{-1, 0};
       double best_s = kInf;
-      for (size_t b = 0; b < bags.size(); ++b) {
-        const ShapeChoice& choice = shape_at(bag_items_[i], bags[b].size);
-        if (!choice.feasible || bytes[b] + choice.memory_bytes > free_bytes_) continue;
-        const double end_s = load_s[b] + choice.time_s;
-        if (end_s < best_s) {
-          best_s = end_s;
-          best = static_cast<int32_t>(b);
+      for (int32_t first = 0; first < num_bags; ++first) {
+        int64_t size = 0;
+        double start_s = 0, used_bytes = 0;
+        for (int32_t count = 1; count <= max_run && first + count <= num_bags; ++count) {
+          const int32_t last = first + count - 1;
+          size += bags[last].size;
+          start_s = std::max(start_s, load_s[last]);
+          used_bytes = std::max(used_bytes, bytes[last]);
+          const ShapeChoice& choice = shape_at(bag_items_[i], size);
+          if (!choice.feasible || used_bytes + choice.memory_bytes > free_bytes_) continue;
+          const double end_s = start_s + choice.time_s;
+          if (end_s < best_s) {
+            best_s = end_s;
+            best = {first, count};
+          }
         }
       }
-      if (best < 0) return kInf;
+      if (best.first < 0) return kInf;
       (*of_item)[i] = best;
-      load_s[best] = best_s;
-      bytes[best] += shape_at(bag_items_[i], bags[best].size).memory_bytes;
-      busiest_s = std::max(busiest_s, best_s);
+      int64_t size = 0;
+      for (int32_t b = best.first; b < best.first + best.second; ++b) size += bags[b].size;
+      const ShapeChoice& choice = shape_at(bag_items_[i], size);
+      for (int32_t b = best.first; b < best.first + best.second; ++b) {
+        load_s[b] += choice.time_s;
+        bytes[b] += choice.memory_bytes;
+        busiest_s = std::max(busiest_s, load_s[b]);
+      }
     }
     return busiest_s;
   };
   std::vector<Bag> best_bags;
   double best_s = kInf;
-  std::vector<int32_t> of_item;
+  std::vector<Window> of_item;
   for (int64_t size : {gpus_per_node_ / 2, gpus_per_node_, 2 * gpus_per_node_,
                        4 * gpus_per_node_}) {
     if (size < 2 || size > num_ranks_ || num_ranks_ % size != 0) continue;
@@ -295,12 +312,17 @@ bool ZelligePlanner::bag_start(bool busiest_only, Plan* plan) {
   for (size_t i = 0; i < bag_items_.size(); ++i) {
     const int32_t sequence = bag_items_[i];
     is_item[sequence] = 1;
-    const Bag& bag = best_bags[of_item[i]];
-    const ShapeChoice& choice = shape_at(sequence, bag.size);
-    std::vector<int64_t> ranks(bag.size);
-    std::iota(ranks.begin(), ranks.end(), bag.first);
-    for (int64_t k = 0; k < bag.size; ++k) {
-      rank_load_s_[bag.first + k] += estimate_s(choice.shares[k]);
+    const Window window = of_item[i];
+    const int64_t first_rank = best_bags[window.first].first;
+    int64_t size = 0;
+    for (int32_t b = window.first; b < window.first + window.second; ++b) {
+      size += best_bags[b].size;
+    }
+    const ShapeChoice& choice = shape_at(sequence, size);
+    std::vector<int64_t> ranks(size);
+    std::iota(ranks.begin(), ranks.end(), first_rank);
+    for (int64_t k = 0; k < size; ++k) {
+      rank_load_s_[first_rank + k] += estimate_s(choice.shares[k]);
     }
     plan->placements.push_back(to_placement(batch_.sequences[sequence].id, choice.shape, ranks));
   }
