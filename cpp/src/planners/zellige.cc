@@ -86,9 +86,9 @@ constexpr int kWindowNodes = 4;
 constexpr size_t kPairPartners = 8;
 constexpr int64_t kAnchorMovesPerAnchor = 4;
 // The bag start (zellige_moves.h): sequences of at least this fraction of the mean load per rank
-// go to bags; only while (such sequences) x ranks is at most kBagWork.
+// go to bags; only while its refinement tries at most kBagWork windows (up to ~64 GPUs).
 constexpr double kBagItemFraction = 0.25;
-constexpr double kBagWork = 65536;
+constexpr double kBagWork = 4e6;
 constexpr int32_t kBagRun = 4;
 // A sequence of at least this fraction of the mean load per rank is sharded without need when
 // that saves at least kEfficientShapeMinGain of its rank-seconds.

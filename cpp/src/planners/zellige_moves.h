@@ -179,7 +179,9 @@ bool ZelligePlanner::try_pair(Solution* s, int64_t busiest) {
 // that lowers the busiest bag, taking the best such change each step, over every bag or
 // (`busiest_only`) the busiest one. Estimates only (shape_at's busiest share): the plan is
 // searched and priced exactly like every other start. False when the batch has fewer than two
-// long sequences, or more than half as many as ranks, or too many for this to be cheap.
+// long sequences, more than half as many as ranks, more sequences than ranks (recipes of many
+// images and clips: there the sweep does well and this cost ~10 ms), or the cluster and the
+// batch are too large for this to be cheap (kBagWork window trials).
 bool ZelligePlanner::bag_start(bool busiest_only, int32_t max_run, Plan* plan) {
   bag_items_.clear();
   for (int32_t sequence : order_) {
@@ -190,9 +192,15 @@ bool ZelligePlanner::bag_start(bool busiest_only, int32_t max_run, Plan* plan) {
   }
   // Bags pay off when long sequences are few next to the ranks (each gets several); elsewhere
   // the sweep and the baselines' bags already do well, and this would cost planning time.
+  // The refinement prices (steps x candidates) partitions, each by LPT over items x bags x runs:
+  // only while that stays small (32 GPUs, a dozen long videos: ~1.5 M window trials).
   const int64_t items = static_cast<int64_t>(bag_items_.size());
-  if (items < 2 || 2 * items > num_ranks_ ||
-      static_cast<double>(items) * static_cast<double>(num_ranks_) > kBagWork) {
+  const double most_bags = static_cast<double>(num_ranks_) /
+                           static_cast<double>(std::max<int64_t>(2, gpus_per_node_ / 2));
+  const double steps = static_cast<double>(4 * num_nodes_ + 8);
+  const double trials = 4.0 * steps * (2.0 * most_bags) * static_cast<double>(items) *
+                        most_bags * static_cast<double>(max_run);
+  if (items < 2 || 2 * items > num_ranks_ || num_sequences_ > num_ranks_ || trials > kBagWork) {
     return false;
   }
 
