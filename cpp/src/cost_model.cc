@@ -937,6 +937,7 @@ class AreaEnvelope {
 // makespan_lower_bound's whole-share refinement (below): only while (distinct lengths) x ranks
 // is at most this; how far above the fluid bound it looks; its multipliers, per T.
 constexpr double kExclusiveShareWork = 8192;
+constexpr int64_t kExclusiveShareRanks = 64;
 constexpr double kExclusiveShareReach = 1.25;
 constexpr int kExclusiveShareClasses = 4;
 constexpr double kExclusiveShareMultipliers[] = {0.0,  0.02, 0.05, 0.1, 0.15, 0.2,
@@ -991,6 +992,7 @@ struct LowerBoundSearch {
       types[num_types++] = {0, 1, 1};
     }
     Result result;
+    ExcessMemo memo;
     for (int t = 0; t < num_types; ++t) {
       const BlockType& type = types[t];
       if (type.count <= 0) continue;
@@ -1012,7 +1014,7 @@ struct LowerBoundSearch {
         // equal segments of other sequences) and the launch floor of its own calls.
         int64_t own_calls = 0;
         const double excess_s = least_call_excess_s(shape, type.block_class, chunk, heads,
-                                                    &own_calls);
+                                                    &own_calls, &memo);
         const double time_s = static_cast<double>(chunk) * min_per_token_s + terms.attention_s +
                               terms.exchange_s + excess_s;
         const double launch_s =
@@ -1043,8 +1045,21 @@ struct LowerBoundSearch {
   // segment (chunk, text, all heads) joins equal segments of other sequences: at most one per
   // sequence of the same length (text length), so its call has between its own heads and that
   // many times as many, and it pays at least the smallest excess per head over that range.
+  // Per shape, the excesses already found (rank types repeat them): a ring step's by head class,
+  // query and key block class; cross-attention's by chunk length. NaN: not yet.
+  struct ExcessMemo {
+    double ring[2][2][2];
+    int64_t cross_chunk[4] = {-1, -1, -1, -1};
+    double cross_s[4] = {0, 0, 0, 0};
+    ExcessMemo() {
+      for (auto& by_q : ring) {
+        for (auto& by_k : by_q) by_k[0] = by_k[1] = std::numeric_limits<double>::quiet_NaN();
+      }
+    }
+  };
+
   double least_call_excess_s(const CostModel::Shape& shape, int block_class, int64_t chunk,
-                             int64_t heads, int64_t* calls) const {
+                             int64_t heads, int64_t* calls, ExcessMemo* memo) const {
     const double h = static_cast<double>(heads);
     const int64_t r = shape.ring_degree;
     const bool cross = !cost.model().joint_attention && shape.text_tokens > 0 && chunk > 0;
@@ -1056,18 +1071,31 @@ struct LowerBoundSearch {
       layer_s += h * least_excess_per_head_s(block, block, h, h * group_of(self_groups,
                                                                           shape.unit_tokens));
     } else {
+      const int64_t head_class =
+          std::clamp<int64_t>(heads - num_heads / shape.ulysses_degree, 0, 1);
       for (int c = 0; c < 2; ++c) {
         const double count = static_cast<double>(shape.block_count(c));
         if (count == 0) continue;
-        const double key_block = static_cast<double>(shape.block_tokens(c));
-        layer_s += count * h * cost.call_excess_per_head_s(block, key_block, h);
+        double& excess = memo->ring[head_class][block_class][c];
+        if (std::isnan(excess)) {
+          const double key_block = static_cast<double>(shape.block_tokens(c));
+          excess = least_excess_per_head_s(block, key_block, h, h);
+        }
+        layer_s += count * h * excess;
       }
     }
     if (cross) {
-      const double all_heads = static_cast<double>(num_heads);
-      layer_s += all_heads * least_excess_per_head_s(
-                                 static_cast<double>(chunk), static_cast<double>(shape.text_tokens),
-                                 all_heads, all_heads * group_of(cross_groups, shape.text_tokens));
+      int slot = 0;
+      while (slot < 3 && memo->cross_chunk[slot] != chunk && memo->cross_chunk[slot] >= 0) ++slot;
+      if (memo->cross_chunk[slot] != chunk) {
+        const double all_heads = static_cast<double>(num_heads);
+        memo->cross_chunk[slot] = chunk;
+        memo->cross_s[slot] =
+            all_heads * least_excess_per_head_s(
+                            static_cast<double>(chunk), static_cast<double>(shape.text_tokens),
+                            all_heads, all_heads * group_of(cross_groups, shape.text_tokens));
+      }
+      layer_s += memo->cross_s[slot];
     }
     return static_cast<double>(cost.model().num_layers) * layer_s;
   }
@@ -1082,7 +1110,13 @@ struct LowerBoundSearch {
   // so its least value over the range is at an end or a knot inside; forward and backward are
   // minimised apart.
   double least_excess_per_head_s(double lq, double lk, double low, double high) const {
-    if (high <= low) return cost.call_excess_per_head_s(lq, lk, low);
+    // Shapes of one sequence repeat these arguments a lot (and each costs dozens of table
+    // lookups): memoised for the whole bound.
+    const std::array<double, 4> key{lq, lk, low, high};
+    const auto known = excess_memo.find(key);
+    if (known != excess_memo.end()) return known->second;
+    double& value = excess_memo[key];
+    if (high <= low) return value = cost.call_excess_per_head_s(lq, lk, low);
     const double length = std::sqrt(lq * lk);
     double least_forward = std::numeric_limits<double>::infinity();
     double least_backward = least_forward;
@@ -1094,16 +1128,22 @@ struct LowerBoundSearch {
     };
     at(low);
     at(high);
-    const double log_low = std::log(low), log_high = std::log(high);
-    for (const auto* tables : {&cost.call_forward_, &cost.call_backward_}) {
-      for (const CostModel::LogTable& table : *tables) {
-        for (double log_x : table.log_x) {
-          if (log_x > log_low && log_x < log_high) at(std::exp(log_x));
+    if (call_knots.empty()) {  // every table's knots (heads), once
+      for (const auto* tables : {&cost.call_forward_, &cost.call_backward_}) {
+        for (const CostModel::LogTable& table : *tables) {
+          call_knots.insert(call_knots.end(), table.log_x.begin(), table.log_x.end());
         }
       }
+      std::sort(call_knots.begin(), call_knots.end());
+      call_knots.erase(std::unique(call_knots.begin(), call_knots.end()), call_knots.end());
     }
-    return forward_passes * cost.head_forward_s(lq, lk) * std::max(0.0, std::expm1(least_forward)) +
-           cost.head_backward_s(lq, lk) * std::max(0.0, std::expm1(least_backward));
+    const double log_low = std::log(low), log_high = std::log(high);
+    for (double log_x : call_knots) {
+      if (log_x > log_low && log_x < log_high) at(std::exp(log_x));
+    }
+    return value = forward_passes * cost.head_forward_s(lq, lk) *
+                       std::max(0.0, std::expm1(least_forward)) +
+                   cost.head_backward_s(lq, lk) * std::max(0.0, std::expm1(least_backward));
   }
 
   // A lower bound on linear_time_s(m) / m over 1 <= m <= max_tokens: the per-token layers at the
@@ -1274,6 +1314,8 @@ struct LowerBoundSearch {
   // Sequences of the batch per unit length and per text length: how many equal segments one
   // call can group at most (least_call_excess_s).
   std::unordered_map<int64_t, int64_t> self_groups, cross_groups;
+  mutable std::map<std::array<double, 4>, double> excess_memo;  // least_excess_per_head_s's
+  mutable std::vector<double> call_knots;                       // log heads, sorted, unique
   AreaEnvelope forward_envelope, backward_envelope;
 };
 
@@ -1386,7 +1428,10 @@ double makespan_lower_bound(const Batch& batch, const CostModel& cost_model) {
       (overflows(middle_s) ? low_s : high_s) = middle_s;
     }
   }
-  if (static_cast<double>(counts.size()) * num_ranks > kExclusiveShareWork) return low_s;
+  if (search.num_ranks > kExclusiveShareRanks ||
+      static_cast<double>(counts.size()) * num_ranks > kExclusiveShareWork) {
+    return low_s;
+  }
 
   // Whole shares: a rank of a plan of makespan T holds shares whose times sum to at most T, so
   // for any dual feasible function u of bin packing (u_k(x) = floor((k + 1) x) / k: the u of
