@@ -308,10 +308,10 @@ class CostModel {
 //   per-token time), so its per-token layers run at most at the GEMM rates reached up to that
 //   count (not under adaptive checkpointing, which may skip their recompute).
 // Last, for small clusters and batches (<= 64 ranks, (distinct lengths) x ranks <= 8192), whole
-// shares: a rank
-// holds shares summing to at most T, so any dual feasible function of bin packing summed over all
-// shares (as fractions of T) is at most the rank count; a Lagrangian relaxation of that
-// constraint next to the capacity one raises the bound where sequences must take whole ranks.
+// shares: a rank holds shares summing to at most T, so any dual feasible function of bin packing
+// summed over all shares (as fractions of T) is at most the rank count; a Lagrangian relaxation
+// of that constraint next to the capacity one raises the bound where sequences must take whole
+// ranks.
 double makespan_lower_bound(const Batch& batch, const CostModel& cost_model);
 
 }  // namespace zellige
