@@ -130,7 +130,7 @@ class GroupTree {
 struct Group {
   int64_t size = 0;
   int64_t first_rank = 0;
-  double load_s = 0;             // sum of the samples' work at this size, on every member
+  double load_s = 0;  // sum of the samples' work at this size, on every member (until the fill)
   double tokens_per_rank = 0;    // sum of L / size
   std::vector<int64_t> samples;  // batch indices, in placement order
   int64_t leaf = 0;              // in the micro-batch's tree of its size
@@ -142,7 +142,6 @@ class MegatronDcp {
       : batch_(batch),
         cost_model_(cost_model),
         cache_(cache != nullptr ? cache : &own_cache_),
-        probe_loads_(cost_model, cache_),
         num_ranks_(cost_model.cluster().num_ranks()) {}
 
   Plan run();
@@ -164,7 +163,14 @@ class MegatronDcp {
   const CostModel& cost_model_;
   EvaluationCache own_cache_;  // when the caller passes none: shapes repeat across the knobs
   EvaluationCache* cache_;
-  planners::RankLoads probe_loads_;  // for shares only
+  // cost_model.shares, through the cache for groups of at most one node; wider ring groups
+  // uncached, since the cache also lists every position's attention calls (degree^2 of them)
+  // and megatron-dcp's fill doubles groups up to thousands of ranks (same values either way).
+  std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement) {
+    return placement.ranks.size() <= static_cast<size_t>(cost_model_.cluster().gpus_per_node)
+               ? cost_model_.shares(sequence, placement, *cache_)
+               : cost_model_.shares(sequence, placement);
+  }
   const int64_t num_ranks_;
   // By (tokens, text tokens, degree): batches repeat lengths a lot.
   std::map<std::array<int64_t, 3>, double> work_s_;
@@ -180,7 +186,7 @@ double MegatronDcp::work_s(int64_t i, int64_t degree) {
       work_s_.try_emplace({sequence.num_tokens, sequence.text_tokens, degree}, 0.0);
   if (inserted) {
     for (const RankShare& share :
-         probe_loads_.shares(sequence, ring_placement(sequence.id, 0, degree))) {
+         shares(sequence, ring_placement(sequence.id, 0, degree))) {
       const double time_s = static_cast<double>(share.tokens) * linear_s_per_token_ +
                             share.attention_s + share.exchange_s;
       it->second = std::max(it->second, time_s);
@@ -194,7 +200,7 @@ int64_t MegatronDcp::memory_degree(int64_t i) {
   const double room_bytes = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
   const Sequence& sequence = batch_.sequences[i];
   int64_t degree = 1;
-  while (planners::placement_memory_bytes(probe_loads_.shares(
+  while (planners::placement_memory_bytes(shares(
              sequence, ring_placement(sequence.id, 0, degree))) > room_bytes) {
     if (degree == num_ranks_) {
       throw PlanMemoryError("megatron-dcp: " + planners::describe_sequence(sequence) +
@@ -327,9 +333,9 @@ bool MegatronDcp::fill_empty_ranks(std::vector<Group>& groups) {
       ++g;
     }
     if (g == static_cast<int64_t>(groups.size())) return false;
+    // Its load at the new size is not re-priced: nothing reads a group's load after the fill,
+    // and pricing ring shapes of up to every rank cost most of this planner's time at scale.
     groups[g].size = grown;
-    groups[g].load_s = 0;
-    for (int64_t i : groups[g].samples) groups[g].load_s += work_s(i, grown);
     for (size_t h = g + 1; h < groups.size(); ++h) groups[h].first_rank += extra;
     used_ranks += extra;
   }
@@ -337,7 +343,7 @@ bool MegatronDcp::fill_empty_ranks(std::vector<Group>& groups) {
 }
 
 std::optional<Plan> MegatronDcp::schedule(double max_tokens, double* rank_time_s) {
-  planners::RankLoads loads(cost_model_, cache_);
+  planners::RankLoads loads(cost_model_);  // totals only: shares() prices
   Plan plan = planners::empty_plan("megatron-dcp", cost_model_);
   plan.placements.resize(batch_.sequences.size());
   std::vector<int64_t> pending(batch_.sequences.size());
@@ -353,12 +359,12 @@ std::optional<Plan> MegatronDcp::schedule(double max_tokens, double* rank_time_s
       for (int64_t i : group.samples) {
         const Sequence& sequence = batch_.sequences[i];
         Placement placement = ring_placement(sequence.id, group.first_rank, group.size);
-        const std::vector<RankShare> shares = loads.shares(sequence, placement);
-        if (!loads.fits(shares)) {  // the union holds every micro-batch: try a later one
+        const std::vector<RankShare> placed = shares(sequence, placement);
+        if (!loads.fits(placed)) {  // the union holds every micro-batch: try a later one
           leftovers.push_back(i);
           continue;
         }
-        loads.add(shares);
+        loads.add(placed);
         plan.placements[i] = std::move(placement);
         ++num_placed;
       }
