@@ -200,9 +200,21 @@ class MinTree {
     min_s_[node] = time_s;
     for (node /= 2; node >= 1; node /= 2) pull(node);
   }
-  // The lowest rank >= `from` whose time is at most `cut_s`, or -1.
+  // The lowest rank >= `from` whose time is at most `cut_s`, or -1: up from the leaf of `from`
+  // to the first right sibling holding such a rank, then down to its leftmost one.
   int64_t first_at_most(double cut_s, int64_t from = 0) const {
-    return first_at_most(1, 0, leaves_, cut_s, from);
+    if (from >= leaves_) return -1;
+    int64_t node = leaves_ + from;
+    if (min_s_[node] <= cut_s) return from;
+    // Invariant: no rank from `from` to the end of node's range is at most the cut.
+    for (;;) {
+      if (node == 1) return -1;
+      if ((node & 1) == 0 && min_s_[node + 1] <= cut_s) break;
+      node /= 2;
+    }
+    node += 1;
+    while (node < leaves_) node = min_s_[2 * node] <= cut_s ? 2 * node : 2 * node + 1;
+    return node - leaves_;
   }
   int64_t argmin() const {
     int64_t node = 1;
@@ -214,14 +226,6 @@ class MinTree {
 
  private:
   void pull(int64_t node) { min_s_[node] = std::min(min_s_[2 * node], min_s_[2 * node + 1]); }
-  int64_t first_at_most(int64_t node, int64_t begin, int64_t end, double cut_s,
-                        int64_t from) const {
-    if (end <= from || min_s_[node] > cut_s) return -1;
-    if (node >= leaves_) return begin;
-    const int64_t middle = (begin + end) / 2;
-    const int64_t left = first_at_most(2 * node, begin, middle, cut_s, from);
-    return left >= 0 ? left : first_at_most(2 * node + 1, middle, end, cut_s, from);
-  }
 
   int64_t leaves_ = 1;
   std::vector<double> min_s_;  // [1] root, [leaves_ + rank] leaves; padding leaves are infinite
@@ -295,7 +299,11 @@ class ZelligePlanner {
   double least_floor_share_s(int32_t sequence, int64_t size);
   const ShapeChoice& shape_at(int32_t sequence, int64_t degree);
   int64_t degree_for(int32_t sequence, double target_s);
-  void construct(double target_s, double share_fraction, Solution* s);
+  // Stops early, with a makespan above `stop_above_s`, once a rank's time exceeds it (a rank's
+  // time only grows in stage 2: see times_only_grow).
+  void construct(double target_s, double share_fraction, Solution* s,
+                 double stop_above_s = kInf);
+  bool times_only_grow();
   double select_anchor_ranks(int32_t sequence, int64_t degree, const Solution& s,
                              std::vector<int64_t>* ranks);
   // Records `sequence` as an anchor of its best shape of `degree` on `ranks` (shares added).
@@ -334,6 +342,8 @@ class ZelligePlanner {
   // Memoised shares and exact evaluation of this batch; make_plan prices the result with it.
   EvaluationCache& cache_;
   mutable std::vector<double> linear_grid_s_;  // -1: not computed yet
+  int times_only_grow_ = -1;                   // its memo: -1 not checked yet, 0 no, 1 yes
+  int64_t total_tokens_ = 0;
   double rate_s_per_token_ = 0;                // per-token layers at the mean token count per rank
   double free_bytes_ = 0;                      // memory capacity minus the fixed bytes, per rank
   std::vector<int64_t> local_tokens_;
@@ -388,6 +398,7 @@ class ZelligePlanner {
 
 void ZelligePlanner::prepare() {
   const int64_t total = total_tokens(batch_);
+  total_tokens_ = total;
   const int64_t tokens_per_rank = std::max<int64_t>(1, total / num_ranks_);
   rate_s_per_token_ = linear_s(tokens_per_rank) / static_cast<double>(tokens_per_rank);
   free_bytes_ = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
@@ -416,6 +427,7 @@ void ZelligePlanner::prepare() {
         cost_model_.shares(sequence, to_placement(sequence.id, Shape{}, {0})).front();
     local_tokens_[i] = share.tokens;
     local_other_s_[i] = share.attention_s + share.exchange_s;
+    assert(local_other_s_[i] >= 0);  // times_only_grow relies on it
     local_memory_bytes_[i] = share.memory_bytes;
     local_estimate_s_[i] = estimate_s(share);
   }
@@ -938,6 +950,7 @@ void ZelligePlanner::remove_filler(Solution* s, int32_t sequence) const {
 
 void ZelligePlanner::add_anchor_shares(Solution* s, int32_t slot) const {
   for (const RankShare& share : s->anchors[slot].shares) {
+    assert(share.attention_s + share.exchange_s >= 0);  // times_only_grow relies on it
     s->tokens[share.rank] += share.tokens;
     s->other_s[share.rank] += share.attention_s + share.exchange_s;
     s->memory_bytes[share.rank] += share.memory_bytes;
@@ -995,7 +1008,8 @@ void ZelligePlanner::import_plan(const Plan& plan, Solution* s) {
 
 // One plan aiming at makespan `target_s`; each anchor's shape alone must fit `share_fraction` of
 // the target (a half lets two anchors share ranks).
-void ZelligePlanner::construct(double target_s, double share_fraction, Solution* s) {
+void ZelligePlanner::construct(double target_s, double share_fraction, Solution* s,
+                               double stop_above_s) {
   s->reset(num_ranks_, num_sequences_);
   for (int64_t node = 0; node < num_nodes_; ++node) {
     std::iota(node_ranks_by_time_[node].begin(), node_ranks_by_time_[node].end(),
@@ -1076,8 +1090,37 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
     }
     add_filler(s, sequence, chosen);
     open_ranks_.update(chosen, s->time_s[chosen]);
+    if (s->time_s[chosen] > stop_above_s && times_only_grow()) {
+      s->makespan_s = s->time_s[chosen];  // a lower bound of the finished construction's
+      return;
+    }
   }
   finish(s);
+}
+
+// Whether, in the sweep, a rank's time linear_s(tokens) + other_s can only grow as it takes more
+// shares (so a construction may stop once a rank is too slow): shares add non-negative attention
+// and exchange time (the cost model's terms), and linear_s must not decrease up to the batch's
+// total tokens. Checked once on its exact values below kInterpolateFrom and on the knots above
+// (it is linear between knots).
+bool ZelligePlanner::times_only_grow() {
+  if (exact_) return false;
+  if (times_only_grow_ < 0) {
+    times_only_grow_ = 1;
+    double previous_s = 0;
+    for (int64_t tokens = 1;;) {
+      const double time_s = linear_s(tokens);
+      if (time_s < previous_s) {
+        times_only_grow_ = 0;
+        break;
+      }
+      previous_s = time_s;
+      if (tokens >= total_tokens_) break;  // the first knot at or above the total is the last
+      const int octave = 63 - __builtin_clzll(static_cast<uint64_t>(tokens));
+      tokens += tokens < kInterpolateFrom ? 1 : int64_t{1} << (octave - kStepsPerOctaveLog2);
+    }
+  }
+  return times_only_grow_ == 1;
 }
 
 // A filler that fits whole on no rank under the target, sharded over 2..kMaxSplitDegree of the
@@ -1418,18 +1461,20 @@ Plan ZelligePlanner::run() {
   // A construction can run out of memory where another (or dp-cost) does not: it then counts as
   // infinitely slow, and the planner refuses only when every one of them failed.
   std::string memory_error;
-  auto build = [&](double target_s, double share_fraction, Solution* s) {
+  auto build = [&](double target_s, double share_fraction, Solution* s, double stop_above_s) {
     try {
-      construct(target_s, share_fraction, s);
+      construct(target_s, share_fraction, s, stop_above_s);
     } catch (const PlanMemoryError& error) {
       if (memory_error.empty()) memory_error = error.what();
       s->makespan_s = kInf;
     }
   };
-  build(kInf, 1.0, &best);
+  build(kInf, 1.0, &best, kInf);
   double best_target_s = kInf;
+  // A construction whose busiest rank exceeds both the target and the best makespan can neither
+  // meet the target nor win: it stops there (construct).
   auto try_target = [&](double target_s) {
-    build(target_s, 1.0, &current);
+    build(target_s, 1.0, &current, std::max(target_s, best.makespan_s));
     bool met = current.makespan_s <= target_s;
     // More anchor shares than ranks: some anchors must share ranks, which only shapes of at most
     // half the target allow (e.g. two videos on three ranks instead of one on two).
@@ -1439,7 +1484,7 @@ Plan ZelligePlanner::run() {
       best_target_s = target_s;
     }
     if (crowded) {
-      build(target_s, kSharedAnchorFraction, &current);
+      build(target_s, kSharedAnchorFraction, &current, std::max(target_s, best.makespan_s));
       met = met || current.makespan_s <= target_s;
       if (current.makespan_s < best.makespan_s) {
         std::swap(best, current);
@@ -1599,6 +1644,7 @@ Plan ZelligePlanner::run() {
     }
   }
   Plan plan = chosen->plan;
+  planners::set_prediction(plan, chosen->cost);  // make_plan's prediction: priced already
   plan.planner = "zellige";
   plan.note = "anchors=" + std::to_string(best.num_anchors) +
               " target_s=" + shortest(best_target_s) + " constructed_s=" + shortest(constructed_s) +
