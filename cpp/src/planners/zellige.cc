@@ -352,6 +352,7 @@ class ZelligePlanner {
   std::vector<int64_t> efficient_degree_;  // fewest rank-seconds (1: whole on one rank)
   double mean_load_s_ = 0;                 // local estimates summed, per rank
   std::vector<int32_t> shape_key_;         // the first sequence of the batch with the same lengths
+  std::vector<std::pair<int32_t, int64_t>> shape_key_counts_;  // each shape key, its sequences
   std::vector<std::vector<ShapeChoice>> shape_cache_;  // [shape key][degree], filled on demand
 
   // Scratch, reused across calls.
@@ -410,12 +411,19 @@ void ZelligePlanner::prepare() {
   // Shares depend on the lengths only, and bucketed batches repeat them a lot.
   shape_key_.resize(num_sequences_);
   std::unordered_map<std::pair<int64_t, int64_t>, int32_t, PairHash> first_of_lengths;
+  shape_key_counts_.clear();
+  std::vector<int32_t> key_position(num_sequences_, -1);  // by first sequence: its count's index
   for (int64_t i = 0; i < num_sequences_; ++i) {
     const Sequence& sequence = batch_.sequences[i];
     const auto [it, inserted] = first_of_lengths.try_emplace(
         {sequence.num_tokens, sequence.text_tokens}, static_cast<int32_t>(i));
     const int32_t first = it->second;
     shape_key_[i] = first;
+    if (inserted) {
+      key_position[first] = static_cast<int32_t>(shape_key_counts_.size());
+      shape_key_counts_.push_back({first, 0});
+    }
+    ++shape_key_counts_[key_position[first]].second;
     if (!inserted) {
       local_tokens_[i] = local_tokens_[first];
       local_other_s_[i] = local_other_s_[first];
@@ -616,8 +624,9 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
       const double value = (*share_memos[t])[shape_key_[i]];
       return std::isnan(value) ? least_floor_share_s(static_cast<int32_t>(i), sizes[t]) : value;
     };
+    // Everything below depends on a sequence's lengths only: once per shape key, times its count.
     double total_s = 0, largest_per_rank_s = 0, smallest_s = kInf;
-    for (int64_t i = 0; i < num_sequences_; ++i) {
+    for (const auto& [i, count] : shape_key_counts_) {
       double least_s = kInf, least_per_rank_s = kInf;
       bool any_eligible = !knapformer;
       size_t lowest = num_sizes, highest = 0;  // eligible size indices
@@ -648,10 +657,10 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
         shares_nonnegative = shares_nonnegative && least_share_of(i, num_sizes - 1) >= 0;
       }
       if (knapformer) {
-        forced_up_s[lowest] += least_s;
-        forced_down_s[highest] += least_s;
+        forced_up_s[lowest] += static_cast<double>(count) * least_s;
+        forced_down_s[highest] += static_cast<double>(count) * least_s;
       }
-      total_s += least_s;
+      total_s += static_cast<double>(count) * least_s;
       largest_per_rank_s = std::max(largest_per_rank_s, least_per_rank_s);
     }
     memo.bound_s = total_s / static_cast<double>(num_ranks_);
