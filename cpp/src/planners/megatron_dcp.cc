@@ -175,6 +175,7 @@ class MegatronDcp {
   // By (tokens, text tokens, degree): batches repeat lengths a lot.
   std::map<std::array<int64_t, 3>, double> work_s_;
   std::vector<int64_t> memory_degree_;  // 0: not computed yet
+  std::map<std::pair<int64_t, int64_t>, int64_t> memory_degree_of_lengths_;  // by (tokens, text)
   // The per-token layers' time per token on a rank holding the batch's mean tokens per rank:
   // alone, a short sequence runs its GEMMs at a small-batch rate it does not have once packed.
   double linear_s_per_token_ = 0;
@@ -197,8 +198,10 @@ double MegatronDcp::work_s(int64_t i, int64_t degree) {
 
 int64_t MegatronDcp::memory_degree(int64_t i) {
   if (memory_degree_[i] > 0) return memory_degree_[i];
-  const double room_bytes = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
   const Sequence& sequence = batch_.sequences[i];
+  int64_t& of_lengths = memory_degree_of_lengths_[{sequence.num_tokens, sequence.text_tokens}];
+  if (of_lengths > 0) return memory_degree_[i] = of_lengths;
+  const double room_bytes = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
   int64_t degree = 1;
   while (planners::placement_memory_bytes(shares(
              sequence, ring_placement(sequence.id, 0, degree))) > room_bytes) {
@@ -209,6 +212,7 @@ int64_t MegatronDcp::memory_degree(int64_t i) {
     }
     degree = std::min(degree * 2, num_ranks_);
   }
+  of_lengths = degree;
   return memory_degree_[i] = degree;
 }
 
