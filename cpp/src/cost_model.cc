@@ -632,6 +632,7 @@ EvaluationCache::Entry& CostModel::find_entry(const Sequence& sequence, const Pl
   key.assign({sequence.num_tokens, sequence.text_tokens, placement.ulysses_degree,
               placement.ring_degree});
   int64_t first_node = -1, next_label = 0;
+  int64_t last_node = -1, last_label = 0;  // the last node looked up in `labels`, its label
   std::unordered_map<int64_t, int64_t> labels;
   for (int64_t rank : placement.ranks) {
     const int64_t node = cluster_.node_of(rank);
@@ -639,15 +640,19 @@ EvaluationCache::Entry& CostModel::find_entry(const Sequence& sequence, const Pl
       key.push_back(0);
       continue;
     }
-    if (first_node < 0) {
+    if (first_node < 0) {  // label 0, told apart without the map
       first_node = node;
-      labels[node] = next_label++;
+      ++next_label;
       key.push_back(0);
       continue;
     }
-    const auto [it, inserted] = labels.try_emplace(node, next_label);
-    if (inserted) ++next_label;
-    key.push_back(it->second);
+    if (node != last_node) {  // ranks of one node usually come together: one lookup per run
+      const auto [it, inserted] = labels.try_emplace(node, next_label);
+      if (inserted) ++next_label;
+      last_node = node;
+      last_label = it->second;
+    }
+    key.push_back(last_label);
   }
   auto [it, is_new] = cache.entries_.try_emplace(key);
   *inserted = is_new;

@@ -31,6 +31,7 @@
 #include <map>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <utility>
 
 #include "rank_loads.h"
@@ -326,22 +327,30 @@ std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
 bool MegatronDcp::fill_empty_ranks(std::vector<Group>& groups) {
   int64_t used_ranks = 0;
   for (const Group& group : groups) used_ranks += group.size;
+  // Group indices by size, each set in creation order: the first group of the smallest size is
+  // the one that doubles.
+  std::map<int64_t, std::set<int64_t>> by_size;
+  for (size_t g = 0; g < groups.size(); ++g) by_size[groups[g].size].insert(g);
   while (used_ranks < num_ranks_) {
-    int64_t smallest = num_ranks_;
-    for (const Group& group : groups) smallest = std::min(smallest, group.size);
-    const int64_t grown = std::min(2 * smallest, num_ranks_);
-    const int64_t extra = grown - smallest;
-    int64_t g = 0;
-    while (g < static_cast<int64_t>(groups.size()) &&
-           (groups[g].size != smallest || extra > num_ranks_ - used_ranks)) {
-      ++g;
-    }
-    if (g == static_cast<int64_t>(groups.size())) return false;
+    if (by_size.empty()) return false;
+    const auto smallest = by_size.begin();
+    const int64_t grown = std::min(2 * smallest->first, num_ranks_);
+    const int64_t extra = grown - smallest->first;
+    if (extra > num_ranks_ - used_ranks) return false;
+    const int64_t g = *smallest->second.begin();
+    smallest->second.erase(smallest->second.begin());
+    if (smallest->second.empty()) by_size.erase(smallest);
     // Its load at the new size is not re-priced: nothing reads a group's load after the fill,
     // and pricing ring shapes of up to every rank cost most of this planner's time at scale.
     groups[g].size = grown;
-    for (size_t h = g + 1; h < groups.size(); ++h) groups[h].first_rank += extra;
+    by_size[grown].insert(g);
     used_ranks += extra;
+  }
+  // The groups after a grown one move right: each starts where the one before it ends.
+  int64_t first_rank = 0;
+  for (Group& group : groups) {
+    group.first_rank = first_rank;
+    first_rank += group.size;
   }
   return true;
 }

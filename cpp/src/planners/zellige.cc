@@ -359,7 +359,6 @@ class ZelligePlanner {
   std::vector<Shape> shapes_;
   std::vector<std::vector<int64_t>> node_ranks_by_time_;
   std::vector<std::pair<double, int64_t>> node_keys_;  // stage 1's scan beyond a node
-  std::vector<std::pair<double, int64_t>> node_order_;  // split_filler's: (time, rank)
   MinTree open_ranks_;                                 // stage 2: rank times
   // Stage 1: per degree d, over nodes, the time of the node's d-th least-loaded rank.
   std::vector<MinTree> node_trees_;
@@ -1141,13 +1140,10 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
   if (max_degree < 2) return false;
   const int64_t node = node_of(open_ranks_.argmin());
   std::vector<int64_t>& node_ranks = node_ranks_by_time_[node];
-  // By time, then id (sorting the pairs themselves: no lookups in the comparisons).
-  node_order_.clear();
-  for (int64_t rank = node * gpus_per_node_; rank < (node + 1) * gpus_per_node_; ++rank) {
-    node_order_.push_back({s->time_s[rank], rank});
-  }
-  std::sort(node_order_.begin(), node_order_.end());
-  for (size_t k = 0; k < node_order_.size(); ++k) node_ranks[k] = node_order_[k].second;
+  std::iota(node_ranks.begin(), node_ranks.end(), node * gpus_per_node_);
+  std::sort(node_ranks.begin(), node_ranks.end(), [&](int64_t a, int64_t b) {
+    return s->time_s[a] < s->time_s[b] || (s->time_s[a] == s->time_s[b] && a < b);
+  });
   for (int64_t degree = 2; degree <= max_degree; ++degree) {
     // A share is at least about 1/degree of the whole: skip pricing shapes that cannot fit.
     const double least_share_s = 0.95 * local_estimate_s_[sequence] / static_cast<double>(degree);
