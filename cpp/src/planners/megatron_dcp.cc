@@ -26,6 +26,7 @@
 // ... ranks until its share is below the mean rank load; the plan with the lowest rank time wins.
 #include <algorithm>
 #include <array>
+#include <cassert>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -175,6 +176,9 @@ class MegatronDcp {
   const int64_t num_ranks_;
   // By (tokens, text tokens, degree): batches repeat lengths a lot.
   std::map<std::array<int64_t, 3>, double> work_s_;
+  // The same per sequence and degree slot (NaN: not looked up yet), without the map's search.
+  std::vector<double> work_of_sequence_s_;
+  size_t work_slots_ = 0;
   std::vector<int64_t> memory_degree_;  // 0: not computed yet
   std::map<std::pair<int64_t, int64_t>, int64_t> memory_degree_of_lengths_;  // by (tokens, text)
   // The per-token layers' time per token on a rank holding the batch's mean tokens per rank:
@@ -183,6 +187,12 @@ class MegatronDcp {
 };
 
 double MegatronDcp::work_s(int64_t i, int64_t degree) {
+  // Degrees are powers of two or the GPU count: slot log2(degree), or one past the last power.
+  assert((degree & (degree - 1)) == 0 || degree == num_ranks_);
+  const int log2_degree = 63 - __builtin_clzll(static_cast<uint64_t>(degree));
+  const size_t slot = static_cast<size_t>(i) * work_slots_ +
+                      static_cast<size_t>(log2_degree + ((degree & (degree - 1)) != 0 ? 1 : 0));
+  if (!std::isnan(work_of_sequence_s_[slot])) return work_of_sequence_s_[slot];
   const Sequence& sequence = batch_.sequences[i];
   auto [it, inserted] =
       work_s_.try_emplace({sequence.num_tokens, sequence.text_tokens, degree}, 0.0);
@@ -194,7 +204,7 @@ double MegatronDcp::work_s(int64_t i, int64_t degree) {
       it->second = std::max(it->second, time_s);
     }
   }
-  return it->second;
+  return work_of_sequence_s_[slot] = it->second;
 }
 
 int64_t MegatronDcp::memory_degree(int64_t i) {
@@ -395,6 +405,9 @@ std::optional<Plan> MegatronDcp::schedule(double max_tokens, double* rank_time_s
 Plan MegatronDcp::run() {
   const int64_t num_sequences = static_cast<int64_t>(batch_.sequences.size());
   memory_degree_.assign(num_sequences, 0);
+  work_slots_ = static_cast<size_t>(63 - __builtin_clzll(static_cast<uint64_t>(num_ranks_))) + 2;
+  work_of_sequence_s_.assign(static_cast<size_t>(num_sequences) * work_slots_,
+                             std::numeric_limits<double>::quiet_NaN());
   if (num_sequences == 0) return planners::empty_plan("megatron-dcp", cost_model_);
   int64_t max_text_tokens = 0, tallest = 0, total_tokens = 0;
   for (int64_t i = 0; i < num_sequences; ++i) {
