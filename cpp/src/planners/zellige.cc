@@ -360,6 +360,11 @@ class ZelligePlanner {
   std::vector<std::vector<int64_t>> node_ranks_by_time_;
   std::vector<std::pair<double, int64_t>> node_keys_;  // stage 1's scan beyond a node
   MinTree open_ranks_;                                 // stage 2: rank times
+  // Stage 2: the shape key of the last filler that fit none of the ranks it tried (-1: none),
+  // those ranks, and the last rank its scan reached.
+  int32_t failed_key_ = -1;
+  std::vector<int64_t> failed_ranks_;
+  int64_t failed_last_rank_ = -1;
   // Stage 1: per degree d, over nodes, the time of the node's d-th least-loaded rank.
   std::vector<MinTree> node_trees_;
   std::vector<double> node_keys_s_;
@@ -1056,6 +1061,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
   // within it. A filler that fits nowhere is split over the least-loaded ranks if that meets the
   // target, else goes whole to the least-loaded rank with the memory (LPT).
   open_ranks_.reset(s->time_s);
+  failed_key_ = -1;
   for (int32_t sequence : order_) {
     if (s->anchor_slot[sequence] >= 0) continue;
     const int64_t tokens = local_tokens_[sequence];
@@ -1066,7 +1072,22 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
       // Estimates use the mean per-token rate; a few ranks below the cut are priced exactly.
       const double cut_s = target_s - 0.98 * local_estimate_s_[sequence];
       int64_t rank = -1;
-      for (int tries = 0; tries < 8; ++tries) {
+      int tries = 0;
+      // Ranks only get busier in stage 2: those where the previous filler of these lengths failed
+      // still fail, or are now above the cut; only the scan past them is left to do.
+      if (failed_key_ == shape_key_[sequence] && times_only_grow()) {
+        size_t kept = 0;
+        for (int64_t failed : failed_ranks_) {
+          if (s->time_s[failed] <= cut_s) failed_ranks_[kept++] = failed;
+        }
+        failed_ranks_.resize(kept);
+        tries = static_cast<int>(kept);
+        rank = failed_last_rank_;
+      } else {
+        failed_ranks_.clear();
+        failed_last_rank_ = -1;
+      }
+      for (; tries < 8; ++tries) {
         rank = open_ranks_.first_at_most(cut_s, rank + 1);
         if (rank < 0) break;
         if (s->memory_bytes[rank] + bytes <= free_bytes_ &&
@@ -1074,7 +1095,10 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
           chosen = rank;
           break;
         }
+        failed_ranks_.push_back(rank);
+        failed_last_rank_ = rank;
       }
+      failed_key_ = chosen < 0 ? shape_key_[sequence] : -1;
       if (chosen < 0 && split_filler(sequence, target_s, s)) continue;
     }
     if (chosen < 0) {
