@@ -314,6 +314,7 @@ class ZelligePlanner {
   bool place_anchor(int32_t sequence, int64_t degree, Solution* s);
   bool place_anchor_within(int32_t sequence, double share_s, double target_s, Solution* s);
   bool split_filler(int32_t sequence, double target_s, Solution* s);
+  void sort_split_nodes();
   void resort_node(const Solution& s, int64_t node);
   void add_filler(Solution* s, int32_t sequence, int64_t rank) const;
   void remove_filler(Solution* s, int32_t sequence) const;
@@ -363,6 +364,9 @@ class ZelligePlanner {
   // Stage 2: the shape key of the last filler that fit none of the ranks it tried (-1: none),
   // those ranks, and the last rank its scan reached.
   int32_t failed_key_ = -1;
+  // Stage 2: nodes a split looked at since their order was last set, and the rank times then.
+  std::vector<char> split_pending_;
+  std::vector<double> split_times_s_;
   std::vector<int64_t> failed_ranks_;
   int64_t failed_last_rank_ = -1;
   // Stage 1: per degree d, over nodes, the time of the node's d-th least-loaded rank.
@@ -1030,6 +1034,8 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
               node * gpus_per_node_);
   }
   node_keys_s_.assign(num_nodes_, 0.0);
+  split_pending_.assign(num_nodes_, 0);
+  split_times_s_.resize(num_ranks_);
   node_trees_.resize(gpus_per_node_);
   for (MinTree& tree : node_trees_) tree.reset(node_keys_s_);
   auto place_by_degree = [&](int32_t sequence, int64_t degree) {
@@ -1116,6 +1122,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
     }
     if (chosen < 0) {
       // No rank has the memory left for it whole: shard it like an anchor.
+      sort_split_nodes();
       for (int64_t node = 0; node < num_nodes_; ++node) resort_node(*s, node);
       place_by_degree(sequence, 2);
       open_ranks_.reset(s->time_s);
@@ -1163,18 +1170,31 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
   const int64_t max_degree = std::min(kMaxSplitDegree, gpus_per_node_);
   if (max_degree < 2) return false;
   const int64_t node = node_of(open_ranks_.argmin());
-  std::vector<int64_t>& node_ranks = node_ranks_by_time_[node];
-  std::iota(node_ranks.begin(), node_ranks.end(), node * gpus_per_node_);
-  std::sort(node_ranks.begin(), node_ranks.end(), [&](int64_t a, int64_t b) {
-    return s->time_s[a] < s->time_s[b] || (s->time_s[a] == s->time_s[b] && a < b);
-  });
+  // The node's max_degree least-loaded ranks by (time, id). Its whole order, which stage 1's
+  // rank picking reads, is needed again only if a filler must then be placed like an anchor:
+  // sort_split_nodes sorts it there, by the times of now.
+  const int64_t first = node * gpus_per_node_;
+  std::copy(s->time_s.begin() + first, s->time_s.begin() + first + gpus_per_node_,
+            split_times_s_.begin() + first);
+  split_pending_[node] = 1;
+  int64_t node_ranks[kMaxSplitDegree];
+  int64_t count = 0;
+  for (int64_t rank = first; rank < first + gpus_per_node_; ++rank) {
+    const double time_s = s->time_s[rank];
+    if (count == max_degree && time_s >= s->time_s[node_ranks[count - 1]]) continue;
+    int64_t at = count < max_degree ? count++ : count - 1;
+    for (; at > 0 && s->time_s[node_ranks[at - 1]] > time_s; --at) {
+      node_ranks[at] = node_ranks[at - 1];
+    }
+    node_ranks[at] = rank;
+  }
   for (int64_t degree = 2; degree <= max_degree; ++degree) {
     // A share is at least about 1/degree of the whole: skip pricing shapes that cannot fit.
     const double least_share_s = 0.95 * local_estimate_s_[sequence] / static_cast<double>(degree);
     if (s->time_s[node_ranks[degree - 1]] + least_share_s > target_s) continue;
     const ShapeChoice& choice = shape_at(sequence, degree);
     if (!choice.feasible) continue;
-    candidate_ranks_.assign(node_ranks.begin(), node_ranks.begin() + degree);
+    candidate_ranks_.assign(node_ranks, node_ranks + degree);
     sort_ranks(&candidate_ranks_);
     // Inside one node the canonical shares hold for any ranks: links differ by node only.
     bool within = true;
@@ -1190,6 +1210,19 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
     return true;
   }
   return false;
+}
+
+// The order of every node split_filler looked at: by the times of then, then id.
+void ZelligePlanner::sort_split_nodes() {
+  for (int64_t node = 0; node < num_nodes_; ++node) {
+    if (!split_pending_[node]) continue;
+    split_pending_[node] = 0;
+    std::vector<int64_t>& ranks = node_ranks_by_time_[node];
+    std::iota(ranks.begin(), ranks.end(), node * gpus_per_node_);
+    std::sort(ranks.begin(), ranks.end(), [&](int64_t a, int64_t b) {
+      return split_times_s_[a] < split_times_s_[b] || (split_times_s_[a] == split_times_s_[b] && a < b);
+    });
+  }
 }
 
 // The `count` least-loaded ranks (by time, then id), skipping ranks marked in `excluded`.
