@@ -103,7 +103,7 @@ class GroupTree {
   int64_t least_loaded(double max_tokens) const {
     int64_t best = -1;
     double best_load = kInf;
-    least_loaded(1, max_tokens, &best, &best_load);
+    least_loaded(1, 0, leaves_, max_tokens, &best, &best_load);
     return best;
   }
 
@@ -115,15 +115,29 @@ class GroupTree {
     const int64_t left = first_fit(2 * node, max_load, max_tokens);
     return left >= 0 ? left : first_fit(2 * node + 1, max_load, max_tokens);
   }
-  void least_loaded(int64_t node, double max_tokens, int64_t* best, double* best_load) const {
-    if (tokens_[node] > max_tokens || load_[node] >= *best_load) return;
-    if (node >= leaves_) {
-      *best = node - leaves_, *best_load = load_[node];
+  // Branch and bound for the least (load, leaf) among leaves with tokens <= max_tokens: the child
+  // of lower load first, so that the bound tightens early; a subtree is skipped when its least
+  // load, or its first leaf at an equal load, cannot beat the best so far.
+  void least_loaded(int64_t node, int64_t first_leaf, int64_t width, double max_tokens,
+                    int64_t* best, double* best_load) const {
+    if (tokens_[node] > max_tokens || load_[node] > *best_load ||
+        (load_[node] == *best_load && first_leaf > *best)) {
       return;
     }
-    least_loaded(2 * node, max_tokens, best, best_load);
-    least_loaded(2 * node + 1, max_tokens, best, best_load);
+    if (node >= leaves_) {
+      *best = first_leaf, *best_load = load_[node];
+      return;
+    }
+    const int64_t half = width / 2;
+    if (load_[2 * node + 1] < load_[2 * node]) {
+      least_loaded(2 * node + 1, first_leaf + half, half, max_tokens, best, best_load);
+      least_loaded(2 * node, first_leaf, half, max_tokens, best, best_load);
+    } else {
+      least_loaded(2 * node, first_leaf, half, max_tokens, best, best_load);
+      least_loaded(2 * node + 1, first_leaf + half, half, max_tokens, best, best_load);
+    }
   }
+
   int64_t leaves_ = 1;
   std::vector<double> load_, tokens_;
   std::vector<int64_t> groups_;
