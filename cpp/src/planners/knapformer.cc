@@ -149,14 +149,18 @@ planners::KnapformerBags planners::knapformer_assign(const Batch& batch,
   // Bags enter in index order at occupancy 0: already a heap.
   for (int64_t b = 0; b < num_bags; ++b) bags_by_occupancy[bag_term[b]].push_back({0.0, b});
   // The top's occupancy grew: sift it down (one pass, where pop + push would take two).
-  auto replace_top = [](Heap& heap, Entry entry) {
+  // `less` without short-circuit branches: the comparisons of a sift are hard to predict.
+  auto less = [](const Entry& a, const Entry& b) {
+    return (a.first < b.first) | ((a.first == b.first) & (a.second < b.second));
+  };
+  auto replace_top = [&less](Heap& heap, Entry entry) {
     const size_t size = heap.size();
     size_t at = 0;
     for (;;) {
       size_t child = 2 * at + 1;
       if (child >= size) break;
-      if (child + 1 < size && heap[child + 1] < heap[child]) ++child;
-      if (!(heap[child] < entry)) break;
+      child += static_cast<size_t>(child + 1 < size && less(heap[child + 1], heap[child]));
+      if (!less(heap[child], entry)) break;
       heap[at] = heap[child];
       at = child;
     }
