@@ -173,7 +173,9 @@ class MegatronDcp {
                                  std::vector<int64_t>* leftovers);
   bool fill_empty_ranks(std::vector<Group>& groups);
   // The whole schedule under knob M; nullopt when a micro-batch places nothing within memory.
-  std::optional<Plan> schedule(double max_tokens, double* rank_time_s);
+  // Per sequence, the group it runs in: (first rank, size).
+  using Layout = std::vector<std::pair<int64_t, int64_t>>;
+  std::optional<Layout> schedule(double max_tokens, double* rank_time_s);
 
   const Batch& batch_;
   const CostModel& cost_model_;
@@ -379,10 +381,11 @@ bool MegatronDcp::fill_empty_ranks(std::vector<Group>& groups) {
   return true;
 }
 
-std::optional<Plan> MegatronDcp::schedule(double max_tokens, double* rank_time_s) {
+std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
+                                                         double* rank_time_s) {
   planners::RankLoads loads(cost_model_);  // totals only: shares() prices
-  Plan plan = planners::empty_plan("megatron-dcp", cost_model_);
-  plan.placements.resize(batch_.sequences.size());
+  Layout layout(batch_.sequences.size());
+  Placement placement;  // reused: the plan is built for the best knob only (run)
   std::vector<int64_t> pending(batch_.sequences.size());
   std::iota(pending.begin(), pending.end(), 0);
   while (!pending.empty()) {
@@ -395,14 +398,20 @@ std::optional<Plan> MegatronDcp::schedule(double max_tokens, double* rank_time_s
     for (const Group& group : groups) {
       for (int64_t i : group.samples) {
         const Sequence& sequence = batch_.sequences[i];
-        Placement placement = ring_placement(sequence.id, group.first_rank, group.size);
+        // ring_placement(sequence.id, group.first_rank, group.size), without allocating
+        placement.sequence_id = sequence.id;
+        placement.strategy = group.size == 1 ? Strategy::kLocal : Strategy::kRing;
+        placement.ranks.resize(group.size);
+        std::iota(placement.ranks.begin(), placement.ranks.end(), group.first_rank);
+        placement.ulysses_degree = 1;
+        placement.ring_degree = group.size;
         const std::vector<RankShare> placed = shares(sequence, placement);
         if (!loads.fits(placed)) {  // the union holds every micro-batch: try a later one
           leftovers.push_back(i);
           continue;
         }
         loads.add(placed);
-        plan.placements[i] = std::move(placement);
+        layout[i] = {group.first_rank, group.size};
         ++num_placed;
       }
     }
@@ -413,7 +422,7 @@ std::optional<Plan> MegatronDcp::schedule(double max_tokens, double* rank_time_s
   for (int64_t rank = 0; rank < num_ranks_; ++rank) {
     *rank_time_s = std::max(*rank_time_s, loads.time_s(rank));
   }
-  return plan;
+  return layout;
 }
 
 Plan MegatronDcp::run() {
@@ -454,19 +463,25 @@ Plan MegatronDcp::run() {
     if (work_s(tallest, ranks) <= mean_load_s) break;
   }
 
-  std::optional<Plan> best;
+  std::optional<Layout> best;
   double best_s = std::numeric_limits<double>::infinity();
   for (double knob : knobs) {
     double rank_time_s = 0;
-    std::optional<Plan> plan = schedule(knob, &rank_time_s);
-    if (plan && rank_time_s < best_s) best = std::move(plan), best_s = rank_time_s;
+    std::optional<Layout> layout = schedule(knob, &rank_time_s);
+    if (layout && rank_time_s < best_s) best = std::move(layout), best_s = rank_time_s;
   }
   if (!best) {
     throw PlanMemoryError("megatron-dcp: no micro-batch schedule fits in memory (" +
                           planners::format_gib(cost_model_.memory_capacity_bytes()) +
                           " per rank)");
   }
-  return *std::move(best);
+  Plan plan = planners::empty_plan("megatron-dcp", cost_model_);
+  plan.placements.reserve(batch_.sequences.size());
+  for (int64_t i = 0; i < num_sequences; ++i) {
+    const auto [first_rank, size] = (*best)[i];
+    plan.placements.push_back(ring_placement(batch_.sequences[i].id, first_rank, size));
+  }
+  return plan;
 }
 
 }  // namespace
