@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import record_function
 from tqdm import tqdm
 
 import zellige
@@ -378,24 +379,29 @@ def _run_step(config, model, optimizer, scheduler, timer, device, data_iter, ste
     sync_check = config.sync_debug and device.type == "cuda"
     if sync_check:
         torch.cuda.set_sync_debug_mode("warn")  # every host sync until the optimizer step
-    if config.model.joint_attention:  # MMDiT: text joins attention (train/mmdit_step.py)
-        step_input = assemble_joint_step(data, config.model.num_heads, device)
-        local_loss = joint_step_loss(model, step_input, data.total_tokens, timer)
-    else:
-        step_input = assemble_step(data, config.model.num_heads, device)
-        local_loss = step_loss(model, step_input, data.total_tokens, timer)
-    # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
-    (local_loss * num_ranks).backward()
+    # the phases are named for torch.profiler (bench/train_throughput.py --trace)
+    joint = config.model.joint_attention  # MMDiT: text joins attention (train/mmdit_step.py)
+    with record_function("zellige.step.setup"):
+        assemble = assemble_joint_step if joint else assemble_step
+        step_input = assemble(data, config.model.num_heads, device)
+    with record_function("zellige.step.forward"):
+        loss_of = joint_step_loss if joint else step_loss
+        local_loss = loss_of(model, step_input, data.total_tokens, timer)
+    with record_function("zellige.step.backward"):
+        # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
+        (local_loss * num_ranks).backward()
     # the step's peak split by phase, against the cost model's (which has no optimizer step)
     peak_backward_gib = _peak_gib(device, reset=True)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    with record_function("zellige.step.optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
     if sync_check:
         torch.cuda.set_sync_debug_mode("default")
-    regions = timer.seconds()
-    _synchronize(device)
+    with record_function("zellige.step.end"):
+        regions = timer.seconds()
+        _synchronize(device)
     step_s = time.perf_counter() - step_start
 
     busy_s = regions.get("block", 0.0) + regions.get("block.backward", 0.0)
@@ -450,6 +456,12 @@ def _run_step(config, model, optimizer, scheduler, timer, device, data_iter, ste
         "predicted_peak_gib": data.plan["predicted"]["rank_peak_bytes"][rank] / 2**30,
         "checkpointed_blocks": checkpointed,
         "allocated_start_gib": allocated_start_gib,  # held when the step began
+        # the caching allocator's state after the step: a retry frees cached blocks and waits
+        # for the device (a stall in the step); reserved: what it holds from the driver
+        "alloc_retries": _allocator_stat(device, "num_alloc_retries"),
+        "reserved_gib": None
+        if device.type != "cuda"
+        else _allocator_stat(device, "reserved_bytes.all.peak") / 2**30,
         "lr": scheduler.get_last_lr()[0],
         "planner": config.planner,
     }
@@ -712,6 +724,14 @@ def _peak_gib(device: torch.device, reset: bool = False) -> float | None:
     if reset:
         torch.cuda.reset_peak_memory_stats(device)
     return peak
+
+
+def _allocator_stat(device: torch.device, key: str) -> int | None:
+    """A counter of the CUDA caching allocator (cumulative since the process began; None off
+    CUDA)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get(key, 0))
 
 
 def _step_line(record: dict, total_steps: int) -> str:
