@@ -179,6 +179,7 @@ def tracing_step(step: int, path: Path):
         if index + 1 != step:
             return run_step(config, model, optimizer, scheduler, timer, device, data_iter, index,
                             watch)  # fmt: skip
+        print(f"step {step}: profiling", file=sys.stderr, flush=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -216,6 +217,31 @@ def tracing_step(step: int, path: Path):
         return record
 
     loop._run_step = traced
+    try:
+        yield
+    finally:
+        loop._run_step = run_step
+
+
+@contextlib.contextmanager
+def printing_steps(label: str):
+    """While inside, each training step prints one line on stderr as it ends (a run cut by a
+    time limit still says how far it got and what each step took)."""
+    loop = zellige.train.loop
+    run_step = loop._run_step
+
+    def printed(*args):
+        record = run_step(*args)
+        print(
+            f"{label} step {record['step']}: {record['tokens']} tokens, {record['sequences']} "
+            f"sequences, {record['step_s']:.3f} s (blocks {record['busy_s_max']:.3f} s, data "
+            f"wait {record['data_wait_s_max']:.3f} s), allocator retries {record['alloc_retries']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return record
+
+    loop._run_step = printed
     try:
         yield
     finally:
@@ -263,6 +289,7 @@ def main() -> int:
                 with contextlib.ExitStack() as stack:
                     if sync_check:
                         stack.enter_context(marking_steps(caught, step_marks))
+                    stack.enter_context(printing_steps(run))
                     if args.trace:
                         Path(args.trace).mkdir(parents=True, exist_ok=True)
                         label = "_".join([name, recipe, *variants])
