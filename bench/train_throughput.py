@@ -16,9 +16,10 @@ are listed. --sync-check: the first run warns at every host sync inside its step
 (torch.cuda.set_sync_debug_mode, from step start to the optimizer step) and the summary counts
 them per step and by source line; steps after the warm-up should have 0 (the first steps have
 one-time work: torch.compile, the attention kernel's check on first use).
---trace DIR: each run trains one step more, profiled by torch.profiler and left out of the
-means; its Chrome trace (DIR/trace_CONFIG_RECIPE.json.gz) and a summary of where the step's time
-goes outside the blocks (DIR/trace_CONFIG_RECIPE.txt, bench/step_trace.py; printed too).
+--trace DIR: each run trains two steps more; the first of them is profiled by torch.profiler,
+both are left out of the means; its Chrome trace (DIR/trace_CONFIG_RECIPE.json.gz) and a
+summary of where the step's time goes outside the blocks (DIR/trace_CONFIG_RECIPE.txt,
+bench/step_trace.py; printed too).
 MMDiT configs (mmdit11b-width-h200, hunyuan13b-width-h200) run the same way, e.g.
 --runs mmdit11b-width-h200:opensora2-stage2; their cross-attention share is 0 (text joins the
 self-attention, counted as attention) and their FLOPs count text tokens as attended tokens.
@@ -175,16 +176,16 @@ def tracing_step(step: int, path: Path):
     loop = zellige.train.loop
     run_step = loop._run_step
 
-    def traced(config, model, optimizer, scheduler, timer, device, data_iter, index, watch):
+    def traced(config, model, optimizer, scheduler, timer, device, ahead, index, watch):
         if index + 1 != step:
-            return run_step(config, model, optimizer, scheduler, timer, device, data_iter, index,
+            return run_step(config, model, optimizer, scheduler, timer, device, ahead, index,
                             watch)  # fmt: skip
         print(f"step {step}: profiling", file=sys.stderr, flush=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as profiler:
-            record = run_step(config, model, optimizer, scheduler, timer, device, data_iter,
+            record = run_step(config, model, optimizer, scheduler, timer, device, ahead,
                               index, watch)  # fmt: skip
         raw = path.with_suffix("")  # .json
         profiler.export_chrome_trace(str(raw))
@@ -274,7 +275,8 @@ def main() -> int:
         config = dataclasses.replace(
             get_config(name),
             recipe=recipe,
-            steps=args.steps + (1 if args.trace else 0),
+            # traced: one step more, and one after it (a step makes the next one's inputs)
+            steps=args.steps + (2 if args.trace else 0),
             planner=args.planner,
             seed=args.seed,
             sync_debug=sync_check,
@@ -294,7 +296,7 @@ def main() -> int:
                         Path(args.trace).mkdir(parents=True, exist_ok=True)
                         label = "_".join([name, recipe, *variants])
                         path = Path(args.trace) / f"trace_{label}.json.gz"
-                        stack.enter_context(tracing_step(config.steps, path))
+                        stack.enter_context(tracing_step(args.steps + 1, path))
                     history = train(config, progress=False)
                 history = history[: args.steps]  # the profiled step is not measured
         except Exception as error:  # keep measuring the other runs; say what failed

@@ -308,12 +308,12 @@ def train(
     saved_now = None  # the newest checkpoint this run wrote
     history = []
     run_start = time.perf_counter()
-    data_iter = iter(loader)
+    ahead = StepsAhead(iter(loader), config, device)
     try:
         for step in range(first_step, config.steps):
             try:
                 record = _run_step(
-                    config, model, optimizer, scheduler, timer, device, data_iter, step, watch
+                    config, model, optimizer, scheduler, timer, device, ahead, step, watch
                 )
             except TrainingFailed:
                 raise
@@ -357,16 +357,51 @@ def train(
     return history
 
 
-def _run_step(config, model, optimizer, scheduler, timer, device, data_iter, step, watch) -> dict:
-    """One optimizer step; returns its metrics (gathered: the same on every rank)."""
+class StepsAhead:
+    """Each step's data and inputs (train/step.py: the step program loaded, the features routed,
+    the attention tables on the device), made while the previous step's optimizer still runs
+    on the device: the host work of a step's setup overlaps the device's work instead of
+    leaving it idle at the step's start. The first step's inputs are made in its own step."""
+
+    def __init__(self, loader_iter, config: TrainConfig, device: torch.device) -> None:
+        self._loader_iter = loader_iter
+        self._config = config
+        self._device = device
+        self._ready = None  # (step, data, inputs, seconds waited for the loader) or an error
+
+    def prepare(self, step: int) -> None:
+        """Makes step `step`'s inputs now; an error is raised by take(step), in its own step."""
+        try:
+            wait_start = time.perf_counter()
+            data = next(self._loader_iter)
+            wait_s = time.perf_counter() - wait_start
+            joint = self._config.model.joint_attention  # MMDiT: text joins attention
+            assemble = assemble_joint_step if joint else assemble_step
+            with record_function("zellige.step.setup"):
+                inputs = assemble(data, self._config.model.num_heads, self._device)
+            self._ready = (step, data, inputs, wait_s)
+        except Exception as error:  # noqa: BLE001 (raised again by take, in its own step)
+            self._ready = (step, error)
+
+    def take(self, step: int):
+        """(data, inputs, seconds waited for the loader) of step `step`."""
+        if self._ready is None or self._ready[0] != step:
+            self.prepare(step)
+        ready, self._ready = self._ready, None
+        if len(ready) == 2:
+            raise ready[1]
+        return ready[1:]
+
+
+def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, watch) -> dict:
+    """One optimizer step; returns its metrics (gathered: the same on every rank). `ahead`
+    (StepsAhead) holds the step's inputs; the next step's are made after this step's optimizer
+    step is issued, before the step waits for the device."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     watch.at_step(step + 1)
     # torch's generators follow (seed, step, rank): a resumed run continues them on any number
     # of ranks without storing them (the data has generators of its own)
     torch.manual_seed(_seed_of(config.seed, step, rank))
-    wait_start = time.perf_counter()
-    data = next(data_iter)
-    wait_s = time.perf_counter() - wait_start
     _synchronize(device)
     allocated_start_gib = None
     if device.type == "cuda":
@@ -374,18 +409,16 @@ def _run_step(config, model, optimizer, scheduler, timer, device, data_iter, ste
         allocated_start_gib = torch.cuda.memory_allocated(device) / 2**30
     step_start = time.perf_counter()
     timer.reset()
-    checkpointed = _checkpointed_blocks(config, data.plan, rank)
-    set_checkpointed_blocks(model, checkpointed)
     sync_check = config.sync_debug and device.type == "cuda"
     if sync_check:
-        torch.cuda.set_sync_debug_mode("warn")  # every host sync until the optimizer step
+        # every host sync until the next step's inputs are made (the step's end waits)
+        torch.cuda.set_sync_debug_mode("warn")
     # the phases are named for torch.profiler (bench/train_throughput.py --trace)
-    joint = config.model.joint_attention  # MMDiT: text joins attention (train/mmdit_step.py)
-    with record_function("zellige.step.setup"):
-        assemble = assemble_joint_step if joint else assemble_step
-        step_input = assemble(data, config.model.num_heads, device)
+    data, step_input, wait_s = ahead.take(step)
+    checkpointed = _checkpointed_blocks(config, data.plan, rank)
+    set_checkpointed_blocks(model, checkpointed)
     with record_function("zellige.step.forward"):
-        loss_of = joint_step_loss if joint else step_loss
+        loss_of = joint_step_loss if config.model.joint_attention else step_loss
         local_loss = loss_of(model, step_input, data.total_tokens, timer)
     with record_function("zellige.step.backward"):
         # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
@@ -397,6 +430,9 @@ def _run_step(config, model, optimizer, scheduler, timer, device, data_iter, ste
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+    del step_input  # its tensors are free once the device is done with them
+    if step + 1 < config.steps:
+        ahead.prepare(step + 1)  # host work while the device runs this step's tail
     if sync_check:
         torch.cuda.set_sync_debug_mode("default")
     with record_function("zellige.step.end"):
