@@ -196,3 +196,35 @@ def test_compiled_regions_equal_eager_and_compile_once() -> None:
             torch.testing.assert_close(grad_c, grad, rtol=1e-10, atol=1e-12)
     assert graphs_first_step == 4  # the four regions of a block
     assert counter.frame_count == graphs_first_step  # no compilation after the first step
+
+
+def test_compiled_region_ignores_the_calling_threads_thread_count() -> None:
+    """On a GPU the backward (with the recompute of checkpointed blocks) runs on another host
+    thread, whose thread count torch.compile would otherwise guard on: no second graph."""
+    import threading
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from zellige.model import fused
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fused.use_compiled(True, backend=counter)
+    threads = torch.get_num_threads()
+    x, y, gate = (torch.randn(5, 8, dtype=torch.float64) for _ in range(3))
+    try:
+        fused.kernels["gated_residual"](x, y, gate)
+        compiled = counter.frame_count
+
+        def other_thread() -> None:
+            torch.set_num_threads(threads + 1)
+            fused.kernels["gated_residual"](x[:4], y[:4], gate[:4])
+
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+    finally:
+        fused.use_compiled(False)
+        torch.set_num_threads(threads)
+    assert compiled == 1
+    assert counter.frame_count == compiled

@@ -287,16 +287,27 @@ class CompiledRegion:
     dim are static, so kernels are generated for the model's widths. Each step's arguments are
     made to look alike before the call: attention outputs ([T, N, H], the 3-D arguments) are
     made contiguous (a transposed one was copied by the region's flatten anyway), views are
-    passed as plain tensors (_Alias), and sizes are not "duck shaped" (an equality of two
-    sizes that holds by chance on the first step, a text count equal to an offset, say, would
-    become a guard that a later step fails). tests/python/test_model.py and test_mmdit.py count
-    the compilations over steps of new shapes."""
+    passed as plain tensors (_Alias), sizes are not "duck shaped" (an equality of two sizes
+    that holds by chance on the first step, a text count equal to an offset, say, would become
+    a guard that a later step fails), and the calling thread has the thread count of the first
+    call. What still compiles again: a token count of 0 or 1, and, on a GPU, the first step
+    whose buffers pass 2^31 elements (inductor guards its 32-bit indexing).
+    tests/python/test_model.py and test_mmdit.py count the compilations over steps of new
+    shapes."""
+
+    # the host thread count torch.compile saw first: torch.compile guards on it, and the thread
+    # that runs the backward on a GPU (recomputing checkpointed blocks) may have another
+    threads: int | None = None
 
     def __init__(self, fn, backend: str) -> None:
         self.__name__ = fn.__name__
         self._compiled = torch.compile(fn, backend=backend, dynamic=None)
 
     def __call__(self, *args):
+        if CompiledRegion.threads is None:
+            CompiledRegion.threads = torch.get_num_threads()
+        elif torch.get_num_threads() != CompiledRegion.threads:
+            torch.set_num_threads(CompiledRegion.threads)  # this thread's; kernels run on the GPU
         positions = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
         tensors = [args[i].contiguous() if args[i].dim() == 3 else args[i] for i in positions]
         args = list(args)
@@ -316,6 +327,17 @@ def _no_duck_shapes():
 
 def use_compiled(enabled: bool, backend: str = "inductor") -> None:
     """Switches the blocks' per-token functions to compiled ones (CompiledRegion) or back."""
+    if enabled:
+        import torch._inductor.config
+
+        # inductor fuses a norm's row and column reductions ("mix order") only above size
+        # thresholds, which it guards on the token count: a step across one compiled again.
+        # The non-strict mode skips those checks (fuses at any size, no guard).
+        triton = torch._inductor.config.triton
+        if hasattr(triton, "mix_order_reduction_non_strict_mode"):
+            triton.mix_order_reduction_non_strict_mode = True
+        elif hasattr(triton, "mix_order_reduction"):
+            triton.mix_order_reduction = False
     if enabled and backend not in _compiled:
         _compiled[backend] = {name: CompiledRegion(fn, backend) for name, fn in _EAGER.items()}
     kernels.update(_compiled[backend] if enabled else _EAGER)
