@@ -361,7 +361,7 @@ class StepsAhead:
     """Each step's data and inputs (train/step.py: the step program loaded, the features routed,
     the attention tables on the device), made while the previous step's optimizer still runs
     on the device: the host work of a step's setup overlaps the device's work instead of
-    leaving it idle at the step's start. The first step's inputs are made in its own step."""
+    leaving it idle at the step's start. The first step's inputs are made before it starts."""
 
     def __init__(self, loader_iter, config: TrainConfig, device: torch.device) -> None:
         self._loader_iter = loader_iter
@@ -402,6 +402,7 @@ def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, w
     # torch's generators follow (seed, step, rank): a resumed run continues them on any number
     # of ranks without storing them (the data has generators of its own)
     torch.manual_seed(_seed_of(config.seed, step, rank))
+    data, step_input, wait_s = ahead.take(step)  # made during the previous step
     _synchronize(device)
     allocated_start_gib = None
     if device.type == "cuda":
@@ -409,14 +410,13 @@ def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, w
         allocated_start_gib = torch.cuda.memory_allocated(device) / 2**30
     step_start = time.perf_counter()
     timer.reset()
+    checkpointed = _checkpointed_blocks(config, data.plan, rank)
+    set_checkpointed_blocks(model, checkpointed)
     sync_check = config.sync_debug and device.type == "cuda"
     if sync_check:
         # every host sync until the next step's inputs are made (the step's end waits)
         torch.cuda.set_sync_debug_mode("warn")
     # the phases are named for torch.profiler (bench/train_throughput.py --trace)
-    data, step_input, wait_s = ahead.take(step)
-    checkpointed = _checkpointed_blocks(config, data.plan, rank)
-    set_checkpointed_blocks(model, checkpointed)
     with record_function("zellige.step.forward"):
         loss_of = joint_step_loss if config.model.joint_attention else step_loss
         local_loss = loss_of(model, step_input, data.total_tokens, timer)
