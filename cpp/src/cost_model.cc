@@ -485,6 +485,16 @@ std::vector<RankShare> CostModel::shares_and_bytes(const Sequence& sequence,
   std::vector<RankShare> result;
   result.reserve(placement.ranks.size());
   double sent = 0;
+  // A rank's terms depend only on these few values, which take at most a handful of combinations
+  // however many ranks there are: each is priced once, so a share costs O(1) and a placement over
+  // d ranks O(d) copies instead of d full pricings (planners price degrees up to thousands).
+  struct TermsKey {
+    int block_class, next_class;
+    int64_t chunk, heads;
+    bool ulysses_intra, ring_intra;
+    bool operator==(const TermsKey&) const = default;
+  };
+  std::vector<std::pair<TermsKey, RankTerms>> priced;
   for (int64_t j = 0; j < r; ++j) {
     const int block_class = j < shape.num_big_blocks ? 1 : 0;
     const int next_class = (j + 1) % r < shape.num_big_blocks ? 1 : 0;
@@ -493,8 +503,17 @@ std::vector<RankShare> CostModel::shares_and_bytes(const Sequence& sequence,
     for (int64_t k = 0; k < u; ++k) {
       const int64_t chunk = block / u + (k < block % u ? 1 : 0);
       const int64_t heads = all_heads / u + (k < all_heads % u ? 1 : 0);
-      const RankTerms terms =
-          rank_terms(shape, block_class, next_class, chunk, heads, ulysses_intra, ring_intra[k]);
+      const TermsKey key{block_class, next_class, chunk, heads, ulysses_intra, ring_intra[k]};
+      const RankTerms* found = nullptr;
+      for (const auto& [seen, seen_terms] : priced) {
+        if (seen == key) found = &seen_terms;
+      }
+      if (found == nullptr) {
+        priced.emplace_back(key, rank_terms(shape, block_class, next_class, chunk, heads,
+                                            ulysses_intra, ring_intra[k]));
+        found = &priced.back().second;
+      }
+      const RankTerms& terms = *found;
       RankShare share;
       share.rank = placement.ranks[j * u + k];
       share.tokens = chunk;
