@@ -85,6 +85,14 @@ constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tr
 constexpr int kWindowNodes = 4;
 constexpr size_t kPairPartners = 8;
 constexpr int64_t kAnchorMovesPerAnchor = 4;
+// Anchor degree scans (degree_for, place_anchor_within) step by one up to this many ranks, then by
+// degree / kDegreeScanSteps: one rank more changes a wide anchor's share by under 1%, and pricing
+// or placing every degree up to thousands made a few huge sequences on thousands of ranks cost
+// O(ranks^2) placements per construction (12 videos on 4096 GPUs: 97 s).
+constexpr int64_t kDegreeScanSteps = 64;
+int64_t next_scanned_degree(int64_t degree) {
+  return degree + std::max<int64_t>(1, degree / kDegreeScanSteps);
+}
 // The bag start (zellige_moves.h): sequences of at least this fraction of the mean load per rank
 // go to bags; only while its refinement tries at most kBagWork windows (up to ~64 GPUs).
 constexpr double kBagItemFraction = 0.25;
@@ -811,7 +819,7 @@ int64_t ZelligePlanner::degree_for(int32_t sequence, double target_s) {
   int64_t best_degree = 0;
   double best_time_s = kInf;
   int misses = 0;
-  for (int64_t degree = first; degree <= num_ranks_; ++degree) {
+  for (int64_t degree = first; degree <= num_ranks_; degree = next_scanned_degree(degree)) {
     const ShapeChoice& choice = shape_at(sequence, degree);
     if (!choice.feasible) continue;
     if (choice.time_s <= target_s) return degree;
@@ -959,7 +967,7 @@ bool ZelligePlanner::place_anchor_within(int32_t sequence, double share_s, doubl
   const int64_t last = std::min(num_ranks_, 2 * first + 2);
   int64_t best_degree = 0;
   double best_s = kInf;
-  for (int64_t degree = first; degree <= last; ++degree) {
+  for (int64_t degree = first; degree <= last; degree = next_scanned_degree(degree)) {
     const double busiest_s = select_anchor_ranks(sequence, degree, *s, &candidate_ranks_);
     if (busiest_s == kInf) continue;  // no ranks with the memory (the target may be infinite)
     if (busiest_s <= target_s) {
