@@ -93,6 +93,14 @@ constexpr int64_t kDegreeScanSteps = 64;
 int64_t next_scanned_degree(int64_t degree) {
   return degree + std::max<int64_t>(1, degree / kDegreeScanSteps);
 }
+// Whole-anchor moves (try_relocate): every degree up to a node, whole nodes beyond, and beyond 16
+// nodes every (degree / 16)-th node count, so an anchor over thousands of ranks tries O(log)
+// windows, not one per node.
+constexpr int64_t kWindowScanSteps = 16;
+int64_t next_window_degree(int64_t degree, int64_t gpus_per_node) {
+  if (degree < gpus_per_node) return degree + 1;
+  return degree + gpus_per_node * std::max<int64_t>(1, degree / (gpus_per_node * kWindowScanSteps));
+}
 // The bag start (zellige_moves.h): sequences of at least this fraction of the mean load per rank
 // go to bags; only while its refinement tries at most kBagWork windows (up to ~64 GPUs).
 constexpr double kBagItemFraction = 0.25;

@@ -44,8 +44,8 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
     window_nodes(*s, anchor, kWindowNodes, &window_nodes_);
     const int64_t max_degree =
         std::min(num_ranks_, std::max(2 * anchor.shape.degree, 2 * gpus_per_node_));
-    for (int64_t degree = 2; degree <= max_degree; ++degree) {
-      if (degree > gpus_per_node_ && degree % gpus_per_node_ != 0) continue;
+    for (int64_t degree = 2; degree <= max_degree;
+         degree = next_window_degree(degree, gpus_per_node_)) {
       const ShapeChoice& choice = shape_at(anchor.sequence, degree);
       if (!choice.feasible) continue;
       auto consider = [&](int64_t first_rank) {
