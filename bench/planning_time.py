@@ -8,16 +8,18 @@ check, validation and prediction included) and of its thread CPU time (what pree
 cores does not inflate), plus the makespan over the lower bound so a fast planner cannot hide a bad
 plan. The scale table: zellige at 1024 GPUs with 4096 sequences (recipe steps concatenated) and on
 one recipe batch at 4096 and 8192 GPUs; targets: <= 2 ms median at 32 GPUs, <= 50 ms at 1024 GPUs
-with 4096 sequences, <= 200 ms at 4096 GPUs.
+with 4096 sequences, <= 200 ms at 4096 GPUs. The few-huge table: 12 videos of 200k-280k tokens
+(wan-14b) at 512 and 4096 GPUs, with zellige's makespan over the bound and the best static-cp.
 
     PYTHONPATH=src python bench/planning_time.py [--gpus 8,32,128,1024] [--seeds 5]
-        [--scale-gpus 4096,8192] [--out FILE]
+        [--scale-gpus 4096,8192] [--few-huge-gpus 512,4096] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import random
 import statistics
 import sys
 import time
@@ -136,6 +138,58 @@ def scale_table(workload: str, scale_gpus: list[int], repeats: int) -> str:
     return "\n".join(lines)
 
 
+def few_huge_batch(num_gpus: int, num_videos: int = 12) -> zellige.Batch:
+    """`num_videos` videos of 200k-280k tokens (issue 15: 97 s to plan at 4096 GPUs): each spans
+    hundreds of ranks, so anchor degrees, windows and baseline group sizes reach the thousands."""
+    rng = random.Random(f"few-huge-scale-{num_gpus}")
+    batch = zellige.Batch()
+    batch.sequences = [
+        zellige.sequence_from_tokens(i, "video", rng.randint(200000, 280000), 512, i % num_gpus)
+        for i in range(num_videos)
+    ]
+    return batch
+
+
+def few_huge_table(gpu_counts: list[int], repeats: int) -> str:
+    """zellige on few_huge_batch (wan-14b): plan_ms, its makespan over the lower bound and over the
+    best static-cp:C (C a power of two, which is what covered_baselines builds there)."""
+    lines = [
+        f"zellige on 12 videos of 200k-280k tokens, wan-14b ({repeats} repeats)",
+        "",
+        "| GPUs | plan_ms median | cpu ms median | zellige / lower bound | best static-cp | "
+        "best static-cp / zellige |",
+        "| ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for num_gpus in gpu_counts:
+        batch = few_huge_batch(num_gpus)
+        cost_model = zellige.make_cost_model("wan-14b", num_gpus)
+        plan_ms, cpu_ms = [], []
+        for r in range(repeats):
+            cpu_start = time.thread_time()
+            plan = zellige.make_plan("zellige", batch, cost_model, zellige.PlannerOptions(seed=r))
+            cpu_ms.append((time.thread_time() - cpu_start) * 1e3)
+            plan_ms.append(plan.plan_ms)
+        makespan_s = plan.predicted.makespan_s
+        bound_s = zellige.makespan_lower_bound(batch, cost_model)
+        best_name, best_s = "-", float("inf")
+        size = 2
+        while size <= num_gpus:
+            name = f"static-cp:{size}"
+            try:
+                other = zellige.make_plan(name, batch, cost_model, zellige.PlannerOptions(seed=0))
+                if other.predicted.makespan_s < best_s:
+                    best_name, best_s = name, other.predicted.makespan_s
+            except ValueError:  # out of memory at that size
+                pass
+            size *= 2
+        lines.append(
+            f"| {num_gpus} | {statistics.median(plan_ms):.1f} | {statistics.median(cpu_ms):.1f} | "
+            f"{makespan_s / bound_s:.3f} | {best_name} | {best_s / makespan_s:.3f} |"
+        )
+        print(f"few-huge {num_gpus} GPUs done", file=sys.stderr)
+    return "\n".join(lines)
+
+
 def provenance() -> str:
     lines = [
         "",
@@ -155,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--scale-gpus", default="4096,8192", help="'' to skip the scale table")
     parser.add_argument("--repeats", type=int, default=3, help="repeats per scale case")
+    parser.add_argument(
+        "--few-huge-gpus",
+        default="512,4096",
+        help="GPU counts of the 12-huge-videos case (issue 15); '' to skip",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the table (markdown)")
     args = parser.parse_args(argv)
 
@@ -166,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.scale_gpus:
         scale_gpus = [int(n) for n in args.scale_gpus.split(",")]
         text += "\n\n" + scale_table(args.workload, scale_gpus, args.repeats)
+    if args.few_huge_gpus:
+        few_huge_gpus = [int(n) for n in args.few_huge_gpus.split(",")]
+        text += "\n\n" + few_huge_table(few_huge_gpus, args.repeats)
     text += "\n" + provenance()
     if args.out is not None:
         write_report(args.out, "Planning time", "planning_time.py", argv, text)
