@@ -123,8 +123,11 @@ struct Shape {
   int64_t ulysses_degree = 1;
 };
 
-// Every shape of `degree` ranks the engine runs: Ulysses up to the head count, ring, and hybrids;
-// a hybrid that spans nodes keeps each Ulysses group within a node's size.
+// Every shape of `degree` ranks the engine runs: Ulysses up to the head count, ring, and hybrids.
+// A hybrid's Ulysses groups may span nodes (as static-cp's do): a sequence over hundreds of ranks
+// is far faster with Ulysses over all heads across five nodes and a short ring than with a ring
+// of 32 over 8-rank groups, whose per-step latency dominates (12 videos on 4096 GPUs: 1.8x). The
+// cost model prices the inter-node exchange, so within a node stays the choice where it is faster.
 void shapes_of_degree(int64_t degree, int64_t num_heads, int64_t gpus_per_node,
                       std::vector<Shape>* shapes) {
   shapes->clear();
@@ -135,7 +138,6 @@ void shapes_of_degree(int64_t degree, int64_t num_heads, int64_t gpus_per_node,
   if (degree <= num_heads) shapes->push_back({Strategy::kUlysses, degree, degree});
   for (int64_t ulysses = 2; ulysses * 2 <= degree; ++ulysses) {
     if (degree % ulysses != 0 || ulysses > num_heads) continue;
-    if (degree > gpus_per_node && ulysses > gpus_per_node) continue;
     shapes->push_back({Strategy::kHybrid, degree, ulysses});
   }
   shapes->push_back({Strategy::kRing, degree, 1});
