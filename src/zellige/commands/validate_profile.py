@@ -32,8 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layers",
         type=int_in(1, 1000),
-        default=2,
-        help="layers of the model actually run (default 2)",
+        help="layers of the model actually run (default 2; an MMDiT's fewest layers with its "
+        "double/single split, 3 for mmdit-11b, as `zellige profile` measures it)",
+    )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="run the blocks' per-token layers eager (for training with compile_elementwise "
+        "off); default: compiled on a GPU, as training runs them",
     )
     parser.add_argument(
         "--ranks-per-plan",
@@ -148,15 +154,19 @@ def run(args: argparse.Namespace) -> int:
     )
     import torch
 
-    from zellige.profiler.models import model_to_run
+    from zellige.model import fused
+    from zellige.profiler.models import model_to_run, stack_layers
     from zellige.profiler.validate import ValidationOptions, report_dict, validate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    compiled = device == "cuda" and not args.eager  # training's default (compile_elementwise)
+    model = model_to_run(model_from_args(args), args.quick, "validate")
     options = ValidationOptions(
         num_plans=args.plans,
         profile=args.profile,
-        model=model_to_run(model_from_args(args), args.quick, "validate"),
-        num_layers=args.layers,
+        model=model,
+        num_layers=args.layers or stack_layers(model),
+        compiled=compiled,
         ranks_per_plan=args.ranks_per_plan,
         repeats=args.repeats,
         seed=args.seed,
@@ -175,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     if args.summarise:
         report = summarise_jsonl(args.summarise)
     else:
+        fused.use_compiled(compiled)
         report = validate(options, progress)
     if args.json:
         write_output(args.json, json.dumps(report_dict(report), indent=1, allow_nan=False) + "\n")

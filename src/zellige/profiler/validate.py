@@ -8,6 +8,9 @@ local copies that stand in for the exchanges are part of the measured step, so t
 adds them (`local_copy_s`: the bytes the rank would send, read and written at the profile's
 memory bandwidth); the planner's cost model never sees them.
 
+The blocks run as training runs them: their per-token regions torch.compile'd on a GPU
+(zellige.model.fused; `--eager` for training without), an MMDiT cut to its fewest layers with
+its own double/single split (models.stack_layers), as `zellige profile` measures it.
 Time is measured on plain bf16 blocks. Memory is measured on a second step of the rank on
 blocks sharded as zellige.train shards them (FSDP2 over a group of one: gathered weights,
 weight gradients and reduce-scatter buffers live and die as in training; the output's gradient
@@ -87,6 +90,7 @@ class ValidationOptions:
     exclude_strategies: tuple[str, ...] = ()  # skip plans that use these ("ring", "hybrid")
     contiguous_kernel_inputs: bool = False  # see rank_work.local_exchanges
     results_jsonl: str | None = None  # append each rank's result as it is measured
+    compiled: bool = False  # the per-token regions compiled (the command sets fused.kernels)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,6 +110,8 @@ class RankResult:
     predicted_copy_s: float = 0.0  # the exchanges' local stand-in copies (see local_copy_s)
     predicted_call_s: float = 0.0  # RankCost.call_s: what one call per equal group saves (<= 0)
     predicted_launch_floor_s: float = 0.0  # host issue time (RankCost.launch_floor_s)
+    predicted_busy_s: float = 0.0  # the GPU work predicted_s is the larger of, with the floor
+    strategies: str = ""  # the rank's placements by strategy, e.g. "local x3, ring x1"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -164,11 +170,26 @@ def local_copy_s(
     return 2.0 * copied_bytes / memory_bytes_per_s
 
 
+def predicted_busy_s(rank_cost: _core.RankCost, copy_s: float) -> float:
+    """The GPU work of a rank run on one GPU as the cost model prices it: its evaluate() time
+    without exchanges, plus the local copies that stand in for them."""
+    return rank_cost.linear_s + rank_cost.attention_s + rank_cost.call_s + copy_s
+
+
 def predicted_rank_s(rank_cost: _core.RankCost, copy_s: float) -> float:
-    """The cost model's time of a rank run on one GPU: its evaluate() time without exchanges,
-    plus the local copies that stand in for them."""
-    busy_s = rank_cost.linear_s + rank_cost.attention_s + rank_cost.call_s + copy_s
-    return max(busy_s, rank_cost.launch_floor_s)
+    """The cost model's time of a rank run on one GPU: its GPU work (predicted_busy_s) or, when
+    the host takes longer to issue it, the launch floor."""
+    return max(predicted_busy_s(rank_cost, copy_s), rank_cost.launch_floor_s)
+
+
+def rank_strategies(plan: _core.Plan, rank: int) -> str:
+    """The rank's placements counted by strategy, e.g. "local x3, ring x1"."""
+    counts: dict[str, int] = {}
+    for placement in plan.placements:
+        if rank in placement.ranks:
+            name = _core.strategy_name(placement).split("(")[0]
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
 
 
 def summarise(ranks: list[RankResult], gamma: float) -> ValidationReport:
@@ -410,6 +431,34 @@ def run_rank(
     return seconds
 
 
+def _warm_up(blocks, fsdp_blocks, config, options: ValidationOptions, device, dtype) -> None:
+    """One step of a small local pack on both block sets (each sequence with the model's text):
+    torch.compile compiles the per-token regions' training graphs (dynamic shapes: once) here,
+    not inside the first rank's timed warm-up."""
+    batch = _core.Batch()
+    batch.sequences = [
+        _core.sequence_from_tokens(i, "video", 256 + 64 * i, config.text_tokens, 0)
+        for i in range(2)
+    ]
+    plan = _core.Plan()
+    plan.planner = "validate"
+    plan.num_ranks = 1
+    plan.placements = [_core.make_placement(i, _core.Strategy.local, [0]) for i in range(2)]
+    with rank_work.local_exchanges(options.contiguous_kernel_inputs):
+        for block_set, output_grad in ((blocks, True), (fsdp_blocks, False)):
+            inputs = rank_work.plan_rank_inputs(
+                batch=batch,
+                plan=plan,
+                rank=0,
+                config=config,
+                device=device,
+                dtype=dtype,
+                output_grad=output_grad,
+            )
+            rank_work.train_step(block_set, inputs, options.activation_checkpointing)
+    synchronize(device)
+
+
 def rank_peak_bytes(
     *,
     batch: _core.Batch,
@@ -498,8 +547,15 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
             "training (FSDP2 units over a group of one, fp32 master weights, bf16 compute, fp32 "
             "gradient reduction), the harness's weights replaced by the modelled FSDP shard"
         )
+    notes.append(
+        "per-token regions compiled (torch.compile), as training runs them on a GPU"
+        if options.compiled
+        else "per-token regions eager"
+    )
     with rank_work.process_group_of_one(device):
         fsdp_blocks = rank_work.make_fsdp_blocks(config, options.num_layers, device, dtype)
+        if options.compiled:  # compile the regions' training graphs before any rank is timed
+            _warm_up(blocks, fsdp_blocks, config, options, device, dtype)
         for plan_index, (name, batch, plan) in enumerate(plans):
             if options.time_budget_s and time.monotonic() - started > options.time_budget_s:
                 notes.append(f"time budget reached: {plan_index} plans of {len(plans)}")
@@ -559,6 +615,8 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                     predicted_copy_s=copy_s,
                     predicted_call_s=rank_cost.call_s,
                     predicted_launch_floor_s=rank_cost.launch_floor_s,
+                    predicted_busy_s=predicted_busy_s(rank_cost, copy_s),
+                    strategies=rank_strategies(plan, rank),
                 )
                 results.append(result)
                 if options.results_jsonl:
@@ -567,9 +625,10 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                 progress(
                     f"plan {plan_index + 1:>2}/{options.num_plans} {name:<40} rank {rank:>2} "
                     f"{result.tokens:>7} tokens: time {result.predicted_s * 1e3:9.2f} / "
-                    f"{measured_s * 1e3:9.2f} ms, peak "
-                    f"{result.predicted_peak_bytes / 2**30:7.2f} / {peak / 2**30:7.2f} GiB "
-                    "(predicted / measured)"
+                    f"{measured_s * 1e3:9.2f} ms"
+                    f"{' (launch floor)' if result.predicted_busy_s < result.predicted_s else ''}"
+                    f", peak {result.predicted_peak_bytes / 2**30:7.2f} / {peak / 2**30:7.2f} GiB "
+                    f"(predicted / measured); {result.strategies}"
                 )
         del fsdp_blocks  # before its process group goes
     notes.extend(f"skipped {line}" for line in skipped)
