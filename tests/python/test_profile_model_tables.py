@@ -216,3 +216,54 @@ def test_stack_layers_keep_the_models_double_single_split():
         "single-stream": (1, 0, pytest.approx(2 / 3)),
     }
     assert [name for name, _, _ in block_kinds("wan-14b")] == ["block"]
+
+
+def test_mmdit_per_token_inputs_run_both_streams_of_a_double_block():
+    """The per-token timing of an MMDiT block holds text rows (at most half the tokens), so the
+    text stream's weights do work and get gradients, as in training."""
+    import torch
+
+    from zellige.model.mmdit import TEXT
+    from zellige.profiler import rank_work
+    from zellige.profiler.measure import per_token_inputs
+    from zellige.profiler.models import block_kinds
+
+    (_, double, _), _ = block_kinds("mmdit-tiny")
+    device = torch.device("cpu")
+    blocks = rank_work.make_blocks(double, 1, device, torch.float32)
+    for tokens, text in ((6, 3), (64, 8)):  # mmdit-tiny's text is 8 tokens
+        inputs = per_token_inputs(double, tokens, device, torch.float32)
+        assert inputs.num_text == text
+        assert int((inputs.streams.order[:text] < text).sum()) == text  # text first
+        out = rank_work.forward_blocks(blocks, inputs, checkpointing=False)
+        out.backward(inputs.grad_TD)
+        for stream in (blocks[0].text, blocks[0].visual):
+            assert stream.attention_in.qkv.weight.grad.abs().sum() > 0
+            assert stream.ffn.up.weight.grad.abs().sum() > 0
+        blocks.zero_grad()
+    assert TEXT == 1
+
+
+def test_validate_names_each_ranks_strategies_and_reads_older_results():
+    import dataclasses
+
+    from zellige import _core
+    from zellige.profiler.validate import RankResult, rank_strategies, summarise
+
+    plan = _core.Plan()
+    plan.num_ranks = 2
+    plan.placements = [
+        _core.make_placement(0, _core.Strategy.local, [0]),
+        _core.make_placement(1, _core.Strategy.local, [0]),
+        _core.make_placement(2, _core.Strategy.ring, [1, 0]),
+    ]
+    assert rank_strategies(plan, 0) == "local x2, ring x1"
+    assert rank_strategies(plan, 1) == "ring x1"
+    # a results line written before predicted_busy_s and strategies existed still loads
+    old = {
+        field.name: 1.0
+        for field in dataclasses.fields(RankResult)
+        if field.name not in ("predicted_busy_s", "strategies")
+    }
+    old.update(plan="p", rank=0, tokens=10, num_sequences=1, modelled_state_bytes=0.5)
+    assert summarise([RankResult(**old)], gamma=0.0).time_mape_percent == 0.0
