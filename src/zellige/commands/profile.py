@@ -102,9 +102,15 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"[profile] {line}", file=sys.stderr, flush=True)
 
+    def save_partial(data: dict) -> None:
+        save_profile(profile_from_dict(data), args.out)
+        progress(f"wrote {args.out} with the per-token tables (memory and launch follow)")
+
     if args.memory_only or args.base:
         base = profile_to_dict(load_profile(args.base))
-        result = profile_memory_into(base, options, progress, per_token=not args.memory_only)
+        result = profile_memory_into(
+            base, options, progress, per_token=not args.memory_only, partial=save_partial
+        )
     else:
         result = profile_device(options, progress)
     profile = profile_from_dict(result.profile)  # the core validates what it will read

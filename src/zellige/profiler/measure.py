@@ -81,8 +81,10 @@ LAYOUT_POINTS = {
 QUICK_LAYOUT_POINTS = {"ulysses": ((256, 2),), "ring": ((256, 2),)}
 LAUNCH_SEQUENCES = 8  # a tiny rank of this many distinct lengths, against one of one
 # an MMDiT's tiny ranks: text tokens of each sequence (both streams of a double-stream block
-# issue their kernels, as in training, where no sequence is without text)
-LAUNCH_TEXT_TOKENS = 16
+# issue their kernels, as in training, where no sequence is without text). Odd, as the text
+# split of per_token_inputs: torch.compile's dynamic shapes take a size that equals another
+# (e.g. 8 x 16 text rows = head_dim 128) for the same symbol and specialise the graph on it.
+LAUNCH_TEXT_TOKENS = 15
 LAUNCH_REPEATS = 20  # host-bound steps scatter by +-25% from one to the next: take many
 QUICK_TOKEN_COUNTS = (64, 128, 256)
 QUICK_MEMORY_TOKENS = (64, 128)
@@ -528,15 +530,18 @@ def _warm(fn: Callable[[], object], device) -> None:
 def per_token_inputs(config, num_tokens: int, device, dtype):
     """One sequence of `num_tokens` tokens through the per-token layers only (both attention
     cores replaced by stand-ins, rank_work.per_token_inputs). An MMDiT's sequence carries its
-    text as training's do, at most half of it (min(text_tokens, num_tokens // 2) text tokens
-    first): a double-stream block then runs both streams' GEMMs, each on its own rows."""
+    text as training's do, less than half of it (min(text_tokens, num_tokens // 2 - 1) text
+    tokens first): a double-stream block then runs both streams' GEMMs, each on its own rows.
+    Text and visual counts differ (and are odd at small sizes) so that the first call, which
+    torch.compile traces with dynamic shapes, does not tie them to each other or to a weight's
+    dimension (128 = head_dim) and specialise the graph."""
     if not config.joint_attention:
         return rank_work.per_token_inputs(
             config=config, num_tokens=num_tokens, device=device, dtype=dtype
         )
     from zellige.model.mmdit import TEXT, VISUAL
 
-    num_text = min(config.text_tokens, num_tokens // 2)
+    num_text = min(config.text_tokens, num_tokens // 2 - 1)
     modality_T = torch.full((num_tokens,), VISUAL, dtype=torch.int64)
     modality_T[:num_text] = TEXT
     positions_T3 = torch.zeros(num_tokens, 3, dtype=torch.int64)
@@ -1027,7 +1032,12 @@ def _compiled_text(options: ProfileOptions) -> str:
 
 
 def profile_memory_into(
-    base: dict, options: ProfileOptions, progress: Progress = print, *, per_token: bool = False
+    base: dict,
+    options: ProfileOptions,
+    progress: Progress = print,
+    *,
+    per_token: bool = False,
+    partial: Callable[[dict], None] | None = None,
 ) -> ProfileResult:
     """Measures only the per-model rows of `options.model` (memory, host launch time; with
     `per_token`, the per-token rate tables too, measured on its own blocks) and the runtime
@@ -1035,7 +1045,8 @@ def profile_memory_into(
     replaced. The attention, exchange and layout rows are the model's only through its head
     count and head dimension, which the cost model scales: they stay as measured in `base`.
     Memory needs a GPU's allocator: on a CPU (--quick) only the per-token and launch rows are
-    measured and the memory rows stay 0 (analytic)."""
+    measured and the memory rows stay 0 (analytic). `partial`, if given, receives the profile
+    with the per-token tables as soon as they are measured (a run cut short keeps them)."""
     device = torch.device(options.device)
     if device.type != "cuda" and not (per_token and options.quick):
         raise ValueError(
@@ -1056,6 +1067,8 @@ def profile_memory_into(
         }
         details["per_token_layer_seconds"] = layer_seconds
         measured = "per-token layers, memory and launch"
+        if partial is not None:
+            partial(merge_memory(base, spec.name, {}, tables))
     rows = {}
     if device.type == "cuda":
         memory = profile_memory(options, device, dtype, progress)

@@ -359,7 +359,8 @@ def measure_forward_latencies(
             inputs = rank_work.plan_rank_inputs(
                 batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
             )
-            with torch.no_grad():
+            # compiled regions: the training graphs, not a second (inference) compilation
+            with torch.enable_grad() if options.compiled else torch.no_grad():
                 latencies.append(
                     median_time_s(
                         lambda inputs=inputs: rank_work.forward_blocks(blocks, inputs, False),
@@ -432,30 +433,34 @@ def run_rank(
 
 
 def _warm_up(blocks, fsdp_blocks, config, options: ValidationOptions, device, dtype) -> None:
-    """One step of a small local pack on both block sets (each sequence with the model's text):
-    torch.compile compiles the per-token regions' training graphs (dynamic shapes: once) here,
-    not inside the first rank's timed warm-up."""
-    batch = _core.Batch()
-    batch.sequences = [
-        _core.sequence_from_tokens(i, "video", 256 + 64 * i, config.text_tokens, 0)
-        for i in range(2)
-    ]
+    """Steps of small local packs on both block sets: torch.compile compiles the per-token
+    regions' training graphs (dynamic shapes: once) here, not inside the first rank's timed
+    warm-up. Two packs: sequences with the model's text, and (an MMDiT) without, as a rank that
+    holds ring or Ulysses chunks of visual tokens only runs them (an empty text stream is a
+    graph of its own)."""
+    texts = (config.text_tokens, 0) if config.joint_attention else (config.text_tokens,)
     plan = _core.Plan()
     plan.planner = "validate"
     plan.num_ranks = 1
     plan.placements = [_core.make_placement(i, _core.Strategy.local, [0]) for i in range(2)]
     with rank_work.local_exchanges(options.contiguous_kernel_inputs):
-        for block_set, output_grad in ((blocks, True), (fsdp_blocks, False)):
-            inputs = rank_work.plan_rank_inputs(
-                batch=batch,
-                plan=plan,
-                rank=0,
-                config=config,
-                device=device,
-                dtype=dtype,
-                output_grad=output_grad,
-            )
-            rank_work.train_step(block_set, inputs, options.activation_checkpointing)
+        for text_tokens in texts:
+            batch = _core.Batch()
+            batch.sequences = [  # sizes unlike the weights' (see measure.per_token_inputs)
+                _core.sequence_from_tokens(i, "video", 257 + 66 * i, text_tokens, 0)
+                for i in range(2)
+            ]
+            for block_set, output_grad in ((blocks, True), (fsdp_blocks, False)):
+                inputs = rank_work.plan_rank_inputs(
+                    batch=batch,
+                    plan=plan,
+                    rank=0,
+                    config=config,
+                    device=device,
+                    dtype=dtype,
+                    output_grad=output_grad,
+                )
+                rank_work.train_step(block_set, inputs, options.activation_checkpointing)
     synchronize(device)
 
 
