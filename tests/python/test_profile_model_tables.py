@@ -267,3 +267,26 @@ def test_validate_names_each_ranks_strategies_and_reads_older_results():
     }
     old.update(plan="p", rank=0, tokens=10, num_sequences=1, modelled_state_bytes=0.5)
     assert summarise([RankResult(**old)], gamma=0.0).time_mape_percent == 0.0
+
+
+def test_validate_measures_the_models_rows_then_validates_them_in_one_run(tmp_path):
+    """validate-profile --measure-rows FILE: the plans are drawn first, the model's own rows are
+    measured on top of --profile and written to FILE, and the ranks are predicted with them."""
+    from zellige import _core
+
+    if not hasattr(_core, "make_plan"):
+        pytest.skip("needs the planners (make_plan)")
+    from zellige.cli import main
+
+    rows, details, report = tmp_path / "rows.json", tmp_path / "d.json", tmp_path / "r.json"
+    args = ["validate-profile", "--quick", "--model", "mmdit-11b", "--plans", "1"]
+    args += ["--repeats", "1", "--measure-rows", str(rows), "--rows-details", str(details)]
+    assert main([*args, "--json", str(report)]) == 0
+    data = json.loads(rows.read_text())
+    row = data["memory_models"].index("mmdit-tiny")
+    assert data["model_matmul_backward_flops_per_s"][row]["source"] == "measured"
+    assert "launch" in json.loads(details.read_text())
+    notes = json.loads(report.read_text())["notes"]
+    assert any("rows measured in this run" in note for note in notes)
+    # --rows-details alone is refused before anything runs
+    assert main(["validate-profile", "--quick", "--rows-details", str(details)]) == 2

@@ -69,6 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="stop drawing plans after SECONDS (0: no limit)",
     )
+    parser.add_argument(
+        "--measure-rows",
+        type=Path,
+        metavar="FILE",
+        help="first measure the model's own rows on this GPU on top of --profile (as `zellige "
+        "profile --base`), write that profile to FILE, and validate it; one process, so the "
+        "per-token regions compile once",
+    )
+    parser.add_argument(
+        "--rows-details", type=Path, help="with --measure-rows: that measurement's details"
+    )
     parser.add_argument("--json", type=Path, help="write every rank's numbers here")
     parser.add_argument(
         "--results-jsonl", type=Path, help="append each rank's numbers here as they come"
@@ -144,8 +155,15 @@ def summarise_jsonl(path: Path):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rows_details and not args.measure_rows:
+        raise ValueError("--rows-details needs --measure-rows")
     check_outputs(
-        {"--json": args.json, "--results-jsonl": args.results_jsonl},
+        {
+            "--json": args.json,
+            "--results-jsonl": args.results_jsonl,
+            "--measure-rows": args.measure_rows,
+            "--rows-details": args.rows_details,
+        },
         {
             "--profile": args.profile,
             "--summarise": args.summarise,
@@ -182,11 +200,33 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"[validate] {line}", file=sys.stderr, flush=True)
 
+    def measure_rows():
+        from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
+        from zellige.profiler.measure import ProfileOptions, profile_memory_into
+
+        def save(data: dict) -> None:
+            save_profile(profile_from_dict(data), args.measure_rows)
+
+        result = profile_memory_into(
+            profile_to_dict(load_profile(args.profile)),
+            ProfileOptions(
+                model=model, quick=args.quick, device=device, compiled=compiled, repeats=3
+            ),
+            lambda line: print(f"[profile] {line}", file=sys.stderr, flush=True),
+            per_token=True,
+            partial=save,
+        )
+        save(result.profile)
+        if args.rows_details:
+            write_output(args.rows_details, json.dumps(result.details, indent=1) + "\n")
+        progress(f"wrote {args.measure_rows}")
+        return profile_from_dict(result.profile)
+
     if args.summarise:
         report = summarise_jsonl(args.summarise)
     else:
         fused.use_compiled(compiled)
-        report = validate(options, progress)
+        report = validate(options, progress, measure_rows if args.measure_rows else None)
     if args.json:
         write_output(args.json, json.dumps(report_dict(report), indent=1, allow_nan=False) + "\n")
     print(format_report(report, options))

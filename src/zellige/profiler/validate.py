@@ -24,6 +24,7 @@ the whole peak and of its step part (peak minus the modelled shard) are reported
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import math
@@ -43,6 +44,7 @@ from zellige.profiler.models import dit_config, model_name, model_spec
 from zellige.profiler.timing import (
     median_time_s,
     peak_allocated_bytes,
+    release_burn,
     reset_peak,
     synchronize,
 )
@@ -505,7 +507,14 @@ def rank_peak_bytes(
     return peak - harness_bytes + shard_bytes + _outside_allocator_bytes(device)
 
 
-def validate(options: ValidationOptions, progress: Progress = print) -> ValidationReport:
+def validate(
+    options: ValidationOptions,
+    progress: Progress = print,
+    measure_rows: Callable[[], _core.HardwareProfile] | None = None,
+) -> ValidationReport:
+    """measure_rows: measures the model's own profile rows on this GPU (`zellige profile --base`)
+    after the plans are drawn with options.profile and returns the profile the ranks are then
+    predicted with; one process, so torch.compile compiles the per-token regions once."""
     device = torch.device(options.device)
     if device.type != "cuda" and not options.quick:
         raise ValueError(
@@ -523,6 +532,17 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
     skipped: list[str] = []
     plans = list(itertools.islice(draw_plans(options, profile, skipped), options.num_plans))
     progress(f"{len(plans)} plans drawn" + (f", {len(skipped)} sources skipped" if skipped else ""))
+    if measure_rows is not None:
+        profile = measure_rows()
+        release_burn()  # nothing of the measurement stays allocated under the ranks' peaks
+        gc.collect()
+        synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            progress(
+                f"rows measured; {torch.cuda.memory_allocated(device) / 2**20:.0f} MiB still "
+                "allocated before the ranks run"
+            )
     blocks = rank_work.make_blocks(config, options.num_layers, device, dtype)
 
     lengths, latencies = measure_forward_latencies(options, device, dtype, progress)
@@ -557,6 +577,11 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
         if options.compiled
         else "per-token regions eager"
     )
+    if measure_rows is not None:
+        notes.append(
+            f"plans drawn with {options.profile or 'the built-in profile'}; predictions from "
+            f"the {model_name(options.model)} rows measured in this run"
+        )
     with rank_work.process_group_of_one(device):
         fsdp_blocks = rank_work.make_fsdp_blocks(config, options.num_layers, device, dtype)
         if options.compiled:  # compile the regions' training graphs before any rank is timed
