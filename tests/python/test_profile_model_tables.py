@@ -290,3 +290,28 @@ def test_validate_measures_the_models_rows_then_validates_them_in_one_run(tmp_pa
     assert any("rows measured in this run" in note for note in notes)
     # --rows-details alone is refused before anything runs
     assert main(["validate-profile", "--quick", "--rows-details", str(details)]) == 2
+
+
+def test_a_model_rows_run_hands_over_each_part_as_it_is_measured():
+    """profile_memory_into's `save` gets the per-token tables before the (slower) rest, with the
+    rows still to come as in the base: a run stopped later keeps them."""
+    pytest.importorskip("zellige.runtime.coalesced", reason="needs the engine's coalesced call")
+    from zellige.profiler.measure import ProfileOptions, profile_memory_into
+
+    base = profile_to_dict(load_profile())
+    saved = []
+    options = ProfileOptions(model="mmdit-tiny", quick=True, device="cpu", repeats=1)
+    result = profile_memory_into(base, options, lambda line: None, saved.append, per_token=True)
+    assert len(saved) == 1  # the per-token tables (no memory part on a CPU)
+    row = saved[0]["memory_models"].index("mmdit-tiny")
+    assert saved[0]["model_matmul_forward_flops_per_s"][row]["x"]
+    assert saved[0]["launch_s_per_layer"][row] == 0.0  # not measured yet
+    assert "per-token layers (the rest as before)" in saved[0]["created"]
+    final = result.profile
+    assert (
+        final["model_matmul_forward_flops_per_s"][row]
+        == (saved[0]["model_matmul_forward_flops_per_s"][row])
+    )
+    assert final["launch_s_per_layer"][row] + final["launch_s_per_attention_call"][row] > 0
+    profile_from_dict(saved[0])
+    profile_from_dict(final)

@@ -102,14 +102,14 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"[profile] {line}", file=sys.stderr, flush=True)
 
-    def save_partial(data: dict) -> None:
+    def save_part(data: dict) -> None:  # what is measured so far: a run stopped keeps it
         save_profile(profile_from_dict(data), args.out)
-        progress(f"wrote {args.out} with the per-token tables (memory and launch follow)")
+        progress(f"wrote {args.out} (the rows measured so far)")
 
     if args.memory_only or args.base:
         base = profile_to_dict(load_profile(args.base))
         result = profile_memory_into(
-            base, options, progress, per_token=not args.memory_only, partial=save_partial
+            base, options, progress, save_part, per_token=not args.memory_only
         )
     else:
         result = profile_device(options, progress)

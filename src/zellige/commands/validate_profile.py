@@ -213,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
                 model=model, quick=args.quick, device=device, compiled=compiled, repeats=3
             ),
             lambda line: print(f"[profile] {line}", file=sys.stderr, flush=True),
+            save,
             per_token=True,
-            partial=save,
         )
         save(result.profile)
         if args.rows_details:

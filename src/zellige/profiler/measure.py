@@ -1035,9 +1035,9 @@ def profile_memory_into(
     base: dict,
     options: ProfileOptions,
     progress: Progress = print,
+    save: Callable[[dict], None] | None = None,
     *,
     per_token: bool = False,
-    partial: Callable[[dict], None] | None = None,
 ) -> ProfileResult:
     """Measures only the per-model rows of `options.model` (memory, host launch time; with
     `per_token`, the per-token rate tables too, measured on its own blocks) and the runtime
@@ -1045,8 +1045,9 @@ def profile_memory_into(
     replaced. The attention, exchange and layout rows are the model's only through its head
     count and head dimension, which the cost model scales: they stay as measured in `base`.
     Memory needs a GPU's allocator: on a CPU (--quick) only the per-token and launch rows are
-    measured and the memory rows stay 0 (analytic). `partial`, if given, receives the profile
-    with the per-token tables as soon as they are measured (a run cut short keeps them)."""
+    measured and the memory rows stay 0 (analytic). `save`, if given, gets the profile as each
+    part is measured (per-token tables, then memory rows; the rows still to come as in `base`),
+    so a run cut short keeps what it measured."""
     device = torch.device(options.device)
     if device.type != "cuda" and not (per_token and options.quick):
         raise ValueError(
@@ -1055,8 +1056,23 @@ def profile_memory_into(
         )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     spec = model_spec(options.model)
-    tables, details = {}, {"model": model_name(options.model)}
-    measured = "memory and launch"
+    now = datetime.datetime.now(datetime.UTC)
+    command = "--base" if per_token else "--memory-only"
+
+    def with_rows(rows: dict, tables: dict, measured: str) -> dict:
+        profile = merge_memory(base, spec.name, rows, tables)
+        if "runtime_reserved_bytes" in rows:
+            profile["runtime_reserved_bytes"] = rows["runtime_reserved_bytes"]
+        profile["created"] = (
+            f"{profile.get('created', '')}; {measured} of {spec.name} measured by `zellige "
+            f"profile {command}{' --quick' if options.quick else ''}` on {now:%Y-%m-%d %H:%M} "
+            f"UTC ({_versions(device)}; {_compiled_text(options)})"
+        )
+        _check_finite(profile)
+        return profile
+
+    tables, rows, parts = {}, {}, []
+    details: dict = {"model": model_name(options.model)}
     if per_token:
         forward, backward, layer_seconds = profile_per_token_layers(
             options, device, dtype, base["memory_bytes_per_s"], progress
@@ -1066,30 +1082,22 @@ def profile_memory_into(
             "model_matmul_backward_flops_per_s": backward,
         }
         details["per_token_layer_seconds"] = layer_seconds
-        measured = "per-token layers, memory and launch"
-        if partial is not None:
-            partial(merge_memory(base, spec.name, {}, tables))
-    rows = {}
+        parts.append("per-token layers")
+        if save is not None:
+            save(with_rows(rows, tables, "per-token layers (the rest as before)"))
     if device.type == "cuda":
         memory = profile_memory(options, device, dtype, progress)
         rows.update(memory)
         details["memory"] = memory
+        parts.append("memory")
+        if save is not None:
+            save(with_rows(rows, tables, " and ".join(parts) + " (launch rows as before)"))
     else:
         progress("memory: skipped on CPU (no allocator statistics); its rows stay 0")
-        measured = "per-token layers and launch"
     launch = profile_launch(options, device, dtype, progress)
     rows["launch_s_per_layer"] = launch["launch_s_per_layer"]
     rows["launch_s_per_attention_call"] = launch["launch_s_per_attention_call"]
     details["launch"] = launch
-    profile = merge_memory(base, spec.name, rows, tables)
-    if device.type == "cuda":
-        profile["runtime_reserved_bytes"] = rows["runtime_reserved_bytes"]
-    now = datetime.datetime.now(datetime.UTC)
-    command = "--base" if per_token else "--memory-only"
-    profile["created"] = (
-        f"{profile.get('created', '')}; {measured} of {spec.name} measured by `zellige profile "
-        f"{command}{' --quick' if options.quick else ''}` on {now:%Y-%m-%d %H:%M} UTC "
-        f"({_versions(device)}; {_compiled_text(options)})"
-    )
-    _check_finite(profile)
-    return ProfileResult(profile=profile, details=details)
+    parts.append("launch")
+    measured = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+    return ProfileResult(profile=with_rows(rows, tables, measured), details=details)
