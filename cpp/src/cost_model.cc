@@ -19,6 +19,7 @@ namespace {
 constexpr double kRouteBytesPerToken = 512;  // latent features + ids, each direction
 constexpr int64_t kDefaultReservedBytes = int64_t{3} << 30;
 constexpr double kElementwiseBytesPerTokenWidth = 24;  // norms, modulation, residual, gates
+constexpr double kLseBytes = 4;  // attention's log-sum-exp per query row and head (float32)
 constexpr double kBackwardAttentionFlopsRatio = 2.5;   // analytic fallback only
 
 double max_rate(const Table& table, double peak_flops_per_s) {
@@ -138,7 +139,11 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   // the FFN hidden before and after the activation (~3 ffn); cross models add the cross q/o.
   activation_bytes_ = bpe * (16.0 * d + 3.0 * static_cast<double>(model_.ffn_width) +
                              (model_.joint_attention ? 0.0 : 2.0 * d));
-  checkpoint_bytes_ = d * bpe;  // the layer input
+  // Checkpointed (selective): the layer input, and o and lse of each attention (self or joint,
+  // and cross).
+  const double attentions = model_.joint_attention ? 1.0 : 2.0;
+  checkpoint_bytes_ =
+      d * bpe + attentions * (d * bpe + static_cast<double>(model_.num_heads) * kLseBytes);
   double measured_step_fixed_bytes = 0;
   for (size_t i = 0; i < profile_.memory_models.size(); ++i) {
     if (profile_.memory_models[i] != model_.name) continue;
@@ -221,15 +226,24 @@ double CostModel::head_backward_s(double query_tokens, double key_tokens) const 
 // of a placement runs them. The model projects the text of all of a rank's sequences in one
 // GEMM, so they run at the rate of a rank-sized GEMM, not of one sequence's few hundred rows
 // (charging the latter over-predicted ranks of ~20 sequences by up to 55% on the H200).
+namespace {
+constexpr double kRankTextRows = 16384;  // text rows of a typical rank's batched projection
+}  // namespace
+
+double CostModel::text_projection_forward_s(int64_t text_tokens) const {
+  if (model_.joint_attention || text_tokens <= 0) return 0;
+  const double d = static_cast<double>(model_.width);
+  return 4.0 * d * d * static_cast<double>(text_tokens) /
+         (matmul_forward_.empty() ? profile_.matmul_flops_per_s
+                                  : matmul_forward_.held(kRankTextRows));
+}
+
 double CostModel::text_projection_s(int64_t text_tokens) const {
   if (model_.joint_attention || text_tokens <= 0) return 0;
-  constexpr double kRankTextRows = 16384;  // text rows of a typical rank's batched projection
   const double d = static_cast<double>(model_.width);
   const double flops = 4.0 * d * d * static_cast<double>(text_tokens);
   const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
-  return flops * forward_passes /
-             (matmul_forward_.empty() ? profile_.matmul_flops_per_s
-                                      : matmul_forward_.held(kRankTextRows)) +
+  return forward_passes * text_projection_forward_s(text_tokens) +
          2.0 * flops /
              (matmul_backward_.empty() ? profile_.matmul_flops_per_s
                                        : matmul_backward_.held(kRankTextRows));
@@ -262,12 +276,11 @@ double CostModel::call_excess_per_head_s(double query_tokens, double key_tokens,
                                          double call_heads) const {
   if (call_log_lengths_.empty() || query_tokens <= 0 || key_tokens <= 0) return 0;
   const double length = std::sqrt(query_tokens * key_tokens);
-  const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
   const double forward_excess =
       std::max(0.0, std::expm1(call_log_slowdown(call_forward_, length, call_heads)));
   const double backward_excess =
       std::max(0.0, std::expm1(call_log_slowdown(call_backward_, length, call_heads)));
-  return forward_passes * head_forward_s(query_tokens, key_tokens) * forward_excess +
+  return head_forward_s(query_tokens, key_tokens) * forward_excess +
          head_backward_s(query_tokens, key_tokens) * backward_excess;
 }
 
@@ -347,8 +360,10 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
   const double n = static_cast<double>(chunk_tokens);
   const double block = static_cast<double>(shape.block_tokens(block_class));
   const double text = static_cast<double>(shape.text_tokens);
+  // Selective checkpointing (docs/planner.md): a checkpointed layer keeps its attention outputs,
+  // so attention runs forward once either way; only the per-token layers (linear_time_s, the
+  // text projections) and the q/k/v exchange that feeds attention run again.
   const bool checkpointing = options_.activation_checkpointing;
-  const double forward_passes = checkpointing ? 2.0 : 1.0;
   const bool cross = !model_.joint_attention && shape.text_tokens > 0;
 
   RankTerms terms;
@@ -361,20 +376,22 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
     const double count = static_cast<double>(shape.block_count(c));
     if (count == 0) continue;
     layer_s += count * h *
-               (shape.forward_s[block_class][c] * forward_passes +
-                shape.backward_s[block_class][c] + shape.call_excess_s[head_class][block_class][c]);
+               (shape.forward_s[block_class][c] + shape.backward_s[block_class][c] +
+                shape.call_excess_s[head_class][block_class][c]);
   }
   if (cross) {
     layer_s +=
-        all_heads * (head_forward_s(n, text) * forward_passes + head_backward_s(n, text) +
+        all_heads * (head_forward_s(n, text) + head_backward_s(n, text) +
                      (shape.price_calls ? call_excess_per_head_s(n, text, all_heads) : 0.0)) +
         shape.text_projection_s;
+    // the text k/v projections are per-token layers of the block: recomputed
+    if (checkpointing) terms.recompute_s = layers * text_projection_forward_s(shape.text_tokens);
   }
   terms.attention_s = layers * layer_s;
 
   // Ulysses: per pass, q, k, v of this chunk for the other ranks' heads go out and the output
-  // of this rank's heads for the other chunks goes back (4 all-to-alls).
-  const double passes = forward_passes + 1.0;
+  // of this rank's heads for the other chunks goes back (4 all-to-alls): forward and backward,
+  // and the recompute of a checkpointed layer sends q, k, v again (3 all-to-alls).
   if (shape.ulysses_degree > 1) {
     const double qkv_send = n * (all_heads - h) * hd * bpe;
     const double qkv_recv = (block - n) * h * hd * bpe;
@@ -390,21 +407,28 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
         }
       }
     }
-    double pass_s;
+    double pass_s, qkv_pass_s;
     if (measured != nullptr) {
-      pass_s = 3.0 * (*measured)(std::max(1.0, std::max(qkv_send, qkv_recv))) +
-               (*measured)(std::max(1.0, std::max(out_send, out_recv)));
+      qkv_pass_s = 3.0 * (*measured)(std::max(1.0, std::max(qkv_send, qkv_recv)));
+      pass_s = qkv_pass_s + (*measured)(std::max(1.0, std::max(out_send, out_recv)));
     } else {
       const double link =
           ulysses_intra_node ? cluster_.intra_node_bytes_per_s : cluster_.inter_node_bytes_per_s;
       const double latency =
           ulysses_intra_node ? cluster_.intra_node_latency_s : cluster_.inter_node_latency_s;
+      qkv_pass_s = 3.0 * std::max(qkv_send, qkv_recv) / link + 3.0 * latency;
       pass_s = std::max(send, recv) / link + 4.0 * latency;
     }
-    terms.exchange_s += layers * passes * pass_s * (1.0 - profile_.exchange_overlap);
-    if (checkpointing) terms.recompute_exchange_s += layers * pass_s * (1.0 - profile_.exchange_overlap);
-    terms.sent_bytes += layers * passes * send;
-    terms.attention_s += layers * passes * send * profile_.ulysses_layout_s_per_byte;
+    const double exposed = 1.0 - profile_.exchange_overlap;
+    terms.exchange_s += layers * 2.0 * pass_s * exposed;
+    const double recompute_send = checkpointing ? 3.0 * qkv_send : 0.0;
+    if (checkpointing) {
+      terms.recompute_exchange_s = layers * qkv_pass_s * exposed;
+      terms.exchange_s += terms.recompute_exchange_s;
+    }
+    terms.sent_bytes += layers * (2.0 * send + recompute_send);
+    terms.attention_s +=
+        layers * (2.0 * send + recompute_send) * profile_.ulysses_layout_s_per_byte;
   }
 
   // Ring: r - 1 k/v transfers per pass (every block but the next one is forwarded), each hidden
@@ -426,28 +450,24 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
           transfers * std::max(0.0, 2.0 * kv_bytes / link - h * shape.backward_s[block_class][c]);
       kv_sent += transfers * kv_bytes;
     }
+    // The ring runs in the forward and the backward only: its outputs are kept (no recompute).
     const double step_latency_s = static_cast<double>(shape.ring_degree - 1) * latency;
-    terms.exchange_s += layers * (forward_passes * (forward_exposed_s + step_latency_s) +
-                                  backward_exposed_s + step_latency_s);
-    if (checkpointing) terms.recompute_exchange_s += layers * (forward_exposed_s + step_latency_s);
-    terms.sent_bytes += layers * kv_sent * (forward_passes + 2.0);
-    terms.attention_s +=
-        layers * kv_sent * (forward_passes + 2.0) * profile_.ring_layout_s_per_byte;
+    terms.exchange_s +=
+        layers * (forward_exposed_s + step_latency_s + backward_exposed_s + step_latency_s);
+    terms.sent_bytes += layers * kv_sent * 3.0;
+    terms.attention_s += layers * kv_sent * 3.0 * profile_.ring_layout_s_per_byte;
   }
 
-  // Recompute: one more forward pass of every layer's attention (and its exchanges).
-  if (checkpointing) {
-    double forward_layer_s = 0;
-    for (int c = 0; c < 2; ++c) {
-      forward_layer_s += static_cast<double>(shape.block_count(c)) * h * shape.forward_s[block_class][c];
-    }
-    if (cross) forward_layer_s += all_heads * head_forward_s(n, text);
-    terms.recompute_s = layers * forward_layer_s;
-  }
-
-  // Memory: kept activations, then the transient buffers of one layer.
+  // Memory: kept activations, then the transient buffers of one layer. A checkpointed layer
+  // keeps its input and its attention outputs (checkpoint_bytes_: measured on one rank, local
+  // attention); Ulysses also keeps the exchanged layout's o and lse of this rank's heads, ring
+  // the merged lse of its rows.
   terms.layer_activation_bytes = n * activation_bytes_ + (cross ? text * text_bytes_ : 0.0);
   terms.layer_checkpoint_bytes = n * checkpoint_bytes_;
+  if (shape.ulysses_degree > 1) {
+    terms.layer_checkpoint_bytes += block * h * (hd * bpe + kLseBytes);
+  }
+  if (shape.ring_degree > 1) terms.layer_checkpoint_bytes += block * h * kLseBytes;
   const double kept_bytes =
       checkpointing ? layers * terms.layer_checkpoint_bytes + terms.layer_activation_bytes
                     : layers * terms.layer_activation_bytes;

@@ -1,7 +1,9 @@
 // Cost model: time and memory of any placement of a sequence, and of a whole plan.
 //
 // All times are for one full training step of the model (all layers, forward + backward, plus the
-// forward recompute under activation checkpointing). All memory is peak bytes on a rank.
+// recompute under activation checkpointing: selective, so the per-token layers and the q/k/v
+// exchange run again but attention does not; docs/planner.md). All memory is peak bytes on a
+// rank.
 #pragma once
 
 #include <array>
@@ -49,8 +51,10 @@ struct RankShare {
   double layer_activation_bytes = 0;
   double layer_checkpoint_bytes = 0;
   double buffer_bytes = 0;
-  double recompute_s = 0;           // the part of attention_s that recomputes every layer
-  double recompute_exchange_s = 0;  // the part of exchange_s that does
+  // The parts of attention_s (the text k/v projections) and exchange_s (Ulysses' q/k/v) that
+  // the recompute of every layer adds; attention itself is never recomputed.
+  double recompute_s = 0;
+  double recompute_exchange_s = 0;
 };
 
 // time_s = max(linear_s + attention_s + call_s + exchange_s, launch_floor_s).
@@ -222,7 +226,8 @@ class CostModel {
   PlanCost evaluate_impl(const Batch& batch, const Plan& plan, EvaluationCache* cache) const;
   double head_forward_s(double query_tokens, double key_tokens) const;
   double head_backward_s(double query_tokens, double key_tokens) const;
-  double text_projection_s(int64_t text_tokens) const;
+  double text_projection_s(int64_t text_tokens) const;          // fwd + bwd (+ recompute)
+  double text_projection_forward_s(int64_t text_tokens) const;  // one forward pass
   // One attention call: query tokens, key tokens, heads per segment, then -1 for a coalescable
   // self-attention segment, -2 for cross-attention, or the sequence id for one of its ring
   // steps (the last entry), which run one after another.
@@ -230,7 +235,7 @@ class CostModel {
   using RankCalls = std::map<CallKey, int64_t>;  // segments per call
   void add_attention_calls(const Sequence& sequence, const Placement& placement,
                            std::vector<RankCalls>* calls) const;
-  // Forward (x forward passes) + backward seconds per head and layer that a call of `call_heads`
+  // Forward + backward seconds per head and layer that a call of `call_heads`
   // heads costs beyond the full-call rate; never negative, 0 without call tables.
   double call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads) const;
   friend struct LowerBoundSearch;  // makespan_lower_bound's candidate search (cost_model.cc)

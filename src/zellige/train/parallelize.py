@@ -13,17 +13,19 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
 
 from zellige.model import VideoDiT, fused
+from zellige.runtime.recompute import checkpointed
 from zellige.train.timing import StepTimer
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class BlockRunner(nn.Module):
-    """Runs one block under the step timer, recomputing it in backward when checkpointing.
-    `activation_checkpointing` may change between steps (set_checkpointed_blocks)."""
+    """Runs one block under the step timer; when checkpointing, its backward recomputes the
+    block's per-token layers (selective checkpointing: the attention outputs are kept,
+    zellige.runtime.recompute). `activation_checkpointing` may change between steps
+    (set_checkpointed_blocks)."""
 
     def __init__(self, block: nn.Module, timer: StepTimer, activation_checkpointing: bool) -> None:
         super().__init__()
@@ -33,7 +35,7 @@ class BlockRunner(nn.Module):
 
     def _run(self, *args):
         if self.activation_checkpointing:
-            return checkpoint(self.block, *args, use_reentrant=False)
+            return checkpointed(self.block, *args)
         return self.block(*args)
 
     def forward(self, *args):
