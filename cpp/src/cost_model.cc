@@ -360,7 +360,7 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
   const double n = static_cast<double>(chunk_tokens);
   const double block = static_cast<double>(shape.block_tokens(block_class));
   const double text = static_cast<double>(shape.text_tokens);
-  // Selective checkpointing (docs/planner.md): a checkpointed layer keeps its attention outputs,
+  // Selective checkpointing (docs/training.md): a checkpointed layer keeps its attention outputs,
   // so attention runs forward once either way; only the per-token layers (linear_time_s, the
   // text projections) and the q/k/v exchange that feeds attention run again.
   const bool checkpointing = options_.activation_checkpointing;
@@ -886,23 +886,38 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
           (launch_s_per_layer_ + launch_s_per_call_ * static_cast<double>(rank.attention_calls));
     }
     // Checkpoint every layer, none, or (adaptive) the fewest whose peak fits; a rank that fits
-    // nowhere keeps every checkpoint. Layers that keep their activations skip the recompute.
+    // nowhere keeps every checkpoint.
     const int64_t num_layers = model_.num_layers;
     int64_t k = options_.activation_checkpointing ? num_layers : 0;
-    rank.peak_bytes = rank_peak_bytes(activation[i], checkpoint[i], buffer[i], k);
     if (options_.activation_checkpointing && options_.adaptive_checkpointing) {
       for (int64_t fewer = 0; fewer < num_layers; ++fewer) {
-        const double peak = rank_peak_bytes(activation[i], checkpoint[i], buffer[i], fewer);
-        if (peak <= capacity) {
+        if (rank_peak_bytes(activation[i], checkpoint[i], buffer[i], fewer) <= capacity) {
           k = fewer;
-          rank.peak_bytes = peak;
           break;
         }
       }
     }
     rank.checkpointed_layers = k;
+  }
+  // The recompute of a layer sends q, k, v again where the plan has a Ulysses placement, and
+  // that all-to-all spans the world (runtime/attention.py): every rank must then recompute the
+  // same layers, the most any rank needs.
+  const bool world_exchange =
+      std::any_of(plan.placements.begin(), plan.placements.end(),
+                  [](const Placement& p) { return p.ulysses_degree > 1; });
+  int64_t most_checkpointed = 0;
+  for (const RankCost& rank : cost.ranks) {
+    most_checkpointed = std::max(most_checkpointed, rank.checkpointed_layers);
+  }
+  for (int64_t i = 0; i < num_ranks; ++i) {
+    RankCost& rank = cost.ranks[i];
+    if (world_exchange) rank.checkpointed_layers = most_checkpointed;
+    const int64_t k = rank.checkpointed_layers;
+    rank.peak_bytes = rank_peak_bytes(activation[i], checkpoint[i], buffer[i], k);
+    // Layers that keep their activations skip the recompute.
     if (options_.activation_checkpointing) {
-      const double skipped = static_cast<double>(num_layers - k) / layers;
+      const double layers = static_cast<double>(model_.num_layers);
+      const double skipped = static_cast<double>(model_.num_layers - k) / layers;
       rank.linear_s -= skipped * linear_recompute_s(rank.tokens);
       rank.attention_s -= skipped * recompute[i];
       rank.exchange_s -= skipped * recompute_exchange[i];
@@ -969,7 +984,6 @@ struct LowerBoundSearch {
         num_heads(model.model().num_heads),
         capacity_bytes(model.memory_capacity_bytes()),
         min_per_token_s(model.min_linear_time_per_token_s()),
-        forward_passes(model.options().activation_checkpointing ? 2.0 : 1.0),
         forward_envelope(model.profile().attention_forward_s_per_head,
                          [&model](double x) { return model.head_forward_s(x, x); }),
         backward_envelope(model.profile().attention_backward_s_per_head,
@@ -1052,20 +1066,21 @@ struct LowerBoundSearch {
     const double longest_block = std::ceil(tokens / static_cast<double>(r));
     double bound = tokens * min_per_token_s;
     bound += layers * heads * tokens * tokens *
-             (forward_envelope(longest_block) * forward_passes + backward_envelope(longest_block));
+             (forward_envelope(longest_block) + backward_envelope(longest_block));
     if (!model.joint_attention && text_tokens > 0) {
       const double text = static_cast<double>(text_tokens);
       const double longest_pair = std::sqrt(longest_block * text);
       bound +=
           layers * heads * tokens * text *
-              (forward_envelope(longest_pair) * forward_passes + backward_envelope(longest_pair)) +
+              (forward_envelope(longest_pair) + backward_envelope(longest_pair)) +
           static_cast<double>(r) * layers * cost.text_projection_s(text_tokens);
     }
     if (r > 1) {
       const double latency_s =
           r <= gpus_per_node ? std::min(cluster.intra_node_latency_s, cluster.inter_node_latency_s)
                              : cluster.inter_node_latency_s;
-      bound += static_cast<double>(r * (r - 1)) * layers * (forward_passes + 1.0) * latency_s;
+      // ring steps of the forward and the backward (the recompute keeps the ring's outputs)
+      bound += static_cast<double>(r * (r - 1)) * layers * 2.0 * latency_s;
     }
     return bound;
   }
@@ -1149,7 +1164,7 @@ struct LowerBoundSearch {
 
   const CostModel& cost;
   int64_t num_ranks, gpus_per_node, num_heads;
-  double capacity_bytes, min_per_token_s, forward_passes;
+  double capacity_bytes, min_per_token_s;
   AreaEnvelope forward_envelope, backward_envelope;
 };
 

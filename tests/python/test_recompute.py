@@ -80,9 +80,7 @@ def _mmdit(how: str) -> tuple[nn.Module, JointTokens]:
     num_visual = modality.count(VISUAL)
     tokens = JointTokens(
         latents_VC=torch.randn(num_visual, config.token_channels, generator=generator).double(),
-        text_XE=torch.randn(
-            modality.count(TEXT), config.text_dim, generator=generator
-        ).double(),
+        text_XE=torch.randn(modality.count(TEXT), config.text_dim, generator=generator).double(),
         modality_T=torch.tensor(modality, dtype=torch.int64),
         sequence_index_T=torch.tensor(sequence, dtype=torch.int64),
         positions_T3=torch.stack(positions).long(),

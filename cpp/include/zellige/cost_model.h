@@ -2,7 +2,7 @@
 //
 // All times are for one full training step of the model (all layers, forward + backward, plus the
 // recompute under activation checkpointing: selective, so the per-token layers and the q/k/v
-// exchange run again but attention does not; docs/planner.md). All memory is peak bytes on a
+// exchange run again but attention does not; docs/training.md). All memory is peak bytes on a
 // rank.
 #pragma once
 

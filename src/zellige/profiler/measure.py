@@ -305,9 +305,8 @@ def check_in_step(
             if not config.joint_attention:
                 inputs.cross_attention = rank_work.no_cross_attention
             measured = step_s(inputs) - linear_s[tokens]
-        predicted = (
-            IN_STEP_LAYERS * count * config.num_heads * (2 * forward(length) + backward(length))
-        )
+        # one forward and one backward: the recompute keeps attention's outputs (checkpointed())
+        predicted = IN_STEP_LAYERS * count * config.num_heads * (forward(length) + backward(length))
         attention_factor[length] = measured / predicted
     progress(
         "in-step check (step / kernels alone): per-token GEMMs "

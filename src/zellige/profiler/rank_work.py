@@ -1,10 +1,11 @@
 """One rank's compute of one training step, run on the one GPU at hand.
 
 The rank's held tokens go through real DiT blocks of zellige.model (forward, backward, and the
-per-token recompute under activation checkpointing, as training's: zellige.runtime.recompute); self-attention is the engine's
-`distributed_attention` over the rank's compiled layout. Exchanges are EXCLUDED: inside
-`local_exchanges()` the all_to_all and ring messages become local copies of the same sizes, so
-every buffer, gather and kernel of the rank is real but no byte crosses a link.
+per-token recompute under activation checkpointing, as training's: zellige.runtime.recompute);
+self-attention is the engine's `distributed_attention` over the rank's compiled layout.
+Exchanges are EXCLUDED: inside `local_exchanges()` the all_to_all and ring messages become local
+copies of the same sizes, so every buffer, gather and kernel of the rank is real but no byte
+crosses a link.
 
 Legend: T held tokens, C held chunks (one per sequence on the rank), X text tokens of those
 chunks, N heads, H head dim, D width.

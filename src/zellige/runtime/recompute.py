@@ -2,7 +2,7 @@
 recompute runs only the per-token layers.
 
 The policy, in one place (training's blocks and the profiler's harness both call checkpointed();
-the cost model prices it, docs/planner.md):
+the cost model prices it, docs/training.md):
 - a checkpointed block keeps its input and, of every attention it calls (self-, cross- or joint
   attention), what that attention's backward needs beyond q, k and v: the output o and the
   log-sum-exp (for the Ulysses exchange also the exchanged layout's o and lse, and the ring
@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -55,22 +55,29 @@ class _Kept:
         return self.tensors
 
 
-@contextlib.contextmanager
-def _mode(mode: str, entries: deque) -> Iterator[None]:
-    previous = getattr(_state, "mode", None)
-    _state.mode = (mode, entries)
-    try:
-        yield
-    finally:
-        _state.mode = previous
+class _Mode:
+    """Sets the thread's mode for the duration of a with-block; re-enterable (checkpoint enters
+    the recompute context again on a second backward)."""
+
+    def __init__(self, mode: str, entries: deque) -> None:
+        self.mode = (mode, entries)
+        self.previous = []
+
+    def __enter__(self) -> None:
+        self.previous.append(getattr(_state, "mode", None))
+        _state.mode = self.mode
+
+    def __exit__(self, *exc) -> None:
+        _state.mode = self.previous.pop()
 
 
 def _contexts():
     """checkpoint's context_fn: one list per checkpointed call, filled in the forward (only when
-    grad is on: a forward without backward has no recompute) and emptied by the recompute."""
+    grad is on: a forward without backward has no recompute) and emptied by the recompute, so
+    each output is released with the recompute's saved tensors."""
     entries: deque = deque()
-    forward = _mode("keep", entries) if torch.is_grad_enabled() else contextlib.nullcontext()
-    return forward, _mode("replay", entries)
+    forward = _Mode("keep", entries) if torch.is_grad_enabled() else contextlib.nullcontext()
+    return forward, _Mode("replay", entries)
 
 
 def checkpointed(fn: Callable[..., Tensor], *args) -> Tensor:
@@ -94,6 +101,8 @@ def replayed() -> tuple[Tensor | None, ...] | None:
         return None
     if not mode[1]:
         raise RuntimeError(
-            "selective checkpointing: the recompute calls more attentions than the forward did"
+            "selective checkpointing: the recompute calls more attentions than the forward did "
+            "(a second backward through a checkpointed block, retain_graph=True, is not "
+            "supported: its kept attention outputs went to the first)"
         )
     return mode[1].popleft().take()
