@@ -96,7 +96,9 @@ struct CostModel::RankTerms {
   double memory_bytes = 0;
   double sent_bytes = 0;  // exchanges only; routing is added per placement
   double recompute_s = 0, recompute_exchange_s = 0;  // checkpointing's share of the two times
-  double layer_activation_bytes = 0, layer_checkpoint_bytes = 0, buffer_bytes = 0;
+  double attention_recompute_s = 0, attention_recompute_exchange_s = 0;  // full recompute's
+  double layer_activation_bytes = 0, layer_checkpoint_bytes = 0, layer_input_bytes = 0;
+  double buffer_bytes = 0;
 };
 
 CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, CostOptions options)
@@ -425,6 +427,7 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
     if (checkpointing) {
       terms.recompute_exchange_s = layers * qkv_pass_s * exposed;
       terms.exchange_s += terms.recompute_exchange_s;
+      terms.attention_recompute_exchange_s += layers * (pass_s - qkv_pass_s) * exposed;
     }
     terms.sent_bytes += layers * (2.0 * send + recompute_send);
     terms.attention_s +=
@@ -454,8 +457,22 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
     const double step_latency_s = static_cast<double>(shape.ring_degree - 1) * latency;
     terms.exchange_s +=
         layers * (forward_exposed_s + step_latency_s + backward_exposed_s + step_latency_s);
+    if (checkpointing) {
+      terms.attention_recompute_exchange_s += layers * (forward_exposed_s + step_latency_s);
+    }
     terms.sent_bytes += layers * kv_sent * 3.0;
     terms.attention_s += layers * kv_sent * 3.0 * profile_.ring_layout_s_per_byte;
+  }
+
+  // A full recompute (memory allows no kept outputs) runs every attention forward again.
+  if (checkpointing) {
+    double forward_layer_s = 0;
+    for (int c = 0; c < 2; ++c) {
+      forward_layer_s +=
+          static_cast<double>(shape.block_count(c)) * h * shape.forward_s[block_class][c];
+    }
+    if (cross) forward_layer_s += all_heads * head_forward_s(n, text);
+    terms.attention_recompute_s = layers * forward_layer_s;
   }
 
   // Memory: kept activations, then the transient buffers of one layer. A checkpointed layer
@@ -468,8 +485,11 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
     terms.layer_checkpoint_bytes += block * h * (hd * bpe + kLseBytes);
   }
   if (shape.ring_degree > 1) terms.layer_checkpoint_bytes += block * h * kLseBytes;
+  terms.layer_input_bytes = n * d * bpe;
+  // The planners size ranks at the least memory a layer can keep (the input: full recompute);
+  // evaluate() keeps the attention outputs wherever they fit.
   const double kept_bytes =
-      checkpointing ? layers * terms.layer_checkpoint_bytes + terms.layer_activation_bytes
+      checkpointing ? layers * terms.layer_input_bytes + terms.layer_activation_bytes
                     : layers * terms.layer_activation_bytes;
   // Measured: one layer's backward transient per token; analytic: q, k, v, o of the segment.
   double buffer_bytes = backward_bytes_ > 0 ? n * backward_bytes_ : 4.0 * block * h * hd * bpe;
@@ -526,6 +546,9 @@ std::vector<RankShare> CostModel::shares_and_bytes(const Sequence& sequence,
       share.buffer_bytes = terms.buffer_bytes;
       share.recompute_s = terms.recompute_s;
       share.recompute_exchange_s = terms.recompute_exchange_s;
+      share.layer_input_bytes = terms.layer_input_bytes;
+      share.attention_recompute_s = terms.attention_recompute_s;
+      share.attention_recompute_exchange_s = terms.attention_recompute_exchange_s;
       result.push_back(share);
       sent += terms.sent_bytes;
       if (share.rank != sequence.source_rank) {
@@ -585,18 +608,29 @@ double CostModel::gradient_bytes() const { return gradient_bytes_; }
 
 double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
                                   double buffer_bytes, int64_t checkpointed_layers) const {
+  return rank_peak_bytes(layer_activation_bytes, layer_checkpoint_bytes, 0.0, buffer_bytes,
+                         checkpointed_layers, 0);
+}
+
+double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
+                                  double layer_input_bytes, double buffer_bytes,
+                                  int64_t checkpointed_layers, int64_t full_layers) const {
   const int64_t layers = model_.num_layers;
   const int64_t k = std::clamp<int64_t>(checkpointed_layers, 0, layers);
+  const int64_t f = std::clamp<int64_t>(full_layers, 0, k);
+  const auto kept = [&](int64_t j) {
+    return j < f ? layer_input_bytes : j < k ? layer_checkpoint_bytes : layer_activation_bytes;
+  };
   const double held_always = fixed_bytes_ - gradient_bytes_;
   // The backward runs layer L-1 down to 0. Before layer j: kept activations of layers < j,
   // gradients of layers > j (blocks only; the root's come last).
-  double below = static_cast<double>(k) * layer_checkpoint_bytes +
+  double below = static_cast<double>(f) * layer_input_bytes +
+                 static_cast<double>(k - f) * layer_checkpoint_bytes +
                  static_cast<double>(layers - k) * layer_activation_bytes;
   double peak = held_always + gradient_bytes_;  // the backward's end: every gradient
   for (int64_t j = layers - 1; j >= 0; --j) {
-    const bool checkpointed = j < k;
-    below -= checkpointed ? layer_checkpoint_bytes : layer_activation_bytes;
-    const double own = layer_activation_bytes + (checkpointed ? layer_checkpoint_bytes : 0.0);
+    below -= kept(j);
+    const double own = layer_activation_bytes + (j < k ? kept(j) : 0.0);
     const double grads = static_cast<double>(layers - 1 - j) * layer_gradient_bytes_;
     peak = std::max(peak, held_always + grads + below + own + buffer_bytes);
   }
@@ -827,6 +861,9 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
   std::vector<double> buffer(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> recompute(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> input(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> attention_recompute(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> attention_recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
   std::vector<RankCalls> calls(static_cast<size_t>(num_ranks));
   auto add_share = [&](const RankShare& share, int64_t rank_index) {
     RankCost& rank = cost.ranks[rank_index];
@@ -838,6 +875,9 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     buffer[rank_index] += share.buffer_bytes;
     recompute[rank_index] += share.recompute_s;
     recompute_exchange[rank_index] += share.recompute_exchange_s;
+    input[rank_index] += share.layer_input_bytes;
+    attention_recompute[rank_index] += share.attention_recompute_s;
+    attention_recompute_exchange[rank_index] += share.attention_recompute_exchange_s;
   };
   for (const Placement& placement : plan.placements) {
     double sent = 0;
@@ -885,42 +925,64 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
           layers *
           (launch_s_per_layer_ + launch_s_per_call_ * static_cast<double>(rank.attention_calls));
     }
-    // Checkpoint every layer, none, or (adaptive) the fewest whose peak fits; a rank that fits
-    // nowhere keeps every checkpoint.
+    // Checkpoint every layer, none, or (adaptive) the fewest whose peak fits, keeping their
+    // attention outputs; where even that does not fit, the fewest of them that recompute their
+    // attention too (full recompute) so that it fits; a rank that fits nowhere recomputes all.
     const int64_t num_layers = model_.num_layers;
-    int64_t k = options_.activation_checkpointing ? num_layers : 0;
-    if (options_.activation_checkpointing && options_.adaptive_checkpointing) {
-      for (int64_t fewer = 0; fewer < num_layers; ++fewer) {
-        if (rank_peak_bytes(activation[i], checkpoint[i], buffer[i], fewer) <= capacity) {
-          k = fewer;
-          break;
+    const auto peak = [&](int64_t k, int64_t f) {
+      return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f);
+    };
+    int64_t k = options_.activation_checkpointing ? num_layers : 0, f = 0;
+    if (options_.activation_checkpointing) {
+      if (options_.adaptive_checkpointing) {
+        for (int64_t fewer = 0; fewer < num_layers; ++fewer) {
+          if (peak(fewer, 0) <= capacity) {
+            k = fewer;
+            break;
+          }
+        }
+      }
+      if (k == num_layers && peak(k, 0) > capacity) {
+        f = num_layers;
+        for (int64_t full = 1; full < num_layers; ++full) {
+          if (peak(k, full) <= capacity) {
+            f = full;
+            break;
+          }
         }
       }
     }
     rank.checkpointed_layers = k;
+    rank.full_recompute_layers = f;
   }
   // The recompute of a layer sends q, k, v again where the plan has a Ulysses placement, and
   // that all-to-all spans the world (runtime/attention.py): every rank must then recompute the
-  // same layers, the most any rank needs.
+  // same layers (and run the same of them in full), the most any rank needs.
   const bool world_exchange =
       std::any_of(plan.placements.begin(), plan.placements.end(),
                   [](const Placement& p) { return p.ulysses_degree > 1; });
-  int64_t most_checkpointed = 0;
+  int64_t most_checkpointed = 0, most_full = 0;
   for (const RankCost& rank : cost.ranks) {
     most_checkpointed = std::max(most_checkpointed, rank.checkpointed_layers);
+    most_full = std::max(most_full, rank.full_recompute_layers);
   }
   for (int64_t i = 0; i < num_ranks; ++i) {
     RankCost& rank = cost.ranks[i];
-    if (world_exchange) rank.checkpointed_layers = most_checkpointed;
-    const int64_t k = rank.checkpointed_layers;
-    rank.peak_bytes = rank_peak_bytes(activation[i], checkpoint[i], buffer[i], k);
-    // Layers that keep their activations skip the recompute.
+    if (world_exchange) {
+      rank.checkpointed_layers = most_checkpointed;
+      rank.full_recompute_layers = most_full;
+    }
+    const int64_t k = rank.checkpointed_layers, f = rank.full_recompute_layers;
+    rank.peak_bytes = rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f);
+    // Layers that keep their activations skip the recompute; full ones recompute attention too.
     if (options_.activation_checkpointing) {
       const double layers = static_cast<double>(model_.num_layers);
       const double skipped = static_cast<double>(model_.num_layers - k) / layers;
+      const double full = static_cast<double>(f) / layers;
       rank.linear_s -= skipped * linear_recompute_s(rank.tokens);
-      rank.attention_s -= skipped * recompute[i];
-      rank.exchange_s -= skipped * recompute_exchange[i];
+      rank.attention_s += full * attention_recompute[i] - skipped * recompute[i];
+      rank.exchange_s +=
+          full * attention_recompute_exchange[i] - skipped * recompute_exchange[i];
     }
     rank.time_s = std::max(rank.linear_s + rank.attention_s + rank.call_s + rank.exchange_s,
                            rank.launch_floor_s);
@@ -1034,13 +1096,14 @@ struct LowerBoundSearch {
                                                            chunk, heads, ulysses_intra, ring_intra);
         const double time_s =
             static_cast<double>(chunk) * min_per_token_s + terms.attention_s + terms.exchange_s;
-        // The fit test evaluate() applies to a rank holding only this share, checkpointing every
-        // layer it may (the least memory): the planners' additive sizing is stricter and would
+        // The fit test evaluate() applies to a rank holding only this share, recomputing every
+        // layer in full (the least memory): the planners' additive sizing is stricter and would
         // exclude plans evaluate() accepts, so the bound would not hold for them.
         const int64_t checkpointed_layers =
             cost.options().activation_checkpointing ? cost.model().num_layers : 0;
         if (cost.rank_peak_bytes(terms.layer_activation_bytes, terms.layer_checkpoint_bytes,
-                                 terms.buffer_bytes, checkpointed_layers) > capacity_bytes) {
+                                 terms.layer_input_bytes, terms.buffer_bytes, checkpointed_layers,
+                                 checkpointed_layers) > capacity_bytes) {
           result.fits = false;
         }
         result.bottleneck_s = std::max(result.bottleneck_s, time_s);

@@ -285,13 +285,18 @@ TEST(CostModel, EvaluateAddsMemoryAndSumsRanks) {
   const RankShare a = cost_model.shares(batch.sequences[0], plan.placements[0])[0];
   const RankShare b = cost_model.shares(batch.sequences[1], plan.placements[1])[0];
   // The peak is the maximum over the backward's progress of the two shares' per-layer sums
-  // (gradients appear layer by layer), never above the planners' additive sum of always-held
-  // state and every share's memory.
+  // (gradients appear layer by layer). With a full recompute of every layer (the least memory)
+  // it is never above the planners' additive sum of always-held state and every share's memory.
   EXPECT_DOUBLE_EQ(cost.ranks[0].peak_bytes,
                    cost_model.rank_peak_bytes(a.layer_activation_bytes + b.layer_activation_bytes,
                                               a.layer_checkpoint_bytes + b.layer_checkpoint_bytes,
                                               a.buffer_bytes + b.buffer_bytes, 30));
-  EXPECT_LE(cost.ranks[0].peak_bytes, cost_model.fixed_bytes() + a.memory_bytes + b.memory_bytes);
+  EXPECT_EQ(cost.ranks[0].full_recompute_layers, 0);
+  EXPECT_LE(cost_model.rank_peak_bytes(a.layer_activation_bytes + b.layer_activation_bytes,
+                                       a.layer_checkpoint_bytes + b.layer_checkpoint_bytes,
+                                       a.layer_input_bytes + b.layer_input_bytes,
+                                       a.buffer_bytes + b.buffer_bytes, 30, 30),
+            cost_model.fixed_bytes() + a.memory_bytes + b.memory_bytes);
   EXPECT_EQ(cost.ranks[0].checkpointed_layers, 30);
   EXPECT_EQ(cost.ranks[0].tokens, 21024);
   EXPECT_DOUBLE_EQ(cost.ranks[0].time_s,
@@ -510,6 +515,53 @@ TEST(CostModel, AdaptiveCheckpointingRecomputesOnlyWhatMemoryNeeds) {
                                   share.buffer_bytes, k - 1),
             tight.memory_capacity_bytes());
   EXPECT_TRUE(cost.fits);
+}
+
+// Where keeping every checkpointed layer's attention outputs does not fit, the first layers
+// recompute in full (keeping only their input) and pay attention's forward again; the planners
+// size shares by that smallest footprint.
+TEST(CostModel, FullRecomputeWhereKeptOutputsDoNotFit) {
+  Batch batch;
+  batch.sequences = {sequence_from_tokens(0, "video", 60000, 512, 0)};
+  Plan plan;
+  plan.num_ranks = 1;
+  plan.placements = {make_placement(0, Strategy::kLocal, {0})};
+  const auto model_with = [](bool adaptive, int64_t memory_bytes) {
+    Cluster cluster = make_cluster(1, 1);
+    cluster.gpu_memory_bytes = memory_bytes;
+    CostOptions options;
+    options.adaptive_checkpointing = adaptive;
+    return CostModel(model_preset("wan-1.3b"), analytic_profile("t", 700e12, 550e12, 4.2e12),
+                     cluster, options);
+  };
+  const CostModel roomy = model_with(false, int64_t{400} << 30);
+  const RankShare share = roomy.shares(batch.sequences[0], plan.placements[0])[0];
+  EXPECT_NEAR(share.memory_bytes,
+              30 * share.layer_input_bytes + share.layer_activation_bytes + share.buffer_bytes,
+              1.0);
+  EXPECT_NEAR(share.layer_input_bytes, 60000.0 * 1536 * 2, 1e-6);
+  const auto peak = [&](const CostModel& model, int64_t full) {
+    return model.rank_peak_bytes(share.layer_activation_bytes, share.layer_checkpoint_bytes,
+                                 share.layer_input_bytes, share.buffer_bytes, 30, full);
+  };
+  ASSERT_LT(peak(roomy, 30), peak(roomy, 0));
+  const PlanCost selective = roomy.evaluate(batch, plan);
+  EXPECT_EQ(selective.ranks[0].full_recompute_layers, 0);
+  for (bool adaptive : {false, true}) {
+    const CostModel tight =
+        model_with(adaptive, static_cast<int64_t>((peak(roomy, 30) + peak(roomy, 0)) / 2 / 0.95));
+    const PlanCost cost = tight.evaluate(batch, plan);
+    const int64_t f = cost.ranks[0].full_recompute_layers;
+    EXPECT_EQ(cost.ranks[0].checkpointed_layers, 30);
+    EXPECT_GT(f, 0);
+    EXPECT_LT(f, 30);
+    EXPECT_TRUE(cost.fits);
+    EXPECT_NEAR(cost.ranks[0].peak_bytes, peak(tight, f), 1.0);
+    EXPECT_GT(peak(tight, f - 1), tight.memory_capacity_bytes());
+    EXPECT_GT(share.attention_recompute_s, 0);
+    EXPECT_NEAR(cost.ranks[0].attention_s - selective.ranks[0].attention_s,
+                static_cast<double>(f) / 30 * share.attention_recompute_s, 1e-12);
+  }
 }
 
 // A Ulysses placement makes the recompute of every checkpointed layer a world all-to-all, so

@@ -47,14 +47,21 @@ struct RankShare {
   double exchange_s = 0;    // Ulysses all-to-alls and ring transfers not hidden by compute
   double memory_bytes = 0;  // activations + attention and exchange buffers of this sequence
   // The parts of memory_bytes that evaluate() lays out over the backward's progress: one layer's
-  // kept activations without and with checkpointing, and one layer's backward buffers.
+  // kept activations without checkpointing, with (selective) checkpointing, and with a full
+  // recompute (the layer input alone), and one layer's backward buffers. memory_bytes, which
+  // the planners add up, counts every layer at the least of these (a full recompute).
   double layer_activation_bytes = 0;
   double layer_checkpoint_bytes = 0;
+  double layer_input_bytes = 0;
   double buffer_bytes = 0;
   // The parts of attention_s (the text k/v projections) and exchange_s (Ulysses' q/k/v) that
-  // the recompute of every layer adds; attention itself is never recomputed.
+  // the selective recompute of every layer adds; attention itself is not recomputed.
   double recompute_s = 0;
   double recompute_exchange_s = 0;
+  // What a full recompute of every layer adds on top: attention's forward, and the exchanges
+  // that run with it (Ulysses' output all-to-all, the ring's forward transfers).
+  double attention_recompute_s = 0;
+  double attention_recompute_exchange_s = 0;
 };
 
 // time_s = max(linear_s + attention_s + call_s + exchange_s, launch_floor_s).
@@ -67,6 +74,9 @@ struct RankCost {
   double launch_floor_s = 0;    // host time to issue the rank's kernels
   int64_t attention_calls = 0;  // per layer pass: distinct (shape, heads) groups, ring steps apart
   int64_t checkpointed_layers = 0;  // the first this many layers recompute in the backward
+  // The first this many of those recompute their attention too (full recompute): only where
+  // keeping every checkpointed layer's attention outputs does not fit.
+  int64_t full_recompute_layers = 0;
 };
 
 struct LowerBoundSearch;
@@ -151,9 +161,13 @@ class CostModel {
   // backward holds the kept activations of layers below j, its own full activations, one layer's
   // buffers and the gradients of the layers above j), or the end of the backward (every
   // gradient, no activation). Per-layer sums of the rank's shares; the first
-  // `checkpointed_layers` layers keep only their checkpoint.
+  // `checkpointed_layers` layers keep only their checkpoint, and the first `full_layers` of
+  // those only their input (layer_input_bytes; full recompute).
   double rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
                          double buffer_bytes, int64_t checkpointed_layers) const;
+  double rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
+                         double layer_input_bytes, double buffer_bytes,
+                         int64_t checkpointed_layers, int64_t full_layers) const;
   // Seconds of the per-token layers' recompute of all layers (the part of linear_time_s that
   // activation checkpointing adds; 0 without it).
   double linear_recompute_s(int64_t tokens) const;
