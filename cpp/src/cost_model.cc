@@ -630,7 +630,9 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
   double peak = held_always + gradient_bytes_;  // the backward's end: every gradient
   for (int64_t j = layers - 1; j >= 0; --j) {
     below -= kept(j);
-    const double own = layer_activation_bytes + (j < k ? kept(j) : 0.0);
+    // A checkpointed layer's recompute rebuilds its activations around the tensors it kept
+    // (input, attention outputs), which are among them: its own bytes are its activations.
+    const double own = layer_activation_bytes;
     const double grads = static_cast<double>(layers - 1 - j) * layer_gradient_bytes_;
     peak = std::max(peak, held_always + grads + below + own + buffer_bytes);
   }

@@ -446,7 +446,8 @@ TEST(LowerBound, BelowHandMadePlansAtScale) {
 
 // The peak over the backward's progress, by hand: 3 layers, per layer A = 10, C = 1, buffer 5,
 // gradients g per layer. Layer j's backward holds the kept activations of layers below j, its own
-// full activations (plus its checkpoint when recomputed), the buffer and the gradients above j.
+// full activations (recomputed around its checkpoint, which is part of them), the buffer and the
+// gradients above j.
 TEST(CostModel, PeakIsTheMaximumOverTheBackwardsProgress) {
   ModelSpec spec = model_preset("wan-1.3b");
   spec.num_layers = 3;
@@ -461,10 +462,15 @@ TEST(CostModel, PeakIsTheMaximumOverTheBackwardsProgress) {
   const double none = std::max({held + cost_model.gradient_bytes(), held + 2 * a + a + buffer,
                                 held + g + a + a + buffer, held + 2 * g + a + buffer});
   EXPECT_NEAR(cost_model.rank_peak_bytes(a, c, buffer, 0), none, 1e-3);
-  // the first 2 checkpointed: layer 1 recomputes (a + c) above the checkpoint of layer 0
+  // the first 2 checkpointed: layer 1 recomputes a above the checkpoint of layer 0
   const double two = std::max({held + cost_model.gradient_bytes(), held + 2 * c + a + buffer,
-                               held + g + c + a + c + buffer, held + 2 * g + a + c + buffer});
+                               held + g + c + a + buffer, held + 2 * g + a + buffer});
   EXPECT_NEAR(cost_model.rank_peak_bytes(a, c, buffer, 2), two, 1e-3);
+  // and the first of them a full recompute keeping only its input i: below layer 1, i not c
+  const double i = 0.25;
+  const double full = std::max({held + cost_model.gradient_bytes(), held + i + c + a + buffer,
+                                held + g + i + a + buffer, held + 2 * g + a + buffer});
+  EXPECT_NEAR(cost_model.rank_peak_bytes(a, c, i, buffer, 2, 1), full, 1e-3);
   // more checkpointing never needs more memory when activations outweigh checkpoints
   const double big_a = 4e9;
   for (int64_t k = 1; k <= 3; ++k) {

@@ -158,8 +158,9 @@ class CostModel {
   double memory_capacity_bytes() const;
 
   // Peak bytes of a rank over its step: the maximum over the backward's progress (layer j's
-  // backward holds the kept activations of layers below j, its own full activations, one layer's
-  // buffers and the gradients of the layers above j), or the end of the backward (every
+  // backward holds the kept activations of layers below j, its own full activations (recomputed
+  // around what it kept, if checkpointed), one layer's buffers and the gradients of the layers
+  // above j), or the end of the backward (every
   // gradient, no activation). Per-layer sums of the rank's shares; the first
   // `checkpointed_layers` layers keep only their checkpoint, and the first `full_layers` of
   // those only their input (layer_input_bytes; full recompute).

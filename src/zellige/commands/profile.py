@@ -87,7 +87,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.memory_only:
         base = profile_to_dict(load_profile(args.base))
-        result = profile_memory_into(base, options, progress)
+
+        def save_memory_rows(partial: dict) -> None:  # before the launch rows (slower)
+            save_profile(profile_from_dict(partial), args.out)
+            progress(f"wrote {args.out} (memory rows; launch rows next)")
+
+        result = profile_memory_into(base, options, progress, save_memory_rows)
     else:
         result = profile_device(options, progress)
     profile = profile_from_dict(result.profile)  # the core validates what it will read

@@ -641,9 +641,11 @@ def memory_rows(
     activation = slope("kept") / num_layers
     checkpoint = slope("kept_checkpointing") / num_layers
     step_slope = slope("step_peak")
-    # Under checkpointing the last layer's recompute (activation) precedes its backward; what
-    # the step holds beyond the kept layer inputs and that recompute is the backward row.
-    backward = step_slope - num_layers * checkpoint - activation
+    # Under checkpointing the last layer's recompute rebuilds its activations around what it
+    # kept (its input and attention outputs are among them) before its backward; what the step
+    # holds beyond the other layers' checkpoints and that activation is the backward row (the
+    # cost model's rank_peak_bytes adds them up the same way).
+    backward = step_slope - (num_layers - 1) * checkpoint - activation
     if with_text is None:
         text = text_kept = 0.0
         step_fixed = probes[low].step_peak - step_slope * (low + num_sequences * text_tokens)
@@ -922,17 +924,32 @@ def merge_memory(base: dict, model: str, memory: dict) -> dict:
 
 
 def profile_memory_into(
-    base: dict, options: ProfileOptions, progress: Progress = print
+    base: dict,
+    options: ProfileOptions,
+    progress: Progress = print,
+    save: Callable[[dict], None] | None = None,
 ) -> ProfileResult:
     """Measures only the per-model rows of `options.model` (memory, host launch time) and the
     runtime reserve, and returns `base` (a profile JSON object) with that model's row added or
-    replaced."""
+    replaced. `save`, if given, gets the profile with the memory rows as soon as they are
+    measured (launch rows kept from `base`), so a run cut short during the slower launch
+    measurement still leaves them."""
     device = torch.device(options.device)
     if device.type != "cuda":
         raise ValueError("zellige profile --memory-only reads the GPU allocator and found no GPU")
     dtype = torch.bfloat16
     spec = model_spec(options.model)
     memory = profile_memory(options, device, dtype, progress)
+    now = datetime.datetime.now(datetime.UTC)
+    versions = _versions(device)
+    if save is not None:
+        partial = merge_memory(base, spec.name, memory)
+        partial["runtime_reserved_bytes"] = memory["runtime_reserved_bytes"]
+        partial["created"] = (
+            f"{partial.get('created', '')}; memory of {spec.name} measured by `zellige profile "
+            f"--memory-only` on {now:%Y-%m-%d %H:%M} UTC ({versions}; launch rows as before)"
+        )
+        save(partial)
     launch = profile_launch(options, device, dtype, progress)
     profile = merge_memory(
         base,
@@ -944,10 +961,9 @@ def profile_memory_into(
         },
     )
     profile["runtime_reserved_bytes"] = memory["runtime_reserved_bytes"]
-    now = datetime.datetime.now(datetime.UTC)
     profile["created"] = (
         f"{profile.get('created', '')}; memory and launch of {spec.name} measured by "
-        f"`zellige profile --memory-only` on {now:%Y-%m-%d %H:%M} UTC ({_versions(device)})"
+        f"`zellige profile --memory-only` on {now:%Y-%m-%d %H:%M} UTC ({versions})"
     )
     return ProfileResult(
         profile=profile, details={"model": model_name(options.model), "memory": memory}
