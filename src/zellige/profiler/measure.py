@@ -645,7 +645,10 @@ def memory_rows(
     # kept (its input and attention outputs are among them) before its backward; what the step
     # holds beyond the other layers' checkpoints and that activation is the backward row (the
     # cost model's rank_peak_bytes adds them up the same way).
-    backward = step_slope - (num_layers - 1) * checkpoint - activation
+    # The layer's backward frees its activations as it goes, so this can come out below 0
+    # (wan-14b on the H200: about -17 KB a token); stored as 0, the cost model's peak errs
+    # above, not below.
+    backward = max(0.0, step_slope - (num_layers - 1) * checkpoint - activation)
     if with_text is None:
         text = text_kept = 0.0
         step_fixed = probes[low].step_peak - step_slope * (low + num_sequences * text_tokens)
