@@ -688,6 +688,7 @@ EvaluationCache::Entry& CostModel::find_entry(const Sequence& sequence, const Pl
   key.assign({sequence.num_tokens, sequence.text_tokens, placement.ulysses_degree,
               placement.ring_degree});
   int64_t first_node = -1, next_label = 0;
+  int64_t last_node = -1, last_label = 0;  // the last node looked up in `labels`, its label
   std::unordered_map<int64_t, int64_t> labels;
   for (int64_t rank : placement.ranks) {
     const int64_t node = cluster_.node_of(rank);
@@ -695,15 +696,19 @@ EvaluationCache::Entry& CostModel::find_entry(const Sequence& sequence, const Pl
       key.push_back(0);
       continue;
     }
-    if (first_node < 0) {
+    if (first_node < 0) {  // label 0, told apart without the map
       first_node = node;
-      labels[node] = next_label++;
+      ++next_label;
       key.push_back(0);
       continue;
     }
-    const auto [it, inserted] = labels.try_emplace(node, next_label);
-    if (inserted) ++next_label;
-    key.push_back(it->second);
+    if (node != last_node) {  // ranks of one node usually come together: one lookup per run
+      const auto [it, inserted] = labels.try_emplace(node, next_label);
+      if (inserted) ++next_label;
+      last_node = node;
+      last_label = it->second;
+    }
+    key.push_back(last_label);
   }
   auto [it, is_new] = cache.entries_.try_emplace(key);
   *inserted = is_new;
@@ -730,14 +735,25 @@ void CostModel::fill_entry(const Sequence& sequence, const Placement& placement,
   entry.calls.resize(calls.size());
   entry.call_excess_s.assign(calls.size(), 0.0);
   const double layers = static_cast<double>(model_.num_layers);
+  // Positions repeat a few (query, key, heads) triples (a ring has at most two block sizes):
+  // each one's excess is priced once.
+  std::vector<std::pair<std::array<int64_t, 3>, double>> excess_per_head_s;
   for (size_t k = 0; k < calls.size(); ++k) {
     entry.calls[k].assign(calls[k].begin(), calls[k].end());
     entry.shares[k].rank = static_cast<int64_t>(k);
     for (const auto& [call, segments] : calls[k]) {
+      const std::array<int64_t, 3> lengths_heads = {call[0], call[1], call[2]};
+      auto known = std::find_if(excess_per_head_s.begin(), excess_per_head_s.end(),
+                                [&](const auto& item) { return item.first == lengths_heads; });
+      if (known == excess_per_head_s.end()) {
+        excess_per_head_s.push_back(
+            {lengths_heads,
+             call_excess_per_head_s(static_cast<double>(call[0]), static_cast<double>(call[1]),
+                                    static_cast<double>(call[2]))});
+        known = excess_per_head_s.end() - 1;
+      }
       const double heads = static_cast<double>(call[2]);
-      entry.call_excess_s[k] += layers * static_cast<double>(segments) * heads *
-                                call_excess_per_head_s(static_cast<double>(call[0]),
-                                                       static_cast<double>(call[1]), heads);
+      entry.call_excess_s[k] += layers * static_cast<double>(segments) * heads * known->second;
     }
   }
 }
