@@ -457,10 +457,17 @@ TEST(PlannersBruteForce, LowerBoundNeverExceedsTheOptimumAndNoPlannerBeatsIt) {
       const double lower_bound_s = makespan_lower_bound(batch, cost_model);
       EXPECT_LE(lower_bound_s, optimum.makespan_s * (1 + 1e-9)) << context;
       EXPECT_GT(lower_bound_s, 0.0) << context;
-      // The oracle's additive rank totals agree with the cost model's own evaluation.
-      EXPECT_NEAR(cost_model.evaluate(batch, optimum.plan).makespan_s, optimum.makespan_s,
-                  1e-9 * optimum.makespan_s)
-          << context;
+      // The oracle's additive rank totals agree with the cost model's own evaluation, unless
+      // memory makes some rank recompute attention too (the oracle ignores memory).
+      const PlanCost evaluated = cost_model.evaluate(batch, optimum.plan);
+      const bool selective = std::all_of(evaluated.ranks.begin(), evaluated.ranks.end(),
+                                         [](const RankCost& r) { return r.full_recompute_layers == 0; });
+      if (selective) {
+        EXPECT_NEAR(evaluated.makespan_s, optimum.makespan_s, 1e-9 * optimum.makespan_s)
+            << context;
+      } else {
+        EXPECT_GT(evaluated.makespan_s, optimum.makespan_s) << context;
+      }
       for (const std::string& name : planners_for(cost_model)) {
         Plan plan;
         try {

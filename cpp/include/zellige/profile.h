@@ -74,7 +74,8 @@ struct HardwareProfile {
   // layout and back, and merging each step's partial output or gradients; 0 = not modelled.
   double ring_layout_s_per_byte = 0.0;
   // Memory: bytes per token per layer kept for backward with and without activation
-  // checkpointing, per model preset name; 0 = analytic.
+  // checkpointing (selective: the layer input and its attention outputs o and lse), per model
+  // preset name; 0 = analytic.
   std::vector<std::string> memory_models;
   std::vector<double> activation_bytes_per_token_layer;
   std::vector<double> checkpoint_bytes_per_token_layer;

@@ -313,7 +313,8 @@ def check_in_step(
             if not config.joint_attention:
                 inputs.cross_attention = rank_work.no_cross_attention
             measured = step_s(inputs) - linear_s[tokens]
-        predicted = num_layers * count * config.num_heads * (2 * forward(length) + backward(length))
+        # one forward and one backward: the recompute keeps attention's outputs (checkpointed())
+        predicted = num_layers * count * config.num_heads * (forward(length) + backward(length))
         attention_factor[length] = measured / predicted
     progress(
         "in-step check (step / kernels alone): per-token GEMMs "
@@ -720,9 +721,14 @@ def memory_rows(
     activation = slope("kept") / num_layers
     checkpoint = slope("kept_checkpointing") / num_layers
     step_slope = slope("step_peak")
-    # Under checkpointing the last layer's recompute (activation) precedes its backward; what
-    # the step holds beyond the kept layer inputs and that recompute is the backward row.
-    backward = step_slope - num_layers * checkpoint - activation
+    # Under checkpointing the last layer's recompute rebuilds its activations around what it
+    # kept (its input and attention outputs are among them) before its backward; what the step
+    # holds beyond the other layers' checkpoints and that activation is the backward row (the
+    # cost model's rank_peak_bytes adds them up the same way).
+    # The layer's backward frees its activations as it goes, so this can come out below 0
+    # (wan-14b on the H200: about -17 KB a token); stored as 0, the cost model's peak errs
+    # above, not below.
+    backward = max(0.0, step_slope - (num_layers - 1) * checkpoint - activation)
     if with_text is None:
         text = text_kept = 0.0
         step_fixed = probes[low].step_peak - step_slope * (low + num_sequences * text_tokens)

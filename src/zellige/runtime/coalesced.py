@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from zellige import _core
+from zellige.runtime import recompute
 from zellige.runtime.kernels import (
     Kernel,
     RaggedKernel,
@@ -279,7 +280,10 @@ class _CoalescedAttention(torch.autograd.Function):
         q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
         num_q, num_k = q_rows.shape[0], k_rows.shape[0]
         lse_type = lse_dtype(q_rows.dtype)
-        if _whole(table, num_q, num_k):
+        kept = recompute.replayed()
+        if kept is not None:  # a checkpointed block's recompute: the forward's outputs
+            o_rows, lse_rows = kept
+        elif _whole(table, num_q, num_k):
             g = table.groups[0]
             o, lse = kernel.forward(
                 _dense(q_rows, g.q_index, g, g.q_len),
@@ -294,6 +298,8 @@ class _CoalescedAttention(torch.autograd.Function):
             o_rows = torch.empty_like(q_rows) if covered else torch.zeros_like(q_rows)
             lse_rows = torch.full((num_q,), float("-inf"), dtype=lse_type, device=q_rows.device)
             forward_into(table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, streams)
+        if kept is None:
+            recompute.keep(o_rows, lse_rows)
         ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
         ctx.table, ctx.kernel, ctx.scale, ctx.streams = table, kernel, scale, streams
         ctx.mark_non_differentiable(lse_rows)
@@ -392,26 +398,36 @@ def _unpack_into(
         _put(rows, g.q_index if query else g.k_index, part)
 
 
+def _ragged_forward(q_rows, k_rows, v_rows, table, layout, kernel, scale):
+    n = layout.num_heads
+    o, lse = kernel.forward(
+        _packed(q_rows, table, True, n),
+        _packed(k_rows, table, False, n),
+        _packed(v_rows, table, False, n),
+        layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale,
+    )  # fmt: skip
+    num_q = q_rows.shape[0]
+    o_rows = torch.empty_like(q_rows) if table.q_rows == num_q else torch.zeros_like(q_rows)
+    lse_rows = torch.full(
+        (num_q,), float("-inf"), dtype=lse_dtype(q_rows.dtype), device=q_rows.device
+    )
+    _unpack_into(o_rows, o, table, layout, True)
+    _unpack_into(lse_rows, lse.to(lse_rows.dtype), table, layout, True)
+    return o_rows, lse_rows
+
+
 class _RaggedAttention(torch.autograd.Function):
     """The same function as _CoalescedAttention, as one ragged kernel call over all groups."""
 
     @staticmethod
     def forward(ctx, q_rows, k_rows, v_rows, table, layout, kernel, scale):
         q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
-        n = layout.num_heads
-        o, lse = kernel.forward(
-            _packed(q_rows, table, True, n),
-            _packed(k_rows, table, False, n),
-            _packed(v_rows, table, False, n),
-            layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale,
-        )  # fmt: skip
-        num_q = q_rows.shape[0]
-        o_rows = torch.empty_like(q_rows) if table.q_rows == num_q else torch.zeros_like(q_rows)
-        lse_rows = torch.full(
-            (num_q,), float("-inf"), dtype=lse_dtype(q_rows.dtype), device=q_rows.device
-        )
-        _unpack_into(o_rows, o, table, layout, True)
-        _unpack_into(lse_rows, lse.to(lse_rows.dtype), table, layout, True)
+        kept = recompute.replayed()
+        if kept is not None:  # a checkpointed block's recompute: the forward's outputs
+            o_rows, lse_rows = kept
+        else:
+            o_rows, lse_rows = _ragged_forward(q_rows, k_rows, v_rows, table, layout, kernel, scale)
+            recompute.keep(o_rows, lse_rows)
         ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
         ctx.table, ctx.layout, ctx.kernel, ctx.scale = table, layout, kernel, scale
         ctx.mark_non_differentiable(lse_rows)
