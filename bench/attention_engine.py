@@ -12,6 +12,15 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
                    last per pack: on torch 2.11 it broke the CUDA context on a pack of 8)
   coalesced-Nstreams  groups round-robin on N CUDA streams (--streams)
   coalesced-flash  the grouping with FlashAttention-2 dense kernels (--flash-groups)
+  --merges: padded merges of nearby lengths (coalesced.PaddedGroup, key mask on cuDNN):
+  pad-auto         the engine's automatic choice spelled out (runtime/merging.py's priced plan)
+  pad-wX           greedy runs of groups (largest first) while padded FLOPs <= (1 + X%) useful
+  pad-wX-nomask    the same without the key mask (NOT exact: what the mask costs, timing only)
+  kernels-only     the groups' kernel calls alone, back to back on ready inputs (no row copies):
+                   what the engine's copies and host work cost
+  and every method's host issue time (host ms: the wall time to queue one run, not waited for).
+--call-table PATH: seconds of dense calls back to back by (length, total heads), with and
+without a key mask, written as JSON (the merge policy's table, runtime/merging.py).
   fa2-varlen       packed FlashAttention-2 varlen as shipped in torch (target: auto >= 1.4x)
   flex-document    FlexAttention with a document mask (compiled; first pack only by default)
 --joint: MMDiT packs: every sequence attends jointly with its own text of 256-512 tokens (uniform,
@@ -35,9 +44,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import zellige
-from zellige.runtime import SegmentTable, coalesced_attention
+from zellige.runtime import SegmentTable, coalesced_attention, merging
 from zellige.runtime import kernels as K
-from zellige.runtime.coalesced import RAGGED_MIN_CALLS
+from zellige.runtime.coalesced import RAGGED_MIN_CALLS, _dense
 
 aten = torch.ops.aten
 DEVICE = "cuda"  # --smoke runs the script's logic on the CPU with tiny shapes
@@ -51,7 +60,11 @@ RECIPES = [
 ]
 
 
-def make_pack(recipe: str, pack_tokens: int, seed: int, joint: bool = False) -> list[int]:
+def make_pack(
+    recipe: str, pack_tokens: int, seed: int, joint: bool = False, shrink: int = 1
+) -> list[int]:
+    """The pack's attended lengths, longest first; shrink > 1 divides them (the CPU smoke run:
+    the same spread of distinct lengths at a size a CPU attends in seconds)."""
     batch = zellige.generate(recipe, 32, seed)
     lengths = [s.num_tokens for s in batch.sequences]
     if joint:  # each sequence's own text joins its attention (MMDiT): 256-512 tokens
@@ -64,34 +77,43 @@ def make_pack(recipe: str, pack_tokens: int, seed: int, joint: bool = False) -> 
     packs: list[list[int]] = [[] for _ in range(num_packs)]
     for length in lengths:
         min(packs, key=sum).append(length)
-    return packs[0]
+    return [max(1, length // shrink) for length in packs[0]]
 
 
-def median_time_s(fn: Callable[[], object], repeat: int) -> float:
+HOST_S: dict[str, list[float]] = {}  # host issue seconds of the last timed runs, by tag
+
+
+def median_time_s(fn: Callable[[], object], repeat: int, tag: str | None = None) -> float:
     fn()  # warm-up
-    times = []
+    times, host = [], []
     for _ in range(repeat):
         if DEVICE == "cpu":
             start_s = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start_s)
+            host.append(times[-1])
             continue
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        start_s = time.perf_counter()
         fn()
+        host.append(time.perf_counter() - start_s)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
+    if tag is not None:
+        HOST_S[tag] = sorted(host)
     return sorted(times)[len(times) // 2]
 
 
 def fwd_bwd(forward: Callable[[], torch.Tensor], inputs, do, repeat: int) -> tuple[float, float]:
     """(forward s, backward s): forward under no_grad; backward replays one retained graph."""
     with torch.no_grad():
-        fwd = median_time_s(forward, repeat)
+        fwd = median_time_s(forward, repeat, "fwd")
     out = forward()
-    bwd = median_time_s(lambda: torch.autograd.grad(out, inputs, do, retain_graph=True), repeat)
+    grad = lambda: torch.autograd.grad(out, inputs, do, retain_graph=True)  # noqa: E731
+    bwd = median_time_s(grad, repeat, "bwd")
     return fwd, bwd
 
 
@@ -113,6 +135,63 @@ def bench_dense(length: int, heads: int, head_dim: int, repeat: int, gen) -> tup
             return F.scaled_dot_product_attention(q, k, v)
 
     return fwd_bwd(forward, (q, k, v), do, repeat)
+
+
+def bench_kernels_only(q, k, v, do, table, *, repeat):
+    """The table's kernel calls alone on ready inputs (views as the engine makes them)."""
+    kernel = K.kernel_for(q.device, q.dtype, q.shape[-1])
+    scale = q.shape[-1] ** -0.5
+    rows = [t.view(-1, t.shape[-1]) for t in (q, k, v, do)]
+    calls = []
+    for g in table.groups:
+        qd, dod = (_dense(r, g.q_index, g, g.q_len) for r in (rows[0], rows[3]))
+        kd, vd = (_dense(r, g.k_index, g, g.k_len) for r in (rows[1], rows[2]))
+        o, lse = kernel.forward(qd, kd, vd, scale)
+        calls.append((qd, kd, vd, dod, o, lse))
+
+    def forward():
+        for qd, kd, vd, _, _, _ in calls:
+            kernel.forward(qd, kd, vd, scale)
+
+    def backward():
+        for qd, kd, vd, dod, o, lse in calls:
+            kernel.backward(dod, qd, kd, vd, o, lse, scale)
+
+    return median_time_s(forward, repeat, "fwd"), median_time_s(backward, repeat, "bwd")
+
+
+def threshold_buckets(groups, max_waste: float) -> list[list[int]]:
+    """Greedy runs of groups in order (largest first) while padded FLOPs <= (1 + max_waste) x
+    the useful ones; runs of one group are left out."""
+    buckets, run = [], []
+
+    def waste(members) -> float:
+        count = sum(groups[i].count for i in members)
+        padded = (
+            count * max(groups[i].q_len for i in members) * max(groups[i].k_len for i in members)
+        )
+        return padded / sum(groups[i].count * groups[i].q_len * groups[i].k_len for i in members)
+
+    for i in range(len(groups)):
+        same_heads = not run or groups[run[0]].num_heads == groups[i].num_heads
+        if same_heads and waste([*run, i]) <= 1.0 + max_waste:
+            run.append(i)
+            continue
+        if len(run) >= 2:
+            buckets.append(run)
+        run = [i]
+    if len(run) >= 2:
+        buckets.append(run)
+    return buckets
+
+
+def auto_buckets(table, head_dim: int) -> tuple[list[list[int]], str]:
+    """The engine's automatic plan (coalesced.merge_plan), and where its costs came from."""
+    costs = merging.costs_for_device(torch.device(DEVICE))
+    if costs is None:
+        return [], "no measured costs for this device"
+    buckets, planned, alone = merging.plan_padded_merges(table.groups, costs, head_dim, 2)
+    return buckets, f"{costs.source}: planned {planned * 1e3:.2f} ms vs {alone * 1e3:.2f} ms"
 
 
 def bench_coalesced(q, k, v, do, table, backend, streams=1, merge=None, *, repeat):
@@ -205,6 +284,95 @@ def length_table(heads, head_dim, repeat, gen) -> list[dict]:
     return rows
 
 
+def call_table(path: str, head_dim: int, repeat: int, gen) -> dict:
+    """Dense calls back to back ([B, n, L, H] views of token-major rows, as the engine calls
+    them) by length and total heads B * n, unmasked and with a key mask over the last 1/16 of
+    the keys; and the row-gather rate. Written to `path` (runtime/merging.py reads the file)."""
+    cuda = DEVICE == "cuda"
+    n = 24 if cuda else 2
+    lengths = (512, 1024, 1536, 2048, 3072, 4096, 6144, 8192) if cuda else (16, 48)
+    head_counts = (24, 48, 96, 192, 384) if cuda else (2, 4)
+    dtype, device = torch.bfloat16, torch.device(DEVICE)
+    kernel = K.kernel_for(device, dtype, head_dim)
+    masked = K.masked_kernel_for(kernel, device, dtype, head_dim)
+    names = ("forward_s", "backward_s", "masked_forward_s", "masked_backward_s")
+    table: dict[str, list] = {name: [] for name in names}
+    write = _call_table_writer(
+        path, lengths, head_counts, table, kernel, masked, head_dim, repeat, gen
+    )
+    for length in lengths:
+        rows = {name: [] for name in table}
+        for heads in head_counts:
+            seconds = _shape_seconds(kernel, masked, length, heads // n, n, head_dim, repeat, gen)
+            for name in table:
+                rows[name].append(seconds.get(name))
+        for name in table:
+            table[name].append(rows[name])
+        write(len(table["forward_s"]))  # what is measured so far, should a timeout come
+        flops = 4 * length * length * head_dim * head_counts[-1]
+        print(f"calls L={length}: {head_counts[-1]} heads fwd "
+              f"{flops / rows['forward_s'][-1] / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
+    return write(len(lengths))
+
+
+def _shape_seconds(kernel, masked, length, batch, n, head_dim, repeat, gen) -> dict:
+    """Seconds of one call of [batch, n, length, head_dim] issued back to back: forward and
+    backward, unmasked and (where `masked`) with the last 1/16 of the keys masked."""
+    dtype, device = torch.bfloat16, torch.device(DEVICE)
+    q, k, v, do = (
+        torch.randn(batch, length, n, head_dim, device=device, dtype=dtype,
+                    generator=gen).transpose(1, 2)
+        for _ in range(4)
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    o, lse = kernel.forward(q, k, v, scale)
+    calls = {
+        "forward_s": lambda: kernel.forward(q, k, v, scale),
+        "backward_s": lambda: kernel.backward(do, q, k, v, o, lse, scale),
+    }
+    if masked is not None:
+        valid = torch.arange(length, device=device) < length - length // 16
+        bias = K.key_mask(valid.expand(batch, length), dtype)
+        mo, mlse = masked.forward(q, k, v, scale, bias)
+        calls["masked_forward_s"] = lambda: masked.forward(q, k, v, scale, bias)
+        calls["masked_backward_s"] = lambda: masked.backward(do, q, k, v, mo, mlse, scale, bias)
+    seconds = {}
+    for name, call in calls.items():
+        one = median_time_s(call, 1)
+        reps = max(1, min(50, math.ceil(2e-3 / max(one, 1e-6))))
+        seconds[name] = median_time_s(lambda call=call, reps=reps: [call() for _ in range(reps)],
+                                      repeat) / reps  # fmt: skip
+    return seconds
+
+
+def _call_table_writer(path, lengths, head_counts, table, kernel, masked, head_dim, repeat, gen):
+    cuda = DEVICE == "cuda"
+    device = torch.device(DEVICE)
+    source = torch.randn(1 << 20, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    index = torch.arange(source.shape[0], device=device)  # runs of rows, as segments are
+    gather_s = median_time_s(lambda: source.index_select(0, index), repeat)
+
+    def write(done: int) -> dict:
+        result = {
+            "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+            "created": "bench/attention_engine.py --call-table on "
+            f"{time.strftime('%Y-%m-%d %H:%M')} UTC; torch {torch.__version__}, cuDNN "
+            f"{torch.backends.cudnn.version() if cuda else None}; kernel {kernel.name}, mask "
+            f"{None if masked is None else getattr(masked, 'bias_layout', masked.name)}",
+            "head_dim": head_dim,
+            "dtype": "bfloat16",
+            "lengths": list(lengths[:done]),
+            "heads": list(head_counts),
+            **{name: rows[:done] for name, rows in table.items()},
+            "gather_bytes_per_s": 2 * (1 << 20) * head_dim * 2 / gather_s,
+        }
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        return result
+
+    return write
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipes", nargs="*", default=RECIPES)
@@ -222,14 +390,23 @@ def main() -> None:
     parser.add_argument("--flash-groups", action="store_true", help="also FA2 dense groups")
     parser.add_argument("--ragged", action="store_true", help="also one ragged cuDNN call")
     parser.add_argument(
+        "--merges", action="store_true", help="also padded merges, kernels-only and 2 streams"
+    )
+    parser.add_argument(
+        "--waste", type=float, nargs="*", default=[5, 15, 30], help="pad-wX thresholds, percent"
+    )
+    parser.add_argument("--call-table", default=None, help="measure the call table into PATH")
+    parser.add_argument("--call-table-first", action="store_true", help="before the packs")
+    parser.add_argument("--no-length-table", action="store_true")
+    parser.add_argument(
         "--joint", action="store_true", help="MMDiT packs: each sequence with 256-512 text tokens"
     )
     args = parser.parse_args()
     if args.smoke:
         global DEVICE
         DEVICE = "cpu"
-        args.pack_tokens, args.heads, args.head_dim, args.repeat = 6000, 2, 16, 1
-        args.recipes = ["wan-stage1", "knapformer-mixed-images"]
+        args.heads, args.head_dim, args.repeat = 2, 16, 1
+        args.recipes = ["opensora2-stage1"]
     started = time.perf_counter()
     heads, head_dim = args.heads, args.head_dim
     gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
@@ -240,6 +417,10 @@ def main() -> None:
         for name in names
     }
     auto = K.kernel_for(device, torch.bfloat16, head_dim).name
+    masked = K.masked_kernel_for(K.kernel_for(device, torch.bfloat16, head_dim), device,
+                                 torch.bfloat16, head_dim)  # fmt: skip
+    masked_name = None if masked is None else getattr(masked, "bias_layout", masked.name)
+    print(f"key-mask kernel (padded merges): {auto} with mask passed as {masked_name}")
     ragged = K.ragged_kernel_for(device, torch.bfloat16, head_dim)
     ragged_name = None if ragged is None else f"{ragged.name} (lse token-major: "
     if ragged is not None:
@@ -252,17 +433,22 @@ def main() -> None:
         "joint": args.joint,
         "verified": verified,
         "auto": auto,
+        "masked": masked_name,
         "ragged": ragged_name,
         "ragged_min_calls": RAGGED_MIN_CALLS,
         "packs": [],
         "lengths": [],
     }
 
+    if args.call_table and args.call_table_first:
+        report["call_table"] = call_table(args.call_table, head_dim, args.repeat, gen)
     for index, recipe in enumerate(args.recipes):
         if time.perf_counter() - started > args.time_budget_s:
             print(f"time budget spent: skipping {recipe} and later packs")
             break
-        lengths = make_pack(recipe, args.pack_tokens, args.seed, args.joint)
+        lengths = make_pack(
+            recipe, args.pack_tokens, args.seed, args.joint, 64 if args.smoke else 1
+        )
         total = sum(lengths)
         square_sum = sum(length * length for length in lengths)
         flops = 4 * heads * head_dim * square_sum
@@ -292,13 +478,46 @@ def main() -> None:
             methods.append(("coalesced-4streams", bench_coalesced, (table, None, 4, "groups")))
         if args.flash_groups:
             methods.append(("coalesced-flash", bench_coalesced, (table, "flash", 1, "groups")))
+        if args.merges:
+            methods.append(("kernels-only", bench_kernels_only, (table,)))
+            if not args.streams:
+                methods.append(("coalesced-2streams", bench_coalesced, (table, None, 2, "groups")))
+            buckets, why = auto_buckets(table, head_dim)
+            entry["merges"] = {"pad-auto": {"buckets": buckets, "why": why}}
+            variants = [("pad-auto", buckets, True)]
+            for waste in args.waste:
+                chosen = threshold_buckets(table.groups, waste / 100)
+                variants.append((f"pad-w{waste:g}", chosen, True))
+            middle = args.waste[len(args.waste) // 2] if args.waste else 15
+            variants.append(
+                (f"pad-w{middle:g}-nomask", threshold_buckets(table.groups, middle / 100), False)
+            )
+            for name, chosen, masked in variants:
+                merged = table.merge_padded(chosen, DEVICE, masked=masked) if chosen else table
+                entry["merges"].setdefault(name, {})
+                entry["merges"][name].update({
+                    "calls": merged.num_calls,
+                    "buckets": [[table.groups[i].q_len for i in b] for b in chosen],
+                    "extra_flops": sum(
+                        (p.padded_flops_factor - 1) * sum(a * b for a, b in p.member_shapes)
+                        for p in merged.padded
+                    ) / square_sum,
+                })  # fmt: skip
+                methods.append((name, bench_coalesced, (merged, None, 1, "groups")))
         if args.ragged:
             methods.append(("coalesced-ragged", bench_coalesced, (table, None, 1, "ragged")))
         if index < args.flex_packs:
             methods.append(("flex-document", bench_flex, (lengths,)))
+        entry["host_ms"] = {}
         for name, run, extra in methods:
+            if time.perf_counter() - started > args.time_budget_s + 30:
+                entry["rates"][name] = "skipped: time budget"
+                continue
             try:
                 timings[name] = run(q, k, v, do, *extra, repeat=args.repeat)
+                entry["host_ms"][name] = [
+                    round(HOST_S[tag][len(HOST_S[tag]) // 2] * 1e3, 3) for tag in ("fwd", "bwd")
+                ]
             except Exception as exc:  # a backend missing in this torch build: report, go on
                 entry["rates"][name] = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
         for name, (fwd, bwd) in timings.items():
@@ -318,13 +537,27 @@ def main() -> None:
                 ]
             except Exception as exc:
                 entry[f"rel_diff_{merge}_vs_varlen"] = f"failed: {exc}"[:160]
+        if args.merges:  # the merged path vs the groups, outputs and gradients (same function)
+            chosen = threshold_buckets(table.groups, max(args.waste or [15]) / 100)
+            if chosen:
+                merged = table.merge_padded(chosen, DEVICE)
+                rows = [t.view(-1, head_dim) for t in (q, k, v)]
+                outs = []
+                for tab in (table, merged):
+                    o_c = coalesced_attention(*rows, tab, merge="groups").view_as(q)
+                    outs.append([o_c, *torch.autograd.grad(o_c, (q, k, v), do)])
+                entry["rel_diff_padded_vs_groups"] = [
+                    rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
+                ]
         report["packs"].append(entry)
         print(json.dumps(entry), flush=True)
         del q, k, v, do
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 
-    if time.perf_counter() - started < args.time_budget_s + 60:
+    if args.call_table and not args.call_table_first:
+        report["call_table"] = call_table(args.call_table, head_dim, args.repeat, gen)
+    if not args.no_length_table and time.perf_counter() - started < args.time_budget_s + 60:
         report["lengths"] = length_table(heads, head_dim, args.repeat, gen)
     commit = (
         args.commit
@@ -365,6 +598,8 @@ def main() -> None:
         "coalesced-flash",
         "flex-document",
     ]
+    for entry in report["packs"]:  # merge variants, in the order measured
+        names += [n for n in entry["rates"] if n not in names]
     names = [n for n in names if any(n in e["rates"] for e in report["packs"])] or names[:5]
     print("| pack | seqs | tokens | calls | " + " | ".join(f"{n} fwd / bwd" for n in names)
           + " | auto/dense fwd, bwd | auto/fa2 fwd, bwd | best path |")  # fmt: skip
