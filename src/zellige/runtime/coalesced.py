@@ -266,6 +266,17 @@ class SegmentTable:
         return SegmentTable.build(offsets, offsets, lengths, lengths, heads, device)
 
     @property
+    def calls(self) -> tuple[SegmentGroup | PaddedGroup, ...]:
+        """Every kernel call, the most work (count x q_len x k_len x heads) first."""
+        if "calls" not in self.merged:
+            calls = sorted(
+                (*self.padded, *self.groups),
+                key=lambda g: -(g.count * g.q_len * g.k_len * g.num_heads),
+            )
+            self.merged["calls"] = tuple(calls)
+        return self.merged["calls"]
+
+    @property
     def num_calls(self) -> int:
         return len(self.groups) + len(self.padded)
 
@@ -320,10 +331,11 @@ _side_streams: dict[tuple[torch.device, int], list] = {}
 
 
 def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int) -> None:
-    """fn(call) for every padded call, then every group; on CUDA with streams > 1 the calls run
+    """fn(call) for every padded call and group, the most work first (the host queues the small
+    calls while the GPU runs the large ones); on CUDA with streams > 1 the calls run
     round-robin on side streams so one call's last wave overlaps the next call (writes must be
     disjoint)."""
-    calls = (*table.padded, *table.groups)
+    calls = table.calls
     if streams <= 1 or device.type != "cuda" or len(calls) < 2:
         for g in calls:
             fn(g)
