@@ -46,7 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import zellige
 from zellige.runtime import SegmentTable, coalesced_attention, merging
 from zellige.runtime import kernels as K
-from zellige.runtime.coalesced import RAGGED_MIN_CALLS, _dense
+from zellige.runtime.coalesced import RAGGED_MIN_CALLS, _dense, planned_table
 
 aten = torch.ops.aten
 DEVICE = "cuda"  # --smoke runs the script's logic on the CPU with tiny shapes
@@ -468,6 +468,16 @@ def main() -> None:
             "forward_flops": flops,
             "rates": {},
         }
+        auto_table = planned_table(table, q.view(-1, head_dim))
+        costs = merging.costs_for_device(torch.device(DEVICE))
+        entry["auto_plan"] = {
+            "calls": auto_table.num_calls,
+            "padded": [[q for q, _ in p.member_shapes] for p in auto_table.padded],
+            "costs": None if costs is None else costs.source,
+        }
+        plan = entry["auto_plan"]
+        print(f"{recipe}: auto runs {plan['calls']} calls (padded: {plan['padded']}); "
+              f"costs: {plan['costs']}", flush=True)  # fmt: skip
         dense_length = max(64, round(math.sqrt(square_sum) / 64) * 64)
         dense_repeat = max(5, args.repeat)  # the reference of every ratio: a steadier median
         timings = {"dense-cudnn": bench_dense(dense_length, heads, head_dim, dense_repeat, gen)}
@@ -612,7 +622,7 @@ def main() -> None:
     for entry in report["packs"]:  # merge variants, in the order measured
         names += [n for n in entry["rates"] if n not in names]
     names = [n for n in names if any(n in e["rates"] for e in report["packs"])] or names[:5]
-    print("| pack | seqs | tokens | calls | " + " | ".join(f"{n} fwd / bwd" for n in names)
+    print("| pack | seqs | tokens | calls (auto) | " + " | ".join(f"{n} fwd / bwd" for n in names)
           + " | auto/dense fwd, bwd | auto/fa2 fwd, bwd | best path |")  # fmt: skip
     print("|" + " --- |" * (len(names) + 7))
     for entry in report["packs"]:
@@ -622,8 +632,11 @@ def main() -> None:
             for n in names
         ]
 
-        paths = ("coalesced-groups", "coalesced-ragged")
-        coalesced = [n for n in paths if isinstance(rates.get(n), tuple)]
+        coalesced = [
+            n
+            for n, r in rates.items()
+            if n.startswith(("coalesced", "pad-")) and "nomask" not in n and isinstance(r, tuple)
+        ]
         best = max(coalesced, key=lambda n: rates[n][0] + rates[n][1] / 2.5) if coalesced else "-"
 
         def ratio(a: str, b: str, rates=rates) -> str:
@@ -632,7 +645,8 @@ def main() -> None:
             return f"{rates[a][0] / rates[b][0]:.2f}, {rates[a][1] / rates[b][1]:.2f}"
 
         print(
-            f"| {entry['recipe']} | {entry['sequences']} | {entry['tokens']} | {entry['calls']} | "
+            f"| {entry['recipe']} | {entry['sequences']} | {entry['tokens']} | {entry['calls']} "
+            f"({entry['auto_plan']['calls']}) | "
             + " | ".join(cells)
             + f" | {ratio('coalesced-auto', 'dense-cudnn')}"
             + f" | {ratio('coalesced-auto', 'fa2-varlen')} | {best} |"

@@ -653,6 +653,13 @@ def _auto_padded(table: SegmentTable, kernel: Kernel, q_rows: Tensor) -> Segment
     return table.merged[key]
 
 
+def planned_table(table: SegmentTable, q_rows: Tensor, backend: str | None = None) -> SegmentTable:
+    """The table merge="auto" runs for rows like `q_rows` (dtype, device, head dim): `table`
+    itself, or it with padded merges where they pay (bench output shows it)."""
+    kernel = kernel_for(q_rows.device, q_rows.dtype, q_rows.shape[-1], backend)
+    return _auto_padded(table, kernel, q_rows)
+
+
 def coalesced_attention(
     q_rows: Tensor,
     k_rows: Tensor,
