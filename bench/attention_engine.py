@@ -19,8 +19,8 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
   kernels-only     the groups' kernel calls alone, back to back on ready inputs (no row copies):
                    what the engine's copies and host work cost
   and every method's host issue time (host ms: the wall time to queue one run, not waited for).
---call-table PATH: seconds of dense calls back to back by (length, total heads), with and
-without a key mask, written as JSON (the merge policy's table, runtime/merging.py).
+--call-table PATH: the attention call table (zellige.profiler.attention_calls, as `zellige
+profile --attention-calls` measures it): the merge policy's costs (runtime/merging.py).
   fa2-varlen       packed FlashAttention-2 varlen as shipped in torch (target: auto >= 1.4x)
   flex-document    FlexAttention with a document mask (compiled; first pack only by default)
 --joint: MMDiT packs: every sequence attends jointly with its own text of 256-512 tokens (uniform,
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import zellige
+from zellige.profiler.attention_calls import measure_call_table
 from zellige.runtime import SegmentTable, coalesced_attention, merging
 from zellige.runtime import kernels as K
 from zellige.runtime.coalesced import RAGGED_MIN_CALLS, _dense, planned_table
@@ -284,95 +285,6 @@ def length_table(heads, head_dim, repeat, gen) -> list[dict]:
     return rows
 
 
-def call_table(path: str, head_dim: int, repeat: int, gen) -> dict:
-    """Dense calls back to back ([B, n, L, H] views of token-major rows, as the engine calls
-    them) by length and total heads B * n, unmasked and with a key mask over the last 1/16 of
-    the keys; and the row-gather rate. Written to `path` (runtime/merging.py reads the file)."""
-    cuda = DEVICE == "cuda"
-    n = 24 if cuda else 2
-    lengths = (512, 1024, 1536, 2048, 3072, 4096, 6144, 8192) if cuda else (16, 48)
-    head_counts = (24, 48, 96, 192, 384) if cuda else (2, 4)
-    dtype, device = torch.bfloat16, torch.device(DEVICE)
-    kernel = K.kernel_for(device, dtype, head_dim)
-    masked = K.masked_kernel_for(kernel, device, dtype, head_dim)
-    names = ("forward_s", "backward_s", "masked_forward_s", "masked_backward_s")
-    table: dict[str, list] = {name: [] for name in names}
-    write = _call_table_writer(
-        path, lengths, head_counts, table, kernel, masked, head_dim, repeat, gen
-    )
-    for length in lengths:
-        rows = {name: [] for name in table}
-        for heads in head_counts:
-            seconds = _shape_seconds(kernel, masked, length, heads // n, n, head_dim, repeat, gen)
-            for name in table:
-                rows[name].append(seconds.get(name))
-        for name in table:
-            table[name].append(rows[name])
-        write(len(table["forward_s"]))  # what is measured so far, should a timeout come
-        flops = 4 * length * length * head_dim * head_counts[-1]
-        print(f"calls L={length}: {head_counts[-1]} heads fwd "
-              f"{flops / rows['forward_s'][-1] / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
-    return write(len(lengths))
-
-
-def _shape_seconds(kernel, masked, length, batch, n, head_dim, repeat, gen) -> dict:
-    """Seconds of one call of [batch, n, length, head_dim] issued back to back: forward and
-    backward, unmasked and (where `masked`) with the last 1/16 of the keys masked."""
-    dtype, device = torch.bfloat16, torch.device(DEVICE)
-    q, k, v, do = (
-        torch.randn(batch, length, n, head_dim, device=device, dtype=dtype,
-                    generator=gen).transpose(1, 2)
-        for _ in range(4)
-    )  # fmt: skip
-    scale = head_dim**-0.5
-    o, lse = kernel.forward(q, k, v, scale)
-    calls = {
-        "forward_s": lambda: kernel.forward(q, k, v, scale),
-        "backward_s": lambda: kernel.backward(do, q, k, v, o, lse, scale),
-    }
-    if masked is not None:
-        valid = torch.arange(length, device=device) < length - length // 16
-        bias = K.key_mask(valid.expand(batch, length), dtype)
-        mo, mlse = masked.forward(q, k, v, scale, bias)
-        calls["masked_forward_s"] = lambda: masked.forward(q, k, v, scale, bias)
-        calls["masked_backward_s"] = lambda: masked.backward(do, q, k, v, mo, mlse, scale, bias)
-    seconds = {}
-    for name, call in calls.items():
-        one = median_time_s(call, 1)
-        reps = max(1, min(50, math.ceil(2e-3 / max(one, 1e-6))))
-        seconds[name] = median_time_s(lambda call=call, reps=reps: [call() for _ in range(reps)],
-                                      repeat) / reps  # fmt: skip
-    return seconds
-
-
-def _call_table_writer(path, lengths, head_counts, table, kernel, masked, head_dim, repeat, gen):
-    cuda = DEVICE == "cuda"
-    device = torch.device(DEVICE)
-    source = torch.randn(1 << 20, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
-    index = torch.arange(source.shape[0], device=device)  # runs of rows, as segments are
-    gather_s = median_time_s(lambda: source.index_select(0, index), repeat)
-
-    def write(done: int) -> dict:
-        result = {
-            "device_name": torch.cuda.get_device_name() if cuda else "cpu",
-            "created": "bench/attention_engine.py --call-table on "
-            f"{time.strftime('%Y-%m-%d %H:%M')} UTC; torch {torch.__version__}, cuDNN "
-            f"{torch.backends.cudnn.version() if cuda else None}; kernel {kernel.name}, mask "
-            f"{None if masked is None else getattr(masked, 'bias_layout', masked.name)}",
-            "head_dim": head_dim,
-            "dtype": "bfloat16",
-            "lengths": list(lengths[:done]),
-            "heads": list(head_counts),
-            **{name: rows[:done] for name, rows in table.items()},
-            "gather_bytes_per_s": 2 * (1 << 20) * head_dim * 2 / gather_s,
-        }
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        return result
-
-    return write
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipes", nargs="*", default=RECIPES)
@@ -444,7 +356,10 @@ def main() -> None:
     }
 
     if args.call_table and args.call_table_first:
-        report["call_table"] = call_table(args.call_table, head_dim, args.repeat, gen)
+        report["call_table"] = measure_call_table(
+            device, head_dim=head_dim, quick=args.smoke, repeats=args.repeat,
+            out_path=args.call_table, progress=print,
+        )  # fmt: skip
     for index, recipe in enumerate(args.recipes):
         if time.perf_counter() - started > args.time_budget_s:
             print(f"time budget spent: skipping {recipe} and later packs")
@@ -577,7 +492,10 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     if args.call_table and not args.call_table_first:
-        report["call_table"] = call_table(args.call_table, head_dim, args.repeat, gen)
+        report["call_table"] = measure_call_table(
+            device, head_dim=head_dim, quick=args.smoke, repeats=args.repeat,
+            out_path=args.call_table, progress=print,
+        )  # fmt: skip
     if not args.no_length_table and time.perf_counter() - started < args.time_budget_s + 60:
         report["lengths"] = length_table(heads, head_dim, args.repeat, gen)
     commit = (

@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--base", help="profile JSON that --memory-only starts from")
     parser.add_argument(
+        "--attention-calls",
+        action="store_true",
+        help="measure only the attention call table that prices the engine's padded merges and "
+        "write it to --out (not a profile: see runtime/merging.py; zellige/profiles/ ships one "
+        "per GPU model, $ZELLIGE_ATTENTION_CALLS selects another)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int_in(1, 1000),
         default=5,
@@ -73,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         load_block_factory(args.block)  # a bad target fails now, not after minutes of measuring
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.attention_calls:
+        return _attention_calls(args, torch.device(device))
     options = ProfileOptions(
         model=model_to_run(model_from_args(args), args.quick, "profile"),
         quick=args.quick,
@@ -95,4 +104,20 @@ def run(args: argparse.Namespace) -> int:
     if args.details:
         write_output(args.details, json.dumps(result.details, indent=1) + "\n")
     print(f"wrote {args.out} ({profile.device_name})")
+    return 0
+
+
+def _attention_calls(args: argparse.Namespace, device) -> int:
+    from zellige.profiler.attention_calls import measure_call_table
+
+    if device.type != "cuda" and not args.quick:
+        raise ValueError("--attention-calls needs a GPU (or --quick for a smoke run)")
+    table = measure_call_table(
+        device,
+        quick=args.quick,
+        repeats=min(args.repeats, 3) if args.quick else args.repeats,
+        progress=lambda line: print(f"[profile] {line}", file=sys.stderr, flush=True),
+    )
+    write_output(args.out, json.dumps(table, indent=1) + "\n")
+    print(f"wrote {args.out} (attention call table, {table['device_name']})")
     return 0
