@@ -382,7 +382,10 @@ def forward_into(
         v = _dense(v_rows, g.k_index, g, g.k_len)
         o, lse = kernel.forward(q, k, v, scale)
         _put(o_rows, g.q_index, _flat(o))
-        _put(lse_rows, g.q_index, lse.transpose(1, 2).reshape(-1))
+        if isinstance(g.q_index, slice):  # one strided copy, no token-major temporary
+            lse_rows[g.q_index].view(g.count, g.q_len, g.num_heads).copy_(lse.transpose(1, 2))
+        else:
+            _put(lse_rows, g.q_index, lse.transpose(1, 2).reshape(-1))
 
     _for_each_group(table, one, q_rows.device, streams if table.disjoint else 1)
 
