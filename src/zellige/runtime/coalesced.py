@@ -122,7 +122,13 @@ def _padded_rows(
 
 
 def _mask_of(g: PaddedGroup, kernel: Kernel, dtype: torch.dtype) -> Tensor | None:
-    return g.mask(dtype) if g.masked else None
+    """The call's key mask as `kernel` takes it, made once per kernel and dtype."""
+    if not g.masked:
+        return None
+    key = (kernel.name, getattr(kernel, "bias_layout", None), dtype)
+    if key not in g.masks:
+        g.masks[key] = kernel.prepare_bias(g.mask(dtype), g.q_len)
+    return g.masks[key]
 
 
 def padded_group(

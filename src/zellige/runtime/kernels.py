@@ -53,6 +53,11 @@ class Kernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
 
+    def prepare_bias(self, bias_B11L: Tensor, q_len: int) -> Tensor:
+        """The key mask as this kernel takes it in every call of q_len queries (callers cache
+        it: a padded call's mask serves every layer)."""
+        return bias_B11L
+
 
 def _no_mask(kernel: Kernel, bias: Tensor | None) -> None:
     if bias is not None:
@@ -126,13 +131,19 @@ class CudnnKernel(Kernel):
     # heads). masked_kernel_ok sets the first that agrees with the math kernel on this build.
     bias_layout = "expand"
 
+    def prepare_bias(self, bias_B11L, q_len):
+        if self.bias_layout == "rows":
+            batch, _, _, k_len = bias_B11L.shape
+            return bias_B11L.expand(batch, 1, q_len, k_len).contiguous()
+        return bias_B11L
+
     def _bias(self, bias, q, k):
+        """[B, 1, 1 or Lq, Lk] -> [B, n, Lq, Lk] (zero strides where broadcast)."""
         if bias is None:
             return None
-        full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        if self.bias_layout == "rows":
-            bias = bias.expand(full[0], 1, full[2], full[3]).contiguous()
-        return bias.expand(full)
+        if self.bias_layout == "rows" and bias.shape[2] != q.shape[2]:
+            bias = self.prepare_bias(bias, q.shape[2])
+        return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
     def forward(self, q, k, v, scale, bias=None):
         out = aten._scaled_dot_product_cudnn_attention(
