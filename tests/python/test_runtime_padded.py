@@ -91,6 +91,8 @@ def test_padded_merges_equal_explicit_attention(backend: str, q_scale: float) ->
     merged = table.merge_padded(buckets, "cpu")
     assert merged.num_calls == table.num_calls - 3 and len(merged.padded) == 2
     assert {p.q_len for p in merged.padded} == {5, 7}
+    # (7, 2) with (4, 2): only queries are padded, so that call runs without a key mask
+    assert {p.q_len: p.keys_padded for p in merged.padded} == {5: True, 7: False}
     want = _reference(SEGMENTS, tensors, q_off, k_off)
     got = _engine(merged, tensors, backend)
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want, strict=True):

@@ -93,6 +93,12 @@ class PaddedGroup:
             self.masks[dtype] = key_mask(self.key_valid, dtype)
         return self.masks[dtype]
 
+    @property
+    def keys_padded(self) -> bool:
+        """Some member has fewer keys than the call: the call needs the key mask (padding only
+        queries needs none: padded queries are dropped and get zero output gradients)."""
+        return any(k_len < self.k_len for _, k_len in self.member_shapes)
+
     def keep(self, dtype: torch.dtype) -> Tensor:
         if ("keep", dtype) not in self.masks:
             self.masks["keep", dtype] = self.q_keep.to(dtype)
@@ -123,7 +129,7 @@ def _padded_rows(
 
 def _mask_of(g: PaddedGroup, kernel: Kernel, dtype: torch.dtype) -> Tensor | None:
     """The call's key mask as `kernel` takes it, made once per kernel and dtype."""
-    if not g.masked:
+    if not (g.masked and g.keys_padded):
         return None
     key = (kernel.name, getattr(kernel, "bias_layout", None), dtype)
     if key not in g.masks:
@@ -707,7 +713,7 @@ def coalesced_attention(
     kernel = kernel_for(q_rows.device, q_rows.dtype, head_dim, backend)
     if merge == "auto":
         table = _auto_padded(table, kernel, q_rows)
-    if table.padded:
+    if any(p.masked and p.keys_padded for p in table.padded):
         masked = masked_kernel_for(kernel, q_rows.device, q_rows.dtype, head_dim)
         if masked is None:
             raise ValueError(

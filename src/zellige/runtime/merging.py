@@ -148,13 +148,14 @@ def group_cost_s(costs: CallCosts, g, head_dim: int, itemsize: int) -> float:
 
 def padded_cost_s(costs: CallCosts, groups: Sequence, head_dim: int, itemsize: int) -> float:
     """Forward + backward seconds of `groups` as one padded call (coalesced.PaddedGroup): the
-    masked call at the longest shape, the gathers of q / k / v (forward) and q / k / v / o / do
-    (backward) into the padded rows, the zeroing of padded output gradients, and the results
-    selected and written back (o, lse; dq, dk, dv)."""
+    call at the longest shape (masked where some member has fewer keys), the gathers of
+    q / k / v (forward) and q / k / v / o / do (backward) into the padded rows, the zeroing of
+    padded output gradients, and the results selected and written back (o, lse; dq, dk, dv)."""
     count = sum(g.count for g in groups)
     n = groups[0].num_heads
     q_len, k_len = max(g.q_len for g in groups), max(g.k_len for g in groups)
-    forward_s, backward_s = costs.call_s(q_len, k_len, count * n, masked=True)
+    keys_padded = any(g.k_len < k_len for g in groups)  # else no mask (coalesced.PaddedGroup)
+    forward_s, backward_s = costs.call_s(q_len, k_len, count * n, masked=keys_padded)
     padded_q, padded_k = count * q_len * n, count * k_len * n
     real_q = sum(g.count * g.q_len for g in groups) * n
     real_k = sum(g.count * g.k_len for g in groups) * n
