@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -208,3 +209,16 @@ def test_call_table_errors() -> None:
     }
     with pytest.raises(ValueError, match="t.json: lengths must increase"):
         merging.CallCosts.from_call_table(bad, "t.json")
+
+
+def test_the_built_in_call_table_prices_calls() -> None:
+    """The shipped H200 table (zellige/profiles/) reads and prices a call; masked calls cost
+    more there (cuDNN's bias path), which is why the engine merges no self-attention pack."""
+    from importlib import resources
+
+    name = merging.CALL_TABLES["NVIDIA H200"]
+    data = json.loads((resources.files("zellige") / "profiles" / name).read_text())
+    assert data["device_name"] == "NVIDIA H200"
+    costs = merging.CallCosts.from_call_table(data, name)
+    plain, masked = costs.call_s(2048, 2048, 96), costs.call_s(2048, 2048, 96, masked=True)
+    assert 0 < plain[0] < masked[0] and 0 < plain[1] < masked[1]

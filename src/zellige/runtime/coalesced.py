@@ -321,6 +321,19 @@ def _put(rows: Tensor, index: RowIndex, values: Tensor) -> None:
         rows.index_copy_(0, index, values.to(rows.dtype))
 
 
+def _store_dense(rows: Tensor, index: RowIndex, dense: Tensor, add: bool = False) -> None:
+    """Writes (or adds) a kernel's [B, n, L, H] result into its token-major rows: for a run of
+    rows one strided copy straight from the kernel's layout (no token-major temporary whatever
+    layout the kernel allocated), else a gather-index write."""
+    if isinstance(index, slice):
+        count, heads, length = dense.shape[:3]
+        target = rows[index].view(count, length, heads, *rows.shape[1:])
+        values = dense.transpose(1, 2)
+        target.add_(values) if add else target.copy_(values)
+    else:
+        (_add if add else _put)(rows, index, _flat(dense))
+
+
 def _add(rows: Tensor, index: RowIndex, values: Tensor) -> None:
     if isinstance(index, slice):
         rows[index] += values
@@ -393,7 +406,7 @@ def forward_into(
         k = _dense(k_rows, g.k_index, g, g.k_len)
         v = _dense(v_rows, g.k_index, g, g.k_len)
         o, lse = kernel.forward(q, k, v, scale)
-        _put(o_rows, g.q_index, _flat(o))
+        _store_dense(o_rows, g.q_index, o)
         if isinstance(g.q_index, slice):  # one strided copy, no token-major temporary
             lse_rows[g.q_index].view(g.count, g.q_len, g.num_heads).copy_(lse.transpose(1, 2))
         else:
@@ -420,7 +433,6 @@ def backward_into(
 ) -> None:
     """Adds every segment's gradients into dq / dk / dv rows (rows may be shared by several
     segments or calls, e.g. ring steps), or writes them when accumulate is False."""
-    store = _add if accumulate else _put
 
     def one(g: SegmentGroup | PaddedGroup) -> None:
         if isinstance(g, PaddedGroup):
@@ -446,9 +458,9 @@ def backward_into(
         do = _dense(do_rows, g.q_index, g, g.q_len)
         lse = _take(lse_rows, g.q_index).view(g.count, g.q_len, g.num_heads).transpose(1, 2)
         dq, dk, dv = kernel.backward(do, q, k, v, o, lse, scale)
-        store(dq_rows, g.q_index, _flat(dq))
-        store(dk_rows, g.k_index, _flat(dk))
-        store(dv_rows, g.k_index, _flat(dv))
+        _store_dense(dq_rows, g.q_index, dq, add=accumulate)
+        _store_dense(dk_rows, g.k_index, dk, add=accumulate)
+        _store_dense(dv_rows, g.k_index, dv, add=accumulate)
 
     if table.padded and accumulate:
         raise ValueError("padded merges write their rows: they need a disjoint table")
