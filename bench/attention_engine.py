@@ -12,17 +12,19 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
                    last per pack: on torch 2.11 it broke the CUDA context on a pack of 8)
   coalesced-Nstreams  groups round-robin on N CUDA streams (--streams)
   coalesced-flash  the grouping with FlashAttention-2 dense kernels (--flash-groups)
-  --merges: padded merges of nearby lengths (coalesced.PaddedGroup, key mask on cuDNN):
-  pad-auto         the engine's automatic choice spelled out (runtime/merging.py's priced plan)
-  pad-wX           greedy runs of groups (largest first) while padded FLOPs <= (1 + X%) useful
-  pad-wX-nomask    the same without the key mask (NOT exact: what the mask costs, timing only)
-  kernels-only     the groups' kernel calls alone, back to back on ready inputs (no row copies):
-                   what the engine's copies and host work cost
-  and every method's host issue time (host ms: the wall time to queue one run, not waited for).
---call-table PATH: the attention call table (zellige.profiler.attention_calls, as `zellige
-profile --attention-calls` measures it): the merge policy's costs (runtime/merging.py).
   fa2-varlen       packed FlashAttention-2 varlen as shipped in torch (target: auto >= 1.4x)
   flex-document    FlexAttention with a document mask (compiled; first pack only by default)
+  kernels-only     (--overhead or --merges) the groups' kernel calls alone, back to back on ready
+                   inputs (no row copies): what the engine's copies and host work cost; with it
+                   coalesced-2streams (the groups on 2 CUDA streams)
+  pad-auto         (--merges) padded merges of nearby lengths (coalesced.PaddedGroup, key mask on
+                   cuDNN) as the engine's priced plan (runtime/merging.py) chooses them
+  pad-wX           (--merges) greedy runs of groups, largest first, while padded FLOPs <= (1 + X%)
+                   x useful FLOPs (--waste)
+  pad-wX-nomask    (--merges) the same without the key mask (NOT exact: what the mask costs)
+Every method also reports its host issue time (host ms: the wall time to queue one run).
+--call-table PATH: the attention call table (zellige.profiler.attention_calls, as `zellige
+profile --attention-calls` measures it): the merge policy's costs (runtime/merging.py).
 --joint: MMDiT packs: every sequence attends jointly with its own text of 256-512 tokens (uniform,
 seeded), so each attended length is visual + text tokens, as the step program lays joint sequences.
 FLOPs: forward 4 N H sum L_i^2, backward 2.5x that. Rates in TFLOP/s; median of --repeat timed
@@ -305,6 +307,9 @@ def main() -> None:
         "--merges", action="store_true", help="also padded merges, kernels-only and 2 streams"
     )
     parser.add_argument(
+        "--overhead", action="store_true", help="also kernels-only and 2 streams (no merges)"
+    )
+    parser.add_argument(
         "--waste", type=float, nargs="*", default=[5, 15, 30], help="pad-wX thresholds, percent"
     )
     parser.add_argument("--call-table", default=None, help="measure the call table into PATH")
@@ -410,10 +415,11 @@ def main() -> None:
             methods.append(("coalesced-4streams", bench_coalesced, (table, None, 4, "groups")))
         if args.flash_groups:
             methods.append(("coalesced-flash", bench_coalesced, (table, "flash", 1, "groups")))
-        if args.merges:
+        if args.merges or args.overhead:
             methods.append(("kernels-only", bench_kernels_only, (table,)))
             if not args.streams:
                 methods.append(("coalesced-2streams", bench_coalesced, (table, None, 2, "groups")))
+        if args.merges:
             buckets, why = auto_buckets(table, head_dim)
             entry["merges"] = {"pad-auto": {"buckets": buckets, "why": why}}
             variants = [("pad-auto", buckets, True)]
