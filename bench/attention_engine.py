@@ -16,7 +16,8 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
   flex-document    FlexAttention with a document mask (compiled; first pack only by default)
   kernels-only     (--overhead or --merges) the groups' kernel calls alone, back to back on ready
                    inputs (no row copies): what the engine's copies and host work cost; with it
-                   coalesced-2streams (the groups on 2 CUDA streams)
+                   coalesced-2streams (the groups on 2 CUDA streams) and coalesced-overlap (the
+                   rows written on a side stream beside the next call, overlap_copies=True)
   pad-auto         (--merges) padded merges of nearby lengths (coalesced.PaddedGroup, key mask on
                    cuDNN) as the engine's priced plan (runtime/merging.py) chooses them
   pad-wX           (--merges) greedy runs of groups, largest first, while padded FLOPs <= (1 + X%)
@@ -197,12 +198,14 @@ def auto_buckets(table, head_dim: int) -> tuple[list[list[int]], str]:
     return buckets, f"{costs.source}: planned {planned * 1e3:.2f} ms vs {alone * 1e3:.2f} ms"
 
 
-def bench_coalesced(q, k, v, do, table, backend, streams=1, merge=None, *, repeat):
+def bench_coalesced(q, k, v, do, table, backend, streams=1, merge=None, overlap=False, *, repeat):
     rows = [t.view(-1, t.shape[-1]) for t in (q, k, v)]
     do_rows = do.view(-1, do.shape[-1])
 
     def forward():
-        return coalesced_attention(*rows, table, backend=backend, streams=streams, merge=merge)
+        return coalesced_attention(
+            *rows, table, backend=backend, streams=streams, merge=merge, overlap_copies=overlap
+        )
 
     return fwd_bwd(forward, (q, k, v), do_rows, repeat)
 
@@ -307,7 +310,7 @@ def main() -> None:
         "--merges", action="store_true", help="also padded merges, kernels-only and 2 streams"
     )
     parser.add_argument(
-        "--overhead", action="store_true", help="also kernels-only and 2 streams (no merges)"
+        "--overhead", action="store_true", help="also kernels-only, 2 streams, overlapped copies"
     )
     parser.add_argument(
         "--waste", type=float, nargs="*", default=[5, 15, 30], help="pad-wX thresholds, percent"
@@ -419,6 +422,7 @@ def main() -> None:
             methods.append(("kernels-only", bench_kernels_only, (table,)))
             if not args.streams:
                 methods.append(("coalesced-2streams", bench_coalesced, (table, None, 2, "groups")))
+            methods.append(("coalesced-overlap", bench_coalesced, (table, None, 1, "groups", True)))
         if args.merges:
             buckets, why = auto_buckets(table, head_dim)
             entry["merges"] = {"pad-auto": {"buckets": buckets, "why": why}}
@@ -491,6 +495,15 @@ def main() -> None:
                 entry["rel_diff_padded_vs_groups"] = [
                     rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
                 ]
+        if args.overhead or args.merges:  # copies on a side stream: the same results
+            rows = [t.view(-1, head_dim) for t in (q, k, v)]
+            outs = []
+            for overlap in (False, True):
+                o_c = coalesced_attention(*rows, table, merge="groups", overlap_copies=overlap)
+                outs.append([o_c.view_as(q), *torch.autograd.grad(o_c.view_as(q), (q, k, v), do)])
+            entry["rel_diff_overlap_vs_groups"] = [
+                rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
+            ]
         report["packs"].append(entry)
         print(json.dumps(entry), flush=True)
         del q, k, v, do

@@ -379,6 +379,39 @@ def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int)
         main.wait_stream(stream)
 
 
+_store_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+class _Stores:
+    """Where a call's results are written into the rows: right after the call on the current
+    stream, or (overlap, CUDA only) on a side stream, so the copies (memory-bound) run beside
+    the next call's kernel (compute-bound). The side stream takes each store after everything
+    queued before it; its tensors are marked as used there (record_stream) so the allocator does
+    not hand them out before the copy ran; finish() makes the current stream wait for it."""
+
+    def __init__(self, device: torch.device, overlap: bool) -> None:
+        self.side = None
+        if overlap and device.type == "cuda":
+            if device not in _store_streams:
+                _store_streams[device] = torch.cuda.Stream(device)
+            self.side = _store_streams[device]
+            self.main = torch.cuda.current_stream(device)
+
+    def run(self, store, *tensors: Tensor) -> None:
+        if self.side is None:
+            store()
+            return
+        self.side.wait_stream(self.main)
+        with torch.cuda.stream(self.side):
+            store()
+        for tensor in tensors:
+            tensor.record_stream(self.side)
+
+    def finish(self) -> None:
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+
+
 def forward_into(
     table: SegmentTable,
     kernel: Kernel,
@@ -389,8 +422,22 @@ def forward_into(
     o_rows: Tensor,
     lse_rows: Tensor,
     streams: int = 1,
+    overlap_copies: bool = False,
 ) -> None:
     """Writes o and lse of every segment's query rows (other rows are left untouched)."""
+    stores = _Stores(q_rows.device, overlap_copies and streams <= 1)
+
+    def store_padded(g: PaddedGroup, o: Tensor, lse: Tensor) -> None:
+        o_rows.index_copy_(0, g.q_real, _flat(o).index_select(0, g.q_pos))
+        lse_flat = lse.transpose(1, 2).reshape(-1).to(lse_rows.dtype)
+        lse_rows.index_copy_(0, g.q_real, lse_flat.index_select(0, g.q_pos))
+
+    def store(g: SegmentGroup, o: Tensor, lse: Tensor) -> None:
+        _store_dense(o_rows, g.q_index, o)
+        if isinstance(g.q_index, slice):  # one strided copy, no token-major temporary
+            lse_rows[g.q_index].view(g.count, g.q_len, g.num_heads).copy_(lse.transpose(1, 2))
+        else:
+            _put(lse_rows, g.q_index, lse.transpose(1, 2).reshape(-1))
 
     def one(g: SegmentGroup | PaddedGroup) -> None:
         if isinstance(g, PaddedGroup):
@@ -398,21 +445,16 @@ def forward_into(
             k = _dense(k_rows, g.k_src, g, g.k_len)
             v = _dense(v_rows, g.k_src, g, g.k_len)
             o, lse = kernel.forward(q, k, v, scale, _mask_of(g, kernel, q.dtype))
-            o_rows.index_copy_(0, g.q_real, _flat(o).index_select(0, g.q_pos))
-            lse_flat = lse.transpose(1, 2).reshape(-1).to(lse_rows.dtype)
-            lse_rows.index_copy_(0, g.q_real, lse_flat.index_select(0, g.q_pos))
+            stores.run(lambda: store_padded(g, o, lse), o, lse)
             return
         q = _dense(q_rows, g.q_index, g, g.q_len)
         k = _dense(k_rows, g.k_index, g, g.k_len)
         v = _dense(v_rows, g.k_index, g, g.k_len)
         o, lse = kernel.forward(q, k, v, scale)
-        _store_dense(o_rows, g.q_index, o)
-        if isinstance(g.q_index, slice):  # one strided copy, no token-major temporary
-            lse_rows[g.q_index].view(g.count, g.q_len, g.num_heads).copy_(lse.transpose(1, 2))
-        else:
-            _put(lse_rows, g.q_index, lse.transpose(1, 2).reshape(-1))
+        stores.run(lambda: store(g, o, lse), o, lse)
 
     _for_each_group(table, one, q_rows.device, streams if table.disjoint else 1)
+    stores.finish()
 
 
 def backward_into(
@@ -430,9 +472,24 @@ def backward_into(
     dv_rows: Tensor,
     accumulate: bool = True,
     streams: int = 1,
+    overlap_copies: bool = False,
 ) -> None:
     """Adds every segment's gradients into dq / dk / dv rows (rows may be shared by several
     segments or calls, e.g. ring steps), or writes them when accumulate is False."""
+    stores = _Stores(q_rows.device, overlap_copies and streams <= 1)
+
+    def store_padded(g: PaddedGroup, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+        for rows, grad, real, pos in (
+            (dq_rows, dq, g.q_real, g.q_pos),
+            (dk_rows, dk, g.k_real, g.k_pos),
+            (dv_rows, dv, g.k_real, g.k_pos),
+        ):
+            rows.index_copy_(0, real, _flat(grad).index_select(0, pos).to(rows.dtype))
+
+    def store(g: SegmentGroup, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+        _store_dense(dq_rows, g.q_index, dq, add=accumulate)
+        _store_dense(dk_rows, g.k_index, dk, add=accumulate)
+        _store_dense(dv_rows, g.k_index, dv, add=accumulate)
 
     def one(g: SegmentGroup | PaddedGroup) -> None:
         if isinstance(g, PaddedGroup):
@@ -444,12 +501,7 @@ def backward_into(
             do = do * g.keep(do.dtype).view(g.count, g.q_len, g.num_heads, 1).transpose(1, 2)
             lse = _take(lse_rows, g.q_src).view(g.count, g.q_len, g.num_heads).transpose(1, 2)
             dq, dk, dv = kernel.backward(do, q, k, v, o, lse, scale, _mask_of(g, kernel, q.dtype))
-            for rows, grad, real, pos in (
-                (dq_rows, dq, g.q_real, g.q_pos),
-                (dk_rows, dk, g.k_real, g.k_pos),
-                (dv_rows, dv, g.k_real, g.k_pos),
-            ):
-                rows.index_copy_(0, real, _flat(grad).index_select(0, pos).to(rows.dtype))
+            stores.run(lambda: store_padded(g, dq, dk, dv), dq, dk, dv)
             return
         q = _dense(q_rows, g.q_index, g, g.q_len)
         k = _dense(k_rows, g.k_index, g, g.k_len)
@@ -458,14 +510,13 @@ def backward_into(
         do = _dense(do_rows, g.q_index, g, g.q_len)
         lse = _take(lse_rows, g.q_index).view(g.count, g.q_len, g.num_heads).transpose(1, 2)
         dq, dk, dv = kernel.backward(do, q, k, v, o, lse, scale)
-        _store_dense(dq_rows, g.q_index, dq, add=accumulate)
-        _store_dense(dk_rows, g.k_index, dk, add=accumulate)
-        _store_dense(dv_rows, g.k_index, dv, add=accumulate)
+        stores.run(lambda: store(g, dq, dk, dv), dq, dk, dv)
 
     if table.padded and accumulate:
         raise ValueError("padded merges write their rows: they need a disjoint table")
     parallel = table.disjoint and not accumulate
     _for_each_group(table, one, q_rows.device, streams if parallel else 1)
+    stores.finish()
 
 
 def _whole(table: SegmentTable, num_q_rows: int, num_k_rows: int) -> bool:
@@ -478,7 +529,7 @@ def _whole(table: SegmentTable, num_q_rows: int, num_k_rows: int) -> bool:
 
 class _CoalescedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale, streams):
+    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap):
         q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
         num_q, num_k = q_rows.shape[0], k_rows.shape[0]
         lse_type = lse_dtype(q_rows.dtype)
@@ -496,9 +547,12 @@ class _CoalescedAttention(torch.autograd.Function):
             covered = table.disjoint and table.q_rows == num_q
             o_rows = torch.empty_like(q_rows) if covered else torch.zeros_like(q_rows)
             lse_rows = torch.full((num_q,), float("-inf"), dtype=lse_type, device=q_rows.device)
-            forward_into(table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, streams)
+            forward_into(
+                table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, streams, overlap
+            )
         ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
         ctx.table, ctx.kernel, ctx.scale, ctx.streams = table, kernel, scale, streams
+        ctx.overlap = overlap
         ctx.mark_non_differentiable(lse_rows)
         return o_rows, lse_rows
 
@@ -519,16 +573,16 @@ class _CoalescedAttention(torch.autograd.Function):
                 lse_rows.view(g.count, g.q_len, g.num_heads).transpose(1, 2),
                 scale,
             )
-            return _flat(dq), _flat(dk), _flat(dv), None, None, None, None
+            return _flat(dq), _flat(dk), _flat(dv), None, None, None, None, None
         q_covered = table.disjoint and table.q_rows == num_q
         k_covered = table.disjoint and table.k_rows == num_k
         dq = torch.empty_like(q_rows) if q_covered else torch.zeros_like(q_rows)
         dk, dv = (torch.empty_like(k_rows) if k_covered else torch.zeros_like(k_rows) for _ in "kv")
         backward_into(
             table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, do_rows, dq, dk, dv,
-            accumulate=not table.disjoint, streams=ctx.streams,
+            accumulate=not table.disjoint, streams=ctx.streams, overlap_copies=ctx.overlap,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # Merge policy: "auto" runs one ragged call for tables of at least this many groups (dense calls)
@@ -698,6 +752,7 @@ def coalesced_attention(
     return_lse: bool = False,
     streams: int = 1,
     merge: str | None = None,
+    overlap_copies: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of every segment of `table` in one call; differentiable in q, k, v.
 
@@ -705,6 +760,8 @@ def coalesced_attention(
     covers) and, with return_lse, the log-sum-exp per query row (float32; -inf where uncovered).
     backend: a name of KERNELS ("cudnn", "flash", "cpu", ...) or None for the automatic choice.
     streams: on CUDA, run the dense groups round-robin on this many side streams.
+    overlap_copies: on CUDA (one stream), write each call's results into the rows on a side
+    stream, beside the next call's kernel (measured by bench/attention_engine.py --overhead).
     merge: "groups" (one dense call per group, or as the table's own padded merges say),
     "ragged" (one ragged call where a checked ragged kernel exists: cuDNN on CUDA, or the math
     oracle with backend="math"; measurements only, see the module docstring), or "auto"/None
@@ -735,6 +792,6 @@ def coalesced_attention(
         kernel = masked
     scale = default_scale(head_dim) if scale is None else scale
     o_rows, lse_rows = _CoalescedAttention.apply(
-        q_rows, k_rows, v_rows, table, kernel, scale, streams
+        q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap_copies
     )
     return (o_rows, lse_rows) if return_lse else o_rows
