@@ -7,7 +7,7 @@ outside the blocks (embeddings, loss, optimizer, FSDP, route), and planning (don
 worker, so off the critical path; shown against the step time).
 
 usage: python bench/train_throughput.py [--runs CONFIG:RECIPE[:VARIANT...],...] [--steps K]
-       [--warmup W] [--seed S] [--sync-check]
+       [--warmup W] [--seed S] [--sync-check] [--trace DIR]
 Variants: ":eager" runs the per-token layers without torch.compile (the default on CUDA compiles
 them, see zellige.model.fused); ":compiled" compiles them anywhere; ":all-checkpointed"
 checkpoints every block (the default checkpoints per step only the blocks the plan's predicted
@@ -16,6 +16,10 @@ are listed. --sync-check: the first run warns at every host sync inside its step
 (torch.cuda.set_sync_debug_mode, from step start to the optimizer step) and the summary counts
 them per step and by source line; steps after the warm-up should have 0 (the first steps have
 one-time work: torch.compile, the attention kernel's check on first use).
+--trace DIR: each run trains two steps more; the first of them is profiled by torch.profiler,
+both are left out of the means; its Chrome trace (DIR/trace_CONFIG_RECIPE.json.gz) and a
+summary of where the step's time goes outside the blocks (DIR/trace_CONFIG_RECIPE.txt,
+bench/step_trace.py; printed too).
 MMDiT configs (mmdit11b-width-h200, hunyuan13b-width-h200) run the same way, e.g.
 --runs mmdit11b-width-h200:opensora2-stage2; their cross-attention share is 0 (text joins the
 self-attention, counted as attention) and their FLOPs count text tokens as attended tokens.
@@ -27,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import gzip
 import json
 import platform
 import sys
@@ -37,7 +42,9 @@ from pathlib import Path
 
 import torch
 
+import zellige.train.loop
 from _provenance import git_commit
+from step_trace import summarise_trace
 from zellige.profile import load_profile
 from zellige.train.config import get_config
 from zellige.train.loop import train
@@ -102,6 +109,9 @@ def summarise(
                     "predicted_peak_gib",
                     "checkpointed_blocks",
                     "allocated_start_gib",
+                    "alloc_retries",
+                    "reserved_gib",
+                    "data_wait_s_max",
                 )
             }
             for r in history
@@ -159,6 +169,86 @@ def sync_readout(caught: list, step_marks: list[int], warmup: int) -> dict:
     }
 
 
+@contextlib.contextmanager
+def tracing_step(step: int, path: Path):
+    """While inside, the training loop's step `step` (1-based) runs under torch.profiler; its
+    trace goes to `path` (.json.gz) and the summary to `path` with .txt, and is printed."""
+    loop = zellige.train.loop
+    run_step = loop._run_step
+
+    def traced(config, model, optimizer, scheduler, timer, device, ahead, index, watch):
+        if index + 1 != step:
+            return run_step(config, model, optimizer, scheduler, timer, device, ahead, index,
+                            watch)  # fmt: skip
+        print(f"step {step}: profiling", file=sys.stderr, flush=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as profiler:
+            record = run_step(config, model, optimizer, scheduler, timer, device, ahead,
+                              index, watch)  # fmt: skip
+        raw = path.with_suffix("")  # .json
+        profiler.export_chrome_trace(str(raw))
+        try:
+            trace = json.loads(raw.read_text())
+            summary = summarise_trace(trace)
+        except Exception as error:  # the numbers of the run matter more than this summary
+            summary = f"trace summary failed: {type(error).__name__}: {error}"
+        try:
+            summary += "\n\n" + profiler.key_averages().table(
+                sort_by="self_device_time_total"
+                if device.type == "cuda"
+                else "self_cpu_time_total",
+                row_limit=30,
+                max_name_column_width=70,
+            )
+        except Exception as error:
+            summary += f"\n(no key_averages table: {error})"
+        header = (
+            f"step {record['step']}: {record['tokens']} tokens, {record['sequences']} sequences, "
+            f"step {record['step_s'] * 1e3:.1f} ms, blocks {record['busy_s_max'] * 1e3:.1f} ms, "
+            f"outside {(record['step_s'] - record['busy_s_max']) * 1e3:.1f} ms (profiled: the "
+            "profiler slows the host)"
+        )
+        with gzip.open(path, "wt") as out:
+            out.write(raw.read_text())
+        raw.unlink()
+        path.with_suffix("").with_suffix(".txt").write_text(header + "\n" + summary + "\n")
+        print(f"\n== trace of {path.name}\n{header}\n{summary}\n", flush=True)
+        return record
+
+    loop._run_step = traced
+    try:
+        yield
+    finally:
+        loop._run_step = run_step
+
+
+@contextlib.contextmanager
+def printing_steps(label: str):
+    """While inside, each training step prints one line on stderr as it ends (a run cut by a
+    time limit still says how far it got and what each step took)."""
+    loop = zellige.train.loop
+    run_step = loop._run_step
+
+    def printed(*args):
+        record = run_step(*args)
+        print(
+            f"{label} step {record['step']}: {record['tokens']} tokens, {record['sequences']} "
+            f"sequences, {record['step_s']:.3f} s (blocks {record['busy_s_max']:.3f} s, data "
+            f"wait {record['data_wait_s_max']:.3f} s), allocator retries {record['alloc_retries']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return record
+
+    loop._run_step = printed
+    try:
+        yield
+    finally:
+        loop._run_step = run_step
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", default=DEFAULT_RUNS, help="CONFIG:RECIPE pairs, comma-separated")
@@ -169,6 +259,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the summaries here")
     parser.add_argument("--sync-check", action="store_true", help="count host syncs (run 1)")
     parser.add_argument("--profile", help="hardware profile JSON the plans use (default: built-in)")
+    parser.add_argument("--trace", help="directory: profile one more step of each run (see above)")
     args = parser.parse_args()
 
     rows = []
@@ -184,7 +275,8 @@ def main() -> int:
         config = dataclasses.replace(
             get_config(name),
             recipe=recipe,
-            steps=args.steps,
+            # traced: one step more, and one after it (a step makes the next one's inputs)
+            steps=args.steps + (2 if args.trace else 0),
             planner=args.planner,
             seed=args.seed,
             sync_debug=sync_check,
@@ -196,8 +288,17 @@ def main() -> int:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with marking_steps(caught, step_marks) if sync_check else contextlib.nullcontext():
+                with contextlib.ExitStack() as stack:
+                    if sync_check:
+                        stack.enter_context(marking_steps(caught, step_marks))
+                    stack.enter_context(printing_steps(run))
+                    if args.trace:
+                        Path(args.trace).mkdir(parents=True, exist_ok=True)
+                        label = "_".join([name, recipe, *variants])
+                        path = Path(args.trace) / f"trace_{label}.json.gz"
+                        stack.enter_context(tracing_step(args.steps + 1, path))
                     history = train(config, progress=False)
+                history = history[: args.steps]  # the profiled step is not measured
         except Exception as error:  # keep measuring the other runs; say what failed
             print(f"{run}: FAILED {type(error).__name__}: {error}", file=sys.stderr, flush=True)
             continue

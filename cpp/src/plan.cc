@@ -1,9 +1,10 @@
 #include "zellige/plan.h"
 
+#include <algorithm>
 #include <cctype>
 #include <stdexcept>
 #include <unordered_map>
-#include <unordered_set>
+#include <vector>
 
 namespace zellige {
 namespace {
@@ -137,24 +138,27 @@ void validate_plan(const Plan& plan, const Batch& batch, int64_t num_ranks, int6
   }
   std::unordered_map<int64_t, int> times_placed;
   for (const Sequence& seq : batch.sequences) times_placed[seq.id] = 0;
+  std::vector<char> in_placement(static_cast<size_t>(std::max<int64_t>(num_ranks, 0)), 0);
   for (const Placement& p : plan.placements) {
-    const std::string prefix = seq_prefix(p.sequence_id);
+    // Built only for an error: plans of tens of thousands of placements are checked per step.
+    const auto prefix = [&p] { return seq_prefix(p.sequence_id); };
     auto it = times_placed.find(p.sequence_id);
     if (it == times_placed.end()) {
-      throw std::invalid_argument(prefix + "placed but not in the batch");
+      throw std::invalid_argument(prefix() + "placed but not in the batch");
     }
-    if (++it->second > 1) throw std::invalid_argument(prefix + "placed more than once");
-    if (p.ranks.empty()) throw std::invalid_argument(prefix + "placement has no ranks");
-    std::unordered_set<int64_t> seen;
+    if (++it->second > 1) throw std::invalid_argument(prefix() + "placed more than once");
+    if (p.ranks.empty()) throw std::invalid_argument(prefix() + "placement has no ranks");
     for (int64_t rank : p.ranks) {
       if (rank < 0 || rank >= num_ranks) {
-        throw std::invalid_argument(prefix + "rank " + std::to_string(rank) + " is outside [0, " +
-                                    std::to_string(num_ranks) + ")");
+        throw std::invalid_argument(prefix() + "rank " + std::to_string(rank) +
+                                    " is outside [0, " + std::to_string(num_ranks) + ")");
       }
-      if (!seen.insert(rank).second) {
-        throw std::invalid_argument(prefix + "rank " + std::to_string(rank) + " is repeated");
+      if (in_placement[rank]) {
+        throw std::invalid_argument(prefix() + "rank " + std::to_string(rank) + " is repeated");
       }
+      in_placement[rank] = 1;
     }
+    for (int64_t rank : p.ranks) in_placement[rank] = 0;
     const int64_t degree = p.degree();
     bool degrees_ok =
         p.ulysses_degree >= 1 && p.ring_degree >= 1 && p.ulysses_degree * p.ring_degree == degree;
@@ -173,13 +177,13 @@ void validate_plan(const Plan& plan, const Batch& batch, int64_t num_ranks, int6
         break;
     }
     if (!degrees_ok) {
-      throw std::invalid_argument(prefix + "strategy " + strategy_name(p) + " (ulysses degree " +
+      throw std::invalid_argument(prefix() + "strategy " + strategy_name(p) + " (ulysses degree " +
                                   std::to_string(p.ulysses_degree) + ", ring degree " +
                                   std::to_string(p.ring_degree) + ") does not match its " +
                                   std::to_string(degree) + " ranks");
     }
     if (num_heads > 0 && p.ulysses_degree > num_heads) {
-      throw std::invalid_argument(prefix + "ulysses degree " + std::to_string(p.ulysses_degree) +
+      throw std::invalid_argument(prefix() + "ulysses degree " + std::to_string(p.ulysses_degree) +
                                   " exceeds the model's " + std::to_string(num_heads) +
                                   " heads (a rank would get no head)");
     }

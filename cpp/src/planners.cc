@@ -216,7 +216,10 @@ namespace planners {
 
 void predict_with(Plan& plan, const Batch& batch, const CostModel& cost_model,
                   EvaluationCache& cache) {
-  const PlanCost cost = cost_model.evaluate(batch, plan, cache);
+  set_prediction(plan, cost_model.evaluate(batch, plan, cache));
+}
+
+void set_prediction(Plan& plan, const PlanCost& cost) {
   plan.predicted.makespan_s = cost.makespan_s;
   plan.predicted.rank_time_s.clear();
   plan.predicted.rank_peak_bytes.clear();
@@ -247,7 +250,8 @@ Plan make_plan(const std::string& planner, const Batch& batch, const CostModel& 
   plan.plan_ms = std::chrono::duration<double, std::milli>(stop - start).count();
 
   validate_plan(plan, batch, num_ranks, cost_model.model().num_heads);
-  planners::predict_with(plan, batch, cost_model, cache);
+  // zellige evaluated its plan already (planners::zellige); the others get priced here.
+  if (planner != "zellige") planners::predict_with(plan, batch, cost_model, cache);
   // A plan never leaves here out of memory: knapformer has no memory term, and the others only
   // estimate memory additively while choosing.
   const double capacity_bytes = cost_model.memory_capacity_bytes();

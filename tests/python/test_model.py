@@ -141,36 +141,90 @@ def test_per_token_rows_equal_indexing_forward_and_backward(num_sequences: int) 
     torch.testing.assert_close(ours.grad, reference.grad, rtol=1e-15, atol=1e-15)
 
 
-def test_compiled_regions_equal_eager_and_do_not_recompile_per_step() -> None:
-    """The blocks' fused regions traced by torch.compile (aot_eager: the same graphs and
-    partitioner as on a GPU, without code generation) give eager's loss and gradients, and a
-    step of new token and text counts reuses the dynamic-shape graphs."""
-    from torch._dynamo.utils import counters
+class Recomputed(torch.nn.Module):
+    """A block recomputed in the backward (activation checkpointing, as training's BlockRunner)."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
+
+
+def test_compiled_regions_equal_eager_and_compile_once() -> None:
+    """The blocks' fused regions under torch.compile (aot_eager: the same graphs and
+    partitioner as on a GPU, without code generation) give eager's loss and gradients, and
+    compile on the first step only: later steps of other token, text and sequence counts (one
+    sequence, whose attention output is one kernel call's; a token count equal to the width;
+    the first block recomputed or not) reuse its graphs. A counting backend counts every
+    graph torch.compile makes."""
+    from torch._dynamo.testing import CompileCounterWithBackend
 
     from zellige.model import fused
 
-    def loss_and_grads(packed: PackedTokens) -> tuple[Tensor, list[Tensor]]:
+    def loss_and_grads(packed: PackedTokens, recompute: bool) -> tuple[Tensor, list[Tensor]]:
         model = _model()
+        if recompute:
+            model.blocks[0] = Recomputed(model.blocks[0])
         loss = model(packed).square().sum()
         loss.backward()
         return loss.detach(), [p.grad for p in model.parameters()]
 
-    steps = [_packed(GRIDS, TEXT_TOKENS, seed=1), _packed(GRIDS[1:], TEXT_TOKENS[1:], seed=2)]
-    steps.append(_packed([(2, 2, 3), (1, 3, 3)], [4, 6], seed=3))
-    eager = [loss_and_grads(packed) for packed in steps]
+    assert CONFIG.width == 64
+    steps = [
+        (_packed(GRIDS, TEXT_TOKENS, seed=1), False),
+        (_packed(GRIDS[1:], TEXT_TOKENS[1:], seed=2), True),
+        (_packed([(2, 3, 5)], [5], seed=3), False),  # one sequence
+        (_packed([(1, 4, 4), (3, 4, 4)], [32, 32], seed=4), True),  # 64 tokens, 64 text
+        (_packed([(2, 2, 3), (1, 3, 3)], [4, 6], seed=5), False),
+        (_packed([(1, 1, 7)], [3], seed=6), True),
+    ]
+    eager = [loss_and_grads(*step) for step in steps]
     torch._dynamo.reset()
-    counters.clear()
-    fused.use_compiled(True, backend="aot_eager")
+    counter = CompileCounterWithBackend("aot_eager")
+    fused.use_compiled(True, backend=counter)
     try:
-        compiled = [loss_and_grads(steps[0])]
-        graphs_after_first = counters["stats"]["unique_graphs"]
-        compiled += [loss_and_grads(packed) for packed in steps[1:]]
-        graphs_after_all = counters["stats"]["unique_graphs"]
+        compiled = [loss_and_grads(*steps[0])]
+        graphs_first_step = counter.frame_count
+        compiled += [loss_and_grads(*step) for step in steps[1:]]
     finally:
         fused.use_compiled(False)
     for (loss, grads), (loss_c, grads_c) in zip(eager, compiled, strict=True):
         torch.testing.assert_close(loss_c, loss, rtol=1e-12, atol=0)
         for grad, grad_c in zip(grads, grads_c, strict=True):
             torch.testing.assert_close(grad_c, grad, rtol=1e-10, atol=1e-12)
-    assert graphs_after_first > 0
-    assert graphs_after_all == graphs_after_first  # no recompilation for new sizes
+    assert graphs_first_step == 4  # the four regions of a block
+    assert counter.frame_count == graphs_first_step  # no compilation after the first step
+
+
+def test_compiled_region_ignores_the_calling_threads_thread_count() -> None:
+    """On a GPU the backward (with the recompute of checkpointed blocks) runs on another host
+    thread, whose thread count torch.compile would otherwise guard on: no second graph."""
+    import threading
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from zellige.model import fused
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fused.use_compiled(True, backend=counter)
+    threads = torch.get_num_threads()
+    x, y, gate = (torch.randn(5, 8, dtype=torch.float64) for _ in range(3))
+    try:
+        fused.kernels["gated_residual"](x, y, gate)
+        compiled = counter.frame_count
+
+        def other_thread() -> None:
+            torch.set_num_threads(threads + 1)
+            fused.kernels["gated_residual"](x[:4], y[:4], gate[:4])
+
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+    finally:
+        fused.use_compiled(False)
+        torch.set_num_threads(threads)
+    assert compiled == 1
+    assert counter.frame_count == compiled

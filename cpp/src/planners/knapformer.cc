@@ -8,9 +8,9 @@
 #include <cctype>
 #include <cstdio>
 #include <numeric>
-#include <queue>
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 #include "rank_loads.h"
 #include "registry.h"
@@ -141,11 +141,31 @@ planners::KnapformerBags planners::knapformer_assign(const Batch& batch,
   bags.of_sequence.assign(batch.sequences.size(), -1);
   // Eligibility depends on the bag size only, so each term keeps its bags ordered by
   // (occupancy, layout index) in a min-heap: the best bag of a size is the top of its heap.
+  // Entries are distinct (by index), so the top is the same whatever the heap's layout.
   using Entry = std::pair<double, int64_t>;
-  using Heap = std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>>;
+  using Heap = std::vector<Entry>;  // heap[0] is the least
   std::vector<double> occupancy(num_bags, 0.0);
   std::vector<Heap> bags_by_occupancy(terms.size());
-  for (int64_t b = 0; b < num_bags; ++b) bags_by_occupancy[bag_term[b]].push({0.0, b});
+  // Bags enter in index order at occupancy 0: already a heap.
+  for (int64_t b = 0; b < num_bags; ++b) bags_by_occupancy[bag_term[b]].push_back({0.0, b});
+  // The top's occupancy grew: sift it down (one pass, where pop + push would take two).
+  // `less` without short-circuit branches: the comparisons of a sift are hard to predict.
+  auto less = [](const Entry& a, const Entry& b) {
+    return (a.first < b.first) | ((a.first == b.first) & (a.second < b.second));
+  };
+  auto replace_top = [&less](Heap& heap, Entry entry) {
+    const size_t size = heap.size();
+    size_t at = 0;
+    for (;;) {
+      size_t child = 2 * at + 1;
+      if (child >= size) break;
+      child += static_cast<size_t>(child + 1 < size && less(heap[child + 1], heap[child]));
+      if (!less(heap[child], entry)) break;
+      heap[at] = heap[child];
+      at = child;
+    }
+    heap[at] = entry;
+  };
   for (int64_t index : work.order) {
     const Sequence& sequence = batch.sequences[index];
     const double sequence_work = work.work[index];
@@ -154,18 +174,16 @@ planners::KnapformerBags planners::knapformer_assign(const Batch& batch,
       const bool eligible =
           capacity_per_gpu * static_cast<double>(terms[t].bag_size) >= sequence_work &&
           sequence.num_tokens >= terms[t].bag_size;
-      const int64_t candidate = bags_by_occupancy[t].top().second;
+      const int64_t candidate = bags_by_occupancy[t].front().second;
       if (eligible && (best < 0 || std::make_pair(occupancy[candidate], candidate) <
                                        std::make_pair(occupancy[best], best))) {
         best = candidate;
       }
     }
-    if (best < 0) best = bags_by_occupancy.back().top().second;  // fallback: the largest bags
+    if (best < 0) best = bags_by_occupancy.back().front().second;  // fallback: the largest bags
     const int64_t size = terms[bag_term[best]].bag_size;
-    Heap& heap = bags_by_occupancy[bag_term[best]];
-    heap.pop();  // `best` is the top of its heap
     occupancy[best] += sequence_work / (capacity_per_gpu * static_cast<double>(size));
-    heap.push({occupancy[best], best});
+    replace_top(bags_by_occupancy[bag_term[best]], {occupancy[best], best});  // `best` was its top
     bags.of_sequence[index] = static_cast<int32_t>(best);
   }
   return bags;

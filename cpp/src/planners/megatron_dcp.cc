@@ -26,11 +26,13 @@
 // ... ranks until its share is below the mean rank load; the plan with the lowest rank time wins.
 #include <algorithm>
 #include <array>
+#include <cassert>
 #include <cmath>
 #include <limits>
 #include <map>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <utility>
 
 #include "rank_loads.h"
@@ -101,7 +103,7 @@ class GroupTree {
   int64_t least_loaded(double max_tokens) const {
     int64_t best = -1;
     double best_load = kInf;
-    least_loaded(1, max_tokens, &best, &best_load);
+    least_loaded(1, 0, leaves_, max_tokens, &best, &best_load);
     return best;
   }
 
@@ -113,15 +115,29 @@ class GroupTree {
     const int64_t left = first_fit(2 * node, max_load, max_tokens);
     return left >= 0 ? left : first_fit(2 * node + 1, max_load, max_tokens);
   }
-  void least_loaded(int64_t node, double max_tokens, int64_t* best, double* best_load) const {
-    if (tokens_[node] > max_tokens || load_[node] >= *best_load) return;
-    if (node >= leaves_) {
-      *best = node - leaves_, *best_load = load_[node];
+  // Branch and bound for the least (load, leaf) among leaves with tokens <= max_tokens: the child
+  // of lower load first, so that the bound tightens early; a subtree is skipped when its least
+  // load, or its first leaf at an equal load, cannot beat the best so far.
+  void least_loaded(int64_t node, int64_t first_leaf, int64_t width, double max_tokens,
+                    int64_t* best, double* best_load) const {
+    if (tokens_[node] > max_tokens || load_[node] > *best_load ||
+        (load_[node] == *best_load && first_leaf > *best)) {
       return;
     }
-    least_loaded(2 * node, max_tokens, best, best_load);
-    least_loaded(2 * node + 1, max_tokens, best, best_load);
+    if (node >= leaves_) {
+      *best = first_leaf, *best_load = load_[node];
+      return;
+    }
+    const int64_t half = width / 2;
+    if (load_[2 * node + 1] < load_[2 * node]) {
+      least_loaded(2 * node + 1, first_leaf + half, half, max_tokens, best, best_load);
+      least_loaded(2 * node, first_leaf, half, max_tokens, best, best_load);
+    } else {
+      least_loaded(2 * node, first_leaf, half, max_tokens, best, best_load);
+      least_loaded(2 * node + 1, first_leaf + half, half, max_tokens, best, best_load);
+    }
   }
+
   int64_t leaves_ = 1;
   std::vector<double> load_, tokens_;
   std::vector<int64_t> groups_;
@@ -130,7 +146,7 @@ class GroupTree {
 struct Group {
   int64_t size = 0;
   int64_t first_rank = 0;
-  double load_s = 0;             // sum of the samples' work at this size, on every member
+  double load_s = 0;  // sum of the samples' work at this size, on every member (until the fill)
   double tokens_per_rank = 0;    // sum of L / size
   std::vector<int64_t> samples;  // batch indices, in placement order
   int64_t leaf = 0;              // in the micro-batch's tree of its size
@@ -142,7 +158,6 @@ class MegatronDcp {
       : batch_(batch),
         cost_model_(cost_model),
         cache_(cache != nullptr ? cache : &own_cache_),
-        probe_loads_(cost_model, cache_),
         num_ranks_(cost_model.cluster().num_ranks()) {}
 
   Plan run();
@@ -158,43 +173,64 @@ class MegatronDcp {
                                  std::vector<int64_t>* leftovers);
   bool fill_empty_ranks(std::vector<Group>& groups);
   // The whole schedule under knob M; nullopt when a micro-batch places nothing within memory.
-  std::optional<Plan> schedule(double max_tokens, double* rank_time_s);
+  // Per sequence, the group it runs in: (first rank, size).
+  using Layout = std::vector<std::pair<int64_t, int64_t>>;
+  std::optional<Layout> schedule(double max_tokens, double* rank_time_s);
 
   const Batch& batch_;
   const CostModel& cost_model_;
   EvaluationCache own_cache_;  // when the caller passes none: shapes repeat across the knobs
   EvaluationCache* cache_;
-  planners::RankLoads probe_loads_;  // for shares only
+  // cost_model.shares, through the cache for groups of at most one node; wider ring groups
+  // uncached, since the cache also lists every position's attention calls (degree^2 of them)
+  // and megatron-dcp's fill doubles groups up to thousands of ranks (same values either way).
+  std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement) {
+    return placement.ranks.size() <= static_cast<size_t>(cost_model_.cluster().gpus_per_node)
+               ? cost_model_.shares(sequence, placement, *cache_)
+               : cost_model_.shares(sequence, placement);
+  }
   const int64_t num_ranks_;
   // By (tokens, text tokens, degree): batches repeat lengths a lot.
   std::map<std::array<int64_t, 3>, double> work_s_;
+  // The same per sequence and degree slot (NaN: not looked up yet), without the map's search.
+  std::vector<double> work_of_sequence_s_;
+  size_t work_slots_ = 0;
   std::vector<int64_t> memory_degree_;  // 0: not computed yet
+  std::map<std::pair<int64_t, int64_t>, int64_t> memory_degree_of_lengths_;  // by (tokens, text)
   // The per-token layers' time per token on a rank holding the batch's mean tokens per rank:
   // alone, a short sequence runs its GEMMs at a small-batch rate it does not have once packed.
   double linear_s_per_token_ = 0;
 };
 
 double MegatronDcp::work_s(int64_t i, int64_t degree) {
+  // Degrees are powers of two or the GPU count: slot log2(degree), or one past the last power.
+  assert((degree & (degree - 1)) == 0 || degree == num_ranks_);
+  const int log2_degree = 63 - __builtin_clzll(static_cast<uint64_t>(degree));
+  const size_t slot = static_cast<size_t>(i) * work_slots_ +
+                      static_cast<size_t>(log2_degree + ((degree & (degree - 1)) != 0 ? 1 : 0));
+  if (!std::isnan(work_of_sequence_s_[slot])) return work_of_sequence_s_[slot];
   const Sequence& sequence = batch_.sequences[i];
   auto [it, inserted] =
       work_s_.try_emplace({sequence.num_tokens, sequence.text_tokens, degree}, 0.0);
   if (inserted) {
     for (const RankShare& share :
-         probe_loads_.shares(sequence, ring_placement(sequence.id, 0, degree))) {
+         shares(sequence, ring_placement(sequence.id, 0, degree))) {
       const double time_s = static_cast<double>(share.tokens) * linear_s_per_token_ +
                             share.attention_s + share.exchange_s;
       it->second = std::max(it->second, time_s);
     }
   }
-  return it->second;
+  return work_of_sequence_s_[slot] = it->second;
 }
 
 int64_t MegatronDcp::memory_degree(int64_t i) {
   if (memory_degree_[i] > 0) return memory_degree_[i];
-  const double room_bytes = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
   const Sequence& sequence = batch_.sequences[i];
+  int64_t& of_lengths = memory_degree_of_lengths_[{sequence.num_tokens, sequence.text_tokens}];
+  if (of_lengths > 0) return memory_degree_[i] = of_lengths;
+  const double room_bytes = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
   int64_t degree = 1;
-  while (planners::placement_memory_bytes(probe_loads_.shares(
+  while (planners::placement_memory_bytes(shares(
              sequence, ring_placement(sequence.id, 0, degree))) > room_bytes) {
     if (degree == num_ranks_) {
       throw PlanMemoryError("megatron-dcp: " + planners::describe_sequence(sequence) +
@@ -203,6 +239,7 @@ int64_t MegatronDcp::memory_degree(int64_t i) {
     }
     degree = std::min(degree * 2, num_ranks_);
   }
+  of_lengths = degree;
   return memory_degree_[i] = degree;
 }
 
@@ -316,30 +353,39 @@ std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
 bool MegatronDcp::fill_empty_ranks(std::vector<Group>& groups) {
   int64_t used_ranks = 0;
   for (const Group& group : groups) used_ranks += group.size;
+  // Group indices by size, each set in creation order: the first group of the smallest size is
+  // the one that doubles.
+  std::map<int64_t, std::set<int64_t>> by_size;
+  for (size_t g = 0; g < groups.size(); ++g) by_size[groups[g].size].insert(g);
   while (used_ranks < num_ranks_) {
-    int64_t smallest = num_ranks_;
-    for (const Group& group : groups) smallest = std::min(smallest, group.size);
-    const int64_t grown = std::min(2 * smallest, num_ranks_);
-    const int64_t extra = grown - smallest;
-    int64_t g = 0;
-    while (g < static_cast<int64_t>(groups.size()) &&
-           (groups[g].size != smallest || extra > num_ranks_ - used_ranks)) {
-      ++g;
-    }
-    if (g == static_cast<int64_t>(groups.size())) return false;
+    if (by_size.empty()) return false;
+    const auto smallest = by_size.begin();
+    const int64_t grown = std::min(2 * smallest->first, num_ranks_);
+    const int64_t extra = grown - smallest->first;
+    if (extra > num_ranks_ - used_ranks) return false;
+    const int64_t g = *smallest->second.begin();
+    smallest->second.erase(smallest->second.begin());
+    if (smallest->second.empty()) by_size.erase(smallest);
+    // Its load at the new size is not re-priced: nothing reads a group's load after the fill,
+    // and pricing ring shapes of up to every rank cost most of this planner's time at scale.
     groups[g].size = grown;
-    groups[g].load_s = 0;
-    for (int64_t i : groups[g].samples) groups[g].load_s += work_s(i, grown);
-    for (size_t h = g + 1; h < groups.size(); ++h) groups[h].first_rank += extra;
+    by_size[grown].insert(g);
     used_ranks += extra;
+  }
+  // The groups after a grown one move right: each starts where the one before it ends.
+  int64_t first_rank = 0;
+  for (Group& group : groups) {
+    group.first_rank = first_rank;
+    first_rank += group.size;
   }
   return true;
 }
 
-std::optional<Plan> MegatronDcp::schedule(double max_tokens, double* rank_time_s) {
-  planners::RankLoads loads(cost_model_, cache_);
-  Plan plan = planners::empty_plan("megatron-dcp", cost_model_);
-  plan.placements.resize(batch_.sequences.size());
+std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
+                                                         double* rank_time_s) {
+  planners::RankLoads loads(cost_model_);  // totals only: shares() prices
+  Layout layout(batch_.sequences.size());
+  Placement placement;  // reused: the plan is built for the best knob only (run)
   std::vector<int64_t> pending(batch_.sequences.size());
   std::iota(pending.begin(), pending.end(), 0);
   while (!pending.empty()) {
@@ -352,14 +398,20 @@ std::optional<Plan> MegatronDcp::schedule(double max_tokens, double* rank_time_s
     for (const Group& group : groups) {
       for (int64_t i : group.samples) {
         const Sequence& sequence = batch_.sequences[i];
-        Placement placement = ring_placement(sequence.id, group.first_rank, group.size);
-        const std::vector<RankShare> shares = loads.shares(sequence, placement);
-        if (!loads.fits(shares)) {  // the union holds every micro-batch: try a later one
+        // ring_placement(sequence.id, group.first_rank, group.size), without allocating
+        placement.sequence_id = sequence.id;
+        placement.strategy = group.size == 1 ? Strategy::kLocal : Strategy::kRing;
+        placement.ranks.resize(group.size);
+        std::iota(placement.ranks.begin(), placement.ranks.end(), group.first_rank);
+        placement.ulysses_degree = 1;
+        placement.ring_degree = group.size;
+        const std::vector<RankShare> placed = shares(sequence, placement);
+        if (!loads.fits(placed)) {  // the union holds every micro-batch: try a later one
           leftovers.push_back(i);
           continue;
         }
-        loads.add(shares);
-        plan.placements[i] = std::move(placement);
+        loads.add(placed);
+        layout[i] = {group.first_rank, group.size};
         ++num_placed;
       }
     }
@@ -370,12 +422,15 @@ std::optional<Plan> MegatronDcp::schedule(double max_tokens, double* rank_time_s
   for (int64_t rank = 0; rank < num_ranks_; ++rank) {
     *rank_time_s = std::max(*rank_time_s, loads.time_s(rank));
   }
-  return plan;
+  return layout;
 }
 
 Plan MegatronDcp::run() {
   const int64_t num_sequences = static_cast<int64_t>(batch_.sequences.size());
   memory_degree_.assign(num_sequences, 0);
+  work_slots_ = static_cast<size_t>(63 - __builtin_clzll(static_cast<uint64_t>(num_ranks_))) + 2;
+  work_of_sequence_s_.assign(static_cast<size_t>(num_sequences) * work_slots_,
+                             std::numeric_limits<double>::quiet_NaN());
   if (num_sequences == 0) return planners::empty_plan("megatron-dcp", cost_model_);
   int64_t max_text_tokens = 0, tallest = 0, total_tokens = 0;
   for (int64_t i = 0; i < num_sequences; ++i) {
@@ -408,19 +463,25 @@ Plan MegatronDcp::run() {
     if (work_s(tallest, ranks) <= mean_load_s) break;
   }
 
-  std::optional<Plan> best;
+  std::optional<Layout> best;
   double best_s = std::numeric_limits<double>::infinity();
   for (double knob : knobs) {
     double rank_time_s = 0;
-    std::optional<Plan> plan = schedule(knob, &rank_time_s);
-    if (plan && rank_time_s < best_s) best = std::move(plan), best_s = rank_time_s;
+    std::optional<Layout> layout = schedule(knob, &rank_time_s);
+    if (layout && rank_time_s < best_s) best = std::move(layout), best_s = rank_time_s;
   }
   if (!best) {
     throw PlanMemoryError("megatron-dcp: no micro-batch schedule fits in memory (" +
                           planners::format_gib(cost_model_.memory_capacity_bytes()) +
                           " per rank)");
   }
-  return *std::move(best);
+  Plan plan = planners::empty_plan("megatron-dcp", cost_model_);
+  plan.placements.reserve(batch_.sequences.size());
+  for (int64_t i = 0; i < num_sequences; ++i) {
+    const auto [first_rank, size] = (*best)[i];
+    plan.placements.push_back(ring_placement(batch_.sequences[i].id, first_rank, size));
+  }
+  return plan;
 }
 
 }  // namespace

@@ -21,13 +21,19 @@ Plan dp_cost(const Batch& batch, const CostModel& cost_model, EvaluationCache* c
 Plan static_cp(const Batch& batch, const CostModel& cost_model, int64_t group_size,
                EvaluationCache* cache);
 Plan megatron_dcp(const Batch& batch, const CostModel& cost_model, EvaluationCache* cache);
-// zellige with `cache`, which then holds every shape of its plan: make_plan prices the plan with
-// it (same numbers, bit for bit) instead of evaluating every placement again.
+// zellige with `cache`. Its plan comes with plan.predicted filled: zellige prices its finalists
+// exactly (CostModel::evaluate with `cache`), so make_plan does not evaluate the plan again.
 Plan zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options,
              EvaluationCache* cache);
+// zellige's local search alone from `start` (a plan of the batch within memory), for tests of its
+// moves; `whole_anchor_moves` false leaves out those of zellige_moves.h.
+Plan zellige_search(const Batch& batch, const CostModel& cost_model, const Plan& start,
+                    bool whole_anchor_moves);
 // predict (planners.h) with the caller's cache.
 void predict_with(Plan& plan, const Batch& batch, const CostModel& cost_model,
                   EvaluationCache& cache);
+// plan.predicted from an exact evaluation of this plan (what predict_with fills).
+void set_prediction(Plan& plan, const PlanCost& cost);
 
 // KnapFormer in three steps, so that zellige can price its bags before building a plan.
 // Every spec of one gamma shares the work per sequence and the heaviest-first order.

@@ -11,11 +11,14 @@
 // node if that stays within T, else goes to the least-loaded rank. A sweep over T (and, when
 // anchors outnumber ranks, over shapes of half the target so that anchors can share ranks) keeps
 // the best construction. Local search then lowers the busiest rank while it can: move or swap a
-// filler, re-mould one of its anchors (another strategy, swap a rank, add one, drop it), or shard
-// one of its fillers. Every covered baseline (planners.h) is built too; the most promising one
-// that fits is searched the same way, and the result is the fastest of all these plans under the
-// exact CostModel::evaluate (memoised), so never slower than any covered baseline; within 0.5%
-// of the fastest, the lowest peak memory wins (docs/planner.md).
+// filler, re-mould one of its anchors (another strategy, swap a rank, add one, drop it), shard
+// one of its fillers, or, failing those, move a whole anchor to an aligned window or put two
+// anchors on the union of their ranks (zellige_moves.h). Every covered baseline (planners.h) is
+// built too; the (up to four) most promising ones that fit are searched the same way, and so is
+// a start of aligned bags when a few long sequences dominate (zellige_moves.h); the result is the
+// fastest of all these plans under the exact CostModel::evaluate (memoised), so never slower
+// than any covered baseline; within 0.5% of the fastest, the lowest peak memory wins
+// (docs/planner.md).
 //
 // Rank time is additive over the sequences a rank holds except the per-token layers, which depend
 // on the rank's token total (CostModel::linear_time_s), so every rank keeps its totals and every
@@ -56,7 +59,7 @@ std::string shortest(double value) {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // Baseline plans (besides the sweep's) that start a local search of their own.
-constexpr size_t kBaselineStarts = 1;
+constexpr size_t kBaselineStarts = 4;
 // The KnapFormer gamma of the covered specs (make_plan's default: covered_baselines names none).
 constexpr double kCoveredKnapformerGamma = 0.4;
 // Among plans within this fraction of the fastest, the one with the lowest peak memory wins.
@@ -77,6 +80,16 @@ constexpr int kMovePartners = 3;
 constexpr int kSwapPartners = 6;
 constexpr int kRemouldPartners = 4;
 constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tried for sharding
+// Whole-anchor moves (zellige_moves.h): windows on this many least-loaded nodes (and the anchor's
+// own), this many partner anchors, and at most this many such moves per anchor of a search.
+constexpr int kWindowNodes = 4;
+constexpr size_t kPairPartners = 8;
+constexpr int64_t kAnchorMovesPerAnchor = 4;
+// The bag start (zellige_moves.h): sequences of at least this fraction of the mean load per rank
+// go to bags; only while its refinement tries at most kBagWork windows (up to ~64 GPUs).
+constexpr double kBagItemFraction = 0.25;
+constexpr double kBagWork = 4e6;
+constexpr int32_t kBagRun = 4;
 // A sequence of at least this fraction of the mean load per rank is sharded without need when
 // that saves at least kEfficientShapeMinGain of its rank-seconds.
 constexpr double kEfficientShapeMinLoad = 0.1;
@@ -200,9 +213,21 @@ class MinTree {
     min_s_[node] = time_s;
     for (node /= 2; node >= 1; node /= 2) pull(node);
   }
-  // The lowest rank >= `from` whose time is at most `cut_s`, or -1.
+  // The lowest rank >= `from` whose time is at most `cut_s`, or -1: up from the leaf of `from`
+  // to the first right sibling holding such a rank, then down to its leftmost one.
   int64_t first_at_most(double cut_s, int64_t from = 0) const {
-    return first_at_most(1, 0, leaves_, cut_s, from);
+    if (from >= leaves_) return -1;
+    int64_t node = leaves_ + from;
+    if (min_s_[node] <= cut_s) return from;
+    // Invariant: no rank from `from` to the end of node's range is at most the cut.
+    for (;;) {
+      if (node == 1) return -1;
+      if ((node & 1) == 0 && min_s_[node + 1] <= cut_s) break;
+      node /= 2;
+    }
+    node += 1;
+    while (node < leaves_) node = min_s_[2 * node] <= cut_s ? 2 * node : 2 * node + 1;
+    return node - leaves_;
   }
   int64_t argmin() const {
     int64_t node = 1;
@@ -214,14 +239,6 @@ class MinTree {
 
  private:
   void pull(int64_t node) { min_s_[node] = std::min(min_s_[2 * node], min_s_[2 * node + 1]); }
-  int64_t first_at_most(int64_t node, int64_t begin, int64_t end, double cut_s,
-                        int64_t from) const {
-    if (end <= from || min_s_[node] > cut_s) return -1;
-    if (node >= leaves_) return begin;
-    const int64_t middle = (begin + end) / 2;
-    const int64_t left = first_at_most(2 * node, begin, middle, cut_s, from);
-    return left >= 0 ? left : first_at_most(2 * node + 1, middle, end, cut_s, from);
-  }
 
   int64_t leaves_ = 1;
   std::vector<double> min_s_;  // [1] root, [leaves_ + rank] leaves; padding leaves are infinite
@@ -249,6 +266,8 @@ class ZelligePlanner {
         cache_(cache) {}
 
   Plan run();
+  // Local search alone from `start` (planners::zellige_search, for tests of the moves).
+  Plan search_only(const Plan& start, bool whole_anchor_moves);
 
  private:
   // Per-token layers' time: exact in local search and final pricing; during the construction
@@ -295,7 +314,11 @@ class ZelligePlanner {
   double least_floor_share_s(int32_t sequence, int64_t size);
   const ShapeChoice& shape_at(int32_t sequence, int64_t degree);
   int64_t degree_for(int32_t sequence, double target_s);
-  void construct(double target_s, double share_fraction, Solution* s);
+  // Stops early, with a makespan above `stop_above_s`, once a rank's time exceeds it (a rank's
+  // time only grows in stage 2: see times_only_grow).
+  void construct(double target_s, double share_fraction, Solution* s,
+                 double stop_above_s = kInf);
+  bool times_only_grow();
   double select_anchor_ranks(int32_t sequence, int64_t degree, const Solution& s,
                              std::vector<int64_t>* ranks);
   // Records `sequence` as an anchor of its best shape of `degree` on `ranks` (shares added).
@@ -306,6 +329,7 @@ class ZelligePlanner {
   bool place_anchor(int32_t sequence, int64_t degree, Solution* s);
   bool place_anchor_within(int32_t sequence, double share_s, double target_s, Solution* s);
   bool split_filler(int32_t sequence, double target_s, Solution* s);
+  void sort_split_nodes();
   void resort_node(const Solution& s, int64_t node);
   void add_filler(Solution* s, int32_t sequence, int64_t rank) const;
   void remove_filler(Solution* s, int32_t sequence) const;
@@ -322,6 +346,12 @@ class ZelligePlanner {
   bool try_swap(Solution* s, int64_t busiest);
   bool try_remould(Solution* s, int64_t busiest);
   bool try_promote(Solution* s, int64_t busiest);
+  // zellige_moves.h
+  void window_nodes(const Solution& s, const AnchorPlacement& anchor, int count,
+                    std::vector<int64_t>* nodes);
+  bool try_relocate(Solution* s, int64_t busiest);
+  bool try_pair(Solution* s, int64_t busiest);
+  bool bag_start(bool busiest_only, int32_t max_run, Plan* plan);
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
                       const std::vector<RankShare>& new_shares);
 
@@ -334,6 +364,8 @@ class ZelligePlanner {
   // Memoised shares and exact evaluation of this batch; make_plan prices the result with it.
   EvaluationCache& cache_;
   mutable std::vector<double> linear_grid_s_;  // -1: not computed yet
+  int times_only_grow_ = -1;                   // its memo: -1 not checked yet, 0 no, 1 yes
+  int64_t total_tokens_ = 0;
   double rate_s_per_token_ = 0;                // per-token layers at the mean token count per rank
   double free_bytes_ = 0;                      // memory capacity minus the fixed bytes, per rank
   std::vector<int64_t> local_tokens_;
@@ -342,6 +374,7 @@ class ZelligePlanner {
   std::vector<int64_t> efficient_degree_;  // fewest rank-seconds (1: whole on one rank)
   double mean_load_s_ = 0;                 // local estimates summed, per rank
   std::vector<int32_t> shape_key_;         // the first sequence of the batch with the same lengths
+  std::vector<std::pair<int32_t, int64_t>> shape_key_counts_;  // each shape key, its sequences
   std::vector<std::vector<ShapeChoice>> shape_cache_;  // [shape key][degree], filled on demand
 
   // Scratch, reused across calls.
@@ -349,6 +382,14 @@ class ZelligePlanner {
   std::vector<std::vector<int64_t>> node_ranks_by_time_;
   std::vector<std::pair<double, int64_t>> node_keys_;  // stage 1's scan beyond a node
   MinTree open_ranks_;                                 // stage 2: rank times
+  // Stage 2: the shape key of the last filler that fit none of the ranks it tried (-1: none),
+  // those ranks, and the last rank its scan reached.
+  int32_t failed_key_ = -1;
+  // Stage 2: nodes a split looked at since their order was last set, and the rank times then.
+  std::vector<char> split_pending_;
+  std::vector<double> split_times_s_;
+  std::vector<int64_t> failed_ranks_;
+  int64_t failed_last_rank_ = -1;
   // Stage 1: per degree d, over nodes, the time of the node's d-th least-loaded rank.
   std::vector<MinTree> node_trees_;
   std::vector<double> node_keys_s_;
@@ -360,6 +401,15 @@ class ZelligePlanner {
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
   std::vector<RankShare> best_shares_;
+  // zellige_moves.h's scratch and budget.
+  std::vector<double> node_load_s_;
+  std::vector<int64_t> window_nodes_;
+  std::vector<int32_t> partner_slots_;
+  std::vector<RankShare> candidate_shares_, pair_old_, pair_new_, best_pair_shares_;
+  int64_t relocations_left_ = 0;
+  std::vector<int32_t> bag_items_;
+  std::vector<double> rank_load_s_;
+  bool whole_anchor_moves_ = true;
   // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
   std::unordered_map<int64_t, std::vector<double>> group_floor_s_;
   // floor_bound's sums per set of sizes: the bound without KnapFormer's terms, and per size
@@ -388,6 +438,7 @@ class ZelligePlanner {
 
 void ZelligePlanner::prepare() {
   const int64_t total = total_tokens(batch_);
+  total_tokens_ = total;
   const int64_t tokens_per_rank = std::max<int64_t>(1, total / num_ranks_);
   rate_s_per_token_ = linear_s(tokens_per_rank) / static_cast<double>(tokens_per_rank);
   free_bytes_ = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
@@ -399,12 +450,19 @@ void ZelligePlanner::prepare() {
   // Shares depend on the lengths only, and bucketed batches repeat them a lot.
   shape_key_.resize(num_sequences_);
   std::unordered_map<std::pair<int64_t, int64_t>, int32_t, PairHash> first_of_lengths;
+  shape_key_counts_.clear();
+  std::vector<int32_t> key_position(num_sequences_, -1);  // by first sequence: its count's index
   for (int64_t i = 0; i < num_sequences_; ++i) {
     const Sequence& sequence = batch_.sequences[i];
     const auto [it, inserted] = first_of_lengths.try_emplace(
         {sequence.num_tokens, sequence.text_tokens}, static_cast<int32_t>(i));
     const int32_t first = it->second;
     shape_key_[i] = first;
+    if (inserted) {
+      key_position[first] = static_cast<int32_t>(shape_key_counts_.size());
+      shape_key_counts_.push_back({first, 0});
+    }
+    ++shape_key_counts_[key_position[first]].second;
     if (!inserted) {
       local_tokens_[i] = local_tokens_[first];
       local_other_s_[i] = local_other_s_[first];
@@ -416,6 +474,7 @@ void ZelligePlanner::prepare() {
         cost_model_.shares(sequence, to_placement(sequence.id, Shape{}, {0})).front();
     local_tokens_[i] = share.tokens;
     local_other_s_[i] = share.attention_s + share.exchange_s;
+    assert(local_other_s_[i] >= 0);  // times_only_grow relies on it
     local_memory_bytes_[i] = share.memory_bytes;
     local_estimate_s_[i] = estimate_s(share);
   }
@@ -604,8 +663,9 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
       const double value = (*share_memos[t])[shape_key_[i]];
       return std::isnan(value) ? least_floor_share_s(static_cast<int32_t>(i), sizes[t]) : value;
     };
+    // Everything below depends on a sequence's lengths only: once per shape key, times its count.
     double total_s = 0, largest_per_rank_s = 0, smallest_s = kInf;
-    for (int64_t i = 0; i < num_sequences_; ++i) {
+    for (const auto& [i, count] : shape_key_counts_) {
       double least_s = kInf, least_per_rank_s = kInf;
       bool any_eligible = !knapformer;
       size_t lowest = num_sizes, highest = 0;  // eligible size indices
@@ -636,10 +696,10 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
         shares_nonnegative = shares_nonnegative && least_share_of(i, num_sizes - 1) >= 0;
       }
       if (knapformer) {
-        forced_up_s[lowest] += least_s;
-        forced_down_s[highest] += least_s;
+        forced_up_s[lowest] += static_cast<double>(count) * least_s;
+        forced_down_s[highest] += static_cast<double>(count) * least_s;
       }
-      total_s += least_s;
+      total_s += static_cast<double>(count) * least_s;
       largest_per_rank_s = std::max(largest_per_rank_s, least_per_rank_s);
     }
     memo.bound_s = total_s / static_cast<double>(num_ranks_);
@@ -938,6 +998,7 @@ void ZelligePlanner::remove_filler(Solution* s, int32_t sequence) const {
 
 void ZelligePlanner::add_anchor_shares(Solution* s, int32_t slot) const {
   for (const RankShare& share : s->anchors[slot].shares) {
+    assert(share.attention_s + share.exchange_s >= 0);  // times_only_grow relies on it
     s->tokens[share.rank] += share.tokens;
     s->other_s[share.rank] += share.attention_s + share.exchange_s;
     s->memory_bytes[share.rank] += share.memory_bytes;
@@ -995,13 +1056,16 @@ void ZelligePlanner::import_plan(const Plan& plan, Solution* s) {
 
 // One plan aiming at makespan `target_s`; each anchor's shape alone must fit `share_fraction` of
 // the target (a half lets two anchors share ranks).
-void ZelligePlanner::construct(double target_s, double share_fraction, Solution* s) {
+void ZelligePlanner::construct(double target_s, double share_fraction, Solution* s,
+                               double stop_above_s) {
   s->reset(num_ranks_, num_sequences_);
   for (int64_t node = 0; node < num_nodes_; ++node) {
     std::iota(node_ranks_by_time_[node].begin(), node_ranks_by_time_[node].end(),
               node * gpus_per_node_);
   }
   node_keys_s_.assign(num_nodes_, 0.0);
+  split_pending_.assign(num_nodes_, 0);
+  split_times_s_.resize(num_ranks_);
   node_trees_.resize(gpus_per_node_);
   for (MinTree& tree : node_trees_) tree.reset(node_keys_s_);
   auto place_by_degree = [&](int32_t sequence, int64_t degree) {
@@ -1033,6 +1097,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
   // within it. A filler that fits nowhere is split over the least-loaded ranks if that meets the
   // target, else goes whole to the least-loaded rank with the memory (LPT).
   open_ranks_.reset(s->time_s);
+  failed_key_ = -1;
   for (int32_t sequence : order_) {
     if (s->anchor_slot[sequence] >= 0) continue;
     const int64_t tokens = local_tokens_[sequence];
@@ -1043,7 +1108,22 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
       // Estimates use the mean per-token rate; a few ranks below the cut are priced exactly.
       const double cut_s = target_s - 0.98 * local_estimate_s_[sequence];
       int64_t rank = -1;
-      for (int tries = 0; tries < 8; ++tries) {
+      int tries = 0;
+      // Ranks only get busier in stage 2: those where the previous filler of these lengths failed
+      // still fail, or are now above the cut; only the scan past them is left to do.
+      if (failed_key_ == shape_key_[sequence] && times_only_grow()) {
+        size_t kept = 0;
+        for (int64_t failed : failed_ranks_) {
+          if (s->time_s[failed] <= cut_s) failed_ranks_[kept++] = failed;
+        }
+        failed_ranks_.resize(kept);
+        tries = static_cast<int>(kept);
+        rank = failed_last_rank_;
+      } else {
+        failed_ranks_.clear();
+        failed_last_rank_ = -1;
+      }
+      for (; tries < 8; ++tries) {
         rank = open_ranks_.first_at_most(cut_s, rank + 1);
         if (rank < 0) break;
         if (s->memory_bytes[rank] + bytes <= free_bytes_ &&
@@ -1051,7 +1131,10 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
           chosen = rank;
           break;
         }
+        failed_ranks_.push_back(rank);
+        failed_last_rank_ = rank;
       }
+      failed_key_ = chosen < 0 ? shape_key_[sequence] : -1;
       if (chosen < 0 && split_filler(sequence, target_s, s)) continue;
     }
     if (chosen < 0) {
@@ -1069,6 +1152,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
     }
     if (chosen < 0) {
       // No rank has the memory left for it whole: shard it like an anchor.
+      sort_split_nodes();
       for (int64_t node = 0; node < num_nodes_; ++node) resort_node(*s, node);
       place_by_degree(sequence, 2);
       open_ranks_.reset(s->time_s);
@@ -1076,8 +1160,37 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
     }
     add_filler(s, sequence, chosen);
     open_ranks_.update(chosen, s->time_s[chosen]);
+    if (s->time_s[chosen] > stop_above_s && times_only_grow()) {
+      s->makespan_s = s->time_s[chosen];  // a lower bound of the finished construction's
+      return;
+    }
   }
   finish(s);
+}
+
+// Whether, in the sweep, a rank's time linear_s(tokens) + other_s can only grow as it takes more
+// shares (so a construction may stop once a rank is too slow): shares add non-negative attention
+// and exchange time (the cost model's terms), and linear_s must not decrease up to the batch's
+// total tokens. Checked once on its exact values below kInterpolateFrom and on the knots above
+// (it is linear between knots).
+bool ZelligePlanner::times_only_grow() {
+  if (exact_) return false;
+  if (times_only_grow_ < 0) {
+    times_only_grow_ = 1;
+    double previous_s = 0;
+    for (int64_t tokens = 1;;) {
+      const double time_s = linear_s(tokens);
+      if (time_s < previous_s) {
+        times_only_grow_ = 0;
+        break;
+      }
+      previous_s = time_s;
+      if (tokens >= total_tokens_) break;  // the first knot at or above the total is the last
+      const int octave = 63 - __builtin_clzll(static_cast<uint64_t>(tokens));
+      tokens += tokens < kInterpolateFrom ? 1 : int64_t{1} << (octave - kStepsPerOctaveLog2);
+    }
+  }
+  return times_only_grow_ == 1;
 }
 
 // A filler that fits whole on no rank under the target, sharded over 2..kMaxSplitDegree of the
@@ -1087,18 +1200,31 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
   const int64_t max_degree = std::min(kMaxSplitDegree, gpus_per_node_);
   if (max_degree < 2) return false;
   const int64_t node = node_of(open_ranks_.argmin());
-  std::vector<int64_t>& node_ranks = node_ranks_by_time_[node];
-  std::iota(node_ranks.begin(), node_ranks.end(), node * gpus_per_node_);
-  std::sort(node_ranks.begin(), node_ranks.end(), [&](int64_t a, int64_t b) {
-    return s->time_s[a] < s->time_s[b] || (s->time_s[a] == s->time_s[b] && a < b);
-  });
+  // The node's max_degree least-loaded ranks by (time, id). Its whole order, which stage 1's
+  // rank picking reads, is needed again only if a filler must then be placed like an anchor:
+  // sort_split_nodes sorts it there, by the times of now.
+  const int64_t first = node * gpus_per_node_;
+  std::copy(s->time_s.begin() + first, s->time_s.begin() + first + gpus_per_node_,
+            split_times_s_.begin() + first);
+  split_pending_[node] = 1;
+  int64_t node_ranks[kMaxSplitDegree];
+  int64_t count = 0;
+  for (int64_t rank = first; rank < first + gpus_per_node_; ++rank) {
+    const double time_s = s->time_s[rank];
+    if (count == max_degree && time_s >= s->time_s[node_ranks[count - 1]]) continue;
+    int64_t at = count < max_degree ? count++ : count - 1;
+    for (; at > 0 && s->time_s[node_ranks[at - 1]] > time_s; --at) {
+      node_ranks[at] = node_ranks[at - 1];
+    }
+    node_ranks[at] = rank;
+  }
   for (int64_t degree = 2; degree <= max_degree; ++degree) {
     // A share is at least about 1/degree of the whole: skip pricing shapes that cannot fit.
     const double least_share_s = 0.95 * local_estimate_s_[sequence] / static_cast<double>(degree);
     if (s->time_s[node_ranks[degree - 1]] + least_share_s > target_s) continue;
     const ShapeChoice& choice = shape_at(sequence, degree);
     if (!choice.feasible) continue;
-    candidate_ranks_.assign(node_ranks.begin(), node_ranks.begin() + degree);
+    candidate_ranks_.assign(node_ranks, node_ranks + degree);
     sort_ranks(&candidate_ranks_);
     // Inside one node the canonical shares hold for any ranks: links differ by node only.
     bool within = true;
@@ -1114,6 +1240,19 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
     return true;
   }
   return false;
+}
+
+// The order of every node split_filler looked at: by the times of then, then id.
+void ZelligePlanner::sort_split_nodes() {
+  for (int64_t node = 0; node < num_nodes_; ++node) {
+    if (!split_pending_[node]) continue;
+    split_pending_[node] = 0;
+    std::vector<int64_t>& ranks = node_ranks_by_time_[node];
+    std::iota(ranks.begin(), ranks.end(), node * gpus_per_node_);
+    std::sort(ranks.begin(), ranks.end(), [&](int64_t a, int64_t b) {
+      return split_times_s_[a] < split_times_s_[b] || (split_times_s_[a] == split_times_s_[b] && a < b);
+    });
+  }
 }
 
 // The `count` least-loaded ranks (by time, then id), skipping ranks marked in `excluded`.
@@ -1389,12 +1528,13 @@ bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
 int64_t ZelligePlanner::local_search(Solution* s, Clock::time_point deadline) {
   const int64_t max_steps = 20 * (num_sequences_ + num_ranks_) + 1000;
   int64_t step = 0;
+  relocations_left_ = whole_anchor_moves_ ? kAnchorMovesPerAnchor * s->num_anchors : 0;
   for (; step < max_steps; ++step) {
     if ((step & 15) == 15 && Clock::now() > deadline) break;
     const int64_t busiest =
         std::max_element(s->time_s.begin(), s->time_s.end()) - s->time_s.begin();
     if (!try_move(s, busiest) && !try_swap(s, busiest) && !try_remould(s, busiest) &&
-        !try_promote(s, busiest)) {
+        !try_promote(s, busiest) && !try_relocate(s, busiest) && !try_pair(s, busiest)) {
       break;
     }
   }
@@ -1418,18 +1558,20 @@ Plan ZelligePlanner::run() {
   // A construction can run out of memory where another (or dp-cost) does not: it then counts as
   // infinitely slow, and the planner refuses only when every one of them failed.
   std::string memory_error;
-  auto build = [&](double target_s, double share_fraction, Solution* s) {
+  auto build = [&](double target_s, double share_fraction, Solution* s, double stop_above_s) {
     try {
-      construct(target_s, share_fraction, s);
+      construct(target_s, share_fraction, s, stop_above_s);
     } catch (const PlanMemoryError& error) {
       if (memory_error.empty()) memory_error = error.what();
       s->makespan_s = kInf;
     }
   };
-  build(kInf, 1.0, &best);
+  build(kInf, 1.0, &best, kInf);
   double best_target_s = kInf;
+  // A construction whose busiest rank exceeds both the target and the best makespan can neither
+  // meet the target nor win: it stops there (construct).
   auto try_target = [&](double target_s) {
-    build(target_s, 1.0, &current);
+    build(target_s, 1.0, &current, std::max(target_s, best.makespan_s));
     bool met = current.makespan_s <= target_s;
     // More anchor shares than ranks: some anchors must share ranks, which only shapes of at most
     // half the target allow (e.g. two videos on three ranks instead of one on two).
@@ -1439,7 +1581,7 @@ Plan ZelligePlanner::run() {
       best_target_s = target_s;
     }
     if (crowded) {
-      build(target_s, kSharedAnchorFraction, &current);
+      build(target_s, kSharedAnchorFraction, &current, std::max(target_s, best.makespan_s));
       met = met || current.makespan_s <= target_s;
       if (current.makespan_s < best.makespan_s) {
         std::swap(best, current);
@@ -1566,6 +1708,14 @@ Plan ZelligePlanner::run() {
     search_from(&current, "search:" + seed.name);
     ++starts;
   }
+  for (const bool busiest_only : {true, false}) {
+    for (const int32_t max_run : {int32_t{1}, kBagRun}) {
+      Plan bags;
+      if (!bag_start(busiest_only, max_run, &bags)) break;
+      import_plan(bags, &current);
+      if (std::isfinite(current.makespan_s)) search_from(&current, "search:bags");
+    }
+  }
 
   // The exact comparison (CostModel::evaluate, as `zellige compare` prices plans): the fastest
   // plan that fits; among plans within kMemoryTieBreak of it and no slower than any baseline, the
@@ -1599,6 +1749,7 @@ Plan ZelligePlanner::run() {
     }
   }
   Plan plan = chosen->plan;
+  planners::set_prediction(plan, chosen->cost);  // make_plan's prediction: priced already
   plan.planner = "zellige";
   plan.note = "anchors=" + std::to_string(best.num_anchors) +
               " target_s=" + shortest(best_target_s) + " constructed_s=" + shortest(constructed_s) +
@@ -1608,6 +1759,15 @@ Plan ZelligePlanner::run() {
               (chosen->cost.makespan_s > best_s ? " memory_tie_break" : "");
   plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   return plan;
+}
+
+Plan ZelligePlanner::search_only(const Plan& start, bool whole_anchor_moves) {
+  prepare();
+  whole_anchor_moves_ = whole_anchor_moves;
+  Solution s;
+  import_plan(start, &s);
+  local_search(&s, Clock::now() + std::chrono::seconds(60));
+  return to_plan(s);
 }
 
 Plan ZelligePlanner::to_plan(const Solution& s) const {
@@ -1627,6 +1787,8 @@ Plan ZelligePlanner::to_plan(const Solution& s) const {
   return plan;
 }
 
+#include "zellige_moves.h"
+
 }  // namespace
 
 Plan plan_zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options) {
@@ -1640,6 +1802,13 @@ Plan zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptio
              EvaluationCache* cache) {
   if (cache == nullptr) return plan_zellige(batch, cost_model, options);
   return ZelligePlanner(batch, cost_model, options, *cache).run();
+}
+
+Plan zellige_search(const Batch& batch, const CostModel& cost_model, const Plan& start,
+                    bool whole_anchor_moves) {
+  EvaluationCache cache;
+  const PlannerOptions options;
+  return ZelligePlanner(batch, cost_model, options, cache).search_only(start, whole_anchor_moves);
 }
 
 }  // namespace planners

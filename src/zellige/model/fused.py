@@ -5,18 +5,22 @@ residuals, QK norm with RoPE, bias adds, GELU.
 Two levels: the elementwise pieces (modulated_layer_norm, gated_residual, rms_norm_heads,
 rms_norm_rope), and the block's regions between attention calls (self_attention_in,
 self_attention_out_cross_in, cross_attention_kv, cross_attention_out_ffn), which the blocks call;
-the MMDiT's (mmdit.py) likewise: joint_stream_in and joint_stream_out_ffn per stream of a
-double-stream block, single_stream_in and single_stream_out around a single-stream block's
-attention.
+the MMDiT's (mmdit.py) likewise: joint_stream_in (joint_text_stream_in for the unrotated text)
+and joint_stream_out_ffn per stream of a double-stream block, single_stream_in and
+single_stream_out around a single-stream block's attention.
 Eager, each piece is a chain of memory-bound passes over [T, D] (several in float32); compiled
-(use_compiled(True)), a region is its GEMMs plus a few fused kernels, and the partitioner keeps
-fewer, bf16 activations for the backward. Both compute the same thing in float32 (float64 for
-float64 activations) and return the activation dtype. Legend in config.py.
+(use_compiled(True); CompiledRegion: once per dtype, never per step), a region is its GEMMs
+plus a few fused kernels, and the partitioner keeps fewer, bf16 activations for the backward.
+Both compute the same thing in float32 (float64 for float64 activations) and return the
+activation dtype. Legend in config.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.fx.experimental._config
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -145,6 +149,20 @@ def joint_stream_in(
     return qkv_heads(qkv_T3D, norm_q_w, norm_k_w, qk_eps, num_heads, cos_T1P, sin_T1P)
 
 
+def joint_text_stream_in(
+    x_TD: Tensor,
+    shift_TD: Tensor,
+    scale_TD: Tensor,
+    eps: float,
+    weights: tuple[Tensor, ...],
+    qk_eps: float,
+    num_heads: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """joint_stream_in for the text stream (no RoPE): a function of its own, so that compiled it
+    is a graph of its own, not a second variant of the visual stream's."""
+    return joint_stream_in(x_TD, shift_TD, scale_TD, eps, weights, qk_eps, num_heads)
+
+
 def qkv_heads(
     qkv_T3D: Tensor,
     norm_q_w: Tensor,
@@ -238,6 +256,7 @@ _EAGER = {
     "cross_attention_kv": cross_attention_kv,
     "cross_attention_out_ffn": cross_attention_out_ffn,
     "joint_stream_in": joint_stream_in,
+    "joint_text_stream_in": joint_text_stream_in,
     "joint_stream_out_ffn": joint_stream_out_ffn,
     "single_stream_in": single_stream_in,
     "single_stream_out": single_stream_out,
@@ -246,12 +265,79 @@ kernels = dict(_EAGER)  # what the blocks call
 _compiled: dict[str, dict] = {}  # by backend
 
 
+class _Alias(torch.autograd.Function):
+    """Identity whose outputs share their inputs' memory but are not views of them: a compiled
+    region then sees each argument as a plain tensor, whatever it was cut from (a view's base
+    is part of what torch.compile specialises on, and it differs between steps: the attention
+    output of one kernel call is a view of that call's buffer, of several calls a fresh one)."""
+
+    @staticmethod
+    def forward(ctx, *tensors: Tensor) -> tuple[Tensor, ...]:
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor, ...]:
+        return grads
+
+
+class CompiledRegion:
+    """A per-token function under torch.compile that compiles once per dtype and layout and
+    never per step. The graph's only varying sizes are the token counts: every tensor argument
+    has its tokens on dim 0, marked dynamic; the weights (the tuple arguments) and every other
+    dim are static, so kernels are generated for the model's widths. Each step's arguments are
+    made to look alike before the call: attention outputs ([T, N, H], the 3-D arguments) are
+    made contiguous (a transposed one was copied by the region's flatten anyway), views are
+    passed as plain tensors (_Alias), sizes are not "duck shaped" (an equality of two sizes
+    that holds by chance on the first step, a text count equal to an offset, say, would become
+    a guard that a later step fails), and the calling thread has the thread count of the first
+    call. What still compiles again: a token count of 0 or 1, and, on a GPU, the first step
+    whose buffers pass 2^31 elements (inductor guards its 32-bit indexing).
+    tests/python/test_model.py and test_mmdit.py count the compilations over steps of new
+    shapes."""
+
+    # the host thread count torch.compile saw first: torch.compile guards on it, and the thread
+    # that runs the backward on a GPU (recomputing checkpointed blocks) may have another
+    threads: int | None = None
+
+    def __init__(self, fn, backend: str) -> None:
+        self.__name__ = fn.__name__
+        self._compiled = torch.compile(fn, backend=backend, dynamic=None)
+
+    def __call__(self, *args):
+        if CompiledRegion.threads is None:
+            CompiledRegion.threads = torch.get_num_threads()
+        elif torch.get_num_threads() != CompiledRegion.threads:
+            torch.set_num_threads(CompiledRegion.threads)  # this thread's; kernels run on the GPU
+        positions = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+        tensors = [args[i].contiguous() if args[i].dim() == 3 else args[i] for i in positions]
+        args = list(args)
+        for i, tensor in zip(positions, _Alias.apply(*tensors), strict=True):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            args[i] = tensor
+        with _no_duck_shapes():
+            return self._compiled(*args)
+
+
+def _no_duck_shapes():
+    config = torch.fx.experimental._config
+    if hasattr(config, "use_duck_shape"):
+        return config.patch(use_duck_shape=False)
+    return contextlib.nullcontext()
+
+
 def use_compiled(enabled: bool, backend: str = "inductor") -> None:
-    """Switches the blocks' per-token functions to torch.compile'd ones or back. Dynamic shapes
-    from the first call on (the token and text counts change every step), so a new step's sizes
-    reuse the compiled code instead of compiling again."""
+    """Switches the blocks' per-token functions to compiled ones (CompiledRegion) or back."""
+    if enabled:
+        import torch._inductor.config
+
+        # inductor fuses a norm's row and column reductions ("mix order") only above size
+        # thresholds, which it guards on the token count: a step across one compiled again.
+        # The non-strict mode skips those checks (fuses at any size, no guard).
+        triton = torch._inductor.config.triton
+        if hasattr(triton, "mix_order_reduction_non_strict_mode"):
+            triton.mix_order_reduction_non_strict_mode = True
+        elif hasattr(triton, "mix_order_reduction"):
+            triton.mix_order_reduction = False
     if enabled and backend not in _compiled:
-        _compiled[backend] = {
-            name: torch.compile(fn, dynamic=True, backend=backend) for name, fn in _EAGER.items()
-        }
+        _compiled[backend] = {name: CompiledRegion(fn, backend) for name, fn in _EAGER.items()}
     kernels.update(_compiled[backend] if enabled else _EAGER)

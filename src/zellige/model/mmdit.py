@@ -250,7 +250,7 @@ class DoubleStreamBlock(nn.Module):
         for stream, x, mod, rope in parts:
             attention_in = stream.attention_in
             qkv.append(
-                kernels["joint_stream_in"](
+                kernels["joint_stream_in" if rope else "joint_text_stream_in"](
                     x,
                     mod[0],
                     mod[1],

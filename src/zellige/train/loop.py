@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import record_function
 from tqdm import tqdm
 
 import zellige
@@ -307,12 +308,12 @@ def train(
     saved_now = None  # the newest checkpoint this run wrote
     history = []
     run_start = time.perf_counter()
-    data_iter = iter(loader)
+    ahead = StepsAhead(iter(loader), config, device)
     try:
         for step in range(first_step, config.steps):
             try:
                 record = _run_step(
-                    config, model, optimizer, scheduler, timer, device, data_iter, step, watch
+                    config, model, optimizer, scheduler, timer, device, ahead, step, watch
                 )
             except TrainingFailed:
                 raise
@@ -356,16 +357,52 @@ def train(
     return history
 
 
-def _run_step(config, model, optimizer, scheduler, timer, device, data_iter, step, watch) -> dict:
-    """One optimizer step; returns its metrics (gathered: the same on every rank)."""
+class StepsAhead:
+    """Each step's data and inputs (train/step.py: the step program loaded, the features routed,
+    the attention tables on the device), made while the previous step's optimizer still runs
+    on the device: the host work of a step's setup overlaps the device's work instead of
+    leaving it idle at the step's start. The first step's inputs are made before it starts."""
+
+    def __init__(self, loader_iter, config: TrainConfig, device: torch.device) -> None:
+        self._loader_iter = loader_iter
+        self._config = config
+        self._device = device
+        self._ready = None  # (step, data, inputs, seconds waited for the loader) or an error
+
+    def prepare(self, step: int) -> None:
+        """Makes step `step`'s inputs now; an error is raised by take(step), in its own step."""
+        try:
+            wait_start = time.perf_counter()
+            data = next(self._loader_iter)
+            wait_s = time.perf_counter() - wait_start
+            joint = self._config.model.joint_attention  # MMDiT: text joins attention
+            assemble = assemble_joint_step if joint else assemble_step
+            with record_function("zellige.step.setup"):
+                inputs = assemble(data, self._config.model.num_heads, self._device)
+            self._ready = (step, data, inputs, wait_s)
+        except Exception as error:  # noqa: BLE001 (raised again by take, in its own step)
+            self._ready = (step, error)
+
+    def take(self, step: int):
+        """(data, inputs, seconds waited for the loader) of step `step`."""
+        if self._ready is None or self._ready[0] != step:
+            self.prepare(step)
+        ready, self._ready = self._ready, None
+        if len(ready) == 2:
+            raise ready[1]
+        return ready[1:]
+
+
+def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, watch) -> dict:
+    """One optimizer step; returns its metrics (gathered: the same on every rank). `ahead`
+    (StepsAhead) holds the step's inputs; the next step's are made after this step's optimizer
+    step is issued, before the step waits for the device."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     watch.at_step(step + 1)
     # torch's generators follow (seed, step, rank): a resumed run continues them on any number
     # of ranks without storing them (the data has generators of its own)
     torch.manual_seed(_seed_of(config.seed, step, rank))
-    wait_start = time.perf_counter()
-    data = next(data_iter)
-    wait_s = time.perf_counter() - wait_start
+    data, step_input, wait_s = ahead.take(step)  # made during the previous step
     _synchronize(device)
     allocated_start_gib = None
     if device.type == "cuda":
@@ -377,25 +414,30 @@ def _run_step(config, model, optimizer, scheduler, timer, device, data_iter, ste
     set_checkpointed_blocks(model, checkpointed)
     sync_check = config.sync_debug and device.type == "cuda"
     if sync_check:
-        torch.cuda.set_sync_debug_mode("warn")  # every host sync until the optimizer step
-    if config.model.joint_attention:  # MMDiT: text joins attention (train/mmdit_step.py)
-        step_input = assemble_joint_step(data, config.model.num_heads, device)
-        local_loss = joint_step_loss(model, step_input, data.total_tokens, timer)
-    else:
-        step_input = assemble_step(data, config.model.num_heads, device)
-        local_loss = step_loss(model, step_input, data.total_tokens, timer)
-    # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
-    (local_loss * num_ranks).backward()
+        # every host sync until the next step's inputs are made (the step's end waits)
+        torch.cuda.set_sync_debug_mode("warn")
+    # the phases are named for torch.profiler (bench/train_throughput.py --trace)
+    with record_function("zellige.step.forward"):
+        loss_of = joint_step_loss if config.model.joint_attention else step_loss
+        local_loss = loss_of(model, step_input, data.total_tokens, timer)
+    with record_function("zellige.step.backward"):
+        # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
+        (local_loss * num_ranks).backward()
     # the step's peak split by phase, against the cost model's (which has no optimizer step)
     peak_backward_gib = _peak_gib(device, reset=True)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    with record_function("zellige.step.optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+    del step_input  # its tensors are free once the device is done with them
+    if step + 1 < config.steps:
+        ahead.prepare(step + 1)  # host work while the device runs this step's tail
     if sync_check:
         torch.cuda.set_sync_debug_mode("default")
-    regions = timer.seconds()
-    _synchronize(device)
+    with record_function("zellige.step.end"):
+        regions = timer.seconds()
+        _synchronize(device)
     step_s = time.perf_counter() - step_start
 
     busy_s = regions.get("block", 0.0) + regions.get("block.backward", 0.0)
@@ -450,6 +492,12 @@ def _run_step(config, model, optimizer, scheduler, timer, device, data_iter, ste
         "predicted_peak_gib": data.plan["predicted"]["rank_peak_bytes"][rank] / 2**30,
         "checkpointed_blocks": checkpointed,
         "allocated_start_gib": allocated_start_gib,  # held when the step began
+        # the caching allocator's state after the step: a retry frees cached blocks and waits
+        # for the device (a stall in the step); reserved: what it holds from the driver
+        "alloc_retries": _allocator_stat(device, "num_alloc_retries"),
+        "reserved_gib": None
+        if device.type != "cuda"
+        else _allocator_stat(device, "reserved_bytes.all.peak") / 2**30,
         "lr": scheduler.get_last_lr()[0],
         "planner": config.planner,
     }
@@ -712,6 +760,14 @@ def _peak_gib(device: torch.device, reset: bool = False) -> float | None:
     if reset:
         torch.cuda.reset_peak_memory_stats(device)
     return peak
+
+
+def _allocator_stat(device: torch.device, key: str) -> int | None:
+    """A counter of the CUDA caching allocator (cumulative since the process began; None off
+    CUDA)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get(key, 0))
 
 
 def _step_line(record: dict, total_steps: int) -> str:

@@ -22,6 +22,7 @@ class StepTimer:
         self._cuda = device.type == "cuda"
         self._intervals: dict[str, list[tuple[object, object]]] = defaultdict(list)
         self._open: dict[tuple[str, int], object] = {}
+        self._ranges: dict[tuple[str, int], torch.profiler.record_function] = {}
         self._next_id = 0
 
     def _stamp(self) -> object:
@@ -33,9 +34,15 @@ class StepTimer:
 
     def _begin(self, key: tuple[str, int]) -> None:
         self._open[key] = self._stamp()
+        if torch.autograd._profiler_enabled():
+            # the region as a named range for torch.profiler (bench/train_throughput.py --trace)
+            self._ranges[key] = torch.profiler.record_function(f"zellige.{key[0]}").__enter__()
 
     def _end(self, key: tuple[str, int]) -> None:
         self._intervals[key[0]].append((self._open.pop(key), self._stamp()))
+        named = self._ranges.pop(key, None)
+        if named is not None:
+            named.__exit__(None, None, None)
 
     def wrap(
         self, name: str, fn: Callable[..., Tensor], fresh_output: bool = True
@@ -79,6 +86,7 @@ class StepTimer:
     def reset(self) -> None:
         self._intervals.clear()
         self._open.clear()
+        self._ranges.clear()
 
 
 class _Mark(torch.autograd.Function):
