@@ -598,3 +598,24 @@ def test_a_joint_spec_file_profiles_on_the_mmdit_blocks(tmp_path, capsys):
     assert "runs as" not in capsys.readouterr().err  # a spec file keeps its own sizes
     assert json.loads(details.read_text())["model"] == "my-mmdit"
     assert "--model-spec (my-mmdit)" in json.loads(out.read_text())["created"]
+
+
+def test_quick_attention_call_table_is_what_the_merge_policy_reads(tmp_path, capsys):
+    """`zellige profile --attention-calls` writes the table runtime/merging.py prices padded
+    merges with (a --quick CPU run: tiny shapes; without --quick a CPU is refused)."""
+    from zellige.cli import main
+    from zellige.runtime.merging import CallCosts
+
+    out = tmp_path / "calls.json"
+    if not torch.cuda.is_available():
+        assert main(["profile", "--attention-calls", "--out", str(out)]) == 2
+        assert "--attention-calls needs a GPU" in capsys.readouterr().err
+        assert not out.exists()
+    assert (
+        main(["profile", "--attention-calls", "--quick", "--repeats", "1", "--out", str(out)]) == 0
+    )
+    data = json.loads(out.read_text())
+    assert len(data["lengths"]) == len(data["masked_backward_s"]) >= 2
+    costs = CallCosts.from_call_table(data, str(out))
+    forward_s, backward_s = costs.call_s(32, 32, 3, masked=True)
+    assert forward_s > 0 and backward_s > 0

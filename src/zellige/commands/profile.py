@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "off); default: compiled on a GPU, as training runs them",
     )
     parser.add_argument(
+        "--attention-calls",
+        action="store_true",
+        help="measure only the attention call table that prices the engine's padded merges and "
+        "write it to --out (not a profile: see runtime/merging.py; zellige/profiles/ ships one "
+        "per GPU model, $ZELLIGE_ATTENTION_CALLS selects another)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int_in(1, 1000),
         default=5,
@@ -87,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     from zellige.model import fused
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.attention_calls:
+        return _attention_calls(args, torch.device(device))
     compiled = device == "cuda" and not args.eager  # training's default (compile_elementwise)
     fused.use_compiled(compiled)
     options = ProfileOptions(
@@ -118,4 +127,20 @@ def run(args: argparse.Namespace) -> int:
     if args.details:
         write_output(args.details, json.dumps(result.details, indent=1) + "\n")
     print(f"wrote {args.out} ({profile.device_name})")
+    return 0
+
+
+def _attention_calls(args: argparse.Namespace, device) -> int:
+    from zellige.profiler.attention_calls import measure_call_table
+
+    if device.type != "cuda" and not args.quick:
+        raise ValueError("--attention-calls needs a GPU (or --quick for a smoke run)")
+    table = measure_call_table(
+        device,
+        quick=args.quick,
+        repeats=min(args.repeats, 3) if args.quick else args.repeats,
+        progress=lambda line: print(f"[profile] {line}", file=sys.stderr, flush=True),
+    )
+    write_output(args.out, json.dumps(table, indent=1) + "\n")
+    print(f"wrote {args.out} (attention call table, {table['device_name']})")
     return 0
