@@ -168,6 +168,12 @@ class MegatronDcp {
   // Busiest-rank time of sequence i alone as ring attention on `degree` consecutive ranks.
   double work_s(int64_t i, int64_t degree);
   int64_t memory_degree(int64_t i);
+  // Longest first, ties in the given order.
+  void sort_by_length(std::vector<int64_t>* indices) const {
+    std::stable_sort(indices->begin(), indices->end(), [&](int64_t a, int64_t b) {
+      return batch_.sequences[a].num_tokens > batch_.sequences[b].num_tokens;
+    });
+  }
   // One micro-batch over `pending` (longest first): its groups; the rest goes to `leftovers`.
   std::vector<Group> micro_batch(const std::vector<int64_t>& pending, double max_tokens,
                                  std::vector<int64_t>* leftovers);
@@ -175,7 +181,9 @@ class MegatronDcp {
   // The whole schedule under knob M; nullopt when a micro-batch places nothing within memory.
   // Per sequence, the group it runs in: (first rank, size).
   using Layout = std::vector<std::pair<int64_t, int64_t>>;
-  std::optional<Layout> schedule(double max_tokens, double* rank_time_s);
+  // `by_length`: every sequence, longest first (stable), the first micro-batch's order.
+  std::optional<Layout> schedule(double max_tokens, const std::vector<int64_t>& by_length,
+                                 double* rank_time_s);
 
   const Batch& batch_;
   const CostModel& cost_model_;
@@ -382,16 +390,14 @@ bool MegatronDcp::fill_empty_ranks(std::vector<Group>& groups) {
 }
 
 std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
+                                                         const std::vector<int64_t>& by_length,
                                                          double* rank_time_s) {
   planners::RankLoads loads(cost_model_);  // totals only: shares() prices
   Layout layout(batch_.sequences.size());
   Placement placement;  // reused: the plan is built for the best knob only (run)
-  std::vector<int64_t> pending(batch_.sequences.size());
-  std::iota(pending.begin(), pending.end(), 0);
-  while (!pending.empty()) {
-    std::stable_sort(pending.begin(), pending.end(), [&](int64_t a, int64_t b) {
-      return batch_.sequences[a].num_tokens > batch_.sequences[b].num_tokens;
-    });
+  std::vector<int64_t> pending = by_length;
+  for (bool first = true; !pending.empty(); first = false) {
+    if (!first) sort_by_length(&pending);
     std::vector<int64_t> leftovers;
     const std::vector<Group> groups = micro_batch(pending, max_tokens, &leftovers);
     int64_t num_placed = 0;
@@ -465,9 +471,12 @@ Plan MegatronDcp::run() {
 
   std::optional<Layout> best;
   double best_s = std::numeric_limits<double>::infinity();
+  std::vector<int64_t> by_length(num_sequences);  // sorted once for every knob
+  std::iota(by_length.begin(), by_length.end(), 0);
+  sort_by_length(&by_length);
   for (double knob : knobs) {
     double rank_time_s = 0;
-    std::optional<Layout> layout = schedule(knob, &rank_time_s);
+    std::optional<Layout> layout = schedule(knob, by_length, &rank_time_s);
     if (layout && rank_time_s < best_s) best = std::move(layout), best_s = rank_time_s;
   }
   if (!best) {
