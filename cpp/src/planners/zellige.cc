@@ -193,16 +193,19 @@ class MinTree {
     while (leaves_ < static_cast<int64_t>(time_s.size())) leaves_ *= 2;
     min_s_.assign(2 * leaves_, kInf);
     std::copy(time_s.begin(), time_s.end(), min_s_.begin() + leaves_);
+    argmin_.resize(2 * leaves_);
+    for (int64_t leaf = 0; leaf < leaves_; ++leaf) argmin_[leaves_ + leaf] = leaf;
     for (int64_t node = leaves_ - 1; node >= 1; --node) pull(node);
   }
   void update(int64_t rank, double time_s) {
     int64_t node = leaves_ + rank;
     min_s_[node] = time_s;
-    // Once a node's minimum is unchanged, so are its ancestors'.
+    // Once a node's minimum and its index are unchanged, so are its ancestors'.
     for (node /= 2; node >= 1; node /= 2) {
       const double old_s = min_s_[node];
+      const int64_t old_index = argmin_[node];
       pull(node);
-      if (min_s_[node] == old_s) break;
+      if (min_s_[node] == old_s && argmin_[node] == old_index) break;
     }
   }
   // The lowest rank >= `from` whose time is at most `cut_s`, or -1: up from the leaf of `from`
@@ -221,19 +224,20 @@ class MinTree {
     while (node < leaves_) node = min_s_[2 * node] <= cut_s ? 2 * node : 2 * node + 1;
     return node - leaves_;
   }
-  int64_t argmin() const {
-    int64_t node = 1;
-    while (node < leaves_) {
-      node = min_s_[2 * node] <= min_s_[2 * node + 1] ? 2 * node : 2 * node + 1;
-    }
-    return node - leaves_;
-  }
+  // The lowest index of the least value.
+  int64_t argmin() const { return argmin_[1]; }
 
  private:
-  void pull(int64_t node) { min_s_[node] = std::min(min_s_[2 * node], min_s_[2 * node + 1]); }
+  // The left child on ties: the lowest index of the least value.
+  void pull(int64_t node) {
+    const bool left = min_s_[2 * node] <= min_s_[2 * node + 1];
+    min_s_[node] = left ? min_s_[2 * node] : min_s_[2 * node + 1];
+    argmin_[node] = left ? argmin_[2 * node] : argmin_[2 * node + 1];
+  }
 
   int64_t leaves_ = 1;
   std::vector<double> min_s_;  // [1] root, [leaves_ + rank] leaves; padding leaves are infinite
+  std::vector<int64_t> argmin_;  // per node, the lowest index of its least value
 };
 
 void erase_value(std::vector<int32_t>* values, int32_t value) {
