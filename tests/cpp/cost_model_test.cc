@@ -405,6 +405,85 @@ TEST(LowerBound, NeverAboveBruteForceOptimumOnRandomBatches) {
   }
 }
 
+// The bound's call excess, launch floor and per-token rate under the makespan (issue 15): a
+// profile whose calls of few heads are slower per head (so grouping equal segments matters),
+// with a launch floor and a GEMM rate that peaks at a size no rank of these batches reaches.
+// Repeated lengths and texts let segments of several sequences share a call.
+TEST(LowerBound, WithCallTablesLaunchFloorAndGemmPeakNeverAboveBruteForceOptimum) {
+  HardwareProfile profile = seeded_profile();
+  const std::vector<double> call_heads = {1, 2, 4, 8, 64};
+  for (double length : {64.0, 4096.0, 65536.0}) {
+    Table table{call_heads, {}, "measured"};
+    // Per head, a call of h heads is (1 + 2 / h) x the largest call's, and a bit slower for
+    // short segments (the slowdown varies with the length too).
+    for (double h : call_heads) {
+      table.y.push_back(h * 1e-9 * length * length * (1.0 + (2.0 + 1e3 / length) / h));
+    }
+    profile.attention_call_lengths.push_back(length);
+    profile.attention_call_forward_s.push_back(table);
+    profile.attention_call_backward_s.push_back(table);
+  }
+  profile.matmul_forward_flops_per_s = {{64, 4096, 1 << 22}, {2e13, 3e14, 9e14}, "measured"};
+  profile.memory_models = {"tiny"};
+  profile.activation_bytes_per_token_layer = {0};
+  profile.checkpoint_bytes_per_token_layer = {0};
+  profile.launch_s_per_layer = {2e-4};
+  profile.launch_s_per_attention_call = {5e-5};
+  profile.validate();
+  const ModelSpec tiny = model_preset("tiny");
+  const std::vector<std::vector<std::pair<int64_t, int64_t>>> cases = {
+      {{300, 8}, {300, 8}, {300, 8}},    {{64, 8}, {64, 8}, {5000, 8}},
+      {{4096, 16}, {4096, 8}},           {{20000, 8}, {20000, 8}, {900, 8}},
+      {{100000, 8}},                     {{2000, 8}, {3000, 16}, {2000, 16}},
+      {{128, 0}, {128, 0}, {128, 0}}};
+  for (int64_t gpus_per_node : {2, 4}) {
+    Cluster cluster = make_cluster(4, gpus_per_node);
+    cluster.intra_node_bytes_per_s = 1e9;
+    cluster.inter_node_bytes_per_s = 1e8;
+    for (bool checkpointing : {true, false}) {
+      CostOptions options;
+      options.activation_checkpointing = checkpointing;
+      const CostModel cost_model(tiny, profile, cluster, options);
+      for (const auto& lengths : cases) {
+        Batch batch;
+        for (size_t i = 0; i < lengths.size(); ++i) {
+          batch.sequences.push_back(sequence_from_tokens(static_cast<int64_t>(i), "video",
+                                                         lengths[i].first, lengths[i].second,
+                                                         static_cast<int64_t>(i)));
+        }
+        const double bound = makespan_lower_bound(batch, cost_model);
+        const double optimum = brute_force_makespan(batch, cost_model);
+        EXPECT_GT(bound, 0);
+        EXPECT_LE(bound, optimum * (1 + 1e-12))
+            << gpus_per_node << " " << checkpointing << " " << lengths.size() << " "
+            << lengths[0].first;
+      }
+    }
+  }
+  // More equal sequences than ranks: the optimum groups their segments into shared calls.
+  const std::vector<std::pair<int64_t, int64_t>> crowded = {{300, 5}, {4096, 5}, {40000, 4}};
+  for (const auto& [length, count] : crowded) {
+    const CostModel cost_model(tiny, profile, make_cluster(2, 2));
+    Batch batch;
+    for (int64_t i = 0; i < count; ++i) {
+      batch.sequences.push_back(sequence_from_tokens(i, "video", length, 8, i % 2));
+    }
+    EXPECT_LE(makespan_lower_bound(batch, cost_model),
+              brute_force_makespan(batch, cost_model) * (1 + 1e-12))
+        << length;
+  }
+  // The terms bite: without call tables, launch floor and GEMM peak the bound is lower.
+  HardwareProfile plain = seeded_profile();
+  plain.matmul_forward_flops_per_s = {{64, 1 << 22}, {2e13, 9e14}, "measured"};
+  const Cluster cluster = make_cluster(4, 4);
+  Batch batch;
+  for (int64_t i = 0; i < 3; ++i) {
+    batch.sequences.push_back(sequence_from_tokens(i, "video", 300, 8, i));
+  }
+  EXPECT_GT(makespan_lower_bound(batch, CostModel(tiny, profile, cluster)),
+            1.05 * makespan_lower_bound(batch, CostModel(tiny, plain, cluster)));
+}
+
 TEST(LowerBound, BelowHandMadePlansAtScale) {
   const CostModel cost_model = make_model("wan-14b", 32, 8);
   Batch batch;

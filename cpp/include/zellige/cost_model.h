@@ -296,7 +296,22 @@ class CostModel {
 // all rank-seconds fit into num_ranks x T; so the bound is the largest T (bisection, from the
 // bound above) at which sum over sequences of (min rank-seconds over shapes with bottleneck <= T)
 // still exceeds num_ranks x T. Runs in milliseconds for 1024 ranks x 4096 sequences of bucketed
-// batches.
+// batches (tens of ms with the terms below).
+// Three terms of evaluate() that the above leaves out are added where they are certain:
+// - call excess: a ring step's segment is always a call of its own (it pays its excess exactly);
+//   a segment without ring, or a cross-attention segment, can share its call only with equal
+//   segments of other sequences (at most one per sequence of the same length, or text length),
+//   so it pays at least the least excess per head over that range of call sizes;
+// - launch floor: a share's rank issues at least that share's own distinct calls, so its time is
+//   at least their launch floor (bottleneck only: the floor is a max, not a sum over shares);
+// - per-token rate: in a plan of makespan T no rank holds more tokens than T / (the least
+//   per-token time), so its per-token layers run at most at the GEMM rates reached up to that
+//   count (not under adaptive checkpointing, which may skip their recompute).
+// Last, for small clusters and batches (<= 64 ranks, (distinct lengths) x ranks <= 8192), whole
+// shares: a rank holds shares summing to at most T, so any dual feasible function of bin packing
+// summed over all shares (as fractions of T) is at most the rank count; a Lagrangian relaxation
+// of that constraint next to the capacity one raises the bound where sequences must take whole
+// ranks.
 double makespan_lower_bound(const Batch& batch, const CostModel& cost_model);
 
 }  // namespace zellige

@@ -11,11 +11,14 @@
 // node if that stays within T, else goes to the least-loaded rank. A sweep over T (and, when
 // anchors outnumber ranks, over shapes of half the target so that anchors can share ranks) keeps
 // the best construction. Local search then lowers the busiest rank while it can: move or swap a
-// filler, re-mould one of its anchors (another strategy, swap a rank, add one, drop it), or shard
-// one of its fillers. Every covered baseline (planners.h) is built too; the most promising one
-// that fits is searched the same way, and the result is the fastest of all these plans under the
-// exact CostModel::evaluate (memoised), so never slower than any covered baseline; within 0.5%
-// of the fastest, the lowest peak memory wins (docs/planner.md).
+// filler, re-mould one of its anchors (another strategy, swap a rank, add one, drop it), shard
+// one of its fillers, or, failing those, move a whole anchor to an aligned window or put two
+// anchors on the union of their ranks (zellige_moves.h). Every covered baseline (planners.h) is
+// built too; the (up to four) most promising ones that fit are searched the same way, and so is
+// a start of aligned bags when a few long sequences dominate (zellige_moves.h); the result is the
+// fastest of all these plans under the exact CostModel::evaluate (memoised), so never slower
+// than any covered baseline; within 0.5% of the fastest, the lowest peak memory wins
+// (docs/planner.md).
 //
 // Rank time is additive over the sequences a rank holds except the per-token layers, which depend
 // on the rank's token total (CostModel::linear_time_s), so every rank keeps its totals and every
@@ -56,7 +59,7 @@ std::string shortest(double value) {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // Baseline plans (besides the sweep's) that start a local search of their own.
-constexpr size_t kBaselineStarts = 1;
+constexpr size_t kBaselineStarts = 4;
 // The KnapFormer gamma of the covered specs (make_plan's default: covered_baselines names none).
 constexpr double kCoveredKnapformerGamma = 0.4;
 // Among plans within this fraction of the fastest, the one with the lowest peak memory wins.
@@ -77,6 +80,16 @@ constexpr int kMovePartners = 3;
 constexpr int kSwapPartners = 6;
 constexpr int kRemouldPartners = 4;
 constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tried for sharding
+// Whole-anchor moves (zellige_moves.h): windows on this many least-loaded nodes (and the anchor's
+// own), this many partner anchors, and at most this many such moves per anchor of a search.
+constexpr int kWindowNodes = 4;
+constexpr size_t kPairPartners = 8;
+constexpr int64_t kAnchorMovesPerAnchor = 4;
+// The bag start (zellige_moves.h): sequences of at least this fraction of the mean load per rank
+// go to bags; only while its refinement tries at most kBagWork windows (up to ~64 GPUs).
+constexpr double kBagItemFraction = 0.25;
+constexpr double kBagWork = 4e6;
+constexpr int32_t kBagRun = 4;
 // A sequence of at least this fraction of the mean load per rank is sharded without need when
 // that saves at least kEfficientShapeMinGain of its rank-seconds.
 constexpr double kEfficientShapeMinLoad = 0.1;
@@ -262,6 +275,8 @@ class ZelligePlanner {
         cache_(cache) {}
 
   Plan run();
+  // Local search alone from `start` (planners::zellige_search, for tests of the moves).
+  Plan search_only(const Plan& start, bool whole_anchor_moves);
 
  private:
   // Per-token layers' time: exact in local search and final pricing; during the construction
@@ -344,6 +359,12 @@ class ZelligePlanner {
   bool try_swap(Solution* s, int64_t busiest);
   bool try_remould(Solution* s, int64_t busiest);
   bool try_promote(Solution* s, int64_t busiest);
+  // zellige_moves.h
+  void window_nodes(const Solution& s, const AnchorPlacement& anchor, int count,
+                    std::vector<int64_t>* nodes);
+  bool try_relocate(Solution* s, int64_t busiest);
+  bool try_pair(Solution* s, int64_t busiest);
+  bool bag_start(bool busiest_only, int32_t max_run, Plan* plan);
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
                       const std::vector<RankShare>& new_shares);
 
@@ -393,6 +414,15 @@ class ZelligePlanner {
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
   std::vector<RankShare> best_shares_;
+  // zellige_moves.h's scratch and budget.
+  std::vector<double> node_load_s_;
+  std::vector<int64_t> window_nodes_;
+  std::vector<int32_t> partner_slots_;
+  std::vector<RankShare> candidate_shares_, pair_old_, pair_new_, best_pair_shares_;
+  int64_t relocations_left_ = 0;
+  std::vector<int32_t> bag_items_;
+  std::vector<double> rank_load_s_;
+  bool whole_anchor_moves_ = true;
   // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
   std::unordered_map<int64_t, std::vector<double>> group_floor_s_;
   // floor_bound's sums per set of sizes: the bound without KnapFormer's terms, and per size
@@ -1544,12 +1574,13 @@ bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
 int64_t ZelligePlanner::local_search(Solution* s, Clock::time_point deadline) {
   const int64_t max_steps = 20 * (num_sequences_ + num_ranks_) + 1000;
   int64_t step = 0;
+  relocations_left_ = whole_anchor_moves_ ? kAnchorMovesPerAnchor * s->num_anchors : 0;
   for (; step < max_steps; ++step) {
     if ((step & 15) == 15 && Clock::now() > deadline) break;
     const int64_t busiest =
         std::max_element(s->time_s.begin(), s->time_s.end()) - s->time_s.begin();
     if (!try_move(s, busiest) && !try_swap(s, busiest) && !try_remould(s, busiest) &&
-        !try_promote(s, busiest)) {
+        !try_promote(s, busiest) && !try_relocate(s, busiest) && !try_pair(s, busiest)) {
       break;
     }
   }
@@ -1740,6 +1771,14 @@ Plan ZelligePlanner::run() {
     search_from(&current, "search:" + seed.name);
     ++starts;
   }
+  for (const bool busiest_only : {true, false}) {
+    for (const int32_t max_run : {int32_t{1}, kBagRun}) {
+      Plan bags;
+      if (!bag_start(busiest_only, max_run, &bags)) break;
+      import_plan(bags, &current);
+      if (std::isfinite(current.makespan_s)) search_from(&current, "search:bags");
+    }
+  }
 
   // The exact comparison (CostModel::evaluate, as `zellige compare` prices plans): the fastest
   // plan that fits; among plans within kMemoryTieBreak of it and no slower than any baseline, the
@@ -1785,6 +1824,15 @@ Plan ZelligePlanner::run() {
   return plan;
 }
 
+Plan ZelligePlanner::search_only(const Plan& start, bool whole_anchor_moves) {
+  prepare();
+  whole_anchor_moves_ = whole_anchor_moves;
+  Solution s;
+  import_plan(start, &s);
+  local_search(&s, Clock::now() + std::chrono::seconds(60));
+  return to_plan(s);
+}
+
 Plan ZelligePlanner::to_plan(const Solution& s) const {
   Plan plan;
   plan.planner = "zellige";
@@ -1802,6 +1850,8 @@ Plan ZelligePlanner::to_plan(const Solution& s) const {
   return plan;
 }
 
+#include "zellige_moves.h"
+
 }  // namespace
 
 Plan plan_zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options) {
@@ -1815,6 +1865,13 @@ Plan zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptio
              EvaluationCache* cache) {
   if (cache == nullptr) return plan_zellige(batch, cost_model, options);
   return ZelligePlanner(batch, cost_model, options, *cache).run();
+}
+
+Plan zellige_search(const Batch& batch, const CostModel& cost_model, const Plan& start,
+                    bool whole_anchor_moves) {
+  EvaluationCache cache;
+  const PlannerOptions options;
+  return ZelligePlanner(batch, cost_model, options, cache).search_only(start, whole_anchor_moves);
 }
 
 }  // namespace planners

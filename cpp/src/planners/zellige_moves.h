@@ -1,0 +1,345 @@
+// Local-search moves of whole anchors (issue 15, item 2): an anchor of the busiest rank moved to
+// an aligned window of any degree, and two anchors put together on the union of their ranks.
+//
+// Internal to zellige.cc: it includes this file once, inside its anonymous namespace after
+// ZelligePlanner's definition, so these are ZelligePlanner's own members (the planner keeps its
+// state private to that file). Both moves run only where the cheaper moves found nothing (the
+// busiest rank is at a local optimum of move / swap / re-mould / promote) and, like them, must
+// lower the busiest rank's time without raising any rank they touch above it.
+#pragma once
+
+// The `count` nodes whose ranks' summed time is least, then the nodes of `anchor`'s ranks.
+void ZelligePlanner::window_nodes(const Solution& s, const AnchorPlacement& anchor, int count,
+                                  std::vector<int64_t>* nodes) {
+  node_load_s_.assign(num_nodes_, 0.0);
+  for (int64_t rank = 0; rank < num_ranks_; ++rank) node_load_s_[node_of(rank)] += s.time_s[rank];
+  nodes->resize(num_nodes_);
+  std::iota(nodes->begin(), nodes->end(), 0);
+  const int64_t kept = std::min<int64_t>(count, num_nodes_);
+  std::partial_sort(nodes->begin(), nodes->begin() + kept, nodes->end(), [&](int64_t a, int64_t b) {
+    return node_load_s_[a] < node_load_s_[b] || (node_load_s_[a] == node_load_s_[b] && a < b);
+  });
+  nodes->resize(kept);
+  for (int64_t rank : anchor.ranks) {
+    if (std::find(nodes->begin(), nodes->end(), node_of(rank)) == nodes->end()) {
+      nodes->push_back(node_of(rank));
+    }
+  }
+}
+
+// An anchor of the busiest rank moved whole, in the best shape of its new degree, to an aligned
+// window: inside one node, `degree` consecutive ranks from an offset that is a multiple of the
+// degree or that ends the node (any degree up to a node); beyond a node, whole consecutive nodes.
+// Windows lie on the least-loaded nodes and the anchor's own; degrees go up to twice its own (at
+// least two nodes' worth). An aligned window has the node pattern of ranks 0..degree-1, so the
+// canonical shares of shape_at price it exactly.
+bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
+  if (s->rank_anchors[busiest].empty() || relocations_left_ <= 0) return false;
+  const double bound_s = s->time_s[busiest] * (1 - kMinGain);
+  double best_s = bound_s;
+  int32_t best_slot = -1;
+  int64_t best_degree = 0;
+  for (int32_t slot : s->rank_anchors[busiest]) {
+    const AnchorPlacement& anchor = s->anchors[slot];
+    window_nodes(*s, anchor, kWindowNodes, &window_nodes_);
+    const int64_t max_degree =
+        std::min(num_ranks_, std::max(2 * anchor.shape.degree, 2 * gpus_per_node_));
+    for (int64_t degree = 2; degree <= max_degree; ++degree) {
+      if (degree > gpus_per_node_ && degree % gpus_per_node_ != 0) continue;
+      const ShapeChoice& choice = shape_at(anchor.sequence, degree);
+      if (!choice.feasible) continue;
+      auto consider = [&](int64_t first_rank) {
+        candidate_shares_ = choice.shares;
+        candidate_ranks_.resize(degree);
+        for (int64_t k = 0; k < degree; ++k) {
+          candidate_ranks_[k] = first_rank + k;
+          candidate_shares_[k].rank = first_rank + k;
+        }
+        if (candidate_ranks_ == anchor.ranks && choice.shape.strategy == anchor.shape.strategy &&
+            choice.shape.ulysses_degree == anchor.shape.ulysses_degree) {
+          return;
+        }
+        const double score_s = price_change(*s, anchor.shares, candidate_shares_);
+        if (score_s < best_s) {
+          best_s = score_s;
+          best_slot = slot;
+          best_degree = degree;
+          best_ranks_ = candidate_ranks_;
+          best_shares_ = candidate_shares_;
+        }
+      };
+      for (int64_t node : window_nodes_) {
+        const int64_t node_first = node * gpus_per_node_;
+        if (degree <= gpus_per_node_) {
+          for (int64_t offset = 0; offset + degree <= gpus_per_node_; offset += degree) {
+            consider(node_first + offset);
+          }
+          if (gpus_per_node_ % degree != 0) consider(node_first + gpus_per_node_ - degree);
+        } else if (node_first + degree <= num_ranks_) {
+          consider(node_first);
+        }
+      }
+    }
+  }
+  if (best_slot < 0) return false;
+  --relocations_left_;
+  remove_anchor_shares(s, best_slot);
+  AnchorPlacement& anchor = s->anchors[best_slot];
+  anchor.shape = shape_at(anchor.sequence, best_degree).shape;
+  anchor.ranks = best_ranks_;
+  anchor.shares = best_shares_;
+  add_anchor_shares(s, best_slot);
+  return true;
+}
+
+// An anchor of the busiest rank and another anchor, both put on the union of their rank sets in
+// the best shape of that degree (what KnapFormer's bags do for a few huge sequences: the two share
+// every rank instead of each keeping its own, so a rank left idle by one is used by the other).
+// Partners: the anchors of the least-loaded ranks and those sharing a rank with it.
+bool ZelligePlanner::try_pair(Solution* s, int64_t busiest) {
+  if (s->rank_anchors[busiest].empty() || relocations_left_ <= 0) return false;
+  const double bound_s = s->time_s[busiest] * (1 - kMinGain);
+  double best_s = bound_s;
+  int32_t best_first = -1, best_second = -1;
+  for (int32_t first : s->rank_anchors[busiest]) {
+    const AnchorPlacement& a = s->anchors[first];
+    partner_slots_.clear();
+    for (int64_t rank : a.ranks) member_[rank] = 1;
+    least_loaded(*s, kRemouldPartners, &member_, &low_ranks_);
+    for (int64_t rank : a.ranks) member_[rank] = 0;
+    for (int64_t rank : low_ranks_) {
+      for (int32_t slot : s->rank_anchors[rank]) partner_slots_.push_back(slot);
+    }
+    for (int64_t rank : a.ranks) {
+      for (int32_t slot : s->rank_anchors[rank]) {
+        if (slot != first) partner_slots_.push_back(slot);
+      }
+    }
+    std::sort(partner_slots_.begin(), partner_slots_.end());
+    partner_slots_.erase(std::unique(partner_slots_.begin(), partner_slots_.end()),
+                         partner_slots_.end());
+    if (partner_slots_.size() > kPairPartners) partner_slots_.resize(kPairPartners);
+    for (int32_t second : partner_slots_) {
+      const AnchorPlacement& b = s->anchors[second];
+      candidate_ranks_ = a.ranks;
+      candidate_ranks_.insert(candidate_ranks_.end(), b.ranks.begin(), b.ranks.end());
+      sort_ranks(&candidate_ranks_);
+      candidate_ranks_.erase(std::unique(candidate_ranks_.begin(), candidate_ranks_.end()),
+                             candidate_ranks_.end());
+      const int64_t degree = static_cast<int64_t>(candidate_ranks_.size());
+      if (degree == a.shape.degree && degree == b.shape.degree) continue;  // the same ranks
+      const ShapeChoice& choice_a = shape_at(a.sequence, degree);
+      const ShapeChoice& choice_b = shape_at(b.sequence, degree);
+      if (!choice_a.feasible || !choice_b.feasible) continue;
+      const Sequence& seq_a = batch_.sequences[a.sequence];
+      const Sequence& seq_b = batch_.sequences[b.sequence];
+      pair_new_ = cost_model_.shares(
+          seq_a, to_placement(seq_a.id, choice_a.shape, candidate_ranks_), cache_);
+      const size_t split = pair_new_.size();
+      const std::vector<RankShare> shares_b = cost_model_.shares(
+          seq_b, to_placement(seq_b.id, choice_b.shape, candidate_ranks_), cache_);
+      pair_new_.insert(pair_new_.end(), shares_b.begin(), shares_b.end());
+      pair_old_ = a.shares;
+      pair_old_.insert(pair_old_.end(), b.shares.begin(), b.shares.end());
+      const double score_s = price_change(*s, pair_old_, pair_new_);
+      if (score_s < best_s) {
+        best_s = score_s;
+        best_first = first;
+        best_second = second;
+        best_ranks_ = candidate_ranks_;
+        best_shares_.assign(pair_new_.begin(), pair_new_.begin() + split);
+        best_pair_shares_.assign(pair_new_.begin() + split, pair_new_.end());
+      }
+    }
+  }
+  if (best_first < 0) return false;
+  --relocations_left_;
+  const int64_t degree = static_cast<int64_t>(best_ranks_.size());
+  remove_anchor_shares(s, best_first);
+  remove_anchor_shares(s, best_second);
+  for (const auto& [slot, shares] :
+       {std::pair<int32_t, std::vector<RankShare>*>{best_first, &best_shares_},
+        std::pair<int32_t, std::vector<RankShare>*>{best_second, &best_pair_shares_}}) {
+    AnchorPlacement& anchor = s->anchors[slot];
+    anchor.shape = shape_at(anchor.sequence, degree).shape;
+    anchor.ranks = best_ranks_;
+    anchor.shares = *shares;
+    add_anchor_shares(s, slot);
+  }
+  return true;
+}
+
+// A starting point of aligned bags (what the best known plans of a few huge sequences look like:
+// a few windows of 4 to 16 ranks, each holding several long videos over all of its ranks). The
+// long sequences (at least kBagItemFraction of the mean load per rank, or too large for one rank)
+// go whole to bags, each in the best shape of its bag's size, longest first to the bag that ends
+// earliest (LPT), or to a run of up to `max_run` neighbouring bags when that ends earlier; the
+// rest go whole to the least-loaded rank. The bags: from every uniform
+// partition (half a node to four nodes), bags are split in halves or two neighbours merged while
+// that lowers the busiest bag, taking the best such change each step, over every bag or
+// (`busiest_only`) the busiest one. Estimates only (shape_at's busiest share): the plan is
+// searched and priced exactly like every other start. False when the batch has fewer than two
+// long sequences, more than half as many as ranks, more sequences than ranks (recipes of many
+// images and clips: there the sweep does well and this cost ~10 ms), or the cluster and the
+// batch are too large for this to be cheap (kBagWork window trials).
+bool ZelligePlanner::bag_start(bool busiest_only, int32_t max_run, Plan* plan) {
+  bag_items_.clear();
+  for (int32_t sequence : order_) {
+    if (local_estimate_s_[sequence] >= kBagItemFraction * mean_load_s_ ||
+        local_memory_bytes_[sequence] > free_bytes_) {
+      bag_items_.push_back(sequence);
+    }
+  }
+  // Bags pay off when long sequences are few next to the ranks (each gets several); elsewhere
+  // the sweep and the baselines' bags already do well, and this would cost planning time.
+  // The refinement prices (steps x candidates) partitions, each by LPT over items x bags x runs:
+  // only while that stays small (32 GPUs, a dozen long videos: ~1.5 M window trials).
+  const int64_t items = static_cast<int64_t>(bag_items_.size());
+  const double most_bags = static_cast<double>(num_ranks_) /
+                           static_cast<double>(std::max<int64_t>(2, gpus_per_node_ / 2));
+  const double steps = static_cast<double>(4 * num_nodes_ + 8);
+  const double trials = 4.0 * steps * (2.0 * most_bags) * static_cast<double>(items) *
+                        most_bags * static_cast<double>(max_run);
+  if (items < 2 || 2 * items > num_ranks_ || num_sequences_ > num_ranks_ || trials > kBagWork) {
+    return false;
+  }
+
+  struct Bag {
+    int64_t first, size;
+  };
+  // The busiest bag's estimated time under LPT, and each item's window (first bag, bag count):
+  // consecutive bags, so that a sequence may also span a few neighbouring bags (a bag's ranks then
+  // run it after their own sequences: rank times add up); infinity when an item fits nowhere.
+  std::vector<double> load_s, bytes;
+  using Window = std::pair<int32_t, int32_t>;
+  auto assign = [&](const std::vector<Bag>& bags, std::vector<Window>* of_item) {
+    const int32_t num_bags = static_cast<int32_t>(bags.size());
+    load_s.assign(num_bags, 0.0);
+    bytes.assign(num_bags, 0.0);
+    of_item->assign(bag_items_.size(), {-1, 0});
+    double busiest_s = 0;
+    for (size_t i = 0; i < bag_items_.size(); ++i) {
+      Window best{-1, 0};
+      double best_s = kInf;
+      for (int32_t first = 0; first < num_bags; ++first) {
+        int64_t size = 0;
+        double start_s = 0, used_bytes = 0;
+        for (int32_t count = 1; count <= max_run && first + count <= num_bags; ++count) {
+          const int32_t last = first + count - 1;
+          size += bags[last].size;
+          start_s = std::max(start_s, load_s[last]);
+          used_bytes = std::max(used_bytes, bytes[last]);
+          const ShapeChoice& choice = shape_at(bag_items_[i], size);
+          if (!choice.feasible || used_bytes + choice.memory_bytes > free_bytes_) continue;
+          const double end_s = start_s + choice.time_s;
+          if (end_s < best_s) {
+            best_s = end_s;
+            best = {first, count};
+          }
+        }
+      }
+      if (best.first < 0) return kInf;
+      (*of_item)[i] = best;
+      int64_t size = 0;
+      for (int32_t b = best.first; b < best.first + best.second; ++b) size += bags[b].size;
+      const ShapeChoice& choice = shape_at(bag_items_[i], size);
+      for (int32_t b = best.first; b < best.first + best.second; ++b) {
+        load_s[b] += choice.time_s;
+        bytes[b] += choice.memory_bytes;
+        busiest_s = std::max(busiest_s, load_s[b]);
+      }
+    }
+    return busiest_s;
+  };
+  std::vector<Bag> best_bags;
+  double best_s = kInf;
+  std::vector<Window> of_item;
+  for (int64_t size : {gpus_per_node_ / 2, gpus_per_node_, 2 * gpus_per_node_,
+                       4 * gpus_per_node_}) {
+    if (size < 2 || size > num_ranks_ || num_ranks_ % size != 0) continue;
+    std::vector<Bag> bags;
+    for (int64_t first = 0; first < num_ranks_; first += size) bags.push_back({first, size});
+    double bags_s = assign(bags, &of_item);
+    for (int64_t step = 0; step < 4 * num_nodes_ + 8 && std::isfinite(bags_s); ++step) {
+      // Every bag (or the busiest only) split in halves or merged with its next neighbour
+      // (the busiest: with either neighbour).
+      std::vector<std::vector<Bag>> candidates;
+      const size_t busiest = static_cast<size_t>(
+          std::max_element(load_s.begin(), load_s.end()) - load_s.begin());
+      if (busiest_only && busiest > 0) {
+        std::vector<Bag> merged = bags;
+        merged[busiest - 1] = {bags[busiest - 1].first,
+                               bags[busiest - 1].size + bags[busiest].size};
+        merged.erase(merged.begin() + static_cast<int64_t>(busiest));
+        candidates.push_back(std::move(merged));
+      }
+      for (size_t b = 0; b < bags.size(); ++b) {
+        if (busiest_only && b != busiest) continue;
+        const Bag bag = bags[b];
+        if (bag.size % 2 == 0) {
+          std::vector<Bag> split = bags;
+          split[b] = {bag.first, bag.size / 2};
+          split.insert(split.begin() + static_cast<int64_t>(b) + 1,
+                       Bag{bag.first + bag.size / 2, bag.size / 2});
+          candidates.push_back(std::move(split));
+        }
+        if (b + 1 < bags.size()) {
+          std::vector<Bag> merged = bags;
+          merged[b] = {bag.first, bag.size + bags[b + 1].size};
+          merged.erase(merged.begin() + static_cast<int64_t>(b) + 1);
+          candidates.push_back(std::move(merged));
+        }
+      }
+      double step_s = bags_s;
+      std::vector<Bag> step_bags;
+      for (const std::vector<Bag>& candidate : candidates) {
+        const double candidate_s = assign(candidate, &of_item);
+        if (candidate_s < step_s * (1 - kMinGain)) {
+          step_s = candidate_s;
+          step_bags = candidate;
+        }
+      }
+      if (step_bags.empty()) break;
+      bags = std::move(step_bags);
+      bags_s = assign(bags, &of_item);  // load_s of the accepted partition
+    }
+    if (bags_s < best_s) {
+      best_s = bags_s;
+      best_bags = bags;
+    }
+  }
+  if (!std::isfinite(best_s)) return false;
+
+  // The plan: items on their bags, then the rest whole on the least-loaded rank.
+  assign(best_bags, &of_item);
+  plan->num_ranks = num_ranks_;
+  plan->placements.clear();
+  rank_load_s_.assign(num_ranks_, 0.0);
+  member_.assign(num_ranks_, 0);  // scratch: nothing else uses it between searches
+  std::vector<char> is_item(num_sequences_, 0);
+  for (size_t i = 0; i < bag_items_.size(); ++i) {
+    const int32_t sequence = bag_items_[i];
+    is_item[sequence] = 1;
+    const Window window = of_item[i];
+    const int64_t first_rank = best_bags[window.first].first;
+    int64_t size = 0;
+    for (int32_t b = window.first; b < window.first + window.second; ++b) {
+      size += best_bags[b].size;
+    }
+    const ShapeChoice& choice = shape_at(sequence, size);
+    std::vector<int64_t> ranks(size);
+    std::iota(ranks.begin(), ranks.end(), first_rank);
+    for (int64_t k = 0; k < size; ++k) {
+      rank_load_s_[first_rank + k] += estimate_s(choice.shares[k]);
+    }
+    plan->placements.push_back(to_placement(batch_.sequences[sequence].id, choice.shape, ranks));
+  }
+  for (int32_t sequence : order_) {
+    if (is_item[sequence]) continue;
+    const int64_t rank =
+        std::min_element(rank_load_s_.begin(), rank_load_s_.end()) - rank_load_s_.begin();
+    rank_load_s_[rank] += local_estimate_s_[sequence];
+    plan->placements.push_back(to_placement(batch_.sequences[sequence].id, Shape{}, {rank}));
+  }
+  return true;
+}
