@@ -104,6 +104,18 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
       cluster_(std::move(cluster)),
       options_(options) {
   profile_.validate();
+  // The model's own per-token rates, where the profile has them, replace the shared tables for
+  // everything below (profile() then shows the tables this model is priced with).
+  for (size_t i = 0; i < profile_.memory_models.size(); ++i) {
+    if (profile_.memory_models[i] != model_.name) continue;
+    for (const auto& [own, shared] :
+         {std::pair{&profile_.model_matmul_forward_flops_per_s,
+                    &profile_.matmul_forward_flops_per_s},
+          std::pair{&profile_.model_matmul_backward_flops_per_s,
+                    &profile_.matmul_backward_flops_per_s}}) {
+      if (i < own->size() && !(*own)[i].empty()) *shared = (*own)[i];
+    }
+  }
   attention_forward_ = LogTable(profile_.attention_forward_s_per_head);
   attention_backward_ = LogTable(profile_.attention_backward_s_per_head);
   matmul_forward_ = LogTable(profile_.matmul_forward_flops_per_s);

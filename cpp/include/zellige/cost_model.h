@@ -117,6 +117,8 @@ class CostModel {
   CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, CostOptions options = {});
 
   const ModelSpec& model() const { return model_; }
+  // The profile as this model reads it: the model's own per-token rate tables
+  // (model_matmul_*_flops_per_s), where measured, in place of the shared matmul_*_flops_per_s.
   const HardwareProfile& profile() const { return profile_; }
   const Cluster& cluster() const { return cluster_; }
   const CostOptions& options() const { return options_; }

@@ -104,6 +104,12 @@ struct HardwareProfile {
   // CostModel::evaluate's launch floor.
   std::vector<double> launch_s_per_layer;
   std::vector<double> launch_s_per_attention_call;
+  // Optional likewise (empty, or one table per memory model; an empty table = the shared
+  // matmul_*_flops_per_s above): the per-token layers' rates measured on that model's own
+  // blocks, double- and single-stream blocks of an MMDiT mixed in the model's proportion. The
+  // shared tables then serve the models without a table of their own.
+  std::vector<Table> model_matmul_forward_flops_per_s;
+  std::vector<Table> model_matmul_backward_flops_per_s;
   int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
 
   // Every non-empty table valid, every value inside the ranges above; throws
