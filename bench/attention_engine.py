@@ -14,6 +14,18 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
   coalesced-flash  the grouping with FlashAttention-2 dense kernels (--flash-groups)
   fa2-varlen       packed FlashAttention-2 varlen as shipped in torch (target: auto >= 1.4x)
   flex-document    FlexAttention with a document mask (compiled; first pack only by default)
+  kernels-only     (--overhead or --merges) the groups' kernel calls alone, back to back on ready
+                   inputs (no row copies): what the engine's copies and host work cost; with it
+                   coalesced-2streams (the groups on 2 CUDA streams) and coalesced-overlap (the
+                   rows written on a side stream beside the next call, overlap_copies=True)
+  pad-auto         (--merges) padded merges of nearby lengths (coalesced.PaddedGroup, key mask on
+                   cuDNN) as the engine's priced plan (runtime/merging.py) chooses them
+  pad-wX           (--merges) greedy runs of groups, largest first, while padded FLOPs <= (1 + X%)
+                   x useful FLOPs (--waste)
+  pad-wX-nomask    (--merges) the same without the key mask (NOT exact: what the mask costs)
+Every method also reports its host issue time (host ms: the wall time to queue one run).
+--call-table PATH: the attention call table (zellige.profiler.attention_calls, as `zellige
+profile --attention-calls` measures it): the merge policy's costs (runtime/merging.py).
 --joint: MMDiT packs: every sequence attends jointly with its own text of 256-512 tokens (uniform,
 seeded), so each attended length is visual + text tokens, as the step program lays joint sequences.
 FLOPs: forward 4 N H sum L_i^2, backward 2.5x that. Rates in TFLOP/s; median of --repeat timed
@@ -35,9 +47,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import zellige
-from zellige.runtime import SegmentTable, coalesced_attention
+from zellige.profiler.attention_calls import measure_call_table
+from zellige.runtime import SegmentTable, coalesced_attention, merging
 from zellige.runtime import kernels as K
-from zellige.runtime.coalesced import RAGGED_MIN_CALLS
+from zellige.runtime.coalesced import RAGGED_MIN_CALLS, _dense, planned_table
 
 aten = torch.ops.aten
 DEVICE = "cuda"  # --smoke runs the script's logic on the CPU with tiny shapes
@@ -51,7 +64,11 @@ RECIPES = [
 ]
 
 
-def make_pack(recipe: str, pack_tokens: int, seed: int, joint: bool = False) -> list[int]:
+def make_pack(
+    recipe: str, pack_tokens: int, seed: int, joint: bool = False, shrink: int = 1
+) -> list[int]:
+    """The pack's attended lengths, longest first; shrink > 1 divides them (the CPU smoke run:
+    the same spread of distinct lengths at a size a CPU attends in seconds)."""
     batch = zellige.generate(recipe, 32, seed)
     lengths = [s.num_tokens for s in batch.sequences]
     if joint:  # each sequence's own text joins its attention (MMDiT): 256-512 tokens
@@ -64,34 +81,43 @@ def make_pack(recipe: str, pack_tokens: int, seed: int, joint: bool = False) -> 
     packs: list[list[int]] = [[] for _ in range(num_packs)]
     for length in lengths:
         min(packs, key=sum).append(length)
-    return packs[0]
+    return [max(1, length // shrink) for length in packs[0]]
 
 
-def median_time_s(fn: Callable[[], object], repeat: int) -> float:
+HOST_S: dict[str, list[float]] = {}  # host issue seconds of the last timed runs, by tag
+
+
+def median_time_s(fn: Callable[[], object], repeat: int, tag: str | None = None) -> float:
     fn()  # warm-up
-    times = []
+    times, host = [], []
     for _ in range(repeat):
         if DEVICE == "cpu":
             start_s = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start_s)
+            host.append(times[-1])
             continue
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        start_s = time.perf_counter()
         fn()
+        host.append(time.perf_counter() - start_s)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
+    if tag is not None:
+        HOST_S[tag] = sorted(host)
     return sorted(times)[len(times) // 2]
 
 
 def fwd_bwd(forward: Callable[[], torch.Tensor], inputs, do, repeat: int) -> tuple[float, float]:
     """(forward s, backward s): forward under no_grad; backward replays one retained graph."""
     with torch.no_grad():
-        fwd = median_time_s(forward, repeat)
+        fwd = median_time_s(forward, repeat, "fwd")
     out = forward()
-    bwd = median_time_s(lambda: torch.autograd.grad(out, inputs, do, retain_graph=True), repeat)
+    grad = lambda: torch.autograd.grad(out, inputs, do, retain_graph=True)  # noqa: E731
+    bwd = median_time_s(grad, repeat, "bwd")
     return fwd, bwd
 
 
@@ -115,12 +141,71 @@ def bench_dense(length: int, heads: int, head_dim: int, repeat: int, gen) -> tup
     return fwd_bwd(forward, (q, k, v), do, repeat)
 
 
-def bench_coalesced(q, k, v, do, table, backend, streams=1, merge=None, *, repeat):
+def bench_kernels_only(q, k, v, do, table, *, repeat):
+    """The table's kernel calls alone on ready inputs (views as the engine makes them)."""
+    kernel = K.kernel_for(q.device, q.dtype, q.shape[-1])
+    scale = q.shape[-1] ** -0.5
+    rows = [t.view(-1, t.shape[-1]) for t in (q, k, v, do)]
+    calls = []
+    for g in table.groups:
+        qd, dod = (_dense(r, g.q_index, g, g.q_len) for r in (rows[0], rows[3]))
+        kd, vd = (_dense(r, g.k_index, g, g.k_len) for r in (rows[1], rows[2]))
+        o, lse = kernel.forward(qd, kd, vd, scale)
+        calls.append((qd, kd, vd, dod, o, lse))
+
+    def forward():
+        for qd, kd, vd, _, _, _ in calls:
+            kernel.forward(qd, kd, vd, scale)
+
+    def backward():
+        for qd, kd, vd, dod, o, lse in calls:
+            kernel.backward(dod, qd, kd, vd, o, lse, scale)
+
+    return median_time_s(forward, repeat, "fwd"), median_time_s(backward, repeat, "bwd")
+
+
+def threshold_buckets(groups, max_waste: float) -> list[list[int]]:
+    """Greedy runs of groups in order (largest first) while padded FLOPs <= (1 + max_waste) x
+    the useful ones; runs of one group are left out."""
+    buckets, run = [], []
+
+    def waste(members) -> float:
+        count = sum(groups[i].count for i in members)
+        padded = (
+            count * max(groups[i].q_len for i in members) * max(groups[i].k_len for i in members)
+        )
+        return padded / sum(groups[i].count * groups[i].q_len * groups[i].k_len for i in members)
+
+    for i in range(len(groups)):
+        same_heads = not run or groups[run[0]].num_heads == groups[i].num_heads
+        if same_heads and waste([*run, i]) <= 1.0 + max_waste:
+            run.append(i)
+            continue
+        if len(run) >= 2:
+            buckets.append(run)
+        run = [i]
+    if len(run) >= 2:
+        buckets.append(run)
+    return buckets
+
+
+def auto_buckets(table, head_dim: int) -> tuple[list[list[int]], str]:
+    """The engine's automatic plan (coalesced.merge_plan), and where its costs came from."""
+    costs = merging.costs_for_device(torch.device(DEVICE))
+    if costs is None:
+        return [], "no measured costs for this device"
+    buckets, planned, alone = merging.plan_padded_merges(table.groups, costs, head_dim, 2)
+    return buckets, f"{costs.source}: planned {planned * 1e3:.2f} ms vs {alone * 1e3:.2f} ms"
+
+
+def bench_coalesced(q, k, v, do, table, backend, streams=1, merge=None, overlap=False, *, repeat):
     rows = [t.view(-1, t.shape[-1]) for t in (q, k, v)]
     do_rows = do.view(-1, do.shape[-1])
 
     def forward():
-        return coalesced_attention(*rows, table, backend=backend, streams=streams, merge=merge)
+        return coalesced_attention(
+            *rows, table, backend=backend, streams=streams, merge=merge, overlap_copies=overlap
+        )
 
     return fwd_bwd(forward, (q, k, v), do_rows, repeat)
 
@@ -222,14 +307,29 @@ def main() -> None:
     parser.add_argument("--flash-groups", action="store_true", help="also FA2 dense groups")
     parser.add_argument("--ragged", action="store_true", help="also one ragged cuDNN call")
     parser.add_argument(
+        "--merges", action="store_true", help="also padded merges, kernels-only and 2 streams"
+    )
+    parser.add_argument(
+        "--overhead", action="store_true", help="also kernels-only, 2 streams, overlapped copies"
+    )
+    parser.add_argument(
+        "--waste", type=float, nargs="*", default=[5, 15, 30], help="pad-wX thresholds, percent"
+    )
+    parser.add_argument("--call-table", default=None, help="measure the call table into PATH")
+    parser.add_argument("--call-table-first", action="store_true", help="before the packs")
+    parser.add_argument("--no-length-table", action="store_true")
+    parser.add_argument(
+        "--method-budget-s", type=float, default=None, help="skip methods started past this"
+    )
+    parser.add_argument(
         "--joint", action="store_true", help="MMDiT packs: each sequence with 256-512 text tokens"
     )
     args = parser.parse_args()
     if args.smoke:
         global DEVICE
         DEVICE = "cpu"
-        args.pack_tokens, args.heads, args.head_dim, args.repeat = 6000, 2, 16, 1
-        args.recipes = ["wan-stage1", "knapformer-mixed-images"]
+        args.heads, args.head_dim, args.repeat = 2, 16, 1
+        args.recipes = ["opensora2-stage1"]
     started = time.perf_counter()
     heads, head_dim = args.heads, args.head_dim
     gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
@@ -240,6 +340,10 @@ def main() -> None:
         for name in names
     }
     auto = K.kernel_for(device, torch.bfloat16, head_dim).name
+    masked = K.masked_kernel_for(K.kernel_for(device, torch.bfloat16, head_dim), device,
+                                 torch.bfloat16, head_dim)  # fmt: skip
+    masked_name = None if masked is None else getattr(masked, "bias_layout", masked.name)
+    print(f"key-mask kernel (padded merges): {auto} with mask passed as {masked_name}")
     ragged = K.ragged_kernel_for(device, torch.bfloat16, head_dim)
     ragged_name = None if ragged is None else f"{ragged.name} (lse token-major: "
     if ragged is not None:
@@ -252,17 +356,25 @@ def main() -> None:
         "joint": args.joint,
         "verified": verified,
         "auto": auto,
+        "masked": masked_name,
         "ragged": ragged_name,
         "ragged_min_calls": RAGGED_MIN_CALLS,
         "packs": [],
         "lengths": [],
     }
 
+    if args.call_table and args.call_table_first:
+        report["call_table"] = measure_call_table(
+            device, head_dim=head_dim, quick=args.smoke, repeats=args.repeat,
+            out_path=args.call_table, progress=print,
+        )  # fmt: skip
     for index, recipe in enumerate(args.recipes):
         if time.perf_counter() - started > args.time_budget_s:
             print(f"time budget spent: skipping {recipe} and later packs")
             break
-        lengths = make_pack(recipe, args.pack_tokens, args.seed, args.joint)
+        lengths = make_pack(
+            recipe, args.pack_tokens, args.seed, args.joint, 64 if args.smoke else 1
+        )
         total = sum(lengths)
         square_sum = sum(length * length for length in lengths)
         flops = 4 * heads * head_dim * square_sum
@@ -279,9 +391,23 @@ def main() -> None:
             "forward_flops": flops,
             "rates": {},
         }
+        auto_table = planned_table(table, q.view(-1, head_dim))
+        costs = merging.costs_for_device(torch.device(DEVICE))
+        entry["auto_plan"] = {
+            "calls": auto_table.num_calls,
+            "padded": [[q for q, _ in p.member_shapes] for p in auto_table.padded],
+            "costs": None if costs is None else costs.source,
+        }
+        plan = entry["auto_plan"]
+        print(f"{recipe}: auto runs {plan['calls']} calls (padded: {plan['padded']}); "
+              f"costs: {plan['costs']}", flush=True)  # fmt: skip
         dense_length = max(64, round(math.sqrt(square_sum) / 64) * 64)
-        timings = {"dense-cudnn": bench_dense(dense_length, heads, head_dim, args.repeat, gen)}
+        dense_repeat = max(5, args.repeat)  # the reference of every ratio: a steadier median
+        timings = {"dense-cudnn": bench_dense(dense_length, heads, head_dim, dense_repeat, gen)}
         dense_flops = 4 * heads * head_dim * dense_length**2
+        fwd_s, bwd_s = timings["dense-cudnn"]
+        print(f"{recipe} dense-cudnn L={dense_length}: {dense_flops / fwd_s / 1e12:.0f} / "
+              f"{2.5 * dense_flops / bwd_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
         methods = [
             ("coalesced-auto", bench_coalesced, (table, None)),
             ("coalesced-groups", bench_coalesced, (table, None, 1, "groups")),
@@ -292,13 +418,52 @@ def main() -> None:
             methods.append(("coalesced-4streams", bench_coalesced, (table, None, 4, "groups")))
         if args.flash_groups:
             methods.append(("coalesced-flash", bench_coalesced, (table, "flash", 1, "groups")))
+        if args.merges or args.overhead:
+            methods.append(("kernels-only", bench_kernels_only, (table,)))
+            if not args.streams:
+                methods.append(("coalesced-2streams", bench_coalesced, (table, None, 2, "groups")))
+            methods.append(("coalesced-overlap", bench_coalesced, (table, None, 1, "groups", True)))
+        if args.merges:
+            buckets, why = auto_buckets(table, head_dim)
+            entry["merges"] = {"pad-auto": {"buckets": buckets, "why": why}}
+            variants = [("pad-auto", buckets, True)]
+            for waste in args.waste:
+                chosen = threshold_buckets(table.groups, waste / 100)
+                variants.append((f"pad-w{waste:g}", chosen, True))
+            middle = args.waste[len(args.waste) // 2] if args.waste else 15
+            variants.append(
+                (f"pad-w{middle:g}-nomask", threshold_buckets(table.groups, middle / 100), False)
+            )
+            for name, chosen, masked in variants:
+                merged = table.merge_padded(chosen, DEVICE, masked=masked) if chosen else table
+                entry["merges"].setdefault(name, {})
+                entry["merges"][name].update({
+                    "calls": merged.num_calls,
+                    "buckets": [[table.groups[i].q_len for i in b] for b in chosen],
+                    "extra_flops": sum(
+                        (p.padded_flops_factor - 1) * sum(a * b for a, b in p.member_shapes)
+                        for p in merged.padded
+                    ) / square_sum,
+                })  # fmt: skip
+                methods.append((name, bench_coalesced, (merged, None, 1, "groups")))
         if args.ragged:
             methods.append(("coalesced-ragged", bench_coalesced, (table, None, 1, "ragged")))
         if index < args.flex_packs:
             methods.append(("flex-document", bench_flex, (lengths,)))
+        entry["host_ms"] = {}
         for name, run, extra in methods:
+            if args.method_budget_s and time.perf_counter() - started > args.method_budget_s:
+                entry["rates"][name] = "skipped: --method-budget-s"
+                continue
             try:
                 timings[name] = run(q, k, v, do, *extra, repeat=args.repeat)
+                entry["host_ms"][name] = [
+                    round(HOST_S[tag][len(HOST_S[tag]) // 2] * 1e3, 3) for tag in ("fwd", "bwd")
+                ]
+                fwd_s, bwd_s = timings[name]
+                rates = f"{flops / fwd_s / 1e12:.0f} / {2.5 * flops / bwd_s / 1e12:.0f}"
+                print(f"{recipe} {name}: {rates} TFLOP/s, host ms {entry['host_ms'][name]}",
+                      flush=True)  # fmt: skip
             except Exception as exc:  # a backend missing in this torch build: report, go on
                 entry["rates"][name] = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
         for name, (fwd, bwd) in timings.items():
@@ -318,13 +483,39 @@ def main() -> None:
                 ]
             except Exception as exc:
                 entry[f"rel_diff_{merge}_vs_varlen"] = f"failed: {exc}"[:160]
+        if args.merges:  # the merged path vs the groups, outputs and gradients (same function)
+            chosen = threshold_buckets(table.groups, max(args.waste or [15]) / 100)
+            if chosen:
+                merged = table.merge_padded(chosen, DEVICE)
+                rows = [t.view(-1, head_dim) for t in (q, k, v)]
+                outs = []
+                for tab in (table, merged):
+                    o_c = coalesced_attention(*rows, tab, merge="groups").view_as(q)
+                    outs.append([o_c, *torch.autograd.grad(o_c, (q, k, v), do)])
+                entry["rel_diff_padded_vs_groups"] = [
+                    rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
+                ]
+        if args.overhead or args.merges:  # copies on a side stream: the same results
+            rows = [t.view(-1, head_dim) for t in (q, k, v)]
+            outs = []
+            for overlap in (False, True):
+                o_c = coalesced_attention(*rows, table, merge="groups", overlap_copies=overlap)
+                outs.append([o_c.view_as(q), *torch.autograd.grad(o_c.view_as(q), (q, k, v), do)])
+            entry["rel_diff_overlap_vs_groups"] = [
+                rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
+            ]
         report["packs"].append(entry)
         print(json.dumps(entry), flush=True)
         del q, k, v, do
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 
-    if time.perf_counter() - started < args.time_budget_s + 60:
+    if args.call_table and not args.call_table_first:
+        report["call_table"] = measure_call_table(
+            device, head_dim=head_dim, quick=args.smoke, repeats=args.repeat,
+            out_path=args.call_table, progress=print,
+        )  # fmt: skip
+    if not args.no_length_table and time.perf_counter() - started < args.time_budget_s + 60:
         report["lengths"] = length_table(heads, head_dim, args.repeat, gen)
     commit = (
         args.commit
@@ -365,8 +556,10 @@ def main() -> None:
         "coalesced-flash",
         "flex-document",
     ]
+    for entry in report["packs"]:  # merge variants, in the order measured
+        names += [n for n in entry["rates"] if n not in names]
     names = [n for n in names if any(n in e["rates"] for e in report["packs"])] or names[:5]
-    print("| pack | seqs | tokens | calls | " + " | ".join(f"{n} fwd / bwd" for n in names)
+    print("| pack | seqs | tokens | calls (auto) | " + " | ".join(f"{n} fwd / bwd" for n in names)
           + " | auto/dense fwd, bwd | auto/fa2 fwd, bwd | best path |")  # fmt: skip
     print("|" + " --- |" * (len(names) + 7))
     for entry in report["packs"]:
@@ -376,8 +569,11 @@ def main() -> None:
             for n in names
         ]
 
-        paths = ("coalesced-groups", "coalesced-ragged")
-        coalesced = [n for n in paths if isinstance(rates.get(n), tuple)]
+        coalesced = [
+            n
+            for n, r in rates.items()
+            if n.startswith(("coalesced", "pad-")) and "nomask" not in n and isinstance(r, tuple)
+        ]
         best = max(coalesced, key=lambda n: rates[n][0] + rates[n][1] / 2.5) if coalesced else "-"
 
         def ratio(a: str, b: str, rates=rates) -> str:
@@ -386,7 +582,8 @@ def main() -> None:
             return f"{rates[a][0] / rates[b][0]:.2f}, {rates[a][1] / rates[b][1]:.2f}"
 
         print(
-            f"| {entry['recipe']} | {entry['sequences']} | {entry['tokens']} | {entry['calls']} | "
+            f"| {entry['recipe']} | {entry['sequences']} | {entry['tokens']} | {entry['calls']} "
+            f"({entry['auto_plan']['calls']}) | "
             + " | ".join(cells)
             + f" | {ratio('coalesced-auto', 'dense-cudnn')}"
             + f" | {ratio('coalesced-auto', 'fa2-varlen')} | {best} |"

@@ -108,6 +108,7 @@ def summarise(
                     "peak_optimizer_gib",
                     "predicted_peak_gib",
                     "checkpointed_blocks",
+                    "full_recompute_blocks",
                     "allocated_start_gib",
                     "alloc_retries",
                     "reserved_gib",

@@ -30,11 +30,15 @@ void init_cost_model(nb::module_& m) {
       .def_rw("layer_activation_bytes", &RankShare::layer_activation_bytes)
       .def_rw("layer_checkpoint_bytes", &RankShare::layer_checkpoint_bytes)
       .def_rw("buffer_bytes", &RankShare::buffer_bytes)
+      .def_rw("layer_input_bytes", &RankShare::layer_input_bytes)
       .def_rw("recompute_s", &RankShare::recompute_s)
-      .def_rw("recompute_exchange_s", &RankShare::recompute_exchange_s);
+      .def_rw("recompute_exchange_s", &RankShare::recompute_exchange_s)
+      .def_rw("attention_recompute_s", &RankShare::attention_recompute_s)
+      .def_rw("attention_recompute_exchange_s", &RankShare::attention_recompute_exchange_s);
   add_value_methods(share, {"rank", "tokens", "attention_s", "exchange_s", "memory_bytes",
                             "layer_activation_bytes", "layer_checkpoint_bytes", "buffer_bytes",
-                            "recompute_s", "recompute_exchange_s"});
+                            "layer_input_bytes", "recompute_s", "recompute_exchange_s",
+                            "attention_recompute_s", "attention_recompute_exchange_s"});
 
   nb::class_<RankCost> rank_cost(m, "RankCost", "One rank's time and peak memory in a plan.");
   rank_cost.def_rw("time_s", &RankCost::time_s)
@@ -46,10 +50,12 @@ void init_cost_model(nb::module_& m) {
       .def_rw("call_s", &RankCost::call_s)
       .def_rw("launch_floor_s", &RankCost::launch_floor_s)
       .def_rw("attention_calls", &RankCost::attention_calls)
-      .def_rw("checkpointed_layers", &RankCost::checkpointed_layers);
+      .def_rw("checkpointed_layers", &RankCost::checkpointed_layers)
+      .def_rw("full_recompute_layers", &RankCost::full_recompute_layers);
   add_value_methods(rank_cost,
                     {"time_s", "peak_bytes", "tokens", "linear_s", "attention_s", "exchange_s",
-                     "call_s", "launch_floor_s", "attention_calls", "checkpointed_layers"});
+                     "call_s", "launch_floor_s", "attention_calls", "checkpointed_layers",
+                     "full_recompute_layers"});
 
   nb::class_<PlanCost> plan_cost(m, "PlanCost", "Every rank's cost, makespan, bytes and fit.");
   plan_cost.def_rw("ranks", &PlanCost::ranks)
@@ -72,9 +78,16 @@ void init_cost_model(nb::module_& m) {
       .def("min_linear_time_per_token_s", &CostModel::min_linear_time_per_token_s)
       .def("fixed_bytes", &CostModel::fixed_bytes)
       .def("gradient_bytes", &CostModel::gradient_bytes)
-      .def("rank_peak_bytes", &CostModel::rank_peak_bytes, nb::arg("layer_activation_bytes"),
-           nb::arg("layer_checkpoint_bytes"), nb::arg("buffer_bytes"),
-           nb::arg("checkpointed_layers"))
+      .def(
+          "rank_peak_bytes",
+          [](const CostModel& self, double activation, double checkpoint, double buffer,
+             int64_t checkpointed_layers, double input, int64_t full_layers) {
+            return self.rank_peak_bytes(activation, checkpoint, input, buffer,
+                                        checkpointed_layers, full_layers);
+          },
+          nb::arg("layer_activation_bytes"), nb::arg("layer_checkpoint_bytes"),
+          nb::arg("buffer_bytes"), nb::arg("checkpointed_layers"),
+          nb::arg("layer_input_bytes") = 0.0, nb::arg("full_layers") = 0)
       .def("linear_recompute_s", &CostModel::linear_recompute_s, nb::arg("tokens"))
       .def("memory_capacity_bytes", &CostModel::memory_capacity_bytes)
       .def("rank_time_s", &CostModel::rank_time_s, nb::arg("tokens"), nb::arg("attention_s"),

@@ -33,9 +33,10 @@ void init_plan(nb::module_& m) {
   prediction.def_rw("makespan_s", &PlanPrediction::makespan_s)
       .def_rw("rank_time_s", &PlanPrediction::rank_time_s)
       .def_rw("rank_peak_bytes", &PlanPrediction::rank_peak_bytes)
-      .def_rw("rank_checkpointed_layers", &PlanPrediction::rank_checkpointed_layers);
+      .def_rw("rank_checkpointed_layers", &PlanPrediction::rank_checkpointed_layers)
+      .def_rw("rank_full_recompute_layers", &PlanPrediction::rank_full_recompute_layers);
   add_value_methods(prediction, {"makespan_s", "rank_time_s", "rank_peak_bytes",
-                                 "rank_checkpointed_layers"});
+                                 "rank_checkpointed_layers", "rank_full_recompute_layers"});
 
   nb::class_<Plan> plan(m, "Plan", "A placement per sequence plus the prediction.");
   plan.def_rw("planner", &Plan::planner)

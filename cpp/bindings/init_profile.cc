@@ -63,6 +63,10 @@ void init_profile(nb::module_& m) {
       .def_rw("step_fixed_bytes", &HardwareProfile::step_fixed_bytes)
       .def_rw("ulysses_bytes_per_token", &HardwareProfile::ulysses_bytes_per_token)
       .def_rw("ring_bytes_per_token", &HardwareProfile::ring_bytes_per_token)
+      .def_rw("model_matmul_forward_flops_per_s",
+              &HardwareProfile::model_matmul_forward_flops_per_s)
+      .def_rw("model_matmul_backward_flops_per_s",
+              &HardwareProfile::model_matmul_backward_flops_per_s)
       .def_rw("runtime_reserved_bytes", &HardwareProfile::runtime_reserved_bytes)
       .def("validate", &HardwareProfile::validate);
   add_value_methods(profile, {"device_name",
@@ -93,6 +97,8 @@ void init_profile(nb::module_& m) {
                               "step_fixed_bytes",
                               "ulysses_bytes_per_token",
                               "ring_bytes_per_token",
+                              "model_matmul_forward_flops_per_s",
+                              "model_matmul_backward_flops_per_s",
                               "runtime_reserved_bytes"});
 
   m.def("analytic_profile", &analytic_profile, nb::arg("device_name"),

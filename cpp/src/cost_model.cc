@@ -19,6 +19,7 @@ namespace {
 constexpr double kRouteBytesPerToken = 512;  // latent features + ids, each direction
 constexpr int64_t kDefaultReservedBytes = int64_t{3} << 30;
 constexpr double kElementwiseBytesPerTokenWidth = 24;  // norms, modulation, residual, gates
+constexpr double kLseBytes = 4;  // attention's log-sum-exp per query row and head (float32)
 constexpr double kBackwardAttentionFlopsRatio = 2.5;   // analytic fallback only
 
 double max_rate(const Table& table, double peak_flops_per_s) {
@@ -95,7 +96,9 @@ struct CostModel::RankTerms {
   double memory_bytes = 0;
   double sent_bytes = 0;  // exchanges only; routing is added per placement
   double recompute_s = 0, recompute_exchange_s = 0;  // checkpointing's share of the two times
-  double layer_activation_bytes = 0, layer_checkpoint_bytes = 0, buffer_bytes = 0;
+  double attention_recompute_s = 0, attention_recompute_exchange_s = 0;  // full recompute's
+  double layer_activation_bytes = 0, layer_checkpoint_bytes = 0, layer_input_bytes = 0;
+  double buffer_bytes = 0;
 };
 
 CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, CostOptions options)
@@ -104,6 +107,18 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
       cluster_(std::move(cluster)),
       options_(options) {
   profile_.validate();
+  // The model's own per-token rates, where the profile has them, replace the shared tables for
+  // everything below (profile() then shows the tables this model is priced with).
+  for (size_t i = 0; i < profile_.memory_models.size(); ++i) {
+    if (profile_.memory_models[i] != model_.name) continue;
+    for (const auto& [own, shared] :
+         {std::pair{&profile_.model_matmul_forward_flops_per_s,
+                    &profile_.matmul_forward_flops_per_s},
+          std::pair{&profile_.model_matmul_backward_flops_per_s,
+                    &profile_.matmul_backward_flops_per_s}}) {
+      if (i < own->size() && !(*own)[i].empty()) *shared = (*own)[i];
+    }
+  }
   attention_forward_ = LogTable(profile_.attention_forward_s_per_head);
   attention_backward_ = LogTable(profile_.attention_backward_s_per_head);
   matmul_forward_ = LogTable(profile_.matmul_forward_flops_per_s);
@@ -138,7 +153,11 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   // the FFN hidden before and after the activation (~3 ffn); cross models add the cross q/o.
   activation_bytes_ = bpe * (16.0 * d + 3.0 * static_cast<double>(model_.ffn_width) +
                              (model_.joint_attention ? 0.0 : 2.0 * d));
-  checkpoint_bytes_ = d * bpe;  // the layer input
+  // Checkpointed (selective): the layer input, and o and lse of each attention (self or joint,
+  // and cross).
+  const double attentions = model_.joint_attention ? 1.0 : 2.0;
+  checkpoint_bytes_ =
+      d * bpe + attentions * (d * bpe + static_cast<double>(model_.num_heads) * kLseBytes);
   double measured_step_fixed_bytes = 0;
   for (size_t i = 0; i < profile_.memory_models.size(); ++i) {
     if (profile_.memory_models[i] != model_.name) continue;
@@ -221,15 +240,24 @@ double CostModel::head_backward_s(double query_tokens, double key_tokens) const 
 // of a placement runs them. The model projects the text of all of a rank's sequences in one
 // GEMM, so they run at the rate of a rank-sized GEMM, not of one sequence's few hundred rows
 // (charging the latter over-predicted ranks of ~20 sequences by up to 55% on the H200).
+namespace {
+constexpr double kRankTextRows = 16384;  // text rows of a typical rank's batched projection
+}  // namespace
+
+double CostModel::text_projection_forward_s(int64_t text_tokens) const {
+  if (model_.joint_attention || text_tokens <= 0) return 0;
+  const double d = static_cast<double>(model_.width);
+  return 4.0 * d * d * static_cast<double>(text_tokens) /
+         (matmul_forward_.empty() ? profile_.matmul_flops_per_s
+                                  : matmul_forward_.held(kRankTextRows));
+}
+
 double CostModel::text_projection_s(int64_t text_tokens) const {
   if (model_.joint_attention || text_tokens <= 0) return 0;
-  constexpr double kRankTextRows = 16384;  // text rows of a typical rank's batched projection
   const double d = static_cast<double>(model_.width);
   const double flops = 4.0 * d * d * static_cast<double>(text_tokens);
   const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
-  return flops * forward_passes /
-             (matmul_forward_.empty() ? profile_.matmul_flops_per_s
-                                      : matmul_forward_.held(kRankTextRows)) +
+  return forward_passes * text_projection_forward_s(text_tokens) +
          2.0 * flops /
              (matmul_backward_.empty() ? profile_.matmul_flops_per_s
                                        : matmul_backward_.held(kRankTextRows));
@@ -262,12 +290,11 @@ double CostModel::call_excess_per_head_s(double query_tokens, double key_tokens,
                                          double call_heads) const {
   if (call_log_lengths_.empty() || query_tokens <= 0 || key_tokens <= 0) return 0;
   const double length = std::sqrt(query_tokens * key_tokens);
-  const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
   const double forward_excess =
       std::max(0.0, std::expm1(call_log_slowdown(call_forward_, length, call_heads)));
   const double backward_excess =
       std::max(0.0, std::expm1(call_log_slowdown(call_backward_, length, call_heads)));
-  return forward_passes * head_forward_s(query_tokens, key_tokens) * forward_excess +
+  return head_forward_s(query_tokens, key_tokens) * forward_excess +
          head_backward_s(query_tokens, key_tokens) * backward_excess;
 }
 
@@ -347,8 +374,10 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
   const double n = static_cast<double>(chunk_tokens);
   const double block = static_cast<double>(shape.block_tokens(block_class));
   const double text = static_cast<double>(shape.text_tokens);
+  // Selective checkpointing (docs/training.md): a checkpointed layer keeps its attention outputs,
+  // so attention runs forward once either way; only the per-token layers (linear_time_s, the
+  // text projections) and the q/k/v exchange that feeds attention run again.
   const bool checkpointing = options_.activation_checkpointing;
-  const double forward_passes = checkpointing ? 2.0 : 1.0;
   const bool cross = !model_.joint_attention && shape.text_tokens > 0;
 
   RankTerms terms;
@@ -361,20 +390,22 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
     const double count = static_cast<double>(shape.block_count(c));
     if (count == 0) continue;
     layer_s += count * h *
-               (shape.forward_s[block_class][c] * forward_passes +
-                shape.backward_s[block_class][c] + shape.call_excess_s[head_class][block_class][c]);
+               (shape.forward_s[block_class][c] + shape.backward_s[block_class][c] +
+                shape.call_excess_s[head_class][block_class][c]);
   }
   if (cross) {
     layer_s +=
-        all_heads * (head_forward_s(n, text) * forward_passes + head_backward_s(n, text) +
+        all_heads * (head_forward_s(n, text) + head_backward_s(n, text) +
                      (shape.price_calls ? call_excess_per_head_s(n, text, all_heads) : 0.0)) +
         shape.text_projection_s;
+    // the text k/v projections are per-token layers of the block: recomputed
+    if (checkpointing) terms.recompute_s = layers * text_projection_forward_s(shape.text_tokens);
   }
   terms.attention_s = layers * layer_s;
 
   // Ulysses: per pass, q, k, v of this chunk for the other ranks' heads go out and the output
-  // of this rank's heads for the other chunks goes back (4 all-to-alls).
-  const double passes = forward_passes + 1.0;
+  // of this rank's heads for the other chunks goes back (4 all-to-alls): forward and backward,
+  // and the recompute of a checkpointed layer sends q, k, v again (3 all-to-alls).
   if (shape.ulysses_degree > 1) {
     const double qkv_send = n * (all_heads - h) * hd * bpe;
     const double qkv_recv = (block - n) * h * hd * bpe;
@@ -390,21 +421,29 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
         }
       }
     }
-    double pass_s;
+    double pass_s, qkv_pass_s;
     if (measured != nullptr) {
-      pass_s = 3.0 * (*measured)(std::max(1.0, std::max(qkv_send, qkv_recv))) +
-               (*measured)(std::max(1.0, std::max(out_send, out_recv)));
+      qkv_pass_s = 3.0 * (*measured)(std::max(1.0, std::max(qkv_send, qkv_recv)));
+      pass_s = qkv_pass_s + (*measured)(std::max(1.0, std::max(out_send, out_recv)));
     } else {
       const double link =
           ulysses_intra_node ? cluster_.intra_node_bytes_per_s : cluster_.inter_node_bytes_per_s;
       const double latency =
           ulysses_intra_node ? cluster_.intra_node_latency_s : cluster_.inter_node_latency_s;
+      qkv_pass_s = 3.0 * std::max(qkv_send, qkv_recv) / link + 3.0 * latency;
       pass_s = std::max(send, recv) / link + 4.0 * latency;
     }
-    terms.exchange_s += layers * passes * pass_s * (1.0 - profile_.exchange_overlap);
-    if (checkpointing) terms.recompute_exchange_s += layers * pass_s * (1.0 - profile_.exchange_overlap);
-    terms.sent_bytes += layers * passes * send;
-    terms.attention_s += layers * passes * send * profile_.ulysses_layout_s_per_byte;
+    const double exposed = 1.0 - profile_.exchange_overlap;
+    terms.exchange_s += layers * 2.0 * pass_s * exposed;
+    const double recompute_send = checkpointing ? 3.0 * qkv_send : 0.0;
+    if (checkpointing) {
+      terms.recompute_exchange_s = layers * qkv_pass_s * exposed;
+      terms.exchange_s += terms.recompute_exchange_s;
+      terms.attention_recompute_exchange_s += layers * (pass_s - qkv_pass_s) * exposed;
+    }
+    terms.sent_bytes += layers * (2.0 * send + recompute_send);
+    terms.attention_s +=
+        layers * (2.0 * send + recompute_send) * profile_.ulysses_layout_s_per_byte;
   }
 
   // Ring: r - 1 k/v transfers per pass (every block but the next one is forwarded), each hidden
@@ -426,30 +465,43 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
           transfers * std::max(0.0, 2.0 * kv_bytes / link - h * shape.backward_s[block_class][c]);
       kv_sent += transfers * kv_bytes;
     }
+    // The ring runs in the forward and the backward only: its outputs are kept (no recompute).
     const double step_latency_s = static_cast<double>(shape.ring_degree - 1) * latency;
-    terms.exchange_s += layers * (forward_passes * (forward_exposed_s + step_latency_s) +
-                                  backward_exposed_s + step_latency_s);
-    if (checkpointing) terms.recompute_exchange_s += layers * (forward_exposed_s + step_latency_s);
-    terms.sent_bytes += layers * kv_sent * (forward_passes + 2.0);
-    terms.attention_s +=
-        layers * kv_sent * (forward_passes + 2.0) * profile_.ring_layout_s_per_byte;
+    terms.exchange_s +=
+        layers * (forward_exposed_s + step_latency_s + backward_exposed_s + step_latency_s);
+    if (checkpointing) {
+      terms.attention_recompute_exchange_s += layers * (forward_exposed_s + step_latency_s);
+    }
+    terms.sent_bytes += layers * kv_sent * 3.0;
+    terms.attention_s += layers * kv_sent * 3.0 * profile_.ring_layout_s_per_byte;
   }
 
-  // Recompute: one more forward pass of every layer's attention (and its exchanges).
+  // A full recompute (memory allows no kept outputs) runs every attention forward again.
   if (checkpointing) {
     double forward_layer_s = 0;
     for (int c = 0; c < 2; ++c) {
-      forward_layer_s += static_cast<double>(shape.block_count(c)) * h * shape.forward_s[block_class][c];
+      forward_layer_s +=
+          static_cast<double>(shape.block_count(c)) * h * shape.forward_s[block_class][c];
     }
     if (cross) forward_layer_s += all_heads * head_forward_s(n, text);
-    terms.recompute_s = layers * forward_layer_s;
+    terms.attention_recompute_s = layers * forward_layer_s;
   }
 
-  // Memory: kept activations, then the transient buffers of one layer.
+  // Memory: kept activations, then the transient buffers of one layer. A checkpointed layer
+  // keeps its input and its attention outputs (checkpoint_bytes_: measured on one rank, local
+  // attention); Ulysses also keeps the exchanged layout's o and lse of this rank's heads, ring
+  // the merged lse of its rows.
   terms.layer_activation_bytes = n * activation_bytes_ + (cross ? text * text_bytes_ : 0.0);
   terms.layer_checkpoint_bytes = n * checkpoint_bytes_;
+  if (shape.ulysses_degree > 1) {
+    terms.layer_checkpoint_bytes += block * h * (hd * bpe + kLseBytes);
+  }
+  if (shape.ring_degree > 1) terms.layer_checkpoint_bytes += block * h * kLseBytes;
+  terms.layer_input_bytes = n * d * bpe;
+  // The planners size ranks at the least memory a layer can keep (the input: full recompute);
+  // evaluate() keeps the attention outputs wherever they fit.
   const double kept_bytes =
-      checkpointing ? layers * terms.layer_checkpoint_bytes + terms.layer_activation_bytes
+      checkpointing ? layers * terms.layer_input_bytes + terms.layer_activation_bytes
                     : layers * terms.layer_activation_bytes;
   // Measured: one layer's backward transient per token; analytic: q, k, v, o of the segment.
   double buffer_bytes = backward_bytes_ > 0 ? n * backward_bytes_ : 4.0 * block * h * hd * bpe;
@@ -525,6 +577,9 @@ std::vector<RankShare> CostModel::shares_and_bytes(const Sequence& sequence,
       share.buffer_bytes = terms.buffer_bytes;
       share.recompute_s = terms.recompute_s;
       share.recompute_exchange_s = terms.recompute_exchange_s;
+      share.layer_input_bytes = terms.layer_input_bytes;
+      share.attention_recompute_s = terms.attention_recompute_s;
+      share.attention_recompute_exchange_s = terms.attention_recompute_exchange_s;
       result.push_back(share);
       sent += terms.sent_bytes;
       if (share.rank != sequence.source_rank) {
@@ -584,18 +639,31 @@ double CostModel::gradient_bytes() const { return gradient_bytes_; }
 
 double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
                                   double buffer_bytes, int64_t checkpointed_layers) const {
+  return rank_peak_bytes(layer_activation_bytes, layer_checkpoint_bytes, 0.0, buffer_bytes,
+                         checkpointed_layers, 0);
+}
+
+double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
+                                  double layer_input_bytes, double buffer_bytes,
+                                  int64_t checkpointed_layers, int64_t full_layers) const {
   const int64_t layers = model_.num_layers;
   const int64_t k = std::clamp<int64_t>(checkpointed_layers, 0, layers);
+  const int64_t f = std::clamp<int64_t>(full_layers, 0, k);
+  const auto kept = [&](int64_t j) {
+    return j < f ? layer_input_bytes : j < k ? layer_checkpoint_bytes : layer_activation_bytes;
+  };
   const double held_always = fixed_bytes_ - gradient_bytes_;
   // The backward runs layer L-1 down to 0. Before layer j: kept activations of layers < j,
   // gradients of layers > j (blocks only; the root's come last).
-  double below = static_cast<double>(k) * layer_checkpoint_bytes +
+  double below = static_cast<double>(f) * layer_input_bytes +
+                 static_cast<double>(k - f) * layer_checkpoint_bytes +
                  static_cast<double>(layers - k) * layer_activation_bytes;
   double peak = held_always + gradient_bytes_;  // the backward's end: every gradient
   for (int64_t j = layers - 1; j >= 0; --j) {
-    const bool checkpointed = j < k;
-    below -= checkpointed ? layer_checkpoint_bytes : layer_activation_bytes;
-    const double own = layer_activation_bytes + (checkpointed ? layer_checkpoint_bytes : 0.0);
+    below -= kept(j);
+    // A checkpointed layer's recompute rebuilds its activations around the tensors it kept
+    // (input, attention outputs), which are among them: its own bytes are its activations.
+    const double own = layer_activation_bytes;
     const double grads = static_cast<double>(layers - 1 - j) * layer_gradient_bytes_;
     peak = std::max(peak, held_always + grads + below + own + buffer_bytes);
   }
@@ -842,6 +910,9 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
   std::vector<double> buffer(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> recompute(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> input(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> attention_recompute(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> attention_recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
   std::vector<RankCalls> calls(static_cast<size_t>(num_ranks));
   auto add_share = [&](const RankShare& share, int64_t rank_index) {
     RankCost& rank = cost.ranks[rank_index];
@@ -853,6 +924,9 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     buffer[rank_index] += share.buffer_bytes;
     recompute[rank_index] += share.recompute_s;
     recompute_exchange[rank_index] += share.recompute_exchange_s;
+    input[rank_index] += share.layer_input_bytes;
+    attention_recompute[rank_index] += share.attention_recompute_s;
+    attention_recompute_exchange[rank_index] += share.attention_recompute_exchange_s;
   };
   for (const Placement& placement : plan.placements) {
     double sent = 0;
@@ -900,27 +974,64 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
           layers *
           (launch_s_per_layer_ + launch_s_per_call_ * static_cast<double>(rank.attention_calls));
     }
-    // Checkpoint every layer, none, or (adaptive) the fewest whose peak fits; a rank that fits
-    // nowhere keeps every checkpoint. Layers that keep their activations skip the recompute.
+    // Checkpoint every layer, none, or (adaptive) the fewest whose peak fits, keeping their
+    // attention outputs; where even that does not fit, the fewest of them that recompute their
+    // attention too (full recompute) so that it fits; a rank that fits nowhere recomputes all.
     const int64_t num_layers = model_.num_layers;
-    int64_t k = options_.activation_checkpointing ? num_layers : 0;
-    rank.peak_bytes = rank_peak_bytes(activation[i], checkpoint[i], buffer[i], k);
-    if (options_.activation_checkpointing && options_.adaptive_checkpointing) {
-      for (int64_t fewer = 0; fewer < num_layers; ++fewer) {
-        const double peak = rank_peak_bytes(activation[i], checkpoint[i], buffer[i], fewer);
-        if (peak <= capacity) {
-          k = fewer;
-          rank.peak_bytes = peak;
-          break;
+    const auto peak = [&](int64_t k, int64_t f) {
+      return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f);
+    };
+    int64_t k = options_.activation_checkpointing ? num_layers : 0, f = 0;
+    if (options_.activation_checkpointing) {
+      if (options_.adaptive_checkpointing) {
+        for (int64_t fewer = 0; fewer < num_layers; ++fewer) {
+          if (peak(fewer, 0) <= capacity) {
+            k = fewer;
+            break;
+          }
+        }
+      }
+      if (k == num_layers && peak(k, 0) > capacity) {
+        f = num_layers;
+        for (int64_t full = 1; full < num_layers; ++full) {
+          if (peak(k, full) <= capacity) {
+            f = full;
+            break;
+          }
         }
       }
     }
     rank.checkpointed_layers = k;
+    rank.full_recompute_layers = f;
+  }
+  // The recompute of a layer sends q, k, v again where the plan has a Ulysses placement, and
+  // that all-to-all spans the world (runtime/attention.py): every rank must then recompute the
+  // same layers (and run the same of them in full), the most any rank needs.
+  const bool world_exchange =
+      std::any_of(plan.placements.begin(), plan.placements.end(),
+                  [](const Placement& p) { return p.ulysses_degree > 1; });
+  int64_t most_checkpointed = 0, most_full = 0;
+  for (const RankCost& rank : cost.ranks) {
+    most_checkpointed = std::max(most_checkpointed, rank.checkpointed_layers);
+    most_full = std::max(most_full, rank.full_recompute_layers);
+  }
+  for (int64_t i = 0; i < num_ranks; ++i) {
+    RankCost& rank = cost.ranks[i];
+    if (world_exchange) {
+      rank.checkpointed_layers = most_checkpointed;
+      rank.full_recompute_layers = most_full;
+    }
+    const int64_t k = rank.checkpointed_layers, f = rank.full_recompute_layers;
+    rank.peak_bytes = rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f);
+    // Layers that keep their activations skip the recompute; full ones recompute attention too.
     if (options_.activation_checkpointing) {
-      const double skipped = static_cast<double>(num_layers - k) / layers;
+      const double layers = static_cast<double>(model_.num_layers);
+      const double skipped = static_cast<double>(model_.num_layers - k) / layers;
+      const double full = static_cast<double>(f) / layers;
       rank.linear_s -= skipped * linear_recompute_s(rank.tokens);
-      rank.attention_s -= skipped * recompute[i];
-      rank.exchange_s -= skipped * recompute_exchange[i];
+      rank.attention_s += full * attention_recompute[i] - skipped * recompute[i];
+      rank.exchange_s +=
+          full * attention_recompute_exchange[i] - skipped * recompute_exchange[i];
     }
     rank.time_s = std::max(rank.linear_s + rank.attention_s + rank.call_s + rank.exchange_s,
                            rank.launch_floor_s);
@@ -994,7 +1105,6 @@ struct LowerBoundSearch {
         num_heads(model.model().num_heads),
         capacity_bytes(model.memory_capacity_bytes()),
         min_per_token_s(model.min_linear_time_per_token_s()),
-        forward_passes(model.options().activation_checkpointing ? 2.0 : 1.0),
         layers(static_cast<double>(model.model().num_layers)),
         forward_envelope(model.profile().attention_forward_s_per_head,
                          [&model](double x) { return model.head_forward_s(x, x); }),
@@ -1055,13 +1165,14 @@ struct LowerBoundSearch {
         const double launch_s =
             layers * (cost.launch_s_per_layer_ +
                       cost.launch_s_per_call_ * static_cast<double>(own_calls));
-        // The fit test evaluate() applies to a rank holding only this share, checkpointing every
-        // layer it may (the least memory): the planners' additive sizing is stricter and would
+        // The fit test evaluate() applies to a rank holding only this share, recomputing every
+        // layer in full (the least memory): the planners' additive sizing is stricter and would
         // exclude plans evaluate() accepts, so the bound would not hold for them.
         const int64_t checkpointed_layers =
             cost.options().activation_checkpointing ? cost.model().num_layers : 0;
         if (cost.rank_peak_bytes(terms.layer_activation_bytes, terms.layer_checkpoint_bytes,
-                                 terms.buffer_bytes, checkpointed_layers) > capacity_bytes) {
+                                 terms.layer_input_bytes, terms.buffer_bytes, checkpointed_layers,
+                                 checkpointed_layers) > capacity_bytes) {
           result.fits = false;
         }
         result.bottleneck_s = std::max(result.bottleneck_s, std::max(time_s, launch_s));
@@ -1176,7 +1287,7 @@ struct LowerBoundSearch {
     for (double log_x : call_knots) {
       if (log_x > log_low && log_x < log_high) at(std::exp(log_x));
     }
-    return value = forward_passes * cost.head_forward_s(lq, lk) *
+    return value = cost.head_forward_s(lq, lk) *
                        std::max(0.0, std::expm1(least_forward)) +
                    cost.head_backward_s(lq, lk) * std::max(0.0, std::expm1(least_backward));
   }
@@ -1199,6 +1310,7 @@ struct LowerBoundSearch {
     const double flops = cost.forward_flops_per_token_;
     const double d = static_cast<double>(model.width);
     const double bpe = static_cast<double>(cost.options().bytes_per_element);
+    const double forward_passes = cost.options().activation_checkpointing ? 2.0 : 1.0;
     return static_cast<double>(model.num_layers) *
            (flops * forward_passes / best_rate(cost.matmul_forward_, profile.matmul_flops_per_s) +
             2.0 * flops / best_rate(cost.matmul_backward_, profile.matmul_flops_per_s) +
@@ -1231,20 +1343,21 @@ struct LowerBoundSearch {
     const double longest_block = std::ceil(tokens / static_cast<double>(r));
     double bound = tokens * min_per_token_s;
     bound += layers * heads * tokens * tokens *
-             (forward_envelope(longest_block) * forward_passes + backward_envelope(longest_block));
+             (forward_envelope(longest_block) + backward_envelope(longest_block));
     if (!model.joint_attention && text_tokens > 0) {
       const double text = static_cast<double>(text_tokens);
       const double longest_pair = std::sqrt(longest_block * text);
       bound +=
           layers * heads * tokens * text *
-              (forward_envelope(longest_pair) * forward_passes + backward_envelope(longest_pair)) +
+              (forward_envelope(longest_pair) + backward_envelope(longest_pair)) +
           static_cast<double>(r) * layers * cost.text_projection_s(text_tokens);
     }
     if (r > 1) {
       const double latency_s =
           r <= gpus_per_node ? std::min(cluster.intra_node_latency_s, cluster.inter_node_latency_s)
                              : cluster.inter_node_latency_s;
-      bound += static_cast<double>(r * (r - 1)) * layers * (forward_passes + 1.0) * latency_s;
+      // ring steps of the forward and the backward (the recompute keeps the ring's outputs)
+      bound += static_cast<double>(r * (r - 1)) * layers * 2.0 * latency_s;
     }
     return bound;
   }
@@ -1344,7 +1457,7 @@ struct LowerBoundSearch {
 
   const CostModel& cost;
   int64_t num_ranks, gpus_per_node, num_heads;
-  double capacity_bytes, min_per_token_s, forward_passes;
+  double capacity_bytes, min_per_token_s;
   double layers;
   // Sequences of the batch per unit length and per text length: how many equal segments one
   // call can group at most (least_call_excess_s).

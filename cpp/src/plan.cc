@@ -136,17 +136,43 @@ void validate_plan(const Plan& plan, const Batch& batch, int64_t num_ranks, int6
     throw std::invalid_argument("plan is for " + std::to_string(plan.num_ranks) +
                                 " ranks, the cluster has " + std::to_string(num_ranks));
   }
+  // Times each batch id is placed: in a vector over the id range when ids are dense (the usual
+  // case; plans of tens of thousands of placements are checked per step), else in a hash map.
+  // -1 in the vector: not a batch id.
+  int64_t min_id = 0, max_id = -1;
+  for (const Sequence& seq : batch.sequences) {
+    if (max_id < min_id) min_id = max_id = seq.id;
+    min_id = std::min(min_id, seq.id);
+    max_id = std::max(max_id, seq.id);
+  }
+  const bool dense = max_id >= min_id && static_cast<uint64_t>(max_id) - static_cast<uint64_t>(min_id) <
+                                             2 * static_cast<uint64_t>(batch.sequences.size()) + 64;
+  std::vector<int> times_placed_dense;
   std::unordered_map<int64_t, int> times_placed;
-  for (const Sequence& seq : batch.sequences) times_placed[seq.id] = 0;
+  if (dense) {
+    times_placed_dense.assign(static_cast<size_t>(max_id - min_id + 1), -1);
+    for (const Sequence& seq : batch.sequences) times_placed_dense[seq.id - min_id] = 0;
+  } else {
+    for (const Sequence& seq : batch.sequences) times_placed[seq.id] = 0;
+  }
+  // The count of a placed id, or nullptr when it is not a batch id.
+  auto count_of = [&](int64_t id) -> int* {
+    if (dense) {
+      if (id < min_id || id > max_id || times_placed_dense[id - min_id] < 0) return nullptr;
+      return &times_placed_dense[id - min_id];
+    }
+    auto it = times_placed.find(id);
+    return it == times_placed.end() ? nullptr : &it->second;
+  };
   std::vector<char> in_placement(static_cast<size_t>(std::max<int64_t>(num_ranks, 0)), 0);
   for (const Placement& p : plan.placements) {
     // Built only for an error: plans of tens of thousands of placements are checked per step.
     const auto prefix = [&p] { return seq_prefix(p.sequence_id); };
-    auto it = times_placed.find(p.sequence_id);
-    if (it == times_placed.end()) {
+    int* count = count_of(p.sequence_id);
+    if (count == nullptr) {
       throw std::invalid_argument(prefix() + "placed but not in the batch");
     }
-    if (++it->second > 1) throw std::invalid_argument(prefix() + "placed more than once");
+    if (++*count > 1) throw std::invalid_argument(prefix() + "placed more than once");
     if (p.ranks.empty()) throw std::invalid_argument(prefix() + "placement has no ranks");
     for (int64_t rank : p.ranks) {
       if (rank < 0 || rank >= num_ranks) {
@@ -189,7 +215,7 @@ void validate_plan(const Plan& plan, const Batch& batch, int64_t num_ranks, int6
     }
   }
   for (const Sequence& seq : batch.sequences) {
-    if (times_placed[seq.id] == 0) throw std::invalid_argument(seq_prefix(seq.id) + "not placed");
+    if (*count_of(seq.id) == 0) throw std::invalid_argument(seq_prefix(seq.id) + "not placed");
   }
 }
 

@@ -224,10 +224,12 @@ void set_prediction(Plan& plan, const PlanCost& cost) {
   plan.predicted.rank_time_s.clear();
   plan.predicted.rank_peak_bytes.clear();
   plan.predicted.rank_checkpointed_layers.clear();
+  plan.predicted.rank_full_recompute_layers.clear();
   for (const RankCost& rank : cost.ranks) {
     plan.predicted.rank_time_s.push_back(rank.time_s);
     plan.predicted.rank_peak_bytes.push_back(rank.peak_bytes);
     plan.predicted.rank_checkpointed_layers.push_back(rank.checkpointed_layers);
+    plan.predicted.rank_full_recompute_layers.push_back(rank.full_recompute_layers);
   }
 }
 

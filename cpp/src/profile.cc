@@ -146,6 +146,19 @@ void HardwareProfile::validate() const {
   if (!(exchange_overlap >= 0 && exchange_overlap < 1)) {
     throw std::invalid_argument("profile: exchange_overlap must be in [0, 1)");
   }
+  for (const auto& [tables, name] :
+       {std::pair{&model_matmul_forward_flops_per_s, "model_matmul_forward_flops_per_s"},
+        std::pair{&model_matmul_backward_flops_per_s, "model_matmul_backward_flops_per_s"}}) {
+    if (!tables->empty() && tables->size() != memory_models.size()) {
+      throw std::invalid_argument(std::string("profile: ") + name +
+                                  " must be empty or hold one table per memory model");
+    }
+    for (size_t i = 0; i < tables->size(); ++i) {
+      const std::string at = name + index_text(i) + " (" + memory_models[i] + ")";
+      (*tables)[i].validate(at);
+      require_table_in((*tables)[i], at, kMinRatePerS, kMaxRatePerS);
+    }
+  }
   if (memory_models.size() != activation_bytes_per_token_layer.size() ||
       memory_models.size() != checkpoint_bytes_per_token_layer.size()) {
     throw std::invalid_argument(

@@ -192,24 +192,33 @@ void validate_batch(const Batch& batch, int64_t num_ranks) {
                                 ", got " + std::to_string(num_ranks));
   }
   int64_t total = 0;
+  // Batches of tens of thousands of sequences are checked per step: ids are looked up in a hash
+  // set only when a sorted copy shows a duplicate (to name the first one in batch order), and a
+  // sequence's error prefix is built only for an error.
+  std::vector<int64_t> sorted_ids;
+  sorted_ids.reserve(batch.sequences.size());
+  for (const Sequence& seq : batch.sequences) sorted_ids.push_back(seq.id);
+  std::sort(sorted_ids.begin(), sorted_ids.end());
+  const bool has_duplicate =
+      std::adjacent_find(sorted_ids.begin(), sorted_ids.end()) != sorted_ids.end();
   std::unordered_set<int64_t> ids;
   for (const Sequence& seq : batch.sequences) {
-    const std::string prefix = seq_prefix(seq.id);
-    if (!ids.insert(seq.id).second) {
-      throw std::invalid_argument(prefix + "duplicate id " + std::to_string(seq.id));
+    const auto prefix = [&seq] { return seq_prefix(seq.id); };
+    if (has_duplicate && !ids.insert(seq.id).second) {
+      throw std::invalid_argument(prefix() + "duplicate id " + std::to_string(seq.id));
     }
     if (seq.num_tokens <= 0 || seq.num_tokens > kMaxSequenceTokens) {
-      throw std::invalid_argument(prefix + "num_tokens must be in " +
+      throw std::invalid_argument(prefix() + "num_tokens must be in " +
                                   in_range(1, kMaxSequenceTokens) + ", got " +
                                   std::to_string(seq.num_tokens));
     }
     if (seq.text_tokens < 0 || seq.text_tokens > kMaxTextTokens) {
-      throw std::invalid_argument(prefix + "text_tokens must be in " +
+      throw std::invalid_argument(prefix() + "text_tokens must be in " +
                                   in_range(0, kMaxTextTokens) + ", got " +
                                   std::to_string(seq.text_tokens));
     }
     if (seq.source_rank < 0 || (num_ranks > 0 && seq.source_rank >= num_ranks)) {
-      throw std::invalid_argument(prefix + "source_rank " + std::to_string(seq.source_rank) +
+      throw std::invalid_argument(prefix() + "source_rank " + std::to_string(seq.source_rank) +
                                   " is outside [0, " +
                                   (num_ranks > 0 ? std::to_string(num_ranks) : "inf") + ")");
     }
@@ -218,7 +227,7 @@ void validate_batch(const Batch& batch, int64_t num_ranks) {
         seq.grid_h > seq.num_tokens || seq.grid_w > seq.num_tokens ||
         seq.grid_t * seq.grid_h > seq.num_tokens ||
         seq.grid_t * seq.grid_h * seq.grid_w != seq.num_tokens) {
-      throw std::invalid_argument(prefix + "grid " + std::to_string(seq.grid_t) + " x " +
+      throw std::invalid_argument(prefix() + "grid " + std::to_string(seq.grid_t) + " x " +
                                   std::to_string(seq.grid_h) + " x " + std::to_string(seq.grid_w) +
                                   " does not multiply to num_tokens " +
                                   std::to_string(seq.num_tokens));

@@ -29,7 +29,13 @@ from zellige.workload import batch_fingerprint
 
 _PLAN_FIELDS = ("planner", "num_ranks", "placements", "predicted", "plan_ms", "note", "context")
 _PLACEMENT_FIELDS = ("id", "strategy", "ranks")
-_PREDICTED_FIELDS = ("makespan_s", "rank_time_s", "rank_peak_bytes", "rank_checkpointed_layers")
+_PREDICTED_FIELDS = (
+    "makespan_s",
+    "rank_time_s",
+    "rank_peak_bytes",
+    "rank_checkpointed_layers",
+    "rank_full_recompute_layers",
+)
 
 
 def plan_to_dict(plan: _core.Plan) -> dict:
@@ -46,6 +52,7 @@ def plan_to_dict(plan: _core.Plan) -> dict:
             "rank_time_s": list(predicted.rank_time_s),
             "rank_peak_bytes": list(predicted.rank_peak_bytes),
             "rank_checkpointed_layers": list(predicted.rank_checkpointed_layers),
+            "rank_full_recompute_layers": list(predicted.rank_full_recompute_layers),
         },
         "plan_ms": plan.plan_ms,
         "note": plan.note,
@@ -128,11 +135,11 @@ def plan_from_dict(data: Any) -> _core.Plan:
             makespan_s=require_number(raw, "makespan_s", "plan predicted"),
             rank_time_s=_number_list(raw, "rank_time_s", "plan predicted"),
             rank_peak_bytes=_number_list(raw, "rank_peak_bytes", "plan predicted"),
-            rank_checkpointed_layers=(
-                _int_list(raw, "rank_checkpointed_layers", "plan predicted")
-                if "rank_checkpointed_layers" in raw
-                else []
-            ),
+            **{
+                key: _int_list(raw, key, "plan predicted")
+                for key in ("rank_checkpointed_layers", "rank_full_recompute_layers")
+                if key in raw
+            },
         )
     return plan
 

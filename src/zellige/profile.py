@@ -40,7 +40,14 @@ MODEL_ROWS = (
     "launch_s_per_layer",
     "launch_s_per_attention_call",
 )
-_TABLE_LISTS = ("exchange_intra_node_s", "attention_call_forward_s", "attention_call_backward_s")
+# Tables per model in memory_models (empty, or one each; an empty table: the shared one).
+MODEL_TABLES = ("model_matmul_forward_flops_per_s", "model_matmul_backward_flops_per_s")
+_TABLE_LISTS = (
+    "exchange_intra_node_s",
+    "attention_call_forward_s",
+    "attention_call_backward_s",
+    *MODEL_TABLES,
+)
 _INTEGERS = ("attention_head_dim", "runtime_reserved_bytes")
 _STRINGS = ("device_name", "created")
 _FIELDS = (
@@ -59,6 +66,7 @@ _FIELDS = (
     "ring_layout_s_per_byte",
     "memory_models",
     *MODEL_ROWS,
+    *MODEL_TABLES,
     "runtime_reserved_bytes",
 )
 

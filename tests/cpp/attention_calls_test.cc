@@ -56,8 +56,8 @@ double expected_call_s(const CostModel& model, double length, double call_heads)
   const double excess = slowdown(call_heads) / slowdown(kCallHeads.back()) - 1.0;
   const double forward = profile.attention_forward_s_per_head(length);
   const double backward = profile.attention_backward_s_per_head(length);
-  return static_cast<double>(model.model().num_layers) * call_heads * excess *
-         (2.0 * forward + backward);
+  // one forward and one backward: checkpointing keeps the attention outputs (no recompute)
+  return static_cast<double>(model.model().num_layers) * call_heads * excess * (forward + backward);
 }
 
 TEST(AttentionCalls, FewHeadCallsPayTheMeasuredSlowdown) {

@@ -145,8 +145,8 @@ TEST(CostModel, AnalyticAttentionMatchesFlops) {
                              make_cluster(8, 8));
   const Sequence sequence = sequence_from_tokens(0, "video", 20000, 0, 0);
   const auto shares = cost_model.shares(sequence, make_placement(0, Strategy::kLocal, {0}));
-  // fwd + recompute fwd + bwd (2.5x) of 4 L^2 d per layer.
-  const double expected = 4.5 * 4.0 * 20000.0 * 20000.0 * static_cast<double>(model.width) *
+  // fwd + bwd (2.5x) of 4 L^2 d per layer; selective checkpointing recomputes no attention.
+  const double expected = 3.5 * 4.0 * 20000.0 * 20000.0 * static_cast<double>(model.width) *
                           static_cast<double>(model.num_layers) / 640e12;
   EXPECT_NEAR(shares[0].attention_s, expected, expected * 1e-9);
   EXPECT_EQ(shares[0].exchange_s, 0);
@@ -204,9 +204,10 @@ TEST(CostModel, UlyssesExchangeOnlyWhenShardedAndSlowerAcrossNodes) {
   // Same bytes either way, apart from routing (source rank 0 is not in the second set).
   EXPECT_GT(cost_model.exchange_bytes(sequence, across),
             cost_model.exchange_bytes(sequence, inside));
-  // Bytes: 4 n d (1 - 1/u) per layer and pass (fwd, bwd, recompute), plus routing 7/8 of L.
+  // Bytes: 4 n d (1 - 1/u) per layer and pass (fwd, bwd), 3 n d (1 - 1/u) for the recompute's
+  // q, k, v, plus routing 7/8 of L.
   const double n = 75600.0 / 8, d = 5120;
-  const double expected = 8 * (4 * n * d * 2 * (7.0 / 8.0) * 40 * 3) + 2 * 512 * 7 * n;
+  const double expected = 8 * (n * d * 2 * (7.0 / 8.0) * 40 * (4 * 2 + 3)) + 2 * 512 * 7 * n;
   EXPECT_NEAR(cost_model.exchange_bytes(sequence, inside), expected, expected * 1e-9);
   // Splitting 8 ways beats the single rank by far on a 75k-token clip.
   EXPECT_LT(bottleneck_s(cost_model, inside_shares), bottleneck_s(cost_model, local) / 5);
@@ -228,13 +229,14 @@ TEST(CostModel, RingHidesTransfersBehindLongBlocksOnly) {
   const Sequence long_sequence = sequence_from_tokens(0, "video", 120000, 0, 0);
   const auto long_shares =
       cost_model.shares(long_sequence, make_placement(0, Strategy::kRing, iota_ranks(0, 4)));
-  // Only the step latencies remain: 3 steps x 3 passes x 57 layers x 15 us.
-  const double latency_s = 3 * 3 * 57 * cost_model.cluster().intra_node_latency_s;
+  // Only the step latencies remain: 3 steps x 2 passes (forward, backward: the recompute keeps
+  // the ring's outputs) x 57 layers x 15 us.
+  const double latency_s = 3 * 2 * 57 * cost_model.cluster().intra_node_latency_s;
   EXPECT_NEAR(long_shares[0].exchange_s, latency_s, latency_s * 1e-9);
   const Sequence short_sequence = sequence_from_tokens(0, "image", 4096, 0, 0);
   const auto short_shares = cost_model.shares(
       short_sequence, make_placement(0, Strategy::kRing, {0, 8, 1, 9}));  // crosses nodes
-  double ring_latency_s = 3 * 3 * 57 * cost_model.cluster().inter_node_latency_s;
+  double ring_latency_s = 3 * 2 * 57 * cost_model.cluster().inter_node_latency_s;
   EXPECT_GT(short_shares[0].exchange_s, ring_latency_s * 1.01);
 }
 
@@ -283,13 +285,18 @@ TEST(CostModel, EvaluateAddsMemoryAndSumsRanks) {
   const RankShare a = cost_model.shares(batch.sequences[0], plan.placements[0])[0];
   const RankShare b = cost_model.shares(batch.sequences[1], plan.placements[1])[0];
   // The peak is the maximum over the backward's progress of the two shares' per-layer sums
-  // (gradients appear layer by layer), never above the planners' additive sum of always-held
-  // state and every share's memory.
+  // (gradients appear layer by layer). With a full recompute of every layer (the least memory)
+  // it is never above the planners' additive sum of always-held state and every share's memory.
   EXPECT_DOUBLE_EQ(cost.ranks[0].peak_bytes,
                    cost_model.rank_peak_bytes(a.layer_activation_bytes + b.layer_activation_bytes,
                                               a.layer_checkpoint_bytes + b.layer_checkpoint_bytes,
                                               a.buffer_bytes + b.buffer_bytes, 30));
-  EXPECT_LE(cost.ranks[0].peak_bytes, cost_model.fixed_bytes() + a.memory_bytes + b.memory_bytes);
+  EXPECT_EQ(cost.ranks[0].full_recompute_layers, 0);
+  EXPECT_LE(cost_model.rank_peak_bytes(a.layer_activation_bytes + b.layer_activation_bytes,
+                                       a.layer_checkpoint_bytes + b.layer_checkpoint_bytes,
+                                       a.layer_input_bytes + b.layer_input_bytes,
+                                       a.buffer_bytes + b.buffer_bytes, 30, 30),
+            cost_model.fixed_bytes() + a.memory_bytes + b.memory_bytes);
   EXPECT_EQ(cost.ranks[0].checkpointed_layers, 30);
   EXPECT_EQ(cost.ranks[0].tokens, 21024);
   EXPECT_DOUBLE_EQ(cost.ranks[0].time_s,
@@ -518,7 +525,8 @@ TEST(LowerBound, BelowHandMadePlansAtScale) {
 
 // The peak over the backward's progress, by hand: 3 layers, per layer A = 10, C = 1, buffer 5,
 // gradients g per layer. Layer j's backward holds the kept activations of layers below j, its own
-// full activations (plus its checkpoint when recomputed), the buffer and the gradients above j.
+// full activations (recomputed around its checkpoint, which is part of them), the buffer and the
+// gradients above j.
 TEST(CostModel, PeakIsTheMaximumOverTheBackwardsProgress) {
   ModelSpec spec = model_preset("wan-1.3b");
   spec.num_layers = 3;
@@ -533,10 +541,15 @@ TEST(CostModel, PeakIsTheMaximumOverTheBackwardsProgress) {
   const double none = std::max({held + cost_model.gradient_bytes(), held + 2 * a + a + buffer,
                                 held + g + a + a + buffer, held + 2 * g + a + buffer});
   EXPECT_NEAR(cost_model.rank_peak_bytes(a, c, buffer, 0), none, 1e-3);
-  // the first 2 checkpointed: layer 1 recomputes (a + c) above the checkpoint of layer 0
+  // the first 2 checkpointed: layer 1 recomputes a above the checkpoint of layer 0
   const double two = std::max({held + cost_model.gradient_bytes(), held + 2 * c + a + buffer,
-                               held + g + c + a + c + buffer, held + 2 * g + a + c + buffer});
+                               held + g + c + a + buffer, held + 2 * g + a + buffer});
   EXPECT_NEAR(cost_model.rank_peak_bytes(a, c, buffer, 2), two, 1e-3);
+  // and the first of them a full recompute keeping only its input i: below layer 1, i not c
+  const double i = 0.25;
+  const double full = std::max({held + cost_model.gradient_bytes(), held + i + c + a + buffer,
+                                held + g + i + a + buffer, held + 2 * g + a + buffer});
+  EXPECT_NEAR(cost_model.rank_peak_bytes(a, c, i, buffer, 2, 1), full, 1e-3);
   // more checkpointing never needs more memory when activations outweigh checkpoints
   const double big_a = 4e9;
   for (int64_t k = 1; k <= 3; ++k) {
@@ -587,6 +600,174 @@ TEST(CostModel, AdaptiveCheckpointingRecomputesOnlyWhatMemoryNeeds) {
                                   share.buffer_bytes, k - 1),
             tight.memory_capacity_bytes());
   EXPECT_TRUE(cost.fits);
+}
+
+// Where keeping every checkpointed layer's attention outputs does not fit, the first layers
+// recompute in full (keeping only their input) and pay attention's forward again; the planners
+// size shares by that smallest footprint.
+TEST(CostModel, FullRecomputeWhereKeptOutputsDoNotFit) {
+  Batch batch;
+  batch.sequences = {sequence_from_tokens(0, "video", 60000, 512, 0)};
+  Plan plan;
+  plan.num_ranks = 1;
+  plan.placements = {make_placement(0, Strategy::kLocal, {0})};
+  const auto model_with = [](bool adaptive, int64_t memory_bytes) {
+    Cluster cluster = make_cluster(1, 1);
+    cluster.gpu_memory_bytes = memory_bytes;
+    CostOptions options;
+    options.adaptive_checkpointing = adaptive;
+    return CostModel(model_preset("wan-1.3b"), analytic_profile("t", 700e12, 550e12, 4.2e12),
+                     cluster, options);
+  };
+  const CostModel roomy = model_with(false, int64_t{400} << 30);
+  const RankShare share = roomy.shares(batch.sequences[0], plan.placements[0])[0];
+  EXPECT_NEAR(share.memory_bytes,
+              30 * share.layer_input_bytes + share.layer_activation_bytes + share.buffer_bytes,
+              1.0);
+  EXPECT_NEAR(share.layer_input_bytes, 60000.0 * 1536 * 2, 1e-6);
+  const auto peak = [&](const CostModel& model, int64_t full) {
+    return model.rank_peak_bytes(share.layer_activation_bytes, share.layer_checkpoint_bytes,
+                                 share.layer_input_bytes, share.buffer_bytes, 30, full);
+  };
+  ASSERT_LT(peak(roomy, 30), peak(roomy, 0));
+  const PlanCost selective = roomy.evaluate(batch, plan);
+  EXPECT_EQ(selective.ranks[0].full_recompute_layers, 0);
+  for (bool adaptive : {false, true}) {
+    const CostModel tight =
+        model_with(adaptive, static_cast<int64_t>((peak(roomy, 30) + peak(roomy, 0)) / 2 / 0.95));
+    const PlanCost cost = tight.evaluate(batch, plan);
+    const int64_t f = cost.ranks[0].full_recompute_layers;
+    EXPECT_EQ(cost.ranks[0].checkpointed_layers, 30);
+    EXPECT_GT(f, 0);
+    EXPECT_LT(f, 30);
+    EXPECT_TRUE(cost.fits);
+    EXPECT_NEAR(cost.ranks[0].peak_bytes, peak(tight, f), 1.0);
+    EXPECT_GT(peak(tight, f - 1), tight.memory_capacity_bytes());
+    EXPECT_GT(share.attention_recompute_s, 0);
+    EXPECT_NEAR(cost.ranks[0].attention_s - selective.ranks[0].attention_s,
+                static_cast<double>(f) / 30 * share.attention_recompute_s, 1e-12);
+  }
+}
+
+// A Ulysses placement makes the recompute of every checkpointed layer a world all-to-all, so
+// every rank must recompute the same layers: the most any rank needs.
+TEST(CostModel, AdaptiveCheckpointingIsUniformUnderAWorldExchange) {
+  Batch batch;
+  batch.sequences = {sequence_from_tokens(0, "video", 20000, 512, 0),
+                     sequence_from_tokens(1, "video", 60000, 512, 2)};
+  const auto model_with = [](int64_t memory_bytes) {
+    Cluster cluster = make_cluster(4, 4);
+    cluster.gpu_memory_bytes = memory_bytes;
+    CostOptions options;
+    options.adaptive_checkpointing = true;
+    return CostModel(model_preset("wan-1.3b"), analytic_profile("t", 700e12, 550e12, 4.2e12),
+                     cluster, options);
+  };
+  const Placement big = make_placement(1, Strategy::kLocal, {2});
+  const CostModel probe = model_with(int64_t{400} << 30);
+  const RankShare share = probe.shares(batch.sequences[1], big)[0];
+  const double half = probe.rank_peak_bytes(share.layer_activation_bytes,
+                                            share.layer_checkpoint_bytes, share.buffer_bytes, 15);
+  const CostModel tight = model_with(static_cast<int64_t>(half / 0.95) + 1);
+  Plan plan;
+  plan.num_ranks = 4;
+  plan.placements = {make_placement(0, Strategy::kLocal, {0}), big};
+  const PlanCost local = tight.evaluate(batch, plan);
+  const int64_t needed = local.ranks[2].checkpointed_layers;
+  EXPECT_GT(needed, 0);
+  EXPECT_EQ(local.ranks[0].checkpointed_layers, 0);  // no world exchange: each rank its own
+  plan.placements[0] = make_placement(0, Strategy::kUlysses, {0, 1});
+  const PlanCost ulysses = tight.evaluate(batch, plan);
+  for (const RankCost& rank : ulysses.ranks) EXPECT_EQ(rank.checkpointed_layers, needed);
+  // rank 0 pays the recompute it would otherwise skip
+  EXPECT_GT(ulysses.ranks[0].linear_s, tight.linear_time_s(10000) -
+                                           tight.linear_recompute_s(10000) + 1e-9);
+  EXPECT_TRUE(ulysses.fits);
+}
+
+// Selective checkpointing (docs/training.md): a checkpointed layer keeps its attention outputs,
+// so its recompute is the per-token forward (with the text k/v projections), never attention.
+TEST(CostModel, SelectiveRecomputeRunsNoAttention) {
+  const Sequence sequence = sequence_from_tokens(0, "video", 30000, 512, 0);
+  const Placement local = make_placement(0, Strategy::kLocal, {0});
+  for (const char* name : {"wan-1.3b", "mmdit-11b"}) {
+    const CostModel with = make_model(name, 8, 8, true);
+    const CostModel without = make_model(name, 8, 8, false);
+    const RankShare a = with.shares(sequence, local)[0];
+    const RankShare b = without.shares(sequence, local)[0];
+    EXPECT_NEAR(a.attention_s - b.attention_s, a.recompute_s, 1e-12 * a.attention_s) << name;
+    EXPECT_EQ(a.exchange_s, b.exchange_s) << name;
+    EXPECT_EQ(a.recompute_exchange_s, 0) << name;
+    EXPECT_NEAR(with.linear_time_s(30000) - without.linear_time_s(30000),
+                with.linear_recompute_s(30000), 1e-12)
+        << name;
+  }
+  // Wan's recompute adds only the text k/v projections (4 d^2 flops a text token) to attention_s;
+  // the MMDiT has none (text tokens are per-token rows of its blocks).
+  const ModelSpec wan = model_preset("wan-1.3b");
+  const CostModel analytic(wan, analytic_profile("t", 700e12, 550e12, 4.2e12), make_cluster(8, 8));
+  const double d = static_cast<double>(wan.width);
+  EXPECT_NEAR(analytic.shares(sequence, local)[0].recompute_s,
+              static_cast<double>(wan.num_layers) * 4.0 * d * d * 512 / 700e12, 1e-15);
+  EXPECT_EQ(make_model("mmdit-11b", 8, 8).shares(sequence, local)[0].recompute_s, 0);
+}
+
+// Ulysses: the recompute sends q, k, v again (the backward attends the received rows), not the
+// output: 3 of a pass's 4 all-to-alls. Ring: nothing (its outputs are kept).
+TEST(CostModel, SelectiveRecomputeResendsOnlyUlyssesQkv) {
+  const Sequence sequence = sequence_from_tokens(0, "video", 75600, 512, 0);
+  const CostModel with = make_model("wan-14b", 8, 8, true);
+  const CostModel without = make_model("wan-14b", 8, 8, false);
+  const Placement ulysses = make_placement(0, Strategy::kUlysses, iota_ranks(0, 8));
+  const auto a = with.shares(sequence, ulysses), b = without.shares(sequence, ulysses);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_GT(a[i].recompute_exchange_s, 0);
+    EXPECT_NEAR(a[i].exchange_s - b[i].exchange_s, a[i].recompute_exchange_s, 1e-12);
+    // b: forward and backward passes of 4 equal all-to-alls each (even split)
+    EXPECT_NEAR(a[i].recompute_exchange_s / b[i].exchange_s, 3.0 / 8.0, 1e-9);
+  }
+  const double n = 75600.0 / 8, d = 5120;
+  EXPECT_NEAR(with.exchange_bytes(sequence, ulysses) - without.exchange_bytes(sequence, ulysses),
+              8 * 3 * n * d * 2 * (7.0 / 8.0) * 40, 1.0);
+
+  const Placement ring = make_placement(0, Strategy::kRing, iota_ranks(0, 4));
+  const auto ring_a = with.shares(sequence, ring), ring_b = without.shares(sequence, ring);
+  for (size_t i = 0; i < ring_a.size(); ++i) {
+    EXPECT_EQ(ring_a[i].recompute_exchange_s, 0);
+    EXPECT_DOUBLE_EQ(ring_a[i].exchange_s, ring_b[i].exchange_s);
+  }
+  EXPECT_DOUBLE_EQ(with.exchange_bytes(sequence, ring), without.exchange_bytes(sequence, ring));
+}
+
+// A checkpointed layer keeps its input and o + lse of each attention (analytic: self and cross
+// for Wan, joint for the MMDiT); a Ulysses rank also keeps the exchanged layout's o and lse of
+// its heads, a ring rank the merged lse of its rows.
+TEST(CostModel, CheckpointKeepsTheAttentionOutputs) {
+  const HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
+  const Placement local = make_placement(0, Strategy::kLocal, {0});
+  for (const char* name : {"wan-1.3b", "mmdit-11b"}) {
+    const ModelSpec spec = model_preset(name);
+    const CostModel cost_model(spec, profile, make_cluster(8, 8));
+    const double d = static_cast<double>(spec.width), heads = static_cast<double>(spec.num_heads);
+    const double attentions = spec.joint_attention ? 1.0 : 2.0;
+    const Sequence sequence = sequence_from_tokens(0, "video", 1000, 0, 0);
+    EXPECT_NEAR(cost_model.shares(sequence, local)[0].layer_checkpoint_bytes,
+                1000 * (2 * d + attentions * (2 * d + 4 * heads)), 1e-6)
+        << name;
+  }
+  const ModelSpec spec = model_preset("wan-14b");
+  const CostModel cost_model(spec, profile, make_cluster(8, 8));
+  const double hd = static_cast<double>(spec.head_dim);
+  const double per_token = cost_model.shares(sequence_from_tokens(0, "video", 9450, 0, 0),
+                                             local)[0].layer_checkpoint_bytes / 9450;
+  const Sequence clip = sequence_from_tokens(0, "video", 75600, 0, 0);
+  // 40 heads over 8: 5 each, of all 75,600 tokens
+  const RankShare ulysses =
+      cost_model.shares(clip, make_placement(0, Strategy::kUlysses, iota_ranks(0, 8)))[0];
+  EXPECT_NEAR(ulysses.layer_checkpoint_bytes, 9450 * per_token + 75600 * 5 * (2 * hd + 4), 1e-3);
+  const RankShare ring =
+      cost_model.shares(clip, make_placement(0, Strategy::kRing, iota_ranks(0, 8)))[0];
+  EXPECT_NEAR(ring.layer_checkpoint_bytes, 9450 * per_token + 9450 * 40 * 4, 1e-3);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "../../cpp/src/planners/registry.h"
 #include "zellige/cost_model.h"
 
 namespace zellige {
@@ -457,10 +458,17 @@ TEST(PlannersBruteForce, LowerBoundNeverExceedsTheOptimumAndNoPlannerBeatsIt) {
       const double lower_bound_s = makespan_lower_bound(batch, cost_model);
       EXPECT_LE(lower_bound_s, optimum.makespan_s * (1 + 1e-9)) << context;
       EXPECT_GT(lower_bound_s, 0.0) << context;
-      // The oracle's additive rank totals agree with the cost model's own evaluation.
-      EXPECT_NEAR(cost_model.evaluate(batch, optimum.plan).makespan_s, optimum.makespan_s,
-                  1e-9 * optimum.makespan_s)
-          << context;
+      // The oracle's additive rank totals agree with the cost model's own evaluation, unless
+      // memory makes some rank recompute attention too (the oracle ignores memory).
+      const PlanCost evaluated = cost_model.evaluate(batch, optimum.plan);
+      const bool selective = std::all_of(evaluated.ranks.begin(), evaluated.ranks.end(),
+                                         [](const RankCost& r) { return r.full_recompute_layers == 0; });
+      if (selective) {
+        EXPECT_NEAR(evaluated.makespan_s, optimum.makespan_s, 1e-9 * optimum.makespan_s)
+            << context;
+      } else {
+        EXPECT_GT(evaluated.makespan_s, optimum.makespan_s) << context;
+      }
       for (const std::string& name : planners_for(cost_model)) {
         Plan plan;
         try {
@@ -623,6 +631,32 @@ TEST(PlannerRules, KnapformerUsesItsBagsAndWorkModel) {
   const Plan short_plan =
       make_plan("knapformer:g1n4+g4n1", tiny, make_cost_model("mmdit-11b", 8, 8));
   for (const Placement& placement : short_plan.placements) EXPECT_EQ(placement.degree(), 1);
+}
+
+// zellige stops KnapFormer's assignment early (its floor already too high): the bags given until
+// then are the full assignment's, and the result says it is incomplete.
+TEST(PlannerRules, KnapformerAssignStopsWhereAsked) {
+  const CostModel cost_model = make_cost_model("mmdit-11b", 8, 8);
+  const Batch batch = generate_batch(bucket_recipe(), 8, 2);
+  const planners::KnapformerWork work = planners::knapformer_work(batch, cost_model, 0.4);
+  const planners::KnapformerBags full =
+      planners::knapformer_assign(batch, cost_model, "g1n2+g2n1+g4n1", work);
+  EXPECT_TRUE(full.complete);
+  const int64_t stop_after = static_cast<int64_t>(work.order.size()) / 2;
+  int64_t calls = 0;
+  const planners::KnapformerBags part = planners::knapformer_assign(
+      batch, cost_model, "g1n2+g2n1+g4n1", work,
+      [&](const planners::KnapformerBags& bags, int64_t sequence) {
+        EXPECT_EQ(sequence, work.order[calls]);
+        EXPECT_EQ(bags.of_sequence[sequence], full.of_sequence[sequence]);
+        return ++calls == stop_after;
+      });
+  EXPECT_FALSE(part.complete);
+  EXPECT_EQ(calls, stop_after);
+  for (size_t k = 0; k < work.order.size(); ++k) {
+    const int64_t i = work.order[k];
+    EXPECT_EQ(part.of_sequence[i], static_cast<int64_t>(k) < stop_after ? full.of_sequence[i] : -1);
+  }
 }
 
 TEST(PlannerRules, MegatronDcpDegreesArePowersOfTwoFromMemory) {

@@ -68,5 +68,20 @@ TEST(ProfileLimits, RefusesPerModelRowsOutsideTheirRange) {
   EXPECT_NE(refusal(profile).find("ulysses_layout_s_per_byte"), std::string::npos);
 }
 
+TEST(ProfileLimits, ModelTablesAreOnePerModelAndInRange) {
+  HardwareProfile profile = seeded_profile();
+  profile.memory_models = {"wan-14b", "mmdit-11b"};
+  profile.activation_bytes_per_token_layer = {1000, 2000};
+  profile.checkpoint_bytes_per_token_layer = {100, 200};
+  profile.model_matmul_forward_flops_per_s = {Table{}, profile.matmul_forward_flops_per_s};
+  profile.model_matmul_backward_flops_per_s = {Table{}, profile.matmul_backward_flops_per_s};
+  EXPECT_EQ(refusal(profile), "");  // an empty table: that model uses the shared one
+  profile.model_matmul_forward_flops_per_s[1].y.back() = 1e300;
+  EXPECT_NE(refusal(profile).find("model_matmul_forward_flops_per_s[1] (mmdit-11b).y[3]"),
+            std::string::npos);
+  profile.model_matmul_forward_flops_per_s.pop_back();
+  EXPECT_NE(refusal(profile).find("one table per memory model"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace zellige

@@ -400,10 +400,21 @@ def test_show_text_view_shows_exchange_where_the_timeline_has_it(tmp_path):
     result = zellige("show", path)
     assert result.returncode == 0, result.stderr
     sharded = {rank for p in data["placements"] if p["strategy"] != "local" for rank in p["ranks"]}
+    # Ulysses all-to-alls always cost time; a ring placement's transfers hide behind its steps'
+    # attention, and what is left (latency, about 2 ms a step here) may be under the bar's
+    # smallest mark
+    exchanging = {
+        rank
+        for p in data["placements"]
+        if p["strategy"].startswith(("ulysses", "hybrid"))
+        for rank in p["ranks"]
+    }
+    assert exchanging
     for line in result.stdout.splitlines()[1:]:
         rank = int(line.split()[0])
         bar = line.split("|")[1]
-        assert ("~" in bar) == (rank in sharded), line
+        assert "~" not in bar or rank in sharded, line
+        assert "~" in bar or rank not in exchanging, line
 
 
 def test_show_png_has_ids_makespan_bound_and_workload_and_only_drawn_phases(tmp_path, monkeypatch):

@@ -49,13 +49,17 @@ def test_format_matches_design_md():
     data = json.loads(_plan().to_json())
     assert data["placements"][0] == {"id": 0, "strategy": "local", "ranks": [5]}
     assert data["placements"][3]["strategy"] == "hybrid(2,3)"
-    # rank_checkpointed_layers: optional on reading (plans written before it have none)
+    # rank_checkpointed_layers, rank_full_recompute_layers: optional on reading (plans written
+    # before them have none)
     assert set(data["predicted"]) == {
         "makespan_s",
         "rank_time_s",
         "rank_peak_bytes",
         "rank_checkpointed_layers",
+        "rank_full_recompute_layers",
     }
+    older = zellige.plan_from_dict({**data, "predicted": {"makespan_s": 1.0}})
+    assert list(older.predicted.rank_full_recompute_layers) == []
 
 
 def test_optional_fields_and_spaced_hybrid():

@@ -70,19 +70,65 @@ def test_step_timer_leaves_tensors_without_gradients_alone() -> None:
 
 
 def test_checkpointed_blocks_follow_the_plan() -> None:
-    """Adaptive: the plan's count for this rank; otherwise every block, or none."""
+    """Adaptive: the plan's count for this rank; otherwise every block, or none. The plan's full
+    recompute count applies to either (never more than the checkpointed blocks)."""
     import dataclasses
 
     from zellige.train.loop import _checkpointed_blocks
 
     config = dataclasses.replace(get_config("wan1p3b-h200"), activation_checkpointing=True)
-    plan = {"predicted": {"rank_checkpointed_layers": [7, 30]}}
-    assert _checkpointed_blocks(config, plan, 0) == 7
-    assert _checkpointed_blocks(config, plan, 1) == 30
-    assert _checkpointed_blocks(config, {"predicted": {}}, 0) == 30  # an older plan: all
+    plan = {
+        "predicted": {"rank_checkpointed_layers": [7, 30], "rank_full_recompute_layers": [0, 4]}
+    }
+    assert _checkpointed_blocks(config, plan, 0) == (7, 0)
+    assert _checkpointed_blocks(config, plan, 1) == (30, 4)
+    assert _checkpointed_blocks(config, {"predicted": {}}, 0) == (30, 0)  # an older plan: all
     fixed = dataclasses.replace(config, adaptive_checkpointing=False)
-    assert _checkpointed_blocks(fixed, plan, 0) == 30
-    assert (
-        _checkpointed_blocks(dataclasses.replace(config, activation_checkpointing=False), plan, 0)
-        == 0
+    assert _checkpointed_blocks(fixed, plan, 0) == (30, 0)
+    assert _checkpointed_blocks(fixed, plan, 1) == (30, 4)
+    off = dataclasses.replace(config, activation_checkpointing=False)
+    assert _checkpointed_blocks(off, plan, 1) == (0, 0)
+
+
+def test_block_runners_recompute_as_the_plan_says() -> None:
+    """set_checkpointed_blocks(count, full): the first `full` blocks recompute in full (plain
+    checkpoint), the rest of the first `count` selectively, the others not at all; every mode
+    gives the same gradients."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from zellige.train.parallelize import BlockRunner, set_checkpointed_blocks
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4).double() for _ in range(4)]
+    model = SimpleNamespace(
+        blocks=[BlockRunner(layer, StepTimer(torch.device("cpu")), True) for layer in layers]
     )
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def grads(count: int, full: int) -> list[torch.Tensor]:
+        set_checkpointed_blocks(model, count, full)
+        y = x
+        for runner in model.blocks:
+            y = runner(y).tanh()
+        return list(torch.autograd.grad(y.square().sum(), [x, *model_parameters()]))
+
+    def model_parameters():
+        return [p for layer in layers for p in layer.parameters()]
+
+    reference = grads(0, 0)
+    assert [(r.activation_checkpointing, r.full_recompute) for r in model.blocks] == [
+        (False, False)
+    ] * 4
+    got = grads(3, 1)
+    assert [(r.activation_checkpointing, r.full_recompute) for r in model.blocks] == [
+        (True, True),
+        (True, False),
+        (True, False),
+        (False, False),
+    ]
+    for g, want in zip(got, reference, strict=True):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="fully recomputed blocks"):
+        set_checkpointed_blocks(model, 2, 3)

@@ -1,7 +1,9 @@
 // Cost model: time and memory of any placement of a sequence, and of a whole plan.
 //
 // All times are for one full training step of the model (all layers, forward + backward, plus the
-// forward recompute under activation checkpointing). All memory is peak bytes on a rank.
+// recompute under activation checkpointing: selective, so the per-token layers and the q/k/v
+// exchange run again but attention does not; docs/training.md). All memory is peak bytes on a
+// rank.
 #pragma once
 
 #include <array>
@@ -45,12 +47,21 @@ struct RankShare {
   double exchange_s = 0;    // Ulysses all-to-alls and ring transfers not hidden by compute
   double memory_bytes = 0;  // activations + attention and exchange buffers of this sequence
   // The parts of memory_bytes that evaluate() lays out over the backward's progress: one layer's
-  // kept activations without and with checkpointing, and one layer's backward buffers.
+  // kept activations without checkpointing, with (selective) checkpointing, and with a full
+  // recompute (the layer input alone), and one layer's backward buffers. memory_bytes, which
+  // the planners add up, counts every layer at the least of these (a full recompute).
   double layer_activation_bytes = 0;
   double layer_checkpoint_bytes = 0;
+  double layer_input_bytes = 0;
   double buffer_bytes = 0;
-  double recompute_s = 0;           // the part of attention_s that recomputes every layer
-  double recompute_exchange_s = 0;  // the part of exchange_s that does
+  // The parts of attention_s (the text k/v projections) and exchange_s (Ulysses' q/k/v) that
+  // the selective recompute of every layer adds; attention itself is not recomputed.
+  double recompute_s = 0;
+  double recompute_exchange_s = 0;
+  // What a full recompute of every layer adds on top: attention's forward, and the exchanges
+  // that run with it (Ulysses' output all-to-all, the ring's forward transfers).
+  double attention_recompute_s = 0;
+  double attention_recompute_exchange_s = 0;
 };
 
 // time_s = max(linear_s + attention_s + call_s + exchange_s, launch_floor_s).
@@ -63,6 +74,9 @@ struct RankCost {
   double launch_floor_s = 0;    // host time to issue the rank's kernels
   int64_t attention_calls = 0;  // per layer pass: distinct (shape, heads) groups, ring steps apart
   int64_t checkpointed_layers = 0;  // the first this many layers recompute in the backward
+  // The first this many of those recompute their attention too (full recompute): only where
+  // keeping every checkpointed layer's attention outputs does not fit.
+  int64_t full_recompute_layers = 0;
 };
 
 struct LowerBoundSearch;
@@ -117,6 +131,8 @@ class CostModel {
   CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, CostOptions options = {});
 
   const ModelSpec& model() const { return model_; }
+  // The profile as this model reads it: the model's own per-token rate tables
+  // (model_matmul_*_flops_per_s), where measured, in place of the shared matmul_*_flops_per_s.
   const HardwareProfile& profile() const { return profile_; }
   const Cluster& cluster() const { return cluster_; }
   const CostOptions& options() const { return options_; }
@@ -144,12 +160,17 @@ class CostModel {
   double memory_capacity_bytes() const;
 
   // Peak bytes of a rank over its step: the maximum over the backward's progress (layer j's
-  // backward holds the kept activations of layers below j, its own full activations, one layer's
-  // buffers and the gradients of the layers above j), or the end of the backward (every
+  // backward holds the kept activations of layers below j, its own full activations (recomputed
+  // around what it kept, if checkpointed), one layer's buffers and the gradients of the layers
+  // above j), or the end of the backward (every
   // gradient, no activation). Per-layer sums of the rank's shares; the first
-  // `checkpointed_layers` layers keep only their checkpoint.
+  // `checkpointed_layers` layers keep only their checkpoint, and the first `full_layers` of
+  // those only their input (layer_input_bytes; full recompute).
   double rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
                          double buffer_bytes, int64_t checkpointed_layers) const;
+  double rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
+                         double layer_input_bytes, double buffer_bytes,
+                         int64_t checkpointed_layers, int64_t full_layers) const;
   // Seconds of the per-token layers' recompute of all layers (the part of linear_time_s that
   // activation checkpointing adds; 0 without it).
   double linear_recompute_s(int64_t tokens) const;
@@ -222,7 +243,8 @@ class CostModel {
   PlanCost evaluate_impl(const Batch& batch, const Plan& plan, EvaluationCache* cache) const;
   double head_forward_s(double query_tokens, double key_tokens) const;
   double head_backward_s(double query_tokens, double key_tokens) const;
-  double text_projection_s(int64_t text_tokens) const;
+  double text_projection_s(int64_t text_tokens) const;          // fwd + bwd (+ recompute)
+  double text_projection_forward_s(int64_t text_tokens) const;  // one forward pass
   // One attention call: query tokens, key tokens, heads per segment, then -1 for a coalescable
   // self-attention segment, -2 for cross-attention, or the sequence id for one of its ring
   // steps (the last entry), which run one after another.
@@ -230,7 +252,7 @@ class CostModel {
   using RankCalls = std::map<CallKey, int64_t>;  // segments per call
   void add_attention_calls(const Sequence& sequence, const Placement& placement,
                            std::vector<RankCalls>* calls) const;
-  // Forward (x forward passes) + backward seconds per head and layer that a call of `call_heads`
+  // Forward + backward seconds per head and layer that a call of `call_heads`
   // heads costs beyond the full-call rate; never negative, 0 without call tables.
   double call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads) const;
   friend struct LowerBoundSearch;  // makespan_lower_bound's candidate search (cost_model.cc)

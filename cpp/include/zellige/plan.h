@@ -48,6 +48,8 @@ struct PlanPrediction {
   std::vector<double> rank_time_s;
   std::vector<double> rank_peak_bytes;
   std::vector<int64_t> rank_checkpointed_layers;  // the first this many layers recompute
+  // the first this many of those recompute their attention too (empty: none)
+  std::vector<int64_t> rank_full_recompute_layers;
 };
 
 struct Plan {

@@ -74,7 +74,8 @@ struct HardwareProfile {
   // layout and back, and merging each step's partial output or gradients; 0 = not modelled.
   double ring_layout_s_per_byte = 0.0;
   // Memory: bytes per token per layer kept for backward with and without activation
-  // checkpointing, per model preset name; 0 = analytic.
+  // checkpointing (selective: the layer input and its attention outputs o and lse), per model
+  // preset name; 0 = analytic.
   std::vector<std::string> memory_models;
   std::vector<double> activation_bytes_per_token_layer;
   std::vector<double> checkpoint_bytes_per_token_layer;
@@ -104,6 +105,12 @@ struct HardwareProfile {
   // CostModel::evaluate's launch floor.
   std::vector<double> launch_s_per_layer;
   std::vector<double> launch_s_per_attention_call;
+  // Optional likewise (empty, or one table per memory model; an empty table = the shared
+  // matmul_*_flops_per_s above): the per-token layers' rates measured on that model's own
+  // blocks, double- and single-stream blocks of an MMDiT mixed in the model's proportion. The
+  // shared tables then serve the models without a table of their own.
+  std::vector<Table> model_matmul_forward_flops_per_s;
+  std::vector<Table> model_matmul_backward_flops_per_s;
   int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
 
   // Every non-empty table valid, every value inside the ranges above; throws

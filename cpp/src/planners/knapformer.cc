@@ -107,7 +107,8 @@ planners::KnapformerWork planners::knapformer_work(const Batch& batch, const Cos
 planners::KnapformerBags planners::knapformer_assign(const Batch& batch,
                                                      const CostModel& cost_model,
                                                      const std::string& spec,
-                                                     const KnapformerWork& work) {
+                                                     const KnapformerWork& work,
+                                                     const KnapformerStop& stop) {
   const std::vector<BagTerm> terms = parse_spec(spec);
   const int64_t num_ranks = cost_model.cluster().num_ranks();
   const int64_t num_heads = cost_model.model().num_heads;
@@ -185,6 +186,10 @@ planners::KnapformerBags planners::knapformer_assign(const Batch& batch,
     occupancy[best] += sequence_work / (capacity_per_gpu * static_cast<double>(size));
     replace_top(bags_by_occupancy[bag_term[best]], {occupancy[best], best});  // `best` was its top
     bags.of_sequence[index] = static_cast<int32_t>(best);
+    if (stop && stop(bags, index)) {
+      bags.complete = false;
+      break;
+    }
   }
   return bags;
 }

@@ -168,6 +168,18 @@ class MegatronDcp {
   // Busiest-rank time of sequence i alone as ring attention on `degree` consecutive ranks.
   double work_s(int64_t i, int64_t degree);
   int64_t memory_degree(int64_t i);
+  // Degrees are powers of two or the GPU count: slot log2(degree), or one past the last power.
+  size_t degree_slot(int64_t degree) const {
+    assert((degree & (degree - 1)) == 0 || degree == num_ranks_);
+    const int log2_degree = 63 - __builtin_clzll(static_cast<uint64_t>(degree));
+    return static_cast<size_t>(log2_degree + ((degree & (degree - 1)) != 0 ? 1 : 0));
+  }
+  // Longest first, ties in the given order.
+  void sort_by_length(std::vector<int64_t>* indices) const {
+    std::stable_sort(indices->begin(), indices->end(), [&](int64_t a, int64_t b) {
+      return batch_.sequences[a].num_tokens > batch_.sequences[b].num_tokens;
+    });
+  }
   // One micro-batch over `pending` (longest first): its groups; the rest goes to `leftovers`.
   std::vector<Group> micro_batch(const std::vector<int64_t>& pending, double max_tokens,
                                  std::vector<int64_t>* leftovers);
@@ -175,7 +187,9 @@ class MegatronDcp {
   // The whole schedule under knob M; nullopt when a micro-batch places nothing within memory.
   // Per sequence, the group it runs in: (first rank, size).
   using Layout = std::vector<std::pair<int64_t, int64_t>>;
-  std::optional<Layout> schedule(double max_tokens, double* rank_time_s);
+  // `by_length`: every sequence, longest first (stable), the first micro-batch's order.
+  std::optional<Layout> schedule(double max_tokens, const std::vector<int64_t>& by_length,
+                                 double* rank_time_s);
 
   const Batch& batch_;
   const CostModel& cost_model_;
@@ -203,11 +217,7 @@ class MegatronDcp {
 };
 
 double MegatronDcp::work_s(int64_t i, int64_t degree) {
-  // Degrees are powers of two or the GPU count: slot log2(degree), or one past the last power.
-  assert((degree & (degree - 1)) == 0 || degree == num_ranks_);
-  const int log2_degree = 63 - __builtin_clzll(static_cast<uint64_t>(degree));
-  const size_t slot = static_cast<size_t>(i) * work_slots_ +
-                      static_cast<size_t>(log2_degree + ((degree & (degree - 1)) != 0 ? 1 : 0));
+  const size_t slot = static_cast<size_t>(i) * work_slots_ + degree_slot(degree);
   if (!std::isnan(work_of_sequence_s_[slot])) return work_of_sequence_s_[slot];
   const Sequence& sequence = batch_.sequences[i];
   auto [it, inserted] =
@@ -254,12 +264,15 @@ int64_t MegatronDcp::needed_degree(int64_t i, double max_tokens) {
 std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
                                             double max_tokens, std::vector<int64_t>* leftovers) {
   std::vector<Group> groups;
-  std::map<int64_t, GroupTree> trees;  // by group size
+  // By group size's slot (degree_slot): a vector, not a map, for the lookups per sequence.
+  std::vector<std::optional<GroupTree>> trees(work_slots_);
   int64_t used_ranks = 0;
   double makespan_s = 0;  // of this micro-batch, in work units
 
   auto tree = [&](int64_t size) -> GroupTree& {
-    return trees.try_emplace(size, num_ranks_ / size + 1).first->second;
+    std::optional<GroupTree>& slot = trees[degree_slot(size)];
+    if (!slot) slot.emplace(num_ranks_ / size + 1);
+    return *slot;
   };
   auto add = [&](int64_t g, int64_t i, double work) {
     Group& group = groups[g];
@@ -292,9 +305,9 @@ std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
     double best_s = std::numeric_limits<double>::infinity();
     int64_t best_group = -1, best_new = 0;
     for (int64_t degree = needed_degree(i, max_tokens); degree <= num_ranks_; degree *= 2) {
-      const auto found = trees.find(degree);
+      const std::optional<GroupTree>& found = trees[degree_slot(degree)];
       const bool can_open = num_ranks_ - used_ranks >= degree;
-      if (found == trees.end() && !can_open) {  // no option of this size: skip its pricing
+      if (!found && !can_open) {  // no option of this size: skip its pricing
         if (degree == num_ranks_) break;
         continue;
       }
@@ -305,8 +318,8 @@ std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
           best_s = projected_s, best_group = group, best_new = new_size;
         }
       };
-      if (found != trees.end()) {
-        const GroupTree& same = found->second;
+      if (found) {
+        const GroupTree& same = *found;
         // Adding to a group that stays under the makespan ties at the makespan: the first such
         // group wins; otherwise the least loaded one.
         int64_t leaf = same.first_fit(makespan_s - work, room);
@@ -382,16 +395,14 @@ bool MegatronDcp::fill_empty_ranks(std::vector<Group>& groups) {
 }
 
 std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
+                                                         const std::vector<int64_t>& by_length,
                                                          double* rank_time_s) {
   planners::RankLoads loads(cost_model_);  // totals only: shares() prices
   Layout layout(batch_.sequences.size());
   Placement placement;  // reused: the plan is built for the best knob only (run)
-  std::vector<int64_t> pending(batch_.sequences.size());
-  std::iota(pending.begin(), pending.end(), 0);
-  while (!pending.empty()) {
-    std::stable_sort(pending.begin(), pending.end(), [&](int64_t a, int64_t b) {
-      return batch_.sequences[a].num_tokens > batch_.sequences[b].num_tokens;
-    });
+  std::vector<int64_t> pending = by_length;
+  for (bool first = true; !pending.empty(); first = false) {
+    if (!first) sort_by_length(&pending);
     std::vector<int64_t> leftovers;
     const std::vector<Group> groups = micro_batch(pending, max_tokens, &leftovers);
     int64_t num_placed = 0;
@@ -465,9 +476,12 @@ Plan MegatronDcp::run() {
 
   std::optional<Layout> best;
   double best_s = std::numeric_limits<double>::infinity();
+  std::vector<int64_t> by_length(num_sequences);  // sorted once for every knob
+  std::iota(by_length.begin(), by_length.end(), 0);
+  sort_by_length(&by_length);
   for (double knob : knobs) {
     double rank_time_s = 0;
-    std::optional<Layout> layout = schedule(knob, &rank_time_s);
+    std::optional<Layout> layout = schedule(knob, by_length, &rank_time_s);
     if (layout && rank_time_s < best_s) best = std::move(layout), best_s = rank_time_s;
   }
   if (!best) {

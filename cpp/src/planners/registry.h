@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -45,11 +46,16 @@ struct KnapformerWork {
 struct KnapformerBags {
   std::vector<int64_t> size, first_rank;  // per bag, layout order
   std::vector<int32_t> of_sequence;       // per sequence (batch order): its bag
+  bool complete = true;                   // false: `stop` ended the assignment early
 };
+// Called after each sequence (batch index) is given its bag, heaviest first; returning true ends
+// the assignment there (the bags are then incomplete: of_sequence is -1 for the rest).
+using KnapformerStop = std::function<bool(const KnapformerBags& bags, int64_t sequence)>;
 // Throws std::invalid_argument for a bad gamma (knapformer_work) or spec (knapformer_assign).
 KnapformerWork knapformer_work(const Batch& batch, const CostModel& cost_model, double gamma);
 KnapformerBags knapformer_assign(const Batch& batch, const CostModel& cost_model,
-                                 const std::string& spec, const KnapformerWork& work);
+                                 const std::string& spec, const KnapformerWork& work,
+                                 const KnapformerStop& stop = {});
 Plan knapformer_plan(const Batch& batch, const CostModel& cost_model, const std::string& spec,
                      double gamma, const KnapformerBags& bags);
 

@@ -224,12 +224,20 @@ class MinTree {
     while (leaves_ < static_cast<int64_t>(time_s.size())) leaves_ *= 2;
     min_s_.assign(2 * leaves_, kInf);
     std::copy(time_s.begin(), time_s.end(), min_s_.begin() + leaves_);
+    argmin_.resize(2 * leaves_);
+    for (int64_t leaf = 0; leaf < leaves_; ++leaf) argmin_[leaves_ + leaf] = leaf;
     for (int64_t node = leaves_ - 1; node >= 1; --node) pull(node);
   }
   void update(int64_t rank, double time_s) {
     int64_t node = leaves_ + rank;
     min_s_[node] = time_s;
-    for (node /= 2; node >= 1; node /= 2) pull(node);
+    // Once a node's minimum and its index are unchanged, so are its ancestors'.
+    for (node /= 2; node >= 1; node /= 2) {
+      const double old_s = min_s_[node];
+      const int64_t old_index = argmin_[node];
+      pull(node);
+      if (min_s_[node] == old_s && argmin_[node] == old_index) break;
+    }
   }
   // The lowest rank >= `from` whose time is at most `cut_s`, or -1: up from the leaf of `from`
   // to the first right sibling holding such a rank, then down to its leftmost one.
@@ -247,19 +255,20 @@ class MinTree {
     while (node < leaves_) node = min_s_[2 * node] <= cut_s ? 2 * node : 2 * node + 1;
     return node - leaves_;
   }
-  int64_t argmin() const {
-    int64_t node = 1;
-    while (node < leaves_) {
-      node = min_s_[2 * node] <= min_s_[2 * node + 1] ? 2 * node : 2 * node + 1;
-    }
-    return node - leaves_;
-  }
+  // The lowest index of the least value.
+  int64_t argmin() const { return argmin_[1]; }
 
  private:
-  void pull(int64_t node) { min_s_[node] = std::min(min_s_[2 * node], min_s_[2 * node + 1]); }
+  // The left child on ties: the lowest index of the least value.
+  void pull(int64_t node) {
+    const bool left = min_s_[2 * node] <= min_s_[2 * node + 1];
+    min_s_[node] = left ? min_s_[2 * node] : min_s_[2 * node + 1];
+    argmin_[node] = left ? argmin_[2 * node] : argmin_[2 * node + 1];
+  }
 
   int64_t leaves_ = 1;
   std::vector<double> min_s_;  // [1] root, [leaves_ + rank] leaves; padding leaves are infinite
+  std::vector<int64_t> argmin_;  // per node, the lowest index of its least value
 };
 
 void erase_value(std::vector<int32_t>* values, int32_t value) {
@@ -325,7 +334,11 @@ class ZelligePlanner {
   void sort_ranks(std::vector<int64_t>* ranks) const { std::sort(ranks->begin(), ranks->end()); }
 
   void prepare();
-  double floor_bound(const std::string& baseline);
+  // `terms_nonnegative` (optional): whether, for this mixed KnapFormer spec, every floor term
+  // (per-token layers at their fastest rate) that a sequence can add to a bag's rank is >= 0.
+  double floor_bound(const std::string& baseline, bool* terms_nonnegative = nullptr);
+  bool knapformer_floor_above(const planners::KnapformerBags& bags, int64_t sequence,
+                              double limit_s);
   bool aligned_group(int64_t size, int64_t first_rank) const;
   double bags_floor(const planners::KnapformerBags& bags);
   double group_floor_rank_seconds(int32_t sequence, int64_t group_size);
@@ -445,6 +458,7 @@ class ZelligePlanner {
   std::vector<double> floor_other_s_;
   std::unordered_map<int64_t, std::vector<double>> least_share_s_;  // least_floor_share_s's memo
   std::vector<CostModel::FloorTerm> scratch_terms_;
+  std::vector<double> partial_floor_s_;  // knapformer_floor_above's per-rank sums
   planners::KnapformerWork knapformer_work_;  // covered KnapFormer's (gamma 0.4); empty: not yet
   const planners::KnapformerWork& covered_knapformer_work() {
     if (knapformer_work_.work.empty()) {
@@ -600,7 +614,8 @@ double ZelligePlanner::least_floor_share_s(int32_t sequence, int64_t size) {
 // groups (dp-tokens and dp-cost: 1; static-cp:C: C; knapformer: its bag sizes) charge each
 // sequence at least its smallest floor rank-seconds over those sizes, and the busiest rank's
 // floor is at least the mean over ranks. Whichever ranks the policy picks, this holds.
-double ZelligePlanner::floor_bound(const std::string& baseline) {
+double ZelligePlanner::floor_bound(const std::string& baseline, bool* terms_nonnegative) {
+  if (terms_nonnegative) *terms_nonnegative = false;
   std::vector<int64_t> sizes;
   auto aligned = [&](int64_t size, int64_t first_rank) { return aligned_group(size, first_rank); };
   bool knapformer = false;
@@ -724,6 +739,7 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
     if (smallest_s >= 0) memo.bound_s = std::max(memo.bound_s, largest_per_rank_s);
   }  // inserted
   double bound_s = memo.bound_s;
+  if (terms_nonnegative) *terms_nonnegative = knapformer && memo.shares_nonnegative;
   if (knapformer && memo.shares_nonnegative) {
     const std::vector<double>& forced_up_s = memo.forced_up_s;
     const std::vector<double>& forced_down_s = memo.forced_down_s;
@@ -742,6 +758,36 @@ double ZelligePlanner::floor_bound(const std::string& baseline) {
   }
   // Summed in another order than makespan_floor's: keep clear of rounding.
   return bound_s * (1 - 1e-9);
+}
+
+// KnapFormer's assignment, watched as it goes (knapformer_assign's stop; node-aligned bags): adds
+// the floor terms of `sequence`'s bag to partial per-rank sums (per-token layers at their fastest rate) and says
+// whether one exceeds `limit_s`. When no term a sequence can add is negative (floor_bound's
+// terms_nonnegative), a rank's makespan_floor can only end at or above its partial sum, so the
+// plan's floor exceeds the limit: bags_floor need not run, nor the rest of the assignment.
+bool ZelligePlanner::knapformer_floor_above(const planners::KnapformerBags& bags,
+                                            int64_t sequence, double limit_s) {
+  const int64_t bag = bags.of_sequence[sequence];
+  const int64_t size = bags.size[bag];
+  std::vector<std::vector<CostModel::FloorTerm>>& memo = bag_floor_terms_[size];
+  if (memo.empty()) memo.resize(num_sequences_);
+  std::vector<CostModel::FloorTerm>& terms = memo[shape_key_[sequence]];
+  if (terms.empty()) {
+    const Sequence& seq = batch_.sequences[sequence];
+    cost_model_.floor_terms(seq,
+                            make_placement(seq.id, size == 1 ? Strategy::kLocal : Strategy::kUlysses,
+                                           planners::consecutive_ranks(0, size)),
+                            cache_, &terms);
+  }
+  const double rate_s = cost_model_.min_floor_time_per_token_s();
+  bool above = false;
+  for (size_t k = 0; k < terms.size(); ++k) {
+    double& sum_s = partial_floor_s_[bags.first_rank[bag] + static_cast<int64_t>(k)];
+    sum_s += rate_s * static_cast<double>(terms[k].tokens) + terms[k].added_s - terms[k].skipped_s;
+    // Summed in another order than makespan_floor's: keep clear of rounding.
+    above = above || sum_s * (1 - 1e-9) > limit_s;
+  }
+  return above;
 }
 
 // Whether `size` consecutive ranks from `first_rank` have the node pattern of ranks 0..size-1.
@@ -1682,7 +1728,9 @@ Plan ZelligePlanner::run() {
   std::vector<Seed> seeds;
   int64_t skipped = 0;
   for (const std::string& name : covered_baselines(batch_, cost_model_)) {
-    const double bound_s = std::isfinite(skip_above_s) ? floor_bound(name) : 0.0;
+    bool terms_nonnegative = false;
+    const double bound_s =
+        std::isfinite(skip_above_s) ? floor_bound(name, &terms_nonnegative) : 0.0;
     if (bound_s > skip_above_s) {
       ++skipped;
       continue;
@@ -1693,10 +1741,25 @@ Plan ZelligePlanner::run() {
     // only if its floor leaves it a chance.
     if (name.rfind("knapformer:", 0) == 0) {
       const std::string spec = name.substr(11);
+      // Its assignment stops once a rank's partial floor already exceeds the threshold.
+      planners::KnapformerStop stop;
+      if (terms_nonnegative) {
+        partial_floor_s_.assign(num_ranks_, 0.0);
+        // Only where bags_floor prices the bags too (every bag node-aligned: canonical terms).
+        int aligned = -1;
+        stop = [&, aligned](const planners::KnapformerBags& bags, int64_t sequence) mutable {
+          if (aligned < 0) {
+            aligned = 1;
+            for (size_t b = 0; b < bags.size.size(); ++b) {
+              if (!aligned_group(bags.size[b], bags.first_rank[b])) aligned = 0;
+            }
+          }
+          return aligned == 1 && knapformer_floor_above(bags, sequence, skip_above_s);
+        };
+      }
       const planners::KnapformerBags bags =
-          planners::knapformer_assign(batch_, cost_model_, spec, covered_knapformer_work());
-      const double floor_s = bags_floor(bags);
-      if (floor_s > skip_above_s) {
+          planners::knapformer_assign(batch_, cost_model_, spec, covered_knapformer_work(), stop);
+      if (!bags.complete || bags_floor(bags) > skip_above_s) {
         ++skipped;
         continue;
       }

@@ -40,11 +40,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--details", type=Path, help="also write what the profile schema has no field for"
     )
     parser.add_argument(
+        "--base",
+        help="measure only the model's own rows (per-token layers on its blocks, memory, host "
+        "launch time) and add them to this profile JSON, whose attention and exchange rows "
+        "serve every model",
+    )
+    parser.add_argument(
         "--memory-only",
         action="store_true",
-        help="measure only the model's memory and add it to the profile --base (or the built-in)",
+        help="measure only the model's memory and launch rows and add them to --base (or the "
+        "built-in profile)",
     )
-    parser.add_argument("--base", help="profile JSON that --memory-only starts from")
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="run the blocks' per-token layers eager (for training with compile_elementwise "
+        "off); default: compiled on a GPU, as training runs them",
+    )
+    parser.add_argument(
+        "--attention-calls",
+        action="store_true",
+        help="measure only the attention call table that prices the engine's padded merges and "
+        "write it to --out (not a profile: see runtime/merging.py; zellige/profiles/ ships one "
+        "per GPU model, $ZELLIGE_ATTENTION_CALLS selects another)",
+    )
     parser.add_argument(
         "--repeats",
         type=int_in(1, 1000),
@@ -72,7 +91,13 @@ def run(args: argparse.Namespace) -> int:
     if args.block is not None:
         load_block_factory(args.block)  # a bad target fails now, not after minutes of measuring
 
+    from zellige.model import fused
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.attention_calls:
+        return _attention_calls(args, torch.device(device))
+    compiled = device == "cuda" and not args.eager  # training's default (compile_elementwise)
+    fused.use_compiled(compiled)
     options = ProfileOptions(
         model=model_to_run(model_from_args(args), args.quick, "profile"),
         quick=args.quick,
@@ -80,14 +105,21 @@ def run(args: argparse.Namespace) -> int:
         repeats=min(args.repeats, 3) if args.quick else args.repeats,
         attention_backend=args.attention_backend,
         block=args.block,
+        compiled=compiled,
     )
 
     def progress(line: str) -> None:
         print(f"[profile] {line}", file=sys.stderr, flush=True)
 
-    if args.memory_only:
+    def save_part(data: dict) -> None:  # what is measured so far: a run stopped keeps it
+        save_profile(profile_from_dict(data), args.out)
+        progress(f"wrote {args.out} (the rows measured so far)")
+
+    if args.memory_only or args.base:
         base = profile_to_dict(load_profile(args.base))
-        result = profile_memory_into(base, options, progress)
+        result = profile_memory_into(
+            base, options, progress, save_part, per_token=not args.memory_only
+        )
     else:
         result = profile_device(options, progress)
     profile = profile_from_dict(result.profile)  # the core validates what it will read
@@ -95,4 +127,20 @@ def run(args: argparse.Namespace) -> int:
     if args.details:
         write_output(args.details, json.dumps(result.details, indent=1) + "\n")
     print(f"wrote {args.out} ({profile.device_name})")
+    return 0
+
+
+def _attention_calls(args: argparse.Namespace, device) -> int:
+    from zellige.profiler.attention_calls import measure_call_table
+
+    if device.type != "cuda" and not args.quick:
+        raise ValueError("--attention-calls needs a GPU (or --quick for a smoke run)")
+    table = measure_call_table(
+        device,
+        quick=args.quick,
+        repeats=min(args.repeats, 3) if args.quick else args.repeats,
+        progress=lambda line: print(f"[profile] {line}", file=sys.stderr, flush=True),
+    )
+    write_output(args.out, json.dumps(table, indent=1) + "\n")
+    print(f"wrote {args.out} (attention call table, {table['device_name']})")
     return 0

@@ -32,8 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layers",
         type=int_in(1, 1000),
-        default=2,
-        help="layers of the model actually run (default 2)",
+        help="layers of the model actually run (default 2; an MMDiT's fewest layers with its "
+        "double/single split, 3 for mmdit-11b, as `zellige profile` measures it)",
+    )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="run the blocks' per-token layers eager (for training with compile_elementwise "
+        "off); default: compiled on a GPU, as training runs them",
     )
     parser.add_argument(
         "--ranks-per-plan",
@@ -62,6 +68,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="SECONDS",
         help="stop drawing plans after SECONDS (0: no limit)",
+    )
+    parser.add_argument(
+        "--measure-rows",
+        type=Path,
+        metavar="FILE",
+        help="first measure the model's own rows on this GPU on top of --profile (as `zellige "
+        "profile --base`), write that profile to FILE, and validate it; one process, so the "
+        "per-token regions compile once",
+    )
+    parser.add_argument(
+        "--rows-details", type=Path, help="with --measure-rows: that measurement's details"
     )
     parser.add_argument("--json", type=Path, help="write every rank's numbers here")
     parser.add_argument(
@@ -138,8 +155,15 @@ def summarise_jsonl(path: Path):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rows_details and not args.measure_rows:
+        raise ValueError("--rows-details needs --measure-rows")
     check_outputs(
-        {"--json": args.json, "--results-jsonl": args.results_jsonl},
+        {
+            "--json": args.json,
+            "--results-jsonl": args.results_jsonl,
+            "--measure-rows": args.measure_rows,
+            "--rows-details": args.rows_details,
+        },
         {
             "--profile": args.profile,
             "--summarise": args.summarise,
@@ -148,15 +172,19 @@ def run(args: argparse.Namespace) -> int:
     )
     import torch
 
-    from zellige.profiler.models import model_to_run
+    from zellige.model import fused
+    from zellige.profiler.models import model_to_run, stack_layers
     from zellige.profiler.validate import ValidationOptions, report_dict, validate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    compiled = device == "cuda" and not args.eager  # training's default (compile_elementwise)
+    model = model_to_run(model_from_args(args), args.quick, "validate")
     options = ValidationOptions(
         num_plans=args.plans,
         profile=args.profile,
-        model=model_to_run(model_from_args(args), args.quick, "validate"),
-        num_layers=args.layers,
+        model=model,
+        num_layers=args.layers or stack_layers(model),
+        compiled=compiled,
         ranks_per_plan=args.ranks_per_plan,
         repeats=args.repeats,
         seed=args.seed,
@@ -172,10 +200,33 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"[validate] {line}", file=sys.stderr, flush=True)
 
+    def measure_rows():
+        from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
+        from zellige.profiler.measure import ProfileOptions, profile_memory_into
+
+        def save(data: dict) -> None:
+            save_profile(profile_from_dict(data), args.measure_rows)
+
+        result = profile_memory_into(
+            profile_to_dict(load_profile(args.profile)),
+            ProfileOptions(
+                model=model, quick=args.quick, device=device, compiled=compiled, repeats=3
+            ),
+            lambda line: print(f"[profile] {line}", file=sys.stderr, flush=True),
+            save,
+            per_token=True,
+        )
+        save(result.profile)
+        if args.rows_details:
+            write_output(args.rows_details, json.dumps(result.details, indent=1) + "\n")
+        progress(f"wrote {args.measure_rows}")
+        return profile_from_dict(result.profile)
+
     if args.summarise:
         report = summarise_jsonl(args.summarise)
     else:
-        report = validate(options, progress)
+        fused.use_compiled(compiled)
+        report = validate(options, progress, measure_rows if args.measure_rows else None)
     if args.json:
         write_output(args.json, json.dumps(report_dict(report), indent=1, allow_nan=False) + "\n")
     print(format_report(report, options))

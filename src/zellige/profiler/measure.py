@@ -33,14 +33,16 @@ import numpy as np
 import torch
 
 from zellige import _core
-from zellige.profile import MODEL_ROWS
+from zellige.profile import MODEL_ROWS, MODEL_TABLES
 from zellige.profiler import rank_work
 from zellige.profiler.models import (
+    block_kinds,
     dit_config,
     load_block_factory,
     model_flag,
     model_name,
     model_spec,
+    stack_layers,
 )
 from zellige.profiler.timing import (
     allocated_bytes,
@@ -66,9 +68,9 @@ QUICK_SHARD_TOKENS = 64
 CALL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_ATTENTION_LENGTHS = (64, 128, 256)
 QUICK_CALL_LENGTHS = (64, 256)
-# check_in_step: whole training steps of the per-token layers at these token counts, and of
-# attention packs of these lengths (at least PACK_TOKENS tokens a pack).
-IN_STEP_LAYERS = 2
+# check_in_step: whole training steps (of stack_layers(model) layers) of the per-token layers
+# at these token counts, and of attention packs of these lengths (at least PACK_TOKENS tokens a
+# pack).
 IN_STEP_TOKENS = (16384, 32768, 65536)
 QUICK_IN_STEP_TOKENS = (128, 256)
 # profile_layouts: (sequence tokens, degree) of the Ulysses and ring shards timed
@@ -77,8 +79,12 @@ LAYOUT_POINTS = {
     "ring": ((32768, 2), (65536, 4), (65536, 8)),
 }
 QUICK_LAYOUT_POINTS = {"ulysses": ((256, 2),), "ring": ((256, 2),)}
-LAUNCH_LAYERS = 2
 LAUNCH_SEQUENCES = 8  # a tiny rank of this many distinct lengths, against one of one
+# an MMDiT's tiny ranks: text tokens of each sequence (both streams of a double-stream block
+# issue their kernels, as in training, where no sequence is without text). Odd, as the text
+# split of per_token_inputs: torch.compile's dynamic shapes take a size that equals another
+# (e.g. 8 x 16 text rows = head_dim 128) for the same symbol and specialise the graph on it.
+LAUNCH_TEXT_TOKENS = 15
 LAUNCH_REPEATS = 20  # host-bound steps scatter by +-25% from one to the next: take many
 QUICK_TOKEN_COUNTS = (64, 128, 256)
 QUICK_MEMORY_TOKENS = (64, 128)
@@ -94,6 +100,9 @@ class ProfileOptions:
     repeats: int = 5
     attention_backend: str | None = None  # engine kernel override; None = the engine's choice
     block: str | None = None  # module:factory of the user's block for the per-token layers
+    # the blocks' per-token regions torch.compile'd (zellige.model.fused), as training runs
+    # them on a GPU; the command sets fused.use_compiled from it before measuring
+    compiled: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -258,9 +267,10 @@ def check_in_step(
     from zellige.profile import profile_from_dict
 
     config = dit_config(options.model)
-    spec = model_spec(options.model, num_layers=IN_STEP_LAYERS)
+    num_layers = stack_layers(options.model)
+    spec = model_spec(options.model, num_layers=num_layers)
     cost_model = make_cost_model(spec, gpus=1, profile=profile_from_dict(profile))
-    blocks = rank_work.make_blocks(config, IN_STEP_LAYERS, device, dtype)
+    blocks = rank_work.make_blocks(config, num_layers, device, dtype)
     repeats = max(options.repeats, 3)
 
     def step_s(inputs) -> float:
@@ -274,9 +284,7 @@ def check_in_step(
     pack = points[-1] if options.quick else PACK_TOKENS
     linear_s, linear_factor, attention_factor = {}, {}, {}
     for tokens in sorted({*points, *(max(length, pack) for length in points)}):
-        inputs = rank_work.per_token_inputs(
-            config=config, num_tokens=tokens, device=device, dtype=dtype
-        )
+        inputs = per_token_inputs(config, tokens, device, dtype)
         linear_s[tokens] = step_s(inputs)
     # The elementwise term of CostModel::linear_time_s is not a GEMM: left as it is.
     passes = 3  # forward, recompute, backward
@@ -288,7 +296,7 @@ def check_in_step(
             * tokens
             * passes
             / profile["memory_bytes_per_s"]
-            * IN_STEP_LAYERS
+            * num_layers
         )
         predicted = cost_model.linear_time_s(tokens) - elementwise_s
         linear_factor[tokens] = (linear_s[tokens] - elementwise_s) / predicted
@@ -305,9 +313,8 @@ def check_in_step(
             if not config.joint_attention:
                 inputs.cross_attention = rank_work.no_cross_attention
             measured = step_s(inputs) - linear_s[tokens]
-        predicted = (
-            IN_STEP_LAYERS * count * config.num_heads * (2 * forward(length) + backward(length))
-        )
+        # one forward and one backward: the recompute keeps attention's outputs (checkpointed())
+        predicted = num_layers * count * config.num_heads * (forward(length) + backward(length))
         attention_factor[length] = measured / predicted
     progress(
         "in-step check (step / kernels alone): per-token GEMMs "
@@ -468,16 +475,21 @@ def profile_layouts(
 
 def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -> dict:
     """Host seconds to issue one layer apart from its attention calls, and per attention call:
-    training steps (checkpointing on) of tiny ranks, one of 1 sequence and one of
+    training steps (checkpointing on) of the model's stack (stack_layers: an MMDiT's double and
+    single blocks in its proportion) over tiny ranks, one of 1 sequence and one of
     LAUNCH_SEQUENCES distinct lengths (each a self- and a cross-attention call, or one joint
-    attention call), whose GPU
-    work is far shorter than their issue, so their time is the issue time."""
+    attention call), whose GPU work is far shorter than their issue, so their time is the
+    issue time."""
     config = dit_config(options.model)
-    blocks = rank_work.make_blocks(config, LAUNCH_LAYERS, device, dtype)
+    num_layers = stack_layers(options.model)
+    blocks = rank_work.make_blocks(config, num_layers, device, dtype)
 
-    # An MMDiT's text joins the attended tokens (GPU work, not issue time): none here, and one
-    # attention call per distinct length; cross-attention models issue two (self + cross).
-    text_tokens, calls_per_length = (0, 1) if config.joint_attention else (config.text_tokens, 2)
+    # An MMDiT's text joins the attended tokens: a few per sequence (its text stream issues its
+    # kernels), and one attention call per distinct length; cross-attention models issue two
+    # (self + cross).
+    text_tokens, calls_per_length = (
+        (LAUNCH_TEXT_TOKENS, 1) if config.joint_attention else (config.text_tokens, 2)
+    )
 
     def step_s(lengths: list[int]) -> float:
         batch, plan = _local_plan(lengths, text_tokens)
@@ -485,6 +497,7 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
             inputs = rank_work.plan_rank_inputs(
                 batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
             )
+            _warm(lambda: rank_work.train_step(blocks, inputs, checkpointing=True), device)
             return median_time_s(
                 lambda: rank_work.train_step(blocks, inputs, checkpointing=True),
                 device,
@@ -494,12 +507,12 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
     one = step_s([32])
     many = step_s([32 + i for i in range(LAUNCH_SEQUENCES)])
     calls_one, calls_many = calls_per_length, calls_per_length * LAUNCH_SEQUENCES
-    per_call = max(0.0, (many - one) / (calls_many - calls_one) / LAUNCH_LAYERS)
-    per_layer = max(0.0, one / LAUNCH_LAYERS - calls_one * per_call)
+    per_call = max(0.0, (many - one) / (calls_many - calls_one) / num_layers)
+    per_layer = max(0.0, one / num_layers - calls_one * per_call)
     progress(
         f"host issue time: {per_layer * 1e3:.2f} ms per layer + {per_call * 1e3:.3f} ms per "
         f"attention call (tiny ranks: {one * 1e3:.1f} ms with 1 sequence, {many * 1e3:.1f} ms "
-        f"with {LAUNCH_SEQUENCES}, {LAUNCH_LAYERS} layers)"
+        f"with {LAUNCH_SEQUENCES}, {num_layers} layers)"
     )
     return {
         "launch_s_per_layer": per_layer,
@@ -508,57 +521,123 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
     }
 
 
+def _warm(fn: Callable[[], object], device) -> None:
+    """One untimed run: compiles the per-token regions for a new kind of call (compiled mode)
+    and builds kernel plans, so that no timing's warm-up sizes itself on a compilation."""
+    fn()
+    synchronize(device)
+
+
+def per_token_inputs(config, num_tokens: int, device, dtype):
+    """One sequence of `num_tokens` tokens through the per-token layers only (both attention
+    cores replaced by stand-ins, rank_work.per_token_inputs). An MMDiT's sequence carries its
+    text as training's do, less than half of it (min(text_tokens, num_tokens // 2 - 1) text
+    tokens first): a double-stream block then runs both streams' GEMMs, each on its own rows.
+    Text and visual counts differ (and are odd at small sizes) so that the first call, which
+    torch.compile traces with dynamic shapes, does not tie them to each other or to a weight's
+    dimension (128 = head_dim) and specialise the graph."""
+    if not config.joint_attention:
+        return rank_work.per_token_inputs(
+            config=config, num_tokens=num_tokens, device=device, dtype=dtype
+        )
+    from zellige.model.mmdit import TEXT, VISUAL
+
+    num_text = min(config.text_tokens, num_tokens // 2 - 1)
+    modality_T = torch.full((num_tokens,), VISUAL, dtype=torch.int64)
+    modality_T[:num_text] = TEXT
+    positions_T3 = torch.zeros(num_tokens, 3, dtype=torch.int64)
+    positions_T3[:num_text, 0] = torch.arange(num_text)  # text k at (k, 0, 0), as the runtime
+    positions_T3[num_text:, 2] = torch.arange(num_tokens - num_text)
+    return rank_work.joint_rank_inputs(
+        config=config,
+        modality_T=modality_T,
+        sequence_index_T=torch.zeros(num_tokens, dtype=torch.int64),
+        positions_T3=positions_T3,
+        attention=rank_work.no_self_attention,
+        device=device,
+        dtype=dtype,
+    )
+
+
+def _per_token_seconds(
+    blocks, config, tokens: int, options: ProfileOptions, device, dtype
+) -> tuple[float, float]:
+    """GPU seconds of the forward and of the backward of `blocks`' per-token layers over one
+    sequence of `tokens` tokens (per_token_inputs). The backward is a forward and backward less
+    the forward: a compiled region's backward may run once per graph (its buffers are donated),
+    so no graph is kept to run it again."""
+    inputs = per_token_inputs(config, tokens, device, dtype)
+    params = [inputs.x_TD, *blocks.parameters()]
+
+    def forward():
+        if options.block is not None:  # the user's own block: forward(x_TD, attention) -> y_TD
+            return blocks(inputs.x_TD, rank_work.no_self_attention)
+        return rank_work.forward_blocks(blocks, inputs, checkpointing=False)
+
+    def forward_backward():
+        torch.autograd.grad(forward(), params, inputs.grad_TD, allow_unused=True)
+
+    _warm(forward_backward, device)
+    forward_s = gpu_time_s(forward, device, repeats=options.repeats)
+    both_s = gpu_time_s(forward_backward, device, repeats=options.repeats)
+    return forward_s, max(both_s - forward_s, 0.05 * both_s)
+
+
 def profile_per_token_layers(
     options: ProfileOptions, device, dtype, memory_bytes_per_s: float, progress: Progress
 ) -> tuple[dict, dict, dict]:
-    """GEMM rates (FLOP/s) of the per-token layers against the token count M."""
+    """GEMM rates (FLOP/s) of the per-token layers against the token count M, on one block of
+    each kind the model has (models.block_kinds): an MMDiT's double- and single-stream blocks
+    are timed apart and their times mixed in the model's proportion of layers, so the rate is
+    that of the model's average layer (the cost model prices every layer alike)."""
     spec = model_spec(options.model)
-    config = dit_config(options.model)
     forward_flops_per_token = _core.layer_forward_flops(spec, 1, 0).linear
     if options.block is None:
-        blocks = rank_work.make_blocks(config, 1, device, dtype)
-    else:  # the user's own block: forward(x_TD, attention) -> y_TD
-        blocks = load_block_factory(options.block)(spec).to(device=device, dtype=dtype)
+        kinds = [
+            (name, config, share, rank_work.make_blocks(config, 1, device, dtype))
+            for name, config, share in block_kinds(options.model)
+        ]
+    else:
+        config = dit_config(options.model)
+        block = load_block_factory(options.block)(spec).to(device=device, dtype=dtype)
+        kinds = [(options.block, config, 1.0, block)]
         progress(f"per-token layers: the user's block {options.block}")
+    width = kinds[0][1].width
     token_counts = QUICK_TOKEN_COUNTS if options.quick else FULL_TOKEN_COUNTS
     forward_rates, backward_rates, seconds = [], [], {}
     for tokens in token_counts:
-        inputs = rank_work.per_token_inputs(
-            config=config, num_tokens=tokens, device=device, dtype=dtype
-        )
-        params = [inputs.x_TD, *blocks.parameters()]
-
-        def forward(inputs=inputs):
-            if options.block is not None:
-                return blocks(inputs.x_TD, rank_work.no_self_attention)
-            return rank_work.forward_blocks(blocks, inputs, checkpointing=False)
-
-        forward_s = gpu_time_s(forward, device, repeats=options.repeats)
-        out = forward()
-        backward_s = gpu_time_s(
-            lambda out=out, inputs=inputs, params=params: torch.autograd.grad(
-                out, params, inputs.grad_TD, retain_graph=True, allow_unused=True
-            ),
-            device,
-            repeats=options.repeats,
-        )
-        del out
+        forward_s = backward_s = 0.0
+        by_kind = {}
+        for name, config, share, blocks in kinds:
+            kind_forward_s, kind_backward_s = _per_token_seconds(
+                blocks, config, tokens, options, device, dtype
+            )
+            forward_s += share * kind_forward_s
+            backward_s += share * kind_backward_s
+            by_kind[name] = {"forward_s": kind_forward_s, "backward_s": kind_backward_s}
         # The cost model adds this elementwise time to flops / rate on every pass.
         elementwise_s = (
-            ELEMENTWISE_BYTES_PER_TOKEN_WIDTH
-            * config.width
-            * dtype.itemsize
-            * tokens
-            / memory_bytes_per_s
+            ELEMENTWISE_BYTES_PER_TOKEN_WIDTH * width * dtype.itemsize * tokens / memory_bytes_per_s
         )
         flops = forward_flops_per_token * tokens
         forward_rates.append(flops / max(forward_s - elementwise_s, 0.05 * forward_s))
         backward_rates.append(2.0 * flops / max(backward_s - elementwise_s, 0.05 * backward_s))
-        seconds[str(tokens)] = {"forward_s": forward_s, "backward_s": backward_s}
+        seconds[str(tokens)] = {"forward_s": forward_s, "backward_s": backward_s, **by_kind}
         progress(
             f"per-token layers M={tokens:>6}: fwd {forward_s * 1e3:8.3f} ms "
             f"({flops / forward_s / 1e12:5.1f} TFLOP/s), bwd {backward_s * 1e3:8.3f} ms "
             f"({2 * flops / backward_s / 1e12:5.1f} TFLOP/s)"
+            + (
+                ""
+                if len(kinds) == 1
+                else " ("
+                + ", ".join(
+                    f"{name} {flops / times['forward_s'] / 1e12:5.1f} / "
+                    f"{2 * flops / times['backward_s'] / 1e12:5.1f}"
+                    for name, times in by_kind.items()
+                )
+                + ")"
+            )
         )
     return _table(token_counts, forward_rates), _table(token_counts, backward_rates), seconds
 
@@ -642,9 +721,14 @@ def memory_rows(
     activation = slope("kept") / num_layers
     checkpoint = slope("kept_checkpointing") / num_layers
     step_slope = slope("step_peak")
-    # Under checkpointing the last layer's recompute (activation) precedes its backward; what
-    # the step holds beyond the kept layer inputs and that recompute is the backward row.
-    backward = step_slope - num_layers * checkpoint - activation
+    # Under checkpointing the last layer's recompute rebuilds its activations around what it
+    # kept (its input and attention outputs are among them) before its backward; what the step
+    # holds beyond the other layers' checkpoints and that activation is the backward row (the
+    # cost model's rank_peak_bytes adds them up the same way).
+    # The layer's backward frees its activations as it goes, so this can come out below 0
+    # (wan-14b on the H200: about -17 KB a token); stored as 0, the cost model's peak errs
+    # above, not below.
+    backward = max(0.0, step_slope - (num_layers - 1) * checkpoint - activation)
     if with_text is None:
         text = text_kept = 0.0
         step_fixed = probes[low].step_peak - step_slope * (low + num_sequences * text_tokens)
@@ -671,10 +755,14 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
     (checkpoint), what else the step holds at its peak (backward: one layer's backward
     buffers, the inputs' RoPE tables), per TEXT token what cross-attention adds (text), and the
     step's bytes that do not grow with tokens (step_fixed: gathered weights, weight gradients,
-    reduce-scatter buffers). Two layers sharded as in training (FSDP2 over a group of one, as
-    validate-profile measures ranks), the output's gradient from a loss (rank_work.train_step)."""
+    reduce-scatter buffers). The model's stack (stack_layers: an MMDiT's double and single
+    blocks in its proportion) sharded as in training (FSDP2 over a group of one, as
+    validate-profile measures ranks), the output's gradient from a loss (rank_work.train_step).
+    A third, small pack (SMALL_MEMORY_TOKENS) is probed for the details only: how far its peak
+    lies from the line through the two others (a small rank's peak may come from another moment
+    of the step than a large rank's)."""
     config = dit_config(options.model)
-    num_layers = 2
+    num_layers = stack_layers(options.model)
     num_sequences = 2
 
     def probe(blocks, batch: _core.Batch, plan: _core.Plan) -> MemoryProbe:
@@ -715,6 +803,8 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
                 f"{probes[tokens].kept_checkpointing / tokens / num_layers:7.0f}, step peak "
                 f"{probes[tokens].step_peak / 2**30:6.2f} GiB"
             )
+        small_tokens = token_counts[0] // 8
+        small = probe(blocks, *_local_pack_plan(small_tokens, config.text_tokens, num_sequences))
         with_text = None
         if not config.joint_attention:
             with_text = probe(
@@ -738,6 +828,13 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         text_tokens=config.text_tokens,
         extra_text_tokens=low,
     )
+    high = token_counts[-1]
+    line_slope = (probes[high].step_peak - probes[low].step_peak) / (high - low)
+    small_excess = small.step_peak - (probes[low].step_peak - line_slope * (low - small_tokens))
+    progress(
+        f"memory M={small_tokens:>6}: step peak {small.step_peak / 2**30:6.2f} GiB, "
+        f"{small_excess / 2**20:+.0f} MiB from the line through M={low} and M={high}"
+    )
     # what a shard holds beyond a local sequence of its tokens (both probes hold one sequence)
     for strategy in ("ulysses", "ring"):
         extra = shards[strategy].step_peak - shards["local"].step_peak
@@ -753,6 +850,8 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         "runtime_reserved_bytes": runtime_reserved_bytes,
         "shard_probes": {f"{strategy}:{shard_tokens}": asdict(p) for strategy, p in shards.items()},
         "probes": {str(t): asdict(p) for t, p in probes.items()},
+        "small_probe": {str(small_tokens): asdict(small), "excess_bytes": small_excess},
+        "num_layers": num_layers,
         "probe_with_text": (
             {} if with_text is None else {f"{low}+{config.text_tokens + low}": asdict(with_text)}
         ),
@@ -838,7 +937,8 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
             f"{f' --block {options.block}' if options.block else ''}"
             f"{' --quick' if options.quick else ''}` on {started:%Y-%m-%d %H:%M} UTC; "
             f"{_versions(device)}; attention: engine coalesced call "
-            f"({options.attention_backend or 'automatic backend'}), {dtype}"
+            f"({options.attention_backend or 'automatic backend'}), {dtype}; "
+            f"{_compiled_text(options)}"
         ),
         "matmul_flops_per_s": matmul_flops_per_s,
         "attention_flops_per_s": attention_flops_per_s,
@@ -902,54 +1002,108 @@ def _check_finite(profile: dict) -> None:
                 raise RuntimeError(f"profile field {key} has a non-finite or negative value")
 
 
-def merge_memory(base: dict, model: str, memory: dict) -> dict:
+def merge_memory(base: dict, model: str, memory: dict, tables: dict | None = None) -> dict:
     """`base` (a profile JSON object) with `model`'s row added or replaced by the fields of
-    `memory` (others keep their value; 0, not modelled, in a new row)."""
+    `memory` (others keep their value; 0, not modelled, in a new row), and its per-token tables
+    (`tables`: MODEL_TABLES keys) set where given (others keep theirs; empty, the shared table,
+    in a new row)."""
     profile = dict(base)
     models = list(profile.get("memory_models", []))
     columns = {key: list(profile.get(key, [])) for key in MODEL_ROWS}
     for values in columns.values():  # optional columns may be empty: 0 means analytic
         values.extend([0.0] * (len(models) - len(values)))
+    table_lists = {key: list(profile.get(key, [])) for key in MODEL_TABLES}
+    for values in table_lists.values():  # likewise: an empty table means the shared one
+        values.extend(_table([], []) for _ in range(len(models) - len(values)))
     if model not in models:
         models.append(model)
         for values in columns.values():
             values.append(0.0)
+        for values in table_lists.values():
+            values.append(_table([], []))
     row = models.index(model)
     for key, values in columns.items():
         values[row] = memory.get(key, values[row])
         profile[key] = values
+    for key, values in table_lists.items():
+        values[row] = (tables or {}).get(key, values[row])
+        # all empty (no model has its own): the field stays empty, as in profiles before it
+        profile[key] = values if any(table["x"] for table in values) else []
     profile["memory_models"] = models
     return profile
 
 
+def _compiled_text(options: ProfileOptions) -> str:
+    return "per-token regions compiled" if options.compiled else "per-token regions eager"
+
+
 def profile_memory_into(
-    base: dict, options: ProfileOptions, progress: Progress = print
+    base: dict,
+    options: ProfileOptions,
+    progress: Progress = print,
+    save: Callable[[dict], None] | None = None,
+    *,
+    per_token: bool = False,
 ) -> ProfileResult:
-    """Measures only the per-model rows of `options.model` (memory, host launch time) and the
-    runtime reserve, and returns `base` (a profile JSON object) with that model's row added or
-    replaced."""
+    """Measures only the per-model rows of `options.model` (memory, host launch time; with
+    `per_token`, the per-token rate tables too, measured on its own blocks) and the runtime
+    reserve, and returns `base` (a profile JSON object) with that model's row added or
+    replaced. The attention, exchange and layout rows are the model's only through its head
+    count and head dimension, which the cost model scales: they stay as measured in `base`.
+    Memory needs a GPU's allocator: on a CPU (--quick) only the per-token and launch rows are
+    measured and the memory rows stay 0 (analytic). `save`, if given, gets the profile as each
+    part is measured (per-token tables, then memory rows; the rows still to come as in `base`),
+    so a run cut short keeps what it measured."""
     device = torch.device(options.device)
-    if device.type != "cuda":
-        raise ValueError("zellige profile --memory-only reads the GPU allocator and found no GPU")
-    dtype = torch.bfloat16
+    if device.type != "cuda" and not (per_token and options.quick):
+        raise ValueError(
+            "zellige profile --memory-only / --base reads the GPU allocator and found no GPU "
+            "(a CPU smoke run: --quick --base FILE)"
+        )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     spec = model_spec(options.model)
-    memory = profile_memory(options, device, dtype, progress)
-    launch = profile_launch(options, device, dtype, progress)
-    profile = merge_memory(
-        base,
-        spec.name,
-        {
-            **memory,
-            "launch_s_per_layer": launch["launch_s_per_layer"],
-            "launch_s_per_attention_call": launch["launch_s_per_attention_call"],
-        },
-    )
-    profile["runtime_reserved_bytes"] = memory["runtime_reserved_bytes"]
     now = datetime.datetime.now(datetime.UTC)
-    profile["created"] = (
-        f"{profile.get('created', '')}; memory and launch of {spec.name} measured by "
-        f"`zellige profile --memory-only` on {now:%Y-%m-%d %H:%M} UTC ({_versions(device)})"
-    )
-    return ProfileResult(
-        profile=profile, details={"model": model_name(options.model), "memory": memory}
-    )
+    command = "--base" if per_token else "--memory-only"
+
+    def with_rows(rows: dict, tables: dict, measured: str) -> dict:
+        profile = merge_memory(base, spec.name, rows, tables)
+        if "runtime_reserved_bytes" in rows:
+            profile["runtime_reserved_bytes"] = rows["runtime_reserved_bytes"]
+        profile["created"] = (
+            f"{profile.get('created', '')}; {measured} of {spec.name} measured by `zellige "
+            f"profile {command}{' --quick' if options.quick else ''}` on {now:%Y-%m-%d %H:%M} "
+            f"UTC ({_versions(device)}; {_compiled_text(options)})"
+        )
+        _check_finite(profile)
+        return profile
+
+    tables, rows, parts = {}, {}, []
+    details: dict = {"model": model_name(options.model)}
+    if per_token:
+        forward, backward, layer_seconds = profile_per_token_layers(
+            options, device, dtype, base["memory_bytes_per_s"], progress
+        )
+        tables = {
+            "model_matmul_forward_flops_per_s": forward,
+            "model_matmul_backward_flops_per_s": backward,
+        }
+        details["per_token_layer_seconds"] = layer_seconds
+        parts.append("per-token layers")
+        if save is not None:
+            save(with_rows(rows, tables, "per-token layers (the rest as before)"))
+    if device.type == "cuda":
+        memory = profile_memory(options, device, dtype, progress)
+        rows.update(memory)
+        details["memory"] = memory
+        parts.append("memory")
+        if save is not None:
+            save(with_rows(rows, tables, " and ".join(parts) + " (launch rows as before)"))
+    else:
+        progress("memory: skipped on CPU (no allocator statistics); its rows stay 0")
+    launch = profile_launch(options, device, dtype, progress)
+    rows["launch_s_per_layer"] = launch["launch_s_per_layer"]
+    rows["launch_s_per_attention_call"] = launch["launch_s_per_attention_call"]
+    details["launch"] = launch
+    parts.append("launch")
+    measured = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+    return ProfileResult(profile=with_rows(rows, tables, measured), details=details)

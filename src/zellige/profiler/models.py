@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
 
 import torch
@@ -85,12 +87,39 @@ def dit_config(model: str | _core.ModelSpec, num_layers: int | None = None) -> D
     else:
         config = dit_preset(_RUNNABLE[model])
     return config if num_layers is None else with_layers(config, num_layers)
-    if model not in _RUNNABLE:
-        raise ValueError(
-            f"model '{model}' has no runnable reference model (allowed: {', '.join(_RUNNABLE)})"
-        )
-    config = dit_preset(_RUNNABLE[model])
-    return config if num_layers is None else with_layers(config, num_layers)
+
+
+def stack_layers(model: str | _core.ModelSpec) -> int:
+    """Layers of the stack that the profiler's memory and host-time probes and validate-profile
+    run by default: 2 for a cross-attention model; for an MMDiT the fewest layers (at least 2)
+    whose double/single split is the model's own (3 for mmdit-11b: 1 double + 2 single, as its
+    19 + 38), so that per-layer rows measured on the stack are the model's average layer. A mix
+    that needs more than 4 layers falls back to 2 (one of each kind)."""
+    config = dit_config(model)
+    if not config.num_double_layers:
+        return 2
+    layers = config.num_layers // math.gcd(config.num_layers, config.num_double_layers)
+    layers = layers * 2 if layers == 1 else layers
+    return layers if layers <= 4 else 2
+
+
+def block_kinds(model: str | _core.ModelSpec) -> list[tuple[str, DiTConfig, float]]:
+    """(name, one-block config, share of the model's layers) per kind of block: ("block",
+    config, 1.0) for a Wan-style model; an MMDiT's double- and single-stream blocks with their
+    shares of its layers, so that per-token times measured block by block are mixed as the
+    model runs them."""
+    config = dit_config(model)
+    if not config.joint_attention:
+        return [("block", dataclasses.replace(config, num_layers=1), 1.0)]
+    double, single = config.num_double_layers, config.num_single_layers
+    kinds = []
+    if double:
+        one = dataclasses.replace(config, num_layers=1, num_double_layers=1)
+        kinds.append(("double-stream", one, double / config.num_layers))
+    if single:
+        one = dataclasses.replace(config, num_layers=1, num_double_layers=0)
+        kinds.append(("single-stream", one, single / config.num_layers))
+    return kinds
 
 
 def model_spec(model: str | _core.ModelSpec, num_layers: int | None = None) -> _core.ModelSpec:

@@ -1,10 +1,11 @@
 """One rank's compute of one training step, run on the one GPU at hand.
 
 The rank's held tokens go through real DiT blocks of zellige.model (forward, backward, and the
-forward recompute under activation checkpointing); self-attention is the engine's
-`distributed_attention` over the rank's compiled layout. Exchanges are EXCLUDED: inside
-`local_exchanges()` the all_to_all and ring messages become local copies of the same sizes, so
-every buffer, gather and kernel of the rank is real but no byte crosses a link.
+per-token recompute under activation checkpointing, as training's: zellige.runtime.recompute);
+self-attention is the engine's `distributed_attention` over the rank's compiled layout.
+Exchanges are EXCLUDED: inside `local_exchanges()` the all_to_all and ring messages become local
+copies of the same sizes, so every buffer, gather and kernel of the rank is real but no byte
+crosses a link.
 
 Legend: T held tokens, C held chunks (one per sequence on the rank), X text tokens of those
 chunks, N heads, H head dim, D width.
@@ -20,13 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from zellige import _core
 from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock
 from zellige.model.config import DiTConfig, with_layers
 from zellige.model.rope import rope_tables
+from zellige.runtime.recompute import checkpointed
 
 
 class _Done:
@@ -278,7 +279,7 @@ class _BlockUnit(nn.Module):
 
     def forward(self, *args, checkpointing: bool) -> Tensor:
         if checkpointing:
-            return checkpoint(self.block, *args, use_reentrant=False)
+            return checkpointed(self.block, *args)
         return self.block(*args)
 
 
@@ -368,7 +369,7 @@ def forward_blocks(
     x_TD = inputs.x_TD
     for block in blocks:
         args = inputs.args(block, x_TD)
-        x_TD = checkpoint(block, *args, use_reentrant=False) if checkpointing else block(*args)
+        x_TD = checkpointed(block, *args) if checkpointing else block(*args)
     return x_TD
 
 

@@ -8,6 +8,9 @@ local copies that stand in for the exchanges are part of the measured step, so t
 adds them (`local_copy_s`: the bytes the rank would send, read and written at the profile's
 memory bandwidth); the planner's cost model never sees them.
 
+The blocks run as training runs them: their per-token regions torch.compile'd on a GPU
+(zellige.model.fused; `--eager` for training without), an MMDiT cut to its fewest layers with
+its own double/single split (models.stack_layers), as `zellige profile` measures it.
 Time is measured on plain bf16 blocks. Memory is measured on a second step of the rank on
 blocks sharded as zellige.train shards them (FSDP2 over a group of one: gathered weights,
 weight gradients and reduce-scatter buffers live and die as in training; the output's gradient
@@ -21,6 +24,7 @@ the whole peak and of its step part (peak minus the modelled shard) are reported
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import math
@@ -40,6 +44,7 @@ from zellige.profiler.models import dit_config, model_name, model_spec
 from zellige.profiler.timing import (
     median_time_s,
     peak_allocated_bytes,
+    release_burn,
     reset_peak,
     synchronize,
 )
@@ -87,6 +92,7 @@ class ValidationOptions:
     exclude_strategies: tuple[str, ...] = ()  # skip plans that use these ("ring", "hybrid")
     contiguous_kernel_inputs: bool = False  # see rank_work.local_exchanges
     results_jsonl: str | None = None  # append each rank's result as it is measured
+    compiled: bool = False  # the per-token regions compiled (the command sets fused.kernels)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,6 +112,8 @@ class RankResult:
     predicted_copy_s: float = 0.0  # the exchanges' local stand-in copies (see local_copy_s)
     predicted_call_s: float = 0.0  # RankCost.call_s: what one call per equal group saves (<= 0)
     predicted_launch_floor_s: float = 0.0  # host issue time (RankCost.launch_floor_s)
+    predicted_busy_s: float = 0.0  # the GPU work predicted_s is the larger of, with the floor
+    strategies: str = ""  # the rank's placements by strategy, e.g. "local x3, ring x1"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -164,11 +172,26 @@ def local_copy_s(
     return 2.0 * copied_bytes / memory_bytes_per_s
 
 
+def predicted_busy_s(rank_cost: _core.RankCost, copy_s: float) -> float:
+    """The GPU work of a rank run on one GPU as the cost model prices it: its evaluate() time
+    without exchanges, plus the local copies that stand in for them."""
+    return rank_cost.linear_s + rank_cost.attention_s + rank_cost.call_s + copy_s
+
+
 def predicted_rank_s(rank_cost: _core.RankCost, copy_s: float) -> float:
-    """The cost model's time of a rank run on one GPU: its evaluate() time without exchanges,
-    plus the local copies that stand in for them."""
-    busy_s = rank_cost.linear_s + rank_cost.attention_s + rank_cost.call_s + copy_s
-    return max(busy_s, rank_cost.launch_floor_s)
+    """The cost model's time of a rank run on one GPU: its GPU work (predicted_busy_s) or, when
+    the host takes longer to issue it, the launch floor."""
+    return max(predicted_busy_s(rank_cost, copy_s), rank_cost.launch_floor_s)
+
+
+def rank_strategies(plan: _core.Plan, rank: int) -> str:
+    """The rank's placements counted by strategy, e.g. "local x3, ring x1"."""
+    counts: dict[str, int] = {}
+    for placement in plan.placements:
+        if rank in placement.ranks:
+            name = _core.strategy_name(placement).split("(")[0]
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
 
 
 def summarise(ranks: list[RankResult], gamma: float) -> ValidationReport:
@@ -338,7 +361,8 @@ def measure_forward_latencies(
             inputs = rank_work.plan_rank_inputs(
                 batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
             )
-            with torch.no_grad():
+            # compiled regions: the training graphs, not a second (inference) compilation
+            with torch.enable_grad() if options.compiled else torch.no_grad():
                 latencies.append(
                     median_time_s(
                         lambda inputs=inputs: rank_work.forward_blocks(blocks, inputs, False),
@@ -410,6 +434,38 @@ def run_rank(
     return seconds
 
 
+def _warm_up(blocks, fsdp_blocks, config, options: ValidationOptions, device, dtype) -> None:
+    """Steps of small local packs on both block sets: torch.compile compiles the per-token
+    regions' training graphs (dynamic shapes: once) here, not inside the first rank's timed
+    warm-up. Two packs: sequences with the model's text, and (an MMDiT) without, as a rank that
+    holds ring or Ulysses chunks of visual tokens only runs them (an empty text stream is a
+    graph of its own)."""
+    texts = (config.text_tokens, 0) if config.joint_attention else (config.text_tokens,)
+    plan = _core.Plan()
+    plan.planner = "validate"
+    plan.num_ranks = 1
+    plan.placements = [_core.make_placement(i, _core.Strategy.local, [0]) for i in range(2)]
+    with rank_work.local_exchanges(options.contiguous_kernel_inputs):
+        for text_tokens in texts:
+            batch = _core.Batch()
+            batch.sequences = [  # sizes unlike the weights' (see measure.per_token_inputs)
+                _core.sequence_from_tokens(i, "video", 257 + 66 * i, text_tokens, 0)
+                for i in range(2)
+            ]
+            for block_set, output_grad in ((blocks, True), (fsdp_blocks, False)):
+                inputs = rank_work.plan_rank_inputs(
+                    batch=batch,
+                    plan=plan,
+                    rank=0,
+                    config=config,
+                    device=device,
+                    dtype=dtype,
+                    output_grad=output_grad,
+                )
+                rank_work.train_step(block_set, inputs, options.activation_checkpointing)
+    synchronize(device)
+
+
 def rank_peak_bytes(
     *,
     batch: _core.Batch,
@@ -451,7 +507,14 @@ def rank_peak_bytes(
     return peak - harness_bytes + shard_bytes + _outside_allocator_bytes(device)
 
 
-def validate(options: ValidationOptions, progress: Progress = print) -> ValidationReport:
+def validate(
+    options: ValidationOptions,
+    progress: Progress = print,
+    measure_rows: Callable[[], _core.HardwareProfile] | None = None,
+) -> ValidationReport:
+    """measure_rows: measures the model's own profile rows on this GPU (`zellige profile --base`)
+    after the plans are drawn with options.profile and returns the profile the ranks are then
+    predicted with; one process, so torch.compile compiles the per-token regions once."""
     device = torch.device(options.device)
     if device.type != "cuda" and not options.quick:
         raise ValueError(
@@ -469,6 +532,17 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
     skipped: list[str] = []
     plans = list(itertools.islice(draw_plans(options, profile, skipped), options.num_plans))
     progress(f"{len(plans)} plans drawn" + (f", {len(skipped)} sources skipped" if skipped else ""))
+    if measure_rows is not None:
+        profile = measure_rows()
+        release_burn()  # nothing of the measurement stays allocated under the ranks' peaks
+        gc.collect()
+        synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            progress(
+                f"rows measured; {torch.cuda.memory_allocated(device) / 2**20:.0f} MiB still "
+                "allocated before the ranks run"
+            )
     blocks = rank_work.make_blocks(config, options.num_layers, device, dtype)
 
     lengths, latencies = measure_forward_latencies(options, device, dtype, progress)
@@ -498,8 +572,20 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
             "training (FSDP2 units over a group of one, fp32 master weights, bf16 compute, fp32 "
             "gradient reduction), the harness's weights replaced by the modelled FSDP shard"
         )
+    notes.append(
+        "per-token regions compiled (torch.compile), as training runs them on a GPU"
+        if options.compiled
+        else "per-token regions eager"
+    )
+    if measure_rows is not None:
+        notes.append(
+            f"plans drawn with {options.profile or 'the built-in profile'}; predictions from "
+            f"the {model_name(options.model)} rows measured in this run"
+        )
     with rank_work.process_group_of_one(device):
         fsdp_blocks = rank_work.make_fsdp_blocks(config, options.num_layers, device, dtype)
+        if options.compiled:  # compile the regions' training graphs before any rank is timed
+            _warm_up(blocks, fsdp_blocks, config, options, device, dtype)
         for plan_index, (name, batch, plan) in enumerate(plans):
             if options.time_budget_s and time.monotonic() - started > options.time_budget_s:
                 notes.append(f"time budget reached: {plan_index} plans of {len(plans)}")
@@ -559,6 +645,8 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                     predicted_copy_s=copy_s,
                     predicted_call_s=rank_cost.call_s,
                     predicted_launch_floor_s=rank_cost.launch_floor_s,
+                    predicted_busy_s=predicted_busy_s(rank_cost, copy_s),
+                    strategies=rank_strategies(plan, rank),
                 )
                 results.append(result)
                 if options.results_jsonl:
@@ -567,9 +655,10 @@ def validate(options: ValidationOptions, progress: Progress = print) -> Validati
                 progress(
                     f"plan {plan_index + 1:>2}/{options.num_plans} {name:<40} rank {rank:>2} "
                     f"{result.tokens:>7} tokens: time {result.predicted_s * 1e3:9.2f} / "
-                    f"{measured_s * 1e3:9.2f} ms, peak "
-                    f"{result.predicted_peak_bytes / 2**30:7.2f} / {peak / 2**30:7.2f} GiB "
-                    "(predicted / measured)"
+                    f"{measured_s * 1e3:9.2f} ms"
+                    f"{' (launch floor)' if result.predicted_busy_s < result.predicted_s else ''}"
+                    f", peak {result.predicted_peak_bytes / 2**30:7.2f} / {peak / 2**30:7.2f} GiB "
+                    f"(predicted / measured); {result.strategies}"
                 )
         del fsdp_blocks  # before its process group goes
     notes.extend(f"skipped {line}" for line in skipped)

@@ -55,6 +55,10 @@ Public API (stable; everything else in the package is private):
         q_row_offset, k_row_offset, q_len, k_len, num_heads, device) (grouped by the C++ engine
         that also groups the step program's segments) or SegmentTable.packed(cu_seqlens, N).
 
+    y = checkpointed(block, *args)   block(*args) under selective activation checkpointing: the
+        backward recomputes its per-token layers (and Ulysses' q/k/v exchange) but not its
+        attention, whose outputs are kept (runtime/recompute.py, docs/training.md)
+
     t = to_device(host_tensor, device)   a host tensor on the device with no host sync (pinned
         and non_blocking on CUDA): how the step's tables reach the GPU.
 
@@ -78,6 +82,7 @@ from zellige.runtime.coalesced import SegmentTable, coalesced_attention, to_devi
 from zellige.runtime.exchange import reverse_route, route, route_text
 from zellige.runtime.kernels import KERNELS, kernel_for
 from zellige.runtime.layout import Step, compile_step, load_step, prepare_step
+from zellige.runtime.recompute import checkpointed
 
 
 def attention_fn(
@@ -100,6 +105,7 @@ __all__ = [
     "SegmentTable",
     "Step",
     "attention_fn",
+    "checkpointed",
     "coalesced_attention",
     "compile_step",
     "cross_attention_fn",

@@ -5,6 +5,7 @@ sequences, one collective over the group); (2) meanwhile attend its whole local 
 (3) attend the exchanged Ulysses sequences; (4) ring and hybrid blocks: step 0 on its own block,
 then per step s one batched P2P (own block to peer j+s, block j-s from peer j-s; the next step is
 prefetched while this one computes) and a log-sum-exp merge; (5) the all_to_all back.
+A checkpointed block's recompute runs (1) only (runtime/recompute.py keeps the outputs).
 Backward mirrors it: dO travels the forward exchange while local gradients compute, ring steps
 fetch k/v again and return dk/dv to their owners, and dq/dk/dv travel the exchange back.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from zellige.runtime import recompute
 from zellige.runtime.coalesced import backward_into, coalesced_attention, forward_into
 from zellige.runtime.exchange import all_to_all_rows, p2p, wait_all
 from zellige.runtime.kernels import Kernel, default_scale, kernel_for, lse_dtype
@@ -133,6 +135,47 @@ def _scatter_ring(ring: RingPlan, compact: Tensor, own_rows: Tensor, exchange_ro
         exchange_rows.index_copy_(0, ring.exchange_index, compact[num_own:].to(exchange_rows.dtype))
 
 
+def _received(step: Step, recv: Tensor, work) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v rows of the exchanged sequences, in the exchange table's order."""
+    work.wait()
+    return tuple(recv[:, i].index_select(0, step.exchange_recv_index) for i in range(3))
+
+
+def _attend(step: Step, kernel: Kernel, scale: float, q, k, v, recv, work):
+    """The forward's attention of the held rows: local sequences (overlapping the q/k/v
+    exchange), exchanged sequences, ring blocks, and the exchange of the outputs back.
+    Returns o, lse, o_x, lse_x, lse_c, q_x, k_x, v_x (None where the plan has no such rows)."""
+    lse_type = lse_dtype(q.dtype)
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], dtype=lse_type, device=q.device)
+    forward_into(step.local_table, kernel, scale, q, k, v, o, lse)  # overlaps the exchange
+
+    q_x = k_x = v_x = o_x = lse_x = None
+    if work is not None:
+        q_x, k_x, v_x = _received(step, recv, work)
+        o_x = torch.empty_like(q_x)
+        lse_x = torch.empty(q_x.shape[0], dtype=lse_type, device=q.device)
+        forward_into(step.exchange_table, kernel, scale, q_x, k_x, v_x, o_x, lse_x)
+
+    ring = step.ring
+    lse_c = None
+    if ring.num_rows:
+        q_c = _gather_ring(ring, q, q_x)
+        kv_c = torch.stack([_gather_ring(ring, k, k_x), _gather_ring(ring, v, v_x)], dim=1)
+        o_c, lse_c = _ring_forward(ring, step, kernel, scale, q_c, kv_c)
+        _scatter_ring(ring, o_c, o, o_x)
+
+    if work is not None:
+        back, _ = all_to_all_rows(
+            o_x.index_select(0, step.exchange_recv_inverse),
+            step.exchange_recv_splits,
+            step.exchange_send_splits,
+            step.group,
+        )
+        o.index_copy_(0, step.exchange_send_index, back)
+    return o, lse, o_x, lse_x, lse_c, q_x, k_x, v_x
+
+
 class _DistributedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_TNH, k_TNH, v_TNH, step: Step, kernel: Kernel, scale: float):
@@ -140,43 +183,24 @@ class _DistributedAttention(torch.autograd.Function):
         q, k, v = (
             t.contiguous().view(num_tokens * num_heads, head_dim) for t in (q_TNH, k_TNH, v_TNH)
         )
-        lse_type = lse_dtype(q.dtype)
-        work = None
+        work = recv = None
         if step.world_has_exchange:
             index = step.exchange_send_index
             send = torch.stack([t.index_select(0, index) for t in (q, k, v)], dim=1)
             recv, work = all_to_all_rows(
                 send, step.exchange_send_splits, step.exchange_recv_splits, step.group, True
             )
-        o = torch.empty_like(q)
-        lse = torch.empty(q.shape[0], dtype=lse_type, device=q.device)
-        forward_into(step.local_table, kernel, scale, q, k, v, o, lse)  # overlaps the exchange
-
-        q_x = k_x = v_x = o_x = lse_x = None
-        if work is not None:
-            work.wait()
-            q_x, k_x, v_x = (recv[:, i].index_select(0, step.exchange_recv_index) for i in range(3))
-            o_x = torch.empty_like(q_x)
-            lse_x = torch.empty(q_x.shape[0], dtype=lse_type, device=q.device)
-            forward_into(step.exchange_table, kernel, scale, q_x, k_x, v_x, o_x, lse_x)
-
-        ring = step.ring
-        q_c = kv_c = o_c = lse_c = None
-        if ring.num_rows:
-            q_c = _gather_ring(ring, q, q_x)
-            kv_c = torch.stack([_gather_ring(ring, k, k_x), _gather_ring(ring, v, v_x)], dim=1)
-            o_c, lse_c = _ring_forward(ring, step, kernel, scale, q_c, kv_c)
-            _scatter_ring(ring, o_c, o, o_x)
-
-        if work is not None:
-            back, _ = all_to_all_rows(
-                o_x.index_select(0, step.exchange_recv_inverse),
-                step.exchange_recv_splits,
-                step.exchange_send_splits,
-                step.group,
+        kept = recompute.replayed()
+        if kept is None:
+            o, lse, o_x, lse_x, lse_c, q_x, k_x, v_x = _attend(
+                step, kernel, scale, q, k, v, recv, work
             )
-            o.index_copy_(0, step.exchange_send_index, back)
-
+            recompute.keep(o, lse, o_x, lse_x, lse_c)
+        else:
+            # A checkpointed block's recompute: the outputs are the forward's; only the q/k/v
+            # rows the exchange delivers are needed again (the backward attends them).
+            o, lse, o_x, lse_x, lse_c = kept
+            q_x, k_x, v_x = _received(step, recv, work) if work is not None else (None,) * 3
         # Ring rows are gathered again in backward rather than kept: ring is chosen for memory.
         ctx.save_for_backward(q, k, v, o, lse, q_x, k_x, v_x, o_x, lse_x, lse_c)
         ctx.step, ctx.kernel, ctx.scale = step, kernel, scale

@@ -26,12 +26,15 @@ import numpy as np
 import torch
 
 from zellige import _core
+from zellige.runtime import recompute
 from zellige.runtime.kernels import (
     Kernel,
     RaggedKernel,
     default_scale,
     kernel_for,
+    key_mask,
     lse_dtype,
+    masked_kernel_for,
     ragged_kernel_for,
 )
 
@@ -49,6 +52,131 @@ class SegmentGroup:
     num_heads: int
     q_index: RowIndex
     k_index: RowIndex
+    # first row of each segment (host): what a padded merge (PaddedGroup) is built from
+    q_offsets: tuple[int, ...] = ()
+    k_offsets: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedGroup:
+    """Segments of different shapes in ONE dense call of `count` problems of q_len x k_len
+    tokens (the largest member's): each member's rows are gathered into its problem's first
+    rows, padding rows repeat the member's last real row (finite values; a padded query reads
+    its own row's lse, so no probability exceeds 1), padded keys are masked by an additive -inf
+    bias and padded queries get a zero output gradient. So the real rows' results are those of
+    the members' own calls, forward and every gradient; the padded rows are dropped.
+
+    Index tensors (int64, device): q_src / k_src [count * len * n] the source row of every
+    padded row; q_real / q_pos the members' real rows and their positions in the padded rows
+    (k_real / k_pos alike); q_keep [count * q_len * n, 1] 1 on real query rows, else 0 (float,
+    cast per dtype); key_valid [count, k_len] bool."""
+
+    count: int
+    q_len: int
+    k_len: int
+    num_heads: int
+    member_shapes: tuple[tuple[int, int], ...]  # (q_len, k_len) of each member
+    q_src: Tensor
+    k_src: Tensor
+    q_real: Tensor
+    q_pos: Tensor
+    k_real: Tensor
+    k_pos: Tensor
+    q_keep: Tensor
+    key_valid: Tensor
+    # False only for measurements of what the mask costs (bench/attention_engine.py): padded
+    # keys then take part in the softmax and results are NOT those of the members' calls
+    masked: bool = True
+    masks: dict = field(default_factory=dict, compare=False, repr=False)  # per dtype
+
+    def mask(self, dtype: torch.dtype) -> Tensor:
+        if dtype not in self.masks:
+            self.masks[dtype] = key_mask(self.key_valid, dtype)
+        return self.masks[dtype]
+
+    @property
+    def keys_padded(self) -> bool:
+        """Some member has fewer keys than the call: the call needs the key mask (padding only
+        queries needs none: padded queries are dropped and get zero output gradients)."""
+        return any(k_len < self.k_len for _, k_len in self.member_shapes)
+
+    def keep(self, dtype: torch.dtype) -> Tensor:
+        if ("keep", dtype) not in self.masks:
+            self.masks["keep", dtype] = self.q_keep.to(dtype)
+        return self.masks["keep", dtype]
+
+    @property
+    def padded_flops_factor(self) -> float:
+        """Computed over useful attention work (1.0: no padding)."""
+        useful = sum(q * k for q, k in self.member_shapes)
+        return self.count * self.q_len * self.k_len / useful
+
+
+def _padded_rows(
+    offsets: list[int], lengths: list[int], padded_len: int, n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(source row of every padded row, real rows, their padded positions, keep flags)."""
+    heads = np.arange(n, dtype=np.int64)
+    tokens = np.arange(padded_len, dtype=np.int64)
+    src, real, pos, keep = [], [], [], []
+    for b, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        token = np.minimum(tokens, length - 1)
+        src.append((offset + token[:, None] * n + heads[None, :]).reshape(-1))
+        keep.append(np.repeat(tokens < length, n))
+        real.append(offset + np.arange(length * n, dtype=np.int64))
+        pos.append(b * padded_len * n + np.arange(length * n, dtype=np.int64))
+    return tuple(np.concatenate(parts) for parts in (src, real, pos, keep))
+
+
+def _mask_of(g: PaddedGroup, kernel: Kernel, dtype: torch.dtype) -> Tensor | None:
+    """The call's key mask as `kernel` takes it, made once per kernel and dtype."""
+    if not (g.masked and g.keys_padded):
+        return None
+    key = (kernel.name, getattr(kernel, "bias_layout", None), dtype)
+    if key not in g.masks:
+        g.masks[key] = kernel.prepare_bias(g.mask(dtype), g.q_len)
+    return g.masks[key]
+
+
+def padded_group(
+    groups: Sequence[SegmentGroup], device: torch.device | str, masked: bool = True
+) -> PaddedGroup:
+    """The groups (one head count, disjoint rows) as one padded call (see PaddedGroup)."""
+    device = torch.device(device)
+    heads = {g.num_heads for g in groups}
+    if len(heads) != 1:
+        raise ValueError(f"a padded merge needs one head count, got {sorted(heads)}")
+    n = heads.pop()
+    q_offsets = [o for g in groups for o in g.q_offsets]
+    k_offsets = [o for g in groups for o in g.k_offsets]
+    q_lens = [g.q_len for g in groups for _ in range(g.count)]
+    k_lens = [g.k_len for g in groups for _ in range(g.count)]
+    if len(q_offsets) != len(q_lens) or len(k_offsets) != len(k_lens):
+        raise ValueError("a padded merge needs the groups' host offsets (SegmentTable.from_groups)")
+    q_len, k_len = max(q_lens), max(k_lens)
+    q_src, q_real, q_pos, q_keep = _padded_rows(q_offsets, q_lens, q_len, n)
+    k_src, k_real, k_pos, _ = _padded_rows(k_offsets, k_lens, k_len, n)
+    key_valid = np.arange(k_len)[None, :] < np.asarray(k_lens)[:, None]
+
+    def dev(array: np.ndarray) -> Tensor:
+        return to_device(torch.from_numpy(np.ascontiguousarray(array)), device)
+
+    return PaddedGroup(
+        count=len(q_lens),
+        q_len=q_len,
+        k_len=k_len,
+        num_heads=n,
+        member_shapes=tuple(zip(q_lens, k_lens, strict=True)),
+        q_src=dev(q_src),
+        k_src=dev(k_src),
+        q_real=dev(q_real),
+        q_pos=dev(q_pos),
+        k_real=dev(k_real),
+        k_pos=dev(k_pos),
+        q_keep=dev(q_keep.astype(np.float32)[:, None]),
+        key_valid=dev(key_valid),
+        masked=masked,
+    )
 
 
 def to_device(host: Tensor, device: torch.device | str) -> Tensor:
@@ -87,6 +215,7 @@ class SegmentTable:
     disjoint: bool = True
     q_rows: int = 0
     k_rows: int = 0
+    padded: tuple[PaddedGroup, ...] = ()  # merged calls (merge_padded), run before the groups
     # the ragged layout of the groups (_ragged_layout), built on first use; not part of equality
     merged: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -110,6 +239,8 @@ class SegmentTable:
                     num_heads=g.num_heads,
                     q_index=_row_index(q_offsets, q_rows_each, device),
                     k_index=_row_index(k_offsets, k_rows_each, device),
+                    q_offsets=tuple(q_offsets),
+                    k_offsets=tuple(k_offsets),
                 )
             )
         return SegmentTable(
@@ -148,8 +279,36 @@ class SegmentTable:
         return SegmentTable.build(offsets, offsets, lengths, lengths, heads, device)
 
     @property
+    def calls(self) -> tuple[SegmentGroup | PaddedGroup, ...]:
+        """Every kernel call, the most work (count x q_len x k_len x heads) first."""
+        if "calls" not in self.merged:
+            calls = sorted(
+                (*self.padded, *self.groups),
+                key=lambda g: -(g.count * g.q_len * g.k_len * g.num_heads),
+            )
+            self.merged["calls"] = tuple(calls)
+        return self.merged["calls"]
+
+    @property
     def num_calls(self) -> int:
-        return len(self.groups)
+        return len(self.groups) + len(self.padded)
+
+    def merge_padded(
+        self, buckets: Sequence[Sequence[int]], device: torch.device | str, masked: bool = True
+    ) -> SegmentTable:
+        """This table with each bucket (indices into self.groups, two or more) run as one
+        padded call. Only for disjoint tables (a padded call writes its rows)."""
+        if not self.disjoint:
+            raise ValueError("padded merges need a table whose segments share no rows")
+        merged = {i for bucket in buckets for i in bucket}
+        if any(len(b) < 2 for b in buckets) or len(merged) != sum(len(b) for b in buckets):
+            raise ValueError(f"buckets must be disjoint lists of two or more groups: {buckets}")
+        padded = tuple(padded_group([self.groups[i] for i in b], device, masked) for b in buckets)
+        rest = tuple(g for i, g in enumerate(self.groups) if i not in merged)
+        return SegmentTable(
+            rest, disjoint=True, q_rows=self.q_rows, k_rows=self.k_rows,
+            padded=self.padded + padded,
+        )  # fmt: skip
 
 
 def _take(rows: Tensor, index: RowIndex) -> Tensor:
@@ -161,6 +320,19 @@ def _put(rows: Tensor, index: RowIndex, values: Tensor) -> None:
         rows[index].copy_(values)
     else:
         rows.index_copy_(0, index, values.to(rows.dtype))
+
+
+def _store_dense(rows: Tensor, index: RowIndex, dense: Tensor, add: bool = False) -> None:
+    """Writes (or adds) a kernel's [B, n, L, H] result into its token-major rows: for a run of
+    rows one strided copy straight from the kernel's layout (no token-major temporary whatever
+    layout the kernel allocated), else a gather-index write."""
+    if isinstance(index, slice):
+        count, heads, length = dense.shape[:3]
+        target = rows[index].view(count, length, heads, *rows.shape[1:])
+        values = dense.transpose(1, 2)
+        target.add_(values) if add else target.copy_(values)
+    else:
+        (_add if add else _put)(rows, index, _flat(dense))
 
 
 def _add(rows: Tensor, index: RowIndex, values: Tensor) -> None:
@@ -185,10 +357,13 @@ _side_streams: dict[tuple[torch.device, int], list] = {}
 
 
 def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int) -> None:
-    """fn(group) for every group; on CUDA with streams > 1 the groups run round-robin on side
-    streams so one call's last wave overlaps the next call (writes must be disjoint)."""
-    if streams <= 1 or device.type != "cuda" or len(table.groups) < 2:
-        for g in table.groups:
+    """fn(call) for every padded call and group, the most work first (the host queues the small
+    calls while the GPU runs the large ones); on CUDA with streams > 1 the calls run
+    round-robin on side streams so one call's last wave overlaps the next call (writes must be
+    disjoint)."""
+    calls = table.calls
+    if streams <= 1 or device.type != "cuda" or len(calls) < 2:
+        for g in calls:
             fn(g)
         return
     key = (device, streams)
@@ -198,11 +373,44 @@ def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int)
     main = torch.cuda.current_stream(device)
     for stream in side:
         stream.wait_stream(main)
-    for i, g in enumerate(table.groups):
+    for i, g in enumerate(calls):
         with torch.cuda.stream(side[i % streams]):
             fn(g)
     for stream in side:
         main.wait_stream(stream)
+
+
+_store_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+class _Stores:
+    """Where a call's results are written into the rows: right after the call on the current
+    stream, or (overlap, CUDA only) on a side stream, so the copies (memory-bound) run beside
+    the next call's kernel (compute-bound). The side stream takes each store after everything
+    queued before it; its tensors are marked as used there (record_stream) so the allocator does
+    not hand them out before the copy ran; finish() makes the current stream wait for it."""
+
+    def __init__(self, device: torch.device, overlap: bool) -> None:
+        self.side = None
+        if overlap and device.type == "cuda":
+            if device not in _store_streams:
+                _store_streams[device] = torch.cuda.Stream(device)
+            self.side = _store_streams[device]
+            self.main = torch.cuda.current_stream(device)
+
+    def run(self, store, *tensors: Tensor) -> None:
+        if self.side is None:
+            store()
+            return
+        self.side.wait_stream(self.main)
+        with torch.cuda.stream(self.side):
+            store()
+        for tensor in tensors:
+            tensor.record_stream(self.side)
+
+    def finish(self) -> None:
+        if self.side is not None:
+            self.main.wait_stream(self.side)
 
 
 def forward_into(
@@ -215,18 +423,39 @@ def forward_into(
     o_rows: Tensor,
     lse_rows: Tensor,
     streams: int = 1,
+    overlap_copies: bool = False,
 ) -> None:
     """Writes o and lse of every segment's query rows (other rows are left untouched)."""
+    stores = _Stores(q_rows.device, overlap_copies and streams <= 1)
 
-    def one(g: SegmentGroup) -> None:
+    def store_padded(g: PaddedGroup, o: Tensor, lse: Tensor) -> None:
+        o_rows.index_copy_(0, g.q_real, _flat(o).index_select(0, g.q_pos))
+        lse_flat = lse.transpose(1, 2).reshape(-1).to(lse_rows.dtype)
+        lse_rows.index_copy_(0, g.q_real, lse_flat.index_select(0, g.q_pos))
+
+    def store(g: SegmentGroup, o: Tensor, lse: Tensor) -> None:
+        _store_dense(o_rows, g.q_index, o)
+        if isinstance(g.q_index, slice):  # one strided copy, no token-major temporary
+            lse_rows[g.q_index].view(g.count, g.q_len, g.num_heads).copy_(lse.transpose(1, 2))
+        else:
+            _put(lse_rows, g.q_index, lse.transpose(1, 2).reshape(-1))
+
+    def one(g: SegmentGroup | PaddedGroup) -> None:
+        if isinstance(g, PaddedGroup):
+            q = _dense(q_rows, g.q_src, g, g.q_len)
+            k = _dense(k_rows, g.k_src, g, g.k_len)
+            v = _dense(v_rows, g.k_src, g, g.k_len)
+            o, lse = kernel.forward(q, k, v, scale, _mask_of(g, kernel, q.dtype))
+            stores.run(lambda: store_padded(g, o, lse), o, lse)
+            return
         q = _dense(q_rows, g.q_index, g, g.q_len)
         k = _dense(k_rows, g.k_index, g, g.k_len)
         v = _dense(v_rows, g.k_index, g, g.k_len)
         o, lse = kernel.forward(q, k, v, scale)
-        _put(o_rows, g.q_index, _flat(o))
-        _put(lse_rows, g.q_index, lse.transpose(1, 2).reshape(-1))
+        stores.run(lambda: store(g, o, lse), o, lse)
 
     _for_each_group(table, one, q_rows.device, streams if table.disjoint else 1)
+    stores.finish()
 
 
 def backward_into(
@@ -244,12 +473,37 @@ def backward_into(
     dv_rows: Tensor,
     accumulate: bool = True,
     streams: int = 1,
+    overlap_copies: bool = False,
 ) -> None:
     """Adds every segment's gradients into dq / dk / dv rows (rows may be shared by several
     segments or calls, e.g. ring steps), or writes them when accumulate is False."""
-    store = _add if accumulate else _put
+    stores = _Stores(q_rows.device, overlap_copies and streams <= 1)
 
-    def one(g: SegmentGroup) -> None:
+    def store_padded(g: PaddedGroup, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+        for rows, grad, real, pos in (
+            (dq_rows, dq, g.q_real, g.q_pos),
+            (dk_rows, dk, g.k_real, g.k_pos),
+            (dv_rows, dv, g.k_real, g.k_pos),
+        ):
+            rows.index_copy_(0, real, _flat(grad).index_select(0, pos).to(rows.dtype))
+
+    def store(g: SegmentGroup, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+        _store_dense(dq_rows, g.q_index, dq, add=accumulate)
+        _store_dense(dk_rows, g.k_index, dk, add=accumulate)
+        _store_dense(dv_rows, g.k_index, dv, add=accumulate)
+
+    def one(g: SegmentGroup | PaddedGroup) -> None:
+        if isinstance(g, PaddedGroup):
+            q = _dense(q_rows, g.q_src, g, g.q_len)
+            k = _dense(k_rows, g.k_src, g, g.k_len)
+            v = _dense(v_rows, g.k_src, g, g.k_len)
+            o = _dense(o_rows, g.q_src, g, g.q_len)
+            do = _dense(do_rows, g.q_src, g, g.q_len)
+            do = do * g.keep(do.dtype).view(g.count, g.q_len, g.num_heads, 1).transpose(1, 2)
+            lse = _take(lse_rows, g.q_src).view(g.count, g.q_len, g.num_heads).transpose(1, 2)
+            dq, dk, dv = kernel.backward(do, q, k, v, o, lse, scale, _mask_of(g, kernel, q.dtype))
+            stores.run(lambda: store_padded(g, dq, dk, dv), dq, dk, dv)
+            return
         q = _dense(q_rows, g.q_index, g, g.q_len)
         k = _dense(k_rows, g.k_index, g, g.k_len)
         v = _dense(v_rows, g.k_index, g, g.k_len)
@@ -257,17 +511,18 @@ def backward_into(
         do = _dense(do_rows, g.q_index, g, g.q_len)
         lse = _take(lse_rows, g.q_index).view(g.count, g.q_len, g.num_heads).transpose(1, 2)
         dq, dk, dv = kernel.backward(do, q, k, v, o, lse, scale)
-        store(dq_rows, g.q_index, _flat(dq))
-        store(dk_rows, g.k_index, _flat(dk))
-        store(dv_rows, g.k_index, _flat(dv))
+        stores.run(lambda: store(g, dq, dk, dv), dq, dk, dv)
 
+    if table.padded and accumulate:
+        raise ValueError("padded merges write their rows: they need a disjoint table")
     parallel = table.disjoint and not accumulate
     _for_each_group(table, one, q_rows.device, streams if parallel else 1)
+    stores.finish()
 
 
 def _whole(table: SegmentTable, num_q_rows: int, num_k_rows: int) -> bool:
     """One dense group over all rows in order: kernel outputs are the results, no copies."""
-    if len(table.groups) != 1:
+    if len(table.groups) != 1 or table.padded:
         return False
     g = table.groups[0]
     return g.q_index == slice(0, num_q_rows) and g.k_index == slice(0, num_k_rows)
@@ -275,11 +530,14 @@ def _whole(table: SegmentTable, num_q_rows: int, num_k_rows: int) -> bool:
 
 class _CoalescedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale, streams):
+    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap):
         q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
         num_q, num_k = q_rows.shape[0], k_rows.shape[0]
         lse_type = lse_dtype(q_rows.dtype)
-        if _whole(table, num_q, num_k):
+        kept = recompute.replayed()
+        if kept is not None:  # a checkpointed block's recompute: the forward's outputs
+            o_rows, lse_rows = kept
+        elif _whole(table, num_q, num_k):
             g = table.groups[0]
             o, lse = kernel.forward(
                 _dense(q_rows, g.q_index, g, g.q_len),
@@ -293,9 +551,14 @@ class _CoalescedAttention(torch.autograd.Function):
             covered = table.disjoint and table.q_rows == num_q
             o_rows = torch.empty_like(q_rows) if covered else torch.zeros_like(q_rows)
             lse_rows = torch.full((num_q,), float("-inf"), dtype=lse_type, device=q_rows.device)
-            forward_into(table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, streams)
+            forward_into(
+                table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, streams, overlap
+            )
+        if kept is None:
+            recompute.keep(o_rows, lse_rows)
         ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
         ctx.table, ctx.kernel, ctx.scale, ctx.streams = table, kernel, scale, streams
+        ctx.overlap = overlap
         ctx.mark_non_differentiable(lse_rows)
         return o_rows, lse_rows
 
@@ -316,16 +579,16 @@ class _CoalescedAttention(torch.autograd.Function):
                 lse_rows.view(g.count, g.q_len, g.num_heads).transpose(1, 2),
                 scale,
             )
-            return _flat(dq), _flat(dk), _flat(dv), None, None, None, None
+            return _flat(dq), _flat(dk), _flat(dv), None, None, None, None, None
         q_covered = table.disjoint and table.q_rows == num_q
         k_covered = table.disjoint and table.k_rows == num_k
         dq = torch.empty_like(q_rows) if q_covered else torch.zeros_like(q_rows)
         dk, dv = (torch.empty_like(k_rows) if k_covered else torch.zeros_like(k_rows) for _ in "kv")
         backward_into(
             table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, do_rows, dq, dk, dv,
-            accumulate=not table.disjoint, streams=ctx.streams,
+            accumulate=not table.disjoint, streams=ctx.streams, overlap_copies=ctx.overlap,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # Merge policy: "auto" runs one ragged call for tables of at least this many groups (dense calls)
@@ -392,26 +655,36 @@ def _unpack_into(
         _put(rows, g.q_index if query else g.k_index, part)
 
 
+def _ragged_forward(q_rows, k_rows, v_rows, table, layout, kernel, scale):
+    n = layout.num_heads
+    o, lse = kernel.forward(
+        _packed(q_rows, table, True, n),
+        _packed(k_rows, table, False, n),
+        _packed(v_rows, table, False, n),
+        layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale,
+    )  # fmt: skip
+    num_q = q_rows.shape[0]
+    o_rows = torch.empty_like(q_rows) if table.q_rows == num_q else torch.zeros_like(q_rows)
+    lse_rows = torch.full(
+        (num_q,), float("-inf"), dtype=lse_dtype(q_rows.dtype), device=q_rows.device
+    )
+    _unpack_into(o_rows, o, table, layout, True)
+    _unpack_into(lse_rows, lse.to(lse_rows.dtype), table, layout, True)
+    return o_rows, lse_rows
+
+
 class _RaggedAttention(torch.autograd.Function):
     """The same function as _CoalescedAttention, as one ragged kernel call over all groups."""
 
     @staticmethod
     def forward(ctx, q_rows, k_rows, v_rows, table, layout, kernel, scale):
         q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
-        n = layout.num_heads
-        o, lse = kernel.forward(
-            _packed(q_rows, table, True, n),
-            _packed(k_rows, table, False, n),
-            _packed(v_rows, table, False, n),
-            layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale,
-        )  # fmt: skip
-        num_q = q_rows.shape[0]
-        o_rows = torch.empty_like(q_rows) if table.q_rows == num_q else torch.zeros_like(q_rows)
-        lse_rows = torch.full(
-            (num_q,), float("-inf"), dtype=lse_dtype(q_rows.dtype), device=q_rows.device
-        )
-        _unpack_into(o_rows, o, table, layout, True)
-        _unpack_into(lse_rows, lse.to(lse_rows.dtype), table, layout, True)
+        kept = recompute.replayed()
+        if kept is not None:  # a checkpointed block's recompute: the forward's outputs
+            o_rows, lse_rows = kept
+        else:
+            o_rows, lse_rows = _ragged_forward(q_rows, k_rows, v_rows, table, layout, kernel, scale)
+            recompute.keep(o_rows, lse_rows)
         ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
         ctx.table, ctx.layout, ctx.kernel, ctx.scale = table, layout, kernel, scale
         ctx.mark_non_differentiable(lse_rows)
@@ -441,10 +714,9 @@ def _ragged_choice(
     table: SegmentTable, q_rows: Tensor, backend: str | None, merge: str | None
 ) -> tuple[RaggedKernel, RaggedLayout] | None:
     """The merge policy: (kernel, layout) when this table runs as one ragged call."""
-    merge = merge or os.environ.get("ZELLIGE_ATTENTION_MERGE") or "auto"
-    if merge not in MERGE_CHOICES:
-        raise ValueError(f"unknown attention merge '{merge}' (allowed: {', '.join(MERGE_CHOICES)})")
-    if merge == "groups" or (merge == "auto" and table.num_calls < RAGGED_MIN_CALLS):
+    if merge == "groups" or table.padded:
+        return None
+    if merge == "auto" and table.num_calls < RAGGED_MIN_CALLS:
         return None
     kernel = ragged_kernel_for(
         q_rows.device, q_rows.dtype, q_rows.shape[-1], "math" if backend == "math" else None
@@ -453,6 +725,36 @@ def _ragged_choice(
         return None
     layout = _ragged_layout(table, q_rows.device) if kernel is not None else None
     return None if layout is None else (kernel, layout)
+
+
+def _auto_padded(table: SegmentTable, kernel: Kernel, q_rows: Tensor) -> SegmentTable:
+    """The merge policy for padded calls: the table with the priced plan of merging.py applied
+    where the device has measured call costs and the kernel takes a key mask; else the table.
+    Planned once per table, kernel and dtype (a table serves every layer of a step)."""
+    if not table.disjoint or table.padded or len(table.groups) < 2:
+        return table
+    key = ("padded", kernel.name, q_rows.dtype)
+    if key not in table.merged:
+        from zellige.runtime import merging
+
+        device, head_dim = q_rows.device, q_rows.shape[-1]
+        costs = merging.costs_for_device(device)
+        plan = table
+        if costs is not None and masked_kernel_for(kernel, device, q_rows.dtype, head_dim):
+            buckets, _, _ = merging.plan_padded_merges(
+                table.groups, costs, head_dim, q_rows.element_size()
+            )
+            if buckets:
+                plan = table.merge_padded(buckets, device)
+        table.merged[key] = plan
+    return table.merged[key]
+
+
+def planned_table(table: SegmentTable, q_rows: Tensor, backend: str | None = None) -> SegmentTable:
+    """The table merge="auto" runs for rows like `q_rows` (dtype, device, head dim): `table`
+    itself, or it with padded merges where they pay (bench output shows it)."""
+    kernel = kernel_for(q_rows.device, q_rows.dtype, q_rows.shape[-1], backend)
+    return _auto_padded(table, kernel, q_rows)
 
 
 def coalesced_attention(
@@ -466,6 +768,7 @@ def coalesced_attention(
     return_lse: bool = False,
     streams: int = 1,
     merge: str | None = None,
+    overlap_copies: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of every segment of `table` in one call; differentiable in q, k, v.
 
@@ -473,11 +776,17 @@ def coalesced_attention(
     covers) and, with return_lse, the log-sum-exp per query row (float32; -inf where uncovered).
     backend: a name of KERNELS ("cudnn", "flash", "cpu", ...) or None for the automatic choice.
     streams: on CUDA, run the dense groups round-robin on this many side streams.
-    merge: "groups" (one dense call per group), "ragged" (one ragged call where a checked ragged
-    kernel exists: cuDNN on CUDA, or the math oracle with backend="math"; measurements only,
-    see the module docstring), or "auto"/None ($ZELLIGE_ATTENTION_MERGE, else the groups unless
-    a kernel of AUTO_RAGGED_KERNELS applies from RAGGED_MIN_CALLS groups on).
+    overlap_copies: on CUDA (one stream), write each call's results into the rows on a side
+    stream, beside the next call's kernel (measured by bench/attention_engine.py --overhead).
+    merge: "groups" (one dense call per group, or as the table's own padded merges say),
+    "ragged" (one ragged call where a checked ragged kernel exists: cuDNN on CUDA, or the math
+    oracle with backend="math"; measurements only, see the module docstring), or "auto"/None
+    ($ZELLIGE_ATTENTION_MERGE, else: nearby lengths merged into padded calls where the device's
+    measured call costs say it pays (runtime/merging.py), the rest as groups).
     """
+    merge = merge or os.environ.get("ZELLIGE_ATTENTION_MERGE") or "auto"
+    if merge not in MERGE_CHOICES:
+        raise ValueError(f"unknown attention merge '{merge}' (allowed: {', '.join(MERGE_CHOICES)})")
     head_dim = q_rows.shape[-1]
     scale_or_default = default_scale(head_dim) if scale is None else scale
     ragged = _ragged_choice(table, q_rows, backend, merge)
@@ -487,8 +796,18 @@ def coalesced_attention(
         )
         return (o_rows, lse_rows) if return_lse else o_rows
     kernel = kernel_for(q_rows.device, q_rows.dtype, head_dim, backend)
+    if merge == "auto":
+        table = _auto_padded(table, kernel, q_rows)
+    if any(p.masked and p.keys_padded for p in table.padded):
+        masked = masked_kernel_for(kernel, q_rows.device, q_rows.dtype, head_dim)
+        if masked is None:
+            raise ValueError(
+                f"the {kernel.name} attention kernel cannot take the key mask of a padded merge "
+                "on this device (use merge='groups' or another backend)"
+            )
+        kernel = masked
     scale = default_scale(head_dim) if scale is None else scale
     o_rows, lse_rows = _CoalescedAttention.apply(
-        q_rows, k_rows, v_rows, table, kernel, scale, streams
+        q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap_copies
     )
     return (o_rows, lse_rows) if return_lse else o_rows

@@ -2,7 +2,10 @@
 
 Legend: B problems in the batch, n heads, Lq / Lk query / key tokens, H head dim.
 forward(q_BnLH, k_BnLH, v_BnLH, scale) -> (o_BnLH, lse_BnL); backward(do, q, k, v, o, lse, scale)
--> (dq, dk, dv). Inputs may be strided views whose last dimension is contiguous. The backward
+-> (dq, dk, dv). Both take an optional key mask `bias_B11L`: an additive bias in q's dtype, 0 on
+the keys a problem has and -inf on padding, so problems of different key lengths share one call
+(the coalesced engine's padded merges); kernels without mask support raise NotImplementedError.
+Inputs may be strided views whose last dimension is contiguous. The backward
 takes o and lse of the final (possibly ring-merged) result, which is what makes per-block
 backward passes of a ring add up to the gradient of the whole attention.
 
@@ -32,13 +35,44 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 class Kernel:
     name = "base"
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
     def backward(
-        self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float
+        self,
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        o: Tensor,
+        lse: Tensor,
+        scale: float,
+        bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
+
+    def prepare_bias(self, bias_B11L: Tensor, q_len: int) -> Tensor:
+        """The key mask as this kernel takes it in every call of q_len queries (callers cache
+        it: a padded call's mask serves every layer)."""
+        return bias_B11L
+
+
+def _no_mask(kernel: Kernel, bias: Tensor | None) -> None:
+    if bias is not None:
+        raise NotImplementedError(f"the {kernel.name} kernel takes no key mask")
+
+
+_zeros: dict[torch.device, Tensor] = {}
+
+
+def _zero_long(device: torch.device) -> Tensor:
+    """A cached int64 zero on `device` (the philox seed / offset of dropout-free backwards): one
+    allocation and fill per device instead of two tiny kernels per call."""
+    if device not in _zeros:
+        _zeros[device] = torch.zeros((), dtype=torch.long, device=device)
+    return _zeros[device]
 
 
 class MathKernel(Kernel):
@@ -46,19 +80,22 @@ class MathKernel(Kernel):
 
     name = "math"
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, bias=None):
         acc = lse_dtype(q.dtype)
         scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+        if bias is not None:
+            scores = scores + bias.to(acc)
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse.unsqueeze(-1))
         return torch.matmul(probs, v.to(acc)).to(q.dtype), lse
 
-    def backward(self, do, q, k, v, o, lse, scale):
+    def backward(self, do, q, k, v, o, lse, scale, bias=None):
         acc = lse_dtype(q.dtype)
         q32, k32, v32, do32 = q.to(acc), k.to(acc), v.to(acc), do.to(acc)
-        probs = torch.exp(
-            torch.matmul(q32, k32.transpose(-1, -2)) * scale - lse.to(acc).unsqueeze(-1)
-        )
+        scores = torch.matmul(q32, k32.transpose(-1, -2)) * scale
+        if bias is not None:
+            scores = scores + bias.to(acc)
+        probs = torch.exp(scores - lse.to(acc).unsqueeze(-1))
         dv = torch.matmul(probs.transpose(-1, -2), do32)
         dprobs = torch.matmul(do32, v32.transpose(-1, -2))
         delta = (do32 * o.to(acc)).sum(-1, keepdim=True)
@@ -73,13 +110,15 @@ class CpuFlashKernel(Kernel):
 
     name = "cpu"
 
-    def forward(self, q, k, v, scale):
-        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+    def forward(self, q, k, v, scale, bias=None):
+        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale
+        )
         return o, lse
 
-    def backward(self, do, q, k, v, o, lse, scale):
+    def backward(self, do, q, k, v, o, lse, scale, bias=None):
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, o, lse.contiguous(), 0.0, False, scale=scale
+            do, q, k, v, o, lse.contiguous(), 0.0, False, attn_mask=bias, scale=scale
         )
 
 
@@ -87,21 +126,38 @@ class CudnnKernel(Kernel):
     """cuDNN fused attention (bf16/fp16); dense per batch, the fastest on H100/H200 class GPUs."""
 
     name = "cudnn"
+    # How the key mask reaches cuDNN: "expand" (the [B, 1, 1, Lk] mask seen as [B, n, Lq, Lk]
+    # with zero strides) or "rows" (materialized over queries, [B, 1, Lq, Lk], expanded over
+    # heads). masked_kernel_ok sets the first that agrees with the math kernel on this build.
+    bias_layout = "expand"
 
-    def forward(self, q, k, v, scale):
+    def prepare_bias(self, bias_B11L, q_len):
+        if self.bias_layout == "rows":
+            batch, _, _, k_len = bias_B11L.shape
+            return bias_B11L.expand(batch, 1, q_len, k_len).contiguous()
+        return bias_B11L
+
+    def _bias(self, bias, q, k):
+        """[B, 1, 1 or Lq, Lk] -> [B, n, Lq, Lk] (zero strides where broadcast)."""
+        if bias is None:
+            return None
+        if self.bias_layout == "rows" and bias.shape[2] != q.shape[2]:
+            bias = self.prepare_bias(bias, q.shape[2])
+        return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+    def forward(self, q, k, v, scale, bias=None):
         out = aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, False, False, scale=scale
+            q, k, v, self._bias(bias, q, k), True, 0.0, False, False, scale=scale
         )
         o, lse = out[0], out[1]
         return o, lse.reshape(q.shape[0], q.shape[1], q.shape[2])
 
-    def backward(self, do, q, k, v, o, lse, scale):
+    def backward(self, do, q, k, v, o, lse, scale, bias=None):
         batch, heads, q_len, _ = q.shape
-        seed = torch.zeros((), dtype=torch.long, device=q.device)
-        offset = torch.zeros((), dtype=torch.long, device=q.device)
+        zero = _zero_long(q.device)
         lse4 = lse.reshape(batch, heads, q_len, 1).contiguous()
         return aten._scaled_dot_product_cudnn_attention_backward(
-            do, q, k, v, o, lse4, seed, offset, None, None, None,
+            do, q, k, v, o, lse4, zero, zero, self._bias(bias, q, k), None, None,
             q_len, k.shape[2], 0.0, False, scale=scale,
         )  # fmt: skip
 
@@ -112,13 +168,13 @@ class CudnnContiguousKernel(CudnnKernel):
 
     name = "cudnn-bnlh"
 
-    def forward(self, q, k, v, scale):
-        return super().forward(q.contiguous(), k.contiguous(), v.contiguous(), scale)
+    def forward(self, q, k, v, scale, bias=None):
+        return super().forward(q.contiguous(), k.contiguous(), v.contiguous(), scale, bias)
 
-    def backward(self, do, q, k, v, o, lse, scale):
+    def backward(self, do, q, k, v, o, lse, scale, bias=None):
         return super().backward(
             do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(), lse,
-            scale,
+            scale, bias,
         )  # fmt: skip
 
 
@@ -127,11 +183,13 @@ class FlashKernel(Kernel):
 
     name = "flash"
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, bias=None):
+        _no_mask(self, bias)
         out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
         return out[0], out[1]
 
-    def backward(self, do, q, k, v, o, lse, scale):
+    def backward(self, do, q, k, v, o, lse, scale, bias=None):
+        _no_mask(self, bias)
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
         unused = torch.zeros((), dtype=torch.uint64, device=q.device)
         return aten._scaled_dot_product_flash_attention_backward(
@@ -145,13 +203,15 @@ class EfficientKernel(Kernel):
 
     name = "efficient"
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, bias=None):
+        _no_mask(self, bias)
         o, lse, _, _ = aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, False, scale=scale
         )
         return o, lse[..., : q.shape[2]]  # the kernel pads lse to a multiple of 32
 
-    def backward(self, do, q, k, v, o, lse, scale):
+    def backward(self, do, q, k, v, o, lse, scale, bias=None):
+        _no_mask(self, bias)
         q_len = q.shape[2]
         padded = F.pad(lse, (0, (-q_len) % 32)).contiguous()
         zero = torch.zeros((), dtype=torch.long, device=q.device)
@@ -234,6 +294,77 @@ def kernel_for(
         if _verified[key]:
             return KERNELS[name]()
     raise AssertionError("the math kernel always works")
+
+
+def key_mask(valid_BL: Tensor, dtype: torch.dtype) -> Tensor:
+    """The additive key mask [B, 1, 1, Lk] of `valid_BL` (bool [B, Lk]): 0 where valid, -inf on
+    padding. Stored with the key axis rounded up to 8 entries so that every row starts 16-byte
+    aligned (cuDNN's requirement for a bias), then sliced back."""
+    batch, length = valid_BL.shape
+    aligned = torch.full(
+        (batch, 1, 1, -(-length // 8) * 8), float("-inf"), dtype=dtype, device=valid_BL.device
+    )
+    mask = aligned[..., :length]
+    mask.masked_fill_(valid_BL[:, None, None, :], 0.0)
+    return mask
+
+
+def _masked_agrees_with_math(kernel: Kernel, device, dtype, head_dim: int) -> bool:
+    """Forward, lse and backward of two problems padded to one length (keys masked, padded
+    queries given zero output gradients) against the math kernel on each problem unpadded."""
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    lengths, padded, heads = (29, 41), 48, 3
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device, dtype)
+
+    q, k, v, do = (rand(2, padded, heads, head_dim).transpose(1, 2) for _ in range(4))
+    valid = (
+        torch.arange(padded, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+    )
+    do = do * valid[:, None, :, None].to(dtype)
+    scale = head_dim**-0.5
+    try:
+        bias = key_mask(valid, dtype)
+        o, lse = kernel.forward(q, k, v, scale, bias)
+        grads = kernel.backward(do, q, k, v, o, lse, scale, bias)
+    except (RuntimeError, TypeError, NotImplementedError, ValueError):
+        return False
+    oracle = MathKernel()
+    tolerance = {torch.float64: 1e-9, torch.float32: 2e-3}.get(dtype, 5e-2)
+    for b, length in enumerate(lengths):
+        part = [t[b : b + 1, :, :length] for t in (q, k, v, do)]
+        o_ref, lse_ref = oracle.forward(*part[:3], scale)
+        grads_ref = oracle.backward(part[3], *part[:3], o_ref, lse_ref, scale)
+        got = [o[b : b + 1, :, :length], lse[b : b + 1, :, :length]]
+        got += [g[b : b + 1, :, :length] for g in grads]
+        for x, want in zip(got, [o_ref, lse_ref, *grads_ref], strict=True):
+            err = (x.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)
+            if not bool(err <= tolerance):
+                return False
+    return True
+
+
+_masked_verified: dict[tuple, Kernel | None] = {}
+
+
+def masked_kernel_for(kernel: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int):
+    """`kernel` configured to take a key mask, or None where it cannot (checked once per device,
+    dtype and head dim against the math kernel; cuDNN tries each way of passing the mask)."""
+    key = (kernel.name, device.type, dtype, head_dim)
+    if key not in _masked_verified:
+        _masked_verified[key] = None
+        layouts = ("expand", "rows") if isinstance(kernel, CudnnKernel) else (None,)
+        for layout in layouts:
+            candidate = type(kernel)()
+            if layout is not None:
+                candidate.bias_layout = layout
+            if kernel.name == "math" or _masked_agrees_with_math(
+                candidate, device, dtype, head_dim
+            ):
+                _masked_verified[key] = candidate
+                break
+    return _masked_verified[key]
 
 
 class RaggedKernel:

@@ -410,8 +410,8 @@ def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, w
         allocated_start_gib = torch.cuda.memory_allocated(device) / 2**30
     step_start = time.perf_counter()
     timer.reset()
-    checkpointed = _checkpointed_blocks(config, data.plan, rank)
-    set_checkpointed_blocks(model, checkpointed)
+    checkpointed, full_recompute = _checkpointed_blocks(config, data.plan, rank)
+    set_checkpointed_blocks(model, checkpointed, full_recompute)
     sync_check = config.sync_debug and device.type == "cuda"
     if sync_check:
         # every host sync until the next step's inputs are made (the step's end waits)
@@ -491,6 +491,7 @@ def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, w
         "peak_optimizer_gib": _peak_gib(device),  # clipping and the optimizer step
         "predicted_peak_gib": data.plan["predicted"]["rank_peak_bytes"][rank] / 2**30,
         "checkpointed_blocks": checkpointed,
+        "full_recompute_blocks": full_recompute,
         "allocated_start_gib": allocated_start_gib,  # held when the step began
         # the caching allocator's state after the step: a retry frees cached blocks and waits
         # for the device (a stall in the step); reserved: what it holds from the driver
@@ -740,16 +741,19 @@ def step_loss(
     return error_TC.square().mean(dim=1).sum() / total_tokens
 
 
-def _checkpointed_blocks(config: TrainConfig, plan: dict, rank: int) -> int:
-    """How many of the first blocks this rank checkpoints this step: the plan's choice under
-    adaptive checkpointing, else all of them or none."""
-    num_blocks = config.model.num_layers
+def _checkpointed_blocks(config: TrainConfig, plan: dict, rank: int) -> tuple[int, int]:
+    """How many of the first blocks this rank checkpoints this step (the plan's choice under
+    adaptive checkpointing, else all of them or none), and how many of those recompute in full,
+    attention included (the plan's choice where the kept attention outputs do not fit)."""
     if not config.activation_checkpointing:
-        return 0
-    chosen = plan["predicted"].get("rank_checkpointed_layers") or []
+        return 0, 0
+    predicted = plan["predicted"]
+    chosen = predicted.get("rank_checkpointed_layers") or []
+    count = config.model.num_layers
     if config.adaptive_checkpointing and len(chosen) > rank:
-        return int(chosen[rank])
-    return num_blocks
+        count = int(chosen[rank])
+    full = predicted.get("rank_full_recompute_layers") or []
+    return count, min(count, int(full[rank])) if len(full) > rank else 0
 
 
 def _peak_gib(device: torch.device, reset: bool = False) -> float | None:

@@ -16,38 +16,49 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from zellige.model import VideoDiT, fused
+from zellige.runtime.recompute import checkpointed
 from zellige.train.timing import StepTimer
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class BlockRunner(nn.Module):
-    """Runs one block under the step timer, recomputing it in backward when checkpointing.
-    `activation_checkpointing` may change between steps (set_checkpointed_blocks)."""
+    """Runs one block under the step timer; when checkpointing, its backward recomputes the
+    block's per-token layers (selective checkpointing: the attention outputs are kept,
+    zellige.runtime.recompute), or with `full_recompute` the whole block, attention included
+    (where the plan's memory has no room for the kept outputs). Both may change between steps
+    (set_checkpointed_blocks)."""
 
     def __init__(self, block: nn.Module, timer: StepTimer, activation_checkpointing: bool) -> None:
         super().__init__()
         self.block = block
         self.activation_checkpointing = activation_checkpointing
+        self.full_recompute = False
         self._timed = timer.wrap("block", self._run)
 
     def _run(self, *args):
-        if self.activation_checkpointing:
+        if self.activation_checkpointing and self.full_recompute:
             return checkpoint(self.block, *args, use_reentrant=False)
+        if self.activation_checkpointing:
+            return checkpointed(self.block, *args)
         return self.block(*args)
 
     def forward(self, *args):
         return self._timed(*args)
 
 
-def set_checkpointed_blocks(model: VideoDiT, count: int) -> None:
-    """Checkpoint the first `count` blocks of a parallelized model and keep the others' activations
-    (the cost model lays memory out the same way: the backward frees the full activations of the
-    last blocks first, while the gradients grow)."""
+def set_checkpointed_blocks(model: VideoDiT, count: int, full: int = 0) -> None:
+    """Checkpoint the first `count` blocks of a parallelized model, the first `full` of them
+    with a full recompute, and keep the others' activations (the cost model lays memory out the
+    same way: the backward frees the full activations of the last blocks first, while the
+    gradients grow)."""
     if not 0 <= count <= len(model.blocks):
         raise ValueError(f"checkpointed blocks must be in [0, {len(model.blocks)}], got {count}")
+    if not 0 <= full <= count:
+        raise ValueError(f"fully recomputed blocks must be in [0, {count}], got {full}")
     for index, runner in enumerate(model.blocks):
         runner.activation_checkpointing = index < count
+        runner.full_recompute = index < full
 
 
 def bf16_policy() -> MixedPrecisionPolicy:
