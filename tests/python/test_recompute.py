@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from zellige.data.synthetic import grid_positions
 from zellige.model import JointTokens, MMDiT, PackedTokens, VideoDiT, fused, model_preset
 from zellige.model.mmdit import TEXT, VISUAL
+from zellige.runtime import recompute
 from zellige.runtime.recompute import checkpointed
 
 aten = torch.ops.aten
@@ -171,3 +172,38 @@ def test_an_attention_output_changed_in_place_is_an_error() -> None:
         outputs[0].add_(1.0)
     with pytest.raises(RuntimeError, match="modified in place"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("make", [_wan, _mmdit], ids=["wan", "mmdit"])
+def test_kept_outputs_only_in_checkpointed_blocks_and_released_by_the_backward(
+    make, monkeypatch
+) -> None:
+    """Blocks without checkpointing keep nothing in recompute's store (their attention outputs
+    are held by autograd alone, once); checkpointed blocks keep one entry per attention call,
+    and the backward takes every entry back (none outlives the step)."""
+    kept: list = []
+    original = recompute._Kept.__init__
+
+    def counting(self, tensors) -> None:
+        original(self, tensors)
+        kept.append(self)
+
+    monkeypatch.setattr(recompute._Kept, "__init__", counting)
+    stores = []
+    contexts = recompute._contexts
+
+    def recording():
+        forward, replay = contexts()
+        stores.append(replay.mode[1])
+        return forward, replay
+
+    monkeypatch.setattr(recompute, "_contexts", recording)
+    _, _, count = _step(make, "none")
+    assert count.forward_calls > 0 and kept == []
+    assert getattr(recompute._state, "mode", None) is None
+
+    model, tokens = make("selective")
+    model(tokens).square().sum().backward()
+    assert len(kept) > 0 and len(stores) == len(model.blocks)
+    assert all(len(store) == 0 for store in stores)
+    assert getattr(recompute._state, "mode", None) is None
