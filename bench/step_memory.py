@@ -58,7 +58,28 @@ def main() -> int:
     parser.add_argument("--run", default="tiny-cpu:tiny", help="CONFIG:RECIPE")
     parser.add_argument("--steps", type=int, default=2, help="steps; the last one is recorded")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--mix-order",
+        choices=["as-set", "strict", "off"],
+        default="as-set",
+        help="inductor's mix-order reduction in the compiled regions: as zellige.model.fused sets "
+        "it (non-strict mode), its strict default, or off (a suspect of the regression to rule "
+        "in or out)",
+    )
     args = parser.parse_args()
+    if args.mix_order != "as-set":
+        from zellige.model import fused
+
+        use_compiled = fused.use_compiled
+
+        def patched(enabled: bool, backend: str = "inductor") -> None:
+            use_compiled(enabled, backend)
+            import torch._inductor.config as inductor
+
+            inductor.triton.mix_order_reduction_non_strict_mode = False
+            inductor.triton.mix_order_reduction = args.mix_order == "strict"
+
+        fused.use_compiled = patched
     name, recipe = args.run.split(":")
     config = dataclasses.replace(get_config(name), recipe=recipe, steps=args.steps)
 
@@ -140,7 +161,12 @@ def main() -> int:
     loop.step_loss = step_loss
     torch.Tensor.backward = recorded_backward
     try:
-        loop.train(config, progress=False)
+        history = loop.train(config, progress=False)
+        for record in history:
+            print(f"[step_memory] step {record['step']}: {record['tokens']} tokens, "
+                  f"{record['sequences']} sequences, peak {record['peak_gib']} GiB, predicted "
+                  f"{record['predicted_peak_gib']:.2f}, mix-order {args.mix_order}",
+                  file=sys.stderr)  # fmt: skip
     finally:
         loop.step_loss = original
         torch.Tensor.backward = backward
