@@ -228,3 +228,23 @@ def test_compiled_region_ignores_the_calling_threads_thread_count() -> None:
         torch.set_num_threads(threads)
     assert compiled == 1
     assert counter.frame_count == compiled
+
+
+def test_compiled_region_keeps_widths_static_across_models() -> None:
+    """Only the token dim is dynamic: a region called for a second and a third model width
+    compiles a graph for each (static widths, as fast as the first), instead of one graph
+    generic in the width from the second call on (torch.compile's automatic dynamic)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from zellige.model import fused
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fused.use_compiled(True, backend=counter)
+    try:
+        for tokens, width in [(5, 8), (7, 8), (6, 12), (9, 12), (4, 16)]:
+            x, y, gate = (torch.randn(tokens, width, dtype=torch.float64) for _ in range(3))
+            fused.kernels["gated_residual"](x, y, gate)
+    finally:
+        fused.use_compiled(False)
+    assert counter.frame_count == 3  # one graph per width, none per token count
