@@ -121,8 +121,22 @@ def cross_attention_out_ffn(
     """Cross-attention's output projection and residual, then the modulated LayerNorm, the
     tanh-GELU FFN and its gated residual. weights: cross o weight and bias, FFN up and down
     weight and bias."""
-    o_w, o_b, up_w, up_b, down_w, down_b = weights
+    o_w, o_b, *ffn_weights = weights
     x_TD = x_TD + F.linear(attended_TNH.flatten(1), o_w, o_b)
+    return _modulated_ffn(x_TD, shift_TD, scale_TD, gate_TD, eps, ffn_weights)
+
+
+def _modulated_ffn(
+    x_TD: Tensor,
+    shift_TD: Tensor,
+    scale_TD: Tensor,
+    gate_TD: Tensor,
+    eps: float,
+    ffn_weights: list[Tensor],
+) -> Tensor:
+    """The FFN half of a block: modulated LayerNorm, tanh-GELU FFN, gated residual (traced into
+    the regions that end with it). ffn_weights: up weight and bias, down weight and bias."""
+    up_w, up_b, down_w, down_b = ffn_weights
     h_TD = modulated_layer_norm(x_TD, shift_TD, scale_TD, eps)
     hidden_TF = F.gelu(F.linear(h_TD, up_w, up_b), approximate="tanh")
     return gated_residual(x_TD, F.linear(hidden_TF, down_w, down_b), gate_TD)
@@ -197,11 +211,9 @@ def joint_stream_out_ffn(
     """One stream of an MMDiT double-stream block after the joint attention: output projection
     and gated residual, modulated LayerNorm, tanh-GELU FFN and its gated residual. weights:
     o weight and bias, FFN up and down weight and bias."""
-    o_w, o_b, up_w, up_b, down_w, down_b = weights
+    o_w, o_b, *ffn_weights = weights
     x_TD = gated_residual(x_TD, F.linear(attended_TD, o_w, o_b), gate_a_TD)
-    h_TD = modulated_layer_norm(x_TD, shift_f_TD, scale_f_TD, eps)
-    hidden_TF = F.gelu(F.linear(h_TD, up_w, up_b), approximate="tanh")
-    return gated_residual(x_TD, F.linear(hidden_TF, down_w, down_b), gate_f_TD)
+    return _modulated_ffn(x_TD, shift_f_TD, scale_f_TD, gate_f_TD, eps, ffn_weights)
 
 
 def single_stream_in(
