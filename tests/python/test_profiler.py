@@ -232,6 +232,13 @@ def test_quick_validate_runs_ranks_through_the_engine(tmp_path):
     assert len(report["ranks"]) >= 2
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in report["ranks"])
     assert any("exchanges excluded" in note for note in report["notes"])
+    # --plan-range 2-2 runs only the second of the same two plans
+    part = tmp_path / "part.json"
+    args = ["validate-profile", "--quick", "--plans", "2", "--plan-range", "2-2", "--repeats", "1"]
+    assert main([*args, "--json", str(part)]) == 0
+    second = {r["plan"] for r in json.loads(part.read_text())["ranks"]}
+    assert len(second) == 1 and second < {r["plan"] for r in report["ranks"]}
+    assert main([*args[:-4], "--plan-range", "2-3", "--repeats", "1"]) != 0
 
 
 def test_validate_summarises_a_results_file_without_running(tmp_path, capsys):
@@ -263,6 +270,15 @@ def test_validate_summarises_a_results_file_without_running(tmp_path, capsys):
     expected = (1 - 1 / 1.1 + 1 - 1 / 1.2) / 2 * 100
     assert report["time_mape_percent"] == pytest.approx(expected)
     assert "summarised from ranks.jsonl" in capsys.readouterr().out
+    # the parts of a --plan-range split are read together; the same rank twice is refused
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text(json.dumps(dataclasses.asdict(rows[0])) + "\n")
+    second.write_text(json.dumps(dataclasses.asdict(rows[1])) + "\n")
+    both = ["validate-profile", "--summarise", str(first), str(second)]
+    assert main([*both, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["time_mape_percent"] == pytest.approx(expected)
+    assert main(["validate-profile", "--summarise", str(first), str(jsonl)]) != 0
+    assert "rank 0 again" in capsys.readouterr().err
     jsonl.write_text("")
     assert main(["validate-profile", "--summarise", str(jsonl)]) != 0
     assert "holds no rank results" in capsys.readouterr().err

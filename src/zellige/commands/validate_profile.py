@@ -70,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop drawing plans after SECONDS (0: no limit)",
     )
     parser.add_argument(
+        "--plan-range",
+        type=plan_range,
+        metavar="FIRST-LAST",
+        help="run only plans FIRST..LAST (1-based, inclusive) of the --plans drawn, to split one "
+        "validation over several runs; --summarise then reads their --results-jsonl files together",
+    )
+    parser.add_argument(
         "--measure-rows",
         type=Path,
         metavar="FILE",
@@ -98,8 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--summarise",
         type=Path,
+        nargs="+",
         metavar="JSONL",
-        help="run nothing: the report of the ranks in a --results-jsonl file (a run cut short)",
+        help="run nothing: the report of the ranks in --results-jsonl files (a run cut short, or "
+        "the parts of a --plan-range split)",
     )
 
 
@@ -136,21 +145,34 @@ def format_report(report, options) -> str:
     return "\n".join(lines)
 
 
-def summarise_jsonl(path: Path):
-    """The report of the ranks a run appended to `path` (--results-jsonl)."""
+def plan_range(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition("-")
+    if not sep or not first.isdigit() or not last.isdigit():
+        raise argparse.ArgumentTypeError(f"'{text}' is not FIRST-LAST, e.g. 1-11")
+    return int(first), int(last)
+
+
+def summarise_jsonl(paths: list[Path]):
+    """The report of the ranks runs appended to `paths` (--results-jsonl)."""
     from zellige.profiler.validate import RankResult, summarise
 
-    lines = [line for line in read_input(path).splitlines() if line.strip()]
-    if not lines:
-        raise ValueError(f"{path} holds no rank results")
-    ranks = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            ranks.append(RankResult(**json.loads(line)))
-        except (ValueError, TypeError, RecursionError) as error:
-            raise ValueError(f"{path} line {number} is not a rank result: {error}") from None
+    ranks, seen = [], set()
+    for path in paths:
+        lines = [line for line in read_input(path).splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"{path} holds no rank results")
+        for number, line in enumerate(lines, start=1):
+            try:
+                rank = RankResult(**json.loads(line))
+            except (ValueError, TypeError, RecursionError) as error:
+                raise ValueError(f"{path} line {number} is not a rank result: {error}") from None
+            if (rank.plan, rank.rank) in seen:  # the same rank twice would weigh it double
+                raise ValueError(f"{path} line {number}: plan {rank.plan} rank {rank.rank} again")
+            seen.add((rank.plan, rank.rank))
+            ranks.append(rank)
     report = summarise(ranks, gamma=0.0)
-    report.notes = [f"summarised from {path.name} ({len(lines)} ranks); no rank was run now"]
+    names = ", ".join(path.name for path in paths)
+    report.notes = [f"summarised from {names} ({len(ranks)} ranks); no rank was run now"]
     return report
 
 
@@ -166,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         },
         {
             "--profile": args.profile,
-            "--summarise": args.summarise,
+            **{f"--summarise {path}": path for path in args.summarise or []},
             "--model-spec": args.model_spec,
         },
     )
@@ -192,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         device=device,
         quick=args.quick,
         time_budget_s=args.time_budget,
+        plan_range=args.plan_range,
         exclude_strategies=tuple(s for s in args.exclude.split(",") if s),
         contiguous_kernel_inputs=args.contiguous_kernel_inputs,
         results_jsonl=str(args.results_jsonl) if args.results_jsonl else None,

@@ -89,6 +89,9 @@ class ValidationOptions:
     device: str = "cuda"
     quick: bool = False  # CPU smoke: tiny model, small synthetic batches, no memory
     time_budget_s: float = 0.0  # stop drawing plans after this many seconds (0: no limit)
+    # run only plans first..last (1-based, inclusive) of the num_plans drawn, so one validation
+    # can be split over several processes (the same seed draws the same plans); None: all
+    plan_range: tuple[int, int] | None = None
     exclude_strategies: tuple[str, ...] = ()  # skip plans that use these ("ring", "hybrid")
     contiguous_kernel_inputs: bool = False  # see rank_work.local_exchanges
     results_jsonl: str | None = None  # append each rank's result as it is measured
@@ -523,6 +526,12 @@ def validate(
         )
     if options.num_plans < 1:
         raise ValueError("--plans must be at least 1")
+    if options.plan_range is not None:
+        first, last = options.plan_range
+        if not 1 <= first <= last <= options.num_plans:
+            raise ValueError(
+                f"--plan-range {first}-{last} must lie within plans 1-{options.num_plans}"
+            )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     started = time.monotonic()
     profile = load_profile(options.profile)
@@ -587,6 +596,10 @@ def validate(
         if options.compiled:  # compile the regions' training graphs before any rank is timed
             _warm_up(blocks, fsdp_blocks, config, options, device, dtype)
         for plan_index, (name, batch, plan) in enumerate(plans):
+            if options.plan_range is not None and not (
+                options.plan_range[0] <= plan_index + 1 <= options.plan_range[1]
+            ):
+                continue
             if options.time_budget_s and time.monotonic() - started > options.time_budget_s:
                 notes.append(f"time budget reached: {plan_index} plans of {len(plans)}")
                 progress(notes[-1])
