@@ -269,7 +269,11 @@ def test_validate_summarises_a_results_file_without_running(tmp_path, capsys):
     assert report["num_plans"] == 2 and len(report["ranks"]) == 2
     expected = (1 - 1 / 1.1 + 1 - 1 / 1.2) / 2 * 100
     assert report["time_mape_percent"] == pytest.approx(expected)
-    assert "summarised from ranks.jsonl" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "summarised from ranks.jsonl" in printed
+    # the files do not say which model their ranks ran: no claim of the CLI's default model
+    assert "model not recorded in the results files" in printed
+    assert "wan-14b" not in printed and "layers)" not in printed
     # the parts of a --plan-range split are read together; the same rank twice is refused
     first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     first.write_text(json.dumps(dataclasses.asdict(rows[0])) + "\n")
