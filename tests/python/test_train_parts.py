@@ -137,8 +137,7 @@ def test_block_runners_recompute_as_the_plan_says() -> None:
 @pytest.mark.parametrize("exit_code", [0, 3])
 def test_end_rank_process_keeps_output_and_exit_code(exit_code) -> None:
     """runtime.end_rank_process with a gloo group of one: what the rank printed reaches a pipe
-    (os._exit drops unflushed buffers), the exit code is the one given, and no finalization
-    runs (nor atexit handlers)."""
+    (os._exit drops unflushed buffers), and the exit code is the one given."""
     import os
     import subprocess
     import sys
@@ -157,4 +156,6 @@ def test_end_rank_process_keeps_output_and_exit_code(exit_code) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
     )
     assert done.returncode == exit_code, done.stderr[-2000:]
-    assert done.stdout == "done"  # printed and flushed; no finalization (atexit) ran
+    # success: printed and flushed, and no finalization (atexit) ran; a failure exits as Python
+    # does, so that the other ranks are not stopped before rank 0 has said why
+    assert done.stdout == ("done" if exit_code == 0 else "donefinalized\n")

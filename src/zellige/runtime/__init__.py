@@ -59,10 +59,11 @@ Public API (stable; everything else in the package is private):
         backward recomputes its per-token layers (and Ulysses' q/k/v exchange) but not its
         attention, whose outputs are kept (runtime/recompute.py, docs/training.md)
 
-    end_rank_process(exit_code=0)   the last call of a rank's entry point: a barrier (on
-        success), destroy_process_group, then os._exit, so that a process group something still
-        refers to (FSDP2 does) is not torn down by Python's finalization, which with gloo
-        aborts a rank now and then after its work succeeded (runtime/teardown.py)
+    end_rank_process(exit_code=0)   the last call of a rank's entry point: a barrier,
+        destroy_process_group, then os._exit, so that a process group something still refers
+        to (FSDP2 does) is not torn down by Python's finalization, which with gloo aborts a rank
+        now and then after its work succeeded (a nonzero exit_code: sys.exit after the
+        destroy; runtime/teardown.py)
 
     t = to_device(host_tensor, device)   a host tensor on the device with no host sync (pinned
         and non_blocking on CUDA): how the step's tables reach the GPU.

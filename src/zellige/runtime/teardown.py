@@ -20,17 +20,22 @@ import torch.distributed as dist
 
 
 def end_rank_process(exit_code: int = 0) -> NoReturn:
-    """Ends this rank's process with `exit_code`. On success (0) the ranks first meet in a
-    barrier, so that none tears its connections down while another still talks to it; then the
-    process group is destroyed, stdout and stderr are flushed and the process exits without
-    Python's finalization (atexit handlers do not run: close files and writers before).
+    """Ends this rank's process with `exit_code`. On success (0) the ranks meet in a barrier,
+    so that none tears its connections down while another still talks to it; the process group
+    is destroyed, stdout and stderr are flushed and the process exits without Python's
+    finalization (atexit handlers do not run: close files and writers before). A failing rank
+    (exit_code != 0) destroys the group and exits as Python does (sys.exit): exiting at once
+    would let torchrun stop the other ranks before rank 0 has printed the error they share.
 
     Call it last, from a rank's entry point (a torchrun script's `__main__`, a spawned worker),
     never from library code or an interactive session."""
+    if exit_code != 0:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(exit_code)
     if dist.is_initialized():
-        if exit_code == 0:
-            dist.barrier()
+        dist.barrier()
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(exit_code)
+    os._exit(0)
