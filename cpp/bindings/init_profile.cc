@@ -61,6 +61,8 @@ void init_profile(nb::module_& m) {
       .def_rw("backward_bytes_per_token_layer", &HardwareProfile::backward_bytes_per_token_layer)
       .def_rw("text_bytes_per_token_layer", &HardwareProfile::text_bytes_per_token_layer)
       .def_rw("step_fixed_bytes", &HardwareProfile::step_fixed_bytes)
+      .def_rw("reduce_fixed_bytes", &HardwareProfile::reduce_fixed_bytes)
+      .def_rw("reduce_bytes_per_token", &HardwareProfile::reduce_bytes_per_token)
       .def_rw("ulysses_bytes_per_token", &HardwareProfile::ulysses_bytes_per_token)
       .def_rw("ring_bytes_per_token", &HardwareProfile::ring_bytes_per_token)
       .def_rw("model_matmul_forward_flops_per_s",
@@ -95,6 +97,8 @@ void init_profile(nb::module_& m) {
                               "backward_bytes_per_token_layer",
                               "text_bytes_per_token_layer",
                               "step_fixed_bytes",
+                              "reduce_fixed_bytes",
+                              "reduce_bytes_per_token",
                               "ulysses_bytes_per_token",
                               "ring_bytes_per_token",
                               "model_matmul_forward_flops_per_s",

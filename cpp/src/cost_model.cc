@@ -176,6 +176,8 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     read_row(profile_.ulysses_bytes_per_token, ulysses_bytes_);
     read_row(profile_.ring_bytes_per_token, ring_bytes_);
     read_row(profile_.step_fixed_bytes, measured_step_fixed_bytes);
+    read_row(profile_.reduce_fixed_bytes, reduce_fixed_bytes_);
+    read_row(profile_.reduce_bytes_per_token, reduce_bytes_per_token_);
     read_row(profile_.launch_s_per_layer, launch_s_per_layer_);
     read_row(profile_.launch_s_per_attention_call, launch_s_per_call_);
   }
@@ -192,13 +194,13 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   const double reserved =
       static_cast<double>(profile_.runtime_reserved_bytes > 0 ? profile_.runtime_reserved_bytes
                                                               : kDefaultReservedBytes);
-  const double step_fixed_bytes =
+  step_fixed_bytes_ =
       measured_step_fixed_bytes > 0
           ? measured_step_fixed_bytes
           : 2.0 * largest_layer_params * 2.0   // two gathered bf16 layers (prefetch)
                 + largest_layer_params * 4.0;  // one layer's unsharded fp32 gradients
   const double ranks = static_cast<double>(cluster_.num_ranks());
-  fixed_bytes_ = params * options_.state_bytes_per_param / ranks + step_fixed_bytes +
+  fixed_bytes_ = params * options_.state_bytes_per_param / ranks + step_fixed_bytes_ +
                  root_gathered_bytes + reserved;
   gradient_bytes_ = params * options_.gradient_bytes_per_param / ranks;
   layer_gradient_bytes_ =
@@ -645,7 +647,8 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
 
 double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
                                   double layer_input_bytes, double buffer_bytes,
-                                  int64_t checkpointed_layers, int64_t full_layers) const {
+                                  int64_t checkpointed_layers, int64_t full_layers,
+                                  int64_t held_tokens) const {
   const int64_t layers = model_.num_layers;
   const int64_t k = std::clamp<int64_t>(checkpointed_layers, 0, layers);
   const int64_t f = std::clamp<int64_t>(full_layers, 0, k);
@@ -666,6 +669,12 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
     const double own = layer_activation_bytes;
     const double grads = static_cast<double>(layers - 1 - j) * layer_gradient_bytes_;
     peak = std::max(peak, held_always + grads + below + own + buffer_bytes);
+    // Right after this layer's backward (its activations freed), while its gradients are
+    // reduced: the moment of the largest layers only (an MMDiT's double blocks come first).
+    if (reduce_fixed_bytes_ > 0 && (j < model_.num_double_layers || model_.num_double_layers == 0)) {
+      peak = std::max(peak, held_always - step_fixed_bytes_ + reduce_fixed_bytes_ + grads + below +
+                                reduce_bytes_per_token_ * static_cast<double>(held_tokens));
+    }
   }
   return peak;
 }
@@ -979,7 +988,8 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     // attention too (full recompute) so that it fits; a rank that fits nowhere recomputes all.
     const int64_t num_layers = model_.num_layers;
     const auto peak = [&](int64_t k, int64_t f) {
-      return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f);
+      return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f,
+                             rank.tokens);
     };
     int64_t k = options_.activation_checkpointing ? num_layers : 0, f = 0;
     if (options_.activation_checkpointing) {
@@ -1022,7 +1032,8 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
       rank.full_recompute_layers = most_full;
     }
     const int64_t k = rank.checkpointed_layers, f = rank.full_recompute_layers;
-    rank.peak_bytes = rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f);
+    rank.peak_bytes =
+        rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f, rank.tokens);
     // Layers that keep their activations skip the recompute; full ones recompute attention too.
     if (options_.activation_checkpointing) {
       const double layers = static_cast<double>(model_.num_layers);
@@ -1172,7 +1183,7 @@ struct LowerBoundSearch {
             cost.options().activation_checkpointing ? cost.model().num_layers : 0;
         if (cost.rank_peak_bytes(terms.layer_activation_bytes, terms.layer_checkpoint_bytes,
                                  terms.layer_input_bytes, terms.buffer_bytes, checkpointed_layers,
-                                 checkpointed_layers) > capacity_bytes) {
+                                 checkpointed_layers, chunk) > capacity_bytes) {
           result.fits = false;
         }
         result.bottleneck_s = std::max(result.bottleneck_s, std::max(time_s, launch_s));

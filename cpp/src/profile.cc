@@ -167,12 +167,13 @@ void HardwareProfile::validate() const {
   }
   for (const auto* optional :
        {&backward_bytes_per_token_layer, &text_bytes_per_token_layer, &step_fixed_bytes,
-        &launch_s_per_layer, &launch_s_per_attention_call}) {
+        &reduce_fixed_bytes, &reduce_bytes_per_token, &launch_s_per_layer,
+        &launch_s_per_attention_call}) {
     if (!optional->empty() && optional->size() != memory_models.size()) {
       throw std::invalid_argument(
           "profile: backward_bytes_per_token_layer, text_bytes_per_token_layer, "
-          "step_fixed_bytes, launch_s_per_layer and launch_s_per_attention_call must be empty "
-          "or as long as memory_models");
+          "step_fixed_bytes, reduce_fixed_bytes, reduce_bytes_per_token, launch_s_per_layer "
+          "and launch_s_per_attention_call must be empty or as long as memory_models");
     }
     for (double value : *optional) {
       if (!(value >= 0)) {
@@ -191,6 +192,8 @@ void HardwareProfile::validate() const {
                      kMaxBytesPerToken},
           std::tuple{&text_bytes_per_token_layer, "text_bytes_per_token_layer", kMaxBytesPerToken},
           std::tuple{&step_fixed_bytes, "step_fixed_bytes", kMaxProfileBytes},
+          std::tuple{&reduce_fixed_bytes, "reduce_fixed_bytes", kMaxProfileBytes},
+          std::tuple{&reduce_bytes_per_token, "reduce_bytes_per_token", kMaxBytesPerToken},
           std::tuple{&launch_s_per_layer, "launch_s_per_layer", kMaxLaunchSeconds},
           std::tuple{&launch_s_per_attention_call, "launch_s_per_attention_call",
                      kMaxLaunchSeconds}}) {

@@ -35,6 +35,8 @@ MODEL_ROWS = (
     "backward_bytes_per_token_layer",
     "text_bytes_per_token_layer",
     "step_fixed_bytes",
+    "reduce_fixed_bytes",
+    "reduce_bytes_per_token",
     "ulysses_bytes_per_token",
     "ring_bytes_per_token",
     "launch_s_per_layer",

@@ -558,6 +558,59 @@ TEST(CostModel, PeakIsTheMaximumOverTheBackwardsProgress) {
   }
 }
 
+// The profile's reduce rows add the step's second peak moment: right after the backward of a
+// layer of the largest kind (an MMDiT's double blocks, which come first), its gradients being
+// reduced (reduce_fixed_bytes in place of step_fixed_bytes), the kept bytes below it, the
+// gradients above it and reduce_bytes_per_token per held token. A small rank peaks there, a
+// large one at the backward as before; without the rows nothing changes.
+TEST(CostModel, GradientReductionIsTheSmallRanksPeak) {
+  ModelSpec spec = model_preset("mmdit-11b");
+  spec.num_layers = 3;
+  spec.num_double_layers = 1;
+  spec.param_count = block_param_count(spec);  // the 3 blocks' weights alone
+  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
+  profile.memory_models = {spec.name};
+  profile.activation_bytes_per_token_layer = {150000};
+  profile.checkpoint_bytes_per_token_layer = {12000};
+  profile.backward_bytes_per_token_layer = {80000};
+  profile.step_fixed_bytes = {1.0e9};
+  const CostModel backward_only(spec, profile, make_cluster(8, 8));
+  profile.reduce_fixed_bytes = {2.5e9};
+  profile.reduce_bytes_per_token = {90000};
+  const CostModel with_reduce(spec, profile, make_cluster(8, 8));
+  EXPECT_DOUBLE_EQ(with_reduce.fixed_bytes(), backward_only.fixed_bytes());
+
+  const double held = with_reduce.fixed_bytes() - with_reduce.gradient_bytes();
+  // one gradient share per layer unit, a double block counting twice (4 units here)
+  const double g = with_reduce.gradient_bytes() / 4.0;
+  const auto rank_with = [](int64_t tokens) {
+    Batch batch;
+    batch.sequences = {sequence_from_tokens(0, "image", tokens - 512, 512, 0)};
+    Plan plan;
+    plan.num_ranks = 8;
+    plan.placements = {make_placement(0, Strategy::kLocal, {0})};
+    return std::pair{batch, plan};
+  };
+  for (const int64_t tokens : {2048, 60000}) {
+    const auto [batch, plan] = rank_with(tokens);
+    const double n = static_cast<double>(tokens);
+    const double before = backward_only.evaluate(batch, plan).ranks[0].peak_bytes;
+    const double after = with_reduce.evaluate(batch, plan).ranks[0].peak_bytes;
+    // the backward of the last layer: two checkpoints below, its activations and buffers
+    const double backward_peak = held + n * (2 * 12000.0 + 150000.0 + 80000.0);
+    // after the double block (layer 0): nothing kept below, the two single blocks' gradients
+    const double reduce_peak = held - 1.0e9 + 2.5e9 + 2 * g + n * 90000.0;
+    EXPECT_NEAR(after, std::max(before, reduce_peak), 1.0);
+    if (tokens == 2048) {
+      EXPECT_NEAR(after, reduce_peak, 1.0);
+      EXPECT_GT(after, before + 1e9);
+    } else {
+      EXPECT_NEAR(after, backward_peak, 1.0);
+      EXPECT_DOUBLE_EQ(after, before);
+    }
+  }
+}
+
 // Adaptive checkpointing: a rank with room keeps every layer's activations and pays no
 // recompute; a rank without room checkpoints the fewest layers whose peak fits.
 TEST(CostModel, AdaptiveCheckpointingRecomputesOnlyWhatMemoryNeeds) {

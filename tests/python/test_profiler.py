@@ -366,6 +366,34 @@ def test_memory_rows_recover_a_known_memory_model(backward):
     assert rows["step_fixed_bytes"] == pytest.approx(fixed, rel=1e-6)
 
 
+@pytest.mark.parametrize("attended_text", [0, 1024], ids=["cross", "joint"])
+def test_reduce_rows_recover_the_small_packs_line(attended_text):
+    """reduce_rows: the line through two small packs' step peaks (the gradient reduction's
+    moment), per held token (a joint model's text counted with the visual tokens) and at 0
+    tokens; the profile accepts them and the cost model charges them (a small rank's peak)."""
+    from zellige.profile import load_profile, profile_from_dict, profile_to_dict
+    from zellige.profiler.measure import MemoryProbe, merge_memory, reduce_rows
+
+    fixed, per_token = 2.4e9, 93_000.0
+
+    def probe(tokens: int) -> MemoryProbe:
+        peak = int(fixed + per_token * (tokens + attended_text))
+        return MemoryProbe(
+            inputs=0, kept=0, transient=0, kept_checkpointing=0, transient_checkpointing=peak
+        )
+
+    rows = reduce_rows({1024: probe(1024), 4096: probe(4096)}, attended_text_tokens=attended_text)
+    assert rows["reduce_bytes_per_token"] == pytest.approx(per_token, rel=1e-6)
+    assert rows["reduce_fixed_bytes"] == pytest.approx(fixed, rel=1e-6)
+    merged = merge_memory(profile_to_dict(load_profile()), "mmdit-11b", rows)
+    profile = profile_from_dict(merged)
+    row = profile.memory_models.index("mmdit-11b")
+    assert profile.reduce_fixed_bytes[row] == pytest.approx(fixed, rel=1e-6)
+    assert profile.reduce_bytes_per_token[row] == pytest.approx(per_token, rel=1e-6)
+    wan = profile.memory_models.index("wan-14b")
+    assert profile.reduce_fixed_bytes[wan] == 0  # other models: not modelled, as before
+
+
 def test_memory_rows_merge_into_a_profile():
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict
     from zellige.profiler.measure import merge_memory
@@ -409,7 +437,12 @@ def test_memory_probes_run_through_fsdp_blocks():
     assert memory["step_fixed_bytes"] == 0.0  # nothing measured on a CPU
     assert set(memory["shard_probes"]) == {"local:64", "ulysses:64", "ring:64"}
     assert memory["ulysses_bytes_per_token"] == memory["ring_bytes_per_token"] == 0.0
+    # the gradient reduction's small packs, and the check packs between the two lines
+    assert set(memory["reduce_probes"]) == {"16", "32"} and set(memory["check_probes"]) == {"96"}
+    assert set(memory["lines"]) == {"16", "32", "64", "96", "128"}
+    assert memory["reduce_fixed_bytes"] == memory["reduce_bytes_per_token"] == 0.0
     assert any("step fixed" in line for line in lines)
+    assert any("gradient reduction" in line for line in lines)
     assert not dist.is_initialized()
 
 

@@ -168,9 +168,16 @@ class CostModel {
   // those only their input (layer_input_bytes; full recompute).
   double rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
                          double buffer_bytes, int64_t checkpointed_layers) const;
+  // With the profile's reduce rows (HardwareProfile::reduce_fixed_bytes), the step has a second
+  // peak moment, right after the backward of each layer of the model's largest kind (an MMDiT's
+  // double-stream blocks; every layer of a uniform model): that layer's gradients being reduced
+  // (reduce_fixed_bytes in place of the step's fixed bytes), the kept activations of the layers
+  // below it, the gradients of the layers above, and reduce_bytes_per_token per `held_tokens`
+  // (the rank's tokens). It is the peak of small ranks, where gradients outweigh activations.
   double rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
                          double layer_input_bytes, double buffer_bytes,
-                         int64_t checkpointed_layers, int64_t full_layers) const;
+                         int64_t checkpointed_layers, int64_t full_layers,
+                         int64_t held_tokens = 0) const;
   // Seconds of the per-token layers' recompute of all layers (the part of linear_time_s that
   // activation checkpointing adds; 0 without it).
   double linear_recompute_s(int64_t tokens) const;
@@ -283,6 +290,9 @@ class CostModel {
   double launch_s_per_layer_ = 0;       // the model's launch floor terms (0: none)
   double launch_s_per_call_ = 0;
   double fixed_bytes_ = 0;
+  double step_fixed_bytes_ = 0;         // the backward peak's part of fixed_bytes_
+  double reduce_fixed_bytes_ = 0;       // in its place at a largest layer's reduction (0: none)
+  double reduce_bytes_per_token_ = 0;   // per held token at that moment
   double gradient_bytes_ = 0;           // the gradients within fixed_bytes_
   double layer_gradient_bytes_ = 0;     // one block's gradients (they appear layer by layer)
   double min_linear_time_per_token_s_ = 0;

@@ -93,6 +93,16 @@ struct HardwareProfile {
   // peak of the model's blocks sharded as in training (gathered and prefetched weights, weight
   // gradients, reduce-scatter buffers).
   std::vector<double> step_fixed_bytes;
+  // Optional likewise (0 = not modelled): the step's other peak moment, right after the backward
+  // of a block of the model's largest kind (an MMDiT's double-stream block, twice a single one's
+  // weights), while its unsharded bf16 and fp32 gradients and reduce-scatter buffers are alive
+  // and the block's activations are gone. Bytes above the FSDP shard that do not grow with tokens
+  // (in place of step_fixed_bytes), and per held token (inputs, input gradients; the kept
+  // activations of the layers below are added by the cost model). Measured at small token
+  // counts, where this moment is the peak: above a few thousand tokens the backward's peak
+  // (step_fixed_bytes + per-token rows) is higher, below it this one.
+  std::vector<double> reduce_fixed_bytes;
+  std::vector<double> reduce_bytes_per_token;
   // Optional likewise (0 = analytic): bytes per held token that a Ulysses (ring) shard adds to
   // the step's peak beyond a local sequence of as many tokens (exchange buffers, head layouts;
   // may be negative where the shard's attention needs less workspace than a whole sequence's).

@@ -60,7 +60,13 @@ ELEMENTWISE_BYTES_PER_TOKEN_WIDTH = 24
 
 FULL_ATTENTION_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 FULL_TOKEN_COUNTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-FULL_MEMORY_TOKENS = (8192, 32768)
+# profile_memory's packs (two sequences of the model's text each): the backward peak's rows from
+# the first two (large enough that the backward peak is the step's peak), the gradient
+# reduction's from the next two (small enough that it is), and the last ones only as checks of
+# the two lines (printed and in the details).
+FULL_MEMORY_TOKENS = (16384, 65536)
+FULL_REDUCE_TOKENS = (1024, 4096)
+FULL_CHECK_TOKENS = (8192, 32768, 98304)
 # profile_memory: held tokens of the Ulysses and ring shards probed (a sequence of twice as
 # many over 2 ranks) and of the local sequence they are compared with
 FULL_SHARD_TOKENS = 16384
@@ -88,6 +94,8 @@ LAUNCH_TEXT_TOKENS = 15
 LAUNCH_REPEATS = 20  # host-bound steps scatter by +-25% from one to the next: take many
 QUICK_TOKEN_COUNTS = (64, 128, 256)
 QUICK_MEMORY_TOKENS = (64, 128)
+QUICK_REDUCE_TOKENS = (16, 32)
+QUICK_CHECK_TOKENS = (96,)
 
 Progress = Callable[[str], None]
 
@@ -750,6 +758,20 @@ def memory_rows(
     }
 
 
+def reduce_rows(probes: dict[int, MemoryProbe], *, attended_text_tokens: int) -> dict:
+    """The rows of the step's other peak moment (HardwareProfile::reduce_fixed_bytes): right
+    after the backward of the stack's largest layer (an MMDiT's double-stream block, the first of
+    the stack), its gradients being reduced, where a small pack peaks. The line through the step
+    peaks of two small packs (`probes`, token count -> probe): per held token, and the bytes at 0
+    tokens. `attended_text_tokens`: the text tokens each pack holds besides (a joint model's text
+    is held tokens, counted like the visual ones; 0 for a cross-attention model, whose text is
+    the same in both packs and so lands in the fixed bytes)."""
+    low, high = min(probes), max(probes)
+    per_token = (probes[high].step_peak - probes[low].step_peak) / (high - low)
+    fixed = probes[low].step_peak - per_token * (low + attended_text_tokens)
+    return {"reduce_bytes_per_token": max(0.0, per_token), "reduce_fixed_bytes": max(0.0, fixed)}
+
+
 def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -> dict:
     """Per token and layer: kept without checkpointing (activation), kept with checkpointing
     (checkpoint), what else the step holds at its peak (backward: one layer's backward
@@ -758,9 +780,13 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
     reduce-scatter buffers). The model's stack (stack_layers: an MMDiT's double and single
     blocks in its proportion) sharded as in training (FSDP2 over a group of one, as
     validate-profile measures ranks), the output's gradient from a loss (rank_work.train_step).
-    A third, small pack (SMALL_MEMORY_TOKENS) is probed for the details only: how far its peak
-    lies from the line through the two others (a small rank's peak may come from another moment
-    of the step than a large rank's)."""
+    The step has two peak moments whose lines cross at a few thousand tokens (an MMDiT: about
+    10k): the backward of the last layer (recomputed activations, the other layers' checkpoints:
+    many bytes per token), and the gradient reduction right after the largest layer's backward
+    (its unsharded gradients and reduce-scatter buffers: many fixed bytes, few per token). The
+    rows above come from two large packs (FULL_MEMORY_TOKENS), the reduction's (reduce_rows) from
+    two small ones (FULL_REDUCE_TOKENS); packs in between (FULL_CHECK_TOKENS) are printed against
+    max(both lines) as a check."""
     config = dit_config(options.model)
     num_layers = stack_layers(options.model)
     num_sequences = 2
@@ -786,25 +812,30 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         return MemoryProbe(inputs_bytes, kept, transient, kept_ckpt, transient_ckpt)
 
     token_counts = QUICK_MEMORY_TOKENS if options.quick else FULL_MEMORY_TOKENS
+    reduce_counts = QUICK_REDUCE_TOKENS if options.quick else FULL_REDUCE_TOKENS
+    check_counts = QUICK_CHECK_TOKENS if options.quick else FULL_CHECK_TOKENS
     shard_tokens = QUICK_SHARD_TOKENS if options.quick else FULL_SHARD_TOKENS
     low = token_counts[0]
-    probes = {}
+    probes, small, checks = {}, {}, {}
     shards = {}
     # training's process group (NCCL on a GPU) is alive for the probes and the runtime reserve
     with rank_work.process_group_of_one(device):
         blocks = rank_work.make_fsdp_blocks(config, num_layers, device, dtype)
-        for tokens in token_counts:
-            probes[tokens] = probe(
-                blocks, *_local_pack_plan(tokens, config.text_tokens, num_sequences)
-            )
-            progress(
-                f"memory M={tokens:>6}: kept {probes[tokens].kept / tokens / num_layers:9.0f} "
-                f"B/token/layer, with checkpointing "
-                f"{probes[tokens].kept_checkpointing / tokens / num_layers:7.0f}, step peak "
-                f"{probes[tokens].step_peak / 2**30:6.2f} GiB"
-            )
-        small_tokens = token_counts[0] // 8
-        small = probe(blocks, *_local_pack_plan(small_tokens, config.text_tokens, num_sequences))
+        for counts, into in (
+            (token_counts, probes),
+            (reduce_counts, small),
+            (check_counts, checks),
+        ):
+            for tokens in counts:
+                into[tokens] = probe(
+                    blocks, *_local_pack_plan(tokens, config.text_tokens, num_sequences)
+                )
+                progress(
+                    f"memory M={tokens:>6}: kept {into[tokens].kept / tokens / num_layers:9.0f} "
+                    f"B/token/layer, with checkpointing "
+                    f"{into[tokens].kept_checkpointing / tokens / num_layers:7.0f}, step peak "
+                    f"{into[tokens].step_peak / 2**20:9.1f} MiB"
+                )
         with_text = None
         if not config.joint_attention:
             with_text = probe(
@@ -828,13 +859,32 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         text_tokens=config.text_tokens,
         extra_text_tokens=low,
     )
+    attended_text = num_sequences * config.text_tokens if config.joint_attention else 0
+    rows.update(reduce_rows(small, attended_text_tokens=attended_text))
     high = token_counts[-1]
     line_slope = (probes[high].step_peak - probes[low].step_peak) / (high - low)
-    small_excess = small.step_peak - (probes[low].step_peak - line_slope * (low - small_tokens))
-    progress(
-        f"memory M={small_tokens:>6}: step peak {small.step_peak / 2**30:6.2f} GiB, "
-        f"{small_excess / 2**20:+.0f} MiB from the line through M={low} and M={high}"
-    )
+
+    def backward_line(tokens: int) -> float:
+        return probes[low].step_peak + line_slope * (tokens - low)
+
+    def reduce_line(tokens: int) -> float:
+        return rows["reduce_fixed_bytes"] + rows["reduce_bytes_per_token"] * (
+            tokens + attended_text
+        )
+
+    check_lines = {}
+    for tokens, p in sorted({**small, **probes, **checks}.items()):
+        backward_at, reduce_at = backward_line(tokens), reduce_line(tokens)
+        check_lines[str(tokens)] = {
+            "step_peak": p.step_peak,
+            "backward_line": backward_at,
+            "reduce_line": reduce_at,
+        }
+        progress(
+            f"memory M={tokens:>6}: step peak {p.step_peak / 2**20:9.1f} MiB; backward line "
+            f"{backward_at / 2**20:9.1f}, reduction line {reduce_at / 2**20:9.1f}, max of both "
+            f"{(max(backward_at, reduce_at) - p.step_peak) / 2**20:+7.1f} MiB off"
+        )
     # what a shard holds beyond a local sequence of its tokens (both probes hold one sequence)
     for strategy in ("ulysses", "ring"):
         extra = shards[strategy].step_peak - shards["local"].step_peak
@@ -843,14 +893,18 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         f"memory per text token: {rows['text_bytes_per_token_layer']:.0f} B; step fixed "
         f"(gathered weights, gradients) {rows['step_fixed_bytes'] / 2**30:.2f} GiB; beyond a "
         f"local sequence: Ulysses {rows['ulysses_bytes_per_token']:.0f} B/token, ring "
-        f"{rows['ring_bytes_per_token']:.0f} B/token (2 ranks, {shard_tokens} held)"
+        f"{rows['ring_bytes_per_token']:.0f} B/token (2 ranks, {shard_tokens} held); at the "
+        f"largest layer's gradient reduction {rows['reduce_fixed_bytes'] / 2**30:.2f} GiB + "
+        f"{rows['reduce_bytes_per_token']:.0f} B/token"
     )
     return {
         **rows,
         "runtime_reserved_bytes": runtime_reserved_bytes,
         "shard_probes": {f"{strategy}:{shard_tokens}": asdict(p) for strategy, p in shards.items()},
         "probes": {str(t): asdict(p) for t, p in probes.items()},
-        "small_probe": {str(small_tokens): asdict(small), "excess_bytes": small_excess},
+        "reduce_probes": {str(t): asdict(p) for t, p in small.items()},
+        "check_probes": {str(t): asdict(p) for t, p in checks.items()},
+        "lines": check_lines,
         "num_layers": num_layers,
         "probe_with_text": (
             {} if with_text is None else {f"{low}+{config.text_tokens + low}": asdict(with_text)}
@@ -968,6 +1022,8 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         ),
         "text_bytes_per_token_layer": [memory["text_bytes_per_token_layer"]] if memory else [],
         "step_fixed_bytes": [memory["step_fixed_bytes"]] if memory else [],
+        "reduce_fixed_bytes": [memory["reduce_fixed_bytes"]] if memory else [],
+        "reduce_bytes_per_token": [memory["reduce_bytes_per_token"]] if memory else [],
         "ulysses_bytes_per_token": [memory["ulysses_bytes_per_token"]] if memory else [],
         "ring_bytes_per_token": [memory["ring_bytes_per_token"]] if memory else [],
         # rows of the model measured (memory_models): none on a CPU, where memory is not measured
