@@ -671,9 +671,11 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
     peak = std::max(peak, held_always + grads + below + own + buffer_bytes);
     // Right after this layer's backward (its activations freed), while its gradients are
     // reduced: the moment of the largest layers only (an MMDiT's double blocks come first).
-    if (reduce_fixed_bytes_ > 0 && (j < model_.num_double_layers || model_.num_double_layers == 0)) {
-      peak = std::max(peak, held_always - step_fixed_bytes_ + reduce_fixed_bytes_ + grads + below +
-                                reduce_bytes_per_token_ * static_cast<double>(held_tokens));
+    const bool largest = model_.num_double_layers == 0 || j < model_.num_double_layers;
+    if (reduce_fixed_bytes_ > 0 && largest) {
+      const double reduced = reduce_fixed_bytes_ - step_fixed_bytes_ +
+                             reduce_bytes_per_token_ * static_cast<double>(held_tokens);
+      peak = std::max(peak, held_always + grads + below + reduced);
     }
   }
   return peak;
