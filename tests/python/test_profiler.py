@@ -241,6 +241,39 @@ def test_quick_validate_runs_ranks_through_the_engine(tmp_path):
     assert main([*args[:-4], "--plan-range", "2-3", "--repeats", "1"]) != 0
 
 
+def test_harness_peak_model_leaves_the_gradients_out():
+    """The harness keeps its sharded gradients between steps and takes them out of the measured
+    peak with its weights, so validate-profile predicts the peak without weight gradients: no
+    gradient bytes, the state without them, and a tiny rank's peak (training's: the backward's
+    end, with every gradient) lower by about the gradients."""
+    from zellige import _core
+    from zellige.costs import make_cost_model
+    from zellige.profiler.models import model_spec
+    from zellige.profiler.validate import harness_peak_model
+
+    spec = model_spec("mmdit-11b", 3)
+    profile = _core.analytic_profile("t", 700e12, 550e12, 4.2e12)
+    training = make_cost_model(spec, gpus=8, profile=profile)
+    harness = harness_peak_model(spec, 8, profile, True)
+    assert harness.gradient_bytes() == 0
+    assert harness.fixed_bytes() == pytest.approx(
+        training.fixed_bytes() - training.gradient_bytes()
+    )
+    assert harness.options.state_bytes_per_param == 12.0
+    batch = _core.Batch()
+    batch.sequences = [_core.Sequence(id=0, num_tokens=64, text_tokens=16, source_rank=0)]
+    plan = _core.Plan()
+    plan.num_ranks = 8
+    plan.placements = [_core.make_placement(0, _core.Strategy.local, [0])]
+    # a rank of a few tokens: training's peak is the backward's end, every gradient there
+    trained = training.evaluate(batch, plan).ranks[0].peak_bytes
+    assert trained == pytest.approx(training.fixed_bytes())
+    # the harness's: a layer's backward without gradients (its few tokens' bytes at most)
+    measured_like = harness.evaluate(batch, plan).ranks[0].peak_bytes
+    assert trained - training.gradient_bytes() <= measured_like
+    assert measured_like < trained - 0.9 * training.gradient_bytes()
+
+
 def test_validate_summarises_a_results_file_without_running(tmp_path, capsys):
     import dataclasses
 
