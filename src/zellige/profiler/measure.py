@@ -846,6 +846,11 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         shard_text = 0 if config.joint_attention else config.text_tokens
         for strategy in ("local", "ulysses", "ring"):
             shards[strategy] = probe(blocks, *_shard_plan(shard_tokens, shard_text, strategy))
+            progress(
+                f"memory {strategy} shard of {shard_tokens} held: kept with checkpointing "
+                f"{shards[strategy].kept_checkpointing / 2**20:.1f} MiB, step peak "
+                f"{shards[strategy].step_peak / 2**20:.1f} MiB"
+            )
         runtime_reserved_bytes = 0
         if device.type == "cuda":
             own_bytes = rank_work.persistent_bytes(blocks)
