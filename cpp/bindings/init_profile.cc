@@ -65,6 +65,8 @@ void init_profile(nb::module_& m) {
       .def_rw("reduce_bytes_per_token", &HardwareProfile::reduce_bytes_per_token)
       .def_rw("ulysses_bytes_per_token", &HardwareProfile::ulysses_bytes_per_token)
       .def_rw("ring_bytes_per_token", &HardwareProfile::ring_bytes_per_token)
+      .def_rw("ulysses_exchanged_bytes_per_token",
+              &HardwareProfile::ulysses_exchanged_bytes_per_token)
       .def_rw("model_matmul_forward_flops_per_s",
               &HardwareProfile::model_matmul_forward_flops_per_s)
       .def_rw("model_matmul_backward_flops_per_s",
@@ -101,6 +103,7 @@ void init_profile(nb::module_& m) {
                               "reduce_bytes_per_token",
                               "ulysses_bytes_per_token",
                               "ring_bytes_per_token",
+                              "ulysses_exchanged_bytes_per_token",
                               "model_matmul_forward_flops_per_s",
                               "model_matmul_backward_flops_per_s",
                               "runtime_reserved_bytes"});

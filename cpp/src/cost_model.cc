@@ -174,6 +174,7 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     read_row(profile_.backward_bytes_per_token_layer, backward_bytes_);
     read_row(profile_.text_bytes_per_token_layer, text_bytes_);
     read_row(profile_.ulysses_bytes_per_token, ulysses_bytes_);
+    read_row(profile_.ulysses_exchanged_bytes_per_token, ulysses_exchanged_bytes_);
     read_row(profile_.ring_bytes_per_token, ring_bytes_);
     read_row(profile_.step_fixed_bytes, measured_step_fixed_bytes);
     read_row(profile_.reduce_fixed_bytes, reduce_fixed_bytes_);
@@ -509,8 +510,11 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
   double buffer_bytes = backward_bytes_ > 0 ? n * backward_bytes_ : 4.0 * block * h * hd * bpe;
   if (cross) buffer_bytes = std::max(buffer_bytes, 2.0 * (n + text) * all_heads * hd * bpe);
   if (shape.ulysses_degree > 1) {
-    // measured, or q/k/v sent and received
-    buffer_bytes += ulysses_bytes_ != 0 ? n * ulysses_bytes_ : 2.0 * 3.0 * n * d * bpe;
+    // measured (over 2 ranks, and the share exchanged beyond), or q/k/v sent and received
+    const double u = static_cast<double>(shape.ulysses_degree);
+    buffer_bytes += ulysses_bytes_ != 0
+                        ? n * (ulysses_bytes_ + ulysses_exchanged_bytes_ * ((u - 1.0) / u - 0.5))
+                        : 2.0 * 3.0 * n * d * bpe;
   }
   if (shape.ring_degree > 1) {
     const double largest_block =

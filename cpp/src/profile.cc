@@ -201,17 +201,19 @@ void HardwareProfile::validate() const {
     }
     for (const auto& [row, name] :
          {std::pair{&ulysses_bytes_per_token, "ulysses_bytes_per_token"},
-          std::pair{&ring_bytes_per_token, "ring_bytes_per_token"}}) {
+          std::pair{&ring_bytes_per_token, "ring_bytes_per_token"},
+          std::pair{&ulysses_exchanged_bytes_per_token, "ulysses_exchanged_bytes_per_token"}}) {
       if (!row->empty() && i < row->size()) {
         require_in((*row)[i], -kMaxBytesPerToken, kMaxBytesPerToken, name + of);
       }
     }
   }
-  for (const auto* signed_row : {&ulysses_bytes_per_token, &ring_bytes_per_token}) {
+  for (const auto* signed_row :
+       {&ulysses_bytes_per_token, &ring_bytes_per_token, &ulysses_exchanged_bytes_per_token}) {
     if (!signed_row->empty() && signed_row->size() != memory_models.size()) {
       throw std::invalid_argument(
-          "profile: ulysses_bytes_per_token and ring_bytes_per_token must be empty or as long "
-          "as memory_models");
+          "profile: ulysses_bytes_per_token, ring_bytes_per_token and "
+          "ulysses_exchanged_bytes_per_token must be empty or as long as memory_models");
     }
     for (double value : *signed_row) {
       if (!std::isfinite(value)) {

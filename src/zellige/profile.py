@@ -38,6 +38,7 @@ MODEL_ROWS = (
     "reduce_fixed_bytes",
     "reduce_bytes_per_token",
     "ulysses_bytes_per_token",
+    "ulysses_exchanged_bytes_per_token",
     "ring_bytes_per_token",
     "launch_s_per_layer",
     "launch_s_per_attention_call",

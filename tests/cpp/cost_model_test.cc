@@ -611,6 +611,37 @@ TEST(CostModel, GradientReductionIsTheSmallRanksPeak) {
   }
 }
 
+// A Ulysses shard over u ranks exchanges (u - 1) / u of its q/k/v/o and their gradients:
+// ulysses_exchanged_bytes_per_token charges the share beyond the measured 2 ranks' half, per
+// held token; 2 ranks as before, 8 ranks 3/8 of it more.
+TEST(CostModel, UlyssesBuffersGrowWithTheShareExchanged) {
+  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
+  profile.memory_models = {"mmdit-11b"};
+  profile.activation_bytes_per_token_layer = {150000};
+  profile.checkpoint_bytes_per_token_layer = {12000};
+  profile.backward_bytes_per_token_layer = {80000};
+  profile.ulysses_bytes_per_token = {50000};
+  const Sequence sequence = sequence_from_tokens(0, "video", 64000, 512, 0);
+  const auto buffer = [&](const HardwareProfile& p, int64_t degree) {
+    const CostModel model(model_preset("mmdit-11b"), p, make_cluster(8, 8));
+    std::vector<int64_t> ranks(static_cast<size_t>(degree));
+    for (int64_t r = 0; r < degree; ++r) ranks[static_cast<size_t>(r)] = r;
+    const RankShare share =
+        model.shares(sequence, make_placement(0, Strategy::kUlysses, ranks))[0];
+    return std::pair{share.buffer_bytes, static_cast<double>(share.tokens)};
+  };
+  HardwareProfile wider = profile;
+  wider.ulysses_exchanged_bytes_per_token = {40000};
+  for (const int64_t degree : {2, 4, 8}) {
+    const auto [before, n] = buffer(profile, degree);
+    const auto [after, n_after] = buffer(wider, degree);
+    ASSERT_EQ(n, n_after);
+    const double share = (static_cast<double>(degree) - 1.0) / static_cast<double>(degree);
+    EXPECT_NEAR(after - before, n * 40000.0 * (share - 0.5), 1.0) << degree;
+  }
+  EXPECT_GT(buffer(wider, 8).first, buffer(profile, 8).first);
+}
+
 // Adaptive checkpointing: a rank with room keeps every layer's activations and pays no
 // recompute; a rank without room checkpoints the fewest layers whose peak fits.
 TEST(CostModel, AdaptiveCheckpointingRecomputesOnlyWhatMemoryNeeds) {

@@ -468,7 +468,8 @@ def test_memory_probes_run_through_fsdp_blocks():
     memory = profile_memory(options, torch.device("cpu"), torch.float32, lines.append)
     assert set(memory["probes"]) == {"64", "128"}
     assert memory["step_fixed_bytes"] == 0.0  # nothing measured on a CPU
-    assert set(memory["shard_probes"]) == {"local:64", "ulysses:64", "ring:64"}
+    assert set(memory["shard_probes"]) == {"local:64", "ulysses:64", "ring:64", "ulysses_wide:64"}
+    assert memory["ulysses_wide_degree"] == 4  # the tiny model's 4 heads: one a rank
     assert memory["ulysses_bytes_per_token"] == memory["ring_bytes_per_token"] == 0.0
     # the gradient reduction's small packs, and the check packs between the two lines
     assert set(memory["reduce_probes"]) == {"16", "32"} and set(memory["check_probes"]) == {"96"}

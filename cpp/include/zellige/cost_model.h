@@ -285,6 +285,7 @@ class CostModel {
   double checkpoint_bytes_ = 0;         // per token per layer, kept with checkpointing
   double backward_bytes_ = 0;           // per token, one layer's backward transient (0: analytic)
   double ulysses_bytes_ = 0;            // per held token of a Ulysses shard (0: analytic)
+  double ulysses_exchanged_bytes_ = 0;  // per held token and share exchanged beyond 2 ranks'
   double ring_bytes_ = 0;               // per held token of a ring shard (0: analytic)
   double text_bytes_ = 0;               // per text token per layer, cross-attention (0: none)
   double launch_s_per_layer_ = 0;       // the model's launch floor terms (0: none)

@@ -109,6 +109,12 @@ struct HardwareProfile {
   // Replace the analytic q/k/v send-and-receive (k/v double buffer) term.
   std::vector<double> ulysses_bytes_per_token;
   std::vector<double> ring_bytes_per_token;
+  // Optional likewise (0 = none): ulysses_bytes_per_token is measured over 2 ranks, where a shard
+  // exchanges half of its q/k/v/o and their gradients; a group of u ranks exchanges (u - 1) / u
+  // of them. Bytes per held token and per share exchanged, so that a shard of a group of u adds
+  // ulysses_bytes_per_token + ulysses_exchanged_bytes_per_token * ((u - 1) / u - 1/2); measured
+  // from a second shard over more ranks.
+  std::vector<double> ulysses_exchanged_bytes_per_token;
   // Optional likewise (0 = not modelled): host seconds to issue one layer's kernels (forward,
   // recompute, backward) apart from its attention calls, and per attention call (self or cross)
   // and layer, for the model's blocks. A rank whose GPU work is shorter waits for its host:

@@ -70,6 +70,7 @@ FULL_CHECK_TOKENS = (8192, 32768, 98304)
 # profile_memory: held tokens of the Ulysses and ring shards probed (a sequence of twice as
 # many over 2 ranks) and of the local sequence they are compared with
 FULL_SHARD_TOKENS = 16384
+ULYSSES_WIDE_DEGREE = 8  # a second Ulysses shard probe, over this many ranks
 QUICK_SHARD_TOKENS = 64
 CALL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_ATTENTION_LENGTHS = (64, 128, 256)
@@ -660,11 +661,12 @@ def _local_pack_plan(
 
 
 def _shard_plan(
-    held_tokens: int, text_tokens: int, strategy: str
+    held_tokens: int, text_tokens: int, strategy: str, degree: int = 2
 ) -> tuple[_core.Batch, _core.Plan]:
     """Rank 0 holding `held_tokens` of one sequence: the whole of it ("local"), or a shard of a
-    sequence of twice as many tokens under `strategy` ("ulysses", "ring") over 2 ranks."""
-    degree = 1 if strategy == "local" else 2
+    sequence of `degree` times as many tokens under `strategy` ("ulysses", "ring") over `degree`
+    ranks."""
+    degree = 1 if strategy == "local" else degree
     batch, _ = _local_plan([held_tokens * degree], text_tokens)
     plan = _core.Plan()
     plan.planner = "profile"
@@ -844,12 +846,18 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         # A joint model's text is held tokens: without it, the shards and the local sequence
         # hold the same shard_tokens (a cross model's text is the same on all three).
         shard_text = 0 if config.joint_attention else config.text_tokens
-        for strategy in ("local", "ulysses", "ring"):
-            shards[strategy] = probe(blocks, *_shard_plan(shard_tokens, shard_text, strategy))
+        wide_degree = min(ULYSSES_WIDE_DEGREE, config.num_heads)  # a head or more per rank
+        for name, strategy, degree in (
+            ("local", "local", 1),
+            ("ulysses", "ulysses", 2),
+            ("ring", "ring", 2),
+            *((("ulysses_wide", "ulysses", wide_degree),) if wide_degree > 2 else ()),
+        ):
+            shards[name] = probe(blocks, *_shard_plan(shard_tokens, shard_text, strategy, degree))
             progress(
-                f"memory {strategy} shard of {shard_tokens} held: kept with checkpointing "
-                f"{shards[strategy].kept_checkpointing / 2**20:.1f} MiB, step peak "
-                f"{shards[strategy].step_peak / 2**20:.1f} MiB"
+                f"memory {name} shard of {shard_tokens} held: kept with checkpointing "
+                f"{shards[name].kept_checkpointing / 2**20:.1f} MiB, step peak "
+                f"{shards[name].step_peak / 2**20:.1f} MiB"
             )
         runtime_reserved_bytes = 0
         if device.type == "cuda":
@@ -894,11 +902,21 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
     for strategy in ("ulysses", "ring"):
         extra = shards[strategy].step_peak - shards["local"].step_peak
         rows[f"{strategy}_bytes_per_token"] = extra / shard_tokens
+    # a wider Ulysses group exchanges a larger share of the held q/k/v/o and their gradients,
+    # (degree - 1) / degree: what a shard adds per token and per share exchanged, from degree 2
+    # (1/2 exchanged) to ULYSSES_WIDE_DEGREE
+    rows["ulysses_exchanged_bytes_per_token"] = 0.0
+    if "ulysses_wide" in shards:
+        wide = shards["ulysses_wide"].step_peak - shards["local"].step_peak
+        rows["ulysses_exchanged_bytes_per_token"] = (
+            wide / shard_tokens - rows["ulysses_bytes_per_token"]
+        ) / ((wide_degree - 1) / wide_degree - 0.5)
     progress(
         f"memory per text token: {rows['text_bytes_per_token_layer']:.0f} B; step fixed "
         f"(gathered weights, gradients) {rows['step_fixed_bytes'] / 2**30:.2f} GiB; beyond a "
         f"local sequence: Ulysses {rows['ulysses_bytes_per_token']:.0f} B/token, ring "
-        f"{rows['ring_bytes_per_token']:.0f} B/token (2 ranks, {shard_tokens} held); at the "
+        f"{rows['ring_bytes_per_token']:.0f} B/token (2 ranks, {shard_tokens} held), Ulysses "
+        f"{rows['ulysses_exchanged_bytes_per_token']:.0f} B/token more per share exchanged; at the "
         f"largest layer's gradient reduction {rows['reduce_fixed_bytes'] / 2**30:.2f} GiB + "
         f"{rows['reduce_bytes_per_token']:.0f} B/token"
     )
@@ -906,6 +924,7 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         **rows,
         "runtime_reserved_bytes": runtime_reserved_bytes,
         "shard_probes": {f"{strategy}:{shard_tokens}": asdict(p) for strategy, p in shards.items()},
+        "ulysses_wide_degree": wide_degree,
         "probes": {str(t): asdict(p) for t, p in probes.items()},
         "reduce_probes": {str(t): asdict(p) for t, p in small.items()},
         "check_probes": {str(t): asdict(p) for t, p in checks.items()},
@@ -1031,6 +1050,9 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "reduce_bytes_per_token": [memory["reduce_bytes_per_token"]] if memory else [],
         "ulysses_bytes_per_token": [memory["ulysses_bytes_per_token"]] if memory else [],
         "ring_bytes_per_token": [memory["ring_bytes_per_token"]] if memory else [],
+        "ulysses_exchanged_bytes_per_token": (
+            [memory["ulysses_exchanged_bytes_per_token"]] if memory else []
+        ),
         # rows of the model measured (memory_models): none on a CPU, where memory is not measured
         "launch_s_per_layer": [launch["launch_s_per_layer"]] if memory else [],
         "launch_s_per_attention_call": [launch["launch_s_per_attention_call"]] if memory else [],
