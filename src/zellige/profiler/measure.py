@@ -65,7 +65,7 @@ FULL_TOKEN_COUNTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 1310
 # reduction's from the next two (small enough that it is), and the last ones only as checks of
 # the two lines (printed and in the details).
 FULL_MEMORY_TOKENS = (16384, 65536)
-FULL_REDUCE_TOKENS = (1024, 4096)
+FULL_REDUCE_TOKENS = (1280, 4096)  # not 1024: as many visual rows as text rows
 FULL_CHECK_TOKENS = (8192, 32768, 98304)
 # profile_memory: held tokens of the Ulysses and ring shards probed (a sequence of twice as
 # many over 2 ranks) and of the local sequence they are compared with
