@@ -474,6 +474,8 @@ def test_memory_probes_run_through_fsdp_blocks():
     # the gradient reduction's small packs, and the check packs between the two lines
     assert set(memory["reduce_probes"]) == {"16", "32"} and set(memory["check_probes"]) == {"96"}
     assert set(memory["lines"]) == {"16", "32", "64", "96", "128"}
+    lengths = memory["calls_probe"]["lengths"]  # one call each: distinct and positive
+    assert len(set(lengths)) == len(lengths) == 8 and min(lengths) > 0
     assert memory["reduce_fixed_bytes"] == memory["reduce_bytes_per_token"] == 0.0
     assert any("step fixed" in line for line in lines)
     assert any("gradient reduction" in line for line in lines)

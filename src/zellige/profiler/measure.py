@@ -677,6 +677,18 @@ def _shard_plan(
     return batch, plan
 
 
+CALLS_SEQUENCES = 8  # profile_memory's check pack of distinct lengths
+
+
+def _distinct_lengths(total: int) -> list[int]:
+    """CALLS_SEQUENCES distinct lengths, rising, that sum to `total` (>= 8 * CALLS_SEQUENCES)."""
+    base = total // (2 * CALLS_SEQUENCES)
+    step = max(1, (total - CALLS_SEQUENCES * base) * 2 // (CALLS_SEQUENCES * (CALLS_SEQUENCES - 1)))
+    lengths = [base + i * step for i in range(CALLS_SEQUENCES)]
+    lengths[-1] += total - sum(lengths)
+    return lengths
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryProbe:
     """Bytes of one memory probe (one pack on FSDP blocks, as validate-profile runs a rank)."""
@@ -838,6 +850,17 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
                     f"{into[tokens].kept_checkpointing / tokens / num_layers:7.0f}, step peak "
                     f"{into[tokens].step_peak / 2**20:9.1f} MiB"
                 )
+        # a check of the per-token rows on a rank of many distinct lengths (one attention call
+        # each) instead of one call over the pack: as many attended tokens as the low pack
+        distinct = _distinct_lengths(
+            max(8 * CALLS_SEQUENCES, low + (num_sequences - CALLS_SEQUENCES) * config.text_tokens)
+        )
+        calls = probe(blocks, *_local_plan(distinct, config.text_tokens))
+        progress(
+            f"memory {CALLS_SEQUENCES} distinct lengths {distinct}: step peak "
+            f"{calls.step_peak / 2**20:9.1f} MiB (the M={low} pack's: "
+            f"{probes[low].step_peak / 2**20:9.1f} MiB, as many attended tokens in one call)"
+        )
         with_text = None
         if not config.joint_attention:
             with_text = probe(
@@ -929,6 +952,7 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         "reduce_probes": {str(t): asdict(p) for t, p in small.items()},
         "check_probes": {str(t): asdict(p) for t, p in checks.items()},
         "lines": check_lines,
+        "calls_probe": {"lengths": distinct, **asdict(calls)},
         "num_layers": num_layers,
         "probe_with_text": (
             {} if with_text is None else {f"{low}+{config.text_tokens + low}": asdict(with_text)}
