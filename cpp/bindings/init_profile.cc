@@ -71,6 +71,7 @@ void init_profile(nb::module_& m) {
               &HardwareProfile::model_matmul_forward_flops_per_s)
       .def_rw("model_matmul_backward_flops_per_s",
               &HardwareProfile::model_matmul_backward_flops_per_s)
+      .def_rw("backward_peak_bytes", &HardwareProfile::backward_peak_bytes)
       .def_rw("runtime_reserved_bytes", &HardwareProfile::runtime_reserved_bytes)
       .def("validate", &HardwareProfile::validate);
   add_value_methods(profile, {"device_name",
@@ -106,6 +107,7 @@ void init_profile(nb::module_& m) {
                               "ulysses_exchanged_bytes_per_token",
                               "model_matmul_forward_flops_per_s",
                               "model_matmul_backward_flops_per_s",
+                              "backward_peak_bytes",
                               "runtime_reserved_bytes"});
 
   m.def("analytic_profile", &analytic_profile, nb::arg("device_name"),

@@ -179,6 +179,7 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     read_row(profile_.step_fixed_bytes, measured_step_fixed_bytes);
     read_row(profile_.reduce_fixed_bytes, reduce_fixed_bytes_);
     read_row(profile_.reduce_bytes_per_token, reduce_bytes_per_token_);
+    if (i < profile_.backward_peak_bytes.size()) backward_peak_ = profile_.backward_peak_bytes[i];
     read_row(profile_.launch_s_per_layer, launch_s_per_layer_);
     read_row(profile_.launch_s_per_attention_call, launch_s_per_call_);
   }
@@ -639,6 +640,17 @@ double CostModel::linear_recompute_s(int64_t tokens) const {
 
 double CostModel::min_linear_time_per_token_s() const { return min_linear_time_per_token_s_; }
 
+double CostModel::backward_peak_correction(double tokens) const {
+  const std::vector<double>& x = backward_peak_.x;
+  const std::vector<double>& y = backward_peak_.y;
+  if (x.size() < 2) return 0.0;
+  // linear between the packs measured, along the end segments beyond them
+  const auto upper = std::upper_bound(x.begin() + 1, x.end() - 1, tokens);
+  const size_t i = static_cast<size_t>(upper - x.begin()) - 1;
+  const double measured = y[i] + (y[i + 1] - y[i]) / (x[i + 1] - x[i]) * (tokens - x[i]);
+  return measured - step_fixed_bytes_ - backward_bytes_ * tokens;
+}
+
 double CostModel::fixed_bytes() const { return fixed_bytes_; }
 
 double CostModel::gradient_bytes() const { return gradient_bytes_; }
@@ -666,13 +678,15 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
                  static_cast<double>(k - f) * layer_checkpoint_bytes +
                  static_cast<double>(layers - k) * layer_activation_bytes;
   double peak = held_always + gradient_bytes_;  // the backward's end: every gradient
+  const double measured_curve =
+      held_tokens > 0 ? backward_peak_correction(static_cast<double>(held_tokens)) : 0.0;
   for (int64_t j = layers - 1; j >= 0; --j) {
     below -= kept(j);
     // A checkpointed layer's recompute rebuilds its activations around the tensors it kept
     // (input, attention outputs), which are among them: its own bytes are its activations.
     const double own = layer_activation_bytes;
     const double grads = static_cast<double>(layers - 1 - j) * layer_gradient_bytes_;
-    peak = std::max(peak, held_always + grads + below + own + buffer_bytes);
+    peak = std::max(peak, held_always + grads + below + own + buffer_bytes + measured_curve);
     // Right after this layer's backward (its activations freed), while its gradients are
     // reduced: the moment of the largest layers only (an MMDiT's double blocks come first).
     const bool largest = model_.num_double_layers == 0 || j < model_.num_double_layers;

@@ -159,6 +159,15 @@ void HardwareProfile::validate() const {
       require_table_in((*tables)[i], at, kMinRatePerS, kMaxRatePerS);
     }
   }
+  if (!backward_peak_bytes.empty() && backward_peak_bytes.size() != memory_models.size()) {
+    throw std::invalid_argument(
+        "profile: backward_peak_bytes must be empty or hold one table per memory model");
+  }
+  for (size_t i = 0; i < backward_peak_bytes.size(); ++i) {
+    const std::string at = "backward_peak_bytes" + index_text(i) + " (" + memory_models[i] + ")";
+    backward_peak_bytes[i].validate(at);
+    require_table_in(backward_peak_bytes[i], at, 1.0, kMaxProfileBytes);
+  }
   if (memory_models.size() != activation_bytes_per_token_layer.size() ||
       memory_models.size() != checkpoint_bytes_per_token_layer.size()) {
     throw std::invalid_argument(

@@ -44,7 +44,11 @@ MODEL_ROWS = (
     "launch_s_per_attention_call",
 )
 # Tables per model in memory_models (empty, or one each; an empty table: the shared one).
-MODEL_TABLES = ("model_matmul_forward_flops_per_s", "model_matmul_backward_flops_per_s")
+MODEL_TABLES = (
+    "model_matmul_forward_flops_per_s",
+    "model_matmul_backward_flops_per_s",
+    "backward_peak_bytes",
+)
 _TABLE_LISTS = (
     "exchange_intra_node_s",
     "attention_call_forward_s",

@@ -611,6 +611,47 @@ TEST(CostModel, GradientReductionIsTheSmallRanksPeak) {
   }
 }
 
+// The profile's backward_peak_bytes table (the backward's fixed bytes and buffers measured at
+// several token counts) replaces the rows' line through two of them, read linearly between the
+// packs and along the end segments: a rank between two packs gets their interpolation, one
+// beyond them the last segment's extension; equal to the rows where the table meets them.
+TEST(CostModel, MeasuredBackwardPeakReplacesTheRowsLine) {
+  ModelSpec spec = model_preset("mmdit-11b");
+  spec.num_layers = 3;
+  spec.num_double_layers = 1;
+  spec.param_count = block_param_count(spec);
+  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
+  profile.memory_models = {spec.name};
+  profile.activation_bytes_per_token_layer = {150000};
+  profile.checkpoint_bytes_per_token_layer = {12000};
+  profile.backward_bytes_per_token_layer = {60000};
+  profile.step_fixed_bytes = {1.0e9};
+  const CostModel rows_only(spec, profile, make_cluster(8, 8));
+  // measured: on the rows' line at 16k and 64k, 0.2 GB below it at 32k, 0.3 GB above at 96k
+  const auto line = [](double x) { return 1.0e9 + 60000.0 * x; };
+  profile.backward_peak_bytes = {Table{{16384, 32768, 65536, 98304},
+                                       {line(16384), line(32768) - 2e8, line(65536),
+                                        line(98304) + 3e8},
+                                       "measured"}};
+  const CostModel measured(spec, profile, make_cluster(8, 8));
+  const auto peak = [](const CostModel& model, int64_t tokens) {
+    Batch batch;
+    batch.sequences = {sequence_from_tokens(0, "video", tokens - 512, 512, 0)};
+    Plan plan;
+    plan.num_ranks = 8;
+    plan.placements = {make_placement(0, Strategy::kLocal, {0})};
+    return model.evaluate(batch, plan).ranks[0].peak_bytes;
+  };
+  EXPECT_NEAR(peak(measured, 16384), peak(rows_only, 16384), 1.0);
+  EXPECT_NEAR(peak(measured, 65536), peak(rows_only, 65536), 1.0);
+  EXPECT_NEAR(peak(measured, 32768), peak(rows_only, 32768) - 2e8, 1.0);
+  EXPECT_NEAR(peak(measured, 49152), peak(rows_only, 49152) - 1e8, 1.0);    // halfway
+  EXPECT_NEAR(peak(measured, 81920), peak(rows_only, 81920) + 1.5e8, 1.0);  // halfway
+  EXPECT_NEAR(peak(measured, 114688), peak(rows_only, 114688) + 4.5e8, 1.0);  // beyond
+  EXPECT_NEAR(measured.rank_peak_bytes(1e6, 1e4, 0.0, 1e6, 3, 0),
+              rows_only.rank_peak_bytes(1e6, 1e4, 0.0, 1e6, 3, 0), 1.0);  // no tokens: rows
+}
+
 // A Ulysses shard over u ranks exchanges (u - 1) / u of its q/k/v/o and their gradients:
 // ulysses_exchanged_bytes_per_token charges the share beyond the measured 2 ranks' half, per
 // held token; 2 ranks as before, 8 ranks 3/8 of it more.

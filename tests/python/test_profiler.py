@@ -427,6 +427,47 @@ def test_reduce_rows_recover_the_small_packs_line(attended_text):
     assert profile.reduce_fixed_bytes[wan] == 0  # other models: not modelled, as before
 
 
+def test_backward_peak_table_is_the_packs_peaks_beyond_their_kept_activations():
+    """backward_peak_table: at each pack's held tokens (text among them for a joint model), its
+    step peak minus the other layers' checkpoints and one layer's activations as the rows charge
+    them; where the rows come from, that is their line (step_fixed + x * backward); the profile
+    stores it per model and the cost model reads it."""
+    from zellige.profile import load_profile, profile_from_dict, profile_to_dict
+    from zellige.profiler.measure import MemoryProbe, backward_peak_table, merge_memory
+
+    layers, text = 3, 1024
+    rows = {
+        "activation_bytes_per_token_layer": 150_000.0,
+        "checkpoint_bytes_per_token_layer": 12_000.0,
+        "backward_bytes_per_token_layer": 60_000.0,
+        "step_fixed_bytes": 1.0e9,
+    }
+    bend = {8192: 2.0e8, 16384: 0.0, 32768: -1.5e8, 65536: 0.0, 98304: 3.0e8}
+
+    def probe(tokens: int) -> MemoryProbe:
+        held = tokens + text
+        peak = 1.0e9 + (2 * 12_000.0 + 150_000.0 + 60_000.0) * held + bend[tokens]
+        return MemoryProbe(0, 0, 0, 0, int(peak))
+
+    table = backward_peak_table(
+        {t: probe(t) for t in bend},
+        rows,
+        num_layers=layers,
+        attended_text_tokens=text,
+        text_bytes=0.0,
+    )
+    assert table["x"] == [float(t + text) for t in sorted(bend)]
+    for x, y, t in zip(table["x"], table["y"], sorted(bend), strict=True):
+        assert y == pytest.approx(1.0e9 + 60_000.0 * x + bend[t], abs=1.0)
+    merged = merge_memory(
+        profile_to_dict(load_profile()), "mmdit-11b", rows, {"backward_peak_bytes": table}
+    )
+    profile = profile_from_dict(merged)
+    row = profile.memory_models.index("mmdit-11b")
+    assert list(profile.backward_peak_bytes[row].y) == pytest.approx(table["y"])
+    assert profile.backward_peak_bytes[profile.memory_models.index("wan-14b")].x == []
+
+
 def test_memory_rows_merge_into_a_profile():
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict
     from zellige.profiler.measure import merge_memory

@@ -174,6 +174,9 @@ class CostModel {
   // (reduce_fixed_bytes in place of the step's fixed bytes), the kept activations of the layers
   // below it, the gradients of the layers above, and reduce_bytes_per_token per `held_tokens`
   // (the rank's tokens). It is the peak of small ranks, where gradients outweigh activations.
+  // With the profile's backward_peak_bytes table, the backward's fixed bytes and buffers of a
+  // rank of `held_tokens` come from it (measured at several token counts) instead of the rows'
+  // line through two (held_tokens 0: the rows).
   double rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
                          double layer_input_bytes, double buffer_bytes,
                          int64_t checkpointed_layers, int64_t full_layers,
@@ -294,6 +297,10 @@ class CostModel {
   double step_fixed_bytes_ = 0;         // the backward peak's part of fixed_bytes_
   double reduce_fixed_bytes_ = 0;       // in its place at a largest layer's reduction (0: none)
   double reduce_bytes_per_token_ = 0;   // per held token at that moment
+  Table backward_peak_;                 // the model's measured backward peak (empty: the rows)
+  // What the measured backward peak of a rank of `tokens` adds to the rows' line
+  // (step_fixed_bytes_ + tokens x backward_bytes_); 0 without it.
+  double backward_peak_correction(double tokens) const;
   double gradient_bytes_ = 0;           // the gradients within fixed_bytes_
   double layer_gradient_bytes_ = 0;     // one block's gradients (they appear layer by layer)
   double min_linear_time_per_token_s_ = 0;

@@ -127,6 +127,14 @@ struct HardwareProfile {
   // shared tables then serve the models without a table of their own.
   std::vector<Table> model_matmul_forward_flops_per_s;
   std::vector<Table> model_matmul_backward_flops_per_s;
+  // Optional likewise (empty, or one table per memory model; an empty table = the rows alone):
+  // x = held tokens of a local pack, y = bytes the step holds at the backward's peak beyond the
+  // layers' kept activations (its fixed bytes and one layer's backward buffers), measured at
+  // several packs. Replaces step_fixed_bytes + x * backward_bytes_per_token_layer for a rank of
+  // x tokens, read LINEARLY between the packs and along the end segments beyond them: the peak
+  // is convex in tokens (the moment of the layer's backward it comes from changes with them),
+  // so two packs' line errs above between them and below outside.
+  std::vector<Table> backward_peak_bytes;
   int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
 
   // Every non-empty table valid, every value inside the ranges above; throws

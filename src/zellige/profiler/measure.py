@@ -62,8 +62,8 @@ FULL_ATTENTION_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536,
 FULL_TOKEN_COUNTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # profile_memory's packs (two sequences of the model's text each): the backward peak's rows from
 # the first two (large enough that the backward peak is the step's peak), the gradient
-# reduction's from the next two (small enough that it is), and the last ones only as checks of
-# the two lines (printed and in the details).
+# reduction's from the next two (small enough that it is); the backward peak's table
+# (backward_peak_bytes) from the first and the last ones together.
 FULL_MEMORY_TOKENS = (16384, 65536)
 FULL_REDUCE_TOKENS = (1280, 4096)  # not 1024: as many visual rows as text rows
 FULL_CHECK_TOKENS = (8192, 32768, 98304)
@@ -786,6 +786,31 @@ def reduce_rows(probes: dict[int, MemoryProbe], *, attended_text_tokens: int) ->
     return {"reduce_bytes_per_token": max(0.0, per_token), "reduce_fixed_bytes": max(0.0, fixed)}
 
 
+def backward_peak_table(
+    packs: dict[int, MemoryProbe],
+    rows: dict,
+    *,
+    num_layers: int,
+    attended_text_tokens: int,
+    text_bytes: float,
+) -> dict:
+    """HardwareProfile::backward_peak_bytes from packs (token count -> probe) whose peak is the
+    backward's: at each pack's held tokens x (a joint model's text among them), its step peak
+    minus the layers' kept activations as the rows charge them ((num_layers - 1) checkpoints and
+    one layer's activations per token) and minus a cross model's text bytes (`text_bytes`, the
+    pack's text at the text row): what the rows' step_fixed_bytes + x * backward_bytes charge
+    instead (equal at the two packs the rows come from)."""
+    kept_per_token = (num_layers - 1) * rows["checkpoint_bytes_per_token_layer"] + rows[
+        "activation_bytes_per_token_layer"
+    ]
+    x, y = [], []
+    for tokens, probe in sorted(packs.items()):
+        held = tokens + attended_text_tokens
+        x.append(float(held))
+        y.append(max(1.0, probe.step_peak - kept_per_token * held - text_bytes))
+    return _table(x, y)
+
+
 def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -> dict:
     """Per token and layer: kept without checkpointing (activation), kept with checkpointing
     (checkpoint), what else the step holds at its peak (backward: one layer's backward
@@ -897,6 +922,13 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
     )
     attended_text = num_sequences * config.text_tokens if config.joint_attention else 0
     rows.update(reduce_rows(small, attended_text_tokens=attended_text))
+    rows["backward_peak_bytes"] = backward_peak_table(
+        {**probes, **checks},
+        rows,
+        num_layers=num_layers,
+        attended_text_tokens=attended_text,
+        text_bytes=rows["text_bytes_per_token_layer"] * num_sequences * config.text_tokens,
+    )
     high = token_counts[-1]
     line_slope = (probes[high].step_peak - probes[low].step_peak) / (high - low)
 
@@ -1077,6 +1109,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "ulysses_exchanged_bytes_per_token": (
             [memory["ulysses_exchanged_bytes_per_token"]] if memory else []
         ),
+        "backward_peak_bytes": [memory["backward_peak_bytes"]] if memory else [],
         # rows of the model measured (memory_models): none on a CPU, where memory is not measured
         "launch_s_per_layer": [launch["launch_s_per_layer"]] if memory else [],
         "launch_s_per_attention_call": [launch["launch_s_per_attention_call"]] if memory else [],
@@ -1201,6 +1234,7 @@ def profile_memory_into(
     if device.type == "cuda":
         memory = profile_memory(options, device, dtype, progress)
         rows.update(memory)
+        tables["backward_peak_bytes"] = memory["backward_peak_bytes"]
         details["memory"] = memory
         parts.append("memory")
         if save is not None:
