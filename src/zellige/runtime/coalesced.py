@@ -360,6 +360,17 @@ def _call_work(g: SegmentGroup | PaddedGroup) -> int:
     return g.count * g.q_len * g.k_len * g.num_heads
 
 
+def stream_assignment(works: Sequence[int], streams: int) -> list[int]:
+    """The stream of each call (calls in the order given, most work first): the one with the
+    least work queued so far, the lowest index on ties."""
+    queued, chosen = [0] * max(1, streams), []
+    for work in works:
+        i = queued.index(min(queued))
+        queued[i] += work
+        chosen.append(i)
+    return chosen
+
+
 def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int) -> None:
     """fn(call) for every padded call and group, the most work first (the host queues the small
     calls while the GPU runs the large ones). On CUDA with streams > 1 each call goes to the side
@@ -380,10 +391,7 @@ def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int)
     main = torch.cuda.current_stream(device)
     for stream in side:
         stream.wait_stream(main)
-    queued = [0] * streams
-    for g in calls:
-        i = queued.index(min(queued))
-        queued[i] += _call_work(g)
+    for g, i in zip(calls, stream_assignment([_call_work(g) for g in calls], streams), strict=True):
         with torch.cuda.stream(side[i]):
             fn(g)
     for stream in side:
