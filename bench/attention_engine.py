@@ -323,6 +323,10 @@ def main() -> None:
         help="also the groups on each N CUDA streams (N > 1) and their kernels alone on N streams",
     )  # fmt: skip
     parser.add_argument(
+        "--methods", nargs="*", default=None,
+        help="run only these methods (names as printed; the dense reference always runs)",
+    )  # fmt: skip
+    parser.add_argument(
         "--rounds", type=int, default=1,
         help="run the method list this many times in turn (dense reference included), keep the "
         "median per method: spreads clock drift over all methods",
@@ -484,6 +488,8 @@ def main() -> None:
             methods.append(("coalesced-ragged", bench_coalesced, (table, None, 1, "ragged")))
         if index < args.flex_packs:
             methods.append(("flex-document", bench_flex, (lengths,)))
+        if args.methods:
+            methods = [m for m in methods if m[0] in args.methods or m[0] == "dense-cudnn"]
         entry["host_ms"] = {}
         # --rounds: every method's (forward, backward) seconds per round; the median is kept
         rounds: dict[str, list[tuple[float, float]]] = {"dense-cudnn": [timings["dense-cudnn"]]}
