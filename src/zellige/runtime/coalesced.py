@@ -8,7 +8,10 @@ pack of 87 mixed sequences runs in a handful of kernel calls at the dense rate. 
 is C++ (_core.group_segments, shared with the plan compiler's step programs): one engine for
 self-, joint, cross-attention and ring steps.
 
-A pack of many distinct lengths makes many small calls, each below the dense rate. merge="ragged"
+A pack of many distinct lengths makes many small calls, each below the dense rate (a call's last
+wave of thread blocks leaves SMs idle). On CUDA the calls are spread over side streams (count:
+the device's measured call table, runtime/merging.py streams_for_device), so they run
+concurrently and fill each other's last waves; results are the same calls'. merge="ragged"
 runs such a table as ONE ragged call over the packed segments (their cumulative lengths, no
 padding). The automatic policy does not choose it: on an H200 (torch 2.11, cuDNN 9.19) torch's
 ragged cuDNN path ran 7x slower than the groups on a pack of 34 sequences, its dq and dk were
