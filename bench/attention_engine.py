@@ -304,6 +304,11 @@ def length_table(heads, head_dim, repeat, gen) -> list[dict]:
     return rows
 
 
+def write_report(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipes", nargs="*", default=RECIPES)
@@ -390,6 +395,20 @@ def main() -> None:
         "lengths": [],
     }
 
+    commit = (
+        args.commit
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    report["machine"] = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if DEVICE == "cuda" else None,
+        "python": platform.python_version(),
+        "commit": commit,
+    }
     if args.call_table and args.call_table_first:
         report["call_table"] = measure_call_table(
             device, head_dim=head_dim, quick=args.smoke, repeats=args.repeat,
@@ -560,6 +579,8 @@ def main() -> None:
                 rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
             ]
         report["packs"].append(entry)
+        if args.out:  # after every pack: a run cut short by a timeout keeps what it measured
+            write_report(report, args.out)
         print(json.dumps(entry), flush=True)
         del q, k, v, do
         if DEVICE == "cuda":
@@ -572,23 +593,8 @@ def main() -> None:
         )  # fmt: skip
     if not args.no_length_table and time.perf_counter() - started < args.time_budget_s + 60:
         report["lengths"] = length_table(heads, head_dim, args.repeat, gen)
-    commit = (
-        args.commit
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    )
-    report["machine"] = {
-        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if DEVICE == "cuda" else None,
-        "python": platform.python_version(),
-        "commit": commit,
-    }
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(report, args.out)
 
     print()
     print("| length | count | cudnn fwd / bwd | flash fwd / bwd |")
