@@ -635,5 +635,3 @@ def test_quick_attention_call_table_is_what_the_merge_policy_reads(tmp_path, cap
     costs = CallCosts.from_call_table(data, str(out))
     forward_s, backward_s = costs.call_s(32, 32, 3, masked=True)
     assert forward_s > 0 and backward_s > 0
-    if not torch.cuda.is_available():  # streams do nothing off CUDA: none measured, 1 chosen
-        assert data["streams"] == costs.streams == 1 and data["streams_seconds"] == {}

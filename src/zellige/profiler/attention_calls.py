@@ -4,9 +4,7 @@ Seconds of one dense attention call ([B, n, L, H] views of token-major rows, as 
 makes them) by length L and total heads B * n, issued back to back as the engine issues a
 pack's calls (the host queues ahead, so no launch gap is counted), unmasked and with a key
 mask over the last 1/16 of the keys (a padded merge's call); and the rate of row gathers, the
-copies a padded merge adds; and how many CUDA streams the engine should spread a pack's calls
-over (measure_streams: a mixed-length pack timed on 1..MAX_STREAMS streams). runtime/merging.py
-reads the file (`CallCosts.from_call_table`);
+copies a padded merge adds. runtime/merging.py reads the file (`CallCosts.from_call_table`);
 `zellige profile --attention-calls` and bench/attention_engine.py --call-table write it.
 """
 
@@ -84,48 +82,6 @@ def _gather_bytes_per_s(device, head_dim: int, repeats: int, generator) -> float
     return 2 * rows.numel() * rows.element_size() / seconds
 
 
-STREAM_PACK_LENGTHS = tuple(round(512 * 16 ** (i / 23)) for i in range(24))  # 512-8192 tokens
-MAX_STREAMS = 4
-STREAM_GAIN = 0.02  # more streams only where they beat fewer by this fraction of the time
-
-
-def measure_streams(
-    device: torch.device, *, head_dim: int, heads: int, quick: bool, repeats: int
-) -> tuple[int, dict[int, float]]:
-    """(chosen stream count, forward + backward seconds by count) of the coalesced engine on a
-    pack of 24 sequences of 512-8192 tokens, one dense call each (coalesced._for_each_group:
-    calls run concurrently, filling each other's last waves). The fewest streams within
-    STREAM_GAIN of the fastest; 1 off CUDA, where streams do nothing."""
-    from zellige.runtime import SegmentTable, coalesced_attention
-
-    if device.type != "cuda":
-        return 1, {}
-    lengths = [max(1, x // 64) for x in STREAM_PACK_LENGTHS] if quick else STREAM_PACK_LENGTHS
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
-    table = SegmentTable.packed(bounds, heads, device)
-    generator = torch.Generator(device=device).manual_seed(1)
-    q, k, v, do = (
-        torch.randn(bounds[-1] * heads, head_dim, device=device, dtype=torch.bfloat16,
-                    generator=generator)
-        for _ in range(4)
-    )  # fmt: skip
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    seconds: dict[int, float] = {}
-    for streams in range(1, MAX_STREAMS + 1):
-
-        def step(streams=streams) -> None:
-            o = coalesced_attention(q, k, v, table, merge="groups", streams=streams)
-            torch.autograd.grad(o, (q, k, v), do)
-
-        seconds[streams] = median_time_s(step, device, warmup=2, repeats=max(5, repeats))
-    fastest = min(seconds.values())
-    chosen = min(n for n, s in seconds.items() if s <= fastest * (1 + STREAM_GAIN))
-    return chosen, seconds
-
-
 def measure_call_table(
     device: torch.device,
     *,
@@ -147,16 +103,6 @@ def measure_call_table(
     gather_bytes_per_s = _gather_bytes_per_s(device, head_dim, repeats, generator)
     cuda = device.type == "cuda"
     table: dict[str, list] = {name: [] for name in NAMES}
-    count, stream_s = measure_streams(
-        device, head_dim=head_dim, heads=n, quick=quick, repeats=repeats
-    )
-    streams = {"streams": count, "streams_seconds": {str(c): s for c, s in stream_s.items()}}
-    if stream_s:
-        progress(
-            f"attention streams: {count} (fwd+bwd ms by count: "
-            + ", ".join(f"{c}: {s * 1e3:.2f}" for c, s in stream_s.items())
-            + ")"
-        )
 
     def result(done: int) -> dict:
         return {
@@ -171,7 +117,6 @@ def measure_call_table(
             "heads": list(head_counts),
             **{name: rows[:done] for name, rows in table.items()},
             "gather_bytes_per_s": gather_bytes_per_s,
-            **streams,
         }
 
     for done, length in enumerate(lengths, start=1):
