@@ -8,10 +8,10 @@ pack of 87 mixed sequences runs in a handful of kernel calls at the dense rate. 
 is C++ (_core.group_segments, shared with the plan compiler's step programs): one engine for
 self-, joint, cross-attention and ring steps.
 
-A pack of many distinct lengths makes many small calls, each below the dense rate (a call's last
-wave of thread blocks leaves SMs idle). On CUDA the calls are spread over side streams (count:
-the device's measured call table, runtime/merging.py streams_for_device), so they run
-concurrently and fill each other's last waves; results are the same calls'. merge="ragged"
+A pack of many distinct lengths makes many small calls, each below the dense rate, and each
+followed by copies of its results into the rows. On CUDA the calls are spread over side streams
+(count: the device's measured call table, runtime/merging.py streams_for_device), so one call's
+copies and last wave run beside another call's kernel; results are the same calls'. merge="ragged"
 runs such a table as ONE ragged call over the packed segments (their cumulative lengths, no
 padding). The automatic policy does not choose it: on an H200 (torch 2.11, cuDNN 9.19) torch's
 ragged cuDNN path ran 7x slower than the groups on a pack of 34 sequences, its dq and dk were
@@ -378,9 +378,9 @@ def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int)
     """fn(call) for every padded call and group, the most work first (the host queues the small
     calls while the GPU runs the large ones). On CUDA with streams > 1 each call goes to the side
     stream with the least work queued so far (longest first, least loaded: the streams finish
-    together), so calls run concurrently and one call's last, partly filled wave of thread
-    blocks is filled by the next call's (a call of 24 heads x 3k tokens is 4.4 waves on 132
-    SMs: 13% idle in its last). Writes must be disjoint."""
+    together), so calls run concurrently: one call's result copies (memory-bound) and last,
+    partly filled wave of thread blocks run beside another call's kernel (on an H200, 2 streams
+    took 4-6% off a pack of 24-30 calls of 0.5-9k tokens). Writes must be disjoint."""
     calls = table.calls
     if streams <= 1 or device.type != "cuda" or len(calls) < 2:
         for g in calls:

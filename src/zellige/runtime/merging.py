@@ -47,8 +47,8 @@ class CallCosts:
     bytes_per_s: float  # row gathers / copies, bytes read plus written
     source: str = ""
     # CUDA streams the engine spreads a table's calls over (coalesced._for_each_group): the
-    # count that ran mixed-length packs fastest on this device (the table's optional
-    # "streams" entry, measured by bench/attention_engine.py --stream-counts); 1 without one
+    # count that ran packs of many lengths fastest on this device (the table's optional
+    # "streams" entry, from bench/attention_engine.py --stream-counts); 1 without one
     streams: int = 1
 
     @staticmethod
