@@ -14,9 +14,11 @@ followed by copies of its results into the rows. On CUDA the calls are spread ov
 copies and last wave run beside another call's kernel; results are the same calls'. merge="ragged"
 runs such a table as ONE ragged call over the packed segments (their cumulative lengths, no
 padding). The automatic policy does not choose it: on an H200 (torch 2.11, cuDNN 9.19) torch's
-ragged cuDNN path ran 7x slower than the groups on a pack of 34 sequences, its dq and dk were
-wrong there, and the next pack hit an illegal memory access (bench/results/
-attention_engine_h200_202612.md), although it passes the small check against the math kernel.
+ragged cuDNN path builds its cuDNN graph on every call (50-65 ms a call, whatever its size) and
+its backward gives wrong dq / dk from 512 tokens a sequence on (o, lse and dv right;
+bench/attention_ragged_probe.py, bench/results/attention_engine_h200_202612_streams.md). The
+check that admits a ragged kernel (kernels.ragged_kernel_for) now includes a sequence of 1,100
+tokens, so such a build is refused.
 """
 
 from __future__ import annotations
