@@ -343,3 +343,207 @@ bool ZelligePlanner::bag_start(bool busiest_only, int32_t max_run, Plan* plan) {
   }
   return true;
 }
+
+// A starting point from the configuration view of a run of equal long sequences (issue 15, item
+// 2d; what the best known plans of many equal long videos look like: one node holding a window of
+// eight, another two of four and some pairs). Nodes are identical, so for a cap T on any window's
+// load, node_configurations.h chooses exactly which windows one node holds, how many sequences of
+// the run each carries and how many nodes take each configuration, for the least rank-seconds
+// (shape_at's estimates on aligned windows). Every cap where the run's window loads change (count
+// x a degree's time, up to `upper_s`) is tried; the best estimate of the whole plan (the busiest
+// window, the mean load with the rest of the batch, the longest other sequence) is built. The rest
+// go whole, longest first, to the least-loaded rank with the memory (or, too large for a rank, to
+// the least-loaded aligned window of the smallest degree that fits). The run: the equal lengths
+// with the most estimated work among those of at least two sequences of kBagItemFraction of the
+// mean load per rank. False when there is none, or the exact solve would cost more than
+// kConfigurationWork steps.
+bool ZelligePlanner::configuration_start(double upper_s, Plan* plan) {
+  int32_t run_key = -1;
+  double run_work_s = 0;
+  for (const auto& [key, count] : shape_key_counts_) {
+    if (count < 2 || local_estimate_s_[key] < kBagItemFraction * mean_load_s_) continue;
+    const double work_s = static_cast<double>(count) * local_estimate_s_[key];
+    if (work_s > run_work_s) {
+      run_work_s = work_s;
+      run_key = key;
+    }
+  }
+  if (run_key < 0 || !std::isfinite(upper_s)) return false;
+  std::vector<int32_t> run;
+  for (int32_t sequence : order_) {
+    if (shape_key_[sequence] == run_key) run.push_back(sequence);
+  }
+  const int64_t k = static_cast<int64_t>(run.size());
+  planners::RunShapes shapes;
+  shapes.time_s.assign(gpus_per_node_ + 1, kInf);
+  shapes.rank_seconds.assign(gpus_per_node_ + 1, kInf);
+  shapes.memory_bytes.assign(gpus_per_node_ + 1, 0.0);
+  std::vector<double> caps_s;
+  for (int64_t degree = 1; degree <= std::min(gpus_per_node_, num_ranks_); ++degree) {
+    const ShapeChoice& choice = shape_at(run_key, degree);
+    if (!choice.feasible) continue;
+    shapes.time_s[degree] = choice.time_s;
+    shapes.rank_seconds[degree] = choice.rank_seconds;
+    shapes.memory_bytes[degree] = choice.memory_bytes;
+    for (int64_t count = 1; count <= k; ++count) {
+      const double cap_s = static_cast<double>(count) * choice.time_s;
+      if (cap_s > upper_s) break;
+      caps_s.push_back(cap_s);
+    }
+  }
+  std::sort(caps_s.begin(), caps_s.end());
+  caps_s.erase(std::unique(caps_s.begin(), caps_s.end()), caps_s.end());
+  const double work = static_cast<double>(caps_s.size()) * static_cast<double>(num_nodes_) *
+                      static_cast<double>(k) * static_cast<double>(k);
+  if (caps_s.empty() || work > kConfigurationWork) return false;
+
+  // The rest of the batch: its rank-seconds and its longest whole sequence.
+  double rest_s = 0, longest_rest_s = 0;
+  for (int32_t sequence : order_) {
+    if (shape_key_[sequence] == run_key) continue;
+    rest_s += local_estimate_s_[sequence];
+    if (local_memory_bytes_[sequence] <= free_bytes_) {
+      longest_rest_s = std::max(longest_rest_s, local_estimate_s_[sequence]);
+    }
+  }
+  planners::ConfigurationChoice best;
+  double best_s = kInf;
+  for (double cap_s : caps_s) {
+    planners::ConfigurationChoice choice = planners::solve_node_configurations(
+        shapes, gpus_per_node_, num_nodes_, k, cap_s, free_bytes_);
+    if (!choice.feasible) continue;
+    double busiest_s = 0;
+    for (const planners::NodeConfiguration& configuration : choice.configurations) {
+      for (const planners::WindowUse& window : configuration.windows) {
+        busiest_s = std::max(busiest_s,
+                             static_cast<double>(window.count) * shapes.time_s[window.degree]);
+      }
+    }
+    const double estimate_s =
+        std::max({busiest_s, longest_rest_s,
+                  (choice.rank_seconds + rest_s) / static_cast<double>(num_ranks_)});
+    if (estimate_s < best_s * (1 - kMinGain)) {
+      best_s = estimate_s;
+      best = std::move(choice);
+    }
+  }
+  if (!std::isfinite(best_s)) return false;
+
+  // The run on its windows, node by node, each node's windows largest first from its first rank.
+  plan->num_ranks = num_ranks_;
+  plan->placements.clear();
+  rank_load_s_.assign(num_ranks_, 0.0);
+  std::vector<double> rank_bytes(num_ranks_, 0.0);
+  size_t next = 0;
+  int64_t node = 0;
+  std::vector<int64_t> ranks;
+  auto place = [&](int32_t sequence, int64_t degree, int64_t first_rank) {
+    const ShapeChoice& choice = shape_at(sequence, degree);
+    ranks.resize(degree);
+    std::iota(ranks.begin(), ranks.end(), first_rank);
+    for (int64_t j = 0; j < degree; ++j) {
+      rank_load_s_[first_rank + j] += estimate_s(choice.shares[j]);
+      rank_bytes[first_rank + j] += choice.shares[j].memory_bytes;
+    }
+    plan->placements.push_back(to_placement(batch_.sequences[sequence].id, choice.shape, ranks));
+  };
+  for (const planners::NodeConfiguration& configuration : best.configurations) {
+    for (int64_t copy = 0; copy < configuration.nodes; ++copy, ++node) {
+      int64_t first_rank = node * gpus_per_node_;
+      for (const planners::WindowUse& window : configuration.windows) {
+        for (int64_t c = 0; c < window.count; ++c) place(run[next++], window.degree, first_rank);
+        first_rank += window.degree;
+      }
+    }
+  }
+  // The rest, longest first.
+  for (int32_t sequence : order_) {
+    if (shape_key_[sequence] == run_key) continue;
+    if (local_memory_bytes_[sequence] <= free_bytes_) {
+      int64_t target = -1;
+      for (int64_t rank = 0; rank < num_ranks_; ++rank) {
+        if (rank_bytes[rank] + local_memory_bytes_[sequence] > free_bytes_) continue;
+        if (target < 0 || rank_load_s_[rank] < rank_load_s_[target]) target = rank;
+      }
+      if (target >= 0) {
+        rank_load_s_[target] += local_estimate_s_[sequence];
+        rank_bytes[target] += local_memory_bytes_[sequence];
+        plan->placements.push_back(
+            to_placement(batch_.sequences[sequence].id, Shape{}, {target}));
+        continue;
+      }
+    }
+    // Sharded: the smallest degree with a window whose ranks have the memory, on the window
+    // (aligned inside a node, whole nodes beyond) that would end earliest.
+    bool placed = false;
+    for (int64_t degree = 2; degree <= num_ranks_ && !placed;
+         degree = next_window_degree(degree, gpus_per_node_)) {
+      const ShapeChoice& choice = shape_at(sequence, degree);
+      if (!choice.feasible) continue;
+      int64_t best_first = -1;
+      double best_end_s = kInf;
+      const int64_t step = degree <= gpus_per_node_ ? degree : gpus_per_node_;
+      for (int64_t first = 0; first + degree <= num_ranks_; first += step) {
+        if (degree <= gpus_per_node_ && node_of(first) != node_of(first + degree - 1)) continue;
+        double end_s = 0;
+        bool fits = true;
+        for (int64_t j = 0; j < degree && fits; ++j) {
+          fits = rank_bytes[first + j] + choice.shares[j].memory_bytes <= free_bytes_;
+          end_s = std::max(end_s, rank_load_s_[first + j] + estimate_s(choice.shares[j]));
+        }
+        if (fits && end_s < best_end_s) {
+          best_end_s = end_s;
+          best_first = first;
+        }
+      }
+      if (best_first >= 0) {
+        place(sequence, degree, best_first);
+        placed = true;
+      }
+    }
+    if (!placed) return false;
+  }
+  return true;
+}
+
+// Equal-makespan steps (issue 15, item 2c), when no move lowers the busiest rank: a move that
+// lowers one of the next ranks instead, without raising any rank it touches to that rank's time,
+// leaves the makespan equal and lowers the loads below it (the secondary objective: the ranks'
+// times sorted from the busiest down, compared lexicographically). Tried first on the other ranks
+// of the busiest rank's anchors (a re-mould or relocation of a shared anchor is blocked by its
+// busiest other rank), then on the busiest ranks after it, kSidewaysRanks in all. Each accepted
+// step lowers that vector strictly (by more than kMinGain), so the search cannot cycle; local_search
+// also caps them at kSidewaysSteps.
+bool ZelligePlanner::try_sideways(Solution* s, int64_t busiest) {
+  sideways_ranks_.clear();
+  for (int32_t slot : s->rank_anchors[busiest]) {
+    for (int64_t rank : s->anchors[slot].ranks) {
+      if (rank != busiest) sideways_ranks_.push_back(rank);
+    }
+  }
+  auto by_time = [&](int64_t a, int64_t b) {
+    return s->time_s[a] > s->time_s[b] || (s->time_s[a] == s->time_s[b] && a < b);
+  };
+  std::sort(sideways_ranks_.begin(), sideways_ranks_.end(), by_time);
+  sideways_ranks_.erase(std::unique(sideways_ranks_.begin(), sideways_ranks_.end()),
+                        sideways_ranks_.end());
+  if (sideways_ranks_.size() < kSidewaysRanks) {
+    low_ranks_.resize(num_ranks_);
+    std::iota(low_ranks_.begin(), low_ranks_.end(), 0);
+    const size_t count = std::min<size_t>(kSidewaysRanks + 1, low_ranks_.size());
+    std::partial_sort(low_ranks_.begin(), low_ranks_.begin() + count, low_ranks_.end(), by_time);
+    for (size_t k = 0; k < count; ++k) {
+      const int64_t rank = low_ranks_[k];
+      if (rank != busiest && std::find(sideways_ranks_.begin(), sideways_ranks_.end(), rank) ==
+                                 sideways_ranks_.end()) {
+        sideways_ranks_.push_back(rank);
+      }
+    }
+  }
+  if (sideways_ranks_.size() > kSidewaysRanks) sideways_ranks_.resize(kSidewaysRanks);
+  const std::vector<int64_t> ranks = sideways_ranks_;  // improve() reuses the scratch vectors
+  for (int64_t rank : ranks) {
+    if (improve(s, rank)) return true;
+  }
+  return false;
+}
