@@ -87,7 +87,7 @@ constexpr int kWindowNodes = 4;
 constexpr size_t kPairPartners = 8;
 constexpr int64_t kAnchorMovesPerAnchor = 4;
 // Sideways steps (try_sideways): at most this many per search, each trying this many ranks.
-constexpr int64_t kSidewaysSteps = 8;
+constexpr int64_t kSidewaysSteps = 0;
 constexpr size_t kSidewaysRanks = 4;
 // Anchor degree scans (degree_for, place_anchor_within) step by one up to this many ranks, then by
 // degree / kDegreeScanSteps: one rank more changes a wide anchor's share by under 1%, and pricing
@@ -113,6 +113,8 @@ constexpr int32_t kBagRun = 4;
 // The configuration start (zellige_moves.h): only while its exact solves take at most this many
 // steps (caps x nodes x run length^2: 32 GPUs and a run of 18, ~0.2 M).
 constexpr double kConfigurationWork = 2e6;
+// ... and only for a run of at least this fraction of the batch's estimated work.
+constexpr double kConfigurationRunShare = 0.3;
 // A sequence of at least this fraction of the mean load per rank is sharded without need when
 // that saves at least kEfficientShapeMinGain of its rank-seconds.
 constexpr double kEfficientShapeMinLoad = 0.1;

@@ -368,7 +368,13 @@ bool ZelligePlanner::configuration_start(double upper_s, Plan* plan) {
       run_key = key;
     }
   }
-  if (run_key < 0 || !std::isfinite(upper_s)) return false;
+  // Only where the run is much of the batch's work (on the recipes' bucketed batches, equal
+  // lengths are common but no such run decides the plan, and the extra search would cost ~1 ms at
+  // 32 GPUs).
+  if (run_key < 0 || !std::isfinite(upper_s) ||
+      run_work_s < kConfigurationRunShare * mean_load_s_ * static_cast<double>(num_ranks_)) {
+    return false;
+  }
   std::vector<int32_t> run;
   for (int32_t sequence : order_) {
     if (shape_key_[sequence] == run_key) run.push_back(sequence);
@@ -427,7 +433,9 @@ bool ZelligePlanner::configuration_start(double upper_s, Plan* plan) {
       best = std::move(choice);
     }
   }
-  if (!std::isfinite(best_s)) return false;
+  // The estimate is about a relaxation of the plan (mean load, no packing): one that does not
+  // even beat the sweep's plan is no start worth a search.
+  if (!(best_s < upper_s)) return false;
 
   // The run on its windows, node by node, each node's windows largest first from its first rank.
   plan->num_ranks = num_ranks_;
