@@ -86,9 +86,6 @@ constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tr
 constexpr int kWindowNodes = 4;
 constexpr size_t kPairPartners = 8;
 constexpr int64_t kAnchorMovesPerAnchor = 4;
-// Sideways steps (try_sideways): at most this many per search, each trying this many ranks.
-constexpr int64_t kSidewaysSteps = 0;
-constexpr size_t kSidewaysRanks = 4;
 // Anchor degree scans (degree_for, place_anchor_within) step by one up to this many ranks, then by
 // degree / kDegreeScanSteps: one rank more changes a wide anchor's share by under 1%, and pricing
 // or placing every degree up to thousands made a few huge sequences on thousands of ranks cost
@@ -386,14 +383,11 @@ class ZelligePlanner {
   bool try_swap(Solution* s, int64_t busiest);
   bool try_remould(Solution* s, int64_t busiest);
   bool try_promote(Solution* s, int64_t busiest);
-  // Any of the moves above or below lowering `rank` (the busiest, or another for try_sideways).
-  bool improve(Solution* s, int64_t rank);
   // zellige_moves.h
   void window_nodes(const Solution& s, const AnchorPlacement& anchor, int count,
                     std::vector<int64_t>* nodes);
   bool try_relocate(Solution* s, int64_t busiest);
   bool try_pair(Solution* s, int64_t busiest);
-  bool try_sideways(Solution* s, int64_t busiest);
   bool bag_start(bool busiest_only, int32_t max_run, Plan* plan);
   bool configuration_start(double upper_s, Plan* plan);
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
@@ -452,7 +446,6 @@ class ZelligePlanner {
   std::vector<RankShare> candidate_shares_, pair_old_, pair_new_, best_pair_shares_;
   int64_t relocations_left_ = 0;
   std::vector<int32_t> bag_items_;
-  std::vector<int64_t> sideways_ranks_;
   std::vector<double> rank_load_s_;
   bool whole_anchor_moves_ = true;
   // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
@@ -1607,22 +1600,17 @@ int64_t ZelligePlanner::local_search(Solution* s, Clock::time_point deadline) {
   const int64_t max_steps = 20 * (num_sequences_ + num_ranks_) + 1000;
   int64_t step = 0;
   relocations_left_ = whole_anchor_moves_ ? kAnchorMovesPerAnchor * s->num_anchors : 0;
-  int64_t sideways_left = whole_anchor_moves_ ? kSidewaysSteps : 0;
   for (; step < max_steps; ++step) {
     if ((step & 15) == 15 && Clock::now() > deadline) break;
     const int64_t busiest =
         std::max_element(s->time_s.begin(), s->time_s.end()) - s->time_s.begin();
-    if (improve(s, busiest)) continue;
-    if (sideways_left <= 0 || !try_sideways(s, busiest)) break;
-    --sideways_left;
+    if (!try_move(s, busiest) && !try_swap(s, busiest) && !try_remould(s, busiest) &&
+        !try_promote(s, busiest) && !try_relocate(s, busiest) && !try_pair(s, busiest)) {
+      break;
+    }
   }
   finish(s);
   return step;
-}
-
-bool ZelligePlanner::improve(Solution* s, int64_t rank) {
-  return try_move(s, rank) || try_swap(s, rank) || try_remould(s, rank) || try_promote(s, rank) ||
-         try_relocate(s, rank) || try_pair(s, rank);
 }
 
 Plan ZelligePlanner::run() {
