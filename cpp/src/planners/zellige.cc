@@ -86,6 +86,10 @@ constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tr
 constexpr int kWindowNodes = 4;
 constexpr size_t kPairPartners = 8;
 constexpr int64_t kAnchorMovesPerAnchor = 4;
+// Equal-makespan memory steps (try_lower_memory): at most this many per search, each trying the
+// fillers of the fullest rank on this many ranks of least memory.
+constexpr int64_t kMemorySteps = 16;
+constexpr size_t kMemoryPartners = 4;
 // Anchor degree scans (degree_for, place_anchor_within) step by one up to this many ranks, then by
 // degree / kDegreeScanSteps: one rank more changes a wide anchor's share by under 1%, and pricing
 // or placing every degree up to thousands made a few huge sequences on thousands of ranks cost
@@ -388,6 +392,7 @@ class ZelligePlanner {
                     std::vector<int64_t>* nodes);
   bool try_relocate(Solution* s, int64_t busiest);
   bool try_pair(Solution* s, int64_t busiest);
+  bool try_lower_memory(Solution* s);
   bool bag_start(bool busiest_only, int32_t max_run, Plan* plan);
   bool configuration_start(double upper_s, Plan* plan);
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
@@ -446,6 +451,7 @@ class ZelligePlanner {
   std::vector<RankShare> candidate_shares_, pair_old_, pair_new_, best_pair_shares_;
   int64_t relocations_left_ = 0;
   std::vector<int32_t> bag_items_;
+  std::vector<int64_t> memory_ranks_;
   std::vector<double> rank_load_s_;
   bool whole_anchor_moves_ = true;
   // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
@@ -1600,14 +1606,17 @@ int64_t ZelligePlanner::local_search(Solution* s, Clock::time_point deadline) {
   const int64_t max_steps = 20 * (num_sequences_ + num_ranks_) + 1000;
   int64_t step = 0;
   relocations_left_ = whole_anchor_moves_ ? kAnchorMovesPerAnchor * s->num_anchors : 0;
+  int64_t memory_steps_left = whole_anchor_moves_ ? kMemorySteps : 0;
   for (; step < max_steps; ++step) {
     if ((step & 15) == 15 && Clock::now() > deadline) break;
     const int64_t busiest =
         std::max_element(s->time_s.begin(), s->time_s.end()) - s->time_s.begin();
-    if (!try_move(s, busiest) && !try_swap(s, busiest) && !try_remould(s, busiest) &&
-        !try_promote(s, busiest) && !try_relocate(s, busiest) && !try_pair(s, busiest)) {
-      break;
+    if (try_move(s, busiest) || try_swap(s, busiest) || try_remould(s, busiest) ||
+        try_promote(s, busiest) || try_relocate(s, busiest) || try_pair(s, busiest)) {
+      continue;
     }
+    if (memory_steps_left <= 0 || !try_lower_memory(s)) break;
+    --memory_steps_left;
   }
   finish(s);
   return step;

@@ -513,3 +513,51 @@ bool ZelligePlanner::configuration_start(double upper_s, Plan* plan) {
   }
   return true;
 }
+
+// An equal-makespan step (issue 15, item 2c), taken when no move lowers the busiest rank: a whole
+// sequence of the rank holding the most bytes moves to one of the kMemoryPartners ranks holding
+// the least, where it raises no rank's time above the makespan and lowers the larger of the two
+// ranks' bytes. The makespan stays (or falls), the secondary objective falls: the ranks' bytes,
+// sorted from the fullest down, compared lexicographically; so these steps cannot cycle among
+// themselves, and local_search caps them at kMemorySteps. Why memory: the search sizes memory as
+// if every layer were recomputed whole but times selective checkpointing; evaluate() recomputes
+// attention too on ranks whose kept activations do not fit, so on memory-tight batches the
+// fullest rank's bytes cost exact time that the search does not see (and item 6 prefers the lower
+// peak among plans of about the same makespan).
+bool ZelligePlanner::try_lower_memory(Solution* s) {
+  const int64_t fullest =
+      std::max_element(s->memory_bytes.begin(), s->memory_bytes.end()) - s->memory_bytes.begin();
+  if (s->rank_fillers[fullest].empty()) return false;
+  const double makespan_s = *std::max_element(s->time_s.begin(), s->time_s.end());
+  memory_ranks_.resize(num_ranks_);
+  std::iota(memory_ranks_.begin(), memory_ranks_.end(), 0);
+  const size_t count = std::min<size_t>(kMemoryPartners + 1, memory_ranks_.size());
+  std::partial_sort(memory_ranks_.begin(), memory_ranks_.begin() + count, memory_ranks_.end(),
+                    [&](int64_t a, int64_t b) {
+                      return s->memory_bytes[a] < s->memory_bytes[b] ||
+                             (s->memory_bytes[a] == s->memory_bytes[b] && a < b);
+                    });
+  memory_ranks_.resize(count);
+  double best_bytes = s->memory_bytes[fullest] * (1 - kMinGain);
+  int32_t best_sequence = -1;
+  int64_t best_rank = -1;
+  for (int32_t sequence : s->rank_fillers[fullest]) {
+    const double bytes = local_memory_bytes_[sequence];
+    const double left_bytes = s->memory_bytes[fullest] - bytes;
+    for (int64_t rank : memory_ranks_) {
+      if (rank == fullest) continue;
+      const double score_bytes = std::max(left_bytes, s->memory_bytes[rank] + bytes);
+      if (score_bytes >= best_bytes || s->memory_bytes[rank] + bytes > free_bytes_) continue;
+      if (time_with(*s, rank, local_tokens_[sequence], local_other_s_[sequence]) > makespan_s) {
+        continue;
+      }
+      best_bytes = score_bytes;
+      best_sequence = sequence;
+      best_rank = rank;
+    }
+  }
+  if (best_sequence < 0) return false;
+  remove_filler(s, best_sequence);
+  add_filler(s, best_sequence, best_rank);
+  return true;
+}
