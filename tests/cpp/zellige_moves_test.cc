@@ -152,8 +152,8 @@ TEST(ZelligeMoves, EqualMakespanStepsLowerTheFullestRank) {
     return lengths;
   };
   auto rank_s = [&](size_t num_clips, int64_t medium_tokens, int64_t rank) {
-    const PlanCost cost = cost_model.evaluate(test_util::batch_of(lengths_of(num_clips, medium_tokens)),
-                                              plan_of(num_clips, medium_tokens > 0));
+    const Batch batch = test_util::batch_of(lengths_of(num_clips, medium_tokens));
+    const PlanCost cost = cost_model.evaluate(batch, plan_of(num_clips, medium_tokens > 0));
     return cost.fits ? cost.ranks[rank].time_s : std::numeric_limits<double>::infinity();
   };
   const double ring_s = rank_s(0, 0, 0);
