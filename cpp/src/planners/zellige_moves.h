@@ -5,7 +5,8 @@
 // ZelligePlanner's definition, so these are ZelligePlanner's own members (the planner keeps its
 // state private to that file). Both moves run only where the cheaper moves found nothing (the
 // busiest rank is at a local optimum of move / swap / re-mould / promote) and, like them, must
-// lower the busiest rank's time without raising any rank they touch above it.
+// lower the busiest rank's time without raising any rank they touch above it. Also here: the
+// starts of aligned bags and of node configurations, and the equal-makespan memory steps.
 #pragma once
 
 // The `count` nodes whose ranks' summed time is least, then the nodes of `anchor`'s ranks.
