@@ -285,6 +285,7 @@ def train(
         profile=config.profile,
         activation_checkpointing=config.activation_checkpointing,
         adaptive_checkpointing=config.activation_checkpointing and config.adaptive_checkpointing,
+        weights_kept_to_backward=weights_kept_to_backward(config, num_ranks),
         sequences=sequences,
     )
     num_steps = config.steps - first_step
@@ -741,6 +742,15 @@ def step_loss(
     loss_dtype = torch.promote_types(velocity_TC.dtype, torch.float32)
     error_TC = velocity_TC.to(loss_dtype) - step_input.velocity_TC.to(loss_dtype)
     return error_TC.square().mean(dim=1).sum() / total_tokens
+
+
+def weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:
+    """Whether the blocks' gathered weights live from their forward to their backward (the cost
+    model prices them): no FSDP on one rank, or FSDP2 without resharding after the forward."""
+    if num_ranks == 1 and not config.fsdp_on_one_rank:
+        return True
+    reshard = config.reshard_after_forward
+    return not (num_ranks > 1 if reshard is None else reshard)
 
 
 def clip_and_step(model, optimizer, max_norm: float, in_optimizer: bool = True) -> torch.Tensor:
