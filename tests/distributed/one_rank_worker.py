@@ -25,14 +25,8 @@ def _value(text: str):
 
 
 def run(dtype: str, changes: dict) -> dict:
-    config = dataclasses.replace(
-        get_config("tiny-cpu"),
-        steps=STEPS,
-        loader_workers=0,
-        dtype=dtype,
-        grad_clip_norm=CLIP,
-        **changes,
-    )
+    fields = {"steps": STEPS, "loader_workers": 0, "dtype": dtype, "grad_clip_norm": CLIP}
+    config = dataclasses.replace(get_config("tiny-cpu"), **(fields | changes))
     built = {}
     build_model = loop.build_model
 
