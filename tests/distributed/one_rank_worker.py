@@ -2,7 +2,7 @@
 gradient norms and final parameters (test_train_one_rank.py compares them).
 
 usage: one_rank_worker.py OUT DTYPE VARIANT...; a variant is NAME=FIELD:VALUE,... of TrainConfig
-overrides (bool and float values), e.g. lone=fsdp_on_one_rank:false."""
+overrides (bool and float values), e.g. fsdp=fsdp_on_one_rank:true."""
 
 from __future__ import annotations
 

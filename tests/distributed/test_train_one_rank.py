@@ -43,8 +43,8 @@ def test_one_rank_paths_give_fsdp_parameters_bit_for_bit(tmp_path: Path) -> None
         runs = _runs(
             tmp_path,
             dtype,
-            "fsdp=reshard_after_forward:true",
-            "kept=reshard_after_forward:false",
+            "fsdp=fsdp_on_one_rank:true,reshard_after_forward:true",
+            "kept=fsdp_on_one_rank:true,reshard_after_forward:false",
             "lone=fsdp_on_one_rank:false",
         )
         reference = runs["fsdp"]
@@ -60,10 +60,10 @@ def test_clipping_in_the_fused_optimizer_matches_clip_grad_norm(tmp_path: Path) 
     runs = _runs(
         tmp_path,
         "float64",
-        "separate=fused_optimizer:false",
-        "folded=fused_optimizer:true,clip_in_optimizer:true",
-        "folded_lone=fused_optimizer:true,fsdp_on_one_rank:false",
-        "off_by_1pct=fused_optimizer:false,grad_clip_norm:0.0505",
+        "separate=fused_optimizer:false,fsdp_on_one_rank:true",
+        "folded=fused_optimizer:true,fsdp_on_one_rank:true",
+        "folded_lone=fused_optimizer:true",
+        "off_by_1pct=fused_optimizer:false,fsdp_on_one_rank:true,grad_clip_norm:0.0505",
     )
     reference = runs["separate"]["params"]
     assert _clipped_every_step(runs["separate"])
@@ -75,14 +75,14 @@ def test_clipping_in_the_fused_optimizer_matches_clip_grad_norm(tmp_path: Path) 
 
 
 def test_the_cost_model_prices_kept_weights_where_training_keeps_them() -> None:
-    config = TrainConfig(name="t", model=None, recipe="tiny")
-    assert weights_kept_to_backward(config, 1)
-    assert not weights_kept_to_backward(config, 2)
-    assert weights_kept_to_backward(TrainConfig(name="t", model=None, recipe="tiny",
-                                                reshard_after_forward=False), 2)  # fmt: skip
+    def config(**fields) -> TrainConfig:
+        return TrainConfig(name="t", model=None, recipe="tiny", **fields)
+
+    assert weights_kept_to_backward(config(), 1)  # no FSDP on one rank
+    assert not weights_kept_to_backward(config(), 2)
+    assert weights_kept_to_backward(config(reshard_after_forward=False), 2)
+    assert weights_kept_to_backward(config(fsdp_on_one_rank=True), 1)
     assert not weights_kept_to_backward(
-        TrainConfig(name="t", model=None, recipe="tiny", reshard_after_forward=True), 1
+        config(fsdp_on_one_rank=True, reshard_after_forward=True), 1
     )
-    assert weights_kept_to_backward(
-        TrainConfig(name="t", model=None, recipe="tiny", fsdp_on_one_rank=False), 1
-    )
+    assert weights_kept_to_backward(config(reshard_after_forward=True), 1)  # no FSDP: kept

@@ -1,10 +1,11 @@
 """Parallelism, activation checkpointing, precision and timing are applied here, in one place;
 the model itself knows none of them.
 
-FSDP2 (fully_shard) over all ranks, one unit per block plus the root. FSDP averages gradients
-over ranks; the loop scales each rank's loss by the rank count so the result is their sum (each
-rank's loss is already normalised by the global token count). A divide factor of 1 would say the
-same, but gloo lacks the PREMUL_SUM reduction it needs.
+FSDP2 (fully_shard) over all ranks, one unit per block plus the root; on a world of one, by
+default no FSDP at all (LoneRankWeights: the same arithmetic without FSDP2's copies). FSDP
+averages gradients over ranks; the loop scales each rank's loss by the rank count so the result
+is their sum (each rank's loss is already normalised by the global token count). A divide factor
+of 1 would say the same, but gloo lacks the PREMUL_SUM reduction it needs.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def parallelize(
     timer: StepTimer,
     compile_elementwise: bool = False,
     reshard_after_forward: bool | None = None,
-    fsdp_on_one_rank: bool = True,
+    fsdp_on_one_rank: bool = False,
 ) -> VideoDiT:
     """Shards `model` in place over `mesh` and returns it. bfloat16 means bf16 compute with fp32
     master weights and fp32 gradient reduction; float32 / float64 compute in that dtype.
@@ -146,7 +147,9 @@ def parallelize(
     prefetches one unit by default). reshard_after_forward (None: on more than one rank) frees
     each unit's gathered weights after its forward; a lone rank keeps them for the backward,
     which then neither casts nor copies them again (FSDP2's gather on one rank is those two
-    passes over every weight: pure overhead, paid once per step instead of twice)."""
+    passes over every weight: pure overhead, paid once per step instead of twice). On one rank
+    FSDP2 is left out unless fsdp_on_one_rank: LoneRankWeights gives bf16 compute on fp32
+    masters with one cast per step and no copies."""
     if reshard_after_forward is None:
         reshard_after_forward = mesh.size() > 1
     lone = mesh.size() == 1 and not fsdp_on_one_rank
