@@ -46,6 +46,7 @@ def run(dtype: str, changes: dict) -> dict:
     return {
         "losses": [r["loss"] for r in history],
         "grad_norms": [r["grad_norm"] for r in history],
+        "checkpointed_blocks": [r["checkpointed_blocks"] for r in history],
         "params": params,
     }
 

@@ -39,17 +39,26 @@ def _clipped_every_step(run: dict, clip: float = 0.05) -> bool:
 
 
 def test_one_rank_paths_give_fsdp_parameters_bit_for_bit(tmp_path: Path) -> None:
+    checkpointed = "activation_checkpointing:true,adaptive_checkpointing:false"
     for dtype in ("bfloat16", "float64"):
-        runs = _runs(
-            tmp_path,
-            dtype,
+        variants = [
             "fsdp=fsdp_on_one_rank:true,reshard_after_forward:true",
             "kept=fsdp_on_one_rank:true,reshard_after_forward:false",
             "lone=fsdp_on_one_rank:false",
-        )
-        reference = runs["fsdp"]
-        assert _clipped_every_step(reference)
-        for name in ("kept", "lone"):
+        ]
+        if dtype == "bfloat16":  # the backward's recompute uses the bf16 copies too
+            variants += [
+                f"fsdp_checkpointed=fsdp_on_one_rank:true,reshard_after_forward:true,{checkpointed}",
+                f"lone_checkpointed=fsdp_on_one_rank:false,{checkpointed}",
+            ]
+        runs = _runs(tmp_path, dtype, *variants)
+        assert _clipped_every_step(runs["fsdp"])
+        pairs = [("kept", "fsdp"), ("lone", "fsdp")]
+        if dtype == "bfloat16":
+            pairs.append(("lone_checkpointed", "fsdp_checkpointed"))
+            assert min(runs["lone_checkpointed"]["checkpointed_blocks"]) > 0
+        for name, reference_name in pairs:
+            reference = runs[reference_name]
             assert runs[name]["losses"] == reference["losses"], (dtype, name)
             for key, value in reference["params"].items():
                 assert runs[name]["params"][key].dtype == value.dtype  # fp32 / f64 masters
