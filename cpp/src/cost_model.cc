@@ -207,6 +207,7 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   gradient_bytes_ = params * options_.gradient_bytes_per_param / ranks;
   layer_gradient_bytes_ =
       block_params * options_.gradient_bytes_per_param / ranks / layer_units;
+  layer_weight_bytes_ = block_params * bpe / layer_units;
 
   const double layers = static_cast<double>(model_.num_layers);
   const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
@@ -686,14 +687,20 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
     // (input, attention outputs), which are among them: its own bytes are its activations.
     const double own = layer_activation_bytes;
     const double grads = static_cast<double>(layers - 1 - j) * layer_gradient_bytes_;
-    peak = std::max(peak, held_always + grads + below + own + buffer_bytes + measured_curve);
+    // weights kept from the forward: layers 0..j, two of which the fixed bytes count
+    const double weights =
+        options_.weights_kept_to_backward
+            ? static_cast<double>(std::max<int64_t>(0, j - 1)) * layer_weight_bytes_
+            : 0.0;
+    peak = std::max(peak,
+                    held_always + grads + below + own + buffer_bytes + weights + measured_curve);
     // Right after this layer's backward (its activations freed), while its gradients are
     // reduced: the moment of the largest layers only (an MMDiT's double blocks come first).
     const bool largest = model_.num_double_layers == 0 || j < model_.num_double_layers;
     if (reduce_fixed_bytes_ > 0 && largest) {
       const double reduced = reduce_fixed_bytes_ - step_fixed_bytes_ +
                              reduce_bytes_per_token_ * static_cast<double>(held_tokens);
-      peak = std::max(peak, held_always + grads + below + reduced);
+      peak = std::max(peak, held_always + grads + below + weights + reduced);
     }
   }
   return peak;
