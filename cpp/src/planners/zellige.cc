@@ -412,6 +412,7 @@ class ZelligePlanner {
   std::vector<Shape> shapes_;
   std::vector<std::vector<int64_t>> node_ranks_by_time_;
   std::vector<std::pair<double, int64_t>> node_keys_;  // stage 1's scan beyond a node
+  std::vector<int64_t> full_node_ids_;                 // the whole nodes it takes
   MinTree open_ranks_;                                 // stage 2: rank times
   // Stage 2: the shape key of the last filler that fit none of the ranks it tried (-1: none),
   // those ranks, and the last rank its scan reached.
@@ -954,11 +955,19 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
                           node});
   }
   if (full_nodes > 0) {
-    std::partial_sort(node_keys_.begin(), node_keys_.begin() + full_nodes, node_keys_.end());
+    // The full_nodes least (time, node) keys, in any order: ranks are sorted below, and the
+    // partial node's choice (least time, then node) does not depend on the order of the rest.
+    std::nth_element(node_keys_.begin(), node_keys_.begin() + (full_nodes - 1), node_keys_.end());
     if (node_keys_[full_nodes - 1].first == kInf) return kInf;
-  }
-  for (int64_t k = 0; k < full_nodes; ++k) {
-    take_from_node(node_keys_[k].second, gpus_per_node_, ranks);
+    // Each of them has every rank within memory (a finite key): whole nodes, in node order.
+    full_node_ids_.clear();
+    for (int64_t k = 0; k < full_nodes; ++k) full_node_ids_.push_back(node_keys_[k].second);
+    std::sort(full_node_ids_.begin(), full_node_ids_.end());
+    for (int64_t node : full_node_ids_) {
+      for (int64_t rank = node * gpus_per_node_; rank < (node + 1) * gpus_per_node_; ++rank) {
+        ranks->push_back(rank);
+      }
+    }
   }
   if (partial > 0) {
     int64_t best_node = -1;
@@ -977,8 +986,8 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
     take_from_node(best_node, partial, ranks);
     std::sort(ranks->begin() + partial_begin, ranks->end());
   }
-  // Full nodes in node order, each in rank order, the partial node last: the canonical pattern.
-  std::sort(ranks->begin(), ranks->end() - partial);
+  // Full nodes in node order, each in rank order (above), the partial node last: the canonical
+  // pattern.
   return busiest_after();
 }
 
