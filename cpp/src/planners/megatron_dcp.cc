@@ -214,6 +214,9 @@ class MegatronDcp {
   std::vector<double> work_of_lengths_s_;
   size_t work_slots_ = 0;
   std::vector<int64_t> memory_degree_;  // per lengths index; 0: not computed yet
+  // Per lengths index, its share alone on one rank (the rank left unset); and schedule's scratch.
+  std::vector<std::optional<RankShare>> local_share_;
+  std::vector<RankShare> placed_;
   // The per-token layers' time per token on a rank holding the batch's mean tokens per rank:
   // alone, a short sequence runs its GEMMs at a small-batch rate it does not have once packed.
   double linear_s_per_token_ = 0;
@@ -409,14 +412,22 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
     for (const Group& group : groups) {
       for (int64_t i : group.samples) {
         const Sequence& sequence = batch_.sequences[i];
-        // ring_placement(sequence.id, group.first_rank, group.size), without allocating
-        placement.sequence_id = sequence.id;
-        placement.strategy = group.size == 1 ? Strategy::kLocal : Strategy::kRing;
-        placement.ranks.resize(group.size);
-        std::iota(placement.ranks.begin(), placement.ranks.end(), group.first_rank);
-        placement.ulysses_degree = 1;
-        placement.ring_degree = group.size;
-        const std::vector<RankShare> placed = shares(sequence, placement);
+        if (group.size == 1) {  // most sequences: the share of their lengths on one rank
+          std::optional<RankShare>& local = local_share_[length_key_[i]];
+          if (!local) local = shares(sequence, ring_placement(sequence.id, 0, 1)).front();
+          placed_.assign(1, *local);
+          placed_[0].rank = group.first_rank;
+        } else {
+          // ring_placement(sequence.id, group.first_rank, group.size), without allocating
+          placement.sequence_id = sequence.id;
+          placement.strategy = Strategy::kRing;
+          placement.ranks.resize(group.size);
+          std::iota(placement.ranks.begin(), placement.ranks.end(), group.first_rank);
+          placement.ulysses_degree = 1;
+          placement.ring_degree = group.size;
+          placed_ = shares(sequence, placement);
+        }
+        const std::vector<RankShare>& placed = placed_;
         if (!loads.fits(placed)) {  // the union holds every micro-batch: try a later one
           leftovers.push_back(i);
           continue;
@@ -449,6 +460,7 @@ Plan MegatronDcp::run() {
     tokens_[i] = static_cast<double>(sequence.num_tokens);
   }
   memory_degree_.assign(key_of_lengths.size(), 0);
+  local_share_.assign(key_of_lengths.size(), std::nullopt);
   work_slots_ = static_cast<size_t>(63 - __builtin_clzll(static_cast<uint64_t>(num_ranks_))) + 2;
   work_of_lengths_s_.assign(key_of_lengths.size() * work_slots_,
                             std::numeric_limits<double>::quiet_NaN());
