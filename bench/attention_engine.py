@@ -50,7 +50,7 @@ import zellige
 from zellige.profiler.attention_calls import measure_call_table
 from zellige.runtime import SegmentTable, coalesced_attention, merging
 from zellige.runtime import kernels as K
-from zellige.runtime.coalesced import RAGGED_MIN_CALLS, _dense, planned_table
+from zellige.runtime.coalesced import RAGGED_MIN_CALLS, _dense, _for_each_group, planned_table
 
 aten = torch.ops.aten
 DEVICE = "cuda"  # --smoke runs the script's logic on the CPU with tiny shapes
@@ -141,25 +141,37 @@ def bench_dense(length: int, heads: int, head_dim: int, repeat: int, gen) -> tup
     return fwd_bwd(forward, (q, k, v), do, repeat)
 
 
-def bench_kernels_only(q, k, v, do, table, *, repeat):
-    """The table's kernel calls alone on ready inputs (views as the engine makes them)."""
+def bench_dense_again(q, k, v, do, length: int, gen, *, repeat) -> tuple[float, float]:
+    """bench_dense at the pack's head shape (a method of the --rounds list)."""
+    return bench_dense(length, q.shape[1], q.shape[2], max(5, repeat), gen)
+
+
+def bench_kernels_only(q, k, v, do, table, streams=1, *, repeat):
+    """The table's kernel calls alone on ready inputs (views as the engine makes them), on
+    `streams` CUDA streams as the engine spreads them (coalesced._for_each_group)."""
     kernel = K.kernel_for(q.device, q.dtype, q.shape[-1])
     scale = q.shape[-1] ** -0.5
     rows = [t.view(-1, t.shape[-1]) for t in (q, k, v, do)]
-    calls = []
+    calls = {}
     for g in table.groups:
         qd, dod = (_dense(r, g.q_index, g, g.q_len) for r in (rows[0], rows[3]))
         kd, vd = (_dense(r, g.k_index, g, g.k_len) for r in (rows[1], rows[2]))
         o, lse = kernel.forward(qd, kd, vd, scale)
-        calls.append((qd, kd, vd, dod, o, lse))
+        calls[id(g)] = (qd, kd, vd, dod, o, lse)
 
     def forward():
-        for qd, kd, vd, _, _, _ in calls:
+        def one(g):
+            qd, kd, vd, _, _, _ = calls[id(g)]
             kernel.forward(qd, kd, vd, scale)
 
+        _for_each_group(table, one, q.device, streams)
+
     def backward():
-        for qd, kd, vd, dod, o, lse in calls:
+        def one(g):
+            qd, kd, vd, dod, o, lse = calls[id(g)]
             kernel.backward(dod, qd, kd, vd, o, lse, scale)
+
+        _for_each_group(table, one, q.device, streams)
 
     return median_time_s(forward, repeat, "fwd"), median_time_s(backward, repeat, "bwd")
 
@@ -198,7 +210,9 @@ def auto_buckets(table, head_dim: int) -> tuple[list[list[int]], str]:
     return buckets, f"{costs.source}: planned {planned * 1e3:.2f} ms vs {alone * 1e3:.2f} ms"
 
 
-def bench_coalesced(q, k, v, do, table, backend, streams=1, merge=None, overlap=False, *, repeat):
+def bench_coalesced(
+    q, k, v, do, table, backend, streams=None, merge=None, overlap=False, *, repeat
+):
     rows = [t.view(-1, t.shape[-1]) for t in (q, k, v)]
     do_rows = do.view(-1, do.shape[-1])
 
@@ -290,6 +304,11 @@ def length_table(heads, head_dim, repeat, gen) -> list[dict]:
     return rows
 
 
+def write_report(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipes", nargs="*", default=RECIPES)
@@ -304,6 +323,19 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (no timing)")
     parser.add_argument("--streams", action="store_true", help="also the 2- and 4-stream groups")
+    parser.add_argument(
+        "--stream-counts", type=int, nargs="*", default=[],
+        help="also the groups on each N CUDA streams (N > 1) and their kernels alone on N streams",
+    )  # fmt: skip
+    parser.add_argument(
+        "--methods", nargs="*", default=None,
+        help="run only these methods (names as printed; the dense reference always runs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="run the method list this many times in turn (dense reference included), keep the "
+        "median per method: spreads clock drift over all methods",
+    )  # fmt: skip
     parser.add_argument("--flash-groups", action="store_true", help="also FA2 dense groups")
     parser.add_argument("--ragged", action="store_true", help="also one ragged cuDNN call")
     parser.add_argument(
@@ -363,6 +395,20 @@ def main() -> None:
         "lengths": [],
     }
 
+    commit = (
+        args.commit
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    report["machine"] = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if DEVICE == "cuda" else None,
+        "python": platform.python_version(),
+        "commit": commit,
+    }
     if args.call_table and args.call_table_first:
         report["call_table"] = measure_call_table(
             device, head_dim=head_dim, quick=args.smoke, repeats=args.repeat,
@@ -408,11 +454,22 @@ def main() -> None:
         fwd_s, bwd_s = timings["dense-cudnn"]
         print(f"{recipe} dense-cudnn L={dense_length}: {dense_flops / fwd_s / 1e12:.0f} / "
               f"{2.5 * dense_flops / bwd_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
+        entry["auto_streams"] = (
+            merging.streams_for_device(device) if DEVICE == "cuda" and table.num_calls > 1 else 1
+        )
         methods = [
             ("coalesced-auto", bench_coalesced, (table, None)),
             ("coalesced-groups", bench_coalesced, (table, None, 1, "groups")),
             ("fa2-varlen", bench_varlen, (lengths,)),
         ]
+        for count in args.stream_counts:  # the groups on N streams, and their kernels alone
+            if count > 1:
+                methods.append(
+                    (f"coalesced-{count}streams", bench_coalesced, (table, None, count, "groups"))
+                )
+            methods.append((f"kernels-only-{count}s", bench_kernels_only, (table, count)))
+        if args.rounds > 1:  # the dense reference again between rounds (see --rounds)
+            methods.insert(0, ("dense-cudnn", bench_dense_again, (dense_length, gen)))
         if args.streams:
             methods.append(("coalesced-2streams", bench_coalesced, (table, None, 2, "groups")))
             methods.append(("coalesced-4streams", bench_coalesced, (table, None, 4, "groups")))
@@ -450,18 +507,25 @@ def main() -> None:
             methods.append(("coalesced-ragged", bench_coalesced, (table, None, 1, "ragged")))
         if index < args.flex_packs:
             methods.append(("flex-document", bench_flex, (lengths,)))
+        if args.methods:
+            methods = [m for m in methods if m[0] in args.methods or m[0] == "dense-cudnn"]
         entry["host_ms"] = {}
-        for name, run, extra in methods:
+        # --rounds: every method's (forward, backward) seconds per round; the median is kept
+        rounds: dict[str, list[tuple[float, float]]] = {"dense-cudnn": [timings["dense-cudnn"]]}
+        for name, run, extra in [m for _ in range(args.rounds) for m in methods]:
             if args.method_budget_s and time.perf_counter() - started > args.method_budget_s:
-                entry["rates"][name] = "skipped: --method-budget-s"
+                entry["rates"].setdefault(name, "skipped: --method-budget-s")
                 continue
             try:
-                timings[name] = run(q, k, v, do, *extra, repeat=args.repeat)
+                rounds.setdefault(name, []).append(run(q, k, v, do, *extra, repeat=args.repeat))
+                fwd_all, bwd_all = (sorted(t[i] for t in rounds[name]) for i in (0, 1))
+                timings[name] = (fwd_all[len(fwd_all) // 2], bwd_all[len(bwd_all) // 2])
                 entry["host_ms"][name] = [
                     round(HOST_S[tag][len(HOST_S[tag]) // 2] * 1e3, 3) for tag in ("fwd", "bwd")
                 ]
-                fwd_s, bwd_s = timings[name]
-                rates = f"{flops / fwd_s / 1e12:.0f} / {2.5 * flops / bwd_s / 1e12:.0f}"
+                fwd_s, bwd_s = rounds[name][-1]
+                work = dense_flops if name == "dense-cudnn" else flops
+                rates = f"{work / fwd_s / 1e12:.0f} / {2.5 * work / bwd_s / 1e12:.0f}"
                 print(f"{recipe} {name}: {rates} TFLOP/s, host ms {entry['host_ms'][name]}",
                       flush=True)  # fmt: skip
             except Exception as exc:  # a backend missing in this torch build: report, go on
@@ -495,6 +559,16 @@ def main() -> None:
                 entry["rel_diff_padded_vs_groups"] = [
                     rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
                 ]
+        if max(args.stream_counts, default=1) > 1:  # N streams: the same calls, same results
+            rows = [t.view(-1, head_dim) for t in (q, k, v)]
+            outs = []
+            for count in (1, max(args.stream_counts)):
+                o_c = coalesced_attention(*rows, table, merge="groups", streams=count)
+                outs.append([o_c.view_as(q), *torch.autograd.grad(o_c.view_as(q), (q, k, v), do)])
+            entry["rel_diff_streams_vs_groups"] = [
+                rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
+            ]
+            entry["streams_o_identical"] = bool(torch.equal(outs[1][0], outs[0][0]))
         if args.overhead or args.merges:  # copies on a side stream: the same results
             rows = [t.view(-1, head_dim) for t in (q, k, v)]
             outs = []
@@ -505,6 +579,8 @@ def main() -> None:
                 rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
             ]
         report["packs"].append(entry)
+        if args.out:  # after every pack: a run cut short by a timeout keeps what it measured
+            write_report(report, args.out)
         print(json.dumps(entry), flush=True)
         del q, k, v, do
         if DEVICE == "cuda":
@@ -517,23 +593,8 @@ def main() -> None:
         )  # fmt: skip
     if not args.no_length_table and time.perf_counter() - started < args.time_budget_s + 60:
         report["lengths"] = length_table(heads, head_dim, args.repeat, gen)
-    commit = (
-        args.commit
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    )
-    report["machine"] = {
-        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if DEVICE == "cuda" else None,
-        "python": platform.python_version(),
-        "commit": commit,
-    }
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(report, args.out)
 
     print()
     print("| length | count | cudnn fwd / bwd | flash fwd / bwd |")

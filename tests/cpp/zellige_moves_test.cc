@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -122,6 +123,62 @@ TEST(ZelligeMoves, SearchFromRandomPlansNeverRaisesTheMakespanNorBeatsTheOptimum
   }
   EXPECT_GE(cases, 20);
   EXPECT_GE(improved, cases / 2);  // the search does move
+}
+
+TEST(ZelligeMoves, EqualMakespanStepsLowerTheFullestRank) {
+  // Four ranks: a long video as a ring on ranks 0-1 (the busiest, time T each), short clips on
+  // rank 2 (more tokens than a ring share, so more bytes, in under T) and one medium video on
+  // rank 3 (under T, fewer bytes). No move lowers ranks 0-1 without lifting another rank to T, so
+  // the search stops there; the equal-makespan memory steps then move clips from rank 2 to rank 3
+  // while rank 3 stays within T: the same makespan, a lower peak.
+  const CostModel cost_model = model_of("wan-14b", 4, 4);
+  const int64_t long_tokens = 60000, clip_tokens = 2048;
+  // A plan of the long video as a ring on ranks 0-1, the clips on rank 2, the medium on rank 3.
+  auto plan_of = [](size_t num_clips, bool medium) {
+    Plan plan;
+    plan.num_ranks = 4;
+    plan.placements = {make_placement(0, Strategy::kRing, {0, 1})};
+    int64_t id = 1;
+    if (medium) plan.placements.push_back(make_placement(id++, Strategy::kLocal, {3}));
+    for (size_t i = 0; i < num_clips; ++i) {
+      plan.placements.push_back(make_placement(id++, Strategy::kLocal, {2}));
+    }
+    return plan;
+  };
+  auto lengths_of = [&](size_t num_clips, int64_t medium_tokens) {
+    std::vector<int64_t> lengths = {long_tokens};
+    if (medium_tokens > 0) lengths.push_back(medium_tokens);
+    lengths.insert(lengths.end(), num_clips, clip_tokens);
+    return lengths;
+  };
+  auto rank_s = [&](size_t num_clips, int64_t medium_tokens, int64_t rank) {
+    const Batch batch = test_util::batch_of(lengths_of(num_clips, medium_tokens));
+    const PlanCost cost = cost_model.evaluate(batch, plan_of(num_clips, medium_tokens > 0));
+    return cost.fits ? cost.ranks[rank].time_s : std::numeric_limits<double>::infinity();
+  };
+  const double ring_s = rank_s(0, 0, 0);
+  size_t num_clips = 0;
+  while (rank_s(num_clips + 1, 0, 2) < 0.9 * ring_s) ++num_clips;
+  int64_t medium_tokens = 1024;
+  while (rank_s(num_clips, 2 * medium_tokens, 3) < 0.8 * ring_s) medium_tokens *= 2;
+  const Batch batch = test_util::batch_of(lengths_of(num_clips, medium_tokens));
+  const Plan start = plan_of(num_clips, true);
+  const PlanCost start_cost = cost_model.evaluate(batch, start);
+  ASSERT_TRUE(start_cost.fits);
+  ASSERT_GT(num_clips, 4u);
+  ASSERT_GT(start_cost.ranks[2].peak_bytes, start_cost.ranks[0].peak_bytes);  // the fullest
+  ASSERT_GT(start_cost.ranks[2].peak_bytes, start_cost.ranks[3].peak_bytes);
+  ASSERT_NEAR(start_cost.makespan_s, ring_s, 1e-9 * ring_s);  // ranks 0-1 are the busiest
+
+  const Plan without = planners::zellige_search(batch, cost_model, start, false);
+  const Plan with = planners::zellige_search(batch, cost_model, start, true);
+  const PlanCost without_cost = cost_model.evaluate(batch, without);
+  const PlanCost with_cost = cost_model.evaluate(batch, with);
+  ASSERT_TRUE(with_cost.fits);
+  EXPECT_NEAR(without_cost.makespan_s, start_cost.makespan_s, 1e-9 * start_cost.makespan_s);
+  EXPECT_NEAR(without_cost.peak_bytes, start_cost.peak_bytes, 1e-9 * start_cost.peak_bytes);
+  EXPECT_LE(with_cost.makespan_s, start_cost.makespan_s * (1 + 1e-9));
+  EXPECT_LT(with_cost.peak_bytes, without_cost.peak_bytes * 0.99);
 }
 
 }  // namespace

@@ -141,3 +141,23 @@ def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
     assert coalesced._ragged_choice(table, q, "math", "auto") is None  # the oracle: not auto
     with pytest.raises(ValueError, match="merge"):
         coalesced_attention(q, k, v, table, merge="padded")
+
+
+def test_ragged_kernel_check_catches_long_sequence_errors() -> None:
+    """The check that gates a ragged kernel passes the math oracle and fails a kernel that is
+    right on short sequences only (as torch 2.11's ragged cuDNN backward was: dq wrong from
+    512 tokens on)."""
+    from zellige.runtime import kernels as K
+
+    class WrongWhenLong(K.MathRaggedKernel):
+        def backward(self, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale):
+            dq, dk, dv = super().backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale)
+            bounds = cu_q.tolist()
+            for a, b in zip(bounds, bounds[1:], strict=False):
+                if b - a >= 512:
+                    dq[a:b] *= 2
+            return dq, dk, dv
+
+    cpu = torch.device("cpu")
+    assert K._ragged_agrees_with_math(K.MathRaggedKernel(), cpu, torch.float32, 16)
+    assert not K._ragged_agrees_with_math(WrongWhenLong(), cpu, torch.float32, 16)

@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "node_configurations.h"
 #include "rank_loads.h"
 #include "registry.h"
 #include "zellige/planners.h"
@@ -85,6 +86,10 @@ constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tr
 constexpr int kWindowNodes = 4;
 constexpr size_t kPairPartners = 8;
 constexpr int64_t kAnchorMovesPerAnchor = 4;
+// Equal-makespan memory steps (try_lower_memory): at most this many per search, each trying the
+// fillers of the fullest rank on this many ranks of least memory.
+constexpr int64_t kMemorySteps = 16;
+constexpr size_t kMemoryPartners = 4;
 // Anchor degree scans (degree_for, place_anchor_within) step by one up to this many ranks, then by
 // degree / kDegreeScanSteps: one rank more changes a wide anchor's share by under 1%, and pricing
 // or placing every degree up to thousands made a few huge sequences on thousands of ranks cost
@@ -106,6 +111,11 @@ int64_t next_window_degree(int64_t degree, int64_t gpus_per_node) {
 constexpr double kBagItemFraction = 0.25;
 constexpr double kBagWork = 4e6;
 constexpr int32_t kBagRun = 4;
+// The configuration start (zellige_moves.h): only while its exact solves take at most this many
+// steps (caps x nodes x run length^2: 32 GPUs and a run of 18, ~0.2 M).
+constexpr double kConfigurationWork = 2e6;
+// ... and only for a run of at least this fraction of the batch's estimated work.
+constexpr double kConfigurationRunShare = 0.3;
 // A sequence of at least this fraction of the mean load per rank is sharded without need when
 // that saves at least kEfficientShapeMinGain of its rank-seconds.
 constexpr double kEfficientShapeMinLoad = 0.1;
@@ -386,7 +396,9 @@ class ZelligePlanner {
                     std::vector<int64_t>* nodes);
   bool try_relocate(Solution* s, int64_t busiest);
   bool try_pair(Solution* s, int64_t busiest);
+  bool try_lower_memory(Solution* s);
   bool bag_start(bool busiest_only, int32_t max_run, Plan* plan);
+  bool configuration_start(double upper_s, Plan* plan);
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
                       const std::vector<RankShare>& new_shares);
 
@@ -454,6 +466,7 @@ class ZelligePlanner {
   std::vector<RankShare> candidate_shares_, pair_old_, pair_new_, best_pair_shares_;
   int64_t relocations_left_ = 0;
   std::vector<int32_t> bag_items_;
+  std::vector<int64_t> memory_ranks_;
   std::vector<double> rank_load_s_;
   bool whole_anchor_moves_ = true;
   // floor_bound's memo: per group size, per shape key, the floor's rank-seconds (NaN: not yet).
@@ -1623,14 +1636,17 @@ int64_t ZelligePlanner::local_search(Solution* s, Clock::time_point deadline) {
   const int64_t max_steps = 20 * (num_sequences_ + num_ranks_) + 1000;
   int64_t step = 0;
   relocations_left_ = whole_anchor_moves_ ? kAnchorMovesPerAnchor * s->num_anchors : 0;
+  int64_t memory_steps_left = whole_anchor_moves_ ? kMemorySteps : 0;
   for (; step < max_steps; ++step) {
     if ((step & 15) == 15 && Clock::now() > deadline) break;
     const int64_t busiest =
         std::max_element(s->time_s.begin(), s->time_s.end()) - s->time_s.begin();
-    if (!try_move(s, busiest) && !try_swap(s, busiest) && !try_remould(s, busiest) &&
-        !try_promote(s, busiest) && !try_relocate(s, busiest) && !try_pair(s, busiest)) {
-      break;
+    if (try_move(s, busiest) || try_swap(s, busiest) || try_remould(s, busiest) ||
+        try_promote(s, busiest) || try_relocate(s, busiest) || try_pair(s, busiest)) {
+      continue;
     }
+    if (memory_steps_left <= 0 || !try_lower_memory(s)) break;
+    --memory_steps_left;
   }
   finish(s);
   return step;
@@ -1825,6 +1841,13 @@ Plan ZelligePlanner::run() {
       if (!bag_start(busiest_only, max_run, &bags)) break;
       import_plan(bags, &current);
       if (std::isfinite(current.makespan_s)) search_from(&current, "search:bags");
+    }
+  }
+  {
+    Plan configurations;
+    if (configuration_start(sweep_s, &configurations)) {
+      import_plan(configurations, &current);
+      if (std::isfinite(current.makespan_s)) search_from(&current, "search:configurations");
     }
   }
 

@@ -5,7 +5,8 @@
 // ZelligePlanner's definition, so these are ZelligePlanner's own members (the planner keeps its
 // state private to that file). Both moves run only where the cheaper moves found nothing (the
 // busiest rank is at a local optimum of move / swap / re-mould / promote) and, like them, must
-// lower the busiest rank's time without raising any rank they touch above it.
+// lower the busiest rank's time without raising any rank they touch above it. Also here: the
+// starts of aligned bags and of node configurations, and the equal-makespan memory steps.
 #pragma once
 
 // The `count` nodes whose ranks' summed time is least, then the nodes of `anchor`'s ranks.
@@ -341,5 +342,223 @@ bool ZelligePlanner::bag_start(bool busiest_only, int32_t max_run, Plan* plan) {
     rank_load_s_[rank] += local_estimate_s_[sequence];
     plan->placements.push_back(to_placement(batch_.sequences[sequence].id, Shape{}, {rank}));
   }
+  return true;
+}
+
+// A starting point from the configuration view of a run of equal long sequences (issue 15, item
+// 2d; what the best known plans of many equal long videos look like: one node holding a window of
+// eight, another two of four and some pairs). Nodes are identical, so for a cap T on any window's
+// load, node_configurations.h chooses exactly which windows one node holds, how many sequences of
+// the run each carries and how many nodes take each configuration, for the least rank-seconds
+// (shape_at's estimates on aligned windows). Every cap where the run's window loads change (count
+// x a degree's time, up to `upper_s`) is tried; the best estimate of the whole plan (the busiest
+// window, the mean load with the rest of the batch, the longest other sequence) is built. The rest
+// go whole, longest first, to the least-loaded rank with the memory (or, too large for a rank, to
+// the least-loaded aligned window of the smallest degree that fits). The run: the equal lengths
+// with the most estimated work among those of at least two sequences of kBagItemFraction of the
+// mean load per rank. False when there is none, or the exact solve would cost more than
+// kConfigurationWork steps.
+bool ZelligePlanner::configuration_start(double upper_s, Plan* plan) {
+  int32_t run_key = -1;
+  double run_work_s = 0;
+  for (const auto& [key, count] : shape_key_counts_) {
+    if (count < 2 || local_estimate_s_[key] < kBagItemFraction * mean_load_s_) continue;
+    const double work_s = static_cast<double>(count) * local_estimate_s_[key];
+    if (work_s > run_work_s) {
+      run_work_s = work_s;
+      run_key = key;
+    }
+  }
+  // Only where the run is much of the batch's work (on the recipes' bucketed batches, equal
+  // lengths are common but no such run decides the plan, and the extra search would cost ~1 ms at
+  // 32 GPUs).
+  if (run_key < 0 || !std::isfinite(upper_s) ||
+      run_work_s < kConfigurationRunShare * mean_load_s_ * static_cast<double>(num_ranks_)) {
+    return false;
+  }
+  std::vector<int32_t> run;
+  for (int32_t sequence : order_) {
+    if (shape_key_[sequence] == run_key) run.push_back(sequence);
+  }
+  const int64_t k = static_cast<int64_t>(run.size());
+  planners::RunShapes shapes;
+  shapes.time_s.assign(gpus_per_node_ + 1, kInf);
+  shapes.rank_seconds.assign(gpus_per_node_ + 1, kInf);
+  shapes.memory_bytes.assign(gpus_per_node_ + 1, 0.0);
+  std::vector<double> caps_s;
+  for (int64_t degree = 1; degree <= std::min(gpus_per_node_, num_ranks_); ++degree) {
+    const ShapeChoice& choice = shape_at(run_key, degree);
+    if (!choice.feasible) continue;
+    shapes.time_s[degree] = choice.time_s;
+    shapes.rank_seconds[degree] = choice.rank_seconds;
+    shapes.memory_bytes[degree] = choice.memory_bytes;
+    for (int64_t count = 1; count <= k; ++count) {
+      const double cap_s = static_cast<double>(count) * choice.time_s;
+      if (cap_s > upper_s) break;
+      caps_s.push_back(cap_s);
+    }
+  }
+  std::sort(caps_s.begin(), caps_s.end());
+  caps_s.erase(std::unique(caps_s.begin(), caps_s.end()), caps_s.end());
+  const double work = static_cast<double>(caps_s.size()) * static_cast<double>(num_nodes_) *
+                      static_cast<double>(k) * static_cast<double>(k);
+  if (caps_s.empty() || work > kConfigurationWork) return false;
+
+  // The rest of the batch: its rank-seconds and its longest whole sequence.
+  double rest_s = 0, longest_rest_s = 0;
+  for (int32_t sequence : order_) {
+    if (shape_key_[sequence] == run_key) continue;
+    rest_s += local_estimate_s_[sequence];
+    if (local_memory_bytes_[sequence] <= free_bytes_) {
+      longest_rest_s = std::max(longest_rest_s, local_estimate_s_[sequence]);
+    }
+  }
+  planners::ConfigurationChoice best;
+  double best_s = kInf;
+  for (double cap_s : caps_s) {
+    planners::ConfigurationChoice choice = planners::solve_node_configurations(
+        shapes, gpus_per_node_, num_nodes_, k, cap_s, free_bytes_);
+    if (!choice.feasible) continue;
+    double busiest_s = 0;
+    for (const planners::NodeConfiguration& configuration : choice.configurations) {
+      for (const planners::WindowUse& window : configuration.windows) {
+        busiest_s = std::max(busiest_s,
+                             static_cast<double>(window.count) * shapes.time_s[window.degree]);
+      }
+    }
+    const double estimate_s =
+        std::max({busiest_s, longest_rest_s,
+                  (choice.rank_seconds + rest_s) / static_cast<double>(num_ranks_)});
+    if (estimate_s < best_s * (1 - kMinGain)) {
+      best_s = estimate_s;
+      best = std::move(choice);
+    }
+  }
+  // The estimate is about a relaxation of the plan (mean load, no packing): one that does not
+  // even beat the sweep's plan is no start worth a search.
+  if (!(best_s < upper_s)) return false;
+
+  // The run on its windows, node by node, each node's windows largest first from its first rank.
+  plan->num_ranks = num_ranks_;
+  plan->placements.clear();
+  rank_load_s_.assign(num_ranks_, 0.0);
+  std::vector<double> rank_bytes(num_ranks_, 0.0);
+  size_t next = 0;
+  int64_t node = 0;
+  std::vector<int64_t> ranks;
+  auto place = [&](int32_t sequence, int64_t degree, int64_t first_rank) {
+    const ShapeChoice& choice = shape_at(sequence, degree);
+    ranks.resize(degree);
+    std::iota(ranks.begin(), ranks.end(), first_rank);
+    for (int64_t j = 0; j < degree; ++j) {
+      rank_load_s_[first_rank + j] += estimate_s(choice.shares[j]);
+      rank_bytes[first_rank + j] += choice.shares[j].memory_bytes;
+    }
+    plan->placements.push_back(to_placement(batch_.sequences[sequence].id, choice.shape, ranks));
+  };
+  for (const planners::NodeConfiguration& configuration : best.configurations) {
+    for (int64_t copy = 0; copy < configuration.nodes; ++copy, ++node) {
+      int64_t first_rank = node * gpus_per_node_;
+      for (const planners::WindowUse& window : configuration.windows) {
+        for (int64_t c = 0; c < window.count; ++c) place(run[next++], window.degree, first_rank);
+        first_rank += window.degree;
+      }
+    }
+  }
+  // The rest, longest first.
+  for (int32_t sequence : order_) {
+    if (shape_key_[sequence] == run_key) continue;
+    if (local_memory_bytes_[sequence] <= free_bytes_) {
+      int64_t target = -1;
+      for (int64_t rank = 0; rank < num_ranks_; ++rank) {
+        if (rank_bytes[rank] + local_memory_bytes_[sequence] > free_bytes_) continue;
+        if (target < 0 || rank_load_s_[rank] < rank_load_s_[target]) target = rank;
+      }
+      if (target >= 0) {
+        rank_load_s_[target] += local_estimate_s_[sequence];
+        rank_bytes[target] += local_memory_bytes_[sequence];
+        plan->placements.push_back(
+            to_placement(batch_.sequences[sequence].id, Shape{}, {target}));
+        continue;
+      }
+    }
+    // Sharded: the smallest degree with a window whose ranks have the memory, on the window
+    // (aligned inside a node, whole nodes beyond) that would end earliest.
+    bool placed = false;
+    for (int64_t degree = 2; degree <= num_ranks_ && !placed;
+         degree = next_window_degree(degree, gpus_per_node_)) {
+      const ShapeChoice& choice = shape_at(sequence, degree);
+      if (!choice.feasible) continue;
+      int64_t best_first = -1;
+      double best_end_s = kInf;
+      const int64_t step = degree <= gpus_per_node_ ? degree : gpus_per_node_;
+      for (int64_t first = 0; first + degree <= num_ranks_; first += step) {
+        if (degree <= gpus_per_node_ && node_of(first) != node_of(first + degree - 1)) continue;
+        double end_s = 0;
+        bool fits = true;
+        for (int64_t j = 0; j < degree && fits; ++j) {
+          fits = rank_bytes[first + j] + choice.shares[j].memory_bytes <= free_bytes_;
+          end_s = std::max(end_s, rank_load_s_[first + j] + estimate_s(choice.shares[j]));
+        }
+        if (fits && end_s < best_end_s) {
+          best_end_s = end_s;
+          best_first = first;
+        }
+      }
+      if (best_first >= 0) {
+        place(sequence, degree, best_first);
+        placed = true;
+      }
+    }
+    if (!placed) return false;
+  }
+  return true;
+}
+
+// An equal-makespan step (issue 15, item 2c), taken when no move lowers the busiest rank: a whole
+// sequence of the rank holding the most bytes moves to one of the kMemoryPartners ranks holding
+// the least, where it raises no rank's time above the makespan and lowers the larger of the two
+// ranks' bytes. The makespan stays (or falls), the secondary objective falls: the ranks' bytes,
+// sorted from the fullest down, compared lexicographically; so these steps cannot cycle among
+// themselves, and local_search caps them at kMemorySteps. Why memory: the search sizes memory as
+// if every layer were recomputed whole but times selective checkpointing; evaluate() recomputes
+// attention too on ranks whose kept activations do not fit, so on memory-tight batches the
+// fullest rank's bytes cost exact time that the search does not see (and item 6 prefers the lower
+// peak among plans of about the same makespan).
+bool ZelligePlanner::try_lower_memory(Solution* s) {
+  const int64_t fullest =
+      std::max_element(s->memory_bytes.begin(), s->memory_bytes.end()) - s->memory_bytes.begin();
+  if (s->rank_fillers[fullest].empty()) return false;
+  const double makespan_s = *std::max_element(s->time_s.begin(), s->time_s.end());
+  memory_ranks_.resize(num_ranks_);
+  std::iota(memory_ranks_.begin(), memory_ranks_.end(), 0);
+  const size_t count = std::min<size_t>(kMemoryPartners + 1, memory_ranks_.size());
+  std::partial_sort(memory_ranks_.begin(), memory_ranks_.begin() + count, memory_ranks_.end(),
+                    [&](int64_t a, int64_t b) {
+                      return s->memory_bytes[a] < s->memory_bytes[b] ||
+                             (s->memory_bytes[a] == s->memory_bytes[b] && a < b);
+                    });
+  memory_ranks_.resize(count);
+  double best_bytes = s->memory_bytes[fullest] * (1 - kMinGain);
+  int32_t best_sequence = -1;
+  int64_t best_rank = -1;
+  for (int32_t sequence : s->rank_fillers[fullest]) {
+    const double bytes = local_memory_bytes_[sequence];
+    const double left_bytes = s->memory_bytes[fullest] - bytes;
+    for (int64_t rank : memory_ranks_) {
+      if (rank == fullest) continue;
+      const double score_bytes = std::max(left_bytes, s->memory_bytes[rank] + bytes);
+      if (score_bytes >= best_bytes || s->memory_bytes[rank] + bytes > free_bytes_) continue;
+      if (time_with(*s, rank, local_tokens_[sequence], local_other_s_[sequence]) > makespan_s) {
+        continue;
+      }
+      best_bytes = score_bytes;
+      best_sequence = sequence;
+      best_rank = rank;
+    }
+  }
+  if (best_sequence < 0) return false;
+  remove_filler(s, best_sequence);
+  add_filler(s, best_sequence, best_rank);
   return true;
 }

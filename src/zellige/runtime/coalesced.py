@@ -8,12 +8,17 @@ pack of 87 mixed sequences runs in a handful of kernel calls at the dense rate. 
 is C++ (_core.group_segments, shared with the plan compiler's step programs): one engine for
 self-, joint, cross-attention and ring steps.
 
-A pack of many distinct lengths makes many small calls, each below the dense rate. merge="ragged"
+A pack of many distinct lengths makes many small calls, each below the dense rate, and each
+followed by copies of its results into the rows. On CUDA the calls are spread over side streams
+(count: the device's measured call table, runtime/merging.py streams_for_device), so one call's
+copies and last wave run beside another call's kernel; results are the same calls'. merge="ragged"
 runs such a table as ONE ragged call over the packed segments (their cumulative lengths, no
 padding). The automatic policy does not choose it: on an H200 (torch 2.11, cuDNN 9.19) torch's
-ragged cuDNN path ran 7x slower than the groups on a pack of 34 sequences, its dq and dk were
-wrong there, and the next pack hit an illegal memory access (bench/results/
-attention_engine_h200_202612.md), although it passes the small check against the math kernel.
+ragged cuDNN path builds its cuDNN graph on every call (50-65 ms a call, whatever its size) and
+its backward gives wrong dq / dk from 512 tokens a sequence on (o, lse and dv right;
+bench/attention_ragged_probe.py, bench/results/attention_engine_h200_202612_streams.md). The
+check that admits a ragged kernel (kernels.ragged_kernel_for) now includes a sequence of 1,100
+tokens, so such a build is refused.
 """
 
 from __future__ import annotations
@@ -284,7 +289,7 @@ class SegmentTable:
         if "calls" not in self.merged:
             calls = sorted(
                 (*self.padded, *self.groups),
-                key=lambda g: -(g.count * g.q_len * g.k_len * g.num_heads),
+                key=lambda g: -_call_work(g),
             )
             self.merged["calls"] = tuple(calls)
         return self.merged["calls"]
@@ -356,16 +361,34 @@ def _flat(dense: Tensor) -> Tensor:
 _side_streams: dict[tuple[torch.device, int], list] = {}
 
 
+def _call_work(g: SegmentGroup | PaddedGroup) -> int:
+    return g.count * g.q_len * g.k_len * g.num_heads
+
+
+def stream_assignment(works: Sequence[int], streams: int) -> list[int]:
+    """The stream of each call (calls in the order given, most work first): the one with the
+    least work queued so far, the lowest index on ties."""
+    queued, chosen = [0] * max(1, streams), []
+    for work in works:
+        i = queued.index(min(queued))
+        queued[i] += work
+        chosen.append(i)
+    return chosen
+
+
 def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int) -> None:
     """fn(call) for every padded call and group, the most work first (the host queues the small
-    calls while the GPU runs the large ones); on CUDA with streams > 1 the calls run
-    round-robin on side streams so one call's last wave overlaps the next call (writes must be
-    disjoint)."""
+    calls while the GPU runs the large ones). On CUDA with streams > 1 each call goes to the side
+    stream with the least work queued so far (longest first, least loaded: the streams finish
+    together), so calls run concurrently: one call's result copies (memory-bound) and last,
+    partly filled wave of thread blocks run beside another call's kernel (on an H200, 2 streams
+    took 4-6% off a pack of 24-30 calls of 0.5-9k tokens). Writes must be disjoint."""
     calls = table.calls
     if streams <= 1 or device.type != "cuda" or len(calls) < 2:
         for g in calls:
             fn(g)
         return
+    streams = min(streams, len(calls))
     key = (device, streams)
     if key not in _side_streams:
         _side_streams[key] = [torch.cuda.Stream(device) for _ in range(streams)]
@@ -373,8 +396,8 @@ def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int)
     main = torch.cuda.current_stream(device)
     for stream in side:
         stream.wait_stream(main)
-    for i, g in enumerate(calls):
-        with torch.cuda.stream(side[i % streams]):
+    for g, i in zip(calls, stream_assignment([_call_work(g) for g in calls], streams), strict=True):
+        with torch.cuda.stream(side[i]):
             fn(g)
     for stream in side:
         main.wait_stream(stream)
@@ -766,7 +789,7 @@ def coalesced_attention(
     scale: float | None = None,
     backend: str | None = None,
     return_lse: bool = False,
-    streams: int = 1,
+    streams: int | None = None,
     merge: str | None = None,
     overlap_copies: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -775,7 +798,9 @@ def coalesced_attention(
     q_rows [Rq, H], k_rows / v_rows [Rk, H]; returns o_rows [Rq, H] (zero on rows that no segment
     covers) and, with return_lse, the log-sum-exp per query row (float32; -inf where uncovered).
     backend: a name of KERNELS ("cudnn", "flash", "cpu", ...) or None for the automatic choice.
-    streams: on CUDA, run the dense groups round-robin on this many side streams.
+    streams: on CUDA, spread the calls over this many side streams (each call to the least
+    loaded, longest first: concurrent calls fill each other's last waves); None: the device's
+    measured count (runtime/merging.py streams_for_device; 1 where nothing was measured).
     overlap_copies: on CUDA (one stream), write each call's results into the rows on a side
     stream, beside the next call's kernel (measured by bench/attention_engine.py --overhead).
     merge: "groups" (one dense call per group, or as the table's own padded merges say),
@@ -807,6 +832,12 @@ def coalesced_attention(
             )
         kernel = masked
     scale = default_scale(head_dim) if scale is None else scale
+    if streams is None:
+        streams = 1
+        if q_rows.device.type == "cuda" and table.num_calls > 1:
+            from zellige.runtime import merging
+
+            streams = merging.streams_for_device(q_rows.device)
     o_rows, lse_rows = _CoalescedAttention.apply(
         q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap_copies
     )

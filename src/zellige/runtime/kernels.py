@@ -451,26 +451,28 @@ _ragged_verified: dict[tuple, RaggedKernel | None] = {}
 
 
 def _ragged_agrees_with_math(kernel: RaggedKernel, device, dtype, head_dim: int) -> bool:
-    """Forward, lse and backward of three uneven sequences against MathRaggedKernel."""
+    """Forward, lse and backward of three uneven sequences against MathRaggedKernel. One is
+    longer than 1k tokens: torch 2.11's ragged cuDNN backward passed with sequences of at most
+    53 tokens but gave wrong dq / dk from 512 tokens on (bench/attention_ragged_probe.py)."""
     gen = torch.Generator(device="cpu").manual_seed(1)
-    lengths_q, lengths_k, heads = [37, 5, 53], [37, 5, 53], 3
+    lengths, heads = [37, 5, 1100], 3
 
     def rand(rows):
         return torch.randn(rows, heads, head_dim, generator=gen).to(device, dtype)
 
-    q, do = rand(sum(lengths_q)), rand(sum(lengths_q))
-    k, v = rand(sum(lengths_k)), rand(sum(lengths_k))
-    cu_q = torch.tensor([0, 37, 42, 95], dtype=torch.int32, device=device)
+    q, do, k, v = (rand(sum(lengths)) for _ in range(4))
+    bounds = [0, 37, 42, 42 + 1100]
+    cu_q = torch.tensor(bounds, dtype=torch.int32, device=device)
     cu_k = cu_q.clone()
-    scale = head_dim**-0.5
+    longest, scale = max(lengths), head_dim**-0.5
     oracle = MathRaggedKernel()
     try:
-        o, lse = kernel.forward(q, k, v, cu_q, cu_k, 53, 53, scale)
-        grads = kernel.backward(do, q, k, v, o, lse, cu_q, cu_k, 53, 53, scale)
+        o, lse = kernel.forward(q, k, v, cu_q, cu_k, longest, longest, scale)
+        grads = kernel.backward(do, q, k, v, o, lse, cu_q, cu_k, longest, longest, scale)
     except (RuntimeError, TypeError, NotImplementedError, ValueError, AttributeError):
         return False
-    o_ref, lse_ref = oracle.forward(q, k, v, cu_q, cu_k, 53, 53, scale)
-    grads_ref = oracle.backward(do, q, k, v, o_ref, lse_ref, cu_q, cu_k, 53, 53, scale)
+    o_ref, lse_ref = oracle.forward(q, k, v, cu_q, cu_k, longest, longest, scale)
+    grads_ref = oracle.backward(do, q, k, v, o_ref, lse_ref, cu_q, cu_k, longest, longest, scale)
     tolerance = {torch.float64: 1e-9, torch.float32: 2e-3}.get(dtype, 5e-2)
     for got, want in [(o, o_ref), (lse, lse_ref), *zip(grads, grads_ref, strict=True)]:
         if got.shape != want.shape:

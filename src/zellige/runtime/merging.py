@@ -46,6 +46,10 @@ class CallCosts:
     masked_backward: tuple[LogTable, ...]
     bytes_per_s: float  # row gathers / copies, bytes read plus written
     source: str = ""
+    # CUDA streams the engine spreads a table's calls over (coalesced._for_each_group): the
+    # count that ran packs of many lengths fastest on this device (the table's optional
+    # "streams" entry, from bench/attention_engine.py --stream-counts); 1 without one
+    streams: int = 1
 
     @staticmethod
     def from_call_table(data: dict, where: str) -> CallCosts:
@@ -60,6 +64,7 @@ class CallCosts:
                 for name in ("forward_s", "backward_s", "masked_forward_s", "masked_backward_s")
             }
             bytes_per_s = float(data["gather_bytes_per_s"])
+            streams = data.get("streams", 1)
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{where}: not an attention call table ({error})") from None
         ok = (
@@ -74,6 +79,8 @@ class CallCosts:
                 f"{where}: lengths must increase and every table must hold a positive time for "
                 "each (length, heads), gather_bytes_per_s > 0"
             )
+        if not (isinstance(streams, int) and not isinstance(streams, bool) and 1 <= streams <= 8):
+            raise ValueError(f"{where}: streams must be an integer from 1 to 8, got {streams!r}")
 
         def tables(name: str) -> tuple[LogTable, ...]:
             return tuple((heads, row) for row in grids[name])
@@ -86,6 +93,7 @@ class CallCosts:
             masked_backward=tables("masked_backward_s"),
             bytes_per_s=bytes_per_s,
             source=f"{where} ({data.get('created', '')})",
+            streams=streams,
         )
 
     def _seconds(self, tables, q_len: int, k_len: int, heads: int) -> float:
@@ -229,3 +237,18 @@ def costs_for_device(device: torch.device) -> CallCosts | None:
             None if text is None else CallCosts.from_call_table(parse_json(text, where), where)
         )
     return _device_costs[key]
+
+
+def streams_for_device(device: torch.device) -> int:
+    """How many CUDA streams the engine spreads a table's calls over on `device`:
+    $ZELLIGE_ATTENTION_STREAMS if set, else the device's measured call table's count (see
+    CallCosts.streams), else 1 (no measured basis; CPU always 1)."""
+    override = os.environ.get("ZELLIGE_ATTENTION_STREAMS")
+    if override:
+        if not override.isdigit() or not 1 <= int(override) <= 8:
+            raise ValueError(
+                f"ZELLIGE_ATTENTION_STREAMS must be an integer from 1 to 8, got '{override}'"
+            )
+        return int(override)
+    costs = costs_for_device(device)
+    return 1 if costs is None else costs.streams

@@ -1,0 +1,71 @@
+"""The coalesced engine's CUDA streams: which stream each call takes, and how many streams the
+automatic policy uses (the device's measured call table, or $ZELLIGE_ATTENTION_STREAMS)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from zellige.runtime import SegmentTable, coalesced_attention, merging
+from zellige.runtime.coalesced import stream_assignment
+
+
+def test_each_call_goes_to_the_least_loaded_stream() -> None:
+    # longest first: the two long calls take a stream each, the short ones fill in behind
+    assert stream_assignment([100, 90, 30, 20, 10, 5], 2) == [0, 1, 1, 0, 0, 1]
+    assert stream_assignment([8, 8, 8, 8, 8], 3) == [0, 1, 2, 0, 1]
+    assert stream_assignment([5, 4], 1) == [0, 0]
+    assert stream_assignment([], 4) == []
+    # balanced: no stream ends holding more than the others' maximum plus its last call
+    works = [int(x) for x in np.random.default_rng(0).integers(1, 1000, 40)]
+    works.sort(reverse=True)
+    chosen = stream_assignment(works, 4)
+    loads = [sum(w for w, s in zip(works, chosen, strict=True) if s == i) for i in range(4)]
+    assert max(loads) - min(loads) <= max(works)
+
+
+def _table_data(**extra) -> dict:
+    grid = [[1e-3, 2e-3], [4e-3, 8e-3]]
+    return {
+        "lengths": [64, 512],
+        "heads": [1, 8],
+        **{n: grid for n in ("forward_s", "backward_s", "masked_forward_s", "masked_backward_s")},
+        "gather_bytes_per_s": 1e12,
+        **extra,
+    }
+
+
+def test_call_table_carries_the_stream_count() -> None:
+    assert merging.CallCosts.from_call_table(_table_data(), "t.json").streams == 1
+    assert merging.CallCosts.from_call_table(_table_data(streams=3), "t.json").streams == 3
+    for bad in (0, 9, 2.5, "4", True):
+        with pytest.raises(ValueError, match="t.json: streams must be an integer from 1 to 8"):
+            merging.CallCosts.from_call_table(_table_data(streams=bad), "t.json")
+
+
+def test_stream_count_policy(monkeypatch) -> None:
+    cuda = torch.device("cuda", 0)  # only passed along: nothing runs on it
+    monkeypatch.delenv("ZELLIGE_ATTENTION_STREAMS", raising=False)
+    monkeypatch.setattr(merging, "costs_for_device", lambda device: None)
+    assert merging.streams_for_device(cuda) == 1  # nothing measured: one stream
+    table = merging.CallCosts.from_call_table(_table_data(streams=4), "t.json")
+    monkeypatch.setattr(merging, "costs_for_device", lambda device: table)
+    assert merging.streams_for_device(cuda) == 4
+    monkeypatch.setenv("ZELLIGE_ATTENTION_STREAMS", "2")
+    assert merging.streams_for_device(cuda) == 2
+    monkeypatch.setenv("ZELLIGE_ATTENTION_STREAMS", "many")
+    with pytest.raises(ValueError, match="ZELLIGE_ATTENTION_STREAMS must be an integer"):
+        merging.streams_for_device(cuda)
+
+
+def test_streams_leave_cpu_results_unchanged() -> None:
+    """On the CPU streams are ignored: the same calls in the same order, bit for bit."""
+    lengths = [7, 5, 5, 3, 2]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    table = SegmentTable.packed(cu, 2)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths) * 2, 4, generator=gen, dtype=torch.float64) for _ in "qkv")
+    one = coalesced_attention(q, k, v, table, streams=1)
+    for streams in (None, 3):
+        assert torch.equal(coalesced_attention(q, k, v, table, streams=streams), one)
