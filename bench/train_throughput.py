@@ -11,8 +11,13 @@ usage: python bench/train_throughput.py [--runs CONFIG:RECIPE[:VARIANT...],...] 
 Variants: ":eager" runs the per-token layers without torch.compile (the default on CUDA compiles
 them, see zellige.model.fused); ":compiled" compiles them anywhere; ":all-checkpointed"
 checkpoints every block (the default checkpoints per step only the blocks the plan's predicted
-memory needs); ":no-checkpointing" checkpoints none. Every step's predicted and measured peak
-are listed. --sync-check: the first run warns at every host sync inside its steps
+memory needs); ":no-checkpointing" checkpoints none. One GPU trains without FSDP2 by default
+(fp32 master weights, bf16 copies cast once per step): ":fsdp" uses FSDP2 there too (keeping
+each block's gathered weights to its backward), ":fsdp:reshard" as on more GPUs (gathered again
+in the backward); ":separate-clipping" scales the gradients in a pass of its own before the fused
+AdamW (by default its kernel applies the clipping's scale). ":fsdp:reshard:separate-clipping" is
+the step before these changes. Every step's predicted and measured peak are listed.
+--sync-check: the first run warns at every host sync inside its steps
 (torch.cuda.set_sync_debug_mode, from step start to the optimizer step) and the summary counts
 them per step and by source line; steps after the warm-up should have 0 (the first steps have
 one-time work: torch.compile, the attention kernel's check on first use).
@@ -55,6 +60,9 @@ VARIANTS = {
     "compiled": {"compile_elementwise": True},
     "all-checkpointed": {"activation_checkpointing": True, "adaptive_checkpointing": False},
     "no-checkpointing": {"activation_checkpointing": False},
+    "reshard": {"reshard_after_forward": True},
+    "separate-clipping": {"clip_in_optimizer": False},
+    "fsdp": {"fsdp_on_one_rank": True},
 }
 
 

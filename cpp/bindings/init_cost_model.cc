@@ -16,7 +16,8 @@ void init_cost_model(nb::module_& m) {
       .def_rw("state_bytes_per_param", &CostOptions::state_bytes_per_param)
       .def_rw("gradient_bytes_per_param", &CostOptions::gradient_bytes_per_param)
       .def_rw("memory_headroom", &CostOptions::memory_headroom)
-      .def_rw("adaptive_checkpointing", &CostOptions::adaptive_checkpointing);
+      .def_rw("adaptive_checkpointing", &CostOptions::adaptive_checkpointing)
+      .def_rw("weights_kept_to_backward", &CostOptions::weights_kept_to_backward);
   add_value_methods(options, {"activation_checkpointing", "bytes_per_element",
                               "state_bytes_per_param", "gradient_bytes_per_param",
                               "memory_headroom", "adaptive_checkpointing"});

@@ -203,6 +203,7 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   gradient_bytes_ = params * options_.gradient_bytes_per_param / ranks;
   layer_gradient_bytes_ =
       block_params * options_.gradient_bytes_per_param / ranks / layer_units;
+  layer_weight_bytes_ = block_params * bpe / layer_units;
 
   const double layers = static_cast<double>(model_.num_layers);
   const double forward_passes = options_.activation_checkpointing ? 2.0 : 1.0;
@@ -676,7 +677,12 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
     // (input, attention outputs), which are among them: its own bytes are its activations.
     const double own = layer_activation_bytes;
     const double grads = static_cast<double>(layers - 1 - j) * layer_gradient_bytes_;
-    peak = std::max(peak, held_always + grads + below + own + buffer_bytes);
+    // weights kept from the forward: layers 0..j, two of which the fixed bytes count
+    const double weights =
+        options_.weights_kept_to_backward
+            ? static_cast<double>(std::max<int64_t>(0, j - 1)) * layer_weight_bytes_
+            : 0.0;
+    peak = std::max(peak, held_always + grads + below + own + buffer_bytes + weights);
   }
   return peak;
 }

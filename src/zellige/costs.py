@@ -28,13 +28,15 @@ def make_cost_model(
     links: str = "nvlink",
     activation_checkpointing: bool = True,
     adaptive_checkpointing: bool = False,
+    weights_kept_to_backward: bool = False,
 ) -> CostModel:
     """A CostModel for `gpus` GPUs of `gpus_per_node` each (default: 8, or `gpus` when fewer).
     `profile` is a profile JSON path, a HardwareProfile, or None for the built-in H200 profile.
     `model` is a preset name, a model spec file or a ModelSpec (zellige.resolve_model).
     adaptive_checkpointing: each rank checkpoints only the layers its memory needs (the plan's
-    predicted rank_checkpointed_layers). Raises ValueError for an unknown model or link class, a
-    bad cluster shape or profile."""
+    predicted rank_checkpointed_layers). weights_kept_to_backward: training keeps each block's
+    gathered weights from its forward to its backward (zellige.train on one rank). Raises
+    ValueError for an unknown model or link class, a bad cluster shape or profile."""
     spec = resolve_model(model)
     if gpus_per_node is None:
         gpus_per_node = default_gpus_per_node(gpus)
@@ -43,4 +45,5 @@ def make_cost_model(
     options = CostOptions()
     options.activation_checkpointing = activation_checkpointing
     options.adaptive_checkpointing = adaptive_checkpointing
+    options.weights_kept_to_backward = weights_kept_to_backward
     return CostModel(spec, hardware, cluster, options)

@@ -558,6 +558,28 @@ TEST(CostModel, PeakIsTheMaximumOverTheBackwardsProgress) {
   }
 }
 
+// Weights kept from the forward to the backward (zellige.train on one rank): before layer j's
+// backward the gathered bf16 weights of layers 0..j are held, two of which the fixed bytes count
+// already. With 4 layers and large activations the peak is at layer 3: two layers' weights more.
+TEST(CostModel, KeptWeightsAddTheGatheredLayersAboveTwo) {
+  ModelSpec spec = model_preset("wan-1.3b");
+  spec.num_layers = 4;
+  const auto model_with = [&](bool kept) {
+    CostOptions options;
+    options.weights_kept_to_backward = kept;
+    return CostModel(spec, analytic_profile("t", 700e12, 550e12, 4.2e12), make_cluster(1, 1),
+                     options);
+  };
+  const CostModel gathered = model_with(false);
+  const CostModel kept = model_with(true);
+  const double layer_weights = static_cast<double>(block_param_count(spec)) * 2.0 / 4.0;
+  const double a = 4e9, c = 1, buffer = 5;
+  EXPECT_NEAR(kept.rank_peak_bytes(a, c, buffer, 0) - gathered.rank_peak_bytes(a, c, buffer, 0),
+              2 * layer_weights, 1e-3 * layer_weights);
+  // fixed bytes alone (no activations): the end of the backward, where nothing is kept
+  EXPECT_DOUBLE_EQ(kept.rank_peak_bytes(0, 0, 0, 0), gathered.rank_peak_bytes(0, 0, 0, 0));
+}
+
 // Adaptive checkpointing: a rank with room keeps every layer's activations and pays no
 // recompute; a rank without room checkpoints the fewest layers whose peak fits.
 TEST(CostModel, AdaptiveCheckpointingRecomputesOnlyWhatMemoryNeeds) {

@@ -35,6 +35,11 @@ struct CostOptions {
   // first ones) as its memory needs, and prices the recompute of those alone. The planners still
   // size ranks as if every layer were checkpointed, so every plan stays feasible.
   bool adaptive_checkpointing = false;
+  // Training keeps each block's gathered bf16 weights from its forward to its backward instead
+  // of gathering them again there (zellige.train on one rank: FSDP2 without resharding after the
+  // forward, or no FSDP). Before layer j's backward the weights of layers 0..j are then held,
+  // where the step's fixed bytes count two gathered layers (the one running and the prefetched).
+  bool weights_kept_to_backward = false;
 };
 
 // What one placement of one sequence costs one of its ranks. Everything is additive over the
@@ -298,6 +303,7 @@ class CostModel {
   double fixed_bytes_ = 0;
   double gradient_bytes_ = 0;           // the gradients within fixed_bytes_
   double layer_gradient_bytes_ = 0;     // one block's gradients (they appear layer by layer)
+  double layer_weight_bytes_ = 0;       // one block's gathered weights (bytes_per_element each)
   double min_linear_time_per_token_s_ = 0;
   LogTable attention_forward_, attention_backward_, matmul_forward_, matmul_backward_;
   // The profile's call tables: log of the per-head slowdown against the largest call measured.

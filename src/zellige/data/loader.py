@@ -131,6 +131,7 @@ class StepDataset(torch.utils.data.Dataset):
         profile: str | None = None,
         activation_checkpointing: bool = True,
         adaptive_checkpointing: bool = False,
+        weights_kept_to_backward: bool = False,
         sequences: list[dict] | None = None,
         plan: dict | None = None,
         data_ranks: int | None = None,
@@ -145,6 +146,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.profile = profile
         self.activation_checkpointing = activation_checkpointing
         self.adaptive_checkpointing = adaptive_checkpointing
+        self.weights_kept_to_backward = weights_kept_to_backward
         self.sequences = sequences
         self.fixed_plan = plan
         self.data_ranks = data_ranks or num_ranks
@@ -161,6 +163,7 @@ class StepDataset(torch.utils.data.Dataset):
                 self.profile,
                 activation_checkpointing=self.activation_checkpointing,
                 adaptive_checkpointing=self.adaptive_checkpointing,
+                weights_kept_to_backward=self.weights_kept_to_backward,
             )
             recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
             latents = SyntheticLatents(

@@ -36,6 +36,19 @@ class TrainConfig:
     # torch.compile the blocks' per-token layers (norms, modulation, RoPE, projections, FFN);
     # None: on CUDA only
     compile_elementwise: bool | None = None
+    # FSDP2 frees each block's gathered bf16 weights after its forward and gathers them again
+    # for its backward; None: only on more than one rank (a lone rank keeps them from its
+    # forward to its backward: no second cast and copy of every weight; the cost model prices
+    # the kept weights the same way)
+    reshard_after_forward: bool | None = None
+    # on a world of one: no FSDP (False: fp32 master weights, bf16 copies cast once per step,
+    # parallelize.LoneRankWeights; measured faster on one H200), or FSDP2 as on more ranks
+    fsdp_on_one_rank: bool = False
+    # AdamW as one fused kernel over all parameters; None: on CUDA only
+    fused_optimizer: bool | None = None
+    # with a fused optimizer: the gradient clipping's scale is applied inside the optimizer's
+    # kernel (its grad_scale), not by a pass of its own over the gradients
+    clip_in_optimizer: bool = True
     sync_debug: bool = False  # CUDA: warn at each host sync from step start to optimizer step
     learning_rate: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
@@ -207,6 +220,10 @@ FIELD_HELP = {
     "activation_checkpointing": "recompute each block in backward",
     "adaptive_checkpointing": "checkpoint only the blocks each rank's predicted memory needs",
     "compile_elementwise": "torch.compile the blocks' per-token layers (default: on CUDA only)",
+    "reshard_after_forward": "free gathered weights after the forward (default: on >1 rank)",
+    "fsdp_on_one_rank": "FSDP2 also on one rank (default: fp32 masters, bf16 copies per step)",
+    "fused_optimizer": "AdamW as one fused kernel (default: on CUDA only)",
+    "clip_in_optimizer": "a fused optimizer applies the gradient clipping's scale itself",
     "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",
     "learning_rate": "AdamW peak learning rate",
     "betas": "AdamW betas (TOML only: a list of two numbers)",

@@ -204,6 +204,8 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
         compile_elementwise=device.type == "cuda"
         if config.compile_elementwise is None
         else config.compile_elementwise,
+        reshard_after_forward=config.reshard_after_forward,
+        fsdp_on_one_rank=config.fsdp_on_one_rank,
     )
     if device.type == "cuda":
         model.to_empty(device=device)
@@ -250,7 +252,8 @@ def train(
         lr=config.learning_rate,
         betas=config.betas,
         weight_decay=config.weight_decay,
-        fused=device.type == "cuda",  # one kernel over all parameters, no per-tensor launches
+        # one kernel over all parameters, no per-tensor launches
+        fused=device.type == "cuda" if config.fused_optimizer is None else config.fused_optimizer,
     )
     warmup = max(config.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -282,6 +285,7 @@ def train(
         profile=config.profile,
         activation_checkpointing=config.activation_checkpointing,
         adaptive_checkpointing=config.activation_checkpointing and config.adaptive_checkpointing,
+        weights_kept_to_backward=weights_kept_to_backward(config, num_ranks),
         sequences=sequences,
     )
     num_steps = config.steps - first_step
@@ -426,8 +430,7 @@ def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, w
     # the step's peak split by phase, against the cost model's (which has no optimizer step)
     peak_backward_gib = _peak_gib(device, reset=True)
     with record_function("zellige.step.optimizer"):
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip_norm)
-        optimizer.step()
+        grad_norm = clip_and_step(model, optimizer, config.grad_clip_norm, config.clip_in_optimizer)
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
     del step_input  # its tensors are free once the device is done with them
@@ -739,6 +742,37 @@ def step_loss(
     loss_dtype = torch.promote_types(velocity_TC.dtype, torch.float32)
     error_TC = velocity_TC.to(loss_dtype) - step_input.velocity_TC.to(loss_dtype)
     return error_TC.square().mean(dim=1).sum() / total_tokens
+
+
+def weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:
+    """Whether the blocks' gathered weights live from their forward to their backward (the cost
+    model prices them): no FSDP on one rank, or FSDP2 without resharding after the forward."""
+    if num_ranks == 1 and not config.fsdp_on_one_rank:
+        return True
+    reshard = config.reshard_after_forward
+    return not (num_ranks > 1 if reshard is None else reshard)
+
+
+def clip_and_step(model, optimizer, max_norm: float, in_optimizer: bool = True) -> torch.Tensor:
+    """Clips the gradients' global 2-norm to max_norm and steps the optimizer; returns the norm
+    before clipping (a device tensor: no host sync). A fused AdamW applies the clipping's scale
+    itself (its grad_scale divides each gradient as it reads it), which saves a pass that reads
+    and writes every gradient; otherwise torch's clip_grad_norm_ scales them first. The scale
+    is the reciprocal of clip_grad_norm_'s coefficient min(1, max_norm / (norm + 1e-6)),
+    computed on the device; the optimizer takes it in float32."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    fused = any(group.get("fused") for group in optimizer.param_groups)
+    if not (fused and in_optimizer):
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        optimizer.step()
+        return norm
+    norm = _full(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
+    optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).float()
+    try:
+        optimizer.step()
+    finally:
+        optimizer.grad_scale = None
+    return norm
 
 
 def _checkpointed_blocks(config: TrainConfig, plan: dict, rank: int) -> tuple[int, int]:

@@ -1,10 +1,11 @@
 """Parallelism, activation checkpointing, precision and timing are applied here, in one place;
 the model itself knows none of them.
 
-FSDP2 (fully_shard) over all ranks, one unit per block plus the root. FSDP averages gradients
-over ranks; the loop scales each rank's loss by the rank count so the result is their sum (each
-rank's loss is already normalised by the global token count). A divide factor of 1 would say the
-same, but gloo lacks the PREMUL_SUM reduction it needs.
+FSDP2 (fully_shard) over all ranks, one unit per block plus the root; on a world of one, by
+default no FSDP at all (LoneRankWeights: the same arithmetic without FSDP2's copies). FSDP
+averages gradients over ranks; the loop scales each rank's loss by the rank count so the result
+is their sum (each rank's loss is already normalised by the global token count). A divide factor
+of 1 would say the same, but gloo lacks the PREMUL_SUM reduction it needs.
 """
 
 from __future__ import annotations
@@ -70,6 +71,64 @@ def bf16_policy() -> MixedPrecisionPolicy:
     )
 
 
+class LoneRankWeights:
+    """Mixed precision on a world of one without FSDP: the modules' parameters stay the fp32
+    master weights (what the optimizer updates and checkpoints save); each forward computes with
+    bf16 copies made in one multi-tensor cast at its start, and each copy's gradient becomes its
+    master's fp32 gradient as soon as the backward has accumulated it (the copy is then freed).
+    The same arithmetic as FSDP2's policy on one rank (bf16 weights, bf16 gradients cast to
+    fp32), without its per-unit copies into and out of the collectives' buffers, and without
+    the backward's second cast; the bf16 weights live from the forward to their backward, as
+    FSDP2's do with reshard_after_forward=False."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self._dtype = dtype
+        # (module, name) of every parameter, looked up at each forward: the model may be
+        # materialised (to_empty) or loaded after this
+        self._slots = [
+            (module, name)
+            for module in model.modules()
+            for name, p in module._parameters.items()
+            if p is not None
+        ]
+        self._masters = None  # during a step: the master weights, in slot order
+        self._restore_queued = False
+        model.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, _module, _args) -> None:
+        if self._masters is not None:
+            raise RuntimeError("LoneRankWeights: a forward began before the last backward ended")
+        masters = [module._parameters[name] for module, name in self._slots]
+        computes = [torch.empty_like(m, dtype=self._dtype) for m in masters]
+        with torch.no_grad():
+            torch._foreach_copy_(computes, masters)  # the step's one cast of every weight
+        self._masters = masters
+        for (module, name), master, compute in zip(self._slots, masters, computes, strict=True):
+            weight = nn.Parameter(compute, requires_grad=master.requires_grad)
+            if weight.requires_grad:
+                weight.register_post_accumulate_grad_hook(self._arrived(module, name, master))
+            module._parameters[name] = weight
+
+    def _arrived(self, module: nn.Module, name: str, master: nn.Parameter):
+        def hook(weight: torch.Tensor) -> None:
+            if not self._restore_queued:
+                # at the backward's end, the masters go back where no gradient came
+                torch.autograd.Variable._execution_engine.queue_callback(self._restore)
+                self._restore_queued = True
+            grad = weight.grad.to(master.dtype)
+            master.grad = grad if master.grad is None else master.grad + grad
+            weight.grad = None
+            module._parameters[name] = master  # the copy is freed with the autograd graph
+
+        return hook
+
+    def _restore(self) -> None:
+        for (module, name), master in zip(self._slots, self._masters, strict=True):
+            module._parameters[name] = master
+        self._masters = None
+        self._restore_queued = False
+
+
 def parallelize(
     model: VideoDiT,
     mesh: DeviceMesh,
@@ -78,12 +137,22 @@ def parallelize(
     activation_checkpointing: bool,
     timer: StepTimer,
     compile_elementwise: bool = False,
+    reshard_after_forward: bool | None = None,
+    fsdp_on_one_rank: bool = False,
 ) -> VideoDiT:
     """Shards `model` in place over `mesh` and returns it. bfloat16 means bf16 compute with fp32
     master weights and fp32 gradient reduction; float32 / float64 compute in that dtype.
     compile_elementwise fuses the blocks' per-token layers with torch.compile (zellige.model.fused).
     Each block unit prefetches the next one's all-gather in the forward (FSDP2's backward
-    prefetches one unit by default)."""
+    prefetches one unit by default). reshard_after_forward (None: on more than one rank) frees
+    each unit's gathered weights after its forward; a lone rank keeps them for the backward,
+    which then neither casts nor copies them again (FSDP2's gather on one rank is those two
+    passes over every weight: pure overhead, paid once per step instead of twice). On one rank
+    FSDP2 is left out unless fsdp_on_one_rank: LoneRankWeights gives bf16 compute on fp32
+    masters with one cast per step and no copies."""
+    if reshard_after_forward is None:
+        reshard_after_forward = mesh.size() > 1
+    lone = mesh.size() == 1 and not fsdp_on_one_rank
     fused.use_compiled(compile_elementwise)
     if dtype == "bfloat16":
         policy = bf16_policy()
@@ -92,9 +161,17 @@ def parallelize(
         policy = MixedPrecisionPolicy()
     for index, block in enumerate(model.blocks):
         runner = BlockRunner(block, timer, activation_checkpointing)
-        fully_shard(runner, mesh=mesh, mp_policy=policy)
         model.blocks[index] = runner
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        if lone:
+            continue
+        fully_shard(
+            runner, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
+        )
+    if lone:
+        if dtype == "bfloat16":
+            LoneRankWeights(model, torch.bfloat16)
+        return model
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     runners = list(model.blocks)
     for runner, following in zip(runners, runners[1:], strict=False):
         runner.set_modules_to_forward_prefetch([following])

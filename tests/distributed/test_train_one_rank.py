@@ -1,0 +1,97 @@
+"""Training on one rank (issue 16: the step outside the blocks): the paths that skip work on a
+world of one give the parameters of the general path after several clipped steps.
+
+- no FSDP (fp32 masters, bf16 copies cast once per step: parallelize.LoneRankWeights) and FSDP2
+  keeping its gathered weights to the backward: bit for bit FSDP2's parameters, in bf16 (the
+  casts are the same) and float64;
+- the clipping folded into the fused AdamW (its grad_scale): torch's clip_grad_norm_ then AdamW
+  within the float32 rounding of the scale, while a clipping off by 1% is far outside that.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from test_train import _torchrun
+
+from zellige.train.config import TrainConfig
+from zellige.train.loop import weights_kept_to_backward
+
+
+def _runs(tmp_path: Path, dtype: str, *variants: str) -> dict:
+    out = tmp_path / f"one-rank-{dtype}.pt"
+    worker = str(Path(__file__).with_name("one_rank_worker.py"))
+    _torchrun(1, worker, str(out), dtype, *variants)
+    return torch.load(out, weights_only=False)
+
+
+def _largest_relative_difference(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max(
+        float((got[k].double() - want[k].double()).abs().max() / want[k].double().abs().max())
+        for k in want
+    )
+
+
+def _clipped_every_step(run: dict, clip: float = 0.05) -> bool:
+    return all(norm > 2 * clip for norm in run["grad_norms"])
+
+
+def test_one_rank_paths_give_fsdp_parameters_bit_for_bit(tmp_path: Path) -> None:
+    checkpointed = "activation_checkpointing:true,adaptive_checkpointing:false"
+    for dtype in ("bfloat16", "float64"):
+        variants = [
+            "fsdp=fsdp_on_one_rank:true,reshard_after_forward:true",
+            "kept=fsdp_on_one_rank:true,reshard_after_forward:false",
+            "lone=fsdp_on_one_rank:false",
+        ]
+        if dtype == "bfloat16":  # the backward's recompute uses the bf16 copies too
+            variants += [
+                f"fsdp_checkpointed=fsdp_on_one_rank:true,reshard_after_forward:true,{checkpointed}",
+                f"lone_checkpointed=fsdp_on_one_rank:false,{checkpointed}",
+            ]
+        runs = _runs(tmp_path, dtype, *variants)
+        assert _clipped_every_step(runs["fsdp"])
+        pairs = [("kept", "fsdp"), ("lone", "fsdp")]
+        if dtype == "bfloat16":
+            pairs.append(("lone_checkpointed", "fsdp_checkpointed"))
+            assert min(runs["lone_checkpointed"]["checkpointed_blocks"]) > 0
+        for name, reference_name in pairs:
+            reference = runs[reference_name]
+            assert runs[name]["losses"] == reference["losses"], (dtype, name)
+            for key, value in reference["params"].items():
+                assert runs[name]["params"][key].dtype == value.dtype  # fp32 / f64 masters
+                assert torch.equal(runs[name]["params"][key], value), (dtype, name, key)
+
+
+def test_clipping_in_the_fused_optimizer_matches_clip_grad_norm(tmp_path: Path) -> None:
+    runs = _runs(
+        tmp_path,
+        "float64",
+        "separate=fused_optimizer:false,fsdp_on_one_rank:true",
+        "folded=fused_optimizer:true,fsdp_on_one_rank:true",
+        "folded_lone=fused_optimizer:true",
+        "off_by_1pct=fused_optimizer:false,fsdp_on_one_rank:true,grad_clip_norm:0.0505",
+    )
+    reference = runs["separate"]["params"]
+    assert _clipped_every_step(runs["separate"])
+    # the scale reaches the kernel in float32: agreement to its rounding, not to float64's
+    for name in ("folded", "folded_lone"):
+        assert _largest_relative_difference(runs[name]["params"], reference) < 1e-7, name
+    # a wrong clipping shows far above that tolerance
+    assert _largest_relative_difference(runs["off_by_1pct"]["params"], reference) > 1e-5
+
+
+def test_the_cost_model_prices_kept_weights_where_training_keeps_them() -> None:
+    def config(**fields) -> TrainConfig:
+        return TrainConfig(name="t", model=None, recipe="tiny", **fields)
+
+    assert weights_kept_to_backward(config(), 1)  # no FSDP on one rank
+    assert not weights_kept_to_backward(config(), 2)
+    assert weights_kept_to_backward(config(reshard_after_forward=False), 2)
+    assert weights_kept_to_backward(config(fsdp_on_one_rank=True), 1)
+    assert not weights_kept_to_backward(
+        config(fsdp_on_one_rank=True, reshard_after_forward=True), 1
+    )
+    assert weights_kept_to_backward(config(reshard_after_forward=True), 1)  # no FSDP: kept
