@@ -21,7 +21,7 @@ from zellige.costs import make_cost_model
 from zellige.profile import load_profile
 from zellige.profiler import fit
 from zellige.profiler.models import model_spec
-from zellige.profiler.validate import local_copy_s, predicted_rank_s
+from zellige.profiler.validate import harness_peak_model, local_copy_s, predicted_rank_s
 from zellige.workload import load_recipe
 
 
@@ -32,6 +32,12 @@ def main() -> None:
     parser.add_argument("--profile", action="append", default=[], help="NAME=FILE (or NAME=)")
     parser.add_argument("--model", default="wan-14b")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument(
+        "--with-gradients",
+        action="store_true",
+        help="predict peaks with training's gradients added over the backward, as "
+        "validate-profile did before it left them out of both sides (harness_peak_model)",
+    )
     args = parser.parse_args()
     report = json.load(open(args.report))
     plan_profile = load_profile(args.plan_profile)
@@ -55,7 +61,13 @@ def main() -> None:
             cost = make_cost_model(reduced, gpus=plan.num_ranks, profile=profile)
             rank_cost = cost.evaluate(batch, plan).ranks[rank["rank"]]
             copy_s = local_copy_s(cost, batch, plan, rank["rank"], profile.memory_bytes_per_s)
-            row["predicted"][label] = (predicted_rank_s(rank_cost, copy_s), rank_cost.peak_bytes)
+            peak_model = (
+                cost
+                if args.with_gradients
+                else harness_peak_model(reduced, plan.num_ranks, profile, True)
+            )
+            peak_bytes = peak_model.evaluate(batch, plan).ranks[rank["rank"]].peak_bytes
+            row["predicted"][label] = (predicted_rank_s(rank_cost, copy_s), peak_bytes)
             if label == "plan-profile":
                 row["drift_s"] = predicted_rank_s(rank_cost, rank.get("predicted_copy_s", 0.0))
         rows.append(row)
@@ -69,19 +81,24 @@ def main() -> None:
         time_mape = fit.mape_percent([r["predicted"][label][0] for r in rows], measured_s)
         memory_mape = fit.mape_percent([r["predicted"][label][1] for r in rows], measured_b)
         print(f"{label:<14} {time_mape:>9.2f}% {memory_mape:>11.2f}%")
-    print(
-        f"\n{'plan':<42} {'rank':>4} {'tokens':>7} {'seqs':>4} {'measured ms':>11}  "
-        + "  ".join(f"{p[:12]:>12}" for p in labels)
-    )
-    for r in rows:
-        rank = r["rank"]
-        errors = "  ".join(
-            f"{100 * (r['predicted'][p][0] / rank['measured_s'] - 1):>+11.1f}%" for p in labels
-        )
+    for what, index, measured_key, unit, scale in (
+        ("time", 0, "measured_s", "ms", 1e3),
+        ("peak memory", 1, "measured_peak_bytes", "GiB", 2**-30),
+    ):
         print(
-            f"{rank['plan']:<42} {rank['rank']:>4} {rank['tokens']:>7} {rank['num_sequences']:>4} "
-            f"{rank['measured_s'] * 1e3:>11.1f}  {errors}"
+            f"\n{what}: predicted / measured - 1\n{'plan':<42} {'rank':>4} {'tokens':>7} "
+            f"{'seqs':>4} {'measured ' + unit:>12}  " + "  ".join(f"{p[:12]:>12}" for p in labels)
         )
+        for r in rows:
+            rank = r["rank"]
+            errors = "  ".join(
+                f"{100 * (r['predicted'][p][index] / rank[measured_key] - 1):>+11.1f}%"
+                for p in labels
+            )
+            print(
+                f"{rank['plan']:<42} {rank['rank']:>4} {rank['tokens']:>7} "
+                f"{rank['num_sequences']:>4} {rank[measured_key] * scale:>12.2f}  {errors}"
+            )
     print(f"\nmachine: {platform.node()} (CPU, re-prediction only); {len(rows)} ranks")
 
 

@@ -82,13 +82,15 @@ void init_cost_model(nb::module_& m) {
       .def(
           "rank_peak_bytes",
           [](const CostModel& self, double activation, double checkpoint, double buffer,
-             int64_t checkpointed_layers, double input, int64_t full_layers) {
+             int64_t checkpointed_layers, double input, int64_t full_layers,
+             int64_t held_tokens) {
             return self.rank_peak_bytes(activation, checkpoint, input, buffer,
-                                        checkpointed_layers, full_layers);
+                                        checkpointed_layers, full_layers, held_tokens);
           },
           nb::arg("layer_activation_bytes"), nb::arg("layer_checkpoint_bytes"),
           nb::arg("buffer_bytes"), nb::arg("checkpointed_layers"),
-          nb::arg("layer_input_bytes") = 0.0, nb::arg("full_layers") = 0)
+          nb::arg("layer_input_bytes") = 0.0, nb::arg("full_layers") = 0,
+          nb::arg("held_tokens") = 0)
       .def("linear_recompute_s", &CostModel::linear_recompute_s, nb::arg("tokens"))
       .def("memory_capacity_bytes", &CostModel::memory_capacity_bytes)
       .def("rank_time_s", &CostModel::rank_time_s, nb::arg("tokens"), nb::arg("attention_s"),

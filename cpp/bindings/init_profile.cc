@@ -61,12 +61,17 @@ void init_profile(nb::module_& m) {
       .def_rw("backward_bytes_per_token_layer", &HardwareProfile::backward_bytes_per_token_layer)
       .def_rw("text_bytes_per_token_layer", &HardwareProfile::text_bytes_per_token_layer)
       .def_rw("step_fixed_bytes", &HardwareProfile::step_fixed_bytes)
+      .def_rw("reduce_fixed_bytes", &HardwareProfile::reduce_fixed_bytes)
+      .def_rw("reduce_bytes_per_token", &HardwareProfile::reduce_bytes_per_token)
       .def_rw("ulysses_bytes_per_token", &HardwareProfile::ulysses_bytes_per_token)
       .def_rw("ring_bytes_per_token", &HardwareProfile::ring_bytes_per_token)
+      .def_rw("ulysses_exchanged_bytes_per_token",
+              &HardwareProfile::ulysses_exchanged_bytes_per_token)
       .def_rw("model_matmul_forward_flops_per_s",
               &HardwareProfile::model_matmul_forward_flops_per_s)
       .def_rw("model_matmul_backward_flops_per_s",
               &HardwareProfile::model_matmul_backward_flops_per_s)
+      .def_rw("backward_peak_bytes", &HardwareProfile::backward_peak_bytes)
       .def_rw("runtime_reserved_bytes", &HardwareProfile::runtime_reserved_bytes)
       .def("validate", &HardwareProfile::validate);
   add_value_methods(profile, {"device_name",
@@ -95,10 +100,14 @@ void init_profile(nb::module_& m) {
                               "backward_bytes_per_token_layer",
                               "text_bytes_per_token_layer",
                               "step_fixed_bytes",
+                              "reduce_fixed_bytes",
+                              "reduce_bytes_per_token",
                               "ulysses_bytes_per_token",
                               "ring_bytes_per_token",
+                              "ulysses_exchanged_bytes_per_token",
                               "model_matmul_forward_flops_per_s",
                               "model_matmul_backward_flops_per_s",
+                              "backward_peak_bytes",
                               "runtime_reserved_bytes"});
 
   m.def("analytic_profile", &analytic_profile, nb::arg("device_name"),

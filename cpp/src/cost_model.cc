@@ -174,8 +174,12 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     read_row(profile_.backward_bytes_per_token_layer, backward_bytes_);
     read_row(profile_.text_bytes_per_token_layer, text_bytes_);
     read_row(profile_.ulysses_bytes_per_token, ulysses_bytes_);
+    read_row(profile_.ulysses_exchanged_bytes_per_token, ulysses_exchanged_bytes_);
     read_row(profile_.ring_bytes_per_token, ring_bytes_);
     read_row(profile_.step_fixed_bytes, measured_step_fixed_bytes);
+    read_row(profile_.reduce_fixed_bytes, reduce_fixed_bytes_);
+    read_row(profile_.reduce_bytes_per_token, reduce_bytes_per_token_);
+    if (i < profile_.backward_peak_bytes.size()) backward_peak_ = profile_.backward_peak_bytes[i];
     read_row(profile_.launch_s_per_layer, launch_s_per_layer_);
     read_row(profile_.launch_s_per_attention_call, launch_s_per_call_);
   }
@@ -192,13 +196,13 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   const double reserved =
       static_cast<double>(profile_.runtime_reserved_bytes > 0 ? profile_.runtime_reserved_bytes
                                                               : kDefaultReservedBytes);
-  const double step_fixed_bytes =
+  step_fixed_bytes_ =
       measured_step_fixed_bytes > 0
           ? measured_step_fixed_bytes
           : 2.0 * largest_layer_params * 2.0   // two gathered bf16 layers (prefetch)
                 + largest_layer_params * 4.0;  // one layer's unsharded fp32 gradients
   const double ranks = static_cast<double>(cluster_.num_ranks());
-  fixed_bytes_ = params * options_.state_bytes_per_param / ranks + step_fixed_bytes +
+  fixed_bytes_ = params * options_.state_bytes_per_param / ranks + step_fixed_bytes_ +
                  root_gathered_bytes + reserved;
   gradient_bytes_ = params * options_.gradient_bytes_per_param / ranks;
   layer_gradient_bytes_ =
@@ -519,8 +523,11 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
   double buffer_bytes = backward_bytes_ > 0 ? n * backward_bytes_ : 4.0 * block * h * hd * bpe;
   if (cross) buffer_bytes = std::max(buffer_bytes, 2.0 * (n + text) * all_heads * hd * bpe);
   if (shape.ulysses_degree > 1) {
-    // measured, or q/k/v sent and received
-    buffer_bytes += ulysses_bytes_ != 0 ? n * ulysses_bytes_ : 2.0 * 3.0 * n * d * bpe;
+    // measured (over 2 ranks, and the share exchanged beyond), or q/k/v sent and received
+    const double u = static_cast<double>(shape.ulysses_degree);
+    buffer_bytes += ulysses_bytes_ != 0
+                        ? n * (ulysses_bytes_ + ulysses_exchanged_bytes_ * ((u - 1.0) / u - 0.5))
+                        : 2.0 * 3.0 * n * d * bpe;
   }
   if (shape.ring_degree > 1) {
     const double largest_block =
@@ -645,6 +652,17 @@ double CostModel::linear_recompute_s(int64_t tokens) const {
 
 double CostModel::min_linear_time_per_token_s() const { return min_linear_time_per_token_s_; }
 
+double CostModel::backward_peak_correction(double tokens) const {
+  const std::vector<double>& x = backward_peak_.x;
+  const std::vector<double>& y = backward_peak_.y;
+  if (x.size() < 2) return 0.0;
+  // linear between the packs measured, along the end segments beyond them
+  const auto upper = std::upper_bound(x.begin() + 1, x.end() - 1, tokens);
+  const size_t i = static_cast<size_t>(upper - x.begin()) - 1;
+  const double measured = y[i] + (y[i + 1] - y[i]) / (x[i + 1] - x[i]) * (tokens - x[i]);
+  return measured - step_fixed_bytes_ - backward_bytes_ * tokens;
+}
+
 double CostModel::fixed_bytes() const { return fixed_bytes_; }
 
 double CostModel::gradient_bytes() const { return gradient_bytes_; }
@@ -657,7 +675,8 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
 
 double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
                                   double layer_input_bytes, double buffer_bytes,
-                                  int64_t checkpointed_layers, int64_t full_layers) const {
+                                  int64_t checkpointed_layers, int64_t full_layers,
+                                  int64_t held_tokens) const {
   const int64_t layers = model_.num_layers;
   const int64_t k = std::clamp<int64_t>(checkpointed_layers, 0, layers);
   const int64_t f = std::clamp<int64_t>(full_layers, 0, k);
@@ -671,6 +690,8 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
                  static_cast<double>(k - f) * layer_checkpoint_bytes +
                  static_cast<double>(layers - k) * layer_activation_bytes;
   double peak = held_always + gradient_bytes_;  // the backward's end: every gradient
+  const double measured_curve =
+      held_tokens > 0 ? backward_peak_correction(static_cast<double>(held_tokens)) : 0.0;
   for (int64_t j = layers - 1; j >= 0; --j) {
     below -= kept(j);
     // A checkpointed layer's recompute rebuilds its activations around the tensors it kept
@@ -682,7 +703,16 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
         options_.weights_kept_to_backward
             ? static_cast<double>(std::max<int64_t>(0, j - 1)) * layer_weight_bytes_
             : 0.0;
-    peak = std::max(peak, held_always + grads + below + own + buffer_bytes + weights);
+    peak = std::max(peak,
+                    held_always + grads + below + own + buffer_bytes + weights + measured_curve);
+    // Right after this layer's backward (its activations freed), while its gradients are
+    // reduced: the moment of the largest layers only (an MMDiT's double blocks come first).
+    const bool largest = model_.num_double_layers == 0 || j < model_.num_double_layers;
+    if (reduce_fixed_bytes_ > 0 && largest) {
+      const double reduced = reduce_fixed_bytes_ - step_fixed_bytes_ +
+                             reduce_bytes_per_token_ * static_cast<double>(held_tokens);
+      peak = std::max(peak, held_always + grads + below + weights + reduced);
+    }
   }
   return peak;
 }
@@ -1057,7 +1087,8 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     // attention too (full recompute) so that it fits; a rank that fits nowhere recomputes all.
     const int64_t num_layers = model_.num_layers;
     const auto peak = [&](int64_t k, int64_t f) {
-      return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f);
+      return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f,
+                             rank.tokens);
     };
     int64_t k = options_.activation_checkpointing ? num_layers : 0, f = 0;
     if (options_.activation_checkpointing) {
@@ -1100,7 +1131,8 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
       rank.full_recompute_layers = most_full;
     }
     const int64_t k = rank.checkpointed_layers, f = rank.full_recompute_layers;
-    rank.peak_bytes = rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f);
+    rank.peak_bytes =
+        rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f, rank.tokens);
     // Layers that keep their activations skip the recompute; full ones recompute attention too.
     if (options_.activation_checkpointing) {
       const double layers = static_cast<double>(model_.num_layers);
@@ -1250,7 +1282,7 @@ struct LowerBoundSearch {
             cost.options().activation_checkpointing ? cost.model().num_layers : 0;
         if (cost.rank_peak_bytes(terms.layer_activation_bytes, terms.layer_checkpoint_bytes,
                                  terms.layer_input_bytes, terms.buffer_bytes, checkpointed_layers,
-                                 checkpointed_layers) > capacity_bytes) {
+                                 checkpointed_layers, chunk) > capacity_bytes) {
           result.fits = false;
         }
         result.bottleneck_s = std::max(result.bottleneck_s, std::max(time_s, launch_s));

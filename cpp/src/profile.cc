@@ -159,6 +159,15 @@ void HardwareProfile::validate() const {
       require_table_in((*tables)[i], at, kMinRatePerS, kMaxRatePerS);
     }
   }
+  if (!backward_peak_bytes.empty() && backward_peak_bytes.size() != memory_models.size()) {
+    throw std::invalid_argument(
+        "profile: backward_peak_bytes must be empty or hold one table per memory model");
+  }
+  for (size_t i = 0; i < backward_peak_bytes.size(); ++i) {
+    const std::string at = "backward_peak_bytes" + index_text(i) + " (" + memory_models[i] + ")";
+    backward_peak_bytes[i].validate(at);
+    require_table_in(backward_peak_bytes[i], at, 1.0, kMaxProfileBytes);
+  }
   if (memory_models.size() != activation_bytes_per_token_layer.size() ||
       memory_models.size() != checkpoint_bytes_per_token_layer.size()) {
     throw std::invalid_argument(
@@ -167,12 +176,13 @@ void HardwareProfile::validate() const {
   }
   for (const auto* optional :
        {&backward_bytes_per_token_layer, &text_bytes_per_token_layer, &step_fixed_bytes,
-        &launch_s_per_layer, &launch_s_per_attention_call}) {
+        &reduce_fixed_bytes, &reduce_bytes_per_token, &launch_s_per_layer,
+        &launch_s_per_attention_call}) {
     if (!optional->empty() && optional->size() != memory_models.size()) {
       throw std::invalid_argument(
           "profile: backward_bytes_per_token_layer, text_bytes_per_token_layer, "
-          "step_fixed_bytes, launch_s_per_layer and launch_s_per_attention_call must be empty "
-          "or as long as memory_models");
+          "step_fixed_bytes, reduce_fixed_bytes, reduce_bytes_per_token, launch_s_per_layer "
+          "and launch_s_per_attention_call must be empty or as long as memory_models");
     }
     for (double value : *optional) {
       if (!(value >= 0)) {
@@ -191,6 +201,8 @@ void HardwareProfile::validate() const {
                      kMaxBytesPerToken},
           std::tuple{&text_bytes_per_token_layer, "text_bytes_per_token_layer", kMaxBytesPerToken},
           std::tuple{&step_fixed_bytes, "step_fixed_bytes", kMaxProfileBytes},
+          std::tuple{&reduce_fixed_bytes, "reduce_fixed_bytes", kMaxProfileBytes},
+          std::tuple{&reduce_bytes_per_token, "reduce_bytes_per_token", kMaxBytesPerToken},
           std::tuple{&launch_s_per_layer, "launch_s_per_layer", kMaxLaunchSeconds},
           std::tuple{&launch_s_per_attention_call, "launch_s_per_attention_call",
                      kMaxLaunchSeconds}}) {
@@ -198,17 +210,19 @@ void HardwareProfile::validate() const {
     }
     for (const auto& [row, name] :
          {std::pair{&ulysses_bytes_per_token, "ulysses_bytes_per_token"},
-          std::pair{&ring_bytes_per_token, "ring_bytes_per_token"}}) {
+          std::pair{&ring_bytes_per_token, "ring_bytes_per_token"},
+          std::pair{&ulysses_exchanged_bytes_per_token, "ulysses_exchanged_bytes_per_token"}}) {
       if (!row->empty() && i < row->size()) {
         require_in((*row)[i], -kMaxBytesPerToken, kMaxBytesPerToken, name + of);
       }
     }
   }
-  for (const auto* signed_row : {&ulysses_bytes_per_token, &ring_bytes_per_token}) {
+  for (const auto* signed_row :
+       {&ulysses_bytes_per_token, &ring_bytes_per_token, &ulysses_exchanged_bytes_per_token}) {
     if (!signed_row->empty() && signed_row->size() != memory_models.size()) {
       throw std::invalid_argument(
-          "profile: ulysses_bytes_per_token and ring_bytes_per_token must be empty or as long "
-          "as memory_models");
+          "profile: ulysses_bytes_per_token, ring_bytes_per_token and "
+          "ulysses_exchanged_bytes_per_token must be empty or as long as memory_models");
     }
     for (double value : *signed_row) {
       if (!std::isfinite(value)) {

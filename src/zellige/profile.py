@@ -35,13 +35,20 @@ MODEL_ROWS = (
     "backward_bytes_per_token_layer",
     "text_bytes_per_token_layer",
     "step_fixed_bytes",
+    "reduce_fixed_bytes",
+    "reduce_bytes_per_token",
     "ulysses_bytes_per_token",
+    "ulysses_exchanged_bytes_per_token",
     "ring_bytes_per_token",
     "launch_s_per_layer",
     "launch_s_per_attention_call",
 )
 # Tables per model in memory_models (empty, or one each; an empty table: the shared one).
-MODEL_TABLES = ("model_matmul_forward_flops_per_s", "model_matmul_backward_flops_per_s")
+MODEL_TABLES = (
+    "model_matmul_forward_flops_per_s",
+    "model_matmul_backward_flops_per_s",
+    "backward_peak_bytes",
+)
 _TABLE_LISTS = (
     "exchange_intra_node_s",
     "attention_call_forward_s",

@@ -558,6 +558,131 @@ TEST(CostModel, PeakIsTheMaximumOverTheBackwardsProgress) {
   }
 }
 
+// The profile's reduce rows add the step's second peak moment: right after the backward of a
+// layer of the largest kind (an MMDiT's double blocks, which come first), its gradients being
+// reduced (reduce_fixed_bytes in place of step_fixed_bytes), the kept bytes below it, the
+// gradients above it and reduce_bytes_per_token per held token. A small rank peaks there, a
+// large one at the backward as before; without the rows nothing changes.
+TEST(CostModel, GradientReductionIsTheSmallRanksPeak) {
+  ModelSpec spec = model_preset("mmdit-11b");
+  spec.num_layers = 3;
+  spec.num_double_layers = 1;
+  spec.param_count = block_param_count(spec);  // the 3 blocks' weights alone
+  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
+  profile.memory_models = {spec.name};
+  profile.activation_bytes_per_token_layer = {150000};
+  profile.checkpoint_bytes_per_token_layer = {12000};
+  profile.backward_bytes_per_token_layer = {80000};
+  profile.step_fixed_bytes = {1.0e9};
+  const CostModel backward_only(spec, profile, make_cluster(8, 8));
+  profile.reduce_fixed_bytes = {2.5e9};
+  profile.reduce_bytes_per_token = {90000};
+  const CostModel with_reduce(spec, profile, make_cluster(8, 8));
+  EXPECT_DOUBLE_EQ(with_reduce.fixed_bytes(), backward_only.fixed_bytes());
+
+  const double held = with_reduce.fixed_bytes() - with_reduce.gradient_bytes();
+  // one gradient share per layer unit, a double block counting twice (4 units here)
+  const double g = with_reduce.gradient_bytes() / 4.0;
+  const auto rank_with = [](int64_t tokens) {
+    Batch batch;
+    batch.sequences = {sequence_from_tokens(0, "image", tokens - 512, 512, 0)};
+    Plan plan;
+    plan.num_ranks = 8;
+    plan.placements = {make_placement(0, Strategy::kLocal, {0})};
+    return std::pair{batch, plan};
+  };
+  for (const int64_t tokens : {2048, 60000}) {
+    const auto [batch, plan] = rank_with(tokens);
+    const double n = static_cast<double>(tokens);
+    const double before = backward_only.evaluate(batch, plan).ranks[0].peak_bytes;
+    const double after = with_reduce.evaluate(batch, plan).ranks[0].peak_bytes;
+    // the backward of the last layer: two checkpoints below, its activations and buffers
+    const double backward_peak = held + n * (2 * 12000.0 + 150000.0 + 80000.0);
+    // after the double block (layer 0): nothing kept below, the two single blocks' gradients
+    const double reduce_peak = held - 1.0e9 + 2.5e9 + 2 * g + n * 90000.0;
+    EXPECT_NEAR(after, std::max(before, reduce_peak), 1.0);
+    if (tokens == 2048) {
+      EXPECT_NEAR(after, reduce_peak, 1.0);
+      EXPECT_GT(after, before + 1e9);
+    } else {
+      EXPECT_NEAR(after, backward_peak, 1.0);
+      EXPECT_DOUBLE_EQ(after, before);
+    }
+  }
+}
+
+// The profile's backward_peak_bytes table (the backward's fixed bytes and buffers measured at
+// several token counts) replaces the rows' line through two of them, read linearly between the
+// packs and along the end segments: a rank between two packs gets their interpolation, one
+// beyond them the last segment's extension; equal to the rows where the table meets them.
+TEST(CostModel, MeasuredBackwardPeakReplacesTheRowsLine) {
+  ModelSpec spec = model_preset("mmdit-11b");
+  spec.num_layers = 3;
+  spec.num_double_layers = 1;
+  spec.param_count = block_param_count(spec);
+  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
+  profile.memory_models = {spec.name};
+  profile.activation_bytes_per_token_layer = {150000};
+  profile.checkpoint_bytes_per_token_layer = {12000};
+  profile.backward_bytes_per_token_layer = {60000};
+  profile.step_fixed_bytes = {1.0e9};
+  const CostModel rows_only(spec, profile, make_cluster(8, 8));
+  // measured: on the rows' line at 16k and 64k, 0.2 GB below it at 32k, 0.3 GB above at 96k
+  const auto line = [](double x) { return 1.0e9 + 60000.0 * x; };
+  profile.backward_peak_bytes = {Table{{16384, 32768, 65536, 98304},
+                                       {line(16384), line(32768) - 2e8, line(65536),
+                                        line(98304) + 3e8},
+                                       "measured"}};
+  const CostModel measured(spec, profile, make_cluster(8, 8));
+  const auto peak = [](const CostModel& model, int64_t tokens) {
+    Batch batch;
+    batch.sequences = {sequence_from_tokens(0, "video", tokens - 512, 512, 0)};
+    Plan plan;
+    plan.num_ranks = 8;
+    plan.placements = {make_placement(0, Strategy::kLocal, {0})};
+    return model.evaluate(batch, plan).ranks[0].peak_bytes;
+  };
+  EXPECT_NEAR(peak(measured, 16384), peak(rows_only, 16384), 1.0);
+  EXPECT_NEAR(peak(measured, 65536), peak(rows_only, 65536), 1.0);
+  EXPECT_NEAR(peak(measured, 32768), peak(rows_only, 32768) - 2e8, 1.0);
+  EXPECT_NEAR(peak(measured, 49152), peak(rows_only, 49152) - 1e8, 1.0);    // halfway
+  EXPECT_NEAR(peak(measured, 81920), peak(rows_only, 81920) + 1.5e8, 1.0);  // halfway
+  EXPECT_NEAR(peak(measured, 114688), peak(rows_only, 114688) + 4.5e8, 1.0);  // beyond
+  EXPECT_NEAR(measured.rank_peak_bytes(1e6, 1e4, 0.0, 1e6, 3, 0),
+              rows_only.rank_peak_bytes(1e6, 1e4, 0.0, 1e6, 3, 0), 1.0);  // no tokens: rows
+}
+
+// A Ulysses shard over u ranks exchanges (u - 1) / u of its q/k/v/o and their gradients:
+// ulysses_exchanged_bytes_per_token charges the share beyond the measured 2 ranks' half, per
+// held token; 2 ranks as before, 8 ranks 3/8 of it more.
+TEST(CostModel, UlyssesBuffersGrowWithTheShareExchanged) {
+  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
+  profile.memory_models = {"mmdit-11b"};
+  profile.activation_bytes_per_token_layer = {150000};
+  profile.checkpoint_bytes_per_token_layer = {12000};
+  profile.backward_bytes_per_token_layer = {80000};
+  profile.ulysses_bytes_per_token = {50000};
+  const Sequence sequence = sequence_from_tokens(0, "video", 64000, 512, 0);
+  const auto buffer = [&](const HardwareProfile& p, int64_t degree) {
+    const CostModel model(model_preset("mmdit-11b"), p, make_cluster(8, 8));
+    std::vector<int64_t> ranks(static_cast<size_t>(degree));
+    for (int64_t r = 0; r < degree; ++r) ranks[static_cast<size_t>(r)] = r;
+    const RankShare share =
+        model.shares(sequence, make_placement(0, Strategy::kUlysses, ranks))[0];
+    return std::pair{share.buffer_bytes, static_cast<double>(share.tokens)};
+  };
+  HardwareProfile wider = profile;
+  wider.ulysses_exchanged_bytes_per_token = {40000};
+  for (const int64_t degree : {2, 4, 8}) {
+    const auto [before, n] = buffer(profile, degree);
+    const auto [after, n_after] = buffer(wider, degree);
+    ASSERT_EQ(n, n_after);
+    const double share = (static_cast<double>(degree) - 1.0) / static_cast<double>(degree);
+    EXPECT_NEAR(after - before, n * 40000.0 * (share - 0.5), 1.0) << degree;
+  }
+  EXPECT_GT(buffer(wider, 8).first, buffer(profile, 8).first);
+}
+
 // Weights kept from the forward to the backward (zellige.train on one rank): before layer j's
 // backward the gathered bf16 weights of layers 0..j are held, two of which the fixed bytes count
 // already. With 4 layers and large activations the peak is at layer 3: two layers' weights more.

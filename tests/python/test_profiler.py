@@ -241,6 +241,39 @@ def test_quick_validate_runs_ranks_through_the_engine(tmp_path):
     assert main([*args[:-4], "--plan-range", "2-3", "--repeats", "1"]) != 0
 
 
+def test_harness_peak_model_leaves_the_gradients_out():
+    """The harness keeps its sharded gradients between steps and takes them out of the measured
+    peak with its weights, so validate-profile predicts the peak without weight gradients: no
+    gradient bytes, the state without them, and a tiny rank's peak (training's: the backward's
+    end, with every gradient) lower by about the gradients."""
+    from zellige import _core
+    from zellige.costs import make_cost_model
+    from zellige.profiler.models import model_spec
+    from zellige.profiler.validate import harness_peak_model
+
+    spec = model_spec("mmdit-11b", 3)
+    profile = _core.analytic_profile("t", 700e12, 550e12, 4.2e12)
+    training = make_cost_model(spec, gpus=8, profile=profile)
+    harness = harness_peak_model(spec, 8, profile, True)
+    assert harness.gradient_bytes() == 0
+    assert harness.fixed_bytes() == pytest.approx(
+        training.fixed_bytes() - training.gradient_bytes()
+    )
+    assert harness.options.state_bytes_per_param == 12.0
+    batch = _core.Batch()
+    batch.sequences = [_core.Sequence(id=0, num_tokens=64, text_tokens=16, source_rank=0)]
+    plan = _core.Plan()
+    plan.num_ranks = 8
+    plan.placements = [_core.make_placement(0, _core.Strategy.local, [0])]
+    # a rank of a few tokens: training's peak is the backward's end, every gradient there
+    trained = training.evaluate(batch, plan).ranks[0].peak_bytes
+    assert trained == pytest.approx(training.fixed_bytes())
+    # the harness's: a layer's backward without gradients (its few tokens' bytes at most)
+    measured_like = harness.evaluate(batch, plan).ranks[0].peak_bytes
+    assert trained - training.gradient_bytes() <= measured_like
+    assert measured_like < trained - 0.9 * training.gradient_bytes()
+
+
 def test_validate_summarises_a_results_file_without_running(tmp_path, capsys):
     import dataclasses
 
@@ -366,6 +399,75 @@ def test_memory_rows_recover_a_known_memory_model(backward):
     assert rows["step_fixed_bytes"] == pytest.approx(fixed, rel=1e-6)
 
 
+@pytest.mark.parametrize("attended_text", [0, 1024], ids=["cross", "joint"])
+def test_reduce_rows_recover_the_small_packs_line(attended_text):
+    """reduce_rows: the line through two small packs' step peaks (the gradient reduction's
+    moment), per held token (a joint model's text counted with the visual tokens) and at 0
+    tokens; the profile accepts them and the cost model charges them (a small rank's peak)."""
+    from zellige.profile import load_profile, profile_from_dict, profile_to_dict
+    from zellige.profiler.measure import MemoryProbe, merge_memory, reduce_rows
+
+    fixed, per_token = 2.4e9, 93_000.0
+
+    def probe(tokens: int) -> MemoryProbe:
+        peak = int(fixed + per_token * (tokens + attended_text))
+        return MemoryProbe(
+            inputs=0, kept=0, transient=0, kept_checkpointing=0, transient_checkpointing=peak
+        )
+
+    rows = reduce_rows({1024: probe(1024), 4096: probe(4096)}, attended_text_tokens=attended_text)
+    assert rows["reduce_bytes_per_token"] == pytest.approx(per_token, rel=1e-6)
+    assert rows["reduce_fixed_bytes"] == pytest.approx(fixed, rel=1e-6)
+    merged = merge_memory(profile_to_dict(load_profile()), "mmdit-11b", rows)
+    profile = profile_from_dict(merged)
+    row = profile.memory_models.index("mmdit-11b")
+    assert profile.reduce_fixed_bytes[row] == pytest.approx(fixed, rel=1e-6)
+    assert profile.reduce_bytes_per_token[row] == pytest.approx(per_token, rel=1e-6)
+    wan = profile.memory_models.index("wan-14b")
+    assert profile.reduce_fixed_bytes[wan] == 0  # other models: not modelled, as before
+
+
+def test_backward_peak_table_is_the_packs_peaks_beyond_their_kept_activations():
+    """backward_peak_table: at each pack's held tokens (text among them for a joint model), its
+    step peak minus the other layers' checkpoints and one layer's activations as the rows charge
+    them; where the rows come from, that is their line (step_fixed + x * backward); the profile
+    stores it per model and the cost model reads it."""
+    from zellige.profile import load_profile, profile_from_dict, profile_to_dict
+    from zellige.profiler.measure import MemoryProbe, backward_peak_table, merge_memory
+
+    layers, text = 3, 1024
+    rows = {
+        "activation_bytes_per_token_layer": 150_000.0,
+        "checkpoint_bytes_per_token_layer": 12_000.0,
+        "backward_bytes_per_token_layer": 60_000.0,
+        "step_fixed_bytes": 1.0e9,
+    }
+    bend = {8192: 2.0e8, 16384: 0.0, 32768: -1.5e8, 65536: 0.0, 98304: 3.0e8}
+
+    def probe(tokens: int) -> MemoryProbe:
+        held = tokens + text
+        peak = 1.0e9 + (2 * 12_000.0 + 150_000.0 + 60_000.0) * held + bend[tokens]
+        return MemoryProbe(0, 0, 0, 0, int(peak))
+
+    table = backward_peak_table(
+        {t: probe(t) for t in bend},
+        rows,
+        num_layers=layers,
+        attended_text_tokens=text,
+        text_bytes=0.0,
+    )
+    assert table["x"] == [float(t + text) for t in sorted(bend)]
+    for x, y, t in zip(table["x"], table["y"], sorted(bend), strict=True):
+        assert y == pytest.approx(1.0e9 + 60_000.0 * x + bend[t], abs=1.0)
+    merged = merge_memory(
+        profile_to_dict(load_profile()), "mmdit-11b", rows, {"backward_peak_bytes": table}
+    )
+    profile = profile_from_dict(merged)
+    row = profile.memory_models.index("mmdit-11b")
+    assert list(profile.backward_peak_bytes[row].y) == pytest.approx(table["y"])
+    assert profile.backward_peak_bytes[profile.memory_models.index("wan-14b")].x == []
+
+
 def test_memory_rows_merge_into_a_profile():
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict
     from zellige.profiler.measure import merge_memory
@@ -407,9 +509,17 @@ def test_memory_probes_run_through_fsdp_blocks():
     memory = profile_memory(options, torch.device("cpu"), torch.float32, lines.append)
     assert set(memory["probes"]) == {"64", "128"}
     assert memory["step_fixed_bytes"] == 0.0  # nothing measured on a CPU
-    assert set(memory["shard_probes"]) == {"local:64", "ulysses:64", "ring:64"}
+    assert set(memory["shard_probes"]) == {"local:64", "ulysses:64", "ring:64", "ulysses_wide:64"}
+    assert memory["ulysses_wide_degree"] == 4  # the tiny model's 4 heads: one a rank
     assert memory["ulysses_bytes_per_token"] == memory["ring_bytes_per_token"] == 0.0
+    # the gradient reduction's small packs, and the check packs between the two lines
+    assert set(memory["reduce_probes"]) == {"16", "32"} and set(memory["check_probes"]) == {"96"}
+    assert set(memory["lines"]) == {"16", "32", "64", "96", "128"}
+    lengths = memory["calls_probe"]["lengths"]  # one call each: distinct and positive
+    assert len(set(lengths)) == len(lengths) == 8 and min(lengths) > 0
+    assert memory["reduce_fixed_bytes"] == memory["reduce_bytes_per_token"] == 0.0
     assert any("step fixed" in line for line in lines)
+    assert any("gradient reduction" in line for line in lines)
     assert not dist.is_initialized()
 
 

@@ -175,9 +175,19 @@ class CostModel {
   // those only their input (layer_input_bytes; full recompute).
   double rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
                          double buffer_bytes, int64_t checkpointed_layers) const;
+  // With the profile's reduce rows (HardwareProfile::reduce_fixed_bytes), the step has a second
+  // peak moment, right after the backward of each layer of the model's largest kind (an MMDiT's
+  // double-stream blocks; every layer of a uniform model): that layer's gradients being reduced
+  // (reduce_fixed_bytes in place of the step's fixed bytes), the kept activations of the layers
+  // below it, the gradients of the layers above, and reduce_bytes_per_token per `held_tokens`
+  // (the rank's tokens). It is the peak of small ranks, where gradients outweigh activations.
+  // With the profile's backward_peak_bytes table, the backward's fixed bytes and buffers of a
+  // rank of `held_tokens` come from it (measured at several token counts) instead of the rows'
+  // line through two (held_tokens 0: the rows).
   double rank_peak_bytes(double layer_activation_bytes, double layer_checkpoint_bytes,
                          double layer_input_bytes, double buffer_bytes,
-                         int64_t checkpointed_layers, int64_t full_layers) const;
+                         int64_t checkpointed_layers, int64_t full_layers,
+                         int64_t held_tokens = 0) const;
   // Seconds of the per-token layers' recompute of all layers (the part of linear_time_s that
   // activation checkpointing adds; 0 without it).
   double linear_recompute_s(int64_t tokens) const;
@@ -296,11 +306,19 @@ class CostModel {
   double checkpoint_bytes_ = 0;         // per token per layer, kept with checkpointing
   double backward_bytes_ = 0;           // per token, one layer's backward transient (0: analytic)
   double ulysses_bytes_ = 0;            // per held token of a Ulysses shard (0: analytic)
+  double ulysses_exchanged_bytes_ = 0;  // per held token and share exchanged beyond 2 ranks'
   double ring_bytes_ = 0;               // per held token of a ring shard (0: analytic)
   double text_bytes_ = 0;               // per text token per layer, cross-attention (0: none)
   double launch_s_per_layer_ = 0;       // the model's launch floor terms (0: none)
   double launch_s_per_call_ = 0;
   double fixed_bytes_ = 0;
+  double step_fixed_bytes_ = 0;         // the backward peak's part of fixed_bytes_
+  double reduce_fixed_bytes_ = 0;       // in its place at a largest layer's reduction (0: none)
+  double reduce_bytes_per_token_ = 0;   // per held token at that moment
+  Table backward_peak_;                 // the model's measured backward peak (empty: the rows)
+  // What the measured backward peak of a rank of `tokens` adds to the rows' line
+  // (step_fixed_bytes_ + tokens x backward_bytes_); 0 without it.
+  double backward_peak_correction(double tokens) const;
   double gradient_bytes_ = 0;           // the gradients within fixed_bytes_
   double layer_gradient_bytes_ = 0;     // one block's gradients (they appear layer by layer)
   double layer_weight_bytes_ = 0;       // one block's gathered weights (bytes_per_element each)

@@ -93,12 +93,28 @@ struct HardwareProfile {
   // peak of the model's blocks sharded as in training (gathered and prefetched weights, weight
   // gradients, reduce-scatter buffers).
   std::vector<double> step_fixed_bytes;
+  // Optional likewise (0 = not modelled): the step's other peak moment, right after the backward
+  // of a block of the model's largest kind (an MMDiT's double-stream block, twice a single one's
+  // weights), while its unsharded bf16 and fp32 gradients and reduce-scatter buffers are alive
+  // and the block's activations are gone. Bytes above the FSDP shard that do not grow with tokens
+  // (in place of step_fixed_bytes), and per held token (inputs, input gradients; the kept
+  // activations of the layers below are added by the cost model). Measured at small token
+  // counts, where this moment is the peak: above a few thousand tokens the backward's peak
+  // (step_fixed_bytes + per-token rows) is higher, below it this one.
+  std::vector<double> reduce_fixed_bytes;
+  std::vector<double> reduce_bytes_per_token;
   // Optional likewise (0 = analytic): bytes per held token that a Ulysses (ring) shard adds to
   // the step's peak beyond a local sequence of as many tokens (exchange buffers, head layouts;
   // may be negative where the shard's attention needs less workspace than a whole sequence's).
   // Replace the analytic q/k/v send-and-receive (k/v double buffer) term.
   std::vector<double> ulysses_bytes_per_token;
   std::vector<double> ring_bytes_per_token;
+  // Optional likewise (0 = none): ulysses_bytes_per_token is measured over 2 ranks, where a shard
+  // exchanges half of its q/k/v/o and their gradients; a group of u ranks exchanges (u - 1) / u
+  // of them. Bytes per held token and per share exchanged, so that a shard of a group of u adds
+  // ulysses_bytes_per_token + ulysses_exchanged_bytes_per_token * ((u - 1) / u - 1/2); measured
+  // from a second shard over more ranks.
+  std::vector<double> ulysses_exchanged_bytes_per_token;
   // Optional likewise (0 = not modelled): host seconds to issue one layer's kernels (forward,
   // recompute, backward) apart from its attention calls, and per attention call (self or cross)
   // and layer, for the model's blocks. A rank whose GPU work is shorter waits for its host:
@@ -111,6 +127,14 @@ struct HardwareProfile {
   // shared tables then serve the models without a table of their own.
   std::vector<Table> model_matmul_forward_flops_per_s;
   std::vector<Table> model_matmul_backward_flops_per_s;
+  // Optional likewise (empty, or one table per memory model; an empty table = the rows alone):
+  // x = held tokens of a local pack, y = bytes the step holds at the backward's peak beyond the
+  // layers' kept activations (its fixed bytes and one layer's backward buffers), measured at
+  // several packs. Replaces step_fixed_bytes + x * backward_bytes_per_token_layer for a rank of
+  // x tokens, read LINEARLY between the packs and along the end segments beyond them: the peak
+  // is convex in tokens (the moment of the layer's backward it comes from changes with them),
+  // so two packs' line errs above between them and below outside.
+  std::vector<Table> backward_peak_bytes;
   int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
 
   // Every non-empty table valid, every value inside the ranges above; throws

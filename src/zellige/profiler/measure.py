@@ -60,10 +60,17 @@ ELEMENTWISE_BYTES_PER_TOKEN_WIDTH = 24
 
 FULL_ATTENTION_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 FULL_TOKEN_COUNTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-FULL_MEMORY_TOKENS = (8192, 32768)
+# profile_memory's packs (two sequences of the model's text each): the backward peak's rows from
+# the first two (large enough that the backward peak is the step's peak), the gradient
+# reduction's from the next two (small enough that it is); the backward peak's table
+# (backward_peak_bytes) from the first and the last ones together.
+FULL_MEMORY_TOKENS = (16384, 65536)
+FULL_REDUCE_TOKENS = (1280, 4096)  # not 1024: as many visual rows as text rows
+FULL_CHECK_TOKENS = (8192, 32768, 98304)
 # profile_memory: held tokens of the Ulysses and ring shards probed (a sequence of twice as
 # many over 2 ranks) and of the local sequence they are compared with
 FULL_SHARD_TOKENS = 16384
+ULYSSES_WIDE_DEGREE = 8  # a second Ulysses shard probe, over this many ranks
 QUICK_SHARD_TOKENS = 64
 CALL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_ATTENTION_LENGTHS = (64, 128, 256)
@@ -88,6 +95,8 @@ LAUNCH_TEXT_TOKENS = 15
 LAUNCH_REPEATS = 20  # host-bound steps scatter by +-25% from one to the next: take many
 QUICK_TOKEN_COUNTS = (64, 128, 256)
 QUICK_MEMORY_TOKENS = (64, 128)
+QUICK_REDUCE_TOKENS = (16, 32)
+QUICK_CHECK_TOKENS = (96,)
 
 Progress = Callable[[str], None]
 
@@ -652,11 +661,12 @@ def _local_pack_plan(
 
 
 def _shard_plan(
-    held_tokens: int, text_tokens: int, strategy: str
+    held_tokens: int, text_tokens: int, strategy: str, degree: int = 2
 ) -> tuple[_core.Batch, _core.Plan]:
     """Rank 0 holding `held_tokens` of one sequence: the whole of it ("local"), or a shard of a
-    sequence of twice as many tokens under `strategy` ("ulysses", "ring") over 2 ranks."""
-    degree = 1 if strategy == "local" else 2
+    sequence of `degree` times as many tokens under `strategy` ("ulysses", "ring") over `degree`
+    ranks."""
+    degree = 1 if strategy == "local" else degree
     batch, _ = _local_plan([held_tokens * degree], text_tokens)
     plan = _core.Plan()
     plan.planner = "profile"
@@ -665,6 +675,18 @@ def _shard_plan(
         _core.make_placement(0, getattr(_core.Strategy, strategy), list(range(degree)))
     ]
     return batch, plan
+
+
+CALLS_SEQUENCES = 8  # profile_memory's check pack of distinct lengths
+
+
+def _distinct_lengths(total: int) -> list[int]:
+    """CALLS_SEQUENCES distinct lengths, rising, that sum to `total` (>= 8 * CALLS_SEQUENCES)."""
+    base = total // (2 * CALLS_SEQUENCES)
+    step = max(1, (total - CALLS_SEQUENCES * base) * 2 // (CALLS_SEQUENCES * (CALLS_SEQUENCES - 1)))
+    lengths = [base + i * step for i in range(CALLS_SEQUENCES)]
+    lengths[-1] += total - sum(lengths)
+    return lengths
 
 
 @dataclass(frozen=True, slots=True)
@@ -750,6 +772,45 @@ def memory_rows(
     }
 
 
+def reduce_rows(probes: dict[int, MemoryProbe], *, attended_text_tokens: int) -> dict:
+    """The rows of the step's other peak moment (HardwareProfile::reduce_fixed_bytes): right
+    after the backward of the stack's largest layer (an MMDiT's double-stream block, the first of
+    the stack), its gradients being reduced, where a small pack peaks. The line through the step
+    peaks of two small packs (`probes`, token count -> probe): per held token, and the bytes at 0
+    tokens. `attended_text_tokens`: the text tokens each pack holds besides (a joint model's text
+    is held tokens, counted like the visual ones; 0 for a cross-attention model, whose text is
+    the same in both packs and so lands in the fixed bytes)."""
+    low, high = min(probes), max(probes)
+    per_token = (probes[high].step_peak - probes[low].step_peak) / (high - low)
+    fixed = probes[low].step_peak - per_token * (low + attended_text_tokens)
+    return {"reduce_bytes_per_token": max(0.0, per_token), "reduce_fixed_bytes": max(0.0, fixed)}
+
+
+def backward_peak_table(
+    packs: dict[int, MemoryProbe],
+    rows: dict,
+    *,
+    num_layers: int,
+    attended_text_tokens: int,
+    text_bytes: float,
+) -> dict:
+    """HardwareProfile::backward_peak_bytes from packs (token count -> probe) whose peak is the
+    backward's: at each pack's held tokens x (a joint model's text among them), its step peak
+    minus the layers' kept activations as the rows charge them ((num_layers - 1) checkpoints and
+    one layer's activations per token) and minus a cross model's text bytes (`text_bytes`, the
+    pack's text at the text row): what the rows' step_fixed_bytes + x * backward_bytes charge
+    instead (equal at the two packs the rows come from)."""
+    kept_per_token = (num_layers - 1) * rows["checkpoint_bytes_per_token_layer"] + rows[
+        "activation_bytes_per_token_layer"
+    ]
+    x, y = [], []
+    for tokens, probe in sorted(packs.items()):
+        held = tokens + attended_text_tokens
+        x.append(float(held))
+        y.append(max(1.0, probe.step_peak - kept_per_token * held - text_bytes))
+    return _table(x, y)
+
+
 def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -> dict:
     """Per token and layer: kept without checkpointing (activation), kept with checkpointing
     (checkpoint), what else the step holds at its peak (backward: one layer's backward
@@ -758,9 +819,13 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
     reduce-scatter buffers). The model's stack (stack_layers: an MMDiT's double and single
     blocks in its proportion) sharded as in training (FSDP2 over a group of one, as
     validate-profile measures ranks), the output's gradient from a loss (rank_work.train_step).
-    A third, small pack (SMALL_MEMORY_TOKENS) is probed for the details only: how far its peak
-    lies from the line through the two others (a small rank's peak may come from another moment
-    of the step than a large rank's)."""
+    The step has two peak moments whose lines cross at a few thousand tokens (an MMDiT: about
+    10k): the backward of the last layer (recomputed activations, the other layers' checkpoints:
+    many bytes per token), and the gradient reduction right after the largest layer's backward
+    (its unsharded gradients and reduce-scatter buffers: many fixed bytes, few per token). The
+    rows above come from two large packs (FULL_MEMORY_TOKENS), the reduction's (reduce_rows) from
+    two small ones (FULL_REDUCE_TOKENS); packs in between (FULL_CHECK_TOKENS) are printed against
+    max(both lines) as a check."""
     config = dit_config(options.model)
     num_layers = stack_layers(options.model)
     num_sequences = 2
@@ -786,25 +851,41 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         return MemoryProbe(inputs_bytes, kept, transient, kept_ckpt, transient_ckpt)
 
     token_counts = QUICK_MEMORY_TOKENS if options.quick else FULL_MEMORY_TOKENS
+    reduce_counts = QUICK_REDUCE_TOKENS if options.quick else FULL_REDUCE_TOKENS
+    check_counts = QUICK_CHECK_TOKENS if options.quick else FULL_CHECK_TOKENS
     shard_tokens = QUICK_SHARD_TOKENS if options.quick else FULL_SHARD_TOKENS
     low = token_counts[0]
-    probes = {}
+    probes, small, checks = {}, {}, {}
     shards = {}
     # training's process group (NCCL on a GPU) is alive for the probes and the runtime reserve
     with rank_work.process_group_of_one(device):
         blocks = rank_work.make_fsdp_blocks(config, num_layers, device, dtype)
-        for tokens in token_counts:
-            probes[tokens] = probe(
-                blocks, *_local_pack_plan(tokens, config.text_tokens, num_sequences)
-            )
-            progress(
-                f"memory M={tokens:>6}: kept {probes[tokens].kept / tokens / num_layers:9.0f} "
-                f"B/token/layer, with checkpointing "
-                f"{probes[tokens].kept_checkpointing / tokens / num_layers:7.0f}, step peak "
-                f"{probes[tokens].step_peak / 2**30:6.2f} GiB"
-            )
-        small_tokens = token_counts[0] // 8
-        small = probe(blocks, *_local_pack_plan(small_tokens, config.text_tokens, num_sequences))
+        for counts, into in (
+            (token_counts, probes),
+            (reduce_counts, small),
+            (check_counts, checks),
+        ):
+            for tokens in counts:
+                into[tokens] = probe(
+                    blocks, *_local_pack_plan(tokens, config.text_tokens, num_sequences)
+                )
+                progress(
+                    f"memory M={tokens:>6}: kept {into[tokens].kept / tokens / num_layers:9.0f} "
+                    f"B/token/layer, with checkpointing "
+                    f"{into[tokens].kept_checkpointing / tokens / num_layers:7.0f}, step peak "
+                    f"{into[tokens].step_peak / 2**20:9.1f} MiB"
+                )
+        # a check of the per-token rows on a rank of many distinct lengths (one attention call
+        # each) instead of one call over the pack: as many attended tokens as the low pack
+        distinct = _distinct_lengths(
+            max(8 * CALLS_SEQUENCES, low + (num_sequences - CALLS_SEQUENCES) * config.text_tokens)
+        )
+        calls = probe(blocks, *_local_plan(distinct, config.text_tokens))
+        progress(
+            f"memory {CALLS_SEQUENCES} distinct lengths {distinct}: step peak "
+            f"{calls.step_peak / 2**20:9.1f} MiB (the M={low} pack's: "
+            f"{probes[low].step_peak / 2**20:9.1f} MiB, as many attended tokens in one call)"
+        )
         with_text = None
         if not config.joint_attention:
             with_text = probe(
@@ -813,8 +894,19 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         # A joint model's text is held tokens: without it, the shards and the local sequence
         # hold the same shard_tokens (a cross model's text is the same on all three).
         shard_text = 0 if config.joint_attention else config.text_tokens
-        for strategy in ("local", "ulysses", "ring"):
-            shards[strategy] = probe(blocks, *_shard_plan(shard_tokens, shard_text, strategy))
+        wide_degree = min(ULYSSES_WIDE_DEGREE, config.num_heads)  # a head or more per rank
+        for name, strategy, degree in (
+            ("local", "local", 1),
+            ("ulysses", "ulysses", 2),
+            ("ring", "ring", 2),
+            *((("ulysses_wide", "ulysses", wide_degree),) if wide_degree > 2 else ()),
+        ):
+            shards[name] = probe(blocks, *_shard_plan(shard_tokens, shard_text, strategy, degree))
+            progress(
+                f"memory {name} shard of {shard_tokens} held: kept with checkpointing "
+                f"{shards[name].kept_checkpointing / 2**20:.1f} MiB, step peak "
+                f"{shards[name].step_peak / 2**20:.1f} MiB"
+            )
         runtime_reserved_bytes = 0
         if device.type == "cuda":
             own_bytes = rank_work.persistent_bytes(blocks)
@@ -828,29 +920,71 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         text_tokens=config.text_tokens,
         extra_text_tokens=low,
     )
+    attended_text = num_sequences * config.text_tokens if config.joint_attention else 0
+    rows.update(reduce_rows(small, attended_text_tokens=attended_text))
+    rows["backward_peak_bytes"] = backward_peak_table(
+        {**probes, **checks},
+        rows,
+        num_layers=num_layers,
+        attended_text_tokens=attended_text,
+        text_bytes=rows["text_bytes_per_token_layer"] * num_sequences * config.text_tokens,
+    )
     high = token_counts[-1]
     line_slope = (probes[high].step_peak - probes[low].step_peak) / (high - low)
-    small_excess = small.step_peak - (probes[low].step_peak - line_slope * (low - small_tokens))
-    progress(
-        f"memory M={small_tokens:>6}: step peak {small.step_peak / 2**30:6.2f} GiB, "
-        f"{small_excess / 2**20:+.0f} MiB from the line through M={low} and M={high}"
-    )
+
+    def backward_line(tokens: int) -> float:
+        return probes[low].step_peak + line_slope * (tokens - low)
+
+    def reduce_line(tokens: int) -> float:
+        return rows["reduce_fixed_bytes"] + rows["reduce_bytes_per_token"] * (
+            tokens + attended_text
+        )
+
+    check_lines = {}
+    for tokens, p in sorted({**small, **probes, **checks}.items()):
+        backward_at, reduce_at = backward_line(tokens), reduce_line(tokens)
+        check_lines[str(tokens)] = {
+            "step_peak": p.step_peak,
+            "backward_line": backward_at,
+            "reduce_line": reduce_at,
+        }
+        progress(
+            f"memory M={tokens:>6}: step peak {p.step_peak / 2**20:9.1f} MiB; backward line "
+            f"{backward_at / 2**20:9.1f}, reduction line {reduce_at / 2**20:9.1f}, max of both "
+            f"{(max(backward_at, reduce_at) - p.step_peak) / 2**20:+7.1f} MiB off"
+        )
     # what a shard holds beyond a local sequence of its tokens (both probes hold one sequence)
     for strategy in ("ulysses", "ring"):
         extra = shards[strategy].step_peak - shards["local"].step_peak
         rows[f"{strategy}_bytes_per_token"] = extra / shard_tokens
+    # a wider Ulysses group exchanges a larger share of the held q/k/v/o and their gradients,
+    # (degree - 1) / degree: what a shard adds per token and per share exchanged, from degree 2
+    # (1/2 exchanged) to ULYSSES_WIDE_DEGREE
+    rows["ulysses_exchanged_bytes_per_token"] = 0.0
+    if "ulysses_wide" in shards:
+        wide = shards["ulysses_wide"].step_peak - shards["local"].step_peak
+        rows["ulysses_exchanged_bytes_per_token"] = (
+            wide / shard_tokens - rows["ulysses_bytes_per_token"]
+        ) / ((wide_degree - 1) / wide_degree - 0.5)
     progress(
         f"memory per text token: {rows['text_bytes_per_token_layer']:.0f} B; step fixed "
         f"(gathered weights, gradients) {rows['step_fixed_bytes'] / 2**30:.2f} GiB; beyond a "
         f"local sequence: Ulysses {rows['ulysses_bytes_per_token']:.0f} B/token, ring "
-        f"{rows['ring_bytes_per_token']:.0f} B/token (2 ranks, {shard_tokens} held)"
+        f"{rows['ring_bytes_per_token']:.0f} B/token (2 ranks, {shard_tokens} held), Ulysses "
+        f"{rows['ulysses_exchanged_bytes_per_token']:.0f} B/token more per share exchanged; at the "
+        f"largest layer's gradient reduction {rows['reduce_fixed_bytes'] / 2**30:.2f} GiB + "
+        f"{rows['reduce_bytes_per_token']:.0f} B/token"
     )
     return {
         **rows,
         "runtime_reserved_bytes": runtime_reserved_bytes,
         "shard_probes": {f"{strategy}:{shard_tokens}": asdict(p) for strategy, p in shards.items()},
+        "ulysses_wide_degree": wide_degree,
         "probes": {str(t): asdict(p) for t, p in probes.items()},
-        "small_probe": {str(small_tokens): asdict(small), "excess_bytes": small_excess},
+        "reduce_probes": {str(t): asdict(p) for t, p in small.items()},
+        "check_probes": {str(t): asdict(p) for t, p in checks.items()},
+        "lines": check_lines,
+        "calls_probe": {"lengths": distinct, **asdict(calls)},
         "num_layers": num_layers,
         "probe_with_text": (
             {} if with_text is None else {f"{low}+{config.text_tokens + low}": asdict(with_text)}
@@ -968,8 +1102,14 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         ),
         "text_bytes_per_token_layer": [memory["text_bytes_per_token_layer"]] if memory else [],
         "step_fixed_bytes": [memory["step_fixed_bytes"]] if memory else [],
+        "reduce_fixed_bytes": [memory["reduce_fixed_bytes"]] if memory else [],
+        "reduce_bytes_per_token": [memory["reduce_bytes_per_token"]] if memory else [],
         "ulysses_bytes_per_token": [memory["ulysses_bytes_per_token"]] if memory else [],
         "ring_bytes_per_token": [memory["ring_bytes_per_token"]] if memory else [],
+        "ulysses_exchanged_bytes_per_token": (
+            [memory["ulysses_exchanged_bytes_per_token"]] if memory else []
+        ),
+        "backward_peak_bytes": [memory["backward_peak_bytes"]] if memory else [],
         # rows of the model measured (memory_models): none on a CPU, where memory is not measured
         "launch_s_per_layer": [launch["launch_s_per_layer"]] if memory else [],
         "launch_s_per_attention_call": [launch["launch_s_per_attention_call"]] if memory else [],
@@ -1094,6 +1234,7 @@ def profile_memory_into(
     if device.type == "cuda":
         memory = profile_memory(options, device, dtype, progress)
         rows.update(memory)
+        tables["backward_peak_bytes"] = memory["backward_peak_bytes"]
         details["memory"] = memory
         parts.append("memory")
         if save is not None:

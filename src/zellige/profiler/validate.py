@@ -175,6 +175,32 @@ def local_copy_s(
     return 2.0 * copied_bytes / memory_bytes_per_s
 
 
+def harness_peak_model(
+    spec: _core.ModelSpec,
+    gpus: int,
+    profile: _core.HardwareProfile,
+    activation_checkpointing: bool,
+) -> _core.CostModel:
+    """The cost model that predicts the peak the harness measures (rank_peak_bytes). Its FSDP
+    blocks keep their sharded gradients from one step to the next and they are taken out of the
+    measured peak with the weights, so the measured peak holds no weight gradient: the
+    gradients that training's backward adds layer by layer (1/gpus of each layer's, see
+    CostModel.rank_peak_bytes) are left out of this prediction too (gradient bytes 0, the FSDP
+    state without them). The modelled shard put into the measured peak is this model's state.
+    Only the peak comes from it; time does not depend on these options."""
+    cost_model = make_cost_model(
+        spec, gpus=gpus, profile=profile, activation_checkpointing=activation_checkpointing
+    )
+    options = _core.CostOptions()
+    for name in ("activation_checkpointing", "bytes_per_element", "memory_headroom"):
+        setattr(options, name, getattr(cost_model.options, name))
+    options.state_bytes_per_param = (
+        cost_model.options.state_bytes_per_param - cost_model.options.gradient_bytes_per_param
+    )
+    options.gradient_bytes_per_param = 0.0
+    return _core.CostModel(spec, profile, cost_model.cluster, options)
+
+
 def predicted_busy_s(rank_cost: _core.RankCost, copy_s: float) -> float:
     """The GPU work of a rank run on one GPU as the cost model prices it: its evaluate() time
     without exchanges, plus the local copies that stand in for them."""
@@ -611,13 +637,13 @@ def validate(
                 activation_checkpointing=options.activation_checkpointing,
             )
             cost = cost_model.evaluate(batch, plan)
-            # the shard that is always held: training sets gradients to None between steps and
-            # the cost model adds them as the backward produces them (CostModel.rank_peak_bytes)
-            cost_options = cost_model.options
+            peak_model = harness_peak_model(
+                spec, plan.num_ranks, profile, options.activation_checkpointing
+            )
+            peak_cost = peak_model.evaluate(batch, plan)
+            # the shard that stands in for the harness's weights: no gradient (harness_peak_model)
             shard_bytes = (
-                spec.param_count
-                * (cost_options.state_bytes_per_param - cost_options.gradient_bytes_per_param)
-                / plan.num_ranks
+                spec.param_count * peak_model.options.state_bytes_per_param / plan.num_ranks
             )
             for rank in chosen_ranks(cost, options.ranks_per_plan):
                 rank_cost = cost.ranks[rank]
@@ -651,7 +677,7 @@ def validate(
                     num_sequences=sum(rank in p.ranks for p in plan.placements),
                     predicted_s=predicted_rank_s(rank_cost, copy_s),
                     measured_s=measured_s,
-                    predicted_peak_bytes=rank_cost.peak_bytes,
+                    predicted_peak_bytes=peak_cost.ranks[rank].peak_bytes,
                     measured_peak_bytes=peak,
                     modelled_state_bytes=shard_bytes,
                     knapformer_work=knapformer_rank_work(batch, plan, rank, config.width, gamma),
