@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 
 import zellige
+from zellige.runtime import end_rank_process
 
 # ---------------------------------------------------------------- the user's model (no Zellige)
 WIDTH, HEADS, LAYERS, FFN, CHANNELS, TEXT_DIM = 32, 4, 2, 64, 8, 16
@@ -206,7 +207,10 @@ def main() -> None:
             if worst > 1e-9:
                 raise SystemExit("FAIL: the losses differ from the single-process run")
             print("PASS")
-    dist.destroy_process_group()
+    # The ranks leave together, without Python's finalization: a gloo group that something
+    # still refers to (FSDP2 does) would otherwise be torn down there, which aborts a rank now
+    # and then.
+    end_rank_process()
 
 
 if __name__ == "__main__":

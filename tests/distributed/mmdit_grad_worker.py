@@ -20,6 +20,7 @@ from train_grad_worker import BATCHES, RING_PLAN
 from zellige.data import StepDataset
 from zellige.data.synthetic import SyntheticLatents, grid_positions
 from zellige.model import JointTokens, MMDiT
+from zellige.runtime import end_rank_process
 from zellige.train.config import mmdit_tiny_cpu
 from zellige.train.loop import setup_distributed
 from zellige.train.mmdit_step import assemble_joint_step, joint_step_loss
@@ -126,8 +127,7 @@ def main() -> None:
         loss, grads = reference(config, sequences)
         results["reference"] = {"loss": loss, "grads": grads}
         torch.save(results, out_path)
-    dist.barrier()  # the ranks leave together (see train_grad_worker.py)
-    dist.destroy_process_group()
+    end_rank_process()  # together, and without interpreter finalization (runtime/teardown.py)
 
 
 if __name__ == "__main__":

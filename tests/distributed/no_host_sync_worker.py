@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from train_grad_worker import BATCHES, RING_PLAN, make_model
 
 from zellige.data import StepDataset
-from zellige.runtime import layout
+from zellige.runtime import end_rank_process, layout
 from zellige.train.config import mmdit_tiny_cpu, tiny_cpu
 from zellige.train.loop import setup_distributed, step_loss
 from zellige.train.mmdit_step import assemble_joint_step, joint_step_loss
@@ -221,8 +221,7 @@ def main() -> None:
     if rank == 0:
         with open(out_path, "w") as out:
             json.dump(records, out, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank_process()  # together, and without interpreter finalization (runtime/teardown.py)
 
 
 if __name__ == "__main__":

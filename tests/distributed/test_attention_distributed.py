@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zellige import Strategy, _core, make_placement, sequence_from_tokens
-from zellige.runtime import compile_step, load_step, verify
+from zellige.runtime import compile_step, end_rank_process, load_step, verify
 from zellige.runtime.verify import CheckConfig, check_rank
 
 WORLD_SIZES = [2, 3, 4]
@@ -266,7 +266,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
     report["loader_error"] = messages
     if rank == 0:
         queue.put(report)
-    dist.destroy_process_group()
+    end_rank_process()  # together, and without interpreter finalization (runtime/teardown.py)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")

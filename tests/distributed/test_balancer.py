@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zellige import Strategy, _core, make_placement
-from zellige.runtime import verify
+from zellige.runtime import end_rank_process, verify
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WORLD_SIZES = [2, 4]
@@ -248,7 +248,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         report["exception"] = traceback.format_exc()
     if rank == 0:
         queue.put(report)
-    dist.destroy_process_group()
+    end_rank_process()  # together, and without interpreter finalization (runtime/teardown.py)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")

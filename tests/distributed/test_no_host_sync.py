@@ -86,3 +86,5 @@ def test_on_cuda_the_ranks_agree_over_host_tensors(monkeypatch) -> None:
         assert layout._status_group(None, torch.device("cuda", 0))[0] is not twin
     finally:
         dist.destroy_process_group()
+        # the twin held there would keep its gloo threads running into pytest's exit
+        layout._HOST_GROUP.clear()

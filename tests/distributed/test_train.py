@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,22 @@ TIMEOUT_S = 240
 def _torchrun(nproc: int, *args: str) -> None:
     # zellige comes from the environment: the installed package (CI), or PYTHONPATH=src when
     # developing; forcing src/ would miss _core in a fresh clone, where only the install built it.
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    command += ["--master-port", str(29400 + os.getpid() % 500), *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # A rank that crashes prints its Python and C++ stacks; torchrun's own summary would push
+    # them out of its output's tail, so a failure shows each rank's stderr log.
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", TORCH_SHOW_CPP_STACKTRACES="1"
+    )
+    with tempfile.TemporaryDirectory() as logs:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        command += ["--master-port", str(29400 + os.getpid() % 500), "--log-dir", logs]
+        command += ["--tee", "3", *args]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        ranks = "".join(
+            f"\n--- rank {path.parent.name} stderr:\n{path.read_text()[-2000:]}"
+            for path in sorted(Path(logs).rglob("stderr.log"))
+            if done.returncode != 0
+        )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + ranks
 
 
 def _train(nproc: int, tmp_path: Path, name: str, *args: str, config="tiny-cpu") -> list[dict]:

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from zellige.data import StepDataset
 from zellige.data.synthetic import SyntheticLatents, grid_positions
 from zellige.model import PackedTokens, VideoDiT
+from zellige.runtime import end_rank_process
 from zellige.train.config import tiny_cpu
 from zellige.train.loop import setup_distributed, step_loss
 from zellige.train.parallelize import parallelize
@@ -127,10 +128,10 @@ def main() -> None:
         loss, grads = reference(config, sequences)
         results["reference"] = {"loss": loss, "grads": grads}
         torch.save(results, out_path)
-    # Rank 0 computes the reference alone: tearing gloo down on rank 1 meanwhile aborted it once
-    # ("terminate called without an active exception"), so the ranks leave together.
-    dist.barrier()
-    dist.destroy_process_group()
+    # Rank 0 computes the reference alone, so the ranks leave together (a barrier); and the
+    # FSDP2-held gloo group must not meet Python's finalization, where it aborts a rank now and
+    # then ("terminate called without an active exception"): runtime/teardown.py
+    end_rank_process()
 
 
 if __name__ == "__main__":

@@ -302,7 +302,11 @@ def test_validate_summarises_a_results_file_without_running(tmp_path, capsys):
     assert report["num_plans"] == 2 and len(report["ranks"]) == 2
     expected = (1 - 1 / 1.1 + 1 - 1 / 1.2) / 2 * 100
     assert report["time_mape_percent"] == pytest.approx(expected)
-    assert "summarised from ranks.jsonl" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "summarised from ranks.jsonl" in printed
+    # the files do not say which model their ranks ran: no claim of the CLI's default model
+    assert "model not recorded in the results files" in printed
+    assert "wan-14b" not in printed and "layers)" not in printed
     # the parts of a --plan-range split are read together; the same rank twice is refused
     first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     first.write_text(json.dumps(dataclasses.asdict(rows[0])) + "\n")
@@ -745,3 +749,69 @@ def test_quick_attention_call_table_is_what_the_merge_policy_reads(tmp_path, cap
     costs = CallCosts.from_call_table(data, str(out))
     forward_s, backward_s = costs.call_s(32, 32, 3, masked=True)
     assert forward_s > 0 and backward_s > 0
+
+
+@pytest.mark.parametrize("memory", ["roomy", "tight"])
+def test_validate_runs_a_rank_with_the_full_recompute_its_cost_chose(memory):
+    """Issue 16: where a rank does not fit with every layer's attention outputs kept, the cost
+    model recomputes its first layers in full (attention included) and prices that; the harness
+    must run the rank so. A full recompute runs the attention forward again, so forward over
+    backward attention kernel calls is 1 + full layers / layers, over any number of steps."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zellige import _core
+    from zellige.costs import make_cost_model
+    from zellige.profiler import rank_work
+    from zellige.profiler.models import dit_config, model_spec
+    from zellige.profiler.validate import ValidationOptions, harness_peak_model, measure_rank
+
+    forward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+    class CountAttention(TorchDispatchMode):
+        forward_calls = backward_calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.forward_calls += func is forward_op
+            self.backward_calls += func is backward_op
+            return func(*args, **(kwargs or {}))
+
+    num_layers = 2
+    spec = model_spec("tiny", num_layers=num_layers)
+    batch = _core.Batch()
+    batch.sequences = [
+        _core.sequence_from_tokens(i, "video", 300 + 40 * i, spec.text_tokens, 0) for i in range(2)
+    ]
+    plan = _core.Plan()
+    plan.planner, plan.num_ranks = "test", 1
+    plan.placements = [_core.make_placement(i, _core.Strategy.local, [0]) for i in range(2)]
+    cost_model = make_cost_model(spec, gpus=1)
+    if memory == "tight":  # one byte short of the rank's peak with every layer checkpointed
+        cluster = cost_model.cluster
+        peak_bytes = cost_model.evaluate(batch, plan).ranks[0].peak_bytes
+        cluster.gpu_memory_bytes = int((peak_bytes - 1) / (1 - cost_model.options.memory_headroom))
+        cost_model = _core.CostModel(spec, cost_model.profile, cluster, cost_model.options)
+    cost = cost_model.evaluate(batch, plan)
+    peak_model = harness_peak_model(spec, 1, cost_model.profile, True)
+    expected_full = cost.ranks[0].full_recompute_layers
+    assert (expected_full > 0) == (memory == "tight")
+    device = torch.device("cpu")
+    config = dit_config("tiny", num_layers=num_layers)
+    options = ValidationOptions(
+        model="tiny", num_layers=num_layers, repeats=1, device="cpu", quick=True
+    )
+    blocks = rank_work.make_blocks(config, num_layers, device, torch.float32)
+    with rank_work.process_group_of_one(device):
+        fsdp_blocks = rank_work.make_fsdp_blocks(config, num_layers, device, torch.float32)
+        with CountAttention() as count:
+            result = measure_rank(
+                name="test", batch=batch, plan=plan, rank=0, cost_model=cost_model, cost=cost,
+                peak_model=peak_model, peak_cost=peak_model.evaluate(batch, plan),
+                blocks=blocks, fsdp_blocks=fsdp_blocks, config=config, options=options,
+                device=device, dtype=torch.float32, gamma=0.0,
+            )  # fmt: skip
+        del fsdp_blocks
+    assert result.full_recompute_layers == expected_full
+    assert result.predicted_s > 0 and result.measured_s > 0
+    assert count.backward_calls > 0
+    assert count.forward_calls == count.backward_calls * (1 + expected_full / num_layers)

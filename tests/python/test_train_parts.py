@@ -132,3 +132,30 @@ def test_block_runners_recompute_as_the_plan_says() -> None:
         torch.testing.assert_close(g, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="fully recomputed blocks"):
         set_checkpointed_blocks(model, 2, 3)
+
+
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_end_rank_process_keeps_output_and_exit_code(exit_code) -> None:
+    """runtime.end_rank_process with a gloo group of one: what the rank printed reaches a pipe
+    (os._exit drops unflushed buffers), and the exit code is the one given."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch.distributed as dist\n"
+        "from zellige.runtime import end_rank_process\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "import atexit\n"
+        "atexit.register(lambda: print('finalized'))\n"
+        "print('done', end='')\n"
+        f"end_rank_process({exit_code})\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == exit_code, done.stderr[-2000:]
+    # success: printed and flushed, and no finalization (atexit) ran; a failure exits as Python
+    # does, so that the other ranks are not stopped before rank 0 has said why
+    assert done.stdout == ("done" if exit_code == 0 else "donefinalized\n")

@@ -113,11 +113,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def format_report(report, options) -> str:
+    """The text report; `options` None for --summarise, whose results files do not record the
+    model their ranks ran, so the report names none rather than this command's defaults."""
     from zellige.profiler.models import model_name
 
+    if options is None:
+        model = "model not recorded in the results files"
+    else:
+        model = f"model {model_name(options.model)} ({options.num_layers} layers)"
     lines = [
-        f"plans {report.num_plans}, ranks {len(report.ranks)}, model {model_name(options.model)} "
-        f"({options.num_layers} layers)",
+        f"plans {report.num_plans}, ranks {len(report.ranks)}, {model}",
         *(f"note: {note}" for note in report.notes),
         f"time MAPE {report.time_mape_percent:.2f}%  (after the best single scale: "
         f"{report.time_mape_best_scale_percent:.2f}%)",
@@ -252,5 +257,5 @@ def run(args: argparse.Namespace) -> int:
         report = validate(options, progress, measure_rows if args.measure_rows else None)
     if args.json:
         write_output(args.json, json.dumps(report_dict(report), indent=1, allow_nan=False) + "\n")
-    print(format_report(report, options))
+    print(format_report(report, None if args.summarise else options))
     return 0

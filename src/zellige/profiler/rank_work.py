@@ -1,7 +1,8 @@
 """One rank's compute of one training step, run on the one GPU at hand.
 
 The rank's held tokens go through real DiT blocks of zellige.model (forward, backward, and the
-per-token recompute under activation checkpointing, as training's: zellige.runtime.recompute);
+recompute under activation checkpointing, as training's: zellige.runtime.recompute, selective,
+and in full for the first `full_recompute_layers` blocks where the cost model says so);
 self-attention is the engine's `distributed_attention` over the rank's compiled layout.
 Exchanges are EXCLUDED: inside `local_exchanges()` the all_to_all and ring messages become local
 copies of the same sizes, so every buffer, gather and kernel of the rank is real but no byte
@@ -27,7 +28,7 @@ from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock
 from zellige.model.config import DiTConfig, with_layers
 from zellige.model.rope import rope_tables
-from zellige.runtime.recompute import checkpointed
+from zellige.runtime.recompute import recomputed
 
 
 class _Done:
@@ -277,9 +278,9 @@ class _BlockUnit(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, *args, checkpointing: bool) -> Tensor:
+    def forward(self, *args, checkpointing: bool, full_recompute: bool) -> Tensor:
         if checkpointing:
-            return checkpointed(self.block, *args)
+            return recomputed(self.block, *args, full=full_recompute)
         return self.block(*args)
 
 
@@ -291,10 +292,16 @@ class FSDPBlocks(nn.Module):
         super().__init__()
         self.units = units
 
-    def forward(self, inputs: RankInputs | JointRankInputs, checkpointing: bool) -> Tensor:
+    def forward(
+        self, inputs: RankInputs | JointRankInputs, checkpointing: bool, full_recompute_layers: int
+    ) -> Tensor:
         x_TD = inputs.x_TD
-        for unit in self.units:
-            x_TD = unit(*inputs.args(unit.block, x_TD), checkpointing=checkpointing)
+        for index, unit in enumerate(self.units):
+            x_TD = unit(
+                *inputs.args(unit.block, x_TD),
+                checkpointing=checkpointing,
+                full_recompute=index < full_recompute_layers,
+            )
         return x_TD
 
 
@@ -361,32 +368,47 @@ def output_loss(out_TD: Tensor) -> Tensor:
 
 
 def forward_blocks(
-    blocks: nn.Module, inputs: RankInputs | JointRankInputs, checkpointing: bool
+    blocks: nn.Module,
+    inputs: RankInputs | JointRankInputs,
+    checkpointing: bool,
+    full_recompute_layers: int = 0,
 ) -> Tensor:
-    """The rank's tokens through `blocks`: plain blocks (make_blocks) or make_fsdp_blocks."""
+    """The rank's tokens through `blocks`: plain blocks (make_blocks) or make_fsdp_blocks. With
+    `checkpointing` every block recomputes in the backward as training's do: the first
+    `full_recompute_layers` in full (attention again), the others selectively."""
     if isinstance(blocks, FSDPBlocks):
-        return blocks(inputs, checkpointing)  # the root unit's forward, so FSDP's hooks run
+        # the root unit's forward, so FSDP's hooks run
+        return blocks(inputs, checkpointing, full_recompute_layers)
     x_TD = inputs.x_TD
-    for block in blocks:
+    for index, block in enumerate(blocks):
         args = inputs.args(block, x_TD)
-        x_TD = checkpointed(block, *args) if checkpointing else block(*args)
+        if checkpointing:
+            x_TD = recomputed(block, *args, full=index < full_recompute_layers)
+        else:
+            x_TD = block(*args)
     return x_TD
 
 
 def train_step(
-    blocks: nn.Module, inputs: RankInputs | JointRankInputs, checkpointing: bool
+    blocks: nn.Module,
+    inputs: RankInputs | JointRankInputs,
+    checkpointing: bool,
+    full_recompute_layers: int = 0,
 ) -> None:
-    """Forward + backward of the rank's tokens through `blocks` (plain or make_fsdp_blocks);
-    the optimizer step is not part of the modelled time. Plain blocks: the output's gradient is
-    inputs.grad_TD, and weight gradients are dropped afterwards. FSDP blocks, as in training:
-    the output's gradient comes out of a loss (output_loss; no output or output gradient is
-    held beside the step), and the sharded fp32 gradients stay allocated (FSDP adds into them),
-    as the gradients of the rank's FSDP shard that the cost model counts as always there."""
+    """Forward + backward of the rank's tokens through `blocks` (plain or make_fsdp_blocks;
+    checkpointing as forward_blocks); the optimizer step is not part of the modelled time.
+    Plain blocks: the output's gradient is inputs.grad_TD, and weight gradients are dropped
+    afterwards. FSDP blocks, as in training: the output's gradient comes out of a loss
+    (output_loss; no output or output gradient is held beside the step), and the sharded fp32
+    gradients stay allocated (FSDP adds into them), as the gradients of the rank's FSDP shard
+    that the cost model counts as always there."""
     if isinstance(blocks, FSDPBlocks):
-        output_loss(forward_blocks(blocks, inputs, checkpointing)).backward()
+        output_loss(forward_blocks(blocks, inputs, checkpointing, full_recompute_layers)).backward()
         clear_grads(None, inputs)
     else:
-        forward_blocks(blocks, inputs, checkpointing).backward(inputs.grad_TD)
+        forward_blocks(blocks, inputs, checkpointing, full_recompute_layers).backward(
+            inputs.grad_TD
+        )
         clear_grads(blocks, inputs)
 
 

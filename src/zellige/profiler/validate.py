@@ -117,6 +117,9 @@ class RankResult:
     predicted_launch_floor_s: float = 0.0  # host issue time (RankCost.launch_floor_s)
     predicted_busy_s: float = 0.0  # the GPU work predicted_s is the larger of, with the floor
     strategies: str = ""  # the rank's placements by strategy, e.g. "local x3, ring x1"
+    # the first this many blocks ran a full recompute, attention included: the cost model's
+    # choice for the rank (RankCost.full_recompute_layers), as training follows the plan's
+    full_recompute_layers: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -434,15 +437,19 @@ def run_rank(
     options: ValidationOptions,
     device: torch.device,
     dtype: torch.dtype,
+    full_recompute_layers: int = 0,
 ) -> float:
-    """Median step seconds of the rank's compute on plain blocks."""
+    """Median step seconds of the rank's compute on plain blocks (checkpointed as training
+    checkpoints the rank: rank_work.train_step)."""
     with rank_work.local_exchanges(options.contiguous_kernel_inputs):
         inputs = rank_work.plan_rank_inputs(
             batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype
         )
 
         def step(inputs=inputs):
-            rank_work.train_step(blocks, inputs, options.activation_checkpointing)
+            rank_work.train_step(
+                blocks, inputs, options.activation_checkpointing, full_recompute_layers
+            )
 
         synchronize(device)
         start_s = time.perf_counter()
@@ -507,6 +514,7 @@ def rank_peak_bytes(
     options: ValidationOptions,
     device: torch.device,
     dtype: torch.dtype,
+    full_recompute_layers: int = 0,
 ) -> float:
     """Peak device bytes of the rank's step on FSDP blocks, as the rank would hold them: the
     allocator's peak without the harness's own weights and kept gradients (of both block sets,
@@ -522,18 +530,97 @@ def rank_peak_bytes(
             dtype=dtype,
             output_grad=False,
         )
-        rank_work.train_step(fsdp_blocks, inputs, options.activation_checkpointing)  # warm-up
+        checkpointing = options.activation_checkpointing
+        rank_work.train_step(fsdp_blocks, inputs, checkpointing, full_recompute_layers)  # warm-up
         harness_bytes = rank_work.persistent_bytes(fsdp_blocks) + rank_work.persistent_bytes(
             plain_blocks
         )  # after a step: FSDP's sharded gradients exist from the first one on
         reset_peak(device)
-        rank_work.train_step(fsdp_blocks, inputs, options.activation_checkpointing)
+        rank_work.train_step(fsdp_blocks, inputs, checkpointing, full_recompute_layers)
         peak = peak_allocated_bytes(device)
     del inputs
     if device.type != "cuda":
         return 0.0
     torch.cuda.empty_cache()
     return peak - harness_bytes + shard_bytes + _outside_allocator_bytes(device)
+
+
+def measure_rank(
+    *,
+    name: str,
+    batch: _core.Batch,
+    plan: _core.Plan,
+    rank: int,
+    cost_model: _core.CostModel,
+    cost: _core.PlanCost,
+    peak_model: _core.CostModel,
+    peak_cost: _core.PlanCost,
+    blocks,
+    fsdp_blocks,
+    config,
+    options: ValidationOptions,
+    device: torch.device,
+    dtype: torch.dtype,
+    gamma: float,
+) -> RankResult:
+    """One rank of a plan, predicted (time: `cost`, cost_model.evaluate of the plan; peak:
+    `peak_cost` of harness_peak_model) and measured: its time on the plain blocks, its peak on
+    the FSDP blocks, both run as training would run the rank, i.e. with the cost model's
+    per-rank choice (`cost`): without adaptive checkpointing every block recomputes or none
+    does, and the first full_recompute_layers recompute in full where the rank does not fit
+    with their attention outputs kept."""
+    rank_cost = cost.ranks[rank]
+    assert rank_cost.checkpointed_layers == (
+        options.num_layers if options.activation_checkpointing else 0
+    )
+    full_recompute_layers = rank_cost.full_recompute_layers
+    # the shard that stands in for the harness's weights: no gradient (harness_peak_model)
+    shard_bytes = (
+        peak_model.model.param_count * peak_model.options.state_bytes_per_param / plan.num_ranks
+    )
+    copy_s = local_copy_s(cost_model, batch, plan, rank, cost_model.profile.memory_bytes_per_s)
+    measured_s = run_rank(
+        batch=batch,
+        plan=plan,
+        rank=rank,
+        blocks=blocks,
+        config=config,
+        options=options,
+        device=device,
+        dtype=dtype,
+        full_recompute_layers=full_recompute_layers,
+    )
+    peak = rank_peak_bytes(
+        batch=batch,
+        plan=plan,
+        rank=rank,
+        fsdp_blocks=fsdp_blocks,
+        plain_blocks=blocks,
+        shard_bytes=shard_bytes,
+        config=config,
+        options=options,
+        device=device,
+        dtype=dtype,
+        full_recompute_layers=full_recompute_layers,
+    )
+    return RankResult(
+        plan=name,
+        rank=rank,
+        tokens=rank_cost.tokens,
+        num_sequences=sum(rank in p.ranks for p in plan.placements),
+        predicted_s=predicted_rank_s(rank_cost, copy_s),
+        measured_s=measured_s,
+        predicted_peak_bytes=peak_cost.ranks[rank].peak_bytes,
+        measured_peak_bytes=peak,
+        modelled_state_bytes=shard_bytes,
+        knapformer_work=knapformer_rank_work(batch, plan, rank, config.width, gamma),
+        predicted_copy_s=copy_s,
+        predicted_call_s=rank_cost.call_s,
+        predicted_launch_floor_s=rank_cost.launch_floor_s,
+        predicted_busy_s=predicted_busy_s(rank_cost, copy_s),
+        strategies=rank_strategies(plan, rank),
+        full_recompute_layers=full_recompute_layers,
+    )
 
 
 def validate(
@@ -641,51 +728,23 @@ def validate(
                 spec, plan.num_ranks, profile, options.activation_checkpointing
             )
             peak_cost = peak_model.evaluate(batch, plan)
-            # the shard that stands in for the harness's weights: no gradient (harness_peak_model)
-            shard_bytes = (
-                spec.param_count * peak_model.options.state_bytes_per_param / plan.num_ranks
-            )
             for rank in chosen_ranks(cost, options.ranks_per_plan):
-                rank_cost = cost.ranks[rank]
-                copy_s = local_copy_s(cost_model, batch, plan, rank, profile.memory_bytes_per_s)
-                measured_s = run_rank(
+                result = measure_rank(
+                    name=name,
                     batch=batch,
                     plan=plan,
                     rank=rank,
+                    cost_model=cost_model,
+                    cost=cost,
+                    peak_model=peak_model,
+                    peak_cost=peak_cost,
                     blocks=blocks,
-                    config=config,
-                    options=options,
-                    device=device,
-                    dtype=dtype,
-                )
-                peak = rank_peak_bytes(
-                    batch=batch,
-                    plan=plan,
-                    rank=rank,
                     fsdp_blocks=fsdp_blocks,
-                    plain_blocks=blocks,
-                    shard_bytes=shard_bytes,
                     config=config,
                     options=options,
                     device=device,
                     dtype=dtype,
-                )
-                result = RankResult(
-                    plan=name,
-                    rank=rank,
-                    tokens=rank_cost.tokens,
-                    num_sequences=sum(rank in p.ranks for p in plan.placements),
-                    predicted_s=predicted_rank_s(rank_cost, copy_s),
-                    measured_s=measured_s,
-                    predicted_peak_bytes=peak_cost.ranks[rank].peak_bytes,
-                    measured_peak_bytes=peak,
-                    modelled_state_bytes=shard_bytes,
-                    knapformer_work=knapformer_rank_work(batch, plan, rank, config.width, gamma),
-                    predicted_copy_s=copy_s,
-                    predicted_call_s=rank_cost.call_s,
-                    predicted_launch_floor_s=rank_cost.launch_floor_s,
-                    predicted_busy_s=predicted_busy_s(rank_cost, copy_s),
-                    strategies=rank_strategies(plan, rank),
+                    gamma=gamma,
                 )
                 results.append(result)
                 if options.results_jsonl:
@@ -694,10 +753,16 @@ def validate(
                 progress(
                     f"plan {plan_index + 1:>2}/{options.num_plans} {name:<40} rank {rank:>2} "
                     f"{result.tokens:>7} tokens: time {result.predicted_s * 1e3:9.2f} / "
-                    f"{measured_s * 1e3:9.2f} ms"
+                    f"{result.measured_s * 1e3:9.2f} ms"
                     f"{' (launch floor)' if result.predicted_busy_s < result.predicted_s else ''}"
-                    f", peak {result.predicted_peak_bytes / 2**30:7.2f} / {peak / 2**30:7.2f} GiB "
-                    f"(predicted / measured); {result.strategies}"
+                    f", peak {result.predicted_peak_bytes / 2**30:7.2f} / "
+                    f"{result.measured_peak_bytes / 2**30:7.2f} GiB (predicted / measured); "
+                    f"{result.strategies}"
+                    + (
+                        f"; first {result.full_recompute_layers} layers recomputed in full"
+                        if result.full_recompute_layers
+                        else ""
+                    )
                 )
         del fsdp_blocks  # before its process group goes
     notes.extend(f"skipped {line}" for line in skipped)

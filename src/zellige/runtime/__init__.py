@@ -59,6 +59,12 @@ Public API (stable; everything else in the package is private):
         backward recomputes its per-token layers (and Ulysses' q/k/v exchange) but not its
         attention, whose outputs are kept (runtime/recompute.py, docs/training.md)
 
+    end_rank_process(exit_code=0)   the last call of a rank's entry point: a barrier,
+        destroy_process_group, then os._exit, so that a process group something still refers
+        to (FSDP2 does) is not torn down by Python's finalization, which with gloo aborts a rank
+        now and then after its work succeeded (a nonzero exit_code: sys.exit after the
+        destroy; runtime/teardown.py)
+
     t = to_device(host_tensor, device)   a host tensor on the device with no host sync (pinned
         and non_blocking on CUDA): how the step's tables reach the GPU.
 
@@ -83,6 +89,7 @@ from zellige.runtime.exchange import reverse_route, route, route_text
 from zellige.runtime.kernels import KERNELS, kernel_for
 from zellige.runtime.layout import Step, compile_step, load_step, prepare_step
 from zellige.runtime.recompute import checkpointed
+from zellige.runtime.teardown import end_rank_process
 
 
 def attention_fn(
@@ -110,6 +117,7 @@ __all__ = [
     "compile_step",
     "cross_attention_fn",
     "distributed_attention",
+    "end_rank_process",
     "kernel_for",
     "load_step",
     "prepare_step",

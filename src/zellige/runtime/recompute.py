@@ -1,7 +1,7 @@
 """Selective activation checkpointing: a checkpointed block keeps its attention outputs and its
 recompute runs only the per-token layers.
 
-The policy, in one place (training's blocks and the profiler's harness both call checkpointed();
+The policy, in one place (training's blocks and the profiler's harness both call recomputed();
 the cost model prices it, docs/training.md):
 - a checkpointed block keeps its input and, of every attention it calls (self-, cross- or joint
   attention), what that attention's backward needs beyond q, k and v: the output o and the
@@ -83,6 +83,15 @@ def _contexts():
 def checkpointed(fn: Callable[..., Tensor], *args) -> Tensor:
     """fn(*args) under selective activation checkpointing (the module docstring's policy)."""
     return checkpoint(fn, *args, use_reentrant=False, context_fn=_contexts)
+
+
+def recomputed(fn: Callable[..., Tensor], *args, full: bool) -> Tensor:
+    """fn(*args) checkpointed as a training block is: selectively (checkpointed()), or with
+    `full` a plain full recompute that keeps only the input and runs attention again (the layers
+    the cost model's full_recompute_layers says do not fit with their attention outputs kept)."""
+    if full:
+        return checkpoint(fn, *args, use_reentrant=False)
+    return checkpointed(fn, *args)
 
 
 def keep(*tensors: Tensor | None) -> None:

@@ -39,6 +39,7 @@ from zellige.runtime.attention import cross_attention, distributed_attention
 from zellige.runtime.exchange import reverse_route, route, route_text
 from zellige.runtime.kernels import kernel_for
 from zellige.runtime.layout import Step, prepare_step
+from zellige.runtime.teardown import end_rank_process
 
 Tensor = torch.Tensor
 TENSORS = ("o", "dq", "dk", "dv")
@@ -302,8 +303,10 @@ def _worker(rank, world_size, port, batch_json, checks, queue) -> None:
     except ValueError as exc:  # a plan/batch mismatch: the same message on every rank
         if rank == 0:
             queue.put(("error", str(exc)))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_rank_process()  # together, and without interpreter finalization (runtime/teardown.py)
 
 
 def spawn_check(

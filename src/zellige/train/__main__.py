@@ -17,6 +17,7 @@ import sys
 
 import torch.distributed as dist
 
+from zellige.runtime import end_rank_process
 from zellige.train.config import (
     CONFIGS,
     FIELD_HELP,
@@ -128,4 +129,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # a barrier on success, then exit without Python's finalization, where the FSDP2-held gloo
+    # group aborts a rank now and then after training succeeded (runtime/teardown.py)
+    end_rank_process(main())

@@ -14,10 +14,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
 
 from zellige.model import VideoDiT, fused
-from zellige.runtime.recompute import checkpointed
+from zellige.runtime.recompute import recomputed
 from zellige.train.timing import StepTimer
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -38,10 +37,8 @@ class BlockRunner(nn.Module):
         self._timed = timer.wrap("block", self._run)
 
     def _run(self, *args):
-        if self.activation_checkpointing and self.full_recompute:
-            return checkpoint(self.block, *args, use_reentrant=False)
         if self.activation_checkpointing:
-            return checkpointed(self.block, *args)
+            return recomputed(self.block, *args, full=self.full_recompute)
         return self.block(*args)
 
     def forward(self, *args):
