@@ -307,31 +307,42 @@ double CostModel::call_excess_per_head_s(double query_tokens, double key_tokens,
 // the step program's dense groups, docs/architecture.md): self-attention of its block's heads against
 // every block (one call per ring step), and cross-attention of its chunk to the text.
 void CostModel::add_attention_calls(const Sequence& sequence, const Placement& placement,
-                                    std::vector<RankCalls>* calls) const {
+                                    std::vector<RankCall>* calls) const {
+  std::vector<CallKey> keys;
+  const int64_t u = placement.ulysses_degree;
+  for (int64_t j = 0; j < placement.ring_degree; ++j) {
+    for (int64_t k = 0; k < u; ++k) {
+      position_calls(sequence, placement, j, k, &keys);
+      const int64_t rank = placement.ranks[j * u + k];
+      for (const CallKey& key : keys) calls->push_back({rank, key});
+    }
+  }
+}
+
+// Position (j, k) holds block j of the ring and head group k of the Ulysses group. Every key it
+// lists differs from the others (ring steps by step, the text call by its tag).
+void CostModel::position_calls(const Sequence& sequence, const Placement& placement, int64_t j,
+                               int64_t k, std::vector<CallKey>* keys) const {
+  keys->clear();
   const int64_t unit_tokens = attended_tokens(model_, sequence.num_tokens, sequence.text_tokens);
   const int64_t u = placement.ulysses_degree;
   const int64_t r = placement.ring_degree;
   const int64_t all_heads = model_.num_heads;
   const bool cross = !model_.joint_attention && sequence.text_tokens > 0;
   const int64_t small_block = unit_tokens / r, num_big_blocks = unit_tokens % r;
-  const auto block_of = [&](int64_t j) { return small_block + (j < num_big_blocks ? 1 : 0); };
-  for (int64_t j = 0; j < r; ++j) {
-    const int64_t block = block_of(j);
-    for (int64_t k = 0; k < u; ++k) {
-      const int64_t chunk = block / u + (k < block % u ? 1 : 0);
-      const int64_t heads = all_heads / u + (k < all_heads % u ? 1 : 0);
-      RankCalls& rank = (*calls)[placement.ranks[j * u + k]];
-      if (block > 0 && heads > 0) {
-        for (int64_t step = 0; step < r; ++step) {
-          const int64_t key_block = block_of((j + r - step) % r);
-          if (key_block == 0) continue;
-          const int64_t tag = r == 1 ? -1 : sequence.id;
-          rank[{block, key_block, heads, tag, r == 1 ? 0 : step}] += 1;
-        }
-      }
-      if (cross && chunk > 0) rank[{chunk, sequence.text_tokens, all_heads, -2, 0}] += 1;
+  const auto block_of = [&](int64_t i) { return small_block + (i < num_big_blocks ? 1 : 0); };
+  const int64_t block = block_of(j);
+  const int64_t chunk = block / u + (k < block % u ? 1 : 0);
+  const int64_t heads = all_heads / u + (k < all_heads % u ? 1 : 0);
+  if (block > 0 && heads > 0) {
+    for (int64_t step = 0; step < r; ++step) {
+      const int64_t key_block = block_of((j + r - step) % r);
+      if (key_block == 0) continue;
+      const int64_t tag = r == 1 ? -1 : sequence.id;
+      keys->push_back({block, key_block, heads, tag, r == 1 ? 0 : step});
     }
   }
+  if (cross && chunk > 0) keys->push_back({chunk, sequence.text_tokens, all_heads, -2, 0});
 }
 
 // price_calls = false leaves out every call's excess (the lower bound's shapes).
@@ -730,9 +741,9 @@ constexpr int64_t kOwnTag = std::numeric_limits<int64_t>::min();
 
 // Key: lengths, degrees, then each rank's node renumbered by first appearance (shares depend on
 // the ranks only through which of them share a node).
-const EvaluationCache::Entry& CostModel::cached_terms(const Sequence& sequence,
-                                                      const Placement& placement,
-                                                      EvaluationCache& cache) const {
+EvaluationCache::Entry& CostModel::cached_terms(const Sequence& sequence,
+                                                const Placement& placement,
+                                                EvaluationCache& cache) const {
   EvaluationCache::Entry* found = nullptr;
   bool inserted = false;
   if (placement.ranks.size() == 1) {
@@ -793,34 +804,75 @@ void CostModel::fill_entry(const Sequence& sequence, const Placement& placement,
     }
   }
   entry.exchange_bytes = sent;
-  Sequence own = sequence;
-  own.id = kOwnTag;
-  Placement positions = placement;
-  for (size_t k = 0; k < positions.ranks.size(); ++k) positions.ranks[k] = static_cast<int64_t>(k);
-  std::vector<RankCalls> calls(positions.ranks.size());
-  add_attention_calls(own, positions, &calls);
-  entry.calls.resize(calls.size());
-  entry.call_excess_s.assign(calls.size(), 0.0);
+  for (size_t k = 0; k < entry.shares.size(); ++k) entry.shares[k].rank = static_cast<int64_t>(k);
+  // Each position's call excess, summed over its calls in key order (as evaluate lists them).
+  // A position's calls are fixed by its block, head count and text chunk up to the ring step
+  // (every position's ring meets every block once), so positions alike share one sum: a ring
+  // over thousands of ranks lists a few positions' calls, not every one's.
+  const int64_t u = placement.ulysses_degree;
+  const int64_t r = placement.ring_degree;
+  entry.call_excess_s.assign(entry.shares.size(), 0.0);
+  entry.calls.clear();
+  entry.calls_listed = false;
   const double layers = static_cast<double>(model_.num_layers);
   // Positions repeat a few (query, key, heads) triples (a ring has at most two block sizes):
   // each one's excess is priced once.
   std::vector<std::pair<std::array<int64_t, 3>, double>> excess_per_head_s;
-  for (size_t k = 0; k < calls.size(); ++k) {
-    entry.calls[k].assign(calls[k].begin(), calls[k].end());
-    entry.shares[k].rank = static_cast<int64_t>(k);
-    for (const auto& [call, segments] : calls[k]) {
-      const std::array<int64_t, 3> lengths_heads = {call[0], call[1], call[2]};
-      auto known = std::find_if(excess_per_head_s.begin(), excess_per_head_s.end(),
-                                [&](const auto& item) { return item.first == lengths_heads; });
-      if (known == excess_per_head_s.end()) {
-        excess_per_head_s.push_back(
-            {lengths_heads,
-             call_excess_per_head_s(static_cast<double>(call[0]), static_cast<double>(call[1]),
-                                    static_cast<double>(call[2]))});
-        known = excess_per_head_s.end() - 1;
+  std::vector<std::pair<std::array<int64_t, 3>, double>> excess_of_position;  // by its triple
+  std::vector<CallKey> keys;
+  Sequence own = sequence;  // keys ordered as list_calls orders them
+  own.id = kOwnTag;
+  const int64_t unit_tokens = attended_tokens(model_, sequence.num_tokens, sequence.text_tokens);
+  const int64_t all_heads = model_.num_heads;
+  for (int64_t j = 0; j < r; ++j) {
+    const int64_t block = unit_tokens / r + (j < unit_tokens % r ? 1 : 0);
+    for (int64_t k = 0; k < u; ++k) {
+      const std::array<int64_t, 3> position = {block, block / u + (k < block % u ? 1 : 0),
+                                               all_heads / u + (k < all_heads % u ? 1 : 0)};
+      auto alike = std::find_if(excess_of_position.begin(), excess_of_position.end(),
+                                [&](const auto& item) { return item.first == position; });
+      if (alike == excess_of_position.end()) {
+        position_calls(own, placement, j, k, &keys);
+        std::sort(keys.begin(), keys.end());  // distinct keys, one segment each
+        double excess_s = 0;
+        for (const CallKey& call : keys) {
+          const std::array<int64_t, 3> lengths_heads = {call[0], call[1], call[2]};
+          auto known = std::find_if(excess_per_head_s.begin(), excess_per_head_s.end(),
+                                    [&](const auto& item) { return item.first == lengths_heads; });
+          if (known == excess_per_head_s.end()) {
+            excess_per_head_s.push_back(
+                {lengths_heads,
+                 call_excess_per_head_s(static_cast<double>(call[0]), static_cast<double>(call[1]),
+                                        static_cast<double>(call[2]))});
+            known = excess_per_head_s.end() - 1;
+          }
+          const double heads = static_cast<double>(call[2]);
+          excess_s += layers * 1.0 * heads * known->second;
+        }
+        excess_of_position.push_back({position, excess_s});
+        alike = excess_of_position.end() - 1;
       }
-      const double heads = static_cast<double>(call[2]);
-      entry.call_excess_s[k] += layers * static_cast<double>(segments) * heads * known->second;
+      entry.call_excess_s[j * u + k] = alike->second;
+    }
+  }
+}
+
+void CostModel::list_calls(const Sequence& sequence, const Placement& placement,
+                           EvaluationCache::Entry* entry) const {
+  if (entry->calls_listed) return;
+  entry->calls_listed = true;
+  Sequence own = sequence;
+  own.id = kOwnTag;
+  const int64_t u = placement.ulysses_degree;
+  entry->calls.resize(placement.ranks.size());
+  std::vector<CallKey> keys;
+  for (int64_t j = 0; j < placement.ring_degree; ++j) {
+    for (int64_t k = 0; k < u; ++k) {
+      position_calls(own, placement, j, k, &keys);
+      std::sort(keys.begin(), keys.end());  // distinct keys, one segment each
+      auto& calls = entry->calls[j * u + k];
+      calls.clear();
+      for (const CallKey& key : keys) calls.push_back({key, 1});
     }
   }
 }
@@ -949,7 +1001,9 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
   std::vector<double> input(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> attention_recompute(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> attention_recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
-  std::vector<RankCalls> calls(static_cast<size_t>(num_ranks));
+  // Every segment's call, by rank at the end: a rank's calls sorted by key, equal keys merged (a
+  // vector sorted once, not a map per rank: a ring over thousands of ranks lists millions).
+  std::vector<RankCall> calls;
   auto add_share = [&](const RankShare& share, int64_t rank_index) {
     RankCost& rank = cost.ranks[rank_index];
     rank.tokens += share.tokens;
@@ -968,7 +1022,8 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     double sent = 0;
     const Sequence& sequence = *by_id.at(placement.sequence_id);
     if (cache != nullptr) {
-      const EvaluationCache::Entry& entry = cached_terms(sequence, placement, *cache);
+      EvaluationCache::Entry& entry = cached_terms(sequence, placement, *cache);
+      list_calls(sequence, placement, &entry);
       for (size_t k = 0; k < entry.shares.size(); ++k) {
         const int64_t rank_index = placement.ranks[k];
         add_share(entry.shares[k], rank_index);
@@ -977,7 +1032,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
         }
         for (auto [call, segments] : entry.calls[k]) {
           if (call[3] == kOwnTag) call[3] = sequence.id;
-          calls[rank_index][call] += segments;
+          calls.push_back({rank_index, call, segments});
         }
       }
       cost.exchange_bytes += entry.exchange_bytes + sent;
@@ -989,12 +1044,29 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     }
     cost.exchange_bytes += sent;
   }
+  // By rank (counting sort), then each rank's calls by key.
+  std::vector<size_t> rank_begin(static_cast<size_t>(num_ranks) + 1, 0);
+  for (const RankCall& call : calls) ++rank_begin[call.rank + 1];
+  for (int64_t i = 0; i < num_ranks; ++i) rank_begin[i + 1] += rank_begin[i];
+  std::vector<RankCall> by_rank(calls.size());
+  {
+    std::vector<size_t> next(rank_begin.begin(), rank_begin.end() - 1);
+    for (const RankCall& call : calls) by_rank[next[call.rank]++] = call;
+  }
   const double capacity = memory_capacity_bytes();
   for (int64_t i = 0; i < num_ranks; ++i) {
     RankCost& rank = cost.ranks[i];
     rank.linear_s = linear_time_s(rank.tokens);
     const double layers = static_cast<double>(model_.num_layers);
-    for (const auto& [key, segments] : calls[i]) {
+    const auto first = by_rank.begin() + static_cast<std::ptrdiff_t>(rank_begin[i]);
+    const auto last = by_rank.begin() + static_cast<std::ptrdiff_t>(rank_begin[i + 1]);
+    std::sort(first, last, [](const RankCall& a, const RankCall& b) { return a.key < b.key; });
+    int64_t distinct_calls = 0;
+    for (auto it = first; it != last;) {
+      const CallKey& key = it->key;
+      int64_t segments = 0;
+      for (; it != last && it->key == key; ++it) segments += it->segments;
+      ++distinct_calls;
       const double heads = static_cast<double>(key[2]);
       const double call_heads = static_cast<double>(segments) * heads;
       const double lq = static_cast<double>(key[0]), lk = static_cast<double>(key[1]);
@@ -1004,7 +1076,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
             (call_excess_per_head_s(lq, lk, call_heads) - call_excess_per_head_s(lq, lk, heads));
       }
     }
-    rank.attention_calls = static_cast<int64_t>(calls[i].size());
+    rank.attention_calls = distinct_calls;
     if (rank.tokens > 0) {
       rank.launch_floor_s =
           layers *

@@ -107,9 +107,11 @@ class EvaluationCache {
     // sequences can give back (each segment's whole call excess); see makespan_floor.
     std::vector<double> call_excess_s;
     double exchange_bytes = 0;      // sent by the exchanges, routing excluded
-    // Per position: (query, key, heads, tag, step) -> segments; tag kOwnTag stands for the
-    // sequence's id (its ring steps).
+    // Per position: (query, key, heads, tag, step) -> segments, by key; tag kOwnTag stands for
+    // the sequence's id (its ring steps). Listed only once evaluate needs them (calls_listed):
+    // a ring of r steps lists r calls on each of its ranks, and the floors never read them.
     std::vector<std::vector<std::pair<std::array<int64_t, 5>, int64_t>>> calls;
+    bool calls_listed = false;
   };
   struct LengthsHash {
     size_t operator()(const std::pair<int64_t, int64_t>& lengths) const {
@@ -249,8 +251,11 @@ class CostModel {
                        bool ring_intra_node) const;
   std::vector<RankShare> shares_and_bytes(const Sequence& sequence, const Placement& placement,
                                           double* sent_bytes) const;
-  const EvaluationCache::Entry& cached_terms(const Sequence& sequence, const Placement& placement,
-                                             EvaluationCache& cache) const;
+  EvaluationCache::Entry& cached_terms(const Sequence& sequence, const Placement& placement,
+                                       EvaluationCache& cache) const;
+  // Lists entry.calls (see EvaluationCache::Entry) if not yet.
+  void list_calls(const Sequence& sequence, const Placement& placement,
+                  EvaluationCache::Entry* entry) const;
   EvaluationCache::Entry& find_entry(const Sequence& sequence, const Placement& placement,
                                      EvaluationCache& cache, bool* inserted) const;
   void fill_entry(const Sequence& sequence, const Placement& placement,
@@ -264,9 +269,17 @@ class CostModel {
   // self-attention segment, -2 for cross-attention, or the sequence id for one of its ring
   // steps (the last entry), which run one after another.
   using CallKey = std::array<int64_t, 5>;
-  using RankCalls = std::map<CallKey, int64_t>;  // segments per call
+  struct RankCall {
+    int64_t rank = 0;
+    CallKey key{};
+    int64_t segments = 1;
+  };
+  // Appends one RankCall per segment (rank: placement.ranks[position]).
   void add_attention_calls(const Sequence& sequence, const Placement& placement,
-                           std::vector<RankCalls>* calls) const;
+                           std::vector<RankCall>* calls) const;
+  // The calls of one position (j in the ring, k in the Ulysses group), one per segment.
+  void position_calls(const Sequence& sequence, const Placement& placement, int64_t j, int64_t k,
+                      std::vector<CallKey>* keys) const;
   // Forward + backward seconds per head and layer that a call of `call_heads`
   // heads costs beyond the full-call rate; never negative, 0 without call tables.
   double call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads) const;

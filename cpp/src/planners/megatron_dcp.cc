@@ -177,7 +177,7 @@ class MegatronDcp {
   // Longest first, ties in the given order.
   void sort_by_length(std::vector<int64_t>* indices) const {
     std::stable_sort(indices->begin(), indices->end(), [&](int64_t a, int64_t b) {
-      return batch_.sequences[a].num_tokens > batch_.sequences[b].num_tokens;
+      return tokens_[a] > tokens_[b];
     });
   }
   // One micro-batch over `pending` (longest first): its groups; the rest goes to `leftovers`.
@@ -206,19 +206,25 @@ class MegatronDcp {
   const int64_t num_ranks_;
   // By (tokens, text tokens, degree): batches repeat lengths a lot.
   std::map<std::array<int64_t, 3>, double> work_s_;
-  // The same per sequence and degree slot (NaN: not looked up yet), without the map's search.
-  std::vector<double> work_of_sequence_s_;
+  // Per sequence: its lengths' index (first appearance order) and its latent tokens, read in
+  // length order: compact arrays rather than the batch's sequences or a row per sequence.
+  std::vector<int32_t> length_key_;
+  std::vector<double> tokens_;
+  // The same per lengths index and degree slot (NaN: not looked up yet), without the map's search.
+  std::vector<double> work_of_lengths_s_;
   size_t work_slots_ = 0;
-  std::vector<int64_t> memory_degree_;  // 0: not computed yet
-  std::map<std::pair<int64_t, int64_t>, int64_t> memory_degree_of_lengths_;  // by (tokens, text)
+  std::vector<int64_t> memory_degree_;  // per lengths index; 0: not computed yet
+  // Per lengths index, its share alone on one rank (the rank left unset); and schedule's scratch.
+  std::vector<std::optional<RankShare>> local_share_;
+  std::vector<RankShare> placed_;
   // The per-token layers' time per token on a rank holding the batch's mean tokens per rank:
   // alone, a short sequence runs its GEMMs at a small-batch rate it does not have once packed.
   double linear_s_per_token_ = 0;
 };
 
 double MegatronDcp::work_s(int64_t i, int64_t degree) {
-  const size_t slot = static_cast<size_t>(i) * work_slots_ + degree_slot(degree);
-  if (!std::isnan(work_of_sequence_s_[slot])) return work_of_sequence_s_[slot];
+  const size_t slot = static_cast<size_t>(length_key_[i]) * work_slots_ + degree_slot(degree);
+  if (!std::isnan(work_of_lengths_s_[slot])) return work_of_lengths_s_[slot];
   const Sequence& sequence = batch_.sequences[i];
   auto [it, inserted] =
       work_s_.try_emplace({sequence.num_tokens, sequence.text_tokens, degree}, 0.0);
@@ -230,14 +236,13 @@ double MegatronDcp::work_s(int64_t i, int64_t degree) {
       it->second = std::max(it->second, time_s);
     }
   }
-  return work_of_sequence_s_[slot] = it->second;
+  return work_of_lengths_s_[slot] = it->second;
 }
 
 int64_t MegatronDcp::memory_degree(int64_t i) {
-  if (memory_degree_[i] > 0) return memory_degree_[i];
+  int64_t& of_lengths = memory_degree_[length_key_[i]];
+  if (of_lengths > 0) return of_lengths;
   const Sequence& sequence = batch_.sequences[i];
-  int64_t& of_lengths = memory_degree_of_lengths_[{sequence.num_tokens, sequence.text_tokens}];
-  if (of_lengths > 0) return memory_degree_[i] = of_lengths;
   const double room_bytes = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
   int64_t degree = 1;
   while (planners::placement_memory_bytes(shares(
@@ -249,12 +254,11 @@ int64_t MegatronDcp::memory_degree(int64_t i) {
     }
     degree = std::min(degree * 2, num_ranks_);
   }
-  of_lengths = degree;
-  return memory_degree_[i] = degree;
+  return of_lengths = degree;
 }
 
 int64_t MegatronDcp::needed_degree(int64_t i, double max_tokens) {
-  const double tokens = static_cast<double>(batch_.sequences[i].num_tokens);
+  const double tokens = tokens_[i];
   int64_t degree = 1;
   while (static_cast<double>(degree) * max_tokens < tokens && degree < num_ranks_) degree *= 2;
   degree = std::max(degree, memory_degree(i));
@@ -277,8 +281,7 @@ std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
   auto add = [&](int64_t g, int64_t i, double work) {
     Group& group = groups[g];
     group.load_s += work;
-    group.tokens_per_rank +=
-        static_cast<double>(batch_.sequences[i].num_tokens) / static_cast<double>(group.size);
+    group.tokens_per_rank += tokens_[i] / static_cast<double>(group.size);
     group.samples.push_back(i);
     tree(group.size).set(group.leaf, group.load_s, group.tokens_per_rank);
     makespan_s = std::max(makespan_s, group.load_s);
@@ -301,7 +304,7 @@ std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
 
   for (size_t k = 1; k < pending.size(); ++k) {
     const int64_t i = pending[k];
-    const double tokens = static_cast<double>(batch_.sequences[i].num_tokens);
+    const double tokens = tokens_[i];
     double best_s = std::numeric_limits<double>::infinity();
     int64_t best_group = -1, best_new = 0;
     for (int64_t degree = needed_degree(i, max_tokens); degree <= num_ranks_; degree *= 2) {
@@ -409,14 +412,22 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
     for (const Group& group : groups) {
       for (int64_t i : group.samples) {
         const Sequence& sequence = batch_.sequences[i];
-        // ring_placement(sequence.id, group.first_rank, group.size), without allocating
-        placement.sequence_id = sequence.id;
-        placement.strategy = group.size == 1 ? Strategy::kLocal : Strategy::kRing;
-        placement.ranks.resize(group.size);
-        std::iota(placement.ranks.begin(), placement.ranks.end(), group.first_rank);
-        placement.ulysses_degree = 1;
-        placement.ring_degree = group.size;
-        const std::vector<RankShare> placed = shares(sequence, placement);
+        if (group.size == 1) {  // most sequences: the share of their lengths on one rank
+          std::optional<RankShare>& local = local_share_[length_key_[i]];
+          if (!local) local = shares(sequence, ring_placement(sequence.id, 0, 1)).front();
+          placed_.assign(1, *local);
+          placed_[0].rank = group.first_rank;
+        } else {
+          // ring_placement(sequence.id, group.first_rank, group.size), without allocating
+          placement.sequence_id = sequence.id;
+          placement.strategy = Strategy::kRing;
+          placement.ranks.resize(group.size);
+          std::iota(placement.ranks.begin(), placement.ranks.end(), group.first_rank);
+          placement.ulysses_degree = 1;
+          placement.ring_degree = group.size;
+          placed_ = shares(sequence, placement);
+        }
+        const std::vector<RankShare>& placed = placed_;
         if (!loads.fits(placed)) {  // the union holds every micro-batch: try a later one
           leftovers.push_back(i);
           continue;
@@ -438,10 +449,21 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
 
 Plan MegatronDcp::run() {
   const int64_t num_sequences = static_cast<int64_t>(batch_.sequences.size());
-  memory_degree_.assign(num_sequences, 0);
+  length_key_.resize(num_sequences);
+  tokens_.resize(num_sequences);
+  std::map<std::pair<int64_t, int64_t>, int32_t> key_of_lengths;
+  for (int64_t i = 0; i < num_sequences; ++i) {
+    const Sequence& sequence = batch_.sequences[i];
+    const auto [it, inserted] = key_of_lengths.try_emplace(
+        {sequence.num_tokens, sequence.text_tokens}, static_cast<int32_t>(key_of_lengths.size()));
+    length_key_[i] = it->second;
+    tokens_[i] = static_cast<double>(sequence.num_tokens);
+  }
+  memory_degree_.assign(key_of_lengths.size(), 0);
+  local_share_.assign(key_of_lengths.size(), std::nullopt);
   work_slots_ = static_cast<size_t>(63 - __builtin_clzll(static_cast<uint64_t>(num_ranks_))) + 2;
-  work_of_sequence_s_.assign(static_cast<size_t>(num_sequences) * work_slots_,
-                             std::numeric_limits<double>::quiet_NaN());
+  work_of_lengths_s_.assign(key_of_lengths.size() * work_slots_,
+                            std::numeric_limits<double>::quiet_NaN());
   if (num_sequences == 0) return planners::empty_plan("megatron-dcp", cost_model_);
   int64_t max_text_tokens = 0, tallest = 0, total_tokens = 0;
   for (int64_t i = 0; i < num_sequences; ++i) {

@@ -232,21 +232,21 @@ class MinTree {
   void reset(const std::vector<double>& time_s) {
     leaves_ = 1;
     while (leaves_ < static_cast<int64_t>(time_s.size())) leaves_ *= 2;
-    min_s_.assign(2 * leaves_, kInf);
-    std::copy(time_s.begin(), time_s.end(), min_s_.begin() + leaves_);
-    argmin_.resize(2 * leaves_);
-    for (int64_t leaf = 0; leaf < leaves_; ++leaf) argmin_[leaves_ + leaf] = leaf;
-    for (int64_t node = leaves_ - 1; node >= 1; --node) pull(node);
+    nodes_.assign(2 * leaves_, Node{kInf, 0});
+    for (int64_t leaf = 0; leaf < leaves_; ++leaf) {
+      nodes_[leaves_ + leaf] = {leaf < static_cast<int64_t>(time_s.size()) ? time_s[leaf] : kInf,
+                                leaf};
+    }
+    for (int64_t node = leaves_ - 1; node >= 1; --node) nodes_[node] = pulled(node);
   }
   void update(int64_t rank, double time_s) {
     int64_t node = leaves_ + rank;
-    min_s_[node] = time_s;
+    nodes_[node].min_s = time_s;
     // Once a node's minimum and its index are unchanged, so are its ancestors'.
     for (node /= 2; node >= 1; node /= 2) {
-      const double old_s = min_s_[node];
-      const int64_t old_index = argmin_[node];
-      pull(node);
-      if (min_s_[node] == old_s && argmin_[node] == old_index) break;
+      const Node now = pulled(node);
+      if (now.min_s == nodes_[node].min_s && now.argmin == nodes_[node].argmin) break;
+      nodes_[node] = now;
     }
   }
   // The lowest rank >= `from` whose time is at most `cut_s`, or -1: up from the leaf of `from`
@@ -254,31 +254,35 @@ class MinTree {
   int64_t first_at_most(double cut_s, int64_t from = 0) const {
     if (from >= leaves_) return -1;
     int64_t node = leaves_ + from;
-    if (min_s_[node] <= cut_s) return from;
+    if (nodes_[node].min_s <= cut_s) return from;
     // Invariant: no rank from `from` to the end of node's range is at most the cut.
     for (;;) {
       if (node == 1) return -1;
-      if ((node & 1) == 0 && min_s_[node + 1] <= cut_s) break;
+      if ((node & 1) == 0 && nodes_[node + 1].min_s <= cut_s) break;
       node /= 2;
     }
     node += 1;
-    while (node < leaves_) node = min_s_[2 * node] <= cut_s ? 2 * node : 2 * node + 1;
+    while (node < leaves_) node = nodes_[2 * node].min_s <= cut_s ? 2 * node : 2 * node + 1;
     return node - leaves_;
   }
   // The lowest index of the least value.
-  int64_t argmin() const { return argmin_[1]; }
+  int64_t argmin() const { return nodes_[1].argmin; }
 
  private:
+  // A node's least value and the lowest index holding it; children side by side in memory.
+  struct Node {
+    double min_s;
+    int64_t argmin;
+  };
   // The left child on ties: the lowest index of the least value.
-  void pull(int64_t node) {
-    const bool left = min_s_[2 * node] <= min_s_[2 * node + 1];
-    min_s_[node] = left ? min_s_[2 * node] : min_s_[2 * node + 1];
-    argmin_[node] = left ? argmin_[2 * node] : argmin_[2 * node + 1];
+  Node pulled(int64_t node) const {
+    const Node& left = nodes_[2 * node];
+    const Node& right = nodes_[2 * node + 1];
+    return left.min_s <= right.min_s ? left : right;
   }
 
   int64_t leaves_ = 1;
-  std::vector<double> min_s_;  // [1] root, [leaves_ + rank] leaves; padding leaves are infinite
-  std::vector<int64_t> argmin_;  // per node, the lowest index of its least value
+  std::vector<Node> nodes_;  // [1] root, [leaves_ + rank] leaves; padding leaves are infinite
 };
 
 void erase_value(std::vector<int32_t>* values, int32_t value) {
@@ -414,6 +418,16 @@ class ZelligePlanner {
   std::vector<int64_t> local_tokens_;
   std::vector<double> local_other_s_, local_memory_bytes_, local_estimate_s_;
   std::vector<int32_t> order_;             // sequence indices by local estimate, longest first
+  // What the construction's two passes read of each sequence, in order_'s order: one sequential
+  // array rather than a random access into each per-sequence vector (tens of thousands of them).
+  struct Ordered {
+    int32_t sequence = 0;
+    int32_t shape_key = 0;
+    int64_t tokens = 0;
+    double other_s = 0, memory_bytes = 0, estimate_s = 0;
+    bool efficient_whole = true;  // efficient_degree_ == 1
+  };
+  std::vector<Ordered> ordered_;
   std::vector<int64_t> efficient_degree_;  // fewest rank-seconds (1: whole on one rank)
   double mean_load_s_ = 0;                 // local estimates summed, per rank
   std::vector<int32_t> shape_key_;         // the first sequence of the batch with the same lengths
@@ -424,6 +438,7 @@ class ZelligePlanner {
   std::vector<Shape> shapes_;
   std::vector<std::vector<int64_t>> node_ranks_by_time_;
   std::vector<std::pair<double, int64_t>> node_keys_;  // stage 1's scan beyond a node
+  std::vector<int64_t> full_node_ids_;                 // the whole nodes it takes
   MinTree open_ranks_;                                 // stage 2: rank times
   // Stage 2: the shape key of the last filler that fit none of the ranks it tried (-1: none),
   // those ranks, and the last rank its scan reached.
@@ -570,6 +585,12 @@ void ZelligePlanner::prepare() {
       }
     }
     efficient_degree_[i] = it->second;
+  }
+  ordered_.resize(num_sequences_);
+  for (int64_t k = 0; k < num_sequences_; ++k) {
+    const int32_t i = order_[k];
+    ordered_[k] = {i, shape_key_[i], local_tokens_[i], local_other_s_[i], local_memory_bytes_[i],
+                   local_estimate_s_[i], efficient_degree_[i] == 1};
   }
 }
 
@@ -967,11 +988,19 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
                           node});
   }
   if (full_nodes > 0) {
-    std::partial_sort(node_keys_.begin(), node_keys_.begin() + full_nodes, node_keys_.end());
+    // The full_nodes least (time, node) keys, in any order: ranks are sorted below, and the
+    // partial node's choice (least time, then node) does not depend on the order of the rest.
+    std::nth_element(node_keys_.begin(), node_keys_.begin() + (full_nodes - 1), node_keys_.end());
     if (node_keys_[full_nodes - 1].first == kInf) return kInf;
-  }
-  for (int64_t k = 0; k < full_nodes; ++k) {
-    take_from_node(node_keys_[k].second, gpus_per_node_, ranks);
+    // Each of them has every rank within memory (a finite key): whole nodes, in node order.
+    full_node_ids_.clear();
+    for (int64_t k = 0; k < full_nodes; ++k) full_node_ids_.push_back(node_keys_[k].second);
+    std::sort(full_node_ids_.begin(), full_node_ids_.end());
+    for (int64_t node : full_node_ids_) {
+      for (int64_t rank = node * gpus_per_node_; rank < (node + 1) * gpus_per_node_; ++rank) {
+        ranks->push_back(rank);
+      }
+    }
   }
   if (partial > 0) {
     int64_t best_node = -1;
@@ -990,8 +1019,8 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
     take_from_node(best_node, partial, ranks);
     std::sort(ranks->begin() + partial_begin, ranks->end());
   }
-  // Full nodes in node order, each in rank order, the partial node last: the canonical pattern.
-  std::sort(ranks->begin(), ranks->end() - partial);
+  // Full nodes in node order, each in rank order (above), the partial node last: the canonical
+  // pattern.
   return busiest_after();
 }
 
@@ -1159,11 +1188,11 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
   };
 
   // Stage 1: anchors, longest first.
-  for (int32_t sequence : order_) {
-    if (local_memory_bytes_[sequence] <= free_bytes_ && local_estimate_s_[sequence] <= target_s &&
-        efficient_degree_[sequence] == 1) {
+  for (const Ordered& item : ordered_) {
+    if (item.memory_bytes <= free_bytes_ && item.estimate_s <= target_s && item.efficient_whole) {
       continue;
     }
+    const int32_t sequence = item.sequence;
     if (!place_anchor_within(sequence, share_fraction * target_s, target_s, s)) {
       place_by_degree(sequence, 2);
     }
@@ -1175,20 +1204,21 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
   // target, else goes whole to the least-loaded rank with the memory (LPT).
   open_ranks_.reset(s->time_s);
   failed_key_ = -1;
-  for (int32_t sequence : order_) {
+  for (const Ordered& item : ordered_) {
+    const int32_t sequence = item.sequence;
     if (s->anchor_slot[sequence] >= 0) continue;
-    const int64_t tokens = local_tokens_[sequence];
-    const double other_s = local_other_s_[sequence];
-    const double bytes = local_memory_bytes_[sequence];
+    const int64_t tokens = item.tokens;
+    const double other_s = item.other_s;
+    const double bytes = item.memory_bytes;
     int64_t chosen = -1;
     if (std::isfinite(target_s)) {
       // Estimates use the mean per-token rate; a few ranks below the cut are priced exactly.
-      const double cut_s = target_s - 0.98 * local_estimate_s_[sequence];
+      const double cut_s = target_s - 0.98 * item.estimate_s;
       int64_t rank = -1;
       int tries = 0;
       // Ranks only get busier in stage 2: those where the previous filler of these lengths failed
       // still fail, or are now above the cut; only the scan past them is left to do.
-      if (failed_key_ == shape_key_[sequence] && times_only_grow()) {
+      if (failed_key_ == item.shape_key && times_only_grow()) {
         size_t kept = 0;
         for (int64_t failed : failed_ranks_) {
           if (s->time_s[failed] <= cut_s) failed_ranks_[kept++] = failed;
@@ -1211,7 +1241,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
         failed_ranks_.push_back(rank);
         failed_last_rank_ = rank;
       }
-      failed_key_ = chosen < 0 ? shape_key_[sequence] : -1;
+      failed_key_ = chosen < 0 ? item.shape_key : -1;
       if (chosen < 0 && split_filler(sequence, target_s, s)) continue;
     }
     if (chosen < 0) {
