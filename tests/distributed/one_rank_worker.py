@@ -1,5 +1,6 @@
-"""Trains the tiny model on a world of one under several paths and saves each one's losses,
-gradient norms and final parameters (test_train_one_rank.py compares them).
+"""Trains the tiny model under several paths and saves each one's losses, gradient norms and
+final parameters (test_train_one_rank.py compares them). Meant for a world of one; under torchrun
+with more ranks the same paths run sharded (FSDP2) and rank 0 saves.
 
 usage: one_rank_worker.py OUT DTYPE VARIANT...; a variant is NAME=FIELD:VALUE,... of TrainConfig
 overrides (bool and float values), e.g. fsdp=fsdp_on_one_rank:true."""
@@ -10,7 +11,9 @@ import dataclasses
 import sys
 
 import torch
+import torch.distributed as dist
 
+from zellige.runtime import end_rank_process
 from zellige.train import loop
 from zellige.train.config import get_config
 
@@ -61,7 +64,9 @@ def main() -> None:
             key, _, value = item.partition(":")
             changes[key] = _value(value)
         results[name] = run(dtype, changes)
-    torch.save(results, out)
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    end_rank_process()  # the FSDP2-held gloo group must not meet Python's finalization
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ world of one give the parameters of the general path after several clipped steps
   keeping its gathered weights to the backward: bit for bit FSDP2's parameters, in bf16 (the
   casts are the same) and float64;
 - the clipping folded into the fused AdamW (its grad_scale): torch's clip_grad_norm_ then AdamW
-  within the float32 rounding of the scale, while a clipping off by 1% is far outside that.
+  within the float32 rounding of the scale, while a clipping off by 1% is far outside that; on
+  one rank and on two (sharded gradients).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from zellige.train.config import TrainConfig
 from zellige.train.loop import weights_kept_to_backward
 
 
-def _runs(tmp_path: Path, dtype: str, *variants: str) -> dict:
-    out = tmp_path / f"one-rank-{dtype}.pt"
+def _runs(tmp_path: Path, dtype: str, *variants: str, ranks: int = 1) -> dict:
+    out = tmp_path / f"one-rank-{dtype}-{ranks}.pt"
     worker = str(Path(__file__).with_name("one_rank_worker.py"))
-    _torchrun(1, worker, str(out), dtype, *variants)
+    _torchrun(ranks, worker, str(out), dtype, *variants)
     return torch.load(out, weights_only=False)
 
 
@@ -80,6 +81,23 @@ def test_clipping_in_the_fused_optimizer_matches_clip_grad_norm(tmp_path: Path) 
     for name in ("folded", "folded_lone"):
         assert _largest_relative_difference(runs[name]["params"], reference) < 1e-7, name
     # a wrong clipping shows far above that tolerance
+    assert _largest_relative_difference(runs["off_by_1pct"]["params"], reference) > 1e-5
+
+
+def test_clipping_in_the_fused_optimizer_on_sharded_gradients(tmp_path: Path) -> None:
+    """Two ranks (FSDP2: the gradients are DTensor shards, as on every multi-GPU job): the
+    folded clipping's norm is the global one, and the fused AdamW applies it to each shard."""
+    runs = _runs(
+        tmp_path,
+        "float64",
+        "separate=fused_optimizer:false",
+        "folded=fused_optimizer:true",
+        "off_by_1pct=fused_optimizer:false,grad_clip_norm:0.0505",
+        ranks=2,
+    )
+    reference = runs["separate"]["params"]
+    assert _clipped_every_step(runs["separate"])
+    assert _largest_relative_difference(runs["folded"]["params"], reference) < 1e-7
     assert _largest_relative_difference(runs["off_by_1pct"]["params"], reference) > 1e-5
 
 
