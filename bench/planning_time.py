@@ -112,6 +112,18 @@ def scale_batch(recipe: zellige.Recipe, num_gpus: int, num_sequences: int) -> ze
     return batch
 
 
+def time_zellige(batch: zellige.Batch, cost_model, repeats: int):
+    """zellige's plan of `batch` `repeats` times (seeds 0..repeats-1): the last plan, each call's
+    plan_ms and each call's make_plan thread CPU ms."""
+    plan_ms, cpu_ms = [], []
+    for r in range(repeats):
+        cpu_start = time.thread_time()
+        plan = zellige.make_plan("zellige", batch, cost_model, zellige.PlannerOptions(seed=r))
+        cpu_ms.append((time.thread_time() - cpu_start) * 1e3)
+        plan_ms.append(plan.plan_ms)
+    return plan, plan_ms, cpu_ms
+
+
 def scale_table(workload: str, scale_gpus: list[int], repeats: int) -> str:
     recipe = zellige.load_recipe(workload)
     cases = [(1024, scale_batch(recipe, 1024, 4096), 50.0)]
@@ -124,12 +136,7 @@ def scale_table(workload: str, scale_gpus: list[int], repeats: int) -> str:
     ]
     for num_gpus, batch, target in cases:
         cost_model = zellige.make_cost_model(recipe.model, num_gpus)
-        plan_ms, cpu_ms = [], []
-        for r in range(repeats):
-            cpu_start = time.thread_time()
-            plan = zellige.make_plan("zellige", batch, cost_model, zellige.PlannerOptions(seed=r))
-            cpu_ms.append((time.thread_time() - cpu_start) * 1e3)
-            plan_ms.append(plan.plan_ms)
+        plan, plan_ms, cpu_ms = time_zellige(batch, cost_model, repeats)
         lines.append(
             f"| {num_gpus} | {len(batch.sequences)} | {statistics.median(plan_ms):.1f} | "
             f"{statistics.median(cpu_ms):.1f} | {target if target else '-'} |"
@@ -163,12 +170,7 @@ def few_huge_table(gpu_counts: list[int], repeats: int) -> str:
     for num_gpus in gpu_counts:
         batch = few_huge_batch(num_gpus)
         cost_model = zellige.make_cost_model("wan-14b", num_gpus)
-        plan_ms, cpu_ms = [], []
-        for r in range(repeats):
-            cpu_start = time.thread_time()
-            plan = zellige.make_plan("zellige", batch, cost_model, zellige.PlannerOptions(seed=r))
-            cpu_ms.append((time.thread_time() - cpu_start) * 1e3)
-            plan_ms.append(plan.plan_ms)
+        plan, plan_ms, cpu_ms = time_zellige(batch, cost_model, repeats)
         makespan_s = plan.predicted.makespan_s
         bound_s = zellige.makespan_lower_bound(batch, cost_model)
         best_name, best_s = "-", float("inf")

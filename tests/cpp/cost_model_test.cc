@@ -25,6 +25,16 @@ CostModel make_model(const std::string& model, int64_t gpus, int64_t gpus_per_no
                    options);
 }
 
+// wan-1.3b on `cluster` with `memory_bytes` a GPU, under an analytic profile: the checkpointing
+// tests size memory against its activations.
+CostModel wan_1p3b_model(Cluster cluster, bool adaptive_checkpointing, int64_t memory_bytes) {
+  cluster.gpu_memory_bytes = memory_bytes;
+  CostOptions options;
+  options.adaptive_checkpointing = adaptive_checkpointing;
+  return CostModel(model_preset("wan-1.3b"), analytic_profile("t", 700e12, 550e12, 4.2e12),
+                   cluster, options);
+}
+
 double share_time(const CostModel& cost_model, const RankShare& share) {
   return cost_model.rank_time_s(share.tokens, share.attention_s, share.exchange_s);
 }
@@ -714,12 +724,7 @@ TEST(CostModel, AdaptiveCheckpointingRecomputesOnlyWhatMemoryNeeds) {
   plan.num_ranks = 1;
   plan.placements = {make_placement(0, Strategy::kLocal, {0})};
   const auto model_with = [](bool adaptive, int64_t memory_bytes) {
-    Cluster cluster = make_cluster(1, 1);
-    cluster.gpu_memory_bytes = memory_bytes;
-    CostOptions options;
-    options.adaptive_checkpointing = adaptive;
-    return CostModel(model_preset("wan-1.3b"), analytic_profile("t", 700e12, 550e12, 4.2e12),
-                     cluster, options);
+    return wan_1p3b_model(make_cluster(1, 1), adaptive, memory_bytes);
   };
   const PlanCost all = model_with(false, int64_t{141} << 30).evaluate(batch, plan);
   const PlanCost roomy = model_with(true, int64_t{400} << 30).evaluate(batch, plan);
@@ -759,12 +764,7 @@ TEST(CostModel, FullRecomputeWhereKeptOutputsDoNotFit) {
   plan.num_ranks = 1;
   plan.placements = {make_placement(0, Strategy::kLocal, {0})};
   const auto model_with = [](bool adaptive, int64_t memory_bytes) {
-    Cluster cluster = make_cluster(1, 1);
-    cluster.gpu_memory_bytes = memory_bytes;
-    CostOptions options;
-    options.adaptive_checkpointing = adaptive;
-    return CostModel(model_preset("wan-1.3b"), analytic_profile("t", 700e12, 550e12, 4.2e12),
-                     cluster, options);
+    return wan_1p3b_model(make_cluster(1, 1), adaptive, memory_bytes);
   };
   const CostModel roomy = model_with(false, int64_t{400} << 30);
   const RankShare share = roomy.shares(batch.sequences[0], plan.placements[0])[0];
@@ -803,12 +803,7 @@ TEST(CostModel, AdaptiveCheckpointingIsUniformUnderAWorldExchange) {
   batch.sequences = {sequence_from_tokens(0, "video", 20000, 512, 0),
                      sequence_from_tokens(1, "video", 60000, 512, 2)};
   const auto model_with = [](int64_t memory_bytes) {
-    Cluster cluster = make_cluster(4, 4);
-    cluster.gpu_memory_bytes = memory_bytes;
-    CostOptions options;
-    options.adaptive_checkpointing = true;
-    return CostModel(model_preset("wan-1.3b"), analytic_profile("t", 700e12, 550e12, 4.2e12),
-                     cluster, options);
+    return wan_1p3b_model(make_cluster(4, 4), true, memory_bytes);
   };
   const Placement big = make_placement(1, Strategy::kLocal, {2});
   const CostModel probe = model_with(int64_t{400} << 30);

@@ -58,6 +58,13 @@ std::string shortest(double value) {
   return text;
 }
 
+// How a KnapFormer bag of `size` ranks holds `seq`: whole on one rank, else Ulysses over all of
+// them. Its floor terms depend only on the size, so the bag's first rank may stand at 0.
+Placement bag_placement(const Sequence& seq, int64_t size) {
+  return make_placement(seq.id, size == 1 ? Strategy::kLocal : Strategy::kUlysses,
+                        planners::consecutive_ranks(0, size));
+}
+
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // Baseline plans (besides the sweep's) that start a local search of their own.
 constexpr size_t kBaselineStarts = 4;
@@ -630,10 +637,7 @@ double ZelligePlanner::least_floor_share_s(int32_t sequence, int64_t size) {
   double& value = memo[shape_key_[sequence]];
   if (!std::isnan(value)) return value;
   const Sequence& seq = batch_.sequences[sequence];
-  cost_model_.floor_terms(seq,
-                          make_placement(seq.id, size == 1 ? Strategy::kLocal : Strategy::kUlysses,
-                                         planners::consecutive_ranks(0, size)),
-                          cache_, &scratch_terms_);
+  cost_model_.floor_terms(seq, bag_placement(seq, size), cache_, &scratch_terms_);
   const double rate_s = cost_model_.min_floor_time_per_token_s();
   value = kInf;
   for (const CostModel::FloorTerm& term : scratch_terms_) {
@@ -808,10 +812,7 @@ bool ZelligePlanner::knapformer_floor_above(const planners::KnapformerBags& bags
   std::vector<CostModel::FloorTerm>& terms = memo[shape_key_[sequence]];
   if (terms.empty()) {
     const Sequence& seq = batch_.sequences[sequence];
-    cost_model_.floor_terms(seq,
-                            make_placement(seq.id, size == 1 ? Strategy::kLocal : Strategy::kUlysses,
-                                           planners::consecutive_ranks(0, size)),
-                            cache_, &terms);
+    cost_model_.floor_terms(seq, bag_placement(seq, size), cache_, &terms);
   }
   const double rate_s = cost_model_.min_floor_time_per_token_s();
   bool above = false;
@@ -851,11 +852,7 @@ double ZelligePlanner::bags_floor(const planners::KnapformerBags& bags) {
     std::vector<CostModel::FloorTerm>& terms = (*bag_memos_[bag])[shape_key_[i]];
     if (terms.empty()) {
       const Sequence& seq = batch_.sequences[i];
-      cost_model_.floor_terms(
-          seq,
-          make_placement(seq.id, size == 1 ? Strategy::kLocal : Strategy::kUlysses,
-                         planners::consecutive_ranks(0, size)),
-          cache_, &terms);
+      cost_model_.floor_terms(seq, bag_placement(seq, size), cache_, &terms);
     }
     const int64_t first_rank = bags.first_rank[bag];
     for (size_t k = 0; k < terms.size(); ++k) {
