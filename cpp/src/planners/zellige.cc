@@ -324,7 +324,7 @@ class ZelligePlanner {
   // interpolation's relative error is ~1e-6, up to ~1e-3 right at a knot of the GEMM table.
   double linear_s(int64_t tokens) const {
     if (tokens <= 0) return 0.0;
-    if (exact_ || tokens < kInterpolateFrom) return cost_model_.linear_time_s(tokens);
+    if (exact_ || tokens < kInterpolateFrom) return exact_linear_s(tokens);
     const int octave = 63 - __builtin_clzll(static_cast<uint64_t>(tokens));
     const int shift = octave - kStepsPerOctaveLog2;
     const int64_t low = tokens >> shift << shift;
@@ -338,6 +338,13 @@ class ZelligePlanner {
     if (high_s < 0) high_s = cost_model_.linear_time_s(low + (int64_t{1} << shift));
     return low_s + (high_s - low_s) * static_cast<double>(tokens - low) /
                        static_cast<double>(int64_t{1} << shift);
+  }
+  // cost_model_.linear_time_s, memoised: local search prices the same rank totals again and
+  // again (hundreds of thousands of calls at 4096 GPUs, each a log and a pow); same values.
+  double exact_linear_s(int64_t tokens) const {
+    const auto [it, inserted] = exact_linear_s_.try_emplace(tokens, 0.0);
+    if (inserted) it->second = cost_model_.linear_time_s(tokens);
+    return it->second;
   }
   double time_with(const Solution& s, int64_t rank, int64_t delta_tokens,
                    double delta_other_s) const {
@@ -406,8 +413,11 @@ class ZelligePlanner {
   bool try_lower_memory(Solution* s);
   bool bag_start(bool busiest_only, int32_t max_run, Plan* plan);
   bool configuration_start(double upper_s, Plan* plan);
+  // The busiest time of the ranks a change touches (infinite when one runs out of memory), exact
+  // below `above_s`; once it reaches `above_s`, any value at or above it (callers keep a change
+  // only when it is below their best).
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
-                      const std::vector<RankShare>& new_shares);
+                      const std::vector<RankShare>& new_shares, double above_s);
 
   const Batch& batch_;
   const CostModel& cost_model_;
@@ -418,6 +428,7 @@ class ZelligePlanner {
   // Memoised shares and exact evaluation of this batch; make_plan prices the result with it.
   EvaluationCache& cache_;
   mutable std::vector<double> linear_grid_s_;  // -1: not computed yet
+  mutable std::unordered_map<int64_t, double> exact_linear_s_;  // exact_linear_s's memo
   int times_only_grow_ = -1;                   // its memo: -1 not checked yet, 0 no, 1 yes
   int64_t total_tokens_ = 0;
   double rate_s_per_token_ = 0;                // per-token layers at the mean token count per rank
@@ -1458,9 +1469,9 @@ bool ZelligePlanner::try_swap(Solution* s, int64_t busiest) {
 }
 
 // The busiest time over the ranks that trading `old_shares` for `new_shares` touches, or infinity
-// when a rank would run out of memory.
+// when a rank would run out of memory; past `above_s`, the rest of the ranks are not priced.
 double ZelligePlanner::price_change(const Solution& s, const std::vector<RankShare>& old_shares,
-                                    const std::vector<RankShare>& new_shares) {
+                                    const std::vector<RankShare>& new_shares, double above_s) {
   touched_.clear();
   auto touch = [&](const RankShare& share, double sign) {
     if (delta_tokens_[share.rank] == 0 && delta_other_s_[share.rank] == 0 &&
@@ -1475,9 +1486,11 @@ double ZelligePlanner::price_change(const Solution& s, const std::vector<RankSha
   for (const RankShare& share : new_shares) touch(share, +1);
   double score_s = 0;
   for (int64_t rank : touched_) {
+    if (score_s >= above_s) break;
     if (delta_memory_bytes_[rank] > 0 &&
         s.memory_bytes[rank] + delta_memory_bytes_[rank] > free_bytes_) {
       score_s = kInf;
+      break;
     }
     score_s = std::max(score_s, time_with(s, rank, delta_tokens_[rank], delta_other_s_[rank]));
   }
@@ -1501,7 +1514,7 @@ bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
     auto consider = [&](const Shape& shape, const std::vector<int64_t>& ranks) {
       std::vector<RankShare> shares =
           cost_model_.shares(sequence, to_placement(sequence.id, shape, ranks));
-      const double score_s = price_change(*s, anchor.shares, shares);
+      const double score_s = price_change(*s, anchor.shares, shares, best_s);
       if (score_s < best_s) {
         best_s = score_s;
         best_slot = slot;
@@ -1605,7 +1618,7 @@ bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
         sort_ranks(&candidate_ranks_);
         std::vector<RankShare> shares =
             cost_model_.shares(seq, to_placement(seq.id, shape, candidate_ranks_));
-        const double score_s = price_change(*s, old_shares, shares);
+        const double score_s = price_change(*s, old_shares, shares, best_s);
         if (score_s < best_s) {
           best_s = score_s;
           best_sequence = sequence;

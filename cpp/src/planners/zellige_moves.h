@@ -60,7 +60,7 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
             choice.shape.ulysses_degree == anchor.shape.ulysses_degree) {
           return;
         }
-        const double score_s = price_change(*s, anchor.shares, candidate_shares_);
+        const double score_s = price_change(*s, anchor.shares, candidate_shares_, best_s);
         if (score_s < best_s) {
           best_s = score_s;
           best_slot = slot;
@@ -142,7 +142,7 @@ bool ZelligePlanner::try_pair(Solution* s, int64_t busiest) {
       pair_new_.insert(pair_new_.end(), shares_b.begin(), shares_b.end());
       pair_old_ = a.shares;
       pair_old_.insert(pair_old_.end(), b.shares.begin(), b.shares.end());
-      const double score_s = price_change(*s, pair_old_, pair_new_);
+      const double score_s = price_change(*s, pair_old_, pair_new_, best_s);
       if (score_s < best_s) {
         best_s = score_s;
         best_first = first;
