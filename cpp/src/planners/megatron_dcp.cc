@@ -33,6 +33,7 @@
 #include <numeric>
 #include <optional>
 #include <set>
+#include <unordered_map>
 #include <utility>
 
 #include "rank_loads.h"
@@ -158,7 +159,8 @@ class MegatronDcp {
       : batch_(batch),
         cost_model_(cost_model),
         cache_(cache != nullptr ? cache : &own_cache_),
-        num_ranks_(cost_model.cluster().num_ranks()) {}
+        num_ranks_(cost_model.cluster().num_ranks()),
+        gpus_per_node_(cost_model.cluster().gpus_per_node) {}
 
   Plan run();
 
@@ -204,6 +206,10 @@ class MegatronDcp {
                : cost_model_.shares(sequence, placement);
   }
   const int64_t num_ranks_;
+  const int64_t gpus_per_node_;
+  // schedule's ring shares per (lengths index, size slot, first rank's offset in its node), on
+  // the ranks of the first group priced (shifted for the others).
+  std::unordered_map<int64_t, std::vector<RankShare>> ring_shares_;
   // By (tokens, text tokens, degree): batches repeat lengths a lot.
   std::map<std::array<int64_t, 3>, double> work_s_;
   // Per sequence: its lengths' index (first appearance order) and its latent tokens, read in
@@ -418,14 +424,26 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
           placed_.assign(1, *local);
           placed_[0].rank = group.first_rank;
         } else {
-          // ring_placement(sequence.id, group.first_rank, group.size), without allocating
-          placement.sequence_id = sequence.id;
-          placement.strategy = Strategy::kRing;
-          placement.ranks.resize(group.size);
-          std::iota(placement.ranks.begin(), placement.ranks.end(), group.first_rank);
-          placement.ulysses_degree = 1;
-          placement.ring_degree = group.size;
-          placed_ = shares(sequence, placement);
+          // A ring's shares depend on its lengths, its size and its ranks' node pattern (which
+          // the first rank's place in its node fixes): priced once per such group, then shifted.
+          const int64_t offset = group.first_rank % gpus_per_node_;
+          const int64_t key =
+              (static_cast<int64_t>(length_key_[i]) * static_cast<int64_t>(work_slots_) +
+               static_cast<int64_t>(degree_slot(group.size))) * gpus_per_node_ + offset;
+          auto [it, inserted] = ring_shares_.try_emplace(key);
+          if (inserted) {
+            // ring_placement(sequence.id, group.first_rank, group.size), without allocating
+            placement.sequence_id = sequence.id;
+            placement.strategy = Strategy::kRing;
+            placement.ranks.resize(group.size);
+            std::iota(placement.ranks.begin(), placement.ranks.end(), group.first_rank);
+            placement.ulysses_degree = 1;
+            placement.ring_degree = group.size;
+            it->second = shares(sequence, placement);
+          }
+          const int64_t shift = group.first_rank - it->second.front().rank;
+          placed_.assign(it->second.begin(), it->second.end());
+          for (RankShare& share : placed_) share.rank += shift;
         }
         const std::vector<RankShare>& placed = placed_;
         if (!loads.fits(placed)) {  // the union holds every micro-batch: try a later one

@@ -248,7 +248,17 @@ class MinTree {
   }
   void update(int64_t rank, double time_s) {
     int64_t node = leaves_ + rank;
+    const double old_s = nodes_[node].min_s;
     nodes_[node].min_s = time_s;
+    if (time_s >= old_s) {
+      // A value that grows changes only the ancestors whose least value was this rank's (a
+      // prefix of the path up): another rank's least value stays, and its index stays the lowest
+      // (had this rank tied it from a lower index before, it would have been the argmin).
+      for (node /= 2; node >= 1 && nodes_[node].argmin == rank; node /= 2) {
+        nodes_[node] = pulled(node);
+      }
+      return;
+    }
     // Once a node's minimum and its index are unchanged, so are its ancestors'.
     for (node /= 2; node >= 1; node /= 2) {
       const Node now = pulled(node);
@@ -1374,15 +1384,20 @@ void ZelligePlanner::sort_split_nodes() {
 void ZelligePlanner::least_loaded(const Solution& s, int count, const std::vector<char>* excluded,
                                   std::vector<int64_t>* ranks) const {
   ranks->clear();
+  // Once `count` ranks are kept, a rank is a candidate only below the last kept one's time: most
+  // ranks fail that first test, which is all they cost.
+  bool full = false;
+  double last_kept_s = 0;
+  const double* time_s = s.time_s.data();
   for (int64_t rank = 0; rank < num_ranks_; ++rank) {
+    if (full && time_s[rank] >= last_kept_s) continue;
     if (excluded && (*excluded)[rank]) continue;
-    if (static_cast<int>(ranks->size()) == count && s.time_s[ranks->back()] <= s.time_s[rank]) {
-      continue;
-    }
-    if (static_cast<int>(ranks->size()) == count) ranks->pop_back();
+    if (full) ranks->pop_back();
     auto at = ranks->end();
-    while (at != ranks->begin() && s.time_s[*(at - 1)] > s.time_s[rank]) --at;
+    while (at != ranks->begin() && time_s[*(at - 1)] > time_s[rank]) --at;
     ranks->insert(at, rank);
+    full = static_cast<int>(ranks->size()) == count;
+    if (full) last_kept_s = time_s[ranks->back()];
   }
 }
 
