@@ -8,12 +8,15 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <random>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "../../cpp/src/planners/rank_loads.h"
 #include "../../cpp/src/planners/registry.h"
+#include "test_util.h"
 #include "zellige/cost_model.h"
 
 namespace zellige {
@@ -720,6 +723,35 @@ TEST(PlannerRules, MegatronDcpUsesTheWholeClusterAsItsNonPowerOfTwoGroup) {
     const int64_t degree = placement.degree();
     EXPECT_TRUE((degree & (degree - 1)) == 0 || degree == 24) << "degree " << degree;
     for (int64_t k = 1; k < degree; ++k) EXPECT_EQ(placement.ranks[k], placement.ranks[0] + k);
+  }
+}
+
+
+// megatron-dcp stops a knob's schedule once RankLoads::time_floor_s of a rank exceeds the best
+// knob's rank time: that floor must stay at or below the rank's time, then and after every later
+// add. Random ring and local shares of random lengths (GEMM tables: per-token rates vary).
+TEST(RankLoads, TimeFloorStaysBelowEveryLaterTime) {
+  for (const HardwareProfile& profile : {test_profile(), test_util::seeded_profile()}) {
+    const CostModel cost_model(model_preset("wan-14b"), profile, make_cluster(16, 8));
+    planners::RankLoads loads(cost_model);
+    std::vector<double> highest_floor_s(16, 0.0);
+    std::mt19937_64 rng(15);
+    for (int step = 0; step < 400; ++step) {
+      const int64_t tokens = std::uniform_int_distribution<int64_t>(1, 60000)(rng);
+      const Sequence sequence = sequence_from_tokens(step, "video", tokens, step % 2 ? 512 : 0, 0);
+      const int64_t degree = int64_t{1} << std::uniform_int_distribution<int>(0, 3)(rng);
+      const int64_t first = std::uniform_int_distribution<int64_t>(0, 16 - degree)(rng);
+      std::vector<int64_t> ranks(degree);
+      std::iota(ranks.begin(), ranks.end(), first);
+      loads.add(cost_model.shares(
+          sequence, make_placement(step, degree == 1 ? Strategy::kLocal : Strategy::kRing, ranks)));
+      for (int64_t rank = 0; rank < 16; ++rank) {
+        highest_floor_s[rank] = std::max(highest_floor_s[rank], loads.time_floor_s(rank));
+        ASSERT_LE(highest_floor_s[rank], loads.time_s(rank)) << "rank " << rank << " step " << step;
+      }
+    }
+    // Not vacuous: the floor is close to the time (within the per-token rates' spread).
+    EXPECT_GT(loads.time_floor_s(0), 0.5 * loads.time_s(0));
   }
 }
 

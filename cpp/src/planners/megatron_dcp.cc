@@ -91,9 +91,12 @@ class GroupTree {
   void set(int64_t leaf, double load, double tokens) {
     int64_t node = leaf + leaves_;
     load_[node] = load, tokens_[node] = tokens;
+    // Once a node's minima are unchanged, so are its ancestors'.
     for (node /= 2; node >= 1; node /= 2) {
-      load_[node] = std::min(load_[2 * node], load_[2 * node + 1]);
-      tokens_[node] = std::min(tokens_[2 * node], tokens_[2 * node + 1]);
+      const double least_load = std::min(load_[2 * node], load_[2 * node + 1]);
+      const double least_tokens = std::min(tokens_[2 * node], tokens_[2 * node + 1]);
+      if (least_load == load_[node] && least_tokens == tokens_[node]) break;
+      load_[node] = least_load, tokens_[node] = least_tokens;
     }
   }
   // The first leaf with load <= max_load and tokens <= max_tokens, or -1.
@@ -189,9 +192,11 @@ class MegatronDcp {
   // The whole schedule under knob M; nullopt when a micro-batch places nothing within memory.
   // Per sequence, the group it runs in: (first rank, size).
   using Layout = std::vector<std::pair<int64_t, int64_t>>;
-  // `by_length`: every sequence, longest first (stable), the first micro-batch's order.
+  // `by_length`: every sequence, longest first (stable), the first micro-batch's order. Also
+  // nullopt as soon as a rank's time is sure to end above `abort_above_s` (RankLoads'
+  // time_floor_s): that schedule cannot be the best knob's.
   std::optional<Layout> schedule(double max_tokens, const std::vector<int64_t>& by_length,
-                                 double* rank_time_s);
+                                 double abort_above_s, double* rank_time_s);
 
   const Batch& batch_;
   const CostModel& cost_model_;
@@ -405,6 +410,7 @@ bool MegatronDcp::fill_empty_ranks(std::vector<Group>& groups) {
 
 std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
                                                          const std::vector<int64_t>& by_length,
+                                                         double abort_above_s,
                                                          double* rank_time_s) {
   planners::RankLoads loads(cost_model_);  // totals only: shares() prices
   Layout layout(batch_.sequences.size());
@@ -451,6 +457,9 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
           continue;
         }
         loads.add(placed);
+        for (const RankShare& share : placed) {
+          if (loads.time_floor_s(share.rank) > abort_above_s) return std::nullopt;
+        }
         layout[i] = {group.first_rank, group.size};
         ++num_placed;
       }
@@ -519,10 +528,14 @@ Plan MegatronDcp::run() {
   std::vector<int64_t> by_length(num_sequences);  // sorted once for every knob
   std::iota(by_length.begin(), by_length.end(), 0);
   sort_by_length(&by_length);
-  for (double knob : knobs) {
+  // The knob of the lowest rank time wins, the first in `knobs` on a tie. They are scheduled
+  // last first (sharding the tallest further usually wins) and each one stops as soon as it is
+  // sure to end above the best so far, which it then cannot beat nor tie; so a knob scheduled
+  // later (earlier in `knobs`) takes a tie.
+  for (auto knob = knobs.rbegin(); knob != knobs.rend(); ++knob) {
     double rank_time_s = 0;
-    std::optional<Layout> layout = schedule(knob, by_length, &rank_time_s);
-    if (layout && rank_time_s < best_s) best = std::move(layout), best_s = rank_time_s;
+    std::optional<Layout> layout = schedule(*knob, by_length, best_s, &rank_time_s);
+    if (layout && rank_time_s <= best_s) best = std::move(layout), best_s = rank_time_s;
   }
   if (!best) {
     throw PlanMemoryError("megatron-dcp: no micro-batch schedule fits in memory (" +

@@ -11,6 +11,7 @@ RankLoads::RankLoads(const CostModel& cost_model, EvaluationCache* cache)
       cache_(cache),
       fixed_bytes_(cost_model.fixed_bytes()),
       capacity_bytes_(cost_model.memory_capacity_bytes()),
+      least_s_per_token_(cost_model.min_linear_time_per_token_s() * (1 - 1e-9)),
       tokens_(cost_model.cluster().num_ranks(), 0),
       attention_s_(cost_model.cluster().num_ranks(), 0.0),
       exchange_s_(cost_model.cluster().num_ranks(), 0.0),

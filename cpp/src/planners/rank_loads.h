@@ -26,6 +26,13 @@ class RankLoads {
   // The cost model's rank time from this rank's totals (per-token layers are not additive).
   double time_s(int64_t rank) const;
   int64_t tokens(int64_t rank) const { return tokens_[rank]; }
+  // A lower bound on time_s(rank), now and after any later add(): the per-token layers at the
+  // cost model's best rate per token (min_linear_time_per_token_s, less 1e-9 for rounding), plus
+  // attention and exchange, which add() only increases (shares' times are non-negative).
+  double time_floor_s(int64_t rank) const {
+    return static_cast<double>(tokens_[rank]) * least_s_per_token_ + attention_s_[rank] +
+           exchange_s_[rank];
+  }
   // Fixed bytes (weights, optimizer state, reserve) plus every share's memory on this rank.
   double peak_bytes(int64_t rank) const { return fixed_bytes_ + memory_bytes_[rank]; }
   double capacity_bytes() const { return capacity_bytes_; }
@@ -42,6 +49,7 @@ class RankLoads {
   EvaluationCache* cache_;
   double fixed_bytes_;
   double capacity_bytes_;
+  double least_s_per_token_;
   std::vector<int64_t> tokens_;
   std::vector<double> attention_s_;
   std::vector<double> exchange_s_;
