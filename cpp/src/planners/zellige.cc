@@ -356,6 +356,13 @@ class ZelligePlanner {
     if (inserted) it->second = cost_model_.linear_time_s(tokens);
     return it->second;
   }
+  // cost_model_.shares, through the evaluation cache for placements of at most a node (local
+  // search prices the same small shapes over and over; same values), directly for wider ones,
+  // whose cache entries would list degree^2 attention calls.
+  std::vector<RankShare> small_shares(const Sequence& sequence, const Placement& placement) {
+    return placement.degree() <= gpus_per_node_ ? cost_model_.shares(sequence, placement, cache_)
+                                                : cost_model_.shares(sequence, placement);
+  }
   double time_with(const Solution& s, int64_t rank, int64_t delta_tokens,
                    double delta_other_s) const {
     return linear_s(s.tokens[rank] + delta_tokens) + s.other_s[rank] + delta_other_s;
@@ -1324,7 +1331,8 @@ bool ZelligePlanner::times_only_grow() {
 bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s) {
   const int64_t max_degree = std::min(kMaxSplitDegree, gpus_per_node_);
   if (max_degree < 2) return false;
-  const int64_t node = node_of(open_ranks_.argmin());
+  const int64_t least_loaded_rank = open_ranks_.argmin();
+  const int64_t node = node_of(least_loaded_rank);
   // The node's max_degree least-loaded ranks by (time, id). Its whole order, which stage 1's
   // rank picking reads, is needed again only if a filler must then be placed like an anchor:
   // sort_split_nodes sorts it there, by the times of now.
@@ -1332,6 +1340,13 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
   std::copy(s->time_s.begin() + first, s->time_s.begin() + first + gpus_per_node_,
             split_times_s_.begin() + first);
   split_pending_[node] = 1;
+  // Every degree's test below fails when even the least-loaded rank with the widest degree's
+  // least share exceeds the target (its d-th rank is no less loaded, its share no smaller).
+  if (s->time_s[least_loaded_rank] +
+          0.95 * local_estimate_s_[sequence] / static_cast<double>(max_degree) >
+      target_s) {
+    return false;
+  }
   int64_t node_ranks[kMaxSplitDegree];
   int64_t count = 0;
   for (int64_t rank = first; rank < first + gpus_per_node_; ++rank) {
@@ -1528,7 +1543,7 @@ bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
     const int64_t degree = anchor.shape.degree;
     auto consider = [&](const Shape& shape, const std::vector<int64_t>& ranks) {
       std::vector<RankShare> shares =
-          cost_model_.shares(sequence, to_placement(sequence.id, shape, ranks));
+          small_shares(sequence, to_placement(sequence.id, shape, ranks));
       const double score_s = price_change(*s, anchor.shares, shares, best_s);
       if (score_s < best_s) {
         best_s = score_s;
@@ -1632,7 +1647,7 @@ bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
         if (keep_busiest) candidate_ranks_.push_back(busiest);
         sort_ranks(&candidate_ranks_);
         std::vector<RankShare> shares =
-            cost_model_.shares(seq, to_placement(seq.id, shape, candidate_ranks_));
+            small_shares(seq, to_placement(seq.id, shape, candidate_ranks_));
         const double score_s = price_change(*s, old_shares, shares, best_s);
         if (score_s < best_s) {
           best_s = score_s;
