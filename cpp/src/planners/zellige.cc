@@ -25,6 +25,7 @@
 // candidate move is priced from them. Memory is charged additively (sum of shares), as
 // CostModel::evaluate does.
 #include <algorithm>
+#include <bit>
 #include <cassert>
 #include <chrono>
 #include <cmath>
@@ -335,6 +336,24 @@ class ZelligePlanner {
   double linear_s(int64_t tokens) const {
     if (tokens <= 0) return 0.0;
     if (exact_ || tokens < kInterpolateFrom) return exact_linear_s(tokens);
+    // The hot path of the sweep, kept small: both knots known (else linear_knots_s).
+    const int octave = 63 - __builtin_clzll(static_cast<uint64_t>(tokens));
+    const int shift = octave - kStepsPerOctaveLog2;
+    const int64_t low = tokens >> shift << shift;
+    const size_t index =
+        static_cast<size_t>(shift) * kStepsPerOctave + ((low >> shift) & (kStepsPerOctave - 1));
+    if (index + 1 >= linear_grid_s_.size()) return linear_knots_s(tokens);
+    const double low_s = linear_grid_s_[index];
+    if (low_s < 0) return linear_knots_s(tokens);
+    if (tokens == low) return low_s;
+    const double high_s = linear_grid_s_[index + 1];
+    if (high_s < 0) return linear_knots_s(tokens);
+    // Times 2^-shift, exactly what dividing by 2^shift gives (both round the same real number).
+    const double inverse_step = std::bit_cast<double>(static_cast<uint64_t>(1023 - shift) << 52);
+    return low_s + (high_s - low_s) * static_cast<double>(tokens - low) * inverse_step;
+  }
+  // linear_s's interpolation with its knots computed (on first use) where they are not yet.
+  [[gnu::noinline]] double linear_knots_s(int64_t tokens) const {
     const int octave = 63 - __builtin_clzll(static_cast<uint64_t>(tokens));
     const int shift = octave - kStepsPerOctaveLog2;
     const int64_t low = tokens >> shift << shift;
@@ -351,7 +370,7 @@ class ZelligePlanner {
   }
   // cost_model_.linear_time_s, memoised: local search prices the same rank totals again and
   // again (hundreds of thousands of calls at 4096 GPUs, each a log and a pow); same values.
-  double exact_linear_s(int64_t tokens) const {
+  [[gnu::noinline]] double exact_linear_s(int64_t tokens) const {
     const auto [it, inserted] = exact_linear_s_.try_emplace(tokens, 0.0);
     if (inserted) it->second = cost_model_.linear_time_s(tokens);
     return it->second;
