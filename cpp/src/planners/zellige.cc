@@ -280,7 +280,7 @@ class MinTree {
       node /= 2;
     }
     node += 1;
-    while (node < leaves_) node = nodes_[2 * node].min_s <= cut_s ? 2 * node : 2 * node + 1;
+    while (node < leaves_) node = 2 * node + (nodes_[2 * node].min_s <= cut_s ? 0 : 1);
     return node - leaves_;
   }
   // The lowest index of the least value.
@@ -293,10 +293,10 @@ class MinTree {
     int64_t argmin;
   };
   // The left child on ties: the lowest index of the least value.
+  // Which child is taken is data-dependent and unpredictable: an index computed without a
+  // branch (times are never NaN, so "right below left" is "not left at most right").
   Node pulled(int64_t node) const {
-    const Node& left = nodes_[2 * node];
-    const Node& right = nodes_[2 * node + 1];
-    return left.min_s <= right.min_s ? left : right;
+    return nodes_[2 * node + (nodes_[2 * node + 1].min_s < nodes_[2 * node].min_s ? 1 : 0)];
   }
 
   int64_t leaves_ = 1;
