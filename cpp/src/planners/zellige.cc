@@ -234,18 +234,23 @@ struct PairHash {
 };
 
 // A min-tree over values (rank times, or a per-node key): the first index whose value is at most a
-// cut (first fit) and the index of the least value, in O(log size) each.
+// cut (first fit) and the index of the least value, in O(log size) each. Four children per node
+// (side by side in memory, 64 bytes): half the levels of a binary tree, and an update climbs them
+// for every filler the sweep places.
 class MinTree {
  public:
   void reset(const std::vector<double>& time_s) {
     leaves_ = 1;
-    while (leaves_ < static_cast<int64_t>(time_s.size())) leaves_ *= 2;
+    while (leaves_ < static_cast<int64_t>(time_s.size())) leaves_ *= kArity;
     nodes_.assign(2 * leaves_, Node{kInf, 0});
     for (int64_t leaf = 0; leaf < leaves_; ++leaf) {
       nodes_[leaves_ + leaf] = {leaf < static_cast<int64_t>(time_s.size()) ? time_s[leaf] : kInf,
                                 leaf};
     }
-    for (int64_t node = leaves_ - 1; node >= 1; --node) nodes_[node] = pulled(node);
+    // Level k holds nodes [4^k, 2 * 4^k); the rest of [4^k, 4^(k+1)) is unused.
+    for (int64_t level = leaves_ / kArity; level >= 1; level /= kArity) {
+      for (int64_t node = level; node < 2 * level; ++node) nodes_[node] = pulled(node);
+    }
   }
   void update(int64_t rank, double time_s) {
     int64_t node = leaves_ + rank;
@@ -255,20 +260,20 @@ class MinTree {
       // A value that grows changes only the ancestors whose least value was this rank's (a
       // prefix of the path up): another rank's least value stays, and its index stays the lowest
       // (had this rank tied it from a lower index before, it would have been the argmin).
-      for (node /= 2; node >= 1 && nodes_[node].argmin == rank; node /= 2) {
+      for (node /= kArity; node >= 1 && nodes_[node].argmin == rank; node /= kArity) {
         nodes_[node] = pulled(node);
       }
       return;
     }
     // Once a node's minimum and its index are unchanged, so are its ancestors'.
-    for (node /= 2; node >= 1; node /= 2) {
+    for (node /= kArity; node >= 1; node /= kArity) {
       const Node now = pulled(node);
       if (now.min_s == nodes_[node].min_s && now.argmin == nodes_[node].argmin) break;
       nodes_[node] = now;
     }
   }
   // The lowest rank >= `from` whose time is at most `cut_s`, or -1: up from the leaf of `from`
-  // to the first right sibling holding such a rank, then down to its leftmost one.
+  // to the first sibling to its right holding such a rank, then down to its leftmost one.
   int64_t first_at_most(double cut_s, int64_t from = 0) const {
     if (from >= leaves_) return -1;
     int64_t node = leaves_ + from;
@@ -276,27 +281,39 @@ class MinTree {
     // Invariant: no rank from `from` to the end of node's range is at most the cut.
     for (;;) {
       if (node == 1) return -1;
-      if ((node & 1) == 0 && nodes_[node + 1].min_s <= cut_s) break;
-      node /= 2;
+      int64_t sibling = node + 1;
+      while (sibling % kArity != 0 && nodes_[sibling].min_s > cut_s) ++sibling;
+      if (sibling % kArity != 0) {
+        node = sibling;
+        break;
+      }
+      node /= kArity;
     }
-    node += 1;
-    while (node < leaves_) node = 2 * node + (nodes_[2 * node].min_s <= cut_s ? 0 : 1);
+    while (node < leaves_) {
+      int64_t child = kArity * node;
+      while (nodes_[child].min_s > cut_s) ++child;  // the node's least value is at most the cut
+      node = child;
+    }
     return node - leaves_;
   }
   // The lowest index of the least value.
   int64_t argmin() const { return nodes_[1].argmin; }
 
  private:
-  // A node's least value and the lowest index holding it; children side by side in memory.
+  static constexpr int64_t kArity = 4;
+  // A node's least value and the lowest index holding it.
   struct Node {
     double min_s;
     int64_t argmin;
   };
-  // The left child on ties: the lowest index of the least value.
-  // Which child is taken is data-dependent and unpredictable: an index computed without a
-  // branch (times are never NaN, so "right below left" is "not left at most right").
+  // The leftmost child on ties: the lowest index of the least value. Which child is taken is
+  // data-dependent and unpredictable: indices computed without a branch (times are never NaN,
+  // so "right below left" is "not left at most right"); the right pair wins only below the left.
   Node pulled(int64_t node) const {
-    return nodes_[2 * node + (nodes_[2 * node + 1].min_s < nodes_[2 * node].min_s ? 1 : 0)];
+    const int64_t first = kArity * node;
+    const int64_t left = first + (nodes_[first + 1].min_s < nodes_[first].min_s ? 1 : 0);
+    const int64_t right = first + 2 + (nodes_[first + 3].min_s < nodes_[first + 2].min_s ? 1 : 0);
+    return nodes_[nodes_[right].min_s < nodes_[left].min_s ? right : left];
   }
 
   int64_t leaves_ = 1;
