@@ -387,10 +387,33 @@ class ZelligePlanner {
   }
   // cost_model_.linear_time_s, memoised: local search prices the same rank totals again and
   // again (hundreds of thousands of calls at 4096 GPUs, each a log and a pow); same values.
+  // Open addressing (a power-of-two table, linear probing, at most half full): a lookup is a
+  // multiply and a probe or two, where std::unordered_map divides by a prime and chases a node.
   [[gnu::noinline]] double exact_linear_s(int64_t tokens) const {
-    const auto [it, inserted] = exact_linear_s_.try_emplace(tokens, 0.0);
-    if (inserted) it->second = cost_model_.linear_time_s(tokens);
-    return it->second;
+    if (exact_linear_s_.empty()) exact_linear_s_.assign(1024, {-1, 0.0});
+    size_t slot = linear_memo_slot(tokens);
+    if (exact_linear_s_[slot].first == tokens) return exact_linear_s_[slot].second;
+    const double time_s = cost_model_.linear_time_s(tokens);
+    if (2 * (exact_linear_count_ + 1) > exact_linear_s_.size()) {
+      std::vector<std::pair<int64_t, double>> old(2 * exact_linear_s_.size(), {-1, 0.0});
+      old.swap(exact_linear_s_);
+      for (const auto& entry : old) {
+        if (entry.first >= 0) exact_linear_s_[linear_memo_slot(entry.first)] = entry;
+      }
+      slot = linear_memo_slot(tokens);
+    }
+    exact_linear_s_[slot] = {tokens, time_s};
+    ++exact_linear_count_;
+    return time_s;
+  }
+  // The slot holding `tokens` in exact_linear_s_, or the empty one where it would go.
+  size_t linear_memo_slot(int64_t tokens) const {
+    const size_t mask = exact_linear_s_.size() - 1;
+    size_t slot = static_cast<size_t>((static_cast<uint64_t>(tokens) * 0x9E3779B97F4A7C15ull) >> 40) & mask;
+    while (exact_linear_s_[slot].first != tokens && exact_linear_s_[slot].first >= 0) {
+      slot = (slot + 1) & mask;
+    }
+    return slot;
   }
   // cost_model_.shares, through the evaluation cache for placements of at most a node (local
   // search prices the same small shapes over and over; same values), directly for wider ones,
@@ -440,10 +463,15 @@ class ZelligePlanner {
                      Solution* s);
   bool place_anchor(int32_t sequence, int64_t degree, Solution* s);
   bool place_anchor_within(int32_t sequence, double share_s, double target_s, Solution* s);
-  bool split_filler(int32_t sequence, double target_s, Solution* s);
+  // `estimate_s`: the sequence's local estimate (ordered_'s copy).
+  bool split_filler(int32_t sequence, double estimate_s, double target_s, Solution* s);
   void sort_split_nodes();
   void resort_node(const Solution& s, int64_t node);
   void add_filler(Solution* s, int32_t sequence, int64_t rank) const;
+  // The same with the sequence's local share given (the sweep reads it from ordered_, in order,
+  // rather than from the per-sequence vectors at random).
+  void add_filler(Solution* s, int32_t sequence, int64_t rank, int64_t tokens, double other_s,
+                  double memory_bytes) const;
   void remove_filler(Solution* s, int32_t sequence) const;
   void add_anchor_shares(Solution* s, int32_t slot) const;
   void remove_anchor_shares(Solution* s, int32_t slot) const;
@@ -481,7 +509,9 @@ class ZelligePlanner {
   // Memoised shares and exact evaluation of this batch; make_plan prices the result with it.
   EvaluationCache& cache_;
   mutable std::vector<double> linear_grid_s_;  // -1: not computed yet
-  mutable std::unordered_map<int64_t, double> exact_linear_s_;  // exact_linear_s's memo
+  // exact_linear_s's memo: (tokens, time) per slot, tokens -1 where empty.
+  mutable std::vector<std::pair<int64_t, double>> exact_linear_s_;
+  mutable size_t exact_linear_count_ = 0;
   int times_only_grow_ = -1;                   // its memo: -1 not checked yet, 0 no, 1 yes
   int64_t total_tokens_ = 0;
   double rate_s_per_token_ = 0;                // per-token layers at the mean token count per rank
@@ -1145,11 +1175,17 @@ bool ZelligePlanner::place_anchor_within(int32_t sequence, double share_s, doubl
 }
 
 void ZelligePlanner::add_filler(Solution* s, int32_t sequence, int64_t rank) const {
+  add_filler(s, sequence, rank, local_tokens_[sequence], local_other_s_[sequence],
+             local_memory_bytes_[sequence]);
+}
+
+void ZelligePlanner::add_filler(Solution* s, int32_t sequence, int64_t rank, int64_t tokens,
+                                double other_s, double memory_bytes) const {
   s->filler_rank[sequence] = static_cast<int32_t>(rank);
   s->rank_fillers[rank].push_back(sequence);
-  s->tokens[rank] += local_tokens_[sequence];
-  s->other_s[rank] += local_other_s_[sequence];
-  s->memory_bytes[rank] += local_memory_bytes_[sequence];
+  s->tokens[rank] += tokens;
+  s->other_s[rank] += other_s;
+  s->memory_bytes[rank] += memory_bytes;
   refresh_time(s, rank);
 }
 
@@ -1303,7 +1339,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
         failed_last_rank_ = rank;
       }
       failed_key_ = chosen < 0 ? item.shape_key : -1;
-      if (chosen < 0 && split_filler(sequence, target_s, s)) continue;
+      if (chosen < 0 && split_filler(sequence, item.estimate_s, target_s, s)) continue;
     }
     if (chosen < 0) {
       chosen = open_ranks_.argmin();
@@ -1326,7 +1362,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
       open_ranks_.reset(s->time_s);
       continue;
     }
-    add_filler(s, sequence, chosen);
+    add_filler(s, sequence, chosen, tokens, other_s, bytes);
     open_ranks_.update(chosen, s->time_s[chosen]);
     if (s->time_s[chosen] > stop_above_s && times_only_grow()) {
       s->makespan_s = s->time_s[chosen];  // a lower bound of the finished construction's
@@ -1364,7 +1400,8 @@ bool ZelligePlanner::times_only_grow() {
 // A filler that fits whole on no rank under the target, sharded over 2..kMaxSplitDegree of the
 // least-loaded ranks of the node that holds the least-loaded rank (smallest degree first), when
 // its busiest share then stays within the target.
-bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s) {
+bool ZelligePlanner::split_filler(int32_t sequence, double estimate_s, double target_s,
+                                  Solution* s) {
   const int64_t max_degree = std::min(kMaxSplitDegree, gpus_per_node_);
   if (max_degree < 2) return false;
   const int64_t least_loaded_rank = open_ranks_.argmin();
@@ -1379,7 +1416,7 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
   // Every degree's test below fails when even the least-loaded rank with the widest degree's
   // least share exceeds the target (its d-th rank is no less loaded, its share no smaller).
   if (s->time_s[least_loaded_rank] +
-          0.95 * local_estimate_s_[sequence] / static_cast<double>(max_degree) >
+          0.95 * estimate_s / static_cast<double>(max_degree) >
       target_s) {
     return false;
   }
@@ -1396,7 +1433,7 @@ bool ZelligePlanner::split_filler(int32_t sequence, double target_s, Solution* s
   }
   for (int64_t degree = 2; degree <= max_degree; ++degree) {
     // A share is at least about 1/degree of the whole: skip pricing shapes that cannot fit.
-    const double least_share_s = 0.95 * local_estimate_s_[sequence] / static_cast<double>(degree);
+    const double least_share_s = 0.95 * estimate_s / static_cast<double>(degree);
     if (s->time_s[node_ranks[degree - 1]] + least_share_s > target_s) continue;
     const ShapeChoice& choice = shape_at(sequence, degree);
     if (!choice.feasible) continue;
