@@ -211,15 +211,16 @@ def auto_buckets(table, head_dim: int) -> tuple[list[list[int]], str]:
 
 
 def bench_coalesced(
-    q, k, v, do, table, backend, streams=None, merge=None, overlap=False, *, repeat
+    q, k, v, do, table, backend, streams=None, merge=None, overlap=False, align=None, *, repeat
 ):
     rows = [t.view(-1, t.shape[-1]) for t in (q, k, v)]
     do_rows = do.view(-1, do.shape[-1])
 
     def forward():
         return coalesced_attention(
-            *rows, table, backend=backend, streams=streams, merge=merge, overlap_copies=overlap
-        )
+            *rows, table, backend=backend, streams=streams, merge=merge, overlap_copies=overlap,
+            query_align=align,
+        )  # fmt: skip
 
     return fwd_bwd(forward, (q, k, v), do_rows, repeat)
 
@@ -347,6 +348,16 @@ def main() -> None:
     parser.add_argument(
         "--waste", type=float, nargs="*", default=[5, 15, 30], help="pad-wX thresholds, percent"
     )
+    parser.add_argument(
+        "--query-align", type=int, nargs="*", default=[],
+        help="also the engine's automatic path with each group's forward queries padded to a "
+        "multiple of N tokens (coalesced-qalignN; query_align=N)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dense-alt", action="store_true",
+        help="also the dense reference 64 tokens longer (dense-cudnn-alt: the other parity of "
+        "128; the reference's rate depends on it), not used in the ratios",
+    )  # fmt: skip
     parser.add_argument("--call-table", default=None, help="measure the call table into PATH")
     parser.add_argument("--call-table-first", action="store_true", help="before the packs")
     parser.add_argument("--no-length-table", action="store_true")
@@ -451,6 +462,7 @@ def main() -> None:
         dense_repeat = max(5, args.repeat)  # the reference of every ratio: a steadier median
         timings = {"dense-cudnn": bench_dense(dense_length, heads, head_dim, dense_repeat, gen)}
         dense_flops = 4 * heads * head_dim * dense_length**2
+        alt_flops = 4 * heads * head_dim * (dense_length + 64) ** 2
         fwd_s, bwd_s = timings["dense-cudnn"]
         print(f"{recipe} dense-cudnn L={dense_length}: {dense_flops / fwd_s / 1e12:.0f} / "
               f"{2.5 * dense_flops / bwd_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
@@ -468,6 +480,11 @@ def main() -> None:
                     (f"coalesced-{count}streams", bench_coalesced, (table, None, count, "groups"))
                 )
             methods.append((f"kernels-only-{count}s", bench_kernels_only, (table, count)))
+        for align in args.query_align:
+            extra = (table, None, None, None, False, align)
+            methods.append((f"coalesced-qalign{align}", bench_coalesced, extra))
+        if args.dense_alt:
+            methods.append(("dense-cudnn-alt", bench_dense_again, (dense_length + 64, gen)))
         if args.rounds > 1:  # the dense reference again between rounds (see --rounds)
             methods.insert(0, ("dense-cudnn", bench_dense_again, (dense_length, gen)))
         if args.streams:
@@ -524,14 +541,14 @@ def main() -> None:
                     round(HOST_S[tag][len(HOST_S[tag]) // 2] * 1e3, 3) for tag in ("fwd", "bwd")
                 ]
                 fwd_s, bwd_s = rounds[name][-1]
-                work = dense_flops if name == "dense-cudnn" else flops
+                work = {"dense-cudnn": dense_flops, "dense-cudnn-alt": alt_flops}.get(name, flops)
                 rates = f"{work / fwd_s / 1e12:.0f} / {2.5 * work / bwd_s / 1e12:.0f}"
                 print(f"{recipe} {name}: {rates} TFLOP/s, host ms {entry['host_ms'][name]}",
                       flush=True)  # fmt: skip
             except Exception as exc:  # a backend missing in this torch build: report, go on
                 entry["rates"][name] = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
         for name, (fwd, bwd) in timings.items():
-            work = dense_flops if name == "dense-cudnn" else flops
+            work = {"dense-cudnn": dense_flops, "dense-cudnn-alt": alt_flops}.get(name, flops)
             entry["rates"][name] = (work / fwd / 1e12, 2.5 * work / bwd / 1e12)
         # Same function: each coalesced path vs FA2 varlen, outputs and gradients, on this pack.
         for merge in ("groups", "ragged") if args.ragged else ("groups",):
@@ -569,6 +586,22 @@ def main() -> None:
                 rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
             ]
             entry["streams_o_identical"] = bool(torch.equal(outs[1][0], outs[0][0]))
+        for align in args.query_align:  # padded forward queries: the same function
+            rows = [t.view(-1, head_dim) for t in (q, k, v)]
+            outs = []
+            for query_align in (1, align):
+                o_c, lse_c = coalesced_attention(
+                    *rows, table, merge="groups", query_align=query_align, return_lse=True
+                )
+                grads = torch.autograd.grad(o_c.view_as(q), (q, k, v), do)
+                outs.append([o_c.view_as(q), lse_c, *grads])
+            entry[f"rel_diff_qalign{align}_vs_groups"] = [
+                rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
+            ]
+            entry[f"qalign{align}_o_identical"] = bool(torch.equal(outs[1][0], outs[0][0]))
+            print(f"{recipe} qalign{align} vs groups (o, lse, dq, dk, dv rel. diff): "
+                  f"{[f'{x:.1e}' for x in entry[f'rel_diff_qalign{align}_vs_groups']]}, "
+                  f"o identical {entry[f'qalign{align}_o_identical']}", flush=True)  # fmt: skip
         if args.overhead or args.merges:  # copies on a side stream: the same results
             rows = [t.view(-1, head_dim) for t in (q, k, v)]
             outs = []
