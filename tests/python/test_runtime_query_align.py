@@ -24,8 +24,8 @@ def _per_sequence(q, k, v, cu):
 
 
 # (6, 6) side by side: a slice group padded to 8 reading the next problem's rows; 3 -> 4, 5 -> 8,
-# 1 -> 4, 7 -> 8; (2, ..., 2) apart: a gathered group (unpadded); the last, 9 -> 12, would run
-# past the last row (unpadded)
+# 1 -> 4, 7 -> 8; (2, ..., 2) apart: a gathered group (2 -> 4, each problem's last row repeated);
+# the last, 9 -> 12, would run past the last row (unpadded)
 LENGTHS = [6, 6, 3, 5, 1, 2, 7, 2, 9]
 
 
@@ -43,8 +43,11 @@ def test_padded_queries_equal_unpadded_calls_and_per_sequence_attention(backend:
     rows = q.view(-1, head_dim)
     padded = {g.q_len: coalesced._aligned_queries(rows, g, 4) for g in table.groups}
     lengths = {q_len: p[1] for q_len, p in padded.items() if p is not None}
-    assert lengths == {6: 8, 3: 4, 5: 8, 1: 4, 7: 8}
-    assert padded[2] is None and padded[9] is None  # a gather; past the last row
+    assert lengths == {6: 8, 3: 4, 5: 8, 1: 4, 7: 8, 2: 4}
+    assert padded[9] is None  # past the last row
+    gathered = padded[2][0]  # [2, n, 4, H]: sequences at tokens 21 and 30, last row repeated
+    assert torch.equal(gathered[1, :, :2], q[30:32].transpose(0, 1))
+    assert torch.equal(gathered[1, :, 2:], q[31:32].expand(2, n, head_dim).transpose(0, 1))
     view = padded[6][0]  # [2, n, 8, H]: problem b's real rows first, then the rows after it
     assert torch.equal(view[:, :, :6], q[:12].view(2, 6, n, head_dim).transpose(1, 2))
     assert torch.equal(view[0, :, 6:], q[6:8].transpose(0, 1))

@@ -437,27 +437,41 @@ class _Stores:
             self.main.wait_stream(self.side)
 
 
-def _aligned_queries(rows: Tensor, g: SegmentGroup, align: int) -> tuple[Tensor, int] | None:
+def _aligned_queries(
+    rows: Tensor, g: SegmentGroup, align: int, cache: dict | None = None
+) -> tuple[Tensor, int] | None:
     """The group's queries as [count, n, L', H] with L' = q_len rounded up to `align` tokens, or
-    None (no padding needed, a gathered group, or too near the end of the rows). A strided view,
-    no copy: the padding tokens of problem b are the rows that follow it (problem b + 1's, or the
-    next segment's), finite values whose own outputs are dropped. Query rows do not interact in
-    attention, so the real rows' o and lse are those of the unpadded call (keys are unchanged:
-    no mask). Used by the forward only (the backward runs the unpadded call: padded queries
-    would add to dk / dv)."""
-    if align <= 1 or g.q_len % align == 0 or not isinstance(g.q_index, slice):
+    None (no padding needed, or a run of rows too near their end). For a run of rows a strided
+    view, no copy: the padding tokens of problem b are the rows that follow it (problem b + 1's,
+    or the next segment's), whose own outputs are dropped. For a gathered group the gather takes
+    the padded rows (each problem's last row repeated; `cache`, e.g. the table's, keeps the
+    device index). Query rows do not interact in attention, so the real rows' o and lse are
+    those of the unpadded call (keys are unchanged: no mask). Used by the forward only (the
+    backward runs the unpadded call: padded queries would add to dk / dv)."""
+    if align <= 1 or g.q_len % align == 0:
         return None
     padded_len = -(-g.q_len // align) * align
-    start, n = g.q_index.start, g.num_heads
-    if start + ((g.count - 1) * g.q_len + padded_len) * n > rows.shape[0]:
+    n = g.num_heads
+    if isinstance(g.q_index, slice):
+        start = g.q_index.start
+        if start + ((g.count - 1) * g.q_len + padded_len) * n > rows.shape[0]:
+            return None
+        row, col = rows.stride()
+        view = rows.as_strided(
+            (g.count, n, padded_len, rows.shape[1]),
+            (g.q_len * n * row, row, n * row, col),
+            rows.storage_offset() + start * row,
+        )
+        return view, padded_len
+    if len(g.q_offsets) != g.count:
         return None
-    row, col = rows.stride()
-    view = rows.as_strided(
-        (g.count, n, padded_len, rows.shape[1]),
-        (g.q_len * n * row, row, n * row, col),
-        rows.storage_offset() + start * row,
-    )
-    return view, padded_len
+    cache = {} if cache is None else cache
+    key = ("aligned queries", id(g), align)
+    if key not in cache:
+        src, _, _, _ = _padded_rows(list(g.q_offsets), [g.q_len] * g.count, padded_len, n)
+        cache[key] = to_device(torch.from_numpy(src), rows.device)
+    taken = rows.index_select(0, cache[key])
+    return taken.view(g.count, padded_len, n, *rows.shape[1:]).transpose(1, 2), padded_len
 
 
 def forward_into(
@@ -498,7 +512,7 @@ def forward_into(
             o, lse = kernel.forward(q, k, v, scale, _mask_of(g, kernel, q.dtype))
             stores.run(lambda: store_padded(g, o, lse), o, lse)
             return
-        aligned = _aligned_queries(q_rows, g, query_align)
+        aligned = _aligned_queries(q_rows, g, query_align, table.merged)
         q = _dense(q_rows, g.q_index, g, g.q_len) if aligned is None else aligned[0]
         k = _dense(k_rows, g.k_index, g, g.k_len)
         v = _dense(v_rows, g.k_index, g, g.k_len)
