@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -211,16 +212,15 @@ def auto_buckets(table, head_dim: int) -> tuple[list[list[int]], str]:
 
 
 def bench_coalesced(
-    q, k, v, do, table, backend, streams=None, merge=None, overlap=False, align=None, *, repeat
+    q, k, v, do, table, backend, streams=None, merge=None, overlap=False, *, repeat
 ):
     rows = [t.view(-1, t.shape[-1]) for t in (q, k, v)]
     do_rows = do.view(-1, do.shape[-1])
 
     def forward():
         return coalesced_attention(
-            *rows, table, backend=backend, streams=streams, merge=merge, overlap_copies=overlap,
-            query_align=align,
-        )  # fmt: skip
+            *rows, table, backend=backend, streams=streams, merge=merge, overlap_copies=overlap
+        )
 
     return fwd_bwd(forward, (q, k, v), do_rows, repeat)
 
@@ -335,7 +335,8 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=1,
         help="run the method list this many times in turn (dense reference included), keep the "
-        "median per method: spreads clock drift over all methods",
+        "median per method (and each round's ratio to that round's dense reference, "
+        "paired_vs_dense): spreads clock drift over all methods",
     )  # fmt: skip
     parser.add_argument("--flash-groups", action="store_true", help="also FA2 dense groups")
     parser.add_argument("--ragged", action="store_true", help="also one ragged cuDNN call")
@@ -348,11 +349,6 @@ def main() -> None:
     parser.add_argument(
         "--waste", type=float, nargs="*", default=[5, 15, 30], help="pad-wX thresholds, percent"
     )
-    parser.add_argument(
-        "--query-align", type=int, nargs="*", default=[],
-        help="also the engine's automatic path with each group's forward queries padded to a "
-        "multiple of N tokens (coalesced-qalignN; query_align=N)",
-    )  # fmt: skip
     parser.add_argument(
         "--dense-alt", action="store_true",
         help="also the dense reference 64 tokens longer (dense-cudnn-alt: the other parity of "
@@ -480,9 +476,6 @@ def main() -> None:
                     (f"coalesced-{count}streams", bench_coalesced, (table, None, count, "groups"))
                 )
             methods.append((f"kernels-only-{count}s", bench_kernels_only, (table, count)))
-        for align in args.query_align:
-            extra = (table, None, None, None, False, align)
-            methods.append((f"coalesced-qalign{align}", bench_coalesced, extra))
         if args.dense_alt:
             methods.append(("dense-cudnn-alt", bench_dense_again, (dense_length + 64, gen)))
         if args.rounds > 1:  # the dense reference again between rounds (see --rounds)
@@ -535,8 +528,7 @@ def main() -> None:
                 continue
             try:
                 rounds.setdefault(name, []).append(run(q, k, v, do, *extra, repeat=args.repeat))
-                fwd_all, bwd_all = (sorted(t[i] for t in rounds[name]) for i in (0, 1))
-                timings[name] = (fwd_all[len(fwd_all) // 2], bwd_all[len(bwd_all) // 2])
+                timings[name] = tuple(statistics.median(t[i] for t in rounds[name]) for i in (0, 1))
                 entry["host_ms"][name] = [
                     round(HOST_S[tag][len(HOST_S[tag]) // 2] * 1e3, 3) for tag in ("fwd", "bwd")
                 ]
@@ -550,6 +542,24 @@ def main() -> None:
         for name, (fwd, bwd) in timings.items():
             work = {"dense-cudnn": dense_flops, "dense-cudnn-alt": alt_flops}.get(name, flops)
             entry["rates"][name] = (work / fwd / 1e12, 2.5 * work / bwd / 1e12)
+        # Paired ratios (--rounds > 1): each round's rate over the dense reference measured at the
+        # start of the same round, median over rounds: the GPU's clock drifts by up to 10% over a
+        # run (a method measured later runs slower), which this cancels where a median of each
+        # side alone does not.
+        dense_rounds = rounds["dense-cudnn"][1:]
+        entry["paired_vs_dense"] = {}
+        for name, times in rounds.items():
+            if name == "dense-cudnn" or not dense_rounds or not times:
+                continue
+            work = alt_flops if name == "dense-cudnn-alt" else flops
+            pairs = list(zip(times, dense_rounds, strict=False))
+            entry["paired_vs_dense"][name] = [
+                statistics.median(work / t[i] / (dense_flops / d[i]) for t, d in pairs)
+                for i in (0, 1)
+            ]
+            fwd_ratio, bwd_ratio = entry["paired_vs_dense"][name]
+            print(f"{recipe} {name} / dense-cudnn, paired by round (median of {len(pairs)}): "
+                  f"{fwd_ratio:.3f} / {bwd_ratio:.3f}", flush=True)  # fmt: skip
         # Same function: each coalesced path vs FA2 varlen, outputs and gradients, on this pack.
         for merge in ("groups", "ragged") if args.ragged else ("groups",):
             try:
@@ -586,22 +596,6 @@ def main() -> None:
                 rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
             ]
             entry["streams_o_identical"] = bool(torch.equal(outs[1][0], outs[0][0]))
-        for align in args.query_align:  # padded forward queries: the same function
-            rows = [t.view(-1, head_dim) for t in (q, k, v)]
-            outs = []
-            for query_align in (1, align):
-                o_c, lse_c = coalesced_attention(
-                    *rows, table, merge="groups", query_align=query_align, return_lse=True
-                )
-                grads = torch.autograd.grad(o_c.view_as(q), (q, k, v), do)
-                outs.append([o_c.view_as(q), lse_c, *grads])
-            entry[f"rel_diff_qalign{align}_vs_groups"] = [
-                rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
-            ]
-            entry[f"qalign{align}_o_identical"] = bool(torch.equal(outs[1][0], outs[0][0]))
-            print(f"{recipe} qalign{align} vs groups (o, lse, dq, dk, dv rel. diff): "
-                  f"{[f'{x:.1e}' for x in entry[f'rel_diff_qalign{align}_vs_groups']]}, "
-                  f"o identical {entry[f'qalign{align}_o_identical']}", flush=True)  # fmt: skip
         if args.overhead or args.merges:  # copies on a side stream: the same results
             rows = [t.view(-1, head_dim) for t in (q, k, v)]
             outs = []
@@ -653,9 +647,10 @@ def main() -> None:
     for entry in report["packs"]:  # merge variants, in the order measured
         names += [n for n in entry["rates"] if n not in names]
     names = [n for n in names if any(n in e["rates"] for e in report["packs"])] or names[:5]
+    tail = " | auto/dense fwd, bwd | auto/dense paired | auto/fa2 fwd, bwd | best path |"
     print("| pack | seqs | tokens | calls (auto) | " + " | ".join(f"{n} fwd / bwd" for n in names)
-          + " | auto/dense fwd, bwd | auto/fa2 fwd, bwd | best path |")  # fmt: skip
-    print("|" + " --- |" * (len(names) + 7))
+          + tail)  # fmt: skip
+    print("|" + " --- |" * (len(names) + 8))
     for entry in report["packs"]:
         rates = entry["rates"]
         cells = [
@@ -675,11 +670,14 @@ def main() -> None:
                 return "-"
             return f"{rates[a][0] / rates[b][0]:.2f}, {rates[a][1] / rates[b][1]:.2f}"
 
+        pair = entry.get("paired_vs_dense", {}).get("coalesced-auto")
+        paired = "-" if pair is None else f"{pair[0]:.2f}, {pair[1]:.2f}"
         print(
             f"| {entry['recipe']} | {entry['sequences']} | {entry['tokens']} | {entry['calls']} "
             f"({entry['auto_plan']['calls']}) | "
             + " | ".join(cells)
             + f" | {ratio('coalesced-auto', 'dense-cudnn')}"
+            + f" | {paired}"
             + f" | {ratio('coalesced-auto', 'fa2-varlen')} | {best} |"
         )
     m = report["machine"]

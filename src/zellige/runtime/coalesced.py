@@ -34,7 +34,6 @@ from zellige import _core
 from zellige.runtime import recompute
 from zellige.runtime.kernels import (
     Kernel,
-    MathKernel,
     RaggedKernel,
     default_scale,
     kernel_for,
@@ -437,43 +436,6 @@ class _Stores:
             self.main.wait_stream(self.side)
 
 
-def _aligned_queries(
-    rows: Tensor, g: SegmentGroup, align: int, cache: dict | None = None
-) -> tuple[Tensor, int] | None:
-    """The group's queries as [count, n, L', H] with L' = q_len rounded up to `align` tokens, or
-    None (no padding needed, or a run of rows too near their end). For a run of rows a strided
-    view, no copy: the padding tokens of problem b are the rows that follow it (problem b + 1's,
-    or the next segment's), whose own outputs are dropped. For a gathered group the gather takes
-    the padded rows (each problem's last row repeated; `cache`, e.g. the table's, keeps the
-    device index). Query rows do not interact in attention, so the real rows' o and lse are
-    those of the unpadded call (keys are unchanged: no mask). Used by the forward only (the
-    backward runs the unpadded call: padded queries would add to dk / dv)."""
-    if align <= 1 or g.q_len % align == 0:
-        return None
-    padded_len = -(-g.q_len // align) * align
-    n = g.num_heads
-    if isinstance(g.q_index, slice):
-        start = g.q_index.start
-        if start + ((g.count - 1) * g.q_len + padded_len) * n > rows.shape[0]:
-            return None
-        row, col = rows.stride()
-        view = rows.as_strided(
-            (g.count, n, padded_len, rows.shape[1]),
-            (g.q_len * n * row, row, n * row, col),
-            rows.storage_offset() + start * row,
-        )
-        return view, padded_len
-    if len(g.q_offsets) != g.count:
-        return None
-    cache = {} if cache is None else cache
-    key = ("aligned queries", id(g), align)
-    if key not in cache:
-        src, _, _, _ = _padded_rows(list(g.q_offsets), [g.q_len] * g.count, padded_len, n)
-        cache[key] = to_device(torch.from_numpy(src), rows.device)
-    taken = rows.index_select(0, cache[key])
-    return taken.view(g.count, padded_len, n, *rows.shape[1:]).transpose(1, 2), padded_len
-
-
 def forward_into(
     table: SegmentTable,
     kernel: Kernel,
@@ -485,11 +447,8 @@ def forward_into(
     lse_rows: Tensor,
     streams: int = 1,
     overlap_copies: bool = False,
-    query_align: int = 1,
 ) -> None:
-    """Writes o and lse of every segment's query rows (other rows are left untouched).
-    query_align > 1: each group's queries are padded to a multiple of that many tokens where a
-    view allows it (_aligned_queries; cuDNN's forward runs faster on aligned query counts)."""
+    """Writes o and lse of every segment's query rows (other rows are left untouched)."""
     stores = _Stores(q_rows.device, overlap_copies and streams <= 1)
 
     def store_padded(g: PaddedGroup, o: Tensor, lse: Tensor) -> None:
@@ -512,13 +471,10 @@ def forward_into(
             o, lse = kernel.forward(q, k, v, scale, _mask_of(g, kernel, q.dtype))
             stores.run(lambda: store_padded(g, o, lse), o, lse)
             return
-        aligned = _aligned_queries(q_rows, g, query_align, table.merged)
-        q = _dense(q_rows, g.q_index, g, g.q_len) if aligned is None else aligned[0]
+        q = _dense(q_rows, g.q_index, g, g.q_len)
         k = _dense(k_rows, g.k_index, g, g.k_len)
         v = _dense(v_rows, g.k_index, g, g.k_len)
         o, lse = kernel.forward(q, k, v, scale)
-        if aligned is not None:  # the real query tokens of each problem
-            o, lse = o[:, :, : g.q_len], lse[:, :, : g.q_len]
         stores.run(lambda: store(g, o, lse), o, lse)
 
     _for_each_group(table, one, q_rows.device, streams if table.disjoint else 1)
@@ -597,7 +553,7 @@ def _whole(table: SegmentTable, num_q_rows: int, num_k_rows: int) -> bool:
 
 class _CoalescedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap, align):
+    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap):
         q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
         num_q, num_k = q_rows.shape[0], k_rows.shape[0]
         lse_type = lse_dtype(q_rows.dtype)
@@ -619,9 +575,8 @@ class _CoalescedAttention(torch.autograd.Function):
             o_rows = torch.empty_like(q_rows) if covered else torch.zeros_like(q_rows)
             lse_rows = torch.full((num_q,), float("-inf"), dtype=lse_type, device=q_rows.device)
             forward_into(
-                table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, streams, overlap,
-                align,
-            )  # fmt: skip
+                table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, streams, overlap
+            )
         if kept is None:
             recompute.keep(o_rows, lse_rows)
         ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
@@ -647,7 +602,7 @@ class _CoalescedAttention(torch.autograd.Function):
                 lse_rows.view(g.count, g.q_len, g.num_heads).transpose(1, 2),
                 scale,
             )
-            return _flat(dq), _flat(dk), _flat(dv), None, None, None, None, None, None
+            return _flat(dq), _flat(dk), _flat(dv), None, None, None, None, None
         q_covered = table.disjoint and table.q_rows == num_q
         k_covered = table.disjoint and table.k_rows == num_k
         dq = torch.empty_like(q_rows) if q_covered else torch.zeros_like(q_rows)
@@ -656,7 +611,7 @@ class _CoalescedAttention(torch.autograd.Function):
             table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, do_rows, dq, dk, dv,
             accumulate=not table.disjoint, streams=ctx.streams, overlap_copies=ctx.overlap,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # Merge policy: "auto" runs one ragged call for tables of at least this many groups (dense calls)
@@ -837,7 +792,6 @@ def coalesced_attention(
     streams: int | None = None,
     merge: str | None = None,
     overlap_copies: bool = False,
-    query_align: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of every segment of `table` in one call; differentiable in q, k, v.
 
@@ -849,10 +803,6 @@ def coalesced_attention(
     measured count (runtime/merging.py streams_for_device; 1 where nothing was measured).
     overlap_copies: on CUDA (one stream), write each call's results into the rows on a side
     stream, beside the next call's kernel (measured by bench/attention_engine.py --overhead).
-    query_align: in the forward, pad each group's queries to a multiple of this many tokens
-    (a view: no copy, no mask; _aligned_queries), where the kernel passes the check of such views
-    (query_padding_ok); None: the device's measured value (runtime/merging.py
-    query_align_for_device; 1, no padding, where nothing was measured).
     merge: "groups" (one dense call per group, or as the table's own padded merges say),
     "ragged" (one ragged call where a checked ragged kernel exists: cuDNN on CUDA, or the math
     oracle with backend="math"; measurements only, see the module docstring), or "auto"/None
@@ -888,51 +838,7 @@ def coalesced_attention(
             from zellige.runtime import merging
 
             streams = merging.streams_for_device(q_rows.device)
-    if query_align is None:
-        query_align = 1
-        if q_rows.device.type == "cuda":
-            from zellige.runtime import merging
-
-            query_align = merging.query_align_for_device(q_rows.device)
-    if query_align < 1:
-        raise ValueError(f"query_align must be a positive number of tokens, got {query_align}")
-    if query_align > 1 and not query_padding_ok(kernel, q_rows.device, q_rows.dtype, head_dim):
-        query_align = 1
     o_rows, lse_rows = _CoalescedAttention.apply(
-        q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap_copies, query_align
+        q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap_copies
     )
     return (o_rows, lse_rows) if return_lse else o_rows
-
-
-_query_padding_verified: dict[tuple, bool] = {}
-
-
-def query_padding_ok(kernel: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int):
-    """Whether `kernel` computes the real rows right from the overlapping query views of
-    _aligned_queries (two problems of 13 queries padded to 16, 3 heads, 21 keys) against the
-    math kernel on the unpadded problems; checked once per kernel, device, dtype and head dim."""
-    key = (kernel.name, getattr(kernel, "bias_layout", None), device.type, dtype, head_dim)
-    if key not in _query_padding_verified:
-        gen = torch.Generator(device="cpu").manual_seed(4)
-        q_len, k_len, n, align = 13, 21, 3, 16
-        rows = torch.randn(2 * q_len * n + align * n, head_dim, generator=gen)
-        keys = [torch.randn(2, k_len, n, head_dim, generator=gen) for _ in "kv"]
-        rows, (k, v) = rows.to(device, dtype), (t.to(device, dtype).transpose(1, 2) for t in keys)
-        group = SegmentGroup(2, q_len, k_len, n, slice(0, 2 * q_len * n), slice(0, 0))
-        scale = head_dim**-0.5
-        ok = False
-        try:
-            view, padded_len = _aligned_queries(rows, group, align)
-            o, lse = kernel.forward(view, k, v, scale)
-            q = rows[: 2 * q_len * n].view(2, q_len, n, head_dim).transpose(1, 2)
-            o_ref, lse_ref = MathKernel().forward(q, k, v, scale)
-            tolerance = {torch.float64: 1e-9, torch.float32: 2e-3}.get(dtype, 5e-2)
-            ok = padded_len == align and all(
-                bool((got[:, :, :q_len].float() - want.float()).abs().max() <= tolerance
-                     * want.float().abs().max().clamp_min(1e-6))
-                for got, want in ((o, o_ref), (lse, lse_ref))
-            )  # fmt: skip
-        except (RuntimeError, TypeError, NotImplementedError, ValueError):
-            ok = False
-        _query_padding_verified[key] = ok
-    return _query_padding_verified[key]

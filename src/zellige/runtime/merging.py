@@ -50,10 +50,6 @@ class CallCosts:
     # count that ran packs of many lengths fastest on this device (the table's optional
     # "streams" entry, from bench/attention_engine.py --stream-counts); 1 without one
     streams: int = 1
-    # query tokens the engine pads each group's forward queries to a multiple of
-    # (coalesced._aligned_queries: a view, exact, no mask), where cuDNN's forward ran faster on
-    # aligned query counts (the table's optional "query_align" entry); 1: no padding
-    query_align: int = 1
 
     @staticmethod
     def from_call_table(data: dict, where: str) -> CallCosts:
@@ -69,7 +65,6 @@ class CallCosts:
             }
             bytes_per_s = float(data["gather_bytes_per_s"])
             streams = data.get("streams", 1)
-            query_align = data.get("query_align", 1)
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{where}: not an attention call table ({error})") from None
         ok = (
@@ -86,11 +81,6 @@ class CallCosts:
             )
         if not (isinstance(streams, int) and not isinstance(streams, bool) and 1 <= streams <= 8):
             raise ValueError(f"{where}: streams must be an integer from 1 to 8, got {streams!r}")
-        if query_align not in (1, 8, 16, 32, 64, 128, 256):
-            raise ValueError(
-                f"{where}: query_align must be 1 or a power of two from 8 to 256, "
-                f"got {query_align!r}"
-            )
 
         def tables(name: str) -> tuple[LogTable, ...]:
             return tuple((heads, row) for row in grids[name])
@@ -104,7 +94,6 @@ class CallCosts:
             bytes_per_s=bytes_per_s,
             source=f"{where} ({data.get('created', '')})",
             streams=streams,
-            query_align=query_align,
         )
 
     def _seconds(self, tables, q_len: int, k_len: int, heads: int) -> float:
@@ -263,19 +252,3 @@ def streams_for_device(device: torch.device) -> int:
         return int(override)
     costs = costs_for_device(device)
     return 1 if costs is None else costs.streams
-
-
-def query_align_for_device(device: torch.device) -> int:
-    """The query padding of the engine's forward calls on `device` (CallCosts.query_align):
-    $ZELLIGE_ATTENTION_QUERY_ALIGN if set, else the device's measured call table's value, else
-    1 (no padding)."""
-    override = os.environ.get("ZELLIGE_ATTENTION_QUERY_ALIGN")
-    if override:
-        if override not in ("1", "8", "16", "32", "64", "128", "256"):
-            raise ValueError(
-                "ZELLIGE_ATTENTION_QUERY_ALIGN must be 1 or a power of two from 8 to 256, "
-                f"got '{override}'"
-            )
-        return int(override)
-    costs = costs_for_device(device)
-    return 1 if costs is None else costs.query_align
