@@ -5,6 +5,9 @@ A pack is what one rank attends in one step when it holds whole sequences: the r
 the longest sequence and the fill around it). Methods on the same pack ([T, N, H] bf16):
   dense-cudnn      one sequence with the pack's FLOPs (L = sqrt(sum L_i^2)), torch SDPA on cuDNN:
                    the reference rate the coalesced call should reach (target >= 90%)
+  dense-cudnn-alt  (--dense-alt) the same 64 tokens longer: of L and L + 64 one is a multiple of
+                   128, where cuDNN's forward runs 10-20% faster (a call's key count decides;
+                   bench/attention_alignment_probe.py), so the pair shows both readings
   coalesced-auto   zellige.runtime.coalesced_attention as the engine calls it (automatic kernel
                    and merge policy)
   coalesced-groups the same, one dense cuDNN call per group of equal lengths (merge="groups")
@@ -24,6 +27,8 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
                    x useful FLOPs (--waste)
   pad-wX-nomask    (--merges) the same without the key mask (NOT exact: what the mask costs)
 Every method also reports its host issue time (host ms: the wall time to queue one run).
+--rounds N: the method list N times in turn; medians over rounds, and each method's ratio to the
+dense reference(s) of the same round, median over rounds ("paired": rates drift over a run).
 --call-table PATH: the attention call table (zellige.profiler.attention_calls, as `zellige
 profile --attention-calls` measures it): the merge policy's costs (runtime/merging.py).
 --joint: MMDiT packs: every sequence attends jointly with its own text of 256-512 tokens (uniform,
@@ -542,24 +547,27 @@ def main() -> None:
         for name, (fwd, bwd) in timings.items():
             work = {"dense-cudnn": dense_flops, "dense-cudnn-alt": alt_flops}.get(name, flops)
             entry["rates"][name] = (work / fwd / 1e12, 2.5 * work / bwd / 1e12)
-        # Paired ratios (--rounds > 1): each round's rate over the dense reference measured at the
-        # start of the same round, median over rounds: the GPU's clock drifts by up to 10% over a
-        # run (a method measured later runs slower), which this cancels where a median of each
-        # side alone does not.
-        dense_rounds = rounds["dense-cudnn"][1:]
-        entry["paired_vs_dense"] = {}
-        for name, times in rounds.items():
-            if name == "dense-cudnn" or not dense_rounds or not times:
-                continue
-            work = alt_flops if name == "dense-cudnn-alt" else flops
-            pairs = list(zip(times, dense_rounds, strict=False))
-            entry["paired_vs_dense"][name] = [
-                statistics.median(work / t[i] / (dense_flops / d[i]) for t, d in pairs)
-                for i in (0, 1)
-            ]
-            fwd_ratio, bwd_ratio = entry["paired_vs_dense"][name]
-            print(f"{recipe} {name} / dense-cudnn, paired by round (median of {len(pairs)}): "
-                  f"{fwd_ratio:.3f} / {bwd_ratio:.3f}", flush=True)  # fmt: skip
+        # Paired ratios (--rounds > 1): each round's rate over the dense reference (and, with
+        # --dense-alt, over the one 64 tokens longer) measured in the same round, median over
+        # rounds: rates drift by up to 10% over a run (a later round ran slower), which this
+        # cancels where a median of each side alone does not.
+        references = {
+            "dense": (rounds["dense-cudnn"][1:], dense_flops),
+            "dense_alt": (rounds.get("dense-cudnn-alt", []), alt_flops),
+        }
+        for ref, (ref_rounds, ref_flops) in references.items():
+            entry[f"paired_vs_{ref}"] = {}
+            for name, times in rounds.items():
+                if name.startswith("dense-cudnn") or not ref_rounds or not times:
+                    continue
+                pairs = list(zip(times, ref_rounds, strict=False))
+                entry[f"paired_vs_{ref}"][name] = [
+                    statistics.median(flops / t[i] / (ref_flops / d[i]) for t, d in pairs)
+                    for i in (0, 1)
+                ]
+                fwd_ratio, bwd_ratio = entry[f"paired_vs_{ref}"][name]
+                print(f"{recipe} {name} / {ref}, paired by round (median of {len(pairs)}): "
+                      f"{fwd_ratio:.3f} / {bwd_ratio:.3f}", flush=True)  # fmt: skip
         # Same function: each coalesced path vs FA2 varlen, outputs and gradients, on this pack.
         for merge in ("groups", "ragged") if args.ragged else ("groups",):
             try:
@@ -647,10 +655,13 @@ def main() -> None:
     for entry in report["packs"]:  # merge variants, in the order measured
         names += [n for n in entry["rates"] if n not in names]
     names = [n for n in names if any(n in e["rates"] for e in report["packs"])] or names[:5]
-    tail = " | auto/dense fwd, bwd | auto/dense paired | auto/fa2 fwd, bwd | best path |"
+    tail = (
+        " | auto/dense fwd, bwd | auto/dense paired | auto/dense-alt paired | auto/fa2 fwd, bwd"
+        " | best path |"
+    )
     print("| pack | seqs | tokens | calls (auto) | " + " | ".join(f"{n} fwd / bwd" for n in names)
           + tail)  # fmt: skip
-    print("|" + " --- |" * (len(names) + 8))
+    print("|" + " --- |" * (len(names) + 9))
     for entry in report["packs"]:
         rates = entry["rates"]
         cells = [
@@ -670,14 +681,17 @@ def main() -> None:
                 return "-"
             return f"{rates[a][0] / rates[b][0]:.2f}, {rates[a][1] / rates[b][1]:.2f}"
 
-        pair = entry.get("paired_vs_dense", {}).get("coalesced-auto")
-        paired = "-" if pair is None else f"{pair[0]:.2f}, {pair[1]:.2f}"
+        paired = [
+            entry.get(f"paired_vs_{ref}", {}).get("coalesced-auto")
+            for ref in ("dense", "dense_alt")
+        ]
+        paired = ["-" if p is None else f"{p[0]:.2f}, {p[1]:.2f}" for p in paired]
         print(
             f"| {entry['recipe']} | {entry['sequences']} | {entry['tokens']} | {entry['calls']} "
             f"({entry['auto_plan']['calls']}) | "
             + " | ".join(cells)
             + f" | {ratio('coalesced-auto', 'dense-cudnn')}"
-            + f" | {paired}"
+            + f" | {paired[0]} | {paired[1]}"
             + f" | {ratio('coalesced-auto', 'fa2-varlen')} | {best} |"
         )
     m = report["machine"]
