@@ -217,15 +217,16 @@ def auto_buckets(table, head_dim: int) -> tuple[list[list[int]], str]:
 
 
 def bench_coalesced(
-    q, k, v, do, table, backend, streams=None, merge=None, overlap=False, *, repeat
+    q, k, v, do, table, backend, streams=None, merge=None, overlap=False, key_split=None, *, repeat
 ):
     rows = [t.view(-1, t.shape[-1]) for t in (q, k, v)]
     do_rows = do.view(-1, do.shape[-1])
 
     def forward():
         return coalesced_attention(
-            *rows, table, backend=backend, streams=streams, merge=merge, overlap_copies=overlap
-        )
+            *rows, table, backend=backend, streams=streams, merge=merge, overlap_copies=overlap,
+            key_split=key_split,
+        )  # fmt: skip
 
     return fwd_bwd(forward, (q, k, v), do_rows, repeat)
 
@@ -355,6 +356,11 @@ def main() -> None:
         "--waste", type=float, nargs="*", default=[5, 15, 30], help="pad-wX thresholds, percent"
     )
     parser.add_argument(
+        "--key-split", type=int, nargs="*", default=[],
+        help="also the engine's automatic path with the forward of each group of >= N keys split "
+        "at a multiple of 128 keys (coalesced-ksplitN; key_split=N; 0 = never split)",
+    )  # fmt: skip
+    parser.add_argument(
         "--dense-alt", action="store_true",
         help="also the dense reference 64 tokens longer (dense-cudnn-alt: the other parity of "
         "128; the reference's rate depends on it), not used in the ratios",
@@ -481,6 +487,9 @@ def main() -> None:
                     (f"coalesced-{count}streams", bench_coalesced, (table, None, count, "groups"))
                 )
             methods.append((f"kernels-only-{count}s", bench_kernels_only, (table, count)))
+        for key_split in args.key_split:
+            extra = (table, None, None, None, False, key_split)
+            methods.append((f"coalesced-ksplit{key_split}", bench_coalesced, extra))
         if args.dense_alt:
             methods.append(("dense-cudnn-alt", bench_dense_again, (dense_length + 64, gen)))
         if args.rounds > 1:  # the dense reference again between rounds (see --rounds)
@@ -604,6 +613,19 @@ def main() -> None:
                 rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
             ]
             entry["streams_o_identical"] = bool(torch.equal(outs[1][0], outs[0][0]))
+        for key_split in [n for n in args.key_split if n > 0]:  # split forward: same function
+            rows = [t.view(-1, head_dim) for t in (q, k, v)]
+            outs = []
+            for split in (0, key_split):
+                o_c, lse_c = coalesced_attention(
+                    *rows, table, merge="groups", key_split=split, return_lse=True
+                )
+                grads = torch.autograd.grad(o_c.view_as(q), (q, k, v), do)
+                outs.append([o_c.view_as(q), lse_c, *grads])
+            diffs = [rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)]
+            entry[f"rel_diff_ksplit{key_split}_vs_groups"] = diffs
+            print(f"{recipe} ksplit{key_split} vs groups (o, lse, dq, dk, dv rel. diff): "
+                  f"{[f'{x:.1e}' for x in diffs]}", flush=True)  # fmt: skip
         if args.overhead or args.merges:  # copies on a side stream: the same results
             rows = [t.view(-1, head_dim) for t in (q, k, v)]
             outs = []
