@@ -56,7 +56,13 @@ import zellige
 from zellige.profiler.attention_calls import measure_call_table
 from zellige.runtime import SegmentTable, coalesced_attention, merging
 from zellige.runtime import kernels as K
-from zellige.runtime.coalesced import RAGGED_MIN_CALLS, _dense, _for_each_group, planned_table
+from zellige.runtime.coalesced import (
+    RAGGED_MIN_CALLS,
+    _dense,
+    _for_each_group,
+    key_split_ok,
+    planned_table,
+)
 
 aten = torch.ops.aten
 DEVICE = "cuda"  # --smoke runs the script's logic on the CPU with tiny shapes
@@ -394,6 +400,9 @@ def main() -> None:
                                  torch.bfloat16, head_dim)  # fmt: skip
     masked_name = None if masked is None else getattr(masked, "bias_layout", masked.name)
     print(f"key-mask kernel (padded merges): {auto} with mask passed as {masked_name}")
+    split_ok = key_split_ok(K.kernel_for(device, torch.bfloat16, head_dim), device,
+                            torch.bfloat16, head_dim)  # fmt: skip
+    print(f"split forward (--key-split) passes its check against math on {auto}: {split_ok}")
     ragged = K.ragged_kernel_for(device, torch.bfloat16, head_dim)
     ragged_name = None if ragged is None else f"{ragged.name} (lse token-major: "
     if ragged is not None:
