@@ -235,41 +235,42 @@ struct PairHash {
 
 // A min-tree over values (rank times, or a per-node key): the first index whose value is at most a
 // cut (first fit) and the index of the least value, in O(log size) each. Four children per node
-// (side by side in memory, 64 bytes): half the levels of a binary tree, and an update climbs them
-// for every filler the sweep places.
+// (their values side by side in memory): half the levels of a binary tree, and an update climbs
+// them for every filler the sweep places.
 class MinTree {
  public:
   void reset(const std::vector<double>& time_s) {
     leaves_ = 1;
     while (leaves_ < static_cast<int64_t>(time_s.size())) leaves_ *= kArity;
-    nodes_.assign(2 * leaves_, Node{kInf, 0});
+    min_s_.assign(2 * leaves_, kInf);
+    argmin_.assign(2 * leaves_, 0);
     for (int64_t leaf = 0; leaf < leaves_; ++leaf) {
-      nodes_[leaves_ + leaf] = {leaf < static_cast<int64_t>(time_s.size()) ? time_s[leaf] : kInf,
-                                leaf};
+      min_s_[leaves_ + leaf] = leaf < static_cast<int64_t>(time_s.size()) ? time_s[leaf] : kInf;
+      argmin_[leaves_ + leaf] = leaf;
     }
     // Level k holds nodes [4^k, 2 * 4^k); the rest of [4^k, 4^(k+1)) is unused.
     for (int64_t level = leaves_ / kArity; level >= 1; level /= kArity) {
-      for (int64_t node = level; node < 2 * level; ++node) nodes_[node] = pulled(node);
+      for (int64_t node = level; node < 2 * level; ++node) take(node, least_child(node));
     }
   }
   void update(int64_t rank, double time_s) {
     int64_t node = leaves_ + rank;
-    const double old_s = nodes_[node].min_s;
-    nodes_[node].min_s = time_s;
+    const double old_s = min_s_[node];
+    min_s_[node] = time_s;
     if (time_s >= old_s) {
       // A value that grows changes only the ancestors whose least value was this rank's (a
       // prefix of the path up): another rank's least value stays, and its index stays the lowest
       // (had this rank tied it from a lower index before, it would have been the argmin).
-      for (node /= kArity; node >= 1 && nodes_[node].argmin == rank; node /= kArity) {
-        nodes_[node] = pulled(node);
+      for (node /= kArity; node >= 1 && argmin_[node] == rank; node /= kArity) {
+        take(node, least_child(node));
       }
       return;
     }
     // Once a node's minimum and its index are unchanged, so are its ancestors'.
     for (node /= kArity; node >= 1; node /= kArity) {
-      const Node now = pulled(node);
-      if (now.min_s == nodes_[node].min_s && now.argmin == nodes_[node].argmin) break;
-      nodes_[node] = now;
+      const int64_t child = least_child(node);
+      if (min_s_[child] == min_s_[node] && argmin_[child] == argmin_[node]) break;
+      take(node, child);
     }
   }
   // The lowest rank >= `from` whose time is at most `cut_s`, or -1: up from the leaf of `from`
@@ -277,12 +278,12 @@ class MinTree {
   int64_t first_at_most(double cut_s, int64_t from = 0) const {
     if (from >= leaves_) return -1;
     int64_t node = leaves_ + from;
-    if (nodes_[node].min_s <= cut_s) return from;
+    if (min_s_[node] <= cut_s) return from;
     // Invariant: no rank from `from` to the end of node's range is at most the cut.
     for (;;) {
       if (node == 1) return -1;
       int64_t sibling = node + 1;
-      while (sibling % kArity != 0 && nodes_[sibling].min_s > cut_s) ++sibling;
+      while (sibling % kArity != 0 && min_s_[sibling] > cut_s) ++sibling;
       if (sibling % kArity != 0) {
         node = sibling;
         break;
@@ -291,33 +292,37 @@ class MinTree {
     }
     while (node < leaves_) {
       int64_t child = kArity * node;
-      while (nodes_[child].min_s > cut_s) ++child;  // the node's least value is at most the cut
+      while (min_s_[child] > cut_s) ++child;  // the node's least value is at most the cut
       node = child;
     }
     return node - leaves_;
   }
   // The lowest index of the least value.
-  int64_t argmin() const { return nodes_[1].argmin; }
+  int64_t argmin() const { return argmin_[1]; }
 
  private:
   static constexpr int64_t kArity = 4;
-  // A node's least value and the lowest index holding it.
-  struct Node {
-    double min_s;
-    int64_t argmin;
-  };
-  // The leftmost child on ties: the lowest index of the least value. Which child is taken is
-  // data-dependent and unpredictable: indices computed without a branch (times are never NaN,
-  // so "right below left" is "not left at most right"); the right pair wins only below the left.
-  Node pulled(int64_t node) const {
+  // The child holding the node's least value, the leftmost on ties: the lowest index of the
+  // least value. Which child it is is data-dependent and unpredictable: indices computed
+  // without a branch (times are never NaN, so "right below left" is "not left at most right");
+  // the right pair wins only below the left.
+  int64_t least_child(int64_t node) const {
     const int64_t first = kArity * node;
-    const int64_t left = first + (nodes_[first + 1].min_s < nodes_[first].min_s ? 1 : 0);
-    const int64_t right = first + 2 + (nodes_[first + 3].min_s < nodes_[first + 2].min_s ? 1 : 0);
-    return nodes_[nodes_[right].min_s < nodes_[left].min_s ? right : left];
+    const int64_t left = first + (min_s_[first + 1] < min_s_[first] ? 1 : 0);
+    const int64_t right = first + 2 + (min_s_[first + 3] < min_s_[first + 2] ? 1 : 0);
+    return min_s_[right] < min_s_[left] ? right : left;
+  }
+  void take(int64_t node, int64_t child) {
+    min_s_[node] = min_s_[child];
+    argmin_[node] = argmin_[child];
   }
 
   int64_t leaves_ = 1;
-  std::vector<Node> nodes_;  // [1] root, [leaves_ + rank] leaves; padding leaves are infinite
+  // Per node, its least value and the lowest index holding it, in two arrays so that a node's
+  // four children's values share half a cache line: [1] root, [leaves_ + rank] leaves; padding
+  // leaves are infinite.
+  std::vector<double> min_s_;
+  std::vector<int64_t> argmin_;
 };
 
 void erase_value(std::vector<int32_t>* values, int32_t value) {
