@@ -1426,20 +1426,23 @@ bool ZelligePlanner::split_filler(int32_t sequence, double estimate_s, double ta
     return false;
   }
   int64_t node_ranks[kMaxSplitDegree];
+  double node_times_s[kMaxSplitDegree];  // their times, kept alongside
   int64_t count = 0;
   for (int64_t rank = first; rank < first + gpus_per_node_; ++rank) {
     const double time_s = s->time_s[rank];
-    if (count == max_degree && time_s >= s->time_s[node_ranks[count - 1]]) continue;
+    if (count == max_degree && time_s >= node_times_s[count - 1]) continue;
     int64_t at = count < max_degree ? count++ : count - 1;
-    for (; at > 0 && s->time_s[node_ranks[at - 1]] > time_s; --at) {
+    for (; at > 0 && node_times_s[at - 1] > time_s; --at) {
       node_ranks[at] = node_ranks[at - 1];
+      node_times_s[at] = node_times_s[at - 1];
     }
     node_ranks[at] = rank;
+    node_times_s[at] = time_s;
   }
   for (int64_t degree = 2; degree <= max_degree; ++degree) {
     // A share is at least about 1/degree of the whole: skip pricing shapes that cannot fit.
     const double least_share_s = 0.95 * estimate_s / static_cast<double>(degree);
-    if (s->time_s[node_ranks[degree - 1]] + least_share_s > target_s) continue;
+    if (node_times_s[degree - 1] + least_share_s > target_s) continue;
     const ShapeChoice& choice = shape_at(sequence, degree);
     if (!choice.feasible) continue;
     candidate_ranks_.assign(node_ranks, node_ranks + degree);
