@@ -719,6 +719,76 @@ def _memory_probe(blocks, inputs, checkpointing: bool, device) -> tuple[int, int
     return after_forward - before, peak - after_forward
 
 
+def pack_probe(
+    blocks, batch: _core.Batch, plan: _core.Plan, config, device, dtype, rank: int = 0
+) -> MemoryProbe:
+    """The memory probe of `rank` under `plan` on `blocks` (make_fsdp_blocks), its exchanges
+    replaced by local copies of the same sizes (rank_work.local_exchanges): a rank of a Ulysses
+    group or ring is emulated on one device with the buffers it holds there."""
+    with rank_work.local_exchanges():
+        synchronize(device)
+        before_inputs = allocated_bytes(device)
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch,
+            plan=plan,
+            rank=rank,
+            config=config,
+            device=device,
+            dtype=dtype,
+            output_grad=False,
+        )
+        synchronize(device)
+        inputs_bytes = allocated_bytes(device) - before_inputs
+        rank_work.train_step(blocks, inputs, checkpointing=True)  # warm-up: workspaces
+        kept, transient = _memory_probe(blocks, inputs, False, device)
+        kept_ckpt, transient_ckpt = _memory_probe(blocks, inputs, True, device)
+    return MemoryProbe(inputs_bytes, kept, transient, kept_ckpt, transient_ckpt)
+
+
+def rank_attention_calls(
+    batch: _core.Batch, plan: _core.Plan, num_heads: int, joint_attention: bool, rank: int = 0
+) -> tuple[int, list[float]]:
+    """`rank`'s held tokens and its attention calls in the order its backward runs them (local
+    table, exchanged table, ring steps; one after another on one stream), each as its query
+    token-heads / num_heads: the tokens of a call of every head with as many query rows."""
+    from zellige.runtime.layout import prepare_step
+
+    step = prepare_step(
+        batch, plan, num_heads, "cpu", rank=rank, check_agreement=False,
+        joint_attention=joint_attention,
+    )  # fmt: skip
+
+    def calls(table) -> list[float]:
+        groups = () if table is None else (*table.padded, *table.groups)
+        return [g.count * g.q_len * g.num_heads / num_heads for g in groups]
+
+    found = calls(step.local_table) + calls(step.exchange_table)
+    if step.ring.num_rows:
+        found += calls(step.ring.step0) + [c for s in step.ring.steps for c in calls(s.table)]
+    return int(step.num_held_tokens), found
+
+
+def attention_call_rows(probes: dict[str, dict]) -> dict:
+    """HardwareProfile::attention_call_bytes_per_token from probes of equal held tokens whose
+    attention runs as one call and as several (`probes`: name -> {"held_tokens", "calls",
+    "step_peak"}; "one_call" against "eight_calls", and "one_call_64k" against
+    "eight_calls_64k" where measured, averaged). The per-token rows come from packs of one call,
+    where the backward's per-call buffers (the kernel's dq/dk/dv of the call and its workspace)
+    exist for every held token at once; a rank of several calls holds them for its largest call
+    only, so its step peak is lower by this row x (held tokens - largest call's tokens)."""
+    found = []
+    for one, many in (("one_call", "eight_calls"), ("one_call_64k", "eight_calls_64k")):
+        if one not in probes or many not in probes:
+            continue
+        a, b = probes[one], probes[many]
+        if a["held_tokens"] != b["held_tokens"]:
+            raise ValueError(f"{one} and {many} must hold the same tokens")
+        spared = max(a["calls"]) - max(b["calls"])
+        if spared > 0:
+            found.append((a["step_peak"] - b["step_peak"]) / spared)
+    return {"attention_call_bytes_per_token": max(0.0, sum(found) / len(found)) if found else 0.0}
+
+
 def memory_rows(
     probes: dict[int, MemoryProbe],
     with_text: MemoryProbe | None,
@@ -831,24 +901,7 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
     num_sequences = 2
 
     def probe(blocks, batch: _core.Batch, plan: _core.Plan) -> MemoryProbe:
-        with rank_work.local_exchanges():
-            synchronize(device)
-            before_inputs = allocated_bytes(device)
-            inputs = rank_work.plan_rank_inputs(
-                batch=batch,
-                plan=plan,
-                rank=0,
-                config=config,
-                device=device,
-                dtype=dtype,
-                output_grad=False,
-            )
-            synchronize(device)
-            inputs_bytes = allocated_bytes(device) - before_inputs
-            rank_work.train_step(blocks, inputs, checkpointing=True)  # warm-up: workspaces
-            kept, transient = _memory_probe(blocks, inputs, False, device)
-            kept_ckpt, transient_ckpt = _memory_probe(blocks, inputs, True, device)
-        return MemoryProbe(inputs_bytes, kept, transient, kept_ckpt, transient_ckpt)
+        return pack_probe(blocks, batch, plan, config, device, dtype)
 
     token_counts = QUICK_MEMORY_TOKENS if options.quick else FULL_MEMORY_TOKENS
     reduce_counts = QUICK_REDUCE_TOKENS if options.quick else FULL_REDUCE_TOKENS
