@@ -49,7 +49,8 @@ def probes_for(quick: bool, text: int, heads: int) -> list[tuple[str, list]]:
     two sequences in one call against the same attended tokens in 8 calls and in 2 (per-call
     buffers); shards of n held tokens, alone and beside a local sequence of n, against one shard
     of 2n (per-phase buffers: the local calls, the exchanged ones and the ring steps run one
-    phase after another); the Ulysses shard over 2 and over 8 ranks; the 64k pack."""
+    phase after another); the Ulysses shard over 2 and over 8 ranks; more packs of one call
+    between the profiler's (points of its backward_peak_bytes table); the 64k pack."""
     scale = 1 / 64 if quick else 1
     n = int(16384 * scale)
     wide = min(measure.ULYSSES_WIDE_DEGREE, heads)
@@ -68,8 +69,13 @@ def probes_for(quick: bool, text: int, heads: int) -> list[tuple[str, list]]:
         ("ulysses_shard_2", [(2 * n, 0, "ulysses", [0, 1])]),
         (f"ulysses_shard_{wide}", [(wide * n, 0, "ulysses", list(range(wide)))]),
         ("ulysses_beside_local", [(2 * n, 0, "ulysses", [0, 1]), local]),
+        *(
+            (f"pack_{m}", [(m // 2, text, "local", [0]), (m // 2, text, "local", [0])])
+            for m in (int(24576 * scale), int(12288 * scale))
+        ),
         ("ulysses_shard_2_double", [(4 * n, 0, "ulysses", [0, 1])]),
         ("two_calls", [(3 * n // 4, text, "local", [0]), (n // 4, text, "local", [0])]),
+        (f"pack_{int(49152 * scale)}", [(int(24576 * scale), text, "local", [0])] * 2),
         ("one_call_64k", [(big // 2, text, "local", [0]), (big // 2, text, "local", [0])]),
         ("eight_calls_64k", [(m, text, "local", [0]) for m in eight_big]),
     ]
