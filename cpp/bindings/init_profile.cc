@@ -67,6 +67,8 @@ void init_profile(nb::module_& m) {
       .def_rw("ring_bytes_per_token", &HardwareProfile::ring_bytes_per_token)
       .def_rw("ulysses_exchanged_bytes_per_token",
               &HardwareProfile::ulysses_exchanged_bytes_per_token)
+      .def_rw("attention_phase_bytes_per_token",
+              &HardwareProfile::attention_phase_bytes_per_token)
       .def_rw("model_matmul_forward_flops_per_s",
               &HardwareProfile::model_matmul_forward_flops_per_s)
       .def_rw("model_matmul_backward_flops_per_s",
@@ -105,6 +107,7 @@ void init_profile(nb::module_& m) {
                               "ulysses_bytes_per_token",
                               "ring_bytes_per_token",
                               "ulysses_exchanged_bytes_per_token",
+                              "attention_phase_bytes_per_token",
                               "model_matmul_forward_flops_per_s",
                               "model_matmul_backward_flops_per_s",
                               "backward_peak_bytes",

@@ -176,6 +176,7 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     read_row(profile_.ulysses_bytes_per_token, ulysses_bytes_);
     read_row(profile_.ulysses_exchanged_bytes_per_token, ulysses_exchanged_bytes_);
     read_row(profile_.ring_bytes_per_token, ring_bytes_);
+    read_row(profile_.attention_phase_bytes_per_token, attention_phase_bytes_);
     read_row(profile_.step_fixed_bytes, measured_step_fixed_bytes);
     read_row(profile_.reduce_fixed_bytes, reduce_fixed_bytes_);
     read_row(profile_.reduce_bytes_per_token, reduce_bytes_per_token_);
@@ -1001,12 +1002,19 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
   std::vector<double> input(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> attention_recompute(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> attention_recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
+  // per rank: held tokens of each phase of its attention backward (local sequences' calls, the
+  // calls of the sequences Ulysses exchanged, ring steps), whose buffers never coexist
+  std::vector<std::array<double, 3>> phase_tokens(static_cast<size_t>(num_ranks), {0, 0, 0});
+  const auto phase_of = [](const Placement& placement) {
+    return placement.ring_degree > 1 ? 2 : placement.ulysses_degree > 1 ? 1 : 0;
+  };
   // Every segment's call, by rank at the end: a rank's calls sorted by key, equal keys merged (a
   // vector sorted once, not a map per rank: a ring over thousands of ranks lists millions).
   std::vector<RankCall> calls;
-  auto add_share = [&](const RankShare& share, int64_t rank_index) {
+  auto add_share = [&](const RankShare& share, int64_t rank_index, int phase) {
     RankCost& rank = cost.ranks[rank_index];
     rank.tokens += share.tokens;
+    phase_tokens[rank_index][phase] += static_cast<double>(share.tokens);
     rank.attention_s += share.attention_s;
     rank.exchange_s += share.exchange_s;
     activation[rank_index] += share.layer_activation_bytes;
@@ -1026,7 +1034,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
       list_calls(sequence, placement, &entry);
       for (size_t k = 0; k < entry.shares.size(); ++k) {
         const int64_t rank_index = placement.ranks[k];
-        add_share(entry.shares[k], rank_index);
+        add_share(entry.shares[k], rank_index, phase_of(placement));
         if (rank_index != sequence.source_rank) {
           sent += 2.0 * kRouteBytesPerToken * static_cast<double>(entry.shares[k].tokens);
         }
@@ -1040,7 +1048,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     }
     add_attention_calls(sequence, placement, &calls);
     for (const RankShare& share : shares_and_bytes(sequence, placement, &sent)) {
-      add_share(share, share.rank);
+      add_share(share, share.rank, phase_of(placement));
     }
     cost.exchange_bytes += sent;
   }
@@ -1086,6 +1094,14 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     // attention outputs; where even that does not fit, the fewest of them that recompute their
     // attention too (full recompute) so that it fits; a rank that fits nowhere recomputes all.
     const int64_t num_layers = model_.num_layers;
+    // The shares' buffers hold attention_phase_bytes_ for every token; only the largest phase's
+    // exist at once (the planners' additive sizing keeps them all: it errs above, never below).
+    if (attention_phase_bytes_ > 0) {
+      const std::array<double, 3>& phases = phase_tokens[i];
+      const double outside_largest =
+          phases[0] + phases[1] + phases[2] - std::max({phases[0], phases[1], phases[2]});
+      buffer[i] = std::max(0.0, buffer[i] - attention_phase_bytes_ * outside_largest);
+    }
     const auto peak = [&](int64_t k, int64_t f) {
       return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f,
                              rank.tokens);

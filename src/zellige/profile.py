@@ -40,6 +40,7 @@ MODEL_ROWS = (
     "ulysses_bytes_per_token",
     "ulysses_exchanged_bytes_per_token",
     "ring_bytes_per_token",
+    "attention_phase_bytes_per_token",
     "launch_s_per_layer",
     "launch_s_per_attention_call",
 )

@@ -308,6 +308,7 @@ class CostModel {
   double ulysses_bytes_ = 0;            // per held token of a Ulysses shard (0: analytic)
   double ulysses_exchanged_bytes_ = 0;  // per held token and share exchanged beyond 2 ranks'
   double ring_bytes_ = 0;               // per held token of a ring shard (0: analytic)
+  double attention_phase_bytes_ = 0;    // per held token outside a rank's largest phase (0: none)
   double text_bytes_ = 0;               // per text token per layer, cross-attention (0: none)
   double launch_s_per_layer_ = 0;       // the model's launch floor terms (0: none)
   double launch_s_per_call_ = 0;
