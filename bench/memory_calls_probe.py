@@ -71,7 +71,7 @@ def probes_for(quick: bool, text: int, heads: int) -> list[tuple[str, list]]:
         ("ulysses_beside_local", [(2 * n, 0, "ulysses", [0, 1]), local]),
         *(
             (f"pack_{m}", [(m // 2, text, "local", [0]), (m // 2, text, "local", [0])])
-            for m in (int(24576 * scale), int(12288 * scale))
+            for m in (int(24576 * scale), int(9216 * scale))
         ),
         ("ulysses_shard_2_double", [(4 * n, 0, "ulysses", [0, 1])]),
         ("two_calls", [(3 * n // 4, text, "local", [0]), (n // 4, text, "local", [0])]),
