@@ -9,7 +9,7 @@ model's stack, compiled regions on a GPU, exchanges replaced by local copies of 
 The JSON is rewritten after every probe (a run stopped by a timeout keeps what it measured):
 per probe its held tokens, its attention calls (query token-heads per call / heads, from the
 rank's step program) and its step peak. The rows come from it through
-`zellige.profiler.measure.attention_call_rows` (see there); this script prints them too.
+`zellige.profiler.measure.attention_phase_rows` (see there); this script prints them too.
 """
 
 from __future__ import annotations
@@ -22,26 +22,8 @@ from dataclasses import asdict
 
 import torch
 
-from zellige import _core
 from zellige.profiler import measure, rank_work
 from zellige.profiler.models import dit_config, model_to_run, stack_layers
-
-
-def _plan(sequences: list[tuple[int, int, str, list[int]]]) -> tuple[_core.Batch, _core.Plan]:
-    """(visual tokens, text tokens, strategy, ranks) per sequence; rank 0 is the one probed."""
-    batch = _core.Batch()
-    batch.sequences = [
-        _core.sequence_from_tokens(i, "video", n, text, 0)
-        for i, (n, text, _, _) in enumerate(sequences)
-    ]
-    plan = _core.Plan()
-    plan.planner = "probe"
-    plan.num_ranks = max(max(ranks) for *_, ranks in sequences) + 1
-    plan.placements = [
-        _core.make_placement(i, getattr(_core.Strategy, strategy), ranks)
-        for i, (_, _, strategy, ranks) in enumerate(sequences)
-    ]
-    return batch, plan
 
 
 def probes_for(quick: bool, text: int, heads: int) -> list[tuple[str, list]]:
@@ -104,7 +86,7 @@ def main() -> None:
         for name, sequences in probes_for(args.quick, config.text_tokens, config.num_heads):
             if args.only and name not in args.only:
                 continue
-            batch, plan = _plan(sequences)
+            batch, plan = measure.rank_plan(sequences)
             held, calls = measure.rank_attention_calls(
                 batch, plan, config.num_heads, config.joint_attention
             )
@@ -126,7 +108,7 @@ def main() -> None:
             )
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
-    rows = measure.attention_call_rows(result["probes"])
+    rows = measure.attention_phase_rows(result["probes"])
     result["rows"] = rows
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

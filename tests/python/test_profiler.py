@@ -513,9 +513,19 @@ def test_memory_probes_run_through_fsdp_blocks():
     memory = profile_memory(options, torch.device("cpu"), torch.float32, lines.append)
     assert set(memory["probes"]) == {"64", "128"}
     assert memory["step_fixed_bytes"] == 0.0  # nothing measured on a CPU
-    assert set(memory["shard_probes"]) == {"local:64", "ulysses:64", "ring:64", "ulysses_wide:64"}
+    assert set(memory["shard_probes"]) == {
+        "local_shard",
+        "ulysses_shard_2",
+        "ring_shard_2",
+        "ulysses_shard_4",
+        "ring_beside_local",
+        "ring_shard_2_double",
+        "ulysses_beside_local",
+        "ulysses_shard_2_double",
+    }
     assert memory["ulysses_wide_degree"] == 4  # the tiny model's 4 heads: one a rank
     assert memory["ulysses_bytes_per_token"] == memory["ring_bytes_per_token"] == 0.0
+    assert memory["attention_phase_bytes_per_token"] == 0.0
     # the gradient reduction's small packs, and the check packs between the two lines
     assert set(memory["reduce_probes"]) == {"16", "32"} and set(memory["check_probes"]) == {"96"}
     assert set(memory["lines"]) == {"16", "32", "64", "96", "128"}
@@ -815,3 +825,74 @@ def test_validate_runs_a_rank_with_the_full_recompute_its_cost_chose(memory):
     assert result.predicted_s > 0 and result.measured_s > 0
     assert count.backward_calls > 0
     assert count.forward_calls == count.backward_calls * (1 + expected_full / num_layers)
+
+
+def test_attention_phase_rows_recover_the_phase_model():
+    """attention_phase_rows: from probes of one rank made by the cost model's picture (a convex
+    step peak in held tokens, shard rows per shard token, the attention buffers held for one
+    phase at a time), the shard rows, the Ulysses share row and the phase row come back; the
+    profile stores the phase row per model and the cost model takes it off a rank of two phases
+    only."""
+    from zellige import _core
+    from zellige.profile import load_profile, profile_from_dict, profile_to_dict
+    from zellige.profiler.measure import attention_phase_rows, merge_memory
+
+    n = 16384
+    ring, ulysses, exchanged, phase = 84_000.0, 58_000.0, 30_000.0, 25_000.0
+
+    def base(held: float) -> float:  # convex, as measured: cancels at equal held tokens
+        return 1.0e9 + 230_000.0 * held + 0.4 * held**2
+
+    def peak(local: float = 0, shard: float = 0, row: float = 0.0) -> dict:
+        held = local + shard
+        outside = held - max(local, shard)
+        value = base(held) + row * shard - phase * outside
+        return {"held_tokens": int(held), "calls": [max(local, shard)], "step_peak": value}
+
+    wide = ulysses + exchanged * (7 / 8 - 0.5)
+    probes = {
+        "local_shard": peak(local=n),
+        "ring_shard_2": peak(shard=n, row=ring),
+        "ulysses_shard_2": peak(shard=n, row=ulysses),
+        "ulysses_shard_8": peak(shard=n, row=wide),
+        "ring_beside_local": peak(local=n, shard=n, row=ring),
+        "ring_shard_2_double": peak(shard=2 * n, row=ring),
+        "ulysses_beside_local": peak(local=n, shard=n, row=ulysses),
+        "ulysses_shard_2_double": peak(shard=2 * n, row=ulysses),
+    }
+    rows = attention_phase_rows(probes)
+    assert rows["ring_bytes_per_token"] == pytest.approx(ring)
+    assert rows["ulysses_bytes_per_token"] == pytest.approx(ulysses)
+    assert rows["ulysses_exchanged_bytes_per_token"] == pytest.approx(exchanged)
+    assert rows["attention_phase_bytes_per_token"] == pytest.approx(phase)
+    unequal = dict(probes, ring_beside_local=peak(local=n // 2, shard=n, row=ring))
+    with pytest.raises(ValueError, match="same tokens"):
+        attention_phase_rows(unequal)
+
+    merged = merge_memory(profile_to_dict(load_profile()), "mmdit-11b", rows)
+    profile = profile_from_dict(merged)
+    row = profile.memory_models.index("mmdit-11b")
+    assert profile.attention_phase_bytes_per_token[row] == pytest.approx(phase)
+    assert profile.attention_phase_bytes_per_token[profile.memory_models.index("wan-14b")] == 0
+    batch = _core.Batch()
+    batch.sequences = [
+        _core.sequence_from_tokens(0, "video", 20000, 512, 0),
+        _core.sequence_from_tokens(1, "video", 30000, 512, 0),
+    ]
+    plan = _core.Plan()
+    plan.num_ranks = 2
+    plan.placements = [
+        _core.make_placement(0, _core.Strategy.local, [0]),
+        _core.make_placement(1, _core.Strategy.ring, [0, 1]),
+    ]
+    without = profile_from_dict(dict(merged, attention_phase_bytes_per_token=[]))
+    spec = _core.model_preset("mmdit-11b")
+    peaks = [
+        _core.CostModel(spec, p, _core.make_cluster(2, 2)).evaluate(batch, plan).ranks
+        for p in (without, profile)
+    ]
+    local, ring_shard = 20000 + 512, (30000 + 512) // 2  # attended tokens; the smaller phase
+    assert peaks[0][0].peak_bytes - peaks[1][0].peak_bytes == pytest.approx(
+        phase * min(local, ring_shard)
+    )
+    assert peaks[0][1].peak_bytes == peaks[1][1].peak_bytes  # one phase: as before

@@ -660,21 +660,43 @@ def _local_pack_plan(
     return _local_plan([num_tokens // num_sequences] * num_sequences, text_tokens)
 
 
-def _shard_plan(
-    held_tokens: int, text_tokens: int, strategy: str, degree: int = 2
-) -> tuple[_core.Batch, _core.Plan]:
-    """Rank 0 holding `held_tokens` of one sequence: the whole of it ("local"), or a shard of a
-    sequence of `degree` times as many tokens under `strategy` ("ulysses", "ring") over `degree`
-    ranks."""
-    degree = 1 if strategy == "local" else degree
-    batch, _ = _local_plan([held_tokens * degree], text_tokens)
+def rank_plan(sequences: list[tuple[int, int, str, list[int]]]) -> tuple[_core.Batch, _core.Plan]:
+    """A batch and plan from (visual tokens, text tokens, strategy, ranks) per sequence (source
+    rank 0); the memory probes measure rank 0."""
+    batch = _core.Batch()
+    batch.sequences = [
+        _core.sequence_from_tokens(i, "video", n, text, 0)
+        for i, (n, text, _, _) in enumerate(sequences)
+    ]
     plan = _core.Plan()
     plan.planner = "profile"
-    plan.num_ranks = degree
+    plan.num_ranks = max(max(ranks) for *_, ranks in sequences) + 1
     plan.placements = [
-        _core.make_placement(0, getattr(_core.Strategy, strategy), list(range(degree)))
+        _core.make_placement(i, getattr(_core.Strategy, strategy), ranks)
+        for i, (_, _, strategy, ranks) in enumerate(sequences)
     ]
     return batch, plan
+
+
+def shard_probe_plans(held: int, text: int, wide_degree: int) -> dict[str, list]:
+    """profile_memory's shard probes (rank_plan's sequences; attention_phase_rows reads them by
+    name): `held` tokens as one local sequence, as a Ulysses or ring shard over 2 ranks and a
+    Ulysses shard over `wide_degree`; each shard beside a local sequence of `held`, against one
+    shard of twice `held` (the attention's phases)."""
+    local = (held, text, "local", [0])
+    plans = {
+        "local_shard": [local],
+        "ulysses_shard_2": [(2 * held, text, "ulysses", [0, 1])],
+        "ring_shard_2": [(2 * held, text, "ring", [0, 1])],
+    }
+    if wide_degree > 2:
+        plans[f"ulysses_shard_{wide_degree}"] = [
+            (wide_degree * held, text, "ulysses", list(range(wide_degree)))
+        ]
+    for strategy in ("ring", "ulysses"):
+        plans[f"{strategy}_beside_local"] = [(2 * held, text, strategy, [0, 1]), local]
+        plans[f"{strategy}_shard_2_double"] = [(4 * held, text, strategy, [0, 1])]
+    return plans
 
 
 CALLS_SEQUENCES = 8  # profile_memory's check pack of distinct lengths
@@ -768,25 +790,64 @@ def rank_attention_calls(
     return int(step.num_held_tokens), found
 
 
-def attention_call_rows(probes: dict[str, dict]) -> dict:
-    """HardwareProfile::attention_call_bytes_per_token from probes of equal held tokens whose
-    attention runs as one call and as several (`probes`: name -> {"held_tokens", "calls",
-    "step_peak"}; "one_call" against "eight_calls", and "one_call_64k" against
-    "eight_calls_64k" where measured, averaged). The per-token rows come from packs of one call,
-    where the backward's per-call buffers (the kernel's dq/dk/dv of the call and its workspace)
-    exist for every held token at once; a rank of several calls holds them for its largest call
-    only, so its step peak is lower by this row x (held tokens - largest call's tokens)."""
-    found = []
-    for one, many in (("one_call", "eight_calls"), ("one_call_64k", "eight_calls_64k")):
-        if one not in probes or many not in probes:
-            continue
-        a, b = probes[one], probes[many]
-        if a["held_tokens"] != b["held_tokens"]:
-            raise ValueError(f"{one} and {many} must hold the same tokens")
-        spared = max(a["calls"]) - max(b["calls"])
-        if spared > 0:
-            found.append((a["step_peak"] - b["step_peak"]) / spared)
-    return {"attention_call_bytes_per_token": max(0.0, sum(found) / len(found)) if found else 0.0}
+def attention_phase_rows(probes: dict[str, dict]) -> dict:
+    """HardwareProfile::attention_phase_bytes_per_token and the shard rows from probes of one
+    rank (`probes`: name -> {"held_tokens", "calls", "step_peak"}, bench/memory_calls_probe.py
+    and profile_memory name them alike), n held tokens each unless said:
+    - "local_shard" (one local sequence), "ring_shard_2" / "ulysses_shard_2" (a shard over 2
+      ranks), "ulysses_shard_<u>" (over u > 2): ring_bytes_per_token, ulysses_bytes_per_token
+      and ulysses_exchanged_bytes_per_token as profile_memory defines them;
+    - "<s>_beside_local" (the shard beside a local sequence of n) and "<s>_shard_2_double" (one
+      shard of 2n), s = ring, ulysses: at equal held tokens (the per-token rows cancel) the
+      double shard holds its attention buffers for 2n tokens at once, the pair for n at a time
+      (its local calls run before the shard's), so the difference is the shard row x n plus this
+      row x n; the row is the mean over s of what is left, never below 0.
+    - "one_call" / "eight_calls" (equal attended tokens in one call and in 8): only reported
+      ("per_call_bytes_per_token"): what a rank of several calls in one phase holds less per token
+      outside its largest call (the cost model charges it none)."""
+
+    def peak(name: str) -> float:
+        return float(probes[name]["step_peak"])
+
+    def held(name: str) -> float:
+        return float(probes[name]["held_tokens"])
+
+    rows: dict = {}
+    if "local_shard" in probes:
+        n = held("local_shard")
+        for strategy in ("ulysses", "ring"):
+            if f"{strategy}_shard_2" in probes:
+                rows[f"{strategy}_bytes_per_token"] = (
+                    peak(f"{strategy}_shard_2") - peak("local_shard")
+                ) / n
+        wide = sorted(
+            int(name.rsplit("_", 1)[1])
+            for name in probes
+            if name.startswith("ulysses_shard_") and name.rsplit("_", 1)[1].isdigit()
+        )
+        if "ulysses_bytes_per_token" in rows and wide and wide[-1] > 2:
+            u = wide[-1]
+            beyond = (peak(f"ulysses_shard_{u}") - peak("local_shard")) / n
+            rows["ulysses_exchanged_bytes_per_token"] = (
+                beyond - rows["ulysses_bytes_per_token"]
+            ) / ((u - 1) / u - 0.5)
+    phase = {}
+    for strategy in ("ring", "ulysses"):
+        pair, double = f"{strategy}_beside_local", f"{strategy}_shard_2_double"
+        if f"{strategy}_bytes_per_token" in rows and pair in probes and double in probes:
+            if held(pair) != held(double):
+                raise ValueError(f"{pair} and {double} must hold the same tokens")
+            n = held(pair) / 2
+            phase[strategy] = (peak(double) - peak(pair)) / n - rows[f"{strategy}_bytes_per_token"]
+    if phase:
+        rows["attention_phase_bytes_per_token"] = max(0.0, sum(phase.values()) / len(phase))
+        rows["attention_phase_bytes_per_token_by_shard"] = phase
+    if "one_call" in probes and "eight_calls" in probes:
+        one, eight = probes["one_call"], probes["eight_calls"]
+        outside = max(one["calls"]) - max(eight["calls"])
+        if one["held_tokens"] == eight["held_tokens"] and outside > 0:
+            rows["per_call_bytes_per_token"] = (one["step_peak"] - eight["step_peak"]) / outside
+    return rows
 
 
 def memory_rows(
@@ -948,15 +1009,15 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         # hold the same shard_tokens (a cross model's text is the same on all three).
         shard_text = 0 if config.joint_attention else config.text_tokens
         wide_degree = min(ULYSSES_WIDE_DEGREE, config.num_heads)  # a head or more per rank
-        for name, strategy, degree in (
-            ("local", "local", 1),
-            ("ulysses", "ulysses", 2),
-            ("ring", "ring", 2),
-            *((("ulysses_wide", "ulysses", wide_degree),) if wide_degree > 2 else ()),
-        ):
-            shards[name] = probe(blocks, *_shard_plan(shard_tokens, shard_text, strategy, degree))
+        shard_calls = {}
+        for name, sequences in shard_probe_plans(shard_tokens, shard_text, wide_degree).items():
+            batch, plan = rank_plan(sequences)
+            shards[name] = probe(blocks, batch, plan)
+            shard_calls[name] = rank_attention_calls(
+                batch, plan, config.num_heads, config.joint_attention
+            )
             progress(
-                f"memory {name} shard of {shard_tokens} held: kept with checkpointing "
+                f"memory {name} ({shard_calls[name][0]} held): kept with checkpointing "
                 f"{shards[name].kept_checkpointing / 2**20:.1f} MiB, step peak "
                 f"{shards[name].step_peak / 2**20:.1f} MiB"
             )
@@ -1006,32 +1067,35 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
             f"{backward_at / 2**20:9.1f}, reduction line {reduce_at / 2**20:9.1f}, max of both "
             f"{(max(backward_at, reduce_at) - p.step_peak) / 2**20:+7.1f} MiB off"
         )
-    # what a shard holds beyond a local sequence of its tokens (both probes hold one sequence)
-    for strategy in ("ulysses", "ring"):
-        extra = shards[strategy].step_peak - shards["local"].step_peak
-        rows[f"{strategy}_bytes_per_token"] = extra / shard_tokens
-    # a wider Ulysses group exchanges a larger share of the held q/k/v/o and their gradients,
-    # (degree - 1) / degree: what a shard adds per token and per share exchanged, from degree 2
-    # (1/2 exchanged) to ULYSSES_WIDE_DEGREE
-    rows["ulysses_exchanged_bytes_per_token"] = 0.0
-    if "ulysses_wide" in shards:
-        wide = shards["ulysses_wide"].step_peak - shards["local"].step_peak
-        rows["ulysses_exchanged_bytes_per_token"] = (
-            wide / shard_tokens - rows["ulysses_bytes_per_token"]
-        ) / ((wide_degree - 1) / wide_degree - 0.5)
+    # what a shard holds beyond a local sequence of its tokens, what a wider Ulysses group
+    # exchanges more, and the attention buffers held one phase at a time (attention_phase_rows)
+    rows.update({"ulysses_exchanged_bytes_per_token": 0.0, "attention_phase_bytes_per_token": 0.0})
+    rows.update(
+        attention_phase_rows(
+            {
+                name: {
+                    "held_tokens": shard_calls[name][0],
+                    "calls": shard_calls[name][1],
+                    "step_peak": p.step_peak,
+                }
+                for name, p in shards.items()
+            }
+        )
+    )
     progress(
         f"memory per text token: {rows['text_bytes_per_token_layer']:.0f} B; step fixed "
         f"(gathered weights, gradients) {rows['step_fixed_bytes'] / 2**30:.2f} GiB; beyond a "
         f"local sequence: Ulysses {rows['ulysses_bytes_per_token']:.0f} B/token, ring "
         f"{rows['ring_bytes_per_token']:.0f} B/token (2 ranks, {shard_tokens} held), Ulysses "
-        f"{rows['ulysses_exchanged_bytes_per_token']:.0f} B/token more per share exchanged; at the "
-        f"largest layer's gradient reduction {rows['reduce_fixed_bytes'] / 2**30:.2f} GiB + "
+        f"{rows['ulysses_exchanged_bytes_per_token']:.0f} B/token more per share exchanged; "
+        f"attention buffers of one phase {rows['attention_phase_bytes_per_token']:.0f} B/token; at "
+        f"the largest layer's gradient reduction {rows['reduce_fixed_bytes'] / 2**30:.2f} GiB + "
         f"{rows['reduce_bytes_per_token']:.0f} B/token"
     )
     return {
         **rows,
         "runtime_reserved_bytes": runtime_reserved_bytes,
-        "shard_probes": {f"{strategy}:{shard_tokens}": asdict(p) for strategy, p in shards.items()},
+        "shard_probes": {name: asdict(p) for name, p in shards.items()},
         "ulysses_wide_degree": wide_degree,
         "probes": {str(t): asdict(p) for t, p in probes.items()},
         "reduce_probes": {str(t): asdict(p) for t, p in small.items()},
@@ -1161,6 +1225,9 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "ring_bytes_per_token": [memory["ring_bytes_per_token"]] if memory else [],
         "ulysses_exchanged_bytes_per_token": (
             [memory["ulysses_exchanged_bytes_per_token"]] if memory else []
+        ),
+        "attention_phase_bytes_per_token": (
+            [memory["attention_phase_bytes_per_token"]] if memory else []
         ),
         "backward_peak_bytes": [memory["backward_peak_bytes"]] if memory else [],
         # rows of the model measured (memory_models): none on a CPU, where memory is not measured
