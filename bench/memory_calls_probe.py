@@ -63,13 +63,89 @@ def probes_for(quick: bool, text: int, heads: int) -> list[tuple[str, list]]:
     ]
 
 
+ONE_CALL_PACKS = ("one_call", "one_call_64k")  # packs of one call, besides the pack_<tokens>
+
+
+def rows_into(probes_path: str, base_path: str, out_path: str, model: str, table: bool) -> None:
+    """A profile: `base_path` with `model`'s shard rows, Ulysses share row and phase row from the
+    probes (measure.attention_phase_rows) and, with `table`, the packs of one call as points of
+    its backward_peak_bytes table (measure.backward_peak_table with the base's kept rows; a point
+    at a token count the base has replaces it)."""
+    from zellige.profile import (
+        MODEL_ROWS,
+        load_profile,
+        profile_from_dict,
+        profile_to_dict,
+        save_profile,
+    )
+
+    with open(probes_path) as f:
+        probes = json.load(f)["probes"]
+    rows = measure.attention_phase_rows(probes)
+    base = profile_to_dict(load_profile(base_path))
+    row = base["memory_models"].index(model)
+    tables = {}
+    added = []
+    if table:
+        packs = {
+            p["held_tokens"]: measure.MemoryProbe(**p["probe"])
+            for name, p in probes.items()
+            if name.startswith("pack_") or name in ONE_CALL_PACKS
+        }
+        kept = {key: base[key][row] for key in MODEL_ROWS if base.get(key)}
+        new = measure.backward_peak_table(
+            packs,
+            kept,
+            num_layers=stack_layers(model),
+            attended_text_tokens=0,  # held_tokens count the text
+            text_bytes=0.0,
+        )
+        old = base["backward_peak_bytes"][row]
+        points = dict(zip(old["x"], old["y"], strict=True))
+        points.update(zip(new["x"], new["y"], strict=True))
+        x = sorted(points)
+        tables["backward_peak_bytes"] = {"source": "measured", "x": x, "y": [points[v] for v in x]}
+        added = new["x"]
+    merged = measure.merge_memory(
+        base, model, {k: v for k, v in rows.items() if k in MODEL_ROWS}, tables
+    )
+    merged["created"] += (
+        f"; {model}: "
+        + ", ".join(sorted(k for k in rows if k in MODEL_ROWS))
+        + (f" and backward_peak_bytes points at {[int(v) for v in added]}" if added else "")
+        + f" from bench/memory_calls_probe.py ({probes_path})"
+    )
+    save_profile(profile_from_dict(merged), out_path)
+    print(json.dumps({k: v for k, v in rows.items()}, indent=1))
+    print(f"wrote {out_path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="mmdit-11b")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="the probes' JSON to write")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
     parser.add_argument("--only", nargs="*", help="probe names to run (default all)")
+    parser.add_argument(
+        "--rows-from",
+        metavar="PROBES_JSON",
+        help="measure nothing: write --rows-out, --base with the rows from these probes",
+    )
+    parser.add_argument("--base", help="with --rows-from: the profile the rows are added to")
+    parser.add_argument("--rows-out", help="with --rows-from: the profile to write")
+    parser.add_argument(
+        "--table-points",
+        action="store_true",
+        help="with --rows-from: the packs of one call become backward_peak_bytes points too",
+    )
     args = parser.parse_args()
+    if args.rows_from:
+        if not args.base or not args.rows_out:
+            sys.exit("memory_calls_probe: error: --rows-from needs --base and --rows-out")
+        rows_into(args.rows_from, args.base, args.rows_out, args.model, args.table_points)
+        return
+    if not args.out:
+        sys.exit("memory_calls_probe: error: --out is required (or --rows-from)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.quick:
         sys.exit("memory_calls_probe: error: needs a GPU (or --quick for a CPU smoke run)")
