@@ -81,30 +81,42 @@ def rows_into(probes_path: str, base_path: str, out_path: str, model: str, table
 
     with open(probes_path) as f:
         probes = json.load(f)["probes"]
-    rows = measure.attention_phase_rows(probes)
     base = profile_to_dict(load_profile(base_path))
     row = base["memory_models"].index(model)
+    kept = {key: base[key][row] for key in MODEL_ROWS if base.get(key)}
+    layers = stack_layers(model)
+    kept_per_token = (layers - 1) * kept["checkpoint_bytes_per_token_layer"] + kept[
+        "activation_bytes_per_token_layer"
+    ]
+    # the one-phase peaks the cost model will read: its table's packs (and these probes' packs)
+    old = base["backward_peak_bytes"][row]
+    points = {x: y + kept_per_token * x for x, y in zip(old["x"], old["y"], strict=True)}
+    packs = {
+        p["held_tokens"]: measure.MemoryProbe(**p["probe"])
+        for name, p in probes.items()
+        if name.startswith("pack_") or name in ONE_CALL_PACKS
+    }
+    if table:
+        points.update({float(x): float(p.step_peak) for x, p in packs.items()})
+    rows = measure.attention_phase_rows(probes, measure.linear_peaks(points))
     tables = {}
     added = []
     if table:
-        packs = {
-            p["held_tokens"]: measure.MemoryProbe(**p["probe"])
-            for name, p in probes.items()
-            if name.startswith("pack_") or name in ONE_CALL_PACKS
-        }
-        kept = {key: base[key][row] for key in MODEL_ROWS if base.get(key)}
         new = measure.backward_peak_table(
             packs,
             kept,
-            num_layers=stack_layers(model),
+            num_layers=layers,
             attended_text_tokens=0,  # held_tokens count the text
             text_bytes=0.0,
         )
-        old = base["backward_peak_bytes"][row]
-        points = dict(zip(old["x"], old["y"], strict=True))
-        points.update(zip(new["x"], new["y"], strict=True))
-        x = sorted(points)
-        tables["backward_peak_bytes"] = {"source": "measured", "x": x, "y": [points[v] for v in x]}
+        merged_points = dict(zip(old["x"], old["y"], strict=True))
+        merged_points.update(zip(new["x"], new["y"], strict=True))
+        x = sorted(merged_points)
+        tables["backward_peak_bytes"] = {
+            "source": "measured",
+            "x": x,
+            "y": [merged_points[v] for v in x],
+        }
         added = new["x"]
     merged = measure.merge_memory(
         base, model, {k: v for k, v in rows.items() if k in MODEL_ROWS}, tables

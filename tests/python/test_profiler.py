@@ -835,7 +835,7 @@ def test_attention_phase_rows_recover_the_phase_model():
     only."""
     from zellige import _core
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict
-    from zellige.profiler.measure import attention_phase_rows, merge_memory
+    from zellige.profiler.measure import attention_phase_rows, linear_peaks, merge_memory
 
     n = 16384
     ring, ulysses, exchanged, phase = 84_000.0, 58_000.0, 30_000.0, 25_000.0
@@ -860,14 +860,18 @@ def test_attention_phase_rows_recover_the_phase_model():
         "ulysses_beside_local": peak(local=n, shard=n, row=ulysses),
         "ulysses_shard_2_double": peak(shard=2 * n, row=ulysses),
     }
-    rows = attention_phase_rows(probes)
+    # the one-phase peaks as the cost model reads its table: linear between packs
+    packs = linear_peaks({x: base(x) for x in (8192, 2 * n, 65536)})
+    assert packs(2 * n) == base(2 * n) and packs(3 * n) > base(3 * n)  # the chord of a convex
+    rows = attention_phase_rows(probes, packs)
     assert rows["ring_bytes_per_token"] == pytest.approx(ring)
     assert rows["ulysses_bytes_per_token"] == pytest.approx(ulysses)
     assert rows["ulysses_exchanged_bytes_per_token"] == pytest.approx(exchanged)
     assert rows["attention_phase_bytes_per_token"] == pytest.approx(phase)
-    unequal = dict(probes, ring_beside_local=peak(local=n // 2, shard=n, row=ring))
-    with pytest.raises(ValueError, match="same tokens"):
-        attention_phase_rows(unequal)
+    assert rows["ring_bytes_per_token_at_2n"] == pytest.approx(ring)  # linear here
+    assert "attention_phase_bytes_per_token" not in attention_phase_rows(probes)  # no packs
+    with pytest.raises(ValueError, match="two token counts"):
+        linear_peaks({1.0: 2.0})
 
     merged = merge_memory(profile_to_dict(load_profile()), "mmdit-11b", rows)
     profile = profile_from_dict(merged)

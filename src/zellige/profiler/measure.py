@@ -681,8 +681,8 @@ def rank_plan(sequences: list[tuple[int, int, str, list[int]]]) -> tuple[_core.B
 def shard_probe_plans(held: int, text: int, wide_degree: int) -> dict[str, list]:
     """profile_memory's shard probes (rank_plan's sequences; attention_phase_rows reads them by
     name): `held` tokens as one local sequence, as a Ulysses or ring shard over 2 ranks and a
-    Ulysses shard over `wide_degree`; each shard beside a local sequence of `held`, against one
-    shard of twice `held` (the attention's phases)."""
+    Ulysses shard over `wide_degree`; each shard beside a local sequence of `held` (the
+    attention's phases: attention_phase_rows)."""
     local = (held, text, "local", [0])
     plans = {
         "local_shard": [local],
@@ -695,7 +695,6 @@ def shard_probe_plans(held: int, text: int, wide_degree: int) -> dict[str, list]
         ]
     for strategy in ("ring", "ulysses"):
         plans[f"{strategy}_beside_local"] = [(2 * held, text, strategy, [0, 1]), local]
-        plans[f"{strategy}_shard_2_double"] = [(4 * held, text, strategy, [0, 1])]
     return plans
 
 
@@ -790,21 +789,25 @@ def rank_attention_calls(
     return int(step.num_held_tokens), found
 
 
-def attention_phase_rows(probes: dict[str, dict]) -> dict:
+def attention_phase_rows(
+    probes: dict[str, dict], one_phase_peak: Callable[[float], float] | None = None
+) -> dict:
     """HardwareProfile::attention_phase_bytes_per_token and the shard rows from probes of one
     rank (`probes`: name -> {"held_tokens", "calls", "step_peak"}, bench/memory_calls_probe.py
     and profile_memory name them alike), n held tokens each unless said:
     - "local_shard" (one local sequence), "ring_shard_2" / "ulysses_shard_2" (a shard over 2
       ranks), "ulysses_shard_<u>" (over u > 2): ring_bytes_per_token, ulysses_bytes_per_token
-      and ulysses_exchanged_bytes_per_token as profile_memory defines them;
-    - "<s>_beside_local" (the shard beside a local sequence of n) and "<s>_shard_2_double" (one
-      shard of 2n), s = ring, ulysses: at equal held tokens (the per-token rows cancel) the
-      double shard holds its attention buffers for 2n tokens at once, the pair for n at a time
-      (its local calls run before the shard's), so the difference is the shard row x n plus this
-      row x n; the row is the mean over s of what is left, never below 0.
-    - "one_call" / "eight_calls" (equal attended tokens in one call and in 8): only reported
-      ("per_call_bytes_per_token"): what a rank of several calls in one phase holds less per token
-      outside its largest call (the cost model charges it none)."""
+      and ulysses_exchanged_bytes_per_token, what a shard holds beyond a local sequence of as
+      many tokens;
+    - "<s>_beside_local" (the shard beside a local sequence of n), s = ring, ulysses: the cost
+      model prices it as a rank of one phase of 2n tokens (`one_phase_peak(2n)`: the packs' step
+      peaks read linearly between them, as it reads backward_peak_bytes) plus the shard row x n,
+      less this row x n (the local calls' buffers are gone before the shard's phase): the row is
+      the mean over s of what the pair holds less, per token of its smaller phase, never below 0;
+    - reported only: "per_call_bytes_per_token" ("one_call" against "eight_calls", equal
+      attended tokens: what a rank of several calls in one phase holds less per token outside
+      its largest call; the cost model charges it none), and "<s>_shard_2_double" (one shard
+      of 2n) as "<s>_bytes_per_token_at_2n" (the shard row where its shard holds 2n)."""
 
     def peak(name: str) -> float:
         return float(probes[name]["step_peak"])
@@ -833,12 +836,14 @@ def attention_phase_rows(probes: dict[str, dict]) -> dict:
             ) / ((u - 1) / u - 0.5)
     phase = {}
     for strategy in ("ring", "ulysses"):
-        pair, double = f"{strategy}_beside_local", f"{strategy}_shard_2_double"
-        if f"{strategy}_bytes_per_token" in rows and pair in probes and double in probes:
-            if held(pair) != held(double):
-                raise ValueError(f"{pair} and {double} must hold the same tokens")
-            n = held(pair) / 2
-            phase[strategy] = (peak(double) - peak(pair)) / n - rows[f"{strategy}_bytes_per_token"]
+        row, pair = f"{strategy}_bytes_per_token", f"{strategy}_beside_local"
+        if row not in rows or pair not in probes or one_phase_peak is None:
+            continue
+        n = held(pair) / 2
+        phase[strategy] = (one_phase_peak(held(pair)) + rows[row] * n - peak(pair)) / n
+        double = f"{strategy}_shard_2_double"
+        if double in probes:
+            rows[f"{row}_at_2n"] = (peak(double) - one_phase_peak(held(double))) / held(double)
     if phase:
         rows["attention_phase_bytes_per_token"] = max(0.0, sum(phase.values()) / len(phase))
         rows["attention_phase_bytes_per_token_by_shard"] = phase
@@ -848,6 +853,21 @@ def attention_phase_rows(probes: dict[str, dict]) -> dict:
         if one["held_tokens"] == eight["held_tokens"] and outside > 0:
             rows["per_call_bytes_per_token"] = (one["step_peak"] - eight["step_peak"]) / outside
     return rows
+
+
+def linear_peaks(points: dict[float, float]) -> Callable[[float], float]:
+    """Step peaks of one-phase packs (held tokens -> bytes) read linearly between them and along
+    the end segments beyond (CostModel::backward_peak_correction's reading)."""
+    x = sorted(points)
+    if len(x) < 2:
+        raise ValueError("linear_peaks needs packs at two token counts or more")
+
+    def at(tokens: float) -> float:
+        i = max(0, min(len(x) - 2, int(np.searchsorted(x, tokens, side="right")) - 1))
+        a, b = x[i], x[i + 1]
+        return points[a] + (points[b] - points[a]) / (b - a) * (tokens - a)
+
+    return at
 
 
 def memory_rows(
@@ -1070,6 +1090,9 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
     # what a shard holds beyond a local sequence of its tokens, what a wider Ulysses group
     # exchanges more, and the attention buffers held one phase at a time (attention_phase_rows)
     rows.update({"ulysses_exchanged_bytes_per_token": 0.0, "attention_phase_bytes_per_token": 0.0})
+    one_phase = linear_peaks(
+        {t + attended_text: p.step_peak for t, p in {**probes, **checks}.items()}
+    )
     rows.update(
         attention_phase_rows(
             {
@@ -1079,7 +1102,8 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
                     "step_peak": p.step_peak,
                 }
                 for name, p in shards.items()
-            }
+            },
+            one_phase,
         )
     )
     progress(
