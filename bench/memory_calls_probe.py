@@ -29,9 +29,9 @@ from zellige.profiler.models import dit_config, model_to_run, stack_layers
 def probes_for(quick: bool, text: int, heads: int) -> list[tuple[str, list]]:
     """The probes, most needed first (a run cut by its timeout keeps the first ones): a pack of
     two sequences in one call against the same attended tokens in 8 calls and in 2 (per-call
-    buffers); shards of n held tokens, alone and beside a local sequence of n, against one shard
-    of 2n (per-phase buffers: the local calls, the exchanged ones and the ring steps run one
-    phase after another); the Ulysses shard over 2 and over 8 ranks; more packs of one call
+    buffers); the profiler's shard probes (measure.shard_probe_plans: shards of n held tokens,
+    alone and beside a local sequence of n: the phases; the Ulysses shard over 2 and over 8
+    ranks) and, as a check of the shard rows' linearity, one shard of 2n; more packs of one call
     between the profiler's (points of its backward_peak_bytes table); the 64k pack."""
     scale = 1 / 64 if quick else 1
     n = int(16384 * scale)
@@ -40,17 +40,16 @@ def probes_for(quick: bool, text: int, heads: int) -> list[tuple[str, list]]:
     eight = measure._distinct_lengths(attended - 8 * text)
     big = int(65536 * scale)
     eight_big = measure._distinct_lengths(big + 2 * text - 8 * text)
-    local = (n, 0, "local", [0])
+    shard = measure.shard_probe_plans(n, 0, wide)  # the profiler's (a joint model: no text)
     return [
         ("one_call", [(n // 2, text, "local", [0]), (n // 2, text, "local", [0])]),
         ("eight_calls", [(m, text, "local", [0]) for m in eight]),
-        ("local_shard", [local]),
-        ("ring_shard_2", [(2 * n, 0, "ring", [0, 1])]),
-        ("ring_beside_local", [(2 * n, 0, "ring", [0, 1]), local]),
+        *((name, shard[name]) for name in ("local_shard", "ring_shard_2", "ring_beside_local")),
         ("ring_shard_2_double", [(4 * n, 0, "ring", [0, 1])]),
-        ("ulysses_shard_2", [(2 * n, 0, "ulysses", [0, 1])]),
-        (f"ulysses_shard_{wide}", [(wide * n, 0, "ulysses", list(range(wide)))]),
-        ("ulysses_beside_local", [(2 * n, 0, "ulysses", [0, 1]), local]),
+        *(
+            (name, shard[name])
+            for name in ("ulysses_shard_2", f"ulysses_shard_{wide}", "ulysses_beside_local")
+        ),
         *(
             (f"pack_{m}", [(m // 2, text, "local", [0]), (m // 2, text, "local", [0])])
             for m in (int(24576 * scale), int(9216 * scale))
