@@ -519,9 +519,7 @@ def test_memory_probes_run_through_fsdp_blocks():
         "ring_shard_2",
         "ulysses_shard_4",
         "ring_beside_local",
-        "ring_shard_2_double",
         "ulysses_beside_local",
-        "ulysses_shard_2_double",
     }
     assert memory["ulysses_wide_degree"] == 4  # the tiny model's 4 heads: one a rank
     assert memory["ulysses_bytes_per_token"] == memory["ring_bytes_per_token"] == 0.0
