@@ -52,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "built-in profile)",
     )
     parser.add_argument(
+        "--time-only",
+        action="store_true",
+        help="measure only the time rows and write them over --base (or the built-in profile): "
+        "the attention engine's per-head and call tables, the streams it runs here and the "
+        "overlap they give, and the model's per-token rates and host launch time; its memory "
+        "rows are kept (docs/profiling.md)",
+    )
+    parser.add_argument(
         "--eager",
         action="store_true",
         help="run the blocks' per-token layers eager (for training with compile_elementwise "
@@ -115,7 +123,14 @@ def run(args: argparse.Namespace) -> int:
         save_profile(profile_from_dict(data), args.out)
         progress(f"wrote {args.out} (the rows measured so far)")
 
-    if args.memory_only or args.base:
+    if args.time_only and args.memory_only:
+        raise ValueError("--time-only and --memory-only exclude each other")
+    if args.time_only:
+        from zellige.profiler.measure import profile_time_into
+
+        base = profile_to_dict(load_profile(args.base))
+        result = profile_time_into(base, options, progress, save_part)
+    elif args.memory_only or args.base:
         base = profile_to_dict(load_profile(args.base))
         result = profile_memory_into(
             base, options, progress, save_part, per_token=not args.memory_only
