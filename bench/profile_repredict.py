@@ -1,8 +1,10 @@
 """Re-predicts the ranks of a `zellige validate-profile --json` report under other profiles, so
 the measured times and peaks of one GPU run can be compared with any profile offline.
 
-    python bench/profile_repredict.py REPORT.json --plan-profile P.json [--profile NAME=FILE ...]
+    python bench/profile_repredict.py REPORT.json [MORE.jsonl ...] --plan-profile P.json \
+        [--profile NAME=FILE ...]
 
+REPORT: a `--json` report, or `--results-jsonl` files (one rank a line; several are joined).
 Plans are re-drawn by name (recipe/GPUs/planner/seed) with --plan-profile (the profile the GPU
 run drew them with), then every profile predicts the same ranks; prints MAPEs per profile and a
 per-rank table. Every prediction includes the exchanges' local stand-in copies, as
@@ -21,13 +23,18 @@ from zellige.costs import make_cost_model
 from zellige.profile import load_profile
 from zellige.profiler import fit
 from zellige.profiler.models import model_spec
-from zellige.profiler.validate import harness_peak_model, local_copy_s, predicted_rank_s
+from zellige.profiler.validate import (
+    SIZE_CLASSES,
+    harness_peak_model,
+    local_copy_s,
+    predicted_rank_s,
+)
 from zellige.workload import load_recipe
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("report")
+    parser.add_argument("report", nargs="+")
     parser.add_argument("--plan-profile", required=True)
     parser.add_argument("--profile", action="append", default=[], help="NAME=FILE (or NAME=)")
     parser.add_argument("--model", default="wan-14b")
@@ -39,7 +46,13 @@ def main() -> None:
         "validate-profile did before it left them out of both sides (harness_peak_model)",
     )
     args = parser.parse_args()
-    report = json.load(open(args.report))
+    report = {"ranks": []}
+    for path in args.report:
+        with open(path) as f:
+            if path.endswith(".jsonl"):
+                report["ranks"] += [json.loads(line) for line in f if line.strip()]
+            else:
+                report["ranks"] += json.load(f)["ranks"]
     plan_profile = load_profile(args.plan_profile)
     profiles = {"plan-profile": plan_profile}
     for item in args.profile:
@@ -81,6 +94,21 @@ def main() -> None:
         time_mape = fit.mape_percent([r["predicted"][label][0] for r in rows], measured_s)
         memory_mape = fit.mape_percent([r["predicted"][label][1] for r in rows], measured_b)
         print(f"{label:<14} {time_mape:>9.2f}% {memory_mape:>11.2f}%")
+    for label in labels:  # by rank size (validate.SIZE_CLASSES)
+        parts = []
+        for size, least in SIZE_CLASSES:
+            upper = min([b for _, b in SIZE_CLASSES if b > least], default=None)
+            members = [
+                r for r in rows
+                if r["rank"]["tokens"] >= least and (upper is None or r["rank"]["tokens"] < upper)
+            ]  # fmt: skip
+            if members:
+                time_mape = fit.mape_percent(
+                    [r["predicted"][label][0] for r in members],
+                    [r["rank"]["measured_s"] for r in members],
+                )
+                parts.append(f"{size} ({len(members)}): {time_mape:.2f}%")
+        print(f"{label:<14} time MAPE by size: " + ", ".join(parts))
     for what, index, measured_key, unit, scale in (
         ("time", 0, "measured_s", "ms", 1e3),
         ("peak memory", 1, "measured_peak_bytes", "GiB", 2**-30),

@@ -1195,6 +1195,12 @@ class RankCost:
     def call_s(self, arg: float, /) -> None: ...
 
     @property
+    def stream_s(self) -> float: ...
+
+    @stream_s.setter
+    def stream_s(self, arg: float, /) -> None: ...
+
+    @property
     def launch_floor_s(self) -> float: ...
 
     @launch_floor_s.setter
@@ -1308,6 +1314,16 @@ class CostModel:
     def exchange_bytes(self, sequence: Sequence, placement: Placement) -> float: ...
 
     def __repr__(self) -> str: ...
+
+def stream_assignment(works: _Sequence[int], streams: int) -> list[int]:
+    """
+    The stream of each attention call of one table (calls most work first): the one with the least work queued so far, the lowest index on ties. The engine and the cost model both use this.
+    """
+
+def streamed_calls_s(works: _Sequence[int], seconds: _Sequence[float], streams: int, overlap: float) -> float:
+    """
+    Seconds of one table's calls on `streams` streams as the cost model prices them.
+    """
 
 def makespan_lower_bound(batch: Batch, cost_model: CostModel) -> float:
     """A makespan no placement of the batch can beat under this cost model."""

@@ -72,7 +72,8 @@ PLAN_SOURCES = (
 FORWARD_LATENCY_LENGTHS = (256, 1024, 4096, 16384, 32768, 65536)
 # The report's rank sizes, by held tokens: (label, at least this many tokens), largest first.
 SIZE_CLASSES = ((">= 20k tokens", 20_000), ("2k-20k tokens", 2_000), ("< 2k tokens", 0))
-FAST_STEP_REPEATS = 20  # at most this many timed steps of a rank that runs in under a second
+MAX_TIMED_STEPS = 200  # at most this many timed steps of a rank, however short its steps
+SLOW_STEP_S = 1.0  # a rank whose warm-up step takes longer times at least 2 steps, not --repeats
 QUICK_LENGTH_RANGE = (16, 160)  # CPU smoke batches: token counts drawn in this range
 
 
@@ -83,7 +84,10 @@ class ValidationOptions:
     model: str | _core.ModelSpec = "wan-14b"  # a preset name or a spec file's ModelSpec
     num_layers: int = 2
     ranks_per_plan: int = 2  # the plan's slowest rank and its median rank
-    repeats: int = 3
+    repeats: int = 3  # timed steps of a rank at least (2 for steps over SLOW_STEP_S)
+    # ... and at least this many seconds of timed steps (timed_steps): a host-bound rank of tens
+    # of ms scatters by +-25% from one step to the next, so its median needs many of them
+    min_timed_s: float = 2.0
     seed: int = 0
     activation_checkpointing: bool = True
     device: str = "cuda"
@@ -455,19 +459,26 @@ def run_rank(
         start_s = time.perf_counter()
         step()  # warm-up: kernels chosen, workspaces allocated
         synchronize(device)
-        warmup_s = time.perf_counter() - start_s
-        if warmup_s > 1.0:  # steps of seconds are steady; more would cost minutes of device time
-            repeats = min(options.repeats, 2)
-        else:
-            # host-bound steps of tens of ms scatter by +-25% between runs of one shape: time
-            # about a second of them, sized by a second warm-up (the first builds kernel plans)
+        step_s = time.perf_counter() - start_s
+        if step_s <= SLOW_STEP_S:  # a second warm-up sizes the timing (the first builds plans)
             start_s = time.perf_counter()
             step()
             synchronize(device)
-            step_s = max(time.perf_counter() - start_s, 1e-3)
-            repeats = max(options.repeats, min(FAST_STEP_REPEATS, math.ceil(1.0 / step_s)))
+            step_s = time.perf_counter() - start_s
+        # a CPU smoke run (--quick) times --repeats steps only: its numbers mean nothing
+        min_timed_s = 0.0 if options.quick else options.min_timed_s
+        repeats = timed_steps(step_s, options.repeats, min_timed_s)
         seconds = median_time_s(step, device, warmup=0, repeats=repeats)
     return seconds
+
+
+def timed_steps(step_s: float, repeats: int, min_timed_s: float) -> int:
+    """How many steps of `step_s` seconds a rank is timed over (their median is its time): at
+    least `repeats` (2 for steps over SLOW_STEP_S: steps of seconds are steady, and more would
+    cost minutes of device time) and enough to last `min_timed_s`, at most MAX_TIMED_STEPS."""
+    least = repeats if step_s <= SLOW_STEP_S else min(repeats, 2)
+    enough = math.ceil(min_timed_s / max(step_s, 1e-4))
+    return max(1, min(MAX_TIMED_STEPS, max(least, enough)))
 
 
 def _warm_up(blocks, fsdp_blocks, config, options: ValidationOptions, device, dtype) -> None:
