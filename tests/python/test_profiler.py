@@ -831,6 +831,14 @@ def test_ranks_are_timed_over_a_fixed_wall_time():
     assert timed_steps(0.040, 3, 0.0) == 3  # no wall time asked: --repeats
 
 
+def test_relative_spread_is_the_interquartile_range_over_the_median():
+    from zellige.profiler.validate import relative_spread
+
+    assert relative_spread([0.1]) == 0.0
+    assert relative_spread([1.0, 1.0, 1.0]) == 0.0
+    assert relative_spread([0.9, 1.0, 1.0, 1.1, 1.2]) == pytest.approx(0.1 / 1.0)
+
+
 def test_time_only_profile_replaces_the_time_rows_and_keeps_the_memory_rows(
     tmp_path, capsys, monkeypatch
 ):

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from zellige import _core
@@ -124,6 +125,8 @@ class RankResult:
     # the first this many blocks ran a full recompute, attention included: the cost model's
     # choice for the rank (RankCost.full_recompute_layers), as training follows the plan's
     full_recompute_layers: int = 0
+    timed_steps: int = 0  # steps timed (timed_steps(); measured_s is their median)
+    measured_spread: float = 0.0  # their (75th - 25th percentile) / median (relative_spread)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -442,9 +445,9 @@ def run_rank(
     device: torch.device,
     dtype: torch.dtype,
     full_recompute_layers: int = 0,
-) -> float:
+) -> tuple[float, list[float]]:
     """Median step seconds of the rank's compute on plain blocks (checkpointed as training
-    checkpoints the rank: rank_work.train_step)."""
+    checkpoints the rank: rank_work.train_step), and the seconds of every timed step."""
     with rank_work.local_exchanges(options.contiguous_kernel_inputs):
         inputs = rank_work.plan_rank_inputs(
             batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype
@@ -468,8 +471,17 @@ def run_rank(
         # a CPU smoke run (--quick) times --repeats steps only: its numbers mean nothing
         min_timed_s = 0.0 if options.quick else options.min_timed_s
         repeats = timed_steps(step_s, options.repeats, min_timed_s)
-        seconds = median_time_s(step, device, warmup=0, repeats=repeats)
-    return seconds
+        steps_s: list[float] = []
+        seconds = median_time_s(step, device, warmup=0, repeats=repeats, samples=steps_s)
+    return seconds, steps_s
+
+
+def relative_spread(steps_s: list[float]) -> float:
+    """(75th - 25th percentile) / median of a rank's timed steps: how far they scatter."""
+    if len(steps_s) < 2:
+        return 0.0
+    q25, q50, q75 = np.percentile(np.asarray(steps_s), [25, 50, 75])
+    return float((q75 - q25) / q50) if q50 > 0 else 0.0
 
 
 def timed_steps(step_s: float, repeats: int, min_timed_s: float) -> int:
@@ -590,7 +602,7 @@ def measure_rank(
         peak_model.model.param_count * peak_model.options.state_bytes_per_param / plan.num_ranks
     )
     copy_s = local_copy_s(cost_model, batch, plan, rank, cost_model.profile.memory_bytes_per_s)
-    measured_s = run_rank(
+    measured_s, steps_s = run_rank(
         batch=batch,
         plan=plan,
         rank=rank,
@@ -631,6 +643,8 @@ def measure_rank(
         predicted_busy_s=predicted_busy_s(rank_cost, copy_s),
         strategies=rank_strategies(plan, rank),
         full_recompute_layers=full_recompute_layers,
+        timed_steps=len(steps_s),
+        measured_spread=relative_spread(steps_s),
     )
 
 
@@ -766,6 +780,7 @@ def validate(
                     f"{result.tokens:>7} tokens: time {result.predicted_s * 1e3:9.2f} / "
                     f"{result.measured_s * 1e3:9.2f} ms"
                     f"{' (launch floor)' if result.predicted_busy_s < result.predicted_s else ''}"
+                    f" (median of {result.timed_steps}, spread {100 * result.measured_spread:.1f}%)"
                     f", peak {result.predicted_peak_bytes / 2**30:7.2f} / "
                     f"{result.measured_peak_bytes / 2**30:7.2f} GiB (predicted / measured); "
                     f"{result.strategies}"
