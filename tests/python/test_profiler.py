@@ -872,3 +872,28 @@ def test_time_only_profile_replaces_the_time_rows_and_keeps_the_memory_rows(
     assert "--time-only --quick" in rows["created"]
     assert main(["profile", "--time-only", "--memory-only", "--quick", "--out", str(out)]) == 2
     assert "exclude each other" in capsys.readouterr().err
+
+
+def test_validate_measures_the_time_rows_in_its_own_process(tmp_path, capsys):
+    """validate-profile --measure-rows FILE --time-rows: the time rows measured (as `zellige
+    profile --time-only`) and validated in one process; the memory rows stay --profile's."""
+    from zellige import _core
+
+    if not hasattr(_core, "make_plan"):
+        pytest.skip("needs the planners (make_plan)")
+    from zellige.cli import main
+    from zellige.profile import load_profile, profile_to_dict
+
+    rows, results = tmp_path / "rows.json", tmp_path / "ranks.jsonl"
+    args = ["validate-profile", "--quick", "--model", "mmdit-11b", "--plans", "1", "--repeats", "1"]
+    assert main([*args, "--time-rows"]) == 2
+    assert "--time-rows needs --measure-rows" in capsys.readouterr().err
+    extra = ["--measure-rows", str(rows), "--time-rows", "--results-jsonl", str(results)]
+    assert main([*args, *extra]) == 0
+    assert "attention streams: 1" in capsys.readouterr().err
+    measured, base = json.loads(rows.read_text()), profile_to_dict(load_profile(None))
+    assert measured["memory_models"][: len(base["memory_models"])] == base["memory_models"]
+    assert measured["step_fixed_bytes"][: len(base["memory_models"])] == base["step_fixed_bytes"]
+    assert "--time-only --quick" in measured["created"]
+    ranks = [json.loads(line) for line in results.read_text().splitlines()]
+    assert ranks and all(r["timed_steps"] == 1 and r["measured_s"] > 0 for r in ranks)

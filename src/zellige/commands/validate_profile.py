@@ -95,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rows-details", type=Path, help="with --measure-rows: that measurement's details"
     )
+    parser.add_argument(
+        "--time-rows",
+        action="store_true",
+        help="with --measure-rows: measure only the time rows (as `zellige profile --time-only`: "
+        "attention tables and streams, the model's launch and per-token rows) and keep "
+        "--profile's memory rows",
+    )
     parser.add_argument("--json", type=Path, help="write every rank's numbers here")
     parser.add_argument(
         "--results-jsonl", type=Path, help="append each rank's numbers here as they come"
@@ -192,6 +199,8 @@ def summarise_jsonl(paths: list[Path]):
 def run(args: argparse.Namespace) -> int:
     if args.rows_details and not args.measure_rows:
         raise ValueError("--rows-details needs --measure-rows")
+    if args.time_rows and not args.measure_rows:
+        raise ValueError("--time-rows needs --measure-rows")
     check_outputs(
         {
             "--json": args.json,
@@ -239,20 +248,27 @@ def run(args: argparse.Namespace) -> int:
 
     def measure_rows():
         from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
-        from zellige.profiler.measure import ProfileOptions, profile_memory_into
+        from zellige.profiler.measure import (
+            ProfileOptions,
+            profile_memory_into,
+            profile_time_into,
+        )
 
         def save(data: dict) -> None:
             save_profile(profile_from_dict(data), args.measure_rows)
 
-        result = profile_memory_into(
-            profile_to_dict(load_profile(args.profile)),
-            ProfileOptions(
-                model=model, quick=args.quick, device=device, compiled=compiled, repeats=3
-            ),
-            lambda line: print(f"[profile] {line}", file=sys.stderr, flush=True),
-            save,
-            per_token=True,
+        base = profile_to_dict(load_profile(args.profile))
+        profile_options = ProfileOptions(
+            model=model, quick=args.quick, device=device, compiled=compiled, repeats=3
         )
+
+        def rows_progress(line: str) -> None:
+            print(f"[profile] {line}", file=sys.stderr, flush=True)
+
+        if args.time_rows:
+            result = profile_time_into(base, profile_options, rows_progress, save)
+        else:
+            result = profile_memory_into(base, profile_options, rows_progress, save, per_token=True)
         save(result.profile)
         if args.rows_details:
             write_output(args.rows_details, json.dumps(result.details, indent=1) + "\n")
