@@ -875,8 +875,9 @@ def test_time_only_profile_replaces_the_time_rows_and_keeps_the_memory_rows(
 
 
 def test_validate_measures_the_time_rows_in_its_own_process(tmp_path, capsys):
-    """validate-profile --measure-rows FILE --time-rows: the time rows measured (as `zellige
-    profile --time-only`) and validated in one process; the memory rows stay --profile's."""
+    """validate-profile --measure-rows FILE --time-rows: the model's own time rows (launch,
+    per-token) measured and validated in one process; memory and attention rows stay
+    --profile's."""
     from zellige import _core
 
     if not hasattr(_core, "make_plan"):
@@ -890,8 +891,11 @@ def test_validate_measures_the_time_rows_in_its_own_process(tmp_path, capsys):
     assert "--time-rows needs --measure-rows" in capsys.readouterr().err
     extra = ["--measure-rows", str(rows), "--time-rows", "--results-jsonl", str(results)]
     assert main([*args, *extra]) == 0
-    assert "attention streams: 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "host issue time" in err and "attention streams" not in err  # the model's rows only
     measured, base = json.loads(rows.read_text()), profile_to_dict(load_profile(None))
+    for key in ("attention_forward_s_per_head", "attention_call_forward_s", "attention_streams"):
+        assert measured[key] == base[key]  # the shared attention rows stay
     assert measured["memory_models"][: len(base["memory_models"])] == base["memory_models"]
     assert measured["step_fixed_bytes"][: len(base["memory_models"])] == base["step_fixed_bytes"]
     assert "--time-only --quick" in measured["created"]

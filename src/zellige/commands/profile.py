@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from zellige._files import check_outputs, write_output
@@ -116,8 +117,12 @@ def run(args: argparse.Namespace) -> int:
         compiled=compiled,
     )
 
-    def progress(line: str) -> None:
-        print(f"[profile] {line}", file=sys.stderr, flush=True)
+    started_s = time.monotonic()
+
+    def progress(line: str) -> None:  # with the seconds since the start: where a run's time goes
+        print(
+            f"[profile] {line} ({time.monotonic() - started_s:.0f} s)", file=sys.stderr, flush=True
+        )
 
     def save_part(data: dict) -> None:  # what is measured so far: a run stopped keeps it
         save_profile(profile_from_dict(data), args.out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from zellige._files import check_outputs, read_input, write_output
@@ -98,9 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-rows",
         action="store_true",
-        help="with --measure-rows: measure only the time rows (as `zellige profile --time-only`: "
-        "attention tables and streams, the model's launch and per-token rows) and keep "
-        "--profile's memory rows",
+        help="with --measure-rows: measure only the model's own time rows (host launch time and "
+        "per-token rates; about two minutes on an H200) and keep --profile's memory rows and "
+        "its attention rows (`zellige profile --time-only` measures those too)",
     )
     parser.add_argument("--json", type=Path, help="write every rank's numbers here")
     parser.add_argument(
@@ -243,8 +244,11 @@ def run(args: argparse.Namespace) -> int:
         results_jsonl=str(args.results_jsonl) if args.results_jsonl else None,
     )
 
-    def progress(line: str) -> None:
-        print(f"[validate] {line}", file=sys.stderr, flush=True)
+    started_s = time.monotonic()
+
+    def progress(line: str) -> None:  # with the seconds since the start: where a run's time goes
+        elapsed_s = time.monotonic() - started_s
+        print(f"[validate] {line} ({elapsed_s:.0f} s)", file=sys.stderr, flush=True)
 
     def measure_rows():
         from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
@@ -263,10 +267,11 @@ def run(args: argparse.Namespace) -> int:
         )
 
         def rows_progress(line: str) -> None:
-            print(f"[profile] {line}", file=sys.stderr, flush=True)
+            elapsed_s = time.monotonic() - started_s
+            print(f"[profile] {line} ({elapsed_s:.0f} s)", file=sys.stderr, flush=True)
 
         if args.time_rows:
-            result = profile_time_into(base, profile_options, rows_progress, save)
+            result = profile_time_into(base, profile_options, rows_progress, save, shared=False)
         else:
             result = profile_memory_into(base, profile_options, rows_progress, save, per_token=True)
         save(result.profile)

@@ -1255,14 +1255,17 @@ def profile_time_into(
     options: ProfileOptions,
     progress: Progress = print,
     save: Callable[[dict], None] | None = None,
+    *,
+    shared: bool = True,
 ) -> ProfileResult:
     """Measures only the time rows and returns `base` (a profile JSON object) with them replaced:
-    the attention engine's rows (per-head and call tables at the model's head count, the stream
-    count the engine runs on this device and the overlap its streams give:
-    attention_calls.measure_stream_overlap), the per-token rate tables of `options.model` on its
-    own blocks, and its host launch rows. Memory rows, exchange and layout rows stay as in
-    `base`. `save`, if given, gets the profile after each part (attention, launch, per-token),
-    so a run cut short keeps what it measured (--details only comes with a finished run)."""
+    the host launch rows and per-token rate tables of `options.model` on its own blocks, then,
+    with `shared`, the attention engine's rows that serve every model (per-head and call tables
+    at the model's head count, the stream count the engine runs on this device and the overlap
+    its streams give: attention_calls.measure_stream_overlap; minutes on an H200: one cuDNN
+    plan per shape). Memory rows, exchange and layout rows stay as in `base`. `save`, if
+    given, gets the profile after each part, so a run cut short keeps what it measured
+    (--details only comes with a finished run)."""
     from zellige.profiler.attention_calls import measure_stream_overlap
     from zellige.runtime.merging import streams_for_device
 
@@ -1291,31 +1294,6 @@ def profile_time_into(
             save(profile)
         return profile
 
-    streams = streams_for_device(device)
-    overlap = measure_stream_overlap(
-        device, streams, num_heads=config.num_heads, head_dim=config.head_dim,
-        quick=options.quick, repeats=options.repeats, progress=progress,
-    )  # fmt: skip
-    details["stream_overlap"] = overlap
-    forward, backward = profile_attention(
-        options, device, dtype, config.num_heads, config.head_dim, progress
-    )
-    call_lengths, call_forward, call_backward = profile_attention_calls(
-        options, device, dtype, config.num_heads, config.head_dim, progress
-    )
-    longest = forward["x"][-1]
-    profile.update(
-        attention_head_dim=config.head_dim,
-        attention_forward_s_per_head=forward,
-        attention_backward_s_per_head=backward,
-        attention_call_lengths=call_lengths,
-        attention_call_forward_s=call_forward,
-        attention_call_backward_s=call_backward,
-        attention_flops_per_s=4.0 * longest**2 * config.head_dim / forward["y"][-1],
-        attention_streams=streams,
-        attention_stream_overlap=overlap["attention_stream_overlap"],
-    )
-    stamped("attention")
     launch = profile_launch(options, device, dtype, progress)
     details["launch"] = launch
     rows = {key: launch[key] for key in ("launch_s_per_layer", "launch_s_per_attention_call")}
@@ -1330,4 +1308,36 @@ def profile_time_into(
         "model_matmul_backward_flops_per_s": rate_backward,
     }
     profile = merge_memory(profile, spec.name, {}, tables)
-    return ProfileResult(profile=stamped("per-token layers"), details=details)
+    stamped("per-token layers")
+    if not shared:
+        return ProfileResult(profile=profile, details=details)
+    streams = streams_for_device(device)
+    overlap = measure_stream_overlap(
+        device, streams, num_heads=config.num_heads, head_dim=config.head_dim,
+        quick=options.quick, repeats=options.repeats, progress=progress,
+    )  # fmt: skip
+    details["stream_overlap"] = overlap
+    profile.update(
+        attention_streams=streams,
+        attention_stream_overlap=overlap["attention_stream_overlap"],
+    )
+    stamped("attention streams")
+    forward, backward = profile_attention(
+        options, device, dtype, config.num_heads, config.head_dim, progress
+    )
+    profile.update(
+        attention_head_dim=config.head_dim,
+        attention_forward_s_per_head=forward,
+        attention_backward_s_per_head=backward,
+        attention_flops_per_s=4.0 * forward["x"][-1] ** 2 * config.head_dim / forward["y"][-1],
+    )
+    stamped("attention per head")
+    call_lengths, call_forward, call_backward = profile_attention_calls(
+        options, device, dtype, config.num_heads, config.head_dim, progress
+    )
+    profile.update(
+        attention_call_lengths=call_lengths,
+        attention_call_forward_s=call_forward,
+        attention_call_backward_s=call_backward,
+    )
+    return ProfileResult(profile=stamped("attention calls"), details=details)
