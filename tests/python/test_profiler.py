@@ -875,9 +875,9 @@ def test_time_only_profile_replaces_the_time_rows_and_keeps_the_memory_rows(
 
 
 def test_validate_measures_the_time_rows_in_its_own_process(tmp_path, capsys):
-    """validate-profile --measure-rows FILE --time-rows: the model's own time rows (launch,
-    per-token) measured and validated in one process; memory and attention rows stay
-    --profile's."""
+    """validate-profile --measure-rows FILE --time-rows: the model's launch and per-token rows and
+    the per-head attention tables measured and validated in one process; memory rows, call
+    tables and streams stay --profile's."""
     from zellige import _core
 
     if not hasattr(_core, "make_plan"):
@@ -892,10 +892,11 @@ def test_validate_measures_the_time_rows_in_its_own_process(tmp_path, capsys):
     extra = ["--measure-rows", str(rows), "--time-rows", "--results-jsonl", str(results)]
     assert main([*args, *extra]) == 0
     err = capsys.readouterr().err
-    assert "host issue time" in err and "attention streams" not in err  # the model's rows only
+    assert "host issue time" in err and "attention streams" not in err
     measured, base = json.loads(rows.read_text()), profile_to_dict(load_profile(None))
-    for key in ("attention_forward_s_per_head", "attention_call_forward_s", "attention_streams"):
-        assert measured[key] == base[key]  # the shared attention rows stay
+    assert measured["attention_forward_s_per_head"]["x"] == [64.0, 128.0, 256.0]  # measured
+    for key in ("attention_call_forward_s", "attention_streams", "attention_stream_overlap"):
+        assert measured[key] == base[key]  # the call tables and streams stay
     assert measured["memory_models"][: len(base["memory_models"])] == base["memory_models"]
     assert measured["step_fixed_bytes"][: len(base["memory_models"])] == base["step_fixed_bytes"]
     assert "--time-only --quick" in measured["created"]

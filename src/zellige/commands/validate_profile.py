@@ -99,9 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-rows",
         action="store_true",
-        help="with --measure-rows: measure only the model's own time rows (host launch time and "
-        "per-token rates; about two minutes on an H200) and keep --profile's memory rows and "
-        "its attention rows (`zellige profile --time-only` measures those too)",
+        help="with --measure-rows: measure only the time rows that move with the machine (the "
+        "model's host launch time and per-token rates, the engine's per-head attention tables) "
+        "and keep --profile's memory rows, attention call tables and streams (`zellige profile "
+        "--time-only` measures those too, minutes more)",
     )
     parser.add_argument("--json", type=Path, help="write every rank's numbers here")
     parser.add_argument(
@@ -271,7 +272,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"[profile] {line} ({elapsed_s:.0f} s)", file=sys.stderr, flush=True)
 
         if args.time_rows:
-            result = profile_time_into(base, profile_options, rows_progress, save, shared=False)
+            result = profile_time_into(
+                base, profile_options, rows_progress, save, call_tables=False
+            )
         else:
             result = profile_memory_into(base, profile_options, rows_progress, save, per_token=True)
         save(result.profile)

@@ -1256,16 +1256,17 @@ def profile_time_into(
     progress: Progress = print,
     save: Callable[[dict], None] | None = None,
     *,
-    shared: bool = True,
+    call_tables: bool = True,
 ) -> ProfileResult:
-    """Measures only the time rows and returns `base` (a profile JSON object) with them replaced:
-    the host launch rows and per-token rate tables of `options.model` on its own blocks, then,
-    with `shared`, the attention engine's rows that serve every model (per-head and call tables
-    at the model's head count, the stream count the engine runs on this device and the overlap
-    its streams give: attention_calls.measure_stream_overlap; minutes on an H200: one cuDNN
-    plan per shape). Memory rows, exchange and layout rows stay as in `base`. `save`, if
-    given, gets the profile after each part, so a run cut short keeps what it measured
-    (--details only comes with a finished run)."""
+    """Measures only the time rows and returns `base` (a profile JSON object) with them replaced,
+    in this order: the host launch rows and per-token rate tables of `options.model` on its own
+    blocks; the engine's per-head attention tables at the model's head count; with
+    `call_tables`, the attention call tables, the stream count the engine runs on this device
+    and the overlap its streams give (attention_calls.measure_stream_overlap). Those last two
+    time many distinct call shapes, each a cuDNN plan built on first use: minutes on an H200,
+    where the rest takes about two. Memory rows, exchange and layout rows stay as in `base`.
+    `save`, if given, gets the profile after each part, so a run cut short keeps what it
+    measured (--details only comes with a finished run)."""
     from zellige.profiler.attention_calls import measure_stream_overlap
     from zellige.runtime.merging import streams_for_device
 
@@ -1309,19 +1310,6 @@ def profile_time_into(
     }
     profile = merge_memory(profile, spec.name, {}, tables)
     stamped("per-token layers")
-    if not shared:
-        return ProfileResult(profile=profile, details=details)
-    streams = streams_for_device(device)
-    overlap = measure_stream_overlap(
-        device, streams, num_heads=config.num_heads, head_dim=config.head_dim,
-        quick=options.quick, repeats=options.repeats, progress=progress,
-    )  # fmt: skip
-    details["stream_overlap"] = overlap
-    profile.update(
-        attention_streams=streams,
-        attention_stream_overlap=overlap["attention_stream_overlap"],
-    )
-    stamped("attention streams")
     forward, backward = profile_attention(
         options, device, dtype, config.num_heads, config.head_dim, progress
     )
@@ -1332,6 +1320,8 @@ def profile_time_into(
         attention_flops_per_s=4.0 * forward["x"][-1] ** 2 * config.head_dim / forward["y"][-1],
     )
     stamped("attention per head")
+    if not call_tables:
+        return ProfileResult(profile=profile, details=details)
     call_lengths, call_forward, call_backward = profile_attention_calls(
         options, device, dtype, config.num_heads, config.head_dim, progress
     )
@@ -1340,4 +1330,15 @@ def profile_time_into(
         attention_call_forward_s=call_forward,
         attention_call_backward_s=call_backward,
     )
-    return ProfileResult(profile=stamped("attention calls"), details=details)
+    stamped("attention calls")
+    streams = streams_for_device(device)
+    overlap = measure_stream_overlap(
+        device, streams, num_heads=config.num_heads, head_dim=config.head_dim,
+        quick=options.quick, repeats=options.repeats, progress=progress,
+    )  # fmt: skip
+    details["stream_overlap"] = overlap
+    profile.update(
+        attention_streams=streams,
+        attention_stream_overlap=overlap["attention_stream_overlap"],
+    )
+    return ProfileResult(profile=stamped("attention streams"), details=details)
