@@ -1263,10 +1263,10 @@ def profile_time_into(
     blocks; the engine's per-head attention tables at the model's head count; with
     `call_tables`, the attention call tables, the stream count the engine runs on this device
     and the overlap its streams give (attention_calls.measure_stream_overlap). Those last two
-    time many distinct call shapes, each a cuDNN plan built on first use: minutes on an H200,
-    where the rest takes about two. Memory rows, exchange and layout rows stay as in `base`.
-    `save`, if given, gets the profile after each part, so a run cut short keeps what it
-    measured (--details only comes with a finished run)."""
+    time many distinct call shapes (on an H200 the stream probe and the per-head tables alone
+    took over two minutes, bench/results/mmdit_h200_202612.md run 8). Memory rows, exchange
+    and layout rows stay as in `base`. `save`, if given, gets the profile after each part, so a
+    run cut short keeps what it measured (--details only comes with a finished run)."""
     from zellige.profiler.attention_calls import measure_stream_overlap
     from zellige.runtime.merging import streams_for_device
 
