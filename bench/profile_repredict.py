@@ -6,7 +6,8 @@ the measured times and peaks of one GPU run can be compared with any profile off
 
 Plans are re-drawn by name (recipe/GPUs/planner/seed) with --plan-profile (the profile the GPU
 run drew them with), then every profile predicts the same ranks; prints MAPEs per profile and a
-per-rank table, then the MAPEs by class of rank (token count, mixed strategies, Ulysses).
+per-rank table, then the time and memory MAPEs by class of rank (token count, mixed
+strategies, Ulysses).
 Reports: a `--json` report, or the per-rank `--results-jsonl` files (several are joined). Every
 prediction includes the exchanges' local stand-in copies, as
 validate-profile now predicts them (validate.local_copy_s); reports written before that have no
@@ -102,20 +103,24 @@ def main() -> None:
                 f"{rank['plan']:<42} {rank['rank']:>4} {rank['tokens']:>7} "
                 f"{rank['num_sequences']:>4} {rank[measured_key] * scale:>12.2f}  {errors}"
             )
-    print(
-        f"\nmemory MAPE by class of rank\n{'class':<26} {'ranks':>5}  "
-        + "  ".join(f"{p[:12]:>12}" for p in labels)
-    )
-    for name, member in RANK_CLASSES:
-        chosen = [r for r in rows if member(r["rank"])]
-        if not chosen:
-            continue
-        measured = [r["rank"]["measured_peak_bytes"] for r in chosen]
-        mapes = "  ".join(
-            f"{fit.mape_percent([r['predicted'][p][1] for r in chosen], measured):>11.2f}%"
-            for p in labels
+    for what, index, measured_key in (
+        ("time", 0, "measured_s"),
+        ("memory", 1, "measured_peak_bytes"),
+    ):
+        print(
+            f"\n{what} MAPE by class of rank\n{'class':<26} {'ranks':>5}  "
+            + "  ".join(f"{p[:12]:>12}" for p in labels)
         )
-        print(f"{name:<26} {len(chosen):>5}  {mapes}")
+        for name, member in RANK_CLASSES:
+            chosen = [r for r in rows if member(r["rank"])]
+            if not chosen:
+                continue
+            measured = [r["rank"][measured_key] for r in chosen]
+            mapes = "  ".join(
+                f"{fit.mape_percent([r['predicted'][p][index] for r in chosen], measured):>11.2f}%"
+                for p in labels
+            )
+            print(f"{name:<26} {len(chosen):>5}  {mapes}")
     print(f"\nmachine: {platform.node()} (CPU, re-prediction only); {len(rows)} ranks")
 
 

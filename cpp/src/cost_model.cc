@@ -15,6 +15,9 @@
 namespace zellige {
 
 namespace {
+// A call key's tag (CostModel::CallKey) for cross-attention; -1 is a coalescable self-attention
+// segment, >= 0 a ring step's sequence.
+constexpr int64_t kCrossTag = -2;
 
 constexpr double kRouteBytesPerToken = 512;  // latent features + ids, each direction
 constexpr int64_t kDefaultReservedBytes = int64_t{3} << 30;
@@ -37,6 +40,33 @@ bool same_node(const Cluster& cluster, const std::vector<int64_t>& ranks, int64_
 }
 
 }  // namespace
+
+std::vector<int64_t> stream_assignment(const std::vector<int64_t>& works, int64_t streams) {
+  std::vector<int64_t> queued(static_cast<size_t>(std::max<int64_t>(1, streams)), 0);
+  std::vector<int64_t> chosen;
+  chosen.reserve(works.size());
+  for (const int64_t work : works) {
+    const auto least = std::min_element(queued.begin(), queued.end());  // first of the least
+    *least += work;
+    chosen.push_back(least - queued.begin());
+  }
+  return chosen;
+}
+
+double streamed_calls_s(const std::vector<int64_t>& works, const std::vector<double>& seconds,
+                        int64_t streams, double overlap) {
+  if (works.size() != seconds.size()) {
+    throw std::invalid_argument("streamed_calls_s: one work and one time per call");
+  }
+  double serial_s = 0;
+  for (const double call_s : seconds) serial_s += call_s;
+  if (streams <= 1 || overlap == 0 || works.size() < 2) return serial_s;
+  std::vector<double> load_s(static_cast<size_t>(streams), 0.0);
+  const std::vector<int64_t> chosen = stream_assignment(works, streams);
+  for (size_t i = 0; i < chosen.size(); ++i) load_s[static_cast<size_t>(chosen[i])] += seconds[i];
+  const double most_s = *std::max_element(load_s.begin(), load_s.end());
+  return serial_s - overlap * (serial_s - most_s);
+}
 
 CostModel::LogTable::LogTable(const Table& table) {
   for (size_t i = 0; i < table.x.size(); ++i) {
@@ -119,6 +149,9 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
       if (i < own->size() && !(*own)[i].empty()) *shared = (*own)[i];
     }
   }
+  stream_gain_bound_ =
+      profile_.attention_stream_overlap *
+      (1.0 - 1.0 / static_cast<double>(std::max<int64_t>(1, profile_.attention_streams)));
   attention_forward_ = LogTable(profile_.attention_forward_s_per_head);
   attention_backward_ = LogTable(profile_.attention_backward_s_per_head);
   matmul_forward_ = LogTable(profile_.matmul_forward_flops_per_s);
@@ -343,7 +376,7 @@ void CostModel::position_calls(const Sequence& sequence, const Placement& placem
       keys->push_back({block, key_block, heads, tag, r == 1 ? 0 : step});
     }
   }
-  if (cross && chunk > 0) keys->push_back({chunk, sequence.text_tokens, all_heads, -2, 0});
+  if (cross && chunk > 0) keys->push_back({chunk, sequence.text_tokens, all_heads, kCrossTag, 0});
 }
 
 // price_calls = false leaves out every call's excess (the lower bound's shapes).
@@ -411,10 +444,13 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
                 shape.call_excess_s[head_class][block_class][c]);
   }
   if (cross) {
-    layer_s +=
+    const double cross_s =
         all_heads * (head_forward_s(n, text) + head_backward_s(n, text) +
-                     (shape.price_calls ? call_excess_per_head_s(n, text, all_heads) : 0.0)) +
-        shape.text_projection_s;
+                     (shape.price_calls ? call_excess_per_head_s(n, text, all_heads) : 0.0));
+    // The lower bound's shapes (no call prices) take off the most the cross-attention table's
+    // streams can save (evaluate prices the actual saving per rank).
+    layer_s += (shape.price_calls ? cross_s : (1.0 - stream_gain_bound_) * cross_s) +
+               shape.text_projection_s;
     // the text k/v projections are per-token layers of the block: recomputed
     if (checkpointing) terms.recompute_s = layers * text_projection_forward_s(shape.text_tokens);
   }
@@ -849,6 +885,13 @@ void CostModel::fill_entry(const Sequence& sequence, const Placement& placement,
           }
           const double heads = static_cast<double>(call[2]);
           excess_s += layers * 1.0 * heads * known->second;
+          if (call[3] == kCrossTag && stream_gain_bound_ > 0) {
+            // what the cross-attention table's streams may save of this call at most: the floor
+            // takes it off with the excess (evaluate prices the actual saving per rank)
+            const double lq = static_cast<double>(call[0]), lk = static_cast<double>(call[1]);
+            excess_s += stream_gain_bound_ * layers * heads *
+                        (head_forward_s(lq, lk) + head_backward_s(lq, lk) + known->second);
+          }
         }
         excess_of_position.push_back({position, excess_s});
         alike = excess_of_position.end() - 1;
@@ -1062,6 +1105,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     for (const RankCall& call : calls) by_rank[next[call.rank]++] = call;
   }
   const double capacity = memory_capacity_bytes();
+  std::vector<std::pair<int64_t, double>> streamed;  // a rank's cross-attention calls: work, s
   for (int64_t i = 0; i < num_ranks; ++i) {
     RankCost& rank = cost.ranks[i];
     rank.linear_s = linear_time_s(rank.tokens);
@@ -1070,6 +1114,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     const auto last = by_rank.begin() + static_cast<std::ptrdiff_t>(rank_begin[i + 1]);
     std::sort(first, last, [](const RankCall& a, const RankCall& b) { return a.key < b.key; });
     int64_t distinct_calls = 0;
+    streamed.clear();
     for (auto it = first; it != last;) {
       const CallKey& key = it->key;
       int64_t segments = 0;
@@ -1083,6 +1128,33 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
             layers * call_heads *
             (call_excess_per_head_s(lq, lk, call_heads) - call_excess_per_head_s(lq, lk, heads));
       }
+      if (key[3] == kCrossTag && profile_.attention_streams > 1) {
+        const double seconds = layers * call_heads *
+                               (head_forward_s(lq, lk) + head_backward_s(lq, lk) +
+                                call_excess_per_head_s(lq, lk, call_heads));
+        streamed.push_back({segments * key[0] * key[1] * key[2], seconds});
+      }
+    }
+    // The cross-attention table runs its calls on the profile's streams (runtime/attention.py
+    // cross_attention: coalesced_attention at the device's count); self- and joint attention of
+    // the distributed step run one call after another (forward_into / backward_into on one
+    // stream), as do ring steps, so only this table's calls overlap.
+    if (streamed.size() > 1) {
+      // most work first, as coalesced.SegmentTable.calls orders them (ties: key order)
+      std::stable_sort(streamed.begin(), streamed.end(),
+                       [](const auto& a, const auto& b) { return a.first > b.first; });
+      std::vector<int64_t> works;
+      std::vector<double> seconds;
+      double serial_s = 0;
+      for (const auto& [work, call_s] : streamed) {
+        works.push_back(work);
+        seconds.push_back(call_s);
+        serial_s += call_s;
+      }
+      rank.stream_s = streamed_calls_s(works, seconds, profile_.attention_streams,
+                                       profile_.attention_stream_overlap) -
+                      serial_s;
+      rank.call_s += rank.stream_s;
     }
     rank.attention_calls = distinct_calls;
     if (rank.tokens > 0) {
@@ -1367,7 +1439,8 @@ struct LowerBoundSearch {
                             static_cast<double>(chunk), static_cast<double>(shape.text_tokens),
                             all_heads, all_heads * group_of(cross_groups, shape.text_tokens));
       }
-      layer_s += memo->cross_s[slot];
+      // the cross-attention table's streams may save this share of it (rank_terms)
+      layer_s += (1.0 - cost.stream_gain_bound_) * memo->cross_s[slot];
     }
     return static_cast<double>(cost.model().num_layers) * layer_s;
   }

@@ -143,6 +143,13 @@ void HardwareProfile::validate() const {
   }
   require_in(ulysses_layout_s_per_byte, 0.0, kMaxLayoutSecondsPerByte, "ulysses_layout_s_per_byte");
   require_in(ring_layout_s_per_byte, 0.0, kMaxLayoutSecondsPerByte, "ring_layout_s_per_byte");
+  if (attention_streams < 1 || attention_streams > 8) {
+    throw std::invalid_argument("profile: attention_streams must be an integer from 1 to 8, got " +
+                                std::to_string(attention_streams));
+  }
+  if (!(attention_stream_overlap >= 0 && attention_stream_overlap <= 1)) {
+    throw std::invalid_argument("profile: attention_stream_overlap must be in [0, 1]");
+  }
   if (!(exchange_overlap >= 0 && exchange_overlap < 1)) {
     throw std::invalid_argument("profile: exchange_overlap must be in [0, 1)");
   }

@@ -145,6 +145,15 @@ struct HardwareProfile {
   // so two packs' line errs above between them and below outside.
   std::vector<Table> backward_peak_bytes;
   int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
+  // CUDA streams the attention engine spreads one table's calls over (runtime/coalesced.py
+  // _for_each_group; the device's call table says how many), and the measured share of the ideal
+  // gain that concurrency delivers: a rank whose calls, assigned to streams as the engine assigns
+  // them (stream_assignment: most work first, to the least loaded), load its streams at
+  // L_1..L_S seconds runs them in sum(L) - attention_stream_overlap * (sum(L) - max(L)). 1 and 0
+  // (the defaults): calls priced as run one after another. Measured by `zellige profile`
+  // (profiler/attention_calls.py measure_stream_overlap) on a pack of many lengths.
+  int64_t attention_streams = 1;
+  double attention_stream_overlap = 0.0;
 
   // Every non-empty table valid, every value inside the ranges above; throws
   // std::invalid_argument naming the field, the value and the allowed range.

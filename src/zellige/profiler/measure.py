@@ -1392,3 +1392,97 @@ def profile_memory_into(
     parts.append("launch")
     measured = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
     return ProfileResult(profile=with_rows(rows, tables, measured), details=details)
+
+
+def profile_time_into(
+    base: dict,
+    options: ProfileOptions,
+    progress: Progress = print,
+    save: Callable[[dict], None] | None = None,
+    *,
+    call_tables: bool = True,
+) -> ProfileResult:
+    """Measures only the time rows and returns `base` (a profile JSON object) with them replaced,
+    in this order: the host launch rows and per-token rate tables of `options.model` on its own
+    blocks; the engine's per-head attention tables at the model's head count; with
+    `call_tables`, the attention call tables, the stream count the engine runs on this device
+    and the overlap its streams give (attention_calls.measure_stream_overlap). Those last two
+    time many distinct call shapes (on an H200 the stream probe and the per-head tables alone
+    took over two minutes, bench/results/mmdit_h200_202612.md run 8). Memory rows, exchange
+    and layout rows stay as in `base`. `save`, if given, gets the profile after each part, so a
+    run cut short keeps what it measured (--details only comes with a finished run)."""
+    from zellige.profiler.attention_calls import measure_stream_overlap
+    from zellige.runtime.merging import streams_for_device
+
+    device = torch.device(options.device)
+    if device.type != "cuda" and not options.quick:
+        raise ValueError(
+            "zellige profile --time-only measures a GPU and found none (a CPU smoke run: --quick)"
+        )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = dit_config(options.model)
+    spec = model_spec(options.model)
+    now = datetime.datetime.now(datetime.UTC)
+    profile = dict(base)
+    parts: list[str] = []
+    details: dict = {"model": model_name(options.model)}
+
+    def stamped(part: str) -> dict:
+        parts.append(part)
+        profile["created"] = (
+            f"{base.get('created', '')}; time rows ({', '.join(parts)}) of {spec.name} measured by "
+            f"`zellige profile --time-only{' --quick' if options.quick else ''}` on "
+            f"{now:%Y-%m-%d %H:%M} UTC ({_versions(device)}; {_compiled_text(options)})"
+        )
+        _check_finite(profile)
+        if save is not None:
+            save(profile)
+        return profile
+
+    launch = profile_launch(options, device, dtype, progress)
+    details["launch"] = launch
+    rows = {key: launch[key] for key in ("launch_s_per_layer", "launch_s_per_attention_call")}
+    profile = merge_memory(profile, spec.name, rows)
+    stamped("launch")
+    rate_forward, rate_backward, layer_seconds = profile_per_token_layers(
+        options, device, dtype, base["memory_bytes_per_s"], progress
+    )
+    details["per_token_layer_seconds"] = layer_seconds
+    tables = {
+        "model_matmul_forward_flops_per_s": rate_forward,
+        "model_matmul_backward_flops_per_s": rate_backward,
+    }
+    profile = merge_memory(profile, spec.name, {}, tables)
+    stamped("per-token layers")
+    forward, backward = profile_attention(
+        options, device, dtype, config.num_heads, config.head_dim, progress
+    )
+    profile.update(
+        attention_head_dim=config.head_dim,
+        attention_forward_s_per_head=forward,
+        attention_backward_s_per_head=backward,
+        attention_flops_per_s=4.0 * forward["x"][-1] ** 2 * config.head_dim / forward["y"][-1],
+    )
+    stamped("attention per head")
+    if not call_tables:
+        return ProfileResult(profile=profile, details=details)
+    call_lengths, call_forward, call_backward = profile_attention_calls(
+        options, device, dtype, config.num_heads, config.head_dim, progress
+    )
+    profile.update(
+        attention_call_lengths=call_lengths,
+        attention_call_forward_s=call_forward,
+        attention_call_backward_s=call_backward,
+    )
+    stamped("attention calls")
+    streams = streams_for_device(device)
+    overlap = measure_stream_overlap(
+        device, streams, num_heads=config.num_heads, head_dim=config.head_dim,
+        quick=options.quick, repeats=options.repeats, progress=progress,
+    )  # fmt: skip
+    details["stream_overlap"] = overlap
+    profile.update(
+        attention_streams=streams,
+        attention_stream_overlap=overlap["attention_stream_overlap"],
+    )
+    return ProfileResult(profile=stamped("attention streams"), details=details)
