@@ -108,6 +108,7 @@ class LoneRankWeights:
         self._masters = None  # during a step: the master weights, in slot order
         self._restore_queued = False
         self._pending = None  # the deferred update: update(masters of one group)
+        self._issuing = None  # during a forward: (update, masters, copies, [next group])
         self._ready = [None] * len(self._groups)  # CUDA events: a group's copies are made
         self._stream = None  # CUDA: where deferred updates and their casts run
         model.register_forward_pre_hook(self._before_forward)
@@ -152,13 +153,26 @@ class LoneRankWeights:
         self._wait(0)  # the root's layers (embeddings) come first
 
     def _update_and_cast(self, update, masters: list, computes: list) -> None:
-        cuda = masters[0].is_cuda
-        if cuda:
+        """Starts the deferred update: the root's group and the first block's now, each next
+        block's when the forward reaches the block before it (the host's launches spread over
+        the forward, one block ahead of the device's need)."""
+        if masters[0].is_cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(masters[0].device)
             # the gradients, the clipping's scale and the copies' memory are the main stream's
             self._stream.wait_stream(torch.cuda.current_stream(masters[0].device))
-        for index, group in enumerate(self._groups):
+        self._issuing = (update, masters, computes, [0])
+        self._issue_through(1)
+
+    def _issue_through(self, last: int) -> None:
+        """Launches the deferred update and cast of every group up to `last` not yet launched."""
+        if self._issuing is None:
+            return
+        update, masters, computes, next_group = self._issuing
+        while next_group[0] <= min(last, len(self._groups) - 1):
+            index = next_group[0]
+            group = self._groups[index]
+            cuda = self._stream is not None and masters[0].is_cuda
             with torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext():
                 update([masters[slot] for slot in group])
                 if group:
@@ -168,9 +182,13 @@ class LoneRankWeights:
                         )
                 if cuda:
                     self._ready[index] = self._stream.record_event()
+            next_group[0] += 1
+        if next_group[0] == len(self._groups):
+            self._issuing = None
 
     def _waiting_for(self, index: int):
         def hook(_module, _args) -> None:
+            self._issue_through(index + 1)
             self._wait(index)
 
         return hook
@@ -195,6 +213,8 @@ class LoneRankWeights:
         return hook
 
     def _restore(self) -> None:
+        if self._issuing is not None:  # a block's copies were never made: its results are void
+            raise RuntimeError("LoneRankWeights: a block's forward did not run through its runner")
         for (module, name), master in zip(self._slots, self._masters, strict=True):
             module._parameters[name] = master
         self._masters = None
