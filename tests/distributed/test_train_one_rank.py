@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from test_train import _torchrun
+from test_train import _torchrun, _train
 
 from zellige.train.config import TrainConfig
 from zellige.train.loop import weights_kept_to_backward
@@ -69,6 +69,25 @@ def test_one_rank_paths_give_fsdp_parameters_bit_for_bit(tmp_path: Path) -> None
             for key, value in reference["params"].items():
                 assert runs[name]["params"][key].dtype == value.dtype  # fp32 / f64 masters
                 assert torch.equal(runs[name]["params"][key], value), (dtype, name, key)
+
+
+def test_deferred_update_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """A checkpoint saved while a step's update is deferred holds that update (the save applies
+    it first): the resumed steps' losses are the uninterrupted run's, which are those of the
+    run that steps at each step's end."""
+    args = ("--steps", "4", "--dtype", "float64", "--loader-workers", "0")
+    overlap = _train(
+        1, tmp_path, "overlap", *args, "--overlap-optimizer", "--checkpoint-every", "2",
+        "--out", str(tmp_path / "ckpt"),
+    )  # fmt: skip
+    plain = _train(1, tmp_path, "plain", *args, "--no-overlap-optimizer")
+    assert [r["loss"] for r in overlap] == [r["loss"] for r in plain]
+    resumed = _train(
+        1, tmp_path, "resumed", *args, "--overlap-optimizer",
+        "--resume", str(tmp_path / "ckpt" / "step-2"),
+    )  # fmt: skip
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in overlap[2:]]
 
 
 def test_clipping_in_the_fused_optimizer_matches_clip_grad_norm(tmp_path: Path) -> None:
