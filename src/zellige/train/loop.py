@@ -208,6 +208,7 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
         reshard_after_forward=config.reshard_after_forward,
         fsdp_on_one_rank=config.fsdp_on_one_rank,
         defer_optimizer=overlaps_optimizer(config, device),
+        optimizer_side_stream=config.optimizer_side_stream,
     )
     if device.type == "cuda":
         model.to_empty(device=device)
