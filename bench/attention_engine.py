@@ -5,6 +5,9 @@ A pack is what one rank attends in one step when it holds whole sequences: the r
 the longest sequence and the fill around it). Methods on the same pack ([T, N, H] bf16):
   dense-cudnn      one sequence with the pack's FLOPs (L = sqrt(sum L_i^2)), torch SDPA on cuDNN:
                    the reference rate the coalesced call should reach (target >= 90%)
+  dense-cudnn-alt  (--dense-alt) the same 64 tokens longer: of L and L + 64 one is a multiple of
+                   128, where cuDNN's forward runs 10-20% faster (a call's key count decides;
+                   bench/attention_alignment_probe.py), so the pair shows both readings
   coalesced-auto   zellige.runtime.coalesced_attention as the engine calls it (automatic kernel
                    and merge policy)
   coalesced-groups the same, one dense cuDNN call per group of equal lengths (merge="groups")
@@ -24,6 +27,8 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
                    x useful FLOPs (--waste)
   pad-wX-nomask    (--merges) the same without the key mask (NOT exact: what the mask costs)
 Every method also reports its host issue time (host ms: the wall time to queue one run).
+--rounds N: the method list N times in turn; medians over rounds, and each method's ratio to the
+dense reference(s) of the same round, median over rounds ("paired": rates drift over a run).
 --call-table PATH: the attention call table (zellige.profiler.attention_calls, as `zellige
 profile --attention-calls` measures it): the merge policy's costs (runtime/merging.py).
 --joint: MMDiT packs: every sequence attends jointly with its own text of 256-512 tokens (uniform,
@@ -38,6 +43,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -50,7 +56,13 @@ import zellige
 from zellige.profiler.attention_calls import measure_call_table
 from zellige.runtime import SegmentTable, coalesced_attention, merging
 from zellige.runtime import kernels as K
-from zellige.runtime.coalesced import RAGGED_MIN_CALLS, _dense, _for_each_group, planned_table
+from zellige.runtime.coalesced import (
+    RAGGED_MIN_CALLS,
+    _dense,
+    _for_each_group,
+    key_split_ok,
+    planned_table,
+)
 
 aten = torch.ops.aten
 DEVICE = "cuda"  # --smoke runs the script's logic on the CPU with tiny shapes
@@ -211,15 +223,16 @@ def auto_buckets(table, head_dim: int) -> tuple[list[list[int]], str]:
 
 
 def bench_coalesced(
-    q, k, v, do, table, backend, streams=None, merge=None, overlap=False, *, repeat
+    q, k, v, do, table, backend, streams=None, merge=None, overlap=False, key_split=None, *, repeat
 ):
     rows = [t.view(-1, t.shape[-1]) for t in (q, k, v)]
     do_rows = do.view(-1, do.shape[-1])
 
     def forward():
         return coalesced_attention(
-            *rows, table, backend=backend, streams=streams, merge=merge, overlap_copies=overlap
-        )
+            *rows, table, backend=backend, streams=streams, merge=merge, overlap_copies=overlap,
+            key_split=key_split,
+        )  # fmt: skip
 
     return fwd_bwd(forward, (q, k, v), do_rows, repeat)
 
@@ -334,7 +347,8 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=1,
         help="run the method list this many times in turn (dense reference included), keep the "
-        "median per method: spreads clock drift over all methods",
+        "median per method (and each round's ratio to that round's dense reference, "
+        "paired_vs_dense): spreads clock drift over all methods",
     )  # fmt: skip
     parser.add_argument("--flash-groups", action="store_true", help="also FA2 dense groups")
     parser.add_argument("--ragged", action="store_true", help="also one ragged cuDNN call")
@@ -347,6 +361,16 @@ def main() -> None:
     parser.add_argument(
         "--waste", type=float, nargs="*", default=[5, 15, 30], help="pad-wX thresholds, percent"
     )
+    parser.add_argument(
+        "--key-split", type=int, nargs="*", default=[],
+        help="also the engine's automatic path with the forward of each group of >= N keys split "
+        "at a multiple of 128 keys (coalesced-ksplitN; key_split=N; 0 = never split)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dense-alt", action="store_true",
+        help="also the dense reference 64 tokens longer (dense-cudnn-alt: the other parity of "
+        "128; the reference's rate depends on it), not used in the ratios",
+    )  # fmt: skip
     parser.add_argument("--call-table", default=None, help="measure the call table into PATH")
     parser.add_argument("--call-table-first", action="store_true", help="before the packs")
     parser.add_argument("--no-length-table", action="store_true")
@@ -376,6 +400,9 @@ def main() -> None:
                                  torch.bfloat16, head_dim)  # fmt: skip
     masked_name = None if masked is None else getattr(masked, "bias_layout", masked.name)
     print(f"key-mask kernel (padded merges): {auto} with mask passed as {masked_name}")
+    split_ok = key_split_ok(K.kernel_for(device, torch.bfloat16, head_dim), device,
+                            torch.bfloat16, head_dim)  # fmt: skip
+    print(f"split forward (--key-split) passes its check against math on {auto}: {split_ok}")
     ragged = K.ragged_kernel_for(device, torch.bfloat16, head_dim)
     ragged_name = None if ragged is None else f"{ragged.name} (lse token-major: "
     if ragged is not None:
@@ -451,6 +478,7 @@ def main() -> None:
         dense_repeat = max(5, args.repeat)  # the reference of every ratio: a steadier median
         timings = {"dense-cudnn": bench_dense(dense_length, heads, head_dim, dense_repeat, gen)}
         dense_flops = 4 * heads * head_dim * dense_length**2
+        alt_flops = 4 * heads * head_dim * (dense_length + 64) ** 2
         fwd_s, bwd_s = timings["dense-cudnn"]
         print(f"{recipe} dense-cudnn L={dense_length}: {dense_flops / fwd_s / 1e12:.0f} / "
               f"{2.5 * dense_flops / bwd_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
@@ -468,6 +496,11 @@ def main() -> None:
                     (f"coalesced-{count}streams", bench_coalesced, (table, None, count, "groups"))
                 )
             methods.append((f"kernels-only-{count}s", bench_kernels_only, (table, count)))
+        for key_split in args.key_split:
+            extra = (table, None, None, None, False, key_split)
+            methods.append((f"coalesced-ksplit{key_split}", bench_coalesced, extra))
+        if args.dense_alt:
+            methods.append(("dense-cudnn-alt", bench_dense_again, (dense_length + 64, gen)))
         if args.rounds > 1:  # the dense reference again between rounds (see --rounds)
             methods.insert(0, ("dense-cudnn", bench_dense_again, (dense_length, gen)))
         if args.streams:
@@ -518,21 +551,41 @@ def main() -> None:
                 continue
             try:
                 rounds.setdefault(name, []).append(run(q, k, v, do, *extra, repeat=args.repeat))
-                fwd_all, bwd_all = (sorted(t[i] for t in rounds[name]) for i in (0, 1))
-                timings[name] = (fwd_all[len(fwd_all) // 2], bwd_all[len(bwd_all) // 2])
+                timings[name] = tuple(statistics.median(t[i] for t in rounds[name]) for i in (0, 1))
                 entry["host_ms"][name] = [
                     round(HOST_S[tag][len(HOST_S[tag]) // 2] * 1e3, 3) for tag in ("fwd", "bwd")
                 ]
                 fwd_s, bwd_s = rounds[name][-1]
-                work = dense_flops if name == "dense-cudnn" else flops
+                work = {"dense-cudnn": dense_flops, "dense-cudnn-alt": alt_flops}.get(name, flops)
                 rates = f"{work / fwd_s / 1e12:.0f} / {2.5 * work / bwd_s / 1e12:.0f}"
                 print(f"{recipe} {name}: {rates} TFLOP/s, host ms {entry['host_ms'][name]}",
                       flush=True)  # fmt: skip
             except Exception as exc:  # a backend missing in this torch build: report, go on
                 entry["rates"][name] = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
         for name, (fwd, bwd) in timings.items():
-            work = dense_flops if name == "dense-cudnn" else flops
+            work = {"dense-cudnn": dense_flops, "dense-cudnn-alt": alt_flops}.get(name, flops)
             entry["rates"][name] = (work / fwd / 1e12, 2.5 * work / bwd / 1e12)
+        # Paired ratios (--rounds > 1): each round's rate over the dense reference (and, with
+        # --dense-alt, over the one 64 tokens longer) measured in the same round, median over
+        # rounds: rates drift by up to 10% over a run (a later round ran slower), which this
+        # cancels where a median of each side alone does not.
+        references = {
+            "dense": (rounds["dense-cudnn"][1:], dense_flops),
+            "dense_alt": (rounds.get("dense-cudnn-alt", []), alt_flops),
+        }
+        for ref, (ref_rounds, ref_flops) in references.items():
+            entry[f"paired_vs_{ref}"] = {}
+            for name, times in rounds.items():
+                if name.startswith("dense-cudnn") or not ref_rounds or not times:
+                    continue
+                pairs = list(zip(times, ref_rounds, strict=False))
+                entry[f"paired_vs_{ref}"][name] = [
+                    statistics.median(flops / t[i] / (ref_flops / d[i]) for t, d in pairs)
+                    for i in (0, 1)
+                ]
+                fwd_ratio, bwd_ratio = entry[f"paired_vs_{ref}"][name]
+                print(f"{recipe} {name} / {ref}, paired by round (median of {len(pairs)}): "
+                      f"{fwd_ratio:.3f} / {bwd_ratio:.3f}", flush=True)  # fmt: skip
         # Same function: each coalesced path vs FA2 varlen, outputs and gradients, on this pack.
         for merge in ("groups", "ragged") if args.ragged else ("groups",):
             try:
@@ -569,6 +622,19 @@ def main() -> None:
                 rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)
             ]
             entry["streams_o_identical"] = bool(torch.equal(outs[1][0], outs[0][0]))
+        for key_split in [n for n in args.key_split if n > 0]:  # split forward: same function
+            rows = [t.view(-1, head_dim) for t in (q, k, v)]
+            outs = []
+            for split in (0, key_split):
+                o_c, lse_c = coalesced_attention(
+                    *rows, table, merge="groups", key_split=split, return_lse=True
+                )
+                grads = torch.autograd.grad(o_c.view_as(q), (q, k, v), do)
+                outs.append([o_c.view_as(q), lse_c, *grads])
+            diffs = [rel_diff(a, b) for a, b in zip(outs[1], outs[0], strict=True)]
+            entry[f"rel_diff_ksplit{key_split}_vs_groups"] = diffs
+            print(f"{recipe} ksplit{key_split} vs groups (o, lse, dq, dk, dv rel. diff): "
+                  f"{[f'{x:.1e}' for x in diffs]}", flush=True)  # fmt: skip
         if args.overhead or args.merges:  # copies on a side stream: the same results
             rows = [t.view(-1, head_dim) for t in (q, k, v)]
             outs = []
@@ -620,9 +686,13 @@ def main() -> None:
     for entry in report["packs"]:  # merge variants, in the order measured
         names += [n for n in entry["rates"] if n not in names]
     names = [n for n in names if any(n in e["rates"] for e in report["packs"])] or names[:5]
+    tail = (
+        " | auto/dense fwd, bwd | auto/dense paired | auto/dense-alt paired | auto/fa2 fwd, bwd"
+        " | best path |"
+    )
     print("| pack | seqs | tokens | calls (auto) | " + " | ".join(f"{n} fwd / bwd" for n in names)
-          + " | auto/dense fwd, bwd | auto/fa2 fwd, bwd | best path |")  # fmt: skip
-    print("|" + " --- |" * (len(names) + 7))
+          + tail)  # fmt: skip
+    print("|" + " --- |" * (len(names) + 9))
     for entry in report["packs"]:
         rates = entry["rates"]
         cells = [
@@ -642,11 +712,17 @@ def main() -> None:
                 return "-"
             return f"{rates[a][0] / rates[b][0]:.2f}, {rates[a][1] / rates[b][1]:.2f}"
 
+        paired = [
+            entry.get(f"paired_vs_{ref}", {}).get("coalesced-auto")
+            for ref in ("dense", "dense_alt")
+        ]
+        paired = ["-" if p is None else f"{p[0]:.2f}, {p[1]:.2f}" for p in paired]
         print(
             f"| {entry['recipe']} | {entry['sequences']} | {entry['tokens']} | {entry['calls']} "
             f"({entry['auto_plan']['calls']}) | "
             + " | ".join(cells)
             + f" | {ratio('coalesced-auto', 'dense-cudnn')}"
+            + f" | {paired[0]} | {paired[1]}"
             + f" | {ratio('coalesced-auto', 'fa2-varlen')} | {best} |"
         )
     m = report["machine"]

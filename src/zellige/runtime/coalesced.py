@@ -34,6 +34,7 @@ from zellige import _core
 from zellige.runtime import recompute
 from zellige.runtime.kernels import (
     Kernel,
+    MathKernel,
     RaggedKernel,
     default_scale,
     kernel_for,
@@ -436,6 +437,30 @@ class _Stores:
             self.main.wait_stream(self.side)
 
 
+KEY_TILE = 128  # key tokens of a cuDNN forward tile: a key count off a multiple runs slower
+
+
+def _key_split(g: SegmentGroup, min_keys: int) -> int:
+    """The key count of the aligned part of a split forward call (forward_into), or 0: none."""
+    if min_keys <= 0 or g.k_len < max(min_keys, KEY_TILE) or g.k_len % KEY_TILE == 0:
+        return 0
+    return g.k_len // KEY_TILE * KEY_TILE
+
+
+def _merge_split(o_main: Tensor, lse_main: Tensor, o_rest: Tensor, lse_rest: Tensor, out=None):
+    """Attention over keys A and B from its parts ([B, n, L, H] o, [B, n, L] lse): lse = log(
+    e^lse_A + e^lse_B), o = o_A + w (o_B - o_A) with w = e^(lse_B - lse), B's share of the
+    softmax (small: B holds < 128 keys). One lerp writes o (into `out`, a [B, L, n, H] view of
+    the rows, when given); w is kept in o's dtype, exact in float64, about w x 2^-9 relative in
+    bf16."""
+    lse = torch.logaddexp(lse_main, lse_rest)
+    weight = torch.exp(lse_rest - lse).to(o_main.dtype).unsqueeze(-1)
+    if out is None:
+        return torch.lerp(o_main, o_rest, weight), lse
+    torch.lerp(o_main.transpose(1, 2), o_rest.transpose(1, 2), weight.transpose(1, 2), out=out)
+    return None, lse
+
+
 def forward_into(
     table: SegmentTable,
     kernel: Kernel,
@@ -447,8 +472,15 @@ def forward_into(
     lse_rows: Tensor,
     streams: int = 1,
     overlap_copies: bool = False,
+    key_split: int = 0,
 ) -> None:
-    """Writes o and lse of every segment's query rows (other rows are left untouched)."""
+    """Writes o and lse of every segment's query rows (other rows are left untouched).
+
+    key_split > 0: a group of at least that many keys, not a multiple of KEY_TILE, runs as two
+    calls, its queries against the first multiple of KEY_TILE keys (cuDNN 9.19's forward runs
+    ~11% faster on such a key count, bench/results/attention_engine_h200_202612_alignment.md)
+    and against the < KEY_TILE keys left, merged by their lse (_merge_split) as ring steps are.
+    The backward is unchanged: it needs only the final o and lse."""
     stores = _Stores(q_rows.device, overlap_copies and streams <= 1)
 
     def store_padded(g: PaddedGroup, o: Tensor, lse: Tensor) -> None:
@@ -458,10 +490,22 @@ def forward_into(
 
     def store(g: SegmentGroup, o: Tensor, lse: Tensor) -> None:
         _store_dense(o_rows, g.q_index, o)
+        store_lse(g, lse)
+
+    def store_lse(g: SegmentGroup, lse: Tensor) -> None:
         if isinstance(g.q_index, slice):  # one strided copy, no token-major temporary
             lse_rows[g.q_index].view(g.count, g.q_len, g.num_heads).copy_(lse.transpose(1, 2))
         else:
             _put(lse_rows, g.q_index, lse.transpose(1, 2).reshape(-1))
+
+    def store_split(g: SegmentGroup, o: Tensor, lse: Tensor, o_rest: Tensor, lse_rest: Tensor):
+        if isinstance(g.q_index, slice):
+            rows = o_rows[g.q_index].view(g.count, g.q_len, g.num_heads, *o_rows.shape[1:])
+            _, lse = _merge_split(o, lse, o_rest, lse_rest, out=rows)
+        else:
+            merged, lse = _merge_split(o, lse, o_rest, lse_rest)
+            _put(o_rows, g.q_index, _flat(merged))
+        store_lse(g, lse)
 
     def one(g: SegmentGroup | PaddedGroup) -> None:
         if isinstance(g, PaddedGroup):
@@ -474,6 +518,13 @@ def forward_into(
         q = _dense(q_rows, g.q_index, g, g.q_len)
         k = _dense(k_rows, g.k_index, g, g.k_len)
         v = _dense(v_rows, g.k_index, g, g.k_len)
+        aligned = _key_split(g, key_split)
+        if aligned:
+            o, lse = kernel.forward(q, k[:, :, :aligned], v[:, :, :aligned], scale)
+            o_rest, lse_rest = kernel.forward(q, k[:, :, aligned:], v[:, :, aligned:], scale)
+            parts = (o, lse, o_rest, lse_rest)
+            stores.run(lambda: store_split(g, *parts), *parts)
+            return
         o, lse = kernel.forward(q, k, v, scale)
         stores.run(lambda: store(g, o, lse), o, lse)
 
@@ -553,7 +604,7 @@ def _whole(table: SegmentTable, num_q_rows: int, num_k_rows: int) -> bool:
 
 class _CoalescedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap):
+    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap, key_split):
         q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
         num_q, num_k = q_rows.shape[0], k_rows.shape[0]
         lse_type = lse_dtype(q_rows.dtype)
@@ -575,8 +626,9 @@ class _CoalescedAttention(torch.autograd.Function):
             o_rows = torch.empty_like(q_rows) if covered else torch.zeros_like(q_rows)
             lse_rows = torch.full((num_q,), float("-inf"), dtype=lse_type, device=q_rows.device)
             forward_into(
-                table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, streams, overlap
-            )
+                table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, streams, overlap,
+                key_split,
+            )  # fmt: skip
         if kept is None:
             recompute.keep(o_rows, lse_rows)
         ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
@@ -602,7 +654,7 @@ class _CoalescedAttention(torch.autograd.Function):
                 lse_rows.view(g.count, g.q_len, g.num_heads).transpose(1, 2),
                 scale,
             )
-            return _flat(dq), _flat(dk), _flat(dv), None, None, None, None, None
+            return _flat(dq), _flat(dk), _flat(dv), None, None, None, None, None, None
         q_covered = table.disjoint and table.q_rows == num_q
         k_covered = table.disjoint and table.k_rows == num_k
         dq = torch.empty_like(q_rows) if q_covered else torch.zeros_like(q_rows)
@@ -611,7 +663,7 @@ class _CoalescedAttention(torch.autograd.Function):
             table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, do_rows, dq, dk, dv,
             accumulate=not table.disjoint, streams=ctx.streams, overlap_copies=ctx.overlap,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # Merge policy: "auto" runs one ragged call for tables of at least this many groups (dense calls)
@@ -792,6 +844,7 @@ def coalesced_attention(
     streams: int | None = None,
     merge: str | None = None,
     overlap_copies: bool = False,
+    key_split: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of every segment of `table` in one call; differentiable in q, k, v.
 
@@ -803,6 +856,10 @@ def coalesced_attention(
     measured count (runtime/merging.py streams_for_device; 1 where nothing was measured).
     overlap_copies: on CUDA (one stream), write each call's results into the rows on a side
     stream, beside the next call's kernel (measured by bench/attention_engine.py --overhead).
+    key_split: in the forward, a group of at least this many keys that are not a multiple of
+    128 runs as two calls merged by lse (forward_into), where the kernel passes the check of it
+    (key_split_ok); 0: never; None: the device's measured value (runtime/merging.py
+    key_split_for_device; 0 where nothing was measured).
     merge: "groups" (one dense call per group, or as the table's own padded merges say),
     "ragged" (one ragged call where a checked ragged kernel exists: cuDNN on CUDA, or the math
     oracle with backend="math"; measurements only, see the module docstring), or "auto"/None
@@ -838,7 +895,51 @@ def coalesced_attention(
             from zellige.runtime import merging
 
             streams = merging.streams_for_device(q_rows.device)
+    if key_split is None:
+        key_split = 0
+        if q_rows.device.type == "cuda":
+            from zellige.runtime import merging
+
+            key_split = merging.key_split_for_device(q_rows.device)
+    if key_split < 0:
+        raise ValueError(f"key_split must be a number of key tokens >= 0, got {key_split}")
+    if key_split > 0 and not key_split_ok(kernel, q_rows.device, q_rows.dtype, head_dim):
+        key_split = 0
     o_rows, lse_rows = _CoalescedAttention.apply(
-        q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap_copies
+        q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap_copies, key_split
     )
     return (o_rows, lse_rows) if return_lse else o_rows
+
+
+_key_split_verified: dict[tuple, bool] = {}
+
+
+def key_split_ok(kernel: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a split forward with `kernel` (strided key views cut at KEY_TILE, merged by lse:
+    two problems of 13 queries x 3 heads over KEY_TILE + 5 keys) gives the math kernel's o and
+    lse over all keys; checked once per kernel, device, dtype and head dim."""
+    key = (kernel.name, getattr(kernel, "bias_layout", None), device.type, dtype, head_dim)
+    if key not in _key_split_verified:
+        gen = torch.Generator(device="cpu").manual_seed(6)
+        q_len, k_len, n = 13, KEY_TILE + 5, 3
+        q, k, v = (
+            torch.randn(2, length, n, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+            for length in (q_len, k_len, k_len)
+        )  # [B, n, L, H] views of token-major rows, as the engine passes them
+        scale = head_dim**-0.5
+        ok = False
+        try:
+            o, lse = kernel.forward(q, k[:, :, :KEY_TILE], v[:, :, :KEY_TILE], scale)
+            o_rest, lse_rest = kernel.forward(q, k[:, :, KEY_TILE:], v[:, :, KEY_TILE:], scale)
+            o, lse = _merge_split(o, lse, o_rest, lse_rest)
+            o_ref, lse_ref = MathKernel().forward(q, k, v, scale)
+            tolerance = {torch.float64: 1e-9, torch.float32: 2e-3}.get(dtype, 5e-2)
+            ok = all(
+                bool((got.float() - want.float()).abs().max()
+                     <= tolerance * want.float().abs().max().clamp_min(1e-6))
+                for got, want in ((o, o_ref), (lse, lse_ref))
+            )  # fmt: skip
+        except (RuntimeError, TypeError, NotImplementedError, ValueError):
+            ok = False
+        _key_split_verified[key] = ok
+    return _key_split_verified[key]

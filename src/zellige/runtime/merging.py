@@ -50,6 +50,10 @@ class CallCosts:
     # count that ran packs of many lengths fastest on this device (the table's optional
     # "streams" entry, from bench/attention_engine.py --stream-counts); 1 without one
     streams: int = 1
+    # the least key count of a group whose forward the engine splits at a multiple of 128 keys
+    # (coalesced.forward_into: cuDNN's forward runs faster on such key counts), from the
+    # table's optional "key_split" entry; 0: no split
+    key_split: int = 0
 
     @staticmethod
     def from_call_table(data: dict, where: str) -> CallCosts:
@@ -65,6 +69,7 @@ class CallCosts:
             }
             bytes_per_s = float(data["gather_bytes_per_s"])
             streams = data.get("streams", 1)
+            key_split = data.get("key_split", 0)
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{where}: not an attention call table ({error})") from None
         ok = (
@@ -81,6 +86,8 @@ class CallCosts:
             )
         if not (isinstance(streams, int) and not isinstance(streams, bool) and 1 <= streams <= 8):
             raise ValueError(f"{where}: streams must be an integer from 1 to 8, got {streams!r}")
+        if not (isinstance(key_split, int) and not isinstance(key_split, bool) and key_split >= 0):
+            raise ValueError(f"{where}: key_split must be an integer >= 0, got {key_split!r}")
 
         def tables(name: str) -> tuple[LogTable, ...]:
             return tuple((heads, row) for row in grids[name])
@@ -94,6 +101,7 @@ class CallCosts:
             bytes_per_s=bytes_per_s,
             source=f"{where} ({data.get('created', '')})",
             streams=streams,
+            key_split=key_split,
         )
 
     def _seconds(self, tables, q_len: int, k_len: int, heads: int) -> float:
@@ -252,3 +260,18 @@ def streams_for_device(device: torch.device) -> int:
         return int(override)
     costs = costs_for_device(device)
     return 1 if costs is None else costs.streams
+
+
+def key_split_for_device(device: torch.device) -> int:
+    """The least key count of a group whose forward the engine splits at a multiple of 128 keys
+    on `device` (CallCosts.key_split): $ZELLIGE_ATTENTION_KEY_SPLIT if set, else the device's
+    measured call table's value, else 0 (no split)."""
+    override = os.environ.get("ZELLIGE_ATTENTION_KEY_SPLIT")
+    if override:
+        if not override.isdigit():
+            raise ValueError(
+                f"ZELLIGE_ATTENTION_KEY_SPLIT must be a key count >= 0 (0: off), got '{override}'"
+            )
+        return int(override)
+    costs = costs_for_device(device)
+    return 0 if costs is None else costs.key_split
