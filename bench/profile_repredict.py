@@ -1,11 +1,15 @@
 """Re-predicts the ranks of a `zellige validate-profile --json` report under other profiles, so
 the measured times and peaks of one GPU run can be compared with any profile offline.
 
-    python bench/profile_repredict.py REPORT.json --plan-profile P.json [--profile NAME=FILE ...]
+    python bench/profile_repredict.py REPORT.json|RANKS.jsonl ... --plan-profile P.json \
+        [--profile NAME=FILE ...]
 
 Plans are re-drawn by name (recipe/GPUs/planner/seed) with --plan-profile (the profile the GPU
 run drew them with), then every profile predicts the same ranks; prints MAPEs per profile and a
-per-rank table. Every prediction includes the exchanges' local stand-in copies, as
+per-rank table, then the time and memory MAPEs by class of rank (token count, mixed
+strategies, Ulysses).
+Reports: a `--json` report, or the per-rank `--results-jsonl` files (several are joined). Every
+prediction includes the exchanges' local stand-in copies, as
 validate-profile now predicts them (validate.local_copy_s); reports written before that have no
 `predicted_copy_s` and their drift check compares without copies.
 """
@@ -27,7 +31,7 @@ from zellige.workload import load_recipe
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("report")
+    parser.add_argument("report", nargs="+", help="a --json report or --results-jsonl files")
     parser.add_argument("--plan-profile", required=True)
     parser.add_argument("--profile", action="append", default=[], help="NAME=FILE (or NAME=)")
     parser.add_argument("--model", default="wan-14b")
@@ -39,7 +43,7 @@ def main() -> None:
         "validate-profile did before it left them out of both sides (harness_peak_model)",
     )
     args = parser.parse_args()
-    report = json.load(open(args.report))
+    report = {"ranks": [rank for path in args.report for rank in _ranks(path)]}
     plan_profile = load_profile(args.plan_profile)
     profiles = {"plan-profile": plan_profile}
     for item in args.profile:
@@ -99,7 +103,49 @@ def main() -> None:
                 f"{rank['plan']:<42} {rank['rank']:>4} {rank['tokens']:>7} "
                 f"{rank['num_sequences']:>4} {rank[measured_key] * scale:>12.2f}  {errors}"
             )
+    for what, index, measured_key in (
+        ("time", 0, "measured_s"),
+        ("memory", 1, "measured_peak_bytes"),
+    ):
+        print(
+            f"\n{what} MAPE by class of rank\n{'class':<26} {'ranks':>5}  "
+            + "  ".join(f"{p[:12]:>12}" for p in labels)
+        )
+        for name, member in RANK_CLASSES:
+            chosen = [r for r in rows if member(r["rank"])]
+            if not chosen:
+                continue
+            measured = [r["rank"][measured_key] for r in chosen]
+            mapes = "  ".join(
+                f"{fit.mape_percent([r['predicted'][p][index] for r in chosen], measured):>11.2f}%"
+                for p in labels
+            )
+            print(f"{name:<26} {len(chosen):>5}  {mapes}")
     print(f"\nmachine: {platform.node()} (CPU, re-prediction only); {len(rows)} ranks")
+
+
+def _ranks(path: str) -> list[dict]:
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            return [json.loads(line) for line in f if line.strip()]
+        return json.load(f)["ranks"]
+
+
+def _kinds(rank: dict) -> set[str]:
+    """The strategies of a rank's sequences ("local x10, ring x2" -> {local, ring}); reports
+    written before they were recorded have none."""
+    return {part.split()[0] for part in rank.get("strategies", "").split(",") if part.strip()}
+
+
+RANK_CLASSES = (
+    ("all", lambda rank: True),
+    (">= 20k tokens", lambda rank: rank["tokens"] >= 20000),
+    ("2k-20k tokens", lambda rank: 2000 <= rank["tokens"] < 20000),
+    ("< 2k tokens", lambda rank: rank["tokens"] < 2000),
+    ("mixed (local and shards)", lambda rank: len(_kinds(rank)) > 1),
+    ("Ulysses (any)", lambda rank: "ulysses" in _kinds(rank)),
+    ("Ulysses only", lambda rank: _kinds(rank) == {"ulysses"}),
+)
 
 
 if __name__ == "__main__":

@@ -49,14 +49,15 @@ void init_cost_model(nb::module_& m) {
       .def_rw("attention_s", &RankCost::attention_s)
       .def_rw("exchange_s", &RankCost::exchange_s)
       .def_rw("call_s", &RankCost::call_s)
+      .def_rw("stream_s", &RankCost::stream_s)
       .def_rw("launch_floor_s", &RankCost::launch_floor_s)
       .def_rw("attention_calls", &RankCost::attention_calls)
       .def_rw("checkpointed_layers", &RankCost::checkpointed_layers)
       .def_rw("full_recompute_layers", &RankCost::full_recompute_layers);
   add_value_methods(rank_cost,
                     {"time_s", "peak_bytes", "tokens", "linear_s", "attention_s", "exchange_s",
-                     "call_s", "launch_floor_s", "attention_calls", "checkpointed_layers",
-                     "full_recompute_layers"});
+                     "call_s", "stream_s", "launch_floor_s", "attention_calls",
+                     "checkpointed_layers", "full_recompute_layers"});
 
   nb::class_<PlanCost> plan_cost(m, "PlanCost", "Every rank's cost, makespan, bytes and fit.");
   plan_cost.def_rw("ranks", &PlanCost::ranks)
@@ -106,6 +107,13 @@ void init_cost_model(nb::module_& m) {
                (cost_model.options().activation_checkpointing ? "True" : "False") + ")";
       });
 
+  m.def("stream_assignment", &stream_assignment, nb::arg("works"), nb::arg("streams"),
+        "The stream of each attention call of one table (calls most work first): the one with "
+        "the least work queued so far, the lowest index on ties. The engine and the cost model "
+        "both use this.");
+  m.def("streamed_calls_s", &streamed_calls_s, nb::arg("works"), nb::arg("seconds"),
+        nb::arg("streams"), nb::arg("overlap"),
+        "Seconds of one table's calls on `streams` streams as the cost model prices them.");
   m.def("makespan_lower_bound", &makespan_lower_bound, nb::arg("batch"), nb::arg("cost_model"),
         "A makespan no placement of the batch can beat under this cost model.");
 }

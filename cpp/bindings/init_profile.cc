@@ -67,12 +67,16 @@ void init_profile(nb::module_& m) {
       .def_rw("ring_bytes_per_token", &HardwareProfile::ring_bytes_per_token)
       .def_rw("ulysses_exchanged_bytes_per_token",
               &HardwareProfile::ulysses_exchanged_bytes_per_token)
+      .def_rw("attention_phase_bytes_per_token",
+              &HardwareProfile::attention_phase_bytes_per_token)
       .def_rw("model_matmul_forward_flops_per_s",
               &HardwareProfile::model_matmul_forward_flops_per_s)
       .def_rw("model_matmul_backward_flops_per_s",
               &HardwareProfile::model_matmul_backward_flops_per_s)
       .def_rw("backward_peak_bytes", &HardwareProfile::backward_peak_bytes)
       .def_rw("runtime_reserved_bytes", &HardwareProfile::runtime_reserved_bytes)
+      .def_rw("attention_streams", &HardwareProfile::attention_streams)
+      .def_rw("attention_stream_overlap", &HardwareProfile::attention_stream_overlap)
       .def("validate", &HardwareProfile::validate);
   add_value_methods(profile, {"device_name",
                               "created",
@@ -105,10 +109,13 @@ void init_profile(nb::module_& m) {
                               "ulysses_bytes_per_token",
                               "ring_bytes_per_token",
                               "ulysses_exchanged_bytes_per_token",
+                              "attention_phase_bytes_per_token",
                               "model_matmul_forward_flops_per_s",
                               "model_matmul_backward_flops_per_s",
                               "backward_peak_bytes",
-                              "runtime_reserved_bytes"});
+                              "runtime_reserved_bytes",
+                              "attention_streams",
+                              "attention_stream_overlap"});
 
   m.def("analytic_profile", &analytic_profile, nb::arg("device_name"),
         nb::arg("matmul_flops_per_s"), nb::arg("attention_flops_per_s"),

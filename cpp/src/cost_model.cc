@@ -15,6 +15,9 @@
 namespace zellige {
 
 namespace {
+// A call key's tag (CostModel::CallKey) for cross-attention; -1 is a coalescable self-attention
+// segment, >= 0 a ring step's sequence.
+constexpr int64_t kCrossTag = -2;
 
 constexpr double kRouteBytesPerToken = 512;  // latent features + ids, each direction
 constexpr int64_t kDefaultReservedBytes = int64_t{3} << 30;
@@ -37,6 +40,33 @@ bool same_node(const Cluster& cluster, const std::vector<int64_t>& ranks, int64_
 }
 
 }  // namespace
+
+std::vector<int64_t> stream_assignment(const std::vector<int64_t>& works, int64_t streams) {
+  std::vector<int64_t> queued(static_cast<size_t>(std::max<int64_t>(1, streams)), 0);
+  std::vector<int64_t> chosen;
+  chosen.reserve(works.size());
+  for (const int64_t work : works) {
+    const auto least = std::min_element(queued.begin(), queued.end());  // first of the least
+    *least += work;
+    chosen.push_back(least - queued.begin());
+  }
+  return chosen;
+}
+
+double streamed_calls_s(const std::vector<int64_t>& works, const std::vector<double>& seconds,
+                        int64_t streams, double overlap) {
+  if (works.size() != seconds.size()) {
+    throw std::invalid_argument("streamed_calls_s: one work and one time per call");
+  }
+  double serial_s = 0;
+  for (const double call_s : seconds) serial_s += call_s;
+  if (streams <= 1 || overlap == 0 || works.size() < 2) return serial_s;
+  std::vector<double> load_s(static_cast<size_t>(streams), 0.0);
+  const std::vector<int64_t> chosen = stream_assignment(works, streams);
+  for (size_t i = 0; i < chosen.size(); ++i) load_s[static_cast<size_t>(chosen[i])] += seconds[i];
+  const double most_s = *std::max_element(load_s.begin(), load_s.end());
+  return serial_s - overlap * (serial_s - most_s);
+}
 
 CostModel::LogTable::LogTable(const Table& table) {
   for (size_t i = 0; i < table.x.size(); ++i) {
@@ -119,6 +149,9 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
       if (i < own->size() && !(*own)[i].empty()) *shared = (*own)[i];
     }
   }
+  stream_gain_bound_ =
+      profile_.attention_stream_overlap *
+      (1.0 - 1.0 / static_cast<double>(std::max<int64_t>(1, profile_.attention_streams)));
   attention_forward_ = LogTable(profile_.attention_forward_s_per_head);
   attention_backward_ = LogTable(profile_.attention_backward_s_per_head);
   matmul_forward_ = LogTable(profile_.matmul_forward_flops_per_s);
@@ -176,6 +209,7 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
     read_row(profile_.ulysses_bytes_per_token, ulysses_bytes_);
     read_row(profile_.ulysses_exchanged_bytes_per_token, ulysses_exchanged_bytes_);
     read_row(profile_.ring_bytes_per_token, ring_bytes_);
+    read_row(profile_.attention_phase_bytes_per_token, attention_phase_bytes_);
     read_row(profile_.step_fixed_bytes, measured_step_fixed_bytes);
     read_row(profile_.reduce_fixed_bytes, reduce_fixed_bytes_);
     read_row(profile_.reduce_bytes_per_token, reduce_bytes_per_token_);
@@ -342,7 +376,7 @@ void CostModel::position_calls(const Sequence& sequence, const Placement& placem
       keys->push_back({block, key_block, heads, tag, r == 1 ? 0 : step});
     }
   }
-  if (cross && chunk > 0) keys->push_back({chunk, sequence.text_tokens, all_heads, -2, 0});
+  if (cross && chunk > 0) keys->push_back({chunk, sequence.text_tokens, all_heads, kCrossTag, 0});
 }
 
 // price_calls = false leaves out every call's excess (the lower bound's shapes).
@@ -410,10 +444,13 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
                 shape.call_excess_s[head_class][block_class][c]);
   }
   if (cross) {
-    layer_s +=
+    const double cross_s =
         all_heads * (head_forward_s(n, text) + head_backward_s(n, text) +
-                     (shape.price_calls ? call_excess_per_head_s(n, text, all_heads) : 0.0)) +
-        shape.text_projection_s;
+                     (shape.price_calls ? call_excess_per_head_s(n, text, all_heads) : 0.0));
+    // The lower bound's shapes (no call prices) take off the most the cross-attention table's
+    // streams can save (evaluate prices the actual saving per rank).
+    layer_s += (shape.price_calls ? cross_s : (1.0 - stream_gain_bound_) * cross_s) +
+               shape.text_projection_s;
     // the text k/v projections are per-token layers of the block: recomputed
     if (checkpointing) terms.recompute_s = layers * text_projection_forward_s(shape.text_tokens);
   }
@@ -848,6 +885,13 @@ void CostModel::fill_entry(const Sequence& sequence, const Placement& placement,
           }
           const double heads = static_cast<double>(call[2]);
           excess_s += layers * 1.0 * heads * known->second;
+          if (call[3] == kCrossTag && stream_gain_bound_ > 0) {
+            // what the cross-attention table's streams may save of this call at most: the floor
+            // takes it off with the excess (evaluate prices the actual saving per rank)
+            const double lq = static_cast<double>(call[0]), lk = static_cast<double>(call[1]);
+            excess_s += stream_gain_bound_ * layers * heads *
+                        (head_forward_s(lq, lk) + head_backward_s(lq, lk) + known->second);
+          }
         }
         excess_of_position.push_back({position, excess_s});
         alike = excess_of_position.end() - 1;
@@ -1001,12 +1045,19 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
   std::vector<double> input(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> attention_recompute(static_cast<size_t>(num_ranks), 0.0);
   std::vector<double> attention_recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
+  // per rank: held tokens of each phase of its attention backward (local sequences' calls, the
+  // calls of the sequences Ulysses exchanged, ring steps), whose buffers never coexist
+  std::vector<std::array<double, 3>> phase_tokens(static_cast<size_t>(num_ranks), {0, 0, 0});
+  const auto phase_of = [](const Placement& placement) {
+    return placement.ring_degree > 1 ? 2 : placement.ulysses_degree > 1 ? 1 : 0;
+  };
   // Every segment's call, by rank at the end: a rank's calls sorted by key, equal keys merged (a
   // vector sorted once, not a map per rank: a ring over thousands of ranks lists millions).
   std::vector<RankCall> calls;
-  auto add_share = [&](const RankShare& share, int64_t rank_index) {
+  auto add_share = [&](const RankShare& share, int64_t rank_index, int phase) {
     RankCost& rank = cost.ranks[rank_index];
     rank.tokens += share.tokens;
+    phase_tokens[rank_index][phase] += static_cast<double>(share.tokens);
     rank.attention_s += share.attention_s;
     rank.exchange_s += share.exchange_s;
     activation[rank_index] += share.layer_activation_bytes;
@@ -1026,7 +1077,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
       list_calls(sequence, placement, &entry);
       for (size_t k = 0; k < entry.shares.size(); ++k) {
         const int64_t rank_index = placement.ranks[k];
-        add_share(entry.shares[k], rank_index);
+        add_share(entry.shares[k], rank_index, phase_of(placement));
         if (rank_index != sequence.source_rank) {
           sent += 2.0 * kRouteBytesPerToken * static_cast<double>(entry.shares[k].tokens);
         }
@@ -1040,7 +1091,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     }
     add_attention_calls(sequence, placement, &calls);
     for (const RankShare& share : shares_and_bytes(sequence, placement, &sent)) {
-      add_share(share, share.rank);
+      add_share(share, share.rank, phase_of(placement));
     }
     cost.exchange_bytes += sent;
   }
@@ -1054,6 +1105,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     for (const RankCall& call : calls) by_rank[next[call.rank]++] = call;
   }
   const double capacity = memory_capacity_bytes();
+  std::vector<std::pair<int64_t, double>> streamed;  // a rank's cross-attention calls: work, s
   for (int64_t i = 0; i < num_ranks; ++i) {
     RankCost& rank = cost.ranks[i];
     rank.linear_s = linear_time_s(rank.tokens);
@@ -1062,6 +1114,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     const auto last = by_rank.begin() + static_cast<std::ptrdiff_t>(rank_begin[i + 1]);
     std::sort(first, last, [](const RankCall& a, const RankCall& b) { return a.key < b.key; });
     int64_t distinct_calls = 0;
+    streamed.clear();
     for (auto it = first; it != last;) {
       const CallKey& key = it->key;
       int64_t segments = 0;
@@ -1075,6 +1128,33 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
             layers * call_heads *
             (call_excess_per_head_s(lq, lk, call_heads) - call_excess_per_head_s(lq, lk, heads));
       }
+      if (key[3] == kCrossTag && profile_.attention_streams > 1) {
+        const double seconds = layers * call_heads *
+                               (head_forward_s(lq, lk) + head_backward_s(lq, lk) +
+                                call_excess_per_head_s(lq, lk, call_heads));
+        streamed.push_back({segments * key[0] * key[1] * key[2], seconds});
+      }
+    }
+    // The cross-attention table runs its calls on the profile's streams (runtime/attention.py
+    // cross_attention: coalesced_attention at the device's count); self- and joint attention of
+    // the distributed step run one call after another (forward_into / backward_into on one
+    // stream), as do ring steps, so only this table's calls overlap.
+    if (streamed.size() > 1) {
+      // most work first, as coalesced.SegmentTable.calls orders them (ties: key order)
+      std::stable_sort(streamed.begin(), streamed.end(),
+                       [](const auto& a, const auto& b) { return a.first > b.first; });
+      std::vector<int64_t> works;
+      std::vector<double> seconds;
+      double serial_s = 0;
+      for (const auto& [work, call_s] : streamed) {
+        works.push_back(work);
+        seconds.push_back(call_s);
+        serial_s += call_s;
+      }
+      rank.stream_s = streamed_calls_s(works, seconds, profile_.attention_streams,
+                                       profile_.attention_stream_overlap) -
+                      serial_s;
+      rank.call_s += rank.stream_s;
     }
     rank.attention_calls = distinct_calls;
     if (rank.tokens > 0) {
@@ -1086,6 +1166,14 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     // attention outputs; where even that does not fit, the fewest of them that recompute their
     // attention too (full recompute) so that it fits; a rank that fits nowhere recomputes all.
     const int64_t num_layers = model_.num_layers;
+    // The shares' buffers hold attention_phase_bytes_ for every token; only the largest phase's
+    // exist at once (the planners' additive sizing keeps them all: it errs above, never below).
+    if (attention_phase_bytes_ > 0) {
+      const std::array<double, 3>& phases = phase_tokens[i];
+      const double outside_largest =
+          phases[0] + phases[1] + phases[2] - std::max({phases[0], phases[1], phases[2]});
+      buffer[i] = std::max(0.0, buffer[i] - attention_phase_bytes_ * outside_largest);
+    }
     const auto peak = [&](int64_t k, int64_t f) {
       return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f,
                              rank.tokens);
@@ -1351,7 +1439,8 @@ struct LowerBoundSearch {
                             static_cast<double>(chunk), static_cast<double>(shape.text_tokens),
                             all_heads, all_heads * group_of(cross_groups, shape.text_tokens));
       }
-      layer_s += memo->cross_s[slot];
+      // the cross-attention table's streams may save this share of it (rank_terms)
+      layer_s += (1.0 - cost.stream_gain_bound_) * memo->cross_s[slot];
     }
     return static_cast<double>(cost.model().num_layers) * layer_s;
   }

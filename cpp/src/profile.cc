@@ -143,6 +143,13 @@ void HardwareProfile::validate() const {
   }
   require_in(ulysses_layout_s_per_byte, 0.0, kMaxLayoutSecondsPerByte, "ulysses_layout_s_per_byte");
   require_in(ring_layout_s_per_byte, 0.0, kMaxLayoutSecondsPerByte, "ring_layout_s_per_byte");
+  if (attention_streams < 1 || attention_streams > 8) {
+    throw std::invalid_argument("profile: attention_streams must be an integer from 1 to 8, got " +
+                                std::to_string(attention_streams));
+  }
+  if (!(attention_stream_overlap >= 0 && attention_stream_overlap <= 1)) {
+    throw std::invalid_argument("profile: attention_stream_overlap must be in [0, 1]");
+  }
   if (!(exchange_overlap >= 0 && exchange_overlap < 1)) {
     throw std::invalid_argument("profile: exchange_overlap must be in [0, 1)");
   }
@@ -176,13 +183,14 @@ void HardwareProfile::validate() const {
   }
   for (const auto* optional :
        {&backward_bytes_per_token_layer, &text_bytes_per_token_layer, &step_fixed_bytes,
-        &reduce_fixed_bytes, &reduce_bytes_per_token, &launch_s_per_layer,
-        &launch_s_per_attention_call}) {
+        &reduce_fixed_bytes, &reduce_bytes_per_token, &attention_phase_bytes_per_token,
+        &launch_s_per_layer, &launch_s_per_attention_call}) {
     if (!optional->empty() && optional->size() != memory_models.size()) {
       throw std::invalid_argument(
           "profile: backward_bytes_per_token_layer, text_bytes_per_token_layer, "
-          "step_fixed_bytes, reduce_fixed_bytes, reduce_bytes_per_token, launch_s_per_layer "
-          "and launch_s_per_attention_call must be empty or as long as memory_models");
+          "step_fixed_bytes, reduce_fixed_bytes, reduce_bytes_per_token, "
+          "attention_phase_bytes_per_token, launch_s_per_layer and launch_s_per_attention_call "
+          "must be empty or as long as memory_models");
     }
     for (double value : *optional) {
       if (!(value >= 0)) {
@@ -203,6 +211,8 @@ void HardwareProfile::validate() const {
           std::tuple{&step_fixed_bytes, "step_fixed_bytes", kMaxProfileBytes},
           std::tuple{&reduce_fixed_bytes, "reduce_fixed_bytes", kMaxProfileBytes},
           std::tuple{&reduce_bytes_per_token, "reduce_bytes_per_token", kMaxBytesPerToken},
+          std::tuple{&attention_phase_bytes_per_token, "attention_phase_bytes_per_token",
+                     kMaxBytesPerToken},
           std::tuple{&launch_s_per_layer, "launch_s_per_layer", kMaxLaunchSeconds},
           std::tuple{&launch_s_per_attention_call, "launch_s_per_attention_call",
                      kMaxLaunchSeconds}}) {

@@ -782,6 +782,12 @@ class HardwareProfile:
     def ulysses_exchanged_bytes_per_token(self, arg: _Sequence[float], /) -> None: ...
 
     @property
+    def attention_phase_bytes_per_token(self) -> list[float]: ...
+
+    @attention_phase_bytes_per_token.setter
+    def attention_phase_bytes_per_token(self, arg: _Sequence[float], /) -> None: ...
+
+    @property
     def model_matmul_forward_flops_per_s(self) -> list[Table]: ...
 
     @model_matmul_forward_flops_per_s.setter
@@ -804,6 +810,18 @@ class HardwareProfile:
 
     @runtime_reserved_bytes.setter
     def runtime_reserved_bytes(self, arg: int, /) -> None: ...
+
+    @property
+    def attention_streams(self) -> int: ...
+
+    @attention_streams.setter
+    def attention_streams(self, arg: int, /) -> None: ...
+
+    @property
+    def attention_stream_overlap(self) -> float: ...
+
+    @attention_stream_overlap.setter
+    def attention_stream_overlap(self, arg: float, /) -> None: ...
 
     def validate(self) -> None: ...
 
@@ -1183,6 +1201,12 @@ class RankCost:
     def call_s(self, arg: float, /) -> None: ...
 
     @property
+    def stream_s(self) -> float: ...
+
+    @stream_s.setter
+    def stream_s(self, arg: float, /) -> None: ...
+
+    @property
     def launch_floor_s(self) -> float: ...
 
     @launch_floor_s.setter
@@ -1296,6 +1320,16 @@ class CostModel:
     def exchange_bytes(self, sequence: Sequence, placement: Placement) -> float: ...
 
     def __repr__(self) -> str: ...
+
+def stream_assignment(works: _Sequence[int], streams: int) -> list[int]:
+    """
+    The stream of each attention call of one table (calls most work first): the one with the least work queued so far, the lowest index on ties. The engine and the cost model both use this.
+    """
+
+def streamed_calls_s(works: _Sequence[int], seconds: _Sequence[float], streams: int, overlap: float) -> float:
+    """
+    Seconds of one table's calls on `streams` streams as the cost model prices them.
+    """
 
 def makespan_lower_bound(batch: Batch, cost_model: CostModel) -> float:
     """A makespan no placement of the batch can beat under this cost model."""

@@ -27,7 +27,12 @@ _TABLE_FIELDS = (
     "matmul_backward_flops_per_s",
 )
 _REQUIRED_NUMBERS = ("matmul_flops_per_s", "attention_flops_per_s", "memory_bytes_per_s")
-_OPTIONAL_NUMBERS = ("exchange_overlap", "ulysses_layout_s_per_byte", "ring_layout_s_per_byte")
+_OPTIONAL_NUMBERS = (
+    "exchange_overlap",
+    "ulysses_layout_s_per_byte",
+    "ring_layout_s_per_byte",
+    "attention_stream_overlap",
+)
 # Rows of numbers, one per model in memory_models (the optional ones may be empty).
 MODEL_ROWS = (
     "activation_bytes_per_token_layer",
@@ -40,6 +45,7 @@ MODEL_ROWS = (
     "ulysses_bytes_per_token",
     "ulysses_exchanged_bytes_per_token",
     "ring_bytes_per_token",
+    "attention_phase_bytes_per_token",
     "launch_s_per_layer",
     "launch_s_per_attention_call",
 )
@@ -55,7 +61,7 @@ _TABLE_LISTS = (
     "attention_call_backward_s",
     *MODEL_TABLES,
 )
-_INTEGERS = ("attention_head_dim", "runtime_reserved_bytes")
+_INTEGERS = ("attention_head_dim", "runtime_reserved_bytes", "attention_streams")
 _STRINGS = ("device_name", "created")
 _FIELDS = (
     "device_name",
@@ -66,6 +72,8 @@ _FIELDS = (
     "attention_call_lengths",
     "attention_call_forward_s",
     "attention_call_backward_s",
+    "attention_streams",
+    "attention_stream_overlap",
     "exchange_group_sizes",
     "exchange_intra_node_s",
     "exchange_overlap",

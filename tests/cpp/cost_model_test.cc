@@ -693,6 +693,74 @@ TEST(CostModel, UlyssesBuffersGrowWithTheShareExchanged) {
   EXPECT_GT(buffer(wider, 8).first, buffer(profile, 8).first);
 }
 
+// A rank's attention backward runs in phases (local calls, Ulysses-exchanged calls, ring
+// steps) whose buffers never coexist: attention_phase_bytes_per_token comes off the rank's
+// backward buffers for every held token outside its largest phase. A rank of one phase (local
+// sequences of any lengths, or one shard) is priced as before; the planners' additive sizing,
+// which keeps every share's buffers, is unchanged and so stays at or above evaluate's peak.
+TEST(CostModel, AttentionPhasesHoldTheirBuffersOneAtATime) {
+  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
+  profile.memory_models = {"mmdit-11b"};
+  profile.activation_bytes_per_token_layer = {150000};
+  profile.checkpoint_bytes_per_token_layer = {12000};
+  profile.backward_bytes_per_token_layer = {60000};
+  profile.ulysses_bytes_per_token = {50000};
+  profile.ring_bytes_per_token = {80000};
+  HardwareProfile phased = profile;
+  phased.attention_phase_bytes_per_token = {25000};
+  Batch batch;
+  batch.sequences = {sequence_from_tokens(0, "video", 30000, 512, 0),   // local, rank 0
+                     sequence_from_tokens(1, "video", 9000, 256, 0),    // local, rank 0
+                     sequence_from_tokens(2, "video", 40000, 512, 0),   // ring over 0, 1
+                     sequence_from_tokens(3, "video", 20000, 512, 2),   // Ulysses over 2, 3
+                     sequence_from_tokens(4, "video", 12000, 256, 2),   // local, rank 2
+                     sequence_from_tokens(5, "video", 16000, 512, 4)};  // local, rank 4
+  Plan plan;
+  plan.num_ranks = 8;
+  plan.placements = {make_placement(0, Strategy::kLocal, {0}),
+                     make_placement(1, Strategy::kLocal, {0}),
+                     make_placement(2, Strategy::kRing, {0, 1}),
+                     make_placement(3, Strategy::kUlysses, {2, 3}),
+                     make_placement(4, Strategy::kLocal, {2}),
+                     make_placement(5, Strategy::kLocal, {4})};
+  const CostModel before(model_preset("mmdit-11b"), profile, make_cluster(8, 8));
+  const CostModel after(model_preset("mmdit-11b"), phased, make_cluster(8, 8));
+  const PlanCost was = before.evaluate(batch, plan);
+  const PlanCost now = after.evaluate(batch, plan);
+  const auto tokens = [&](int64_t sequence, const Placement& placement, size_t position) {
+    return static_cast<double>(
+        before.shares(batch.sequences[static_cast<size_t>(sequence)], placement)[position]
+            .tokens);
+  };
+  // rank 0: local phase (both local sequences) beside the ring phase (its ring shard)
+  const double local0 = tokens(0, plan.placements[0], 0) + tokens(1, plan.placements[1], 0);
+  const double ring0 = tokens(2, plan.placements[2], 0);
+  ASSERT_EQ(was.ranks[0].checkpointed_layers, now.ranks[0].checkpointed_layers);
+  EXPECT_NEAR(was.ranks[0].peak_bytes - now.ranks[0].peak_bytes,
+              25000.0 * std::min(local0, ring0), 1.0);
+  // rank 2: a local sequence beside a Ulysses shard
+  const double local2 = tokens(4, plan.placements[4], 0);
+  const double ulysses2 = tokens(3, plan.placements[3], 0);
+  EXPECT_NEAR(was.ranks[2].peak_bytes - now.ranks[2].peak_bytes,
+              25000.0 * std::min(local2, ulysses2), 1.0);
+  // one phase: the ring's other rank, the Ulysses group's other rank, a rank of local sequences
+  for (const int rank : {1, 3, 4}) {
+    EXPECT_DOUBLE_EQ(was.ranks[rank].peak_bytes, now.ranks[rank].peak_bytes) << rank;
+  }
+  // two local sequences of distinct lengths are one phase too
+  Plan local_only = plan;
+  local_only.placements[2] = make_placement(2, Strategy::kLocal, {1});
+  EXPECT_DOUBLE_EQ(before.evaluate(batch, local_only).ranks[0].peak_bytes,
+                   after.evaluate(batch, local_only).ranks[0].peak_bytes);
+  // the shares (the planners' additive sizing) are unchanged: they keep every phase's buffers,
+  // at or above the peak before (EvaluateAddsMemoryAndSumsRanks), which is above the peak now
+  for (size_t p = 0; p < plan.placements.size(); ++p) {
+    const auto a = before.shares(batch.sequences[p], plan.placements[p]);
+    const auto b = after.shares(batch.sequences[p], plan.placements[p]);
+    for (size_t k = 0; k < a.size(); ++k) EXPECT_DOUBLE_EQ(a[k].memory_bytes, b[k].memory_bytes);
+  }
+}
+
 // Weights kept from the forward to the backward (zellige.train on one rank): before layer j's
 // backward the gathered bf16 weights of layers 0..j are held, two of which the fixed bytes count
 // already. With 4 layers and large activations the peak is at layer 3: two layers' weights more.

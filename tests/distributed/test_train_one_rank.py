@@ -4,6 +4,8 @@ world of one give the parameters of the general path after several clipped steps
 - no FSDP (fp32 masters, bf16 copies cast once per step: parallelize.LoneRankWeights) and FSDP2
   keeping its gathered weights to the backward: bit for bit FSDP2's parameters, in bf16 (the
   casts are the same) and float64;
+- each step's update deferred to the next step's forward and applied block by block
+  (overlap_optimizer, LoneRankWeights.defer_update): bit for bit the same parameters;
 - the clipping folded into the fused AdamW (its grad_scale): torch's clip_grad_norm_ then AdamW
   within the float32 rounding of the scale, while a clipping off by 1% is far outside that; on
   one rank and on two (sharded gradients).
@@ -14,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from test_train import _torchrun
+from test_train import _torchrun, _train
 
 from zellige.train.config import TrainConfig
 from zellige.train.loop import weights_kept_to_backward
@@ -45,18 +47,21 @@ def test_one_rank_paths_give_fsdp_parameters_bit_for_bit(tmp_path: Path) -> None
         variants = [
             "fsdp=fsdp_on_one_rank:true,reshard_after_forward:true",
             "kept=fsdp_on_one_rank:true,reshard_after_forward:false",
-            "lone=fsdp_on_one_rank:false",
+            "lone=fsdp_on_one_rank:false,overlap_optimizer:false",
+            "overlap=fsdp_on_one_rank:false,overlap_optimizer:true",
         ]
         if dtype == "bfloat16":  # the backward's recompute uses the bf16 copies too
             variants += [
                 f"fsdp_checkpointed=fsdp_on_one_rank:true,reshard_after_forward:true,{checkpointed}",
                 f"lone_checkpointed=fsdp_on_one_rank:false,{checkpointed}",
+                f"overlap_checkpointed=overlap_optimizer:true,{checkpointed}",
             ]
         runs = _runs(tmp_path, dtype, *variants)
         assert _clipped_every_step(runs["fsdp"])
-        pairs = [("kept", "fsdp"), ("lone", "fsdp")]
+        pairs = [("kept", "fsdp"), ("lone", "fsdp"), ("overlap", "fsdp")]
         if dtype == "bfloat16":
             pairs.append(("lone_checkpointed", "fsdp_checkpointed"))
+            pairs.append(("overlap_checkpointed", "fsdp_checkpointed"))
             assert min(runs["lone_checkpointed"]["checkpointed_blocks"]) > 0
         for name, reference_name in pairs:
             reference = runs[reference_name]
@@ -66,13 +71,33 @@ def test_one_rank_paths_give_fsdp_parameters_bit_for_bit(tmp_path: Path) -> None
                 assert torch.equal(runs[name]["params"][key], value), (dtype, name, key)
 
 
+def test_deferred_update_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """A checkpoint saved while a step's update is deferred holds that update (the save applies
+    it first): the resumed steps' losses are the uninterrupted run's, which are those of the
+    run that steps at each step's end."""
+    args = ("--steps", "4", "--dtype", "float64", "--loader-workers", "0")
+    overlap = _train(
+        1, tmp_path, "overlap", *args, "--overlap-optimizer", "--checkpoint-every", "2",
+        "--out", str(tmp_path / "ckpt"),
+    )  # fmt: skip
+    plain = _train(1, tmp_path, "plain", *args, "--no-overlap-optimizer")
+    assert [r["loss"] for r in overlap] == [r["loss"] for r in plain]
+    resumed = _train(
+        1, tmp_path, "resumed", *args, "--overlap-optimizer",
+        "--resume", str(tmp_path / "ckpt" / "step-2"),
+    )  # fmt: skip
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in overlap[2:]]
+
+
 def test_clipping_in_the_fused_optimizer_matches_clip_grad_norm(tmp_path: Path) -> None:
     runs = _runs(
         tmp_path,
         "float64",
         "separate=fused_optimizer:false,fsdp_on_one_rank:true",
         "folded=fused_optimizer:true,fsdp_on_one_rank:true",
-        "folded_lone=fused_optimizer:true",
+        "folded_lone=fused_optimizer:true,overlap_optimizer:false",
+        "folded_overlap=fused_optimizer:true,overlap_optimizer:true",
         "off_by_1pct=fused_optimizer:false,fsdp_on_one_rank:true,grad_clip_norm:0.0505",
     )
     reference = runs["separate"]["params"]
@@ -80,6 +105,10 @@ def test_clipping_in_the_fused_optimizer_matches_clip_grad_norm(tmp_path: Path) 
     # the scale reaches the kernel in float32: agreement to its rounding, not to float64's
     for name in ("folded", "folded_lone"):
         assert _largest_relative_difference(runs[name]["params"], reference) < 1e-7, name
+    # deferred and applied block by block: the same arithmetic
+    for key, value in runs["folded_lone"]["params"].items():
+        assert torch.equal(runs["folded_overlap"]["params"][key], value), key
+    assert runs["folded_overlap"]["losses"] == runs["folded_lone"]["losses"]
     # a wrong clipping shows far above that tolerance
     assert _largest_relative_difference(runs["off_by_1pct"]["params"], reference) > 1e-5
 

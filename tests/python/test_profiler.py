@@ -513,9 +513,17 @@ def test_memory_probes_run_through_fsdp_blocks():
     memory = profile_memory(options, torch.device("cpu"), torch.float32, lines.append)
     assert set(memory["probes"]) == {"64", "128"}
     assert memory["step_fixed_bytes"] == 0.0  # nothing measured on a CPU
-    assert set(memory["shard_probes"]) == {"local:64", "ulysses:64", "ring:64", "ulysses_wide:64"}
+    assert set(memory["shard_probes"]) == {
+        "local_shard",
+        "ulysses_shard_2",
+        "ring_shard_2",
+        "ulysses_shard_4",
+        "ring_beside_local",
+        "ulysses_beside_local",
+    }
     assert memory["ulysses_wide_degree"] == 4  # the tiny model's 4 heads: one a rank
     assert memory["ulysses_bytes_per_token"] == memory["ring_bytes_per_token"] == 0.0
+    assert memory["attention_phase_bytes_per_token"] == 0.0
     # the gradient reduction's small packs, and the check packs between the two lines
     assert set(memory["reduce_probes"]) == {"16", "32"} and set(memory["check_probes"]) == {"96"}
     assert set(memory["lines"]) == {"16", "32", "64", "96", "128"}
@@ -815,3 +823,165 @@ def test_validate_runs_a_rank_with_the_full_recompute_its_cost_chose(memory):
     assert result.predicted_s > 0 and result.measured_s > 0
     assert count.backward_calls > 0
     assert count.forward_calls == count.backward_calls * (1 + expected_full / num_layers)
+
+
+def test_attention_phase_rows_recover_the_phase_model():
+    """attention_phase_rows: from probes of one rank made by the cost model's picture (a convex
+    step peak in held tokens, shard rows per shard token, the attention buffers held for one
+    phase at a time), the shard rows, the Ulysses share row and the phase row come back; the
+    profile stores the phase row per model and the cost model takes it off a rank of two phases
+    only."""
+    from zellige import _core
+    from zellige.profile import load_profile, profile_from_dict, profile_to_dict
+    from zellige.profiler.measure import attention_phase_rows, linear_peaks, merge_memory
+
+    n = 16384
+    ring, ulysses, exchanged, phase = 84_000.0, 58_000.0, 30_000.0, 25_000.0
+
+    def base(held: float) -> float:  # convex, as measured: cancels at equal held tokens
+        return 1.0e9 + 230_000.0 * held + 0.4 * held**2
+
+    def peak(local: float = 0, shard: float = 0, row: float = 0.0) -> dict:
+        held = local + shard
+        outside = held - max(local, shard)
+        value = base(held) + row * shard - phase * outside
+        return {"held_tokens": int(held), "calls": [max(local, shard)], "step_peak": value}
+
+    wide = ulysses + exchanged * (7 / 8 - 0.5)
+    probes = {
+        "local_shard": peak(local=n),
+        "ring_shard_2": peak(shard=n, row=ring),
+        "ulysses_shard_2": peak(shard=n, row=ulysses),
+        "ulysses_shard_8": peak(shard=n, row=wide),
+        "ring_beside_local": peak(local=n, shard=n, row=ring),
+        "ring_shard_2_double": peak(shard=2 * n, row=ring),
+        "ulysses_beside_local": peak(local=n, shard=n, row=ulysses),
+        "ulysses_shard_2_double": peak(shard=2 * n, row=ulysses),
+    }
+    # the one-phase peaks as the cost model reads its table: linear between packs
+    packs = linear_peaks({x: base(x) for x in (8192, 2 * n, 65536)})
+    assert packs(2 * n) == base(2 * n) and packs(3 * n) > base(3 * n)  # the chord of a convex
+    rows = attention_phase_rows(probes, packs)
+    assert rows["ring_bytes_per_token"] == pytest.approx(ring)
+    assert rows["ulysses_bytes_per_token"] == pytest.approx(ulysses)
+    assert rows["ulysses_exchanged_bytes_per_token"] == pytest.approx(exchanged)
+    assert rows["attention_phase_bytes_per_token"] == pytest.approx(phase)
+    assert rows["ring_bytes_per_token_at_2n"] == pytest.approx(ring)  # linear here
+    assert "attention_phase_bytes_per_token" not in attention_phase_rows(probes)  # no packs
+    with pytest.raises(ValueError, match="two token counts"):
+        linear_peaks({1.0: 2.0})
+
+    merged = merge_memory(profile_to_dict(load_profile()), "mmdit-11b", rows)
+    profile = profile_from_dict(merged)
+    row = profile.memory_models.index("mmdit-11b")
+    assert profile.attention_phase_bytes_per_token[row] == pytest.approx(phase)
+    assert profile.attention_phase_bytes_per_token[profile.memory_models.index("wan-14b")] == 0
+    batch = _core.Batch()
+    batch.sequences = [
+        _core.sequence_from_tokens(0, "video", 20000, 512, 0),
+        _core.sequence_from_tokens(1, "video", 30000, 512, 0),
+    ]
+    plan = _core.Plan()
+    plan.num_ranks = 2
+    plan.placements = [
+        _core.make_placement(0, _core.Strategy.local, [0]),
+        _core.make_placement(1, _core.Strategy.ring, [0, 1]),
+    ]
+    without = profile_from_dict(dict(merged, attention_phase_bytes_per_token=[]))
+    spec = _core.model_preset("mmdit-11b")
+    peaks = [
+        _core.CostModel(spec, p, _core.make_cluster(2, 2)).evaluate(batch, plan).ranks
+        for p in (without, profile)
+    ]
+    local, ring_shard = 20000 + 512, (30000 + 512) // 2  # attended tokens; the smaller phase
+    assert peaks[0][0].peak_bytes - peaks[1][0].peak_bytes == pytest.approx(
+        phase * min(local, ring_shard)
+    )
+    assert peaks[0][1].peak_bytes == peaks[1][1].peak_bytes  # one phase: as before
+
+
+def test_ranks_are_timed_over_a_fixed_wall_time():
+    """validate-profile times a rank over at least --min-timed-s of steps, never fewer than
+    --repeats (2 for steps over a second), at most MAX_TIMED_STEPS; the median is kept."""
+    from zellige.profiler.validate import MAX_TIMED_STEPS, timed_steps
+
+    assert timed_steps(0.040, 3, 2.0) == 50  # a launch-floor rank: 2 s of 40 ms steps
+    assert timed_steps(0.5, 3, 2.0) == 4
+    assert timed_steps(0.9, 5, 2.0) == 5  # --repeats when it lasts longer
+    assert timed_steps(1.8, 3, 2.0) == 2  # steps of seconds: two
+    assert timed_steps(3.0, 3, 2.0) == 2 and timed_steps(3.0, 1, 2.0) == 1
+    assert timed_steps(1e-4, 3, 2.0) == MAX_TIMED_STEPS
+    assert timed_steps(0.040, 3, 0.0) == 3  # no wall time asked: --repeats
+
+
+def test_relative_spread_is_the_interquartile_range_over_the_median():
+    from zellige.profiler.validate import relative_spread
+
+    assert relative_spread([0.1]) == 0.0
+    assert relative_spread([1.0, 1.0, 1.0]) == 0.0
+    assert relative_spread([0.9, 1.0, 1.0, 1.1, 1.2]) == pytest.approx(0.1 / 1.0)
+
+
+def test_time_only_profile_replaces_the_time_rows_and_keeps_the_memory_rows(
+    tmp_path, capsys, monkeypatch
+):
+    """`zellige profile --time-only` over a base: the attention rows, the stream count the engine
+    runs here (1 on a CPU) and the model's launch and per-token rows are measured; memory rows,
+    other models' rows and the exchange rows stay the base's."""
+    from zellige.cli import main
+    from zellige.profile import load_profile, profile_to_dict
+
+    monkeypatch.delenv("ZELLIGE_ATTENTION_STREAMS", raising=False)
+    base = profile_to_dict(load_profile(None))
+    base_path, out = tmp_path / "base.json", tmp_path / "rows.json"
+    base["attention_streams"], base["attention_stream_overlap"] = 3, 0.5  # replaced
+    base_path.write_text(json.dumps(base))
+    args = ["profile", "--time-only", "--quick", "--base", str(base_path)]
+    assert main([*args, "--out", str(out)]) == 0
+    assert "attention streams: 1" in capsys.readouterr().err
+    rows = json.loads(out.read_text())
+    assert rows["attention_streams"] == 1 and rows["attention_stream_overlap"] == 0.0
+    assert rows["attention_head_dim"] == 16  # the tiny model's attention rows
+    assert rows["attention_forward_s_per_head"]["x"] == [64.0, 128.0, 256.0]
+    # --quick measures the tiny preset of the model's kind: its row is added, the others kept
+    models = base["memory_models"]
+    assert rows["memory_models"] == [*models, "tiny"]
+    for key in ("activation_bytes_per_token_layer", "launch_s_per_layer", "step_fixed_bytes"):
+        assert rows[key][: len(models)] == base[key]  # memory (and other models') rows kept
+    assert rows["activation_bytes_per_token_layer"][-1] == 0.0  # not measured: analytic
+    assert rows["launch_s_per_layer"][-1] > 0  # measured
+    assert rows["model_matmul_forward_flops_per_s"][-1]["x"] == [64.0, 128.0, 256.0]
+    assert rows["exchange_intra_node_s"] == base["exchange_intra_node_s"]
+    assert "--time-only --quick" in rows["created"]
+    assert main(["profile", "--time-only", "--memory-only", "--quick", "--out", str(out)]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+
+
+def test_validate_measures_the_time_rows_in_its_own_process(tmp_path, capsys):
+    """validate-profile --measure-rows FILE --time-rows: the model's launch and per-token rows and
+    the per-head attention tables measured and validated in one process; memory rows, call
+    tables and streams stay --profile's."""
+    from zellige import _core
+
+    if not hasattr(_core, "make_plan"):
+        pytest.skip("needs the planners (make_plan)")
+    from zellige.cli import main
+    from zellige.profile import load_profile, profile_to_dict
+
+    rows, results = tmp_path / "rows.json", tmp_path / "ranks.jsonl"
+    args = ["validate-profile", "--quick", "--model", "mmdit-11b", "--plans", "1", "--repeats", "1"]
+    assert main([*args, "--time-rows"]) == 2
+    assert "--time-rows needs --measure-rows" in capsys.readouterr().err
+    extra = ["--measure-rows", str(rows), "--time-rows", "--results-jsonl", str(results)]
+    assert main([*args, *extra]) == 0
+    err = capsys.readouterr().err
+    assert "host issue time" in err and "attention streams" not in err
+    measured, base = json.loads(rows.read_text()), profile_to_dict(load_profile(None))
+    assert measured["attention_forward_s_per_head"]["x"] == [64.0, 128.0, 256.0]  # measured
+    for key in ("attention_call_forward_s", "attention_streams", "attention_stream_overlap"):
+        assert measured[key] == base[key]  # the call tables and streams stay
+    assert measured["memory_models"][: len(base["memory_models"])] == base["memory_models"]
+    assert measured["step_fixed_bytes"][: len(base["memory_models"])] == base["step_fixed_bytes"]
+    assert "--time-only --quick" in measured["created"]
+    ranks = [json.loads(line) for line in results.read_text().splitlines()]
+    assert ranks and all(r["timed_steps"] == 1 and r["measured_s"] > 0 for r in ranks)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from zellige import _core
 from zellige.runtime import SegmentTable, coalesced_attention, merging
 from zellige.runtime.coalesced import stream_assignment
 
@@ -69,3 +70,37 @@ def test_streams_leave_cpu_results_unchanged() -> None:
     one = coalesced_attention(q, k, v, table, streams=1)
     for streams in (None, 3):
         assert torch.equal(coalesced_attention(q, k, v, table, streams=streams), one)
+
+
+def _least_loaded_reference(works: list[int], streams: int) -> list[int]:
+    """The assignment written out plainly: each call to the first stream of least work."""
+    queued, chosen = [0] * max(1, streams), []
+    for work in works:
+        i = min(range(len(queued)), key=lambda s: (queued[s], s))
+        queued[i] += work
+        chosen.append(i)
+    return chosen
+
+
+def test_engine_and_cost_model_share_one_assignment() -> None:
+    # The engine's stream_assignment is the C++ one the cost model prices with (one place);
+    # both agree with the plain reference on random tables, ties and huge works included.
+    rng = np.random.default_rng(13)
+    for trial in range(300):
+        count, streams = int(rng.integers(0, 40)), int(rng.integers(1, 9))
+        high = [4, 1000, 1 << 40][trial % 3]  # few distinct works (ties), many, and huge ones
+        works = sorted((int(w) for w in rng.integers(1, high, count)), reverse=True)
+        expected = _least_loaded_reference(works, streams)
+        assert stream_assignment(works, streams) == expected
+        assert list(_core.stream_assignment(works, streams)) == expected
+
+
+def test_streamed_calls_price_one_stream_as_the_sum() -> None:
+    works, seconds = [9, 7, 4, 1], [0.9, 0.75, 0.4, 0.12]
+    assert _core.streamed_calls_s(works, seconds, 1, 0.9) == sum(seconds)
+    assert _core.streamed_calls_s(works, seconds, 2, 0.0) == sum(seconds)
+    # 2 streams: {9, 1} and {7, 4}: the most loaded holds 1.15 s
+    assert _core.streamed_calls_s(works, seconds, 2, 1.0) == pytest.approx(1.15)
+    assert _core.streamed_calls_s(works, seconds, 2, 0.5) == pytest.approx(
+        sum(seconds) - 0.5 * (sum(seconds) - 1.15)
+    )

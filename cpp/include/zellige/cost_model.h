@@ -75,7 +75,11 @@ struct RankCost {
   double peak_bytes = 0;
   int64_t tokens = 0;
   double linear_s = 0, attention_s = 0, exchange_s = 0;
-  double call_s = 0;            // what grouping equal segments into one call saves (<= 0)
+  // What the engine's calls save against each segment priced as a call of its own (<= 0): equal
+  // segments run as one call, and the calls of a table the engine spreads over CUDA streams run
+  // side by side (stream_s, the part of call_s from that; see streamed_calls_s).
+  double call_s = 0;
+  double stream_s = 0;
   double launch_floor_s = 0;    // host time to issue the rank's kernels
   int64_t attention_calls = 0;  // per layer pass: distinct (shape, heads) groups, ring steps apart
   int64_t checkpointed_layers = 0;  // the first this many layers recompute in the backward
@@ -83,6 +87,19 @@ struct RankCost {
   // keeping every checkpointed layer's attention outputs does not fit.
   int64_t full_recompute_layers = 0;
 };
+
+// The stream of each attention call of one table, calls in the order given (most work first):
+// the stream with the least work queued so far, the lowest index on ties. The one place this is
+// decided: the engine (runtime/coalesced.py _for_each_group, through zellige._core) issues its
+// calls so, and CostModel::evaluate prices the same assignment. streams < 1 counts as 1.
+std::vector<int64_t> stream_assignment(const std::vector<int64_t>& works, int64_t streams);
+
+// Seconds of one table's calls (works as the engine orders and assigns them, `seconds` each call's
+// time alone) on `streams` streams: sum - overlap * (sum - the most loaded stream's seconds), with
+// overlap the measured share of the ideal gain (HardwareProfile::attention_stream_overlap). One
+// stream, or overlap 0: the sum, bit for bit.
+double streamed_calls_s(const std::vector<int64_t>& works, const std::vector<double>& seconds,
+                        int64_t streams, double overlap);
 
 struct LowerBoundSearch;
 class CostModel;
@@ -104,7 +121,8 @@ class EvaluationCache {
   struct Entry {
     std::vector<RankShare> shares;  // ranks by position 0..degree-1
     // Per position: the most that grouping this share's segments with equal ones of other
-    // sequences can give back (each segment's whole call excess); see makespan_floor.
+    // sequences can give back (each segment's whole call excess), and running its
+    // cross-attention call beside others on streams (stream_gain_bound_); see makespan_floor.
     std::vector<double> call_excess_s;
     double exchange_bytes = 0;      // sent by the exchanges, routing excluded
     // Per position: (query, key, heads, tag, step) -> segments, by key; tag kOwnTag stands for
@@ -308,8 +326,13 @@ class CostModel {
   double ulysses_bytes_ = 0;            // per held token of a Ulysses shard (0: analytic)
   double ulysses_exchanged_bytes_ = 0;  // per held token and share exchanged beyond 2 ranks'
   double ring_bytes_ = 0;               // per held token of a ring shard (0: analytic)
+  double attention_phase_bytes_ = 0;    // per held token outside a rank's largest phase (0: none)
   double text_bytes_ = 0;               // per text token per layer, cross-attention (0: none)
   double launch_s_per_layer_ = 0;       // the model's launch floor terms (0: none)
+  // The most that running a cross-attention table's calls on the profile's streams can save, as
+  // a share of their seconds: overlap * (1 - 1/streams) (the most loaded stream holds at least
+  // 1/streams of them). The floors take it off; 0 with one stream.
+  double stream_gain_bound_ = 0;
   double launch_s_per_call_ = 0;
   double fixed_bytes_ = 0;
   double step_fixed_bytes_ = 0;         // the backward peak's part of fixed_bytes_

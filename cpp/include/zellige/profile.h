@@ -115,6 +115,15 @@ struct HardwareProfile {
   // ulysses_bytes_per_token + ulysses_exchanged_bytes_per_token * ((u - 1) / u - 1/2); measured
   // from a second shard over more ranks.
   std::vector<double> ulysses_exchanged_bytes_per_token;
+  // Optional likewise (0 = none): bytes per held token of the attention backward's buffers (the
+  // kernels' gradients of q, k, v and their workspace) that the rows above charge for every
+  // token, as they are measured on packs whose attention is one phase, but that exist for one
+  // phase at a time: a rank's attention backward runs its local sequences' calls, then those of
+  // the sequences Ulysses exchanged, then the ring steps (runtime/attention.py), each phase
+  // freeing its buffers before the next. The cost model takes this row x the held tokens outside
+  // the rank's largest phase off the rank's backward buffers. Measured from a shard beside a
+  // local sequence against one shard of both (bench/memory_calls_probe.py).
+  std::vector<double> attention_phase_bytes_per_token;
   // Optional likewise (0 = not modelled): host seconds to issue one layer's kernels (forward,
   // recompute, backward) apart from its attention calls, and per attention call (self or cross)
   // and layer, for the model's blocks. A rank whose GPU work is shorter waits for its host:
@@ -136,6 +145,15 @@ struct HardwareProfile {
   // so two packs' line errs above between them and below outside.
   std::vector<Table> backward_peak_bytes;
   int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
+  // CUDA streams the attention engine spreads one table's calls over (runtime/coalesced.py
+  // _for_each_group; the device's call table says how many), and the measured share of the ideal
+  // gain that concurrency delivers: a rank whose calls, assigned to streams as the engine assigns
+  // them (stream_assignment: most work first, to the least loaded), load its streams at
+  // L_1..L_S seconds runs them in sum(L) - attention_stream_overlap * (sum(L) - max(L)). 1 and 0
+  // (the defaults): calls priced as run one after another. Measured by `zellige profile`
+  // (profiler/attention_calls.py measure_stream_overlap) on a pack of many lengths.
+  int64_t attention_streams = 1;
+  double attention_stream_overlap = 0.0;
 
   // Every non-empty table valid, every value inside the ranges above; throws
   // std::invalid_argument naming the field, the value and the allowed range.

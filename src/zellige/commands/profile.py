@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from zellige._files import check_outputs, write_output
@@ -50,6 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="measure only the model's memory and launch rows and add them to --base (or the "
         "built-in profile)",
+    )
+    parser.add_argument(
+        "--time-only",
+        action="store_true",
+        help="measure only the time rows and write them over --base (or the built-in profile): "
+        "the attention engine's per-head and call tables, the streams it runs here and the "
+        "overlap they give, and the model's per-token rates and host launch time; its memory "
+        "rows are kept (docs/profiling.md)",
     )
     parser.add_argument(
         "--eager",
@@ -108,14 +117,25 @@ def run(args: argparse.Namespace) -> int:
         compiled=compiled,
     )
 
-    def progress(line: str) -> None:
-        print(f"[profile] {line}", file=sys.stderr, flush=True)
+    started_s = time.monotonic()
+
+    def progress(line: str) -> None:  # with the seconds since the start: where a run's time goes
+        print(
+            f"[profile] {line} ({time.monotonic() - started_s:.0f} s)", file=sys.stderr, flush=True
+        )
 
     def save_part(data: dict) -> None:  # what is measured so far: a run stopped keeps it
         save_profile(profile_from_dict(data), args.out)
         progress(f"wrote {args.out} (the rows measured so far)")
 
-    if args.memory_only or args.base:
+    if args.time_only and args.memory_only:
+        raise ValueError("--time-only and --memory-only exclude each other")
+    if args.time_only:
+        from zellige.profiler.measure import profile_time_into
+
+        base = profile_to_dict(load_profile(args.base))
+        result = profile_time_into(base, options, progress, save_part)
+    elif args.memory_only or args.base:
         base = profile_to_dict(load_profile(args.base))
         result = profile_memory_into(
             base, options, progress, save_part, per_token=not args.memory_only

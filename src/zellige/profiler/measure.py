@@ -660,21 +660,42 @@ def _local_pack_plan(
     return _local_plan([num_tokens // num_sequences] * num_sequences, text_tokens)
 
 
-def _shard_plan(
-    held_tokens: int, text_tokens: int, strategy: str, degree: int = 2
-) -> tuple[_core.Batch, _core.Plan]:
-    """Rank 0 holding `held_tokens` of one sequence: the whole of it ("local"), or a shard of a
-    sequence of `degree` times as many tokens under `strategy` ("ulysses", "ring") over `degree`
-    ranks."""
-    degree = 1 if strategy == "local" else degree
-    batch, _ = _local_plan([held_tokens * degree], text_tokens)
+def rank_plan(sequences: list[tuple[int, int, str, list[int]]]) -> tuple[_core.Batch, _core.Plan]:
+    """A batch and plan from (visual tokens, text tokens, strategy, ranks) per sequence (source
+    rank 0); the memory probes measure rank 0."""
+    batch = _core.Batch()
+    batch.sequences = [
+        _core.sequence_from_tokens(i, "video", n, text, 0)
+        for i, (n, text, _, _) in enumerate(sequences)
+    ]
     plan = _core.Plan()
     plan.planner = "profile"
-    plan.num_ranks = degree
+    plan.num_ranks = max(max(ranks) for *_, ranks in sequences) + 1
     plan.placements = [
-        _core.make_placement(0, getattr(_core.Strategy, strategy), list(range(degree)))
+        _core.make_placement(i, getattr(_core.Strategy, strategy), ranks)
+        for i, (_, _, strategy, ranks) in enumerate(sequences)
     ]
     return batch, plan
+
+
+def shard_probe_plans(held: int, text: int, wide_degree: int) -> dict[str, list]:
+    """profile_memory's shard probes (rank_plan's sequences; attention_phase_rows reads them by
+    name): `held` tokens as one local sequence, as a Ulysses or ring shard over 2 ranks and a
+    Ulysses shard over `wide_degree`; each shard beside a local sequence of `held` (the
+    attention's phases: attention_phase_rows)."""
+    local = (held, text, "local", [0])
+    plans = {
+        "local_shard": [local],
+        "ulysses_shard_2": [(2 * held, text, "ulysses", [0, 1])],
+        "ring_shard_2": [(2 * held, text, "ring", [0, 1])],
+    }
+    if wide_degree > 2:
+        plans[f"ulysses_shard_{wide_degree}"] = [
+            (wide_degree * held, text, "ulysses", list(range(wide_degree)))
+        ]
+    for strategy in ("ring", "ulysses"):
+        plans[f"{strategy}_beside_local"] = [(2 * held, text, strategy, [0, 1]), local]
+    return plans
 
 
 CALLS_SEQUENCES = 8  # profile_memory's check pack of distinct lengths
@@ -717,6 +738,136 @@ def _memory_probe(blocks, inputs, checkpointing: bool, device) -> tuple[int, int
     peak = peak_allocated_bytes(device)
     rank_work.clear_grads(None, inputs)  # FSDP keeps its sharded gradients, as in training
     return after_forward - before, peak - after_forward
+
+
+def pack_probe(
+    blocks, batch: _core.Batch, plan: _core.Plan, config, device, dtype, rank: int = 0
+) -> MemoryProbe:
+    """The memory probe of `rank` under `plan` on `blocks` (make_fsdp_blocks), its exchanges
+    replaced by local copies of the same sizes (rank_work.local_exchanges): a rank of a Ulysses
+    group or ring is emulated on one device with the buffers it holds there."""
+    with rank_work.local_exchanges():
+        synchronize(device)
+        before_inputs = allocated_bytes(device)
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch,
+            plan=plan,
+            rank=rank,
+            config=config,
+            device=device,
+            dtype=dtype,
+            output_grad=False,
+        )
+        synchronize(device)
+        inputs_bytes = allocated_bytes(device) - before_inputs
+        rank_work.train_step(blocks, inputs, checkpointing=True)  # warm-up: workspaces
+        kept, transient = _memory_probe(blocks, inputs, False, device)
+        kept_ckpt, transient_ckpt = _memory_probe(blocks, inputs, True, device)
+    return MemoryProbe(inputs_bytes, kept, transient, kept_ckpt, transient_ckpt)
+
+
+def rank_attention_calls(
+    batch: _core.Batch, plan: _core.Plan, num_heads: int, joint_attention: bool, rank: int = 0
+) -> tuple[int, list[float]]:
+    """`rank`'s held tokens and its attention calls in the order its backward runs them (local
+    table, exchanged table, ring steps; one after another on one stream), each as its query
+    token-heads / num_heads: the tokens of a call of every head with as many query rows."""
+    from zellige.runtime.layout import prepare_step
+
+    step = prepare_step(
+        batch, plan, num_heads, "cpu", rank=rank, check_agreement=False,
+        joint_attention=joint_attention,
+    )  # fmt: skip
+
+    def calls(table) -> list[float]:
+        groups = () if table is None else (*table.padded, *table.groups)
+        return [g.count * g.q_len * g.num_heads / num_heads for g in groups]
+
+    found = calls(step.local_table) + calls(step.exchange_table)
+    if step.ring.num_rows:
+        found += calls(step.ring.step0) + [c for s in step.ring.steps for c in calls(s.table)]
+    return int(step.num_held_tokens), found
+
+
+def attention_phase_rows(
+    probes: dict[str, dict], one_phase_peak: Callable[[float], float] | None = None
+) -> dict:
+    """HardwareProfile::attention_phase_bytes_per_token and the shard rows from probes of one
+    rank (`probes`: name -> {"held_tokens", "calls", "step_peak"}, bench/memory_calls_probe.py
+    and profile_memory name them alike), n held tokens each unless said:
+    - "local_shard" (one local sequence), "ring_shard_2" / "ulysses_shard_2" (a shard over 2
+      ranks), "ulysses_shard_<u>" (over u > 2): ring_bytes_per_token, ulysses_bytes_per_token
+      and ulysses_exchanged_bytes_per_token, what a shard holds beyond a local sequence of as
+      many tokens;
+    - "<s>_beside_local" (the shard beside a local sequence of n), s = ring, ulysses: the cost
+      model prices it as a rank of one phase of 2n tokens (`one_phase_peak(2n)`: the packs' step
+      peaks read linearly between them, as it reads backward_peak_bytes) plus the shard row x n,
+      less this row x n (the local calls' buffers are gone before the shard's phase): the row is
+      the mean over s of what the pair holds less, per token of its smaller phase, never below 0;
+    - reported only: "per_call_bytes_per_token" ("one_call" against "eight_calls", equal
+      attended tokens: what a rank of several calls in one phase holds less per token outside
+      its largest call; the cost model charges it none), and "<s>_shard_2_double" (one shard
+      of 2n) as "<s>_bytes_per_token_at_2n" (the shard row where its shard holds 2n)."""
+
+    def peak(name: str) -> float:
+        return float(probes[name]["step_peak"])
+
+    def held(name: str) -> float:
+        return float(probes[name]["held_tokens"])
+
+    rows: dict = {}
+    if "local_shard" in probes:
+        n = held("local_shard")
+        for strategy in ("ulysses", "ring"):
+            if f"{strategy}_shard_2" in probes:
+                rows[f"{strategy}_bytes_per_token"] = (
+                    peak(f"{strategy}_shard_2") - peak("local_shard")
+                ) / n
+        wide = sorted(
+            int(name.rsplit("_", 1)[1])
+            for name in probes
+            if name.startswith("ulysses_shard_") and name.rsplit("_", 1)[1].isdigit()
+        )
+        if "ulysses_bytes_per_token" in rows and wide and wide[-1] > 2:
+            u = wide[-1]
+            beyond = (peak(f"ulysses_shard_{u}") - peak("local_shard")) / n
+            rows["ulysses_exchanged_bytes_per_token"] = (
+                beyond - rows["ulysses_bytes_per_token"]
+            ) / ((u - 1) / u - 0.5)
+    phase = {}
+    for strategy in ("ring", "ulysses"):
+        row, pair = f"{strategy}_bytes_per_token", f"{strategy}_beside_local"
+        if row not in rows or pair not in probes or one_phase_peak is None:
+            continue
+        n = held(pair) / 2
+        phase[strategy] = (one_phase_peak(held(pair)) + rows[row] * n - peak(pair)) / n
+        double = f"{strategy}_shard_2_double"
+        if double in probes:
+            rows[f"{row}_at_2n"] = (peak(double) - one_phase_peak(held(double))) / held(double)
+    if phase:
+        rows["attention_phase_bytes_per_token"] = max(0.0, sum(phase.values()) / len(phase))
+        rows["attention_phase_bytes_per_token_by_shard"] = phase
+    if "one_call" in probes and "eight_calls" in probes:
+        one, eight = probes["one_call"], probes["eight_calls"]
+        outside = max(one["calls"]) - max(eight["calls"])
+        if one["held_tokens"] == eight["held_tokens"] and outside > 0:
+            rows["per_call_bytes_per_token"] = (one["step_peak"] - eight["step_peak"]) / outside
+    return rows
+
+
+def linear_peaks(points: dict[float, float]) -> Callable[[float], float]:
+    """Step peaks of one-phase packs (held tokens -> bytes) read linearly between them and along
+    the end segments beyond (CostModel::backward_peak_correction's reading)."""
+    x = sorted(points)
+    if len(x) < 2:
+        raise ValueError("linear_peaks needs packs at two token counts or more")
+
+    def at(tokens: float) -> float:
+        i = max(0, min(len(x) - 2, int(np.searchsorted(x, tokens, side="right")) - 1))
+        a, b = x[i], x[i + 1]
+        return points[a] + (points[b] - points[a]) / (b - a) * (tokens - a)
+
+    return at
 
 
 def memory_rows(
@@ -831,24 +982,7 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
     num_sequences = 2
 
     def probe(blocks, batch: _core.Batch, plan: _core.Plan) -> MemoryProbe:
-        with rank_work.local_exchanges():
-            synchronize(device)
-            before_inputs = allocated_bytes(device)
-            inputs = rank_work.plan_rank_inputs(
-                batch=batch,
-                plan=plan,
-                rank=0,
-                config=config,
-                device=device,
-                dtype=dtype,
-                output_grad=False,
-            )
-            synchronize(device)
-            inputs_bytes = allocated_bytes(device) - before_inputs
-            rank_work.train_step(blocks, inputs, checkpointing=True)  # warm-up: workspaces
-            kept, transient = _memory_probe(blocks, inputs, False, device)
-            kept_ckpt, transient_ckpt = _memory_probe(blocks, inputs, True, device)
-        return MemoryProbe(inputs_bytes, kept, transient, kept_ckpt, transient_ckpt)
+        return pack_probe(blocks, batch, plan, config, device, dtype)
 
     token_counts = QUICK_MEMORY_TOKENS if options.quick else FULL_MEMORY_TOKENS
     reduce_counts = QUICK_REDUCE_TOKENS if options.quick else FULL_REDUCE_TOKENS
@@ -895,15 +1029,15 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
         # hold the same shard_tokens (a cross model's text is the same on all three).
         shard_text = 0 if config.joint_attention else config.text_tokens
         wide_degree = min(ULYSSES_WIDE_DEGREE, config.num_heads)  # a head or more per rank
-        for name, strategy, degree in (
-            ("local", "local", 1),
-            ("ulysses", "ulysses", 2),
-            ("ring", "ring", 2),
-            *((("ulysses_wide", "ulysses", wide_degree),) if wide_degree > 2 else ()),
-        ):
-            shards[name] = probe(blocks, *_shard_plan(shard_tokens, shard_text, strategy, degree))
+        shard_calls = {}
+        for name, sequences in shard_probe_plans(shard_tokens, shard_text, wide_degree).items():
+            batch, plan = rank_plan(sequences)
+            shards[name] = probe(blocks, batch, plan)
+            shard_calls[name] = rank_attention_calls(
+                batch, plan, config.num_heads, config.joint_attention
+            )
             progress(
-                f"memory {name} shard of {shard_tokens} held: kept with checkpointing "
+                f"memory {name} ({shard_calls[name][0]} held): kept with checkpointing "
                 f"{shards[name].kept_checkpointing / 2**20:.1f} MiB, step peak "
                 f"{shards[name].step_peak / 2**20:.1f} MiB"
             )
@@ -953,32 +1087,39 @@ def profile_memory(options: ProfileOptions, device, dtype, progress: Progress) -
             f"{backward_at / 2**20:9.1f}, reduction line {reduce_at / 2**20:9.1f}, max of both "
             f"{(max(backward_at, reduce_at) - p.step_peak) / 2**20:+7.1f} MiB off"
         )
-    # what a shard holds beyond a local sequence of its tokens (both probes hold one sequence)
-    for strategy in ("ulysses", "ring"):
-        extra = shards[strategy].step_peak - shards["local"].step_peak
-        rows[f"{strategy}_bytes_per_token"] = extra / shard_tokens
-    # a wider Ulysses group exchanges a larger share of the held q/k/v/o and their gradients,
-    # (degree - 1) / degree: what a shard adds per token and per share exchanged, from degree 2
-    # (1/2 exchanged) to ULYSSES_WIDE_DEGREE
-    rows["ulysses_exchanged_bytes_per_token"] = 0.0
-    if "ulysses_wide" in shards:
-        wide = shards["ulysses_wide"].step_peak - shards["local"].step_peak
-        rows["ulysses_exchanged_bytes_per_token"] = (
-            wide / shard_tokens - rows["ulysses_bytes_per_token"]
-        ) / ((wide_degree - 1) / wide_degree - 0.5)
+    # what a shard holds beyond a local sequence of its tokens, what a wider Ulysses group
+    # exchanges more, and the attention buffers held one phase at a time (attention_phase_rows)
+    rows.update({"ulysses_exchanged_bytes_per_token": 0.0, "attention_phase_bytes_per_token": 0.0})
+    one_phase = linear_peaks(
+        {t + attended_text: p.step_peak for t, p in {**probes, **checks}.items()}
+    )
+    rows.update(
+        attention_phase_rows(
+            {
+                name: {
+                    "held_tokens": shard_calls[name][0],
+                    "calls": shard_calls[name][1],
+                    "step_peak": p.step_peak,
+                }
+                for name, p in shards.items()
+            },
+            one_phase,
+        )
+    )
     progress(
         f"memory per text token: {rows['text_bytes_per_token_layer']:.0f} B; step fixed "
         f"(gathered weights, gradients) {rows['step_fixed_bytes'] / 2**30:.2f} GiB; beyond a "
         f"local sequence: Ulysses {rows['ulysses_bytes_per_token']:.0f} B/token, ring "
         f"{rows['ring_bytes_per_token']:.0f} B/token (2 ranks, {shard_tokens} held), Ulysses "
-        f"{rows['ulysses_exchanged_bytes_per_token']:.0f} B/token more per share exchanged; at the "
-        f"largest layer's gradient reduction {rows['reduce_fixed_bytes'] / 2**30:.2f} GiB + "
+        f"{rows['ulysses_exchanged_bytes_per_token']:.0f} B/token more per share exchanged; "
+        f"attention buffers of one phase {rows['attention_phase_bytes_per_token']:.0f} B/token; at "
+        f"the largest layer's gradient reduction {rows['reduce_fixed_bytes'] / 2**30:.2f} GiB + "
         f"{rows['reduce_bytes_per_token']:.0f} B/token"
     )
     return {
         **rows,
         "runtime_reserved_bytes": runtime_reserved_bytes,
-        "shard_probes": {f"{strategy}:{shard_tokens}": asdict(p) for strategy, p in shards.items()},
+        "shard_probes": {name: asdict(p) for name, p in shards.items()},
         "ulysses_wide_degree": wide_degree,
         "probes": {str(t): asdict(p) for t, p in probes.items()},
         "reduce_probes": {str(t): asdict(p) for t, p in small.items()},
@@ -1108,6 +1249,9 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "ring_bytes_per_token": [memory["ring_bytes_per_token"]] if memory else [],
         "ulysses_exchanged_bytes_per_token": (
             [memory["ulysses_exchanged_bytes_per_token"]] if memory else []
+        ),
+        "attention_phase_bytes_per_token": (
+            [memory["attention_phase_bytes_per_token"]] if memory else []
         ),
         "backward_peak_bytes": [memory["backward_peak_bytes"]] if memory else [],
         # rows of the model measured (memory_models): none on a CPU, where memory is not measured
@@ -1248,3 +1392,97 @@ def profile_memory_into(
     parts.append("launch")
     measured = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
     return ProfileResult(profile=with_rows(rows, tables, measured), details=details)
+
+
+def profile_time_into(
+    base: dict,
+    options: ProfileOptions,
+    progress: Progress = print,
+    save: Callable[[dict], None] | None = None,
+    *,
+    call_tables: bool = True,
+) -> ProfileResult:
+    """Measures only the time rows and returns `base` (a profile JSON object) with them replaced,
+    in this order: the host launch rows and per-token rate tables of `options.model` on its own
+    blocks; the engine's per-head attention tables at the model's head count; with
+    `call_tables`, the attention call tables, the stream count the engine runs on this device
+    and the overlap its streams give (attention_calls.measure_stream_overlap). Those last two
+    time many distinct call shapes (on an H200 the stream probe and the per-head tables alone
+    took over two minutes, bench/results/mmdit_h200_202612.md run 8). Memory rows, exchange
+    and layout rows stay as in `base`. `save`, if given, gets the profile after each part, so a
+    run cut short keeps what it measured (--details only comes with a finished run)."""
+    from zellige.profiler.attention_calls import measure_stream_overlap
+    from zellige.runtime.merging import streams_for_device
+
+    device = torch.device(options.device)
+    if device.type != "cuda" and not options.quick:
+        raise ValueError(
+            "zellige profile --time-only measures a GPU and found none (a CPU smoke run: --quick)"
+        )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = dit_config(options.model)
+    spec = model_spec(options.model)
+    now = datetime.datetime.now(datetime.UTC)
+    profile = dict(base)
+    parts: list[str] = []
+    details: dict = {"model": model_name(options.model)}
+
+    def stamped(part: str) -> dict:
+        parts.append(part)
+        profile["created"] = (
+            f"{base.get('created', '')}; time rows ({', '.join(parts)}) of {spec.name} measured by "
+            f"`zellige profile --time-only{' --quick' if options.quick else ''}` on "
+            f"{now:%Y-%m-%d %H:%M} UTC ({_versions(device)}; {_compiled_text(options)})"
+        )
+        _check_finite(profile)
+        if save is not None:
+            save(profile)
+        return profile
+
+    launch = profile_launch(options, device, dtype, progress)
+    details["launch"] = launch
+    rows = {key: launch[key] for key in ("launch_s_per_layer", "launch_s_per_attention_call")}
+    profile = merge_memory(profile, spec.name, rows)
+    stamped("launch")
+    rate_forward, rate_backward, layer_seconds = profile_per_token_layers(
+        options, device, dtype, base["memory_bytes_per_s"], progress
+    )
+    details["per_token_layer_seconds"] = layer_seconds
+    tables = {
+        "model_matmul_forward_flops_per_s": rate_forward,
+        "model_matmul_backward_flops_per_s": rate_backward,
+    }
+    profile = merge_memory(profile, spec.name, {}, tables)
+    stamped("per-token layers")
+    forward, backward = profile_attention(
+        options, device, dtype, config.num_heads, config.head_dim, progress
+    )
+    profile.update(
+        attention_head_dim=config.head_dim,
+        attention_forward_s_per_head=forward,
+        attention_backward_s_per_head=backward,
+        attention_flops_per_s=4.0 * forward["x"][-1] ** 2 * config.head_dim / forward["y"][-1],
+    )
+    stamped("attention per head")
+    if not call_tables:
+        return ProfileResult(profile=profile, details=details)
+    call_lengths, call_forward, call_backward = profile_attention_calls(
+        options, device, dtype, config.num_heads, config.head_dim, progress
+    )
+    profile.update(
+        attention_call_lengths=call_lengths,
+        attention_call_forward_s=call_forward,
+        attention_call_backward_s=call_backward,
+    )
+    stamped("attention calls")
+    streams = streams_for_device(device)
+    overlap = measure_stream_overlap(
+        device, streams, num_heads=config.num_heads, head_dim=config.head_dim,
+        quick=options.quick, repeats=options.repeats, progress=progress,
+    )  # fmt: skip
+    details["stream_overlap"] = overlap
+    profile.update(
+        attention_streams=streams,
+        attention_stream_overlap=overlap["attention_stream_overlap"],
+    )
+    return ProfileResult(profile=stamped("attention streams"), details=details)

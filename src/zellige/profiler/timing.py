@@ -25,6 +25,7 @@ def median_time_s(
     warmup: int = 2,
     repeats: int = 5,
     behind_busy_gpu: bool = False,
+    samples: list[float] | None = None,
 ) -> float:
     """Median seconds of `fn()` over `repeats` runs after `warmup` untimed ones (at least one
     warm-up when warmup > 0; a run slower than SLOW_RUN_S gets one warm-up and at most three
@@ -33,7 +34,7 @@ def median_time_s(
     On CUDA each run is bracketed by events, so host launch overhead that the GPU hides is not
     counted, but a launch-bound run still shows its launch gaps. With `behind_busy_gpu` each run
     is queued behind heavy GPU work lasting longer than the host takes to issue it (see
-    gpu_time_s)."""
+    gpu_time_s). `samples`, if given, gets the seconds of every timed run."""
     host_s = 0.0
     if warmup > 0:
         synchronize(device)
@@ -63,6 +64,8 @@ def median_time_s(
             start_s = time.perf_counter()
             fn()
             times_s.append(time.perf_counter() - start_s)
+    if samples is not None:
+        samples.extend(times_s)
     return statistics.median(times_s)
 
 

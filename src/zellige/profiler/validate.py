@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from zellige import _core
@@ -72,7 +73,8 @@ PLAN_SOURCES = (
 FORWARD_LATENCY_LENGTHS = (256, 1024, 4096, 16384, 32768, 65536)
 # The report's rank sizes, by held tokens: (label, at least this many tokens), largest first.
 SIZE_CLASSES = ((">= 20k tokens", 20_000), ("2k-20k tokens", 2_000), ("< 2k tokens", 0))
-FAST_STEP_REPEATS = 20  # at most this many timed steps of a rank that runs in under a second
+MAX_TIMED_STEPS = 200  # at most this many timed steps of a rank, however short its steps
+SLOW_STEP_S = 1.0  # a rank whose warm-up step takes longer times at least 2 steps, not --repeats
 QUICK_LENGTH_RANGE = (16, 160)  # CPU smoke batches: token counts drawn in this range
 
 
@@ -83,7 +85,10 @@ class ValidationOptions:
     model: str | _core.ModelSpec = "wan-14b"  # a preset name or a spec file's ModelSpec
     num_layers: int = 2
     ranks_per_plan: int = 2  # the plan's slowest rank and its median rank
-    repeats: int = 3
+    repeats: int = 3  # timed steps of a rank at least (2 for steps over SLOW_STEP_S)
+    # ... and at least this many seconds of timed steps (timed_steps): a host-bound rank of tens
+    # of ms scatters by +-25% from one step to the next, so its median needs many of them
+    min_timed_s: float = 2.0
     seed: int = 0
     activation_checkpointing: bool = True
     device: str = "cuda"
@@ -120,6 +125,8 @@ class RankResult:
     # the first this many blocks ran a full recompute, attention included: the cost model's
     # choice for the rank (RankCost.full_recompute_layers), as training follows the plan's
     full_recompute_layers: int = 0
+    timed_steps: int = 0  # steps timed (timed_steps(); measured_s is their median)
+    measured_spread: float = 0.0  # their (75th - 25th percentile) / median (relative_spread)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -438,9 +445,9 @@ def run_rank(
     device: torch.device,
     dtype: torch.dtype,
     full_recompute_layers: int = 0,
-) -> float:
+) -> tuple[float, list[float]]:
     """Median step seconds of the rank's compute on plain blocks (checkpointed as training
-    checkpoints the rank: rank_work.train_step)."""
+    checkpoints the rank: rank_work.train_step), and the seconds of every timed step."""
     with rank_work.local_exchanges(options.contiguous_kernel_inputs):
         inputs = rank_work.plan_rank_inputs(
             batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype
@@ -455,19 +462,35 @@ def run_rank(
         start_s = time.perf_counter()
         step()  # warm-up: kernels chosen, workspaces allocated
         synchronize(device)
-        warmup_s = time.perf_counter() - start_s
-        if warmup_s > 1.0:  # steps of seconds are steady; more would cost minutes of device time
-            repeats = min(options.repeats, 2)
-        else:
-            # host-bound steps of tens of ms scatter by +-25% between runs of one shape: time
-            # about a second of them, sized by a second warm-up (the first builds kernel plans)
+        step_s = time.perf_counter() - start_s
+        if step_s <= SLOW_STEP_S:  # a second warm-up sizes the timing (the first builds plans)
             start_s = time.perf_counter()
             step()
             synchronize(device)
-            step_s = max(time.perf_counter() - start_s, 1e-3)
-            repeats = max(options.repeats, min(FAST_STEP_REPEATS, math.ceil(1.0 / step_s)))
-        seconds = median_time_s(step, device, warmup=0, repeats=repeats)
-    return seconds
+            step_s = time.perf_counter() - start_s
+        # a CPU smoke run (--quick) times --repeats steps only: its numbers mean nothing
+        min_timed_s = 0.0 if options.quick else options.min_timed_s
+        repeats = timed_steps(step_s, options.repeats, min_timed_s)
+        steps_s: list[float] = []
+        seconds = median_time_s(step, device, warmup=0, repeats=repeats, samples=steps_s)
+    return seconds, steps_s
+
+
+def relative_spread(steps_s: list[float]) -> float:
+    """(75th - 25th percentile) / median of a rank's timed steps: how far they scatter."""
+    if len(steps_s) < 2:
+        return 0.0
+    q25, q50, q75 = np.percentile(np.asarray(steps_s), [25, 50, 75])
+    return float((q75 - q25) / q50) if q50 > 0 else 0.0
+
+
+def timed_steps(step_s: float, repeats: int, min_timed_s: float) -> int:
+    """How many steps of `step_s` seconds a rank is timed over (their median is its time): at
+    least `repeats` (2 for steps over SLOW_STEP_S: steps of seconds are steady, and more would
+    cost minutes of device time) and enough to last `min_timed_s`, at most MAX_TIMED_STEPS."""
+    least = repeats if step_s <= SLOW_STEP_S else min(repeats, 2)
+    enough = math.ceil(min_timed_s / max(step_s, 1e-4))
+    return max(1, min(MAX_TIMED_STEPS, max(least, enough)))
 
 
 def _warm_up(blocks, fsdp_blocks, config, options: ValidationOptions, device, dtype) -> None:
@@ -579,7 +602,7 @@ def measure_rank(
         peak_model.model.param_count * peak_model.options.state_bytes_per_param / plan.num_ranks
     )
     copy_s = local_copy_s(cost_model, batch, plan, rank, cost_model.profile.memory_bytes_per_s)
-    measured_s = run_rank(
+    measured_s, steps_s = run_rank(
         batch=batch,
         plan=plan,
         rank=rank,
@@ -620,6 +643,8 @@ def measure_rank(
         predicted_busy_s=predicted_busy_s(rank_cost, copy_s),
         strategies=rank_strategies(plan, rank),
         full_recompute_layers=full_recompute_layers,
+        timed_steps=len(steps_s),
+        measured_spread=relative_spread(steps_s),
     )
 
 
@@ -755,6 +780,7 @@ def validate(
                     f"{result.tokens:>7} tokens: time {result.predicted_s * 1e3:9.2f} / "
                     f"{result.measured_s * 1e3:9.2f} ms"
                     f"{' (launch floor)' if result.predicted_busy_s < result.predicted_s else ''}"
+                    f" (median of {result.timed_steps}, spread {100 * result.measured_spread:.1f}%)"
                     f", peak {result.predicted_peak_bytes / 2**30:7.2f} / "
                     f"{result.measured_peak_bytes / 2**30:7.2f} GiB (predicted / measured); "
                     f"{result.strategies}"

@@ -368,13 +368,9 @@ def _call_work(g: SegmentGroup | PaddedGroup) -> int:
 
 def stream_assignment(works: Sequence[int], streams: int) -> list[int]:
     """The stream of each call (calls in the order given, most work first): the one with the
-    least work queued so far, the lowest index on ties."""
-    queued, chosen = [0] * max(1, streams), []
-    for work in works:
-        i = queued.index(min(queued))
-        queued[i] += work
-        chosen.append(i)
-    return chosen
+    least work queued so far, the lowest index on ties. Decided in C++ (cost_model.h
+    stream_assignment), where the cost model prices the same assignment."""
+    return list(_core.stream_assignment([int(w) for w in works], int(streams)))
 
 
 def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int) -> None:

@@ -49,6 +49,14 @@ class TrainConfig:
     # with a fused optimizer: the gradient clipping's scale is applied inside the optimizer's
     # kernel (its grad_scale), not by a pass of its own over the gradients
     clip_in_optimizer: bool = True
+    # on a world of one without FSDP: each step's optimizer update (and the cast of the bf16
+    # copies) runs at the next step's forward, block by block, where it fills the device while
+    # the host issues the forward's first kernels (parallelize.LoneRankWeights.defer_update);
+    # None: on CUDA only
+    overlap_optimizer: bool | None = None
+    # with overlap_optimizer on CUDA: the deferred update runs on a stream of its own,
+    # concurrently with the forward (on one H200 the blocks slowed by about the time it hid)
+    optimizer_side_stream: bool = False
     sync_debug: bool = False  # CUDA: warn at each host sync from step start to optimizer step
     learning_rate: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
@@ -224,6 +232,8 @@ FIELD_HELP = {
     "fsdp_on_one_rank": "FSDP2 also on one rank (default: fp32 masters, bf16 copies per step)",
     "fused_optimizer": "AdamW as one fused kernel (default: on CUDA only)",
     "clip_in_optimizer": "a fused optimizer applies the gradient clipping's scale itself",
+    "overlap_optimizer": "one rank: the update runs block by block under the next forward",
+    "optimizer_side_stream": "with overlap_optimizer: the update on a CUDA stream of its own",
     "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",
     "learning_rate": "AdamW peak learning rate",
     "betas": "AdamW betas (TOML only: a list of two numbers)",
