@@ -16,10 +16,10 @@ memory needs); ":no-checkpointing" checkpoints none. One GPU trains without FSDP
 each block's gathered weights to its backward), ":fsdp:reshard" as on more GPUs (gathered again
 in the backward); ":separate-clipping" scales the gradients in a pass of its own before the fused
 AdamW (by default its kernel applies the clipping's scale). ":fsdp:reshard:separate-clipping" is
-the step before these changes. Without FSDP2 each step's optimizer update runs at the next step's
-forward, block by block (on CUDA by default; ":no-overlap" steps at the step's end, ":overlap"
-defers on CPU too); ":side-stream" runs it on a CUDA stream of its own, concurrently with the
-forward. Every step's predicted and measured peak are listed.
+the step before these changes. ":overlap" runs each step's optimizer update (without FSDP2) at
+the next step's forward, block by block (":no-overlap", the default, steps at the step's end);
+":side-stream" runs it on a CUDA stream of its own, concurrently with the forward. Every step's
+predicted and measured peak are listed.
 --sync-check: the first run warns at every host sync inside its steps
 (torch.cuda.set_sync_debug_mode, from step start to the optimizer step) and the summary counts
 them per step and by source line; steps after the warm-up should have 0 (the first steps have
@@ -68,7 +68,7 @@ VARIANTS = {
     "fsdp": {"fsdp_on_one_rank": True},
     "overlap": {"overlap_optimizer": True},
     "no-overlap": {"overlap_optimizer": False},
-    "side-stream": {"optimizer_side_stream": True},
+    "side-stream": {"overlap_optimizer": True, "optimizer_side_stream": True},
 }
 
 

@@ -51,9 +51,10 @@ class TrainConfig:
     clip_in_optimizer: bool = True
     # on a world of one without FSDP: each step's optimizer update (and the cast of the bf16
     # copies) runs at the next step's forward, block by block, where it fills the device while
-    # the host issues the forward's first kernels (parallelize.LoneRankWeights.defer_update);
-    # None: on CUDA only
-    overlap_optimizer: bool | None = None
+    # the host issues the forward's first kernels (parallelize.LoneRankWeights.defer_update).
+    # Off by default: on one H200 it was not faster (bench/results/train_throughput_h200_202612.md,
+    # run 10) and it holds the gradients into the next forward
+    overlap_optimizer: bool = False
     # with overlap_optimizer on CUDA: the deferred update runs on a stream of its own,
     # concurrently with the forward (on one H200 the blocks slowed by about the time it hid)
     optimizer_side_stream: bool = False

@@ -207,7 +207,7 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
         else config.compile_elementwise,
         reshard_after_forward=config.reshard_after_forward,
         fsdp_on_one_rank=config.fsdp_on_one_rank,
-        defer_optimizer=overlaps_optimizer(config, device),
+        defer_optimizer=overlaps_optimizer(config),
         optimizer_side_stream=config.optimizer_side_stream,
     )
     if device.type == "cuda":
@@ -436,7 +436,7 @@ def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, w
     peak_backward_gib = _peak_gib(device, reset=True)
     with record_function("zellige.step.optimizer"):
         # deferred to the next step's forward (overlapped there), except at the run's last step
-        defer = model.lone_weights if overlaps_optimizer(config, device) else None
+        defer = model.lone_weights if overlaps_optimizer(config) else None
         grad_norm = clip_and_step(
             model,
             optimizer,
@@ -768,11 +768,10 @@ def weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:
     return not (num_ranks > 1 if reshard is None else reshard)
 
 
-def overlaps_optimizer(config: TrainConfig, device: torch.device) -> bool:
+def overlaps_optimizer(config: TrainConfig) -> bool:
     """Whether each step's update is deferred to the next step's forward (one rank, no FSDP)."""
     lone = dist.get_world_size() == 1 and not config.fsdp_on_one_rank
-    wanted = device.type == "cuda" if config.overlap_optimizer is None else config.overlap_optimizer
-    return lone and wanted
+    return lone and config.overlap_optimizer
 
 
 def clip_and_step(
