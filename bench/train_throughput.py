@@ -127,7 +127,13 @@ def summarise(
                     "alloc_retries",
                     "reserved_gib",
                     "data_wait_s_max",
+                    "gc_full",
+                    "gc_full_s",
+                    "gc_s",
+                    "gc_full_before_s",
+                    "compile_events",
                 )
+                if k in r
             }
             for r in history
         ],
@@ -239,29 +245,73 @@ def tracing_step(step: int, path: Path):
         loop._run_step = run_step
 
 
+class GcPauses:
+    """Python's garbage collections by the clock, through gc.callbacks: the full ones (generation
+    2, which traverse every long-lived object) and all of them, as (count, seconds)."""
+
+    def __init__(self) -> None:
+        self.full = [0, 0.0]
+        self.all = [0, 0.0]
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._start
+        self.all[0] += 1
+        self.all[1] += seconds
+        if info["generation"] == 2:
+            self.full[0] += 1
+            self.full[1] += seconds
+
+    def totals(self) -> tuple[int, float, int, float]:
+        return (*self.full, *self.all)
+
+
 @contextlib.contextmanager
 def printing_steps(label: str):
     """While inside, each training step prints one line on stderr as it ends (a run cut by a
-    time limit still says how far it got and what each step took)."""
+    time limit still says how far it got and what each step took), with what could stall it
+    once outside the blocks: Python's full garbage collections in the step (count and seconds),
+    the graphs torch.compile captured or compiled in it, and the full collections between this
+    step and the previous one (the loop's own, after a step that compiled). The same numbers go
+    into the step's record (gc_full, gc_full_s, gc_s, compile_events, gc_full_before_s)."""
     loop = zellige.train.loop
     run_step = loop._run_step
+    pauses = GcPauses()
+    last_end = [pauses.totals()]
 
     def printed(*args):
+        before = pauses.totals()
+        compiles = loop.compile_events()
         record = run_step(*args)
+        after = pauses.totals()
+        record["gc_full"] = after[0] - before[0]
+        record["gc_full_s"] = after[1] - before[1]
+        record["gc_s"] = after[3] - before[3]
+        record["gc_full_before_s"] = before[1] - last_end[0][1]
+        record["compile_events"] = loop.compile_events() - compiles
+        last_end[0] = after
         print(
             f"{label} step {record['step']}: {record['tokens']} tokens, {record['sequences']} "
             f"sequences, {record['step_s']:.3f} s (blocks {record['busy_s_max']:.3f} s, data "
-            f"wait {record['data_wait_s_max']:.3f} s), allocator retries {record['alloc_retries']}",
+            f"wait {record['data_wait_s_max']:.3f} s), allocator retries {record['alloc_retries']}"
+            f", full GC {record['gc_full']} ({record['gc_full_s']:.3f} s; all GC "
+            f"{record['gc_s']:.3f} s; before the step {record['gc_full_before_s']:.3f} s), "
+            f"compile events {record['compile_events']}",
             file=sys.stderr,
             flush=True,
         )
         return record
 
     loop._run_step = printed
+    gc.callbacks.append(pauses)
     try:
         yield
     finally:
         loop._run_step = run_step
+        gc.callbacks.remove(pauses)
 
 
 def main() -> int:
