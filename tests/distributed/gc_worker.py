@@ -1,0 +1,57 @@
+"""Trains the tiny model with the compiled per-token regions (aot_eager: torch.compile's capture
+and autograd graphs, without generating code) over steps that alternate packs of many images
+and of one clip, and saves per step what a Python full garbage collection would traverse in it
+(gc.get_objects() at the loss, inside the step) and the compile events in it
+(test_train_one_rank.py checks them).
+
+usage: gc_worker.py OUT (a world of one)"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import sys
+
+from zellige.model import fused
+from zellige.runtime import end_rank_process
+from zellige.train import loop
+from zellige.train.config import get_config
+
+STEPS = 5
+
+
+def main() -> None:
+    out = sys.argv[1]
+    config = dataclasses.replace(
+        get_config("tiny-cpu"), steps=STEPS, loader_workers=0, compile_elementwise=True
+    )
+    steps = []
+    use_compiled, step_loss, run_step = fused.use_compiled, loop.step_loss, loop._run_step
+
+    def counted_loss(*args):
+        steps[-1]["traversed"] = len(gc.get_objects())  # the generations a full GC walks
+        return step_loss(*args)
+
+    def counted_step(*args):
+        steps.append({"compile_events": -loop.compile_events()})
+        record = run_step(*args)
+        steps[-1]["compile_events"] += loop.compile_events()
+        steps[-1]["sequences"] = record["sequences"]
+        return record
+
+    fused.use_compiled = lambda enabled, backend="aot_eager": use_compiled(enabled, "aot_eager")
+    loop.step_loss, loop._run_step = counted_loss, counted_step
+    before = len(gc.get_objects())  # the process's objects: torch, zellige, ...
+    try:
+        loop.train(config, progress=False)
+    finally:
+        fused.use_compiled, loop.step_loss, loop._run_step = use_compiled, step_loss, run_step
+    report = {"before": before, "steps": steps, "frozen_after": gc.get_freeze_count()}
+    with open(out, "w") as file:
+        json.dump(report, file)
+    end_rank_process()
+
+
+if __name__ == "__main__":
+    main()
