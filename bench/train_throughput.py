@@ -18,8 +18,12 @@ in the backward); ":separate-clipping" scales the gradients in a pass of its own
 AdamW (by default its kernel applies the clipping's scale). ":fsdp:reshard:separate-clipping" is
 the step before these changes. ":overlap" runs each step's optimizer update (without FSDP2) at
 the next step's forward, block by block (":no-overlap", the default, steps at the step's end);
-":side-stream" runs it on a CUDA stream of its own, concurrently with the forward. Every step's
-predicted and measured peak are listed.
+":side-stream" runs it on a CUDA stream of its own, concurrently with the forward. ":gc-auto"
+leaves Python's garbage collections as they come (by default the loop collects and freezes the
+objects torch.compile made, between steps: zellige.train.loop.QuietCollector). Every step's
+predicted and measured peak are listed, and each step's line its full garbage collections
+(count, seconds), those between it and the step before, and torch.compile's events in it (0
+after the warm-up: no recompilation).
 --sync-check: the first run warns at every host sync inside its steps
 (torch.cuda.set_sync_debug_mode, from step start to the optimizer step) and the summary counts
 them per step and by source line; steps after the warm-up should have 0 (the first steps have
@@ -69,6 +73,7 @@ VARIANTS = {
     "overlap": {"overlap_optimizer": True},
     "no-overlap": {"overlap_optimizer": False},
     "side-stream": {"overlap_optimizer": True, "optimizer_side_stream": True},
+    "gc-auto": {"freeze_gc": False},
 }
 
 

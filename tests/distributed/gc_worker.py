@@ -2,7 +2,8 @@
 and autograd graphs, without generating code) over steps that alternate packs of many images
 and of one clip, and saves per step what a Python full garbage collection would traverse in it
 (gc.get_objects() at the loss, inside the step) and the compile events in it
-(test_train_one_rank.py checks them).
+(test_train_one_rank.py checks them); trained twice: with the loop's freezing (freeze_gc, the
+default; compiles), then without it (the same graphs, compiled already).
 
 usage: gc_worker.py OUT (a world of one)"""
 
@@ -21,10 +22,13 @@ from zellige.train.config import get_config
 STEPS = 5
 
 
-def main() -> None:
-    out = sys.argv[1]
+def run(freeze_gc: bool) -> dict:
     config = dataclasses.replace(
-        get_config("tiny-cpu"), steps=STEPS, loader_workers=0, compile_elementwise=True
+        get_config("tiny-cpu"),
+        steps=STEPS,
+        loader_workers=0,
+        compile_elementwise=True,
+        freeze_gc=freeze_gc,
     )
     steps = []
     use_compiled, step_loss, run_step = fused.use_compiled, loop.step_loss, loop._run_step
@@ -47,8 +51,12 @@ def main() -> None:
         loop.train(config, progress=False)
     finally:
         fused.use_compiled, loop.step_loss, loop._run_step = use_compiled, step_loss, run_step
-    report = {"before": before, "steps": steps, "frozen_after": gc.get_freeze_count()}
-    with open(out, "w") as file:
+    return {"before": before, "steps": steps, "frozen_after": gc.get_freeze_count()}
+
+
+def main() -> None:
+    report = {"frozen": run(freeze_gc=True), "auto": run(freeze_gc=False)}
+    with open(sys.argv[1], "w") as file:
         json.dump(report, file)
     end_rank_process()
 

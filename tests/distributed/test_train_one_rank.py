@@ -151,10 +151,12 @@ def test_compiled_steps_leave_full_collections_little_to_traverse(tmp_path: Path
     object torch.compile had left (0.23 s for 0.43 M objects on a CPU). The loop collects and
     freezes them between steps (QuietCollector): a step after the first, whatever its pack,
     compiles nothing, and a full collection in it walks only the step's own objects, not the
-    process's (torch and the compiled graphs). Unfrozen when training ends."""
+    process's (torch and the compiled graphs). Unfrozen when training ends. Without it
+    (freeze_gc false), every step's full collection walks the whole process."""
     out = tmp_path / "gc.json"
     _torchrun(1, str(Path(__file__).with_name("gc_worker.py")), str(out))
-    report = json.loads(out.read_text())
+    runs = json.loads(out.read_text())
+    report = runs["frozen"]
     steps = report["steps"]
     assert len({s["sequences"] for s in steps}) > 1  # packs of images and of one clip alternate
     assert steps[0]["compile_events"] > 0
@@ -163,3 +165,5 @@ def test_compiled_steps_leave_full_collections_little_to_traverse(tmp_path: Path
     for step in steps[1:]:
         assert step["traversed"] < report["before"] / 20, step
     assert report["frozen_after"] == 0
+    auto = runs["auto"]
+    assert all(step["traversed"] > auto["before"] / 2 for step in auto["steps"])

@@ -59,6 +59,10 @@ class TrainConfig:
     # concurrently with the forward (on one H200 the blocks slowed by about the time it hid)
     optimizer_side_stream: bool = False
     sync_debug: bool = False  # CUDA: warn at each host sync from step start to optimizer step
+    # Python's objects are collected and frozen at the start and after each step that compiled,
+    # so a full garbage collection in a step walks only that step's objects, not torch.compile's
+    # (loop.QuietCollector); False: Python's automatic collections as they come
+    freeze_gc: bool = True
     learning_rate: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
@@ -236,6 +240,7 @@ FIELD_HELP = {
     "overlap_optimizer": "one rank: the update runs block by block under the next forward",
     "optimizer_side_stream": "with overlap_optimizer: the update on a CUDA stream of its own",
     "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",
+    "freeze_gc": "freeze Python's objects after compiling steps (full GCs in steps stay short)",
     "learning_rate": "AdamW peak learning rate",
     "betas": "AdamW betas (TOML only: a list of two numbers)",
     "weight_decay": "AdamW weight decay",

@@ -317,7 +317,7 @@ def train(
     history = []
     run_start = time.perf_counter()
     ahead = StepsAhead(iter(loader), config, device)
-    collector = QuietCollector()
+    collector = QuietCollector(enabled=config.freeze_gc)
     try:
         for step in range(first_step, config.steps):
             try:
@@ -387,16 +387,19 @@ class QuietCollector:
     after each step that compiled are collected once, between steps, and then frozen
     (gc.freeze: never traversed again; freed as usual when their last reference goes). A full
     collection in a later step traverses only what came after. close() unfreezes them (a
-    finished run's cycles can be collected)."""
+    finished run's cycles can be collected). enabled=False: does nothing (Python collects as it
+    would)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self._enabled = enabled
         self._events = compile_events()
-        self._settle()
+        if enabled:
+            self._settle()
 
     def after_step(self) -> None:
         """Settles a step's compiled graphs; nothing after a step that compiled nothing."""
         events = compile_events()
-        if events != self._events:
+        if self._enabled and events != self._events:
             self._events = events
             self._settle()
 
@@ -406,7 +409,8 @@ class QuietCollector:
         gc.freeze()
 
     def close(self) -> None:
-        gc.unfreeze()
+        if self._enabled:
+            gc.unfreeze()
 
 
 class StepsAhead:
