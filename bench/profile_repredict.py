@@ -7,7 +7,8 @@ the measured times and peaks of one GPU run can be compared with any profile off
 Plans are re-drawn by name (recipe/GPUs/planner/seed) with --plan-profile (the profile the GPU
 run drew them with), then every profile predicts the same ranks; prints MAPEs per profile and a
 per-rank table, then the time and memory MAPEs by class of rank (token count, mixed
-strategies, Ulysses).
+strategies, Ulysses), and the launch-floor ranks with the host's issue time of a step where
+the report recorded it (`host_issue_s`).
 Reports: a `--json` report, or the per-rank `--results-jsonl` files (several are joined). Every
 prediction includes the exchanges' local stand-in copies, as
 validate-profile now predicts them (validate.local_copy_s); reports written before that have no
@@ -25,7 +26,12 @@ from zellige.costs import make_cost_model
 from zellige.profile import load_profile
 from zellige.profiler import fit
 from zellige.profiler.models import model_spec
-from zellige.profiler.validate import harness_peak_model, local_copy_s, predicted_rank_s
+from zellige.profiler.validate import (
+    harness_peak_model,
+    launch_floor,
+    local_copy_s,
+    predicted_rank_s,
+)
 from zellige.workload import load_recipe
 
 
@@ -121,6 +127,26 @@ def main() -> None:
                 for p in labels
             )
             print(f"{name:<26} {len(chosen):>5}  {mapes}")
+    floor = [
+        r["rank"]
+        for r in rows
+        if launch_floor(r["rank"]["predicted_s"], r["rank"].get("predicted_busy_s", 0.0))
+    ]
+    if floor:
+        print(
+            "\nlaunch-floor ranks, as the report predicted them: ms of the floor, predicted, "
+            "measured, and the host's issue time of a step (not recorded in older reports)\n"
+            f"{'plan':<42} {'rank':>4} {'tokens':>7} {'floor':>8} {'predicted':>10} "
+            f"{'measured':>9} {'host issue':>10}"
+        )
+    for rank in floor:
+        issue = rank.get("host_issue_s")
+        print(
+            f"{rank['plan']:<42} {rank['rank']:>4} {rank['tokens']:>7} "
+            f"{rank.get('predicted_launch_floor_s', 0.0) * 1e3:>8.2f} "
+            f"{rank['predicted_s'] * 1e3:>10.2f} {rank['measured_s'] * 1e3:>9.2f} "
+            + (f"{issue * 1e3:>10.2f}" if issue is not None else f"{'-':>10}")
+        )
     print(f"\nmachine: {platform.node()} (CPU, re-prediction only); {len(rows)} ranks")
 
 

@@ -133,6 +133,7 @@ def format_report(report, options) -> str:
     """The text report; `options` None for --summarise, whose results files do not record the
     model their ranks ran, so the report names none rather than this command's defaults."""
     from zellige.profiler.models import model_name
+    from zellige.profiler.validate import host_line, launch_floor
 
     if options is None:
         model = "model not recorded in the results files"
@@ -162,6 +163,20 @@ def format_report(report, options) -> str:
         f"KnapFormer gamma model ({gamma} from forward latencies, best single "
         f"scale): time MAPE {report.knapformer_time_mape_percent:.2f}%"
     )
+    if report.host:
+        lines.append(f"host as the ranks began: {host_line(report.host)}")
+    floor = [r for r in report.ranks if launch_floor(r.predicted_s, r.predicted_busy_s)]
+    if floor:
+        lines.append(
+            f"launch-floor ranks ({len(floor)}): predicted / measured / host issue ms "
+            "(the host's wall time to queue a step's kernels)"
+        )
+    for r in floor:
+        issue = f"{r.host_issue_s * 1e3:8.2f}" if r.host_issue_s is not None else "  not recorded"
+        lines.append(
+            f"  {r.plan:<40} rank {r.rank:>2} {r.tokens:>7} tokens: {r.predicted_s * 1e3:8.2f} / "
+            f"{r.measured_s * 1e3:8.2f} / {issue}"
+        )
     if report.num_plans < TARGET_PLANS:
         lines.append(f"note: fewer than {TARGET_PLANS} plans: not a measurement of the target")
     return "\n".join(lines)

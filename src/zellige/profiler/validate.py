@@ -29,6 +29,7 @@ import itertools
 import json
 import math
 import multiprocessing
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from zellige.profile import load_profile
 from zellige.profiler import fit, rank_work
 from zellige.profiler.models import dit_config, model_name, model_spec
 from zellige.profiler.timing import (
+    host_facts,
     median_time_s,
     peak_allocated_bytes,
     release_burn,
@@ -127,6 +129,13 @@ class RankResult:
     full_recompute_layers: int = 0
     timed_steps: int = 0  # steps timed (timed_steps(); measured_s is their median)
     measured_spread: float = 0.0  # their (75th - 25th percentile) / median (relative_spread)
+    # median over the same steps of the host's wall seconds from a step's start until its last
+    # kernel was queued (before the final synchronize): the issue time a launch-floor rank is
+    # bound by; None in results written before it was recorded
+    host_issue_s: float | None = None
+    # garbage collections of each generation during the timed steps
+    timed_gc_collections: list[int] | None = None
+    host: dict | None = None  # timing.host_facts() just before the rank's steps
 
 
 @dataclass(kw_only=True, slots=True)
@@ -143,6 +152,7 @@ class ValidationReport:
     # per SIZE_CLASSES label: {"ranks", "time_mape_percent", "memory_mape_percent" (or None)}
     by_size: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    host: dict | None = None  # timing.host_facts() as the ranks began (None: --summarise)
 
 
 def _route_bytes_per_token(cost_model: _core.CostModel, num_ranks: int) -> float:
@@ -269,6 +279,17 @@ def summarise(ranks: list[RankResult], gamma: float) -> ValidationReport:
             ),
         }
     return report
+
+
+def launch_floor(predicted_s: float, predicted_busy_s: float) -> bool:
+    """Whether a rank's prediction is its launch floor (the host's issue time) rather than its
+    GPU work; results written before predicted_busy_s was recorded (0) are not marked."""
+    return 0.0 < predicted_busy_s < predicted_s
+
+
+def host_line(facts: dict) -> str:
+    """timing.host_facts() in one line, for the log's header."""
+    return ", ".join(f"{key} {value}" for key, value in facts.items())
 
 
 def _by_size(ranks: list[RankResult]) -> dict[str, list[RankResult]]:
@@ -434,6 +455,18 @@ def _outside_allocator_bytes(device: torch.device) -> int:
     return int(total_bytes - free_bytes - torch.cuda.memory_reserved(device))
 
 
+@dataclass(kw_only=True, slots=True)
+class StepTimes:
+    measured_s: float  # median of steps_s
+    steps_s: list[float]  # every timed step (device busy time on CUDA, wall time on a CPU)
+    issue_s: list[float]  # the host's issue time of each (timing.median_time_s issue_samples)
+    gc_collections: list[int]  # collections of each generation during the timed steps
+
+
+def _gc_collections() -> list[int]:
+    return [generation["collections"] for generation in gc.get_stats()]
+
+
 def run_rank(
     *,
     batch: _core.Batch,
@@ -445,9 +478,10 @@ def run_rank(
     device: torch.device,
     dtype: torch.dtype,
     full_recompute_layers: int = 0,
-) -> tuple[float, list[float]]:
+) -> StepTimes:
     """Median step seconds of the rank's compute on plain blocks (checkpointed as training
-    checkpoints the rank: rank_work.train_step), and the seconds of every timed step."""
+    checkpoints the rank: rank_work.train_step), the seconds of every timed step and the host's
+    issue time of each."""
     with rank_work.local_exchanges(options.contiguous_kernel_inputs):
         inputs = rank_work.plan_rank_inputs(
             batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype
@@ -472,8 +506,15 @@ def run_rank(
         min_timed_s = 0.0 if options.quick else options.min_timed_s
         repeats = timed_steps(step_s, options.repeats, min_timed_s)
         steps_s: list[float] = []
-        seconds = median_time_s(step, device, warmup=0, repeats=repeats, samples=steps_s)
-    return seconds, steps_s
+        issue_s: list[float] = []
+        collections = _gc_collections()
+        seconds = median_time_s(
+            step, device, warmup=0, repeats=repeats, samples=steps_s, issue_samples=issue_s
+        )
+        collections = [after - before for after, before in zip(_gc_collections(), collections)]
+    return StepTimes(
+        measured_s=seconds, steps_s=steps_s, issue_s=issue_s, gc_collections=collections
+    )
 
 
 def relative_spread(steps_s: list[float]) -> float:
@@ -602,7 +643,8 @@ def measure_rank(
         peak_model.model.param_count * peak_model.options.state_bytes_per_param / plan.num_ranks
     )
     copy_s = local_copy_s(cost_model, batch, plan, rank, cost_model.profile.memory_bytes_per_s)
-    measured_s, steps_s = run_rank(
+    host = host_facts()
+    times = run_rank(
         batch=batch,
         plan=plan,
         rank=rank,
@@ -632,7 +674,7 @@ def measure_rank(
         tokens=rank_cost.tokens,
         num_sequences=sum(rank in p.ranks for p in plan.placements),
         predicted_s=predicted_rank_s(rank_cost, copy_s),
-        measured_s=measured_s,
+        measured_s=times.measured_s,
         predicted_peak_bytes=peak_cost.ranks[rank].peak_bytes,
         measured_peak_bytes=peak,
         modelled_state_bytes=shard_bytes,
@@ -643,8 +685,11 @@ def measure_rank(
         predicted_busy_s=predicted_busy_s(rank_cost, copy_s),
         strategies=rank_strategies(plan, rank),
         full_recompute_layers=full_recompute_layers,
-        timed_steps=len(steps_s),
-        measured_spread=relative_spread(steps_s),
+        timed_steps=len(times.steps_s),
+        measured_spread=relative_spread(times.steps_s),
+        host_issue_s=statistics.median(times.issue_s),
+        timed_gc_collections=times.gc_collections,
+        host=host,
     )
 
 
@@ -733,6 +778,8 @@ def validate(
         fsdp_blocks = rank_work.make_fsdp_blocks(config, options.num_layers, device, dtype)
         if options.compiled:  # compile the regions' training graphs before any rank is timed
             _warm_up(blocks, fsdp_blocks, config, options, device, dtype)
+        host = host_facts()  # what may slow the host's issue in this process (each rank: .host)
+        progress(f"host: {host_line(host)}")
         for plan_index, (name, batch, plan) in enumerate(plans):
             if options.plan_range is not None and not (
                 options.plan_range[0] <= plan_index + 1 <= options.plan_range[1]
@@ -772,6 +819,7 @@ def validate(
                     gamma=gamma,
                 )
                 results.append(result)
+                floor = launch_floor(result.predicted_s, result.predicted_busy_s)
                 if options.results_jsonl:
                     with open(options.results_jsonl, "a") as stream:
                         stream.write(json.dumps(dataclasses.asdict(result)) + "\n")
@@ -779,7 +827,8 @@ def validate(
                     f"plan {plan_index + 1:>2}/{options.num_plans} {name:<40} rank {rank:>2} "
                     f"{result.tokens:>7} tokens: time {result.predicted_s * 1e3:9.2f} / "
                     f"{result.measured_s * 1e3:9.2f} ms"
-                    f"{' (launch floor)' if result.predicted_busy_s < result.predicted_s else ''}"
+                    f"{' (launch floor)' if floor else ''}, host issue "
+                    f"{result.host_issue_s * 1e3:.2f} ms"
                     f" (median of {result.timed_steps}, spread {100 * result.measured_spread:.1f}%)"
                     f", peak {result.predicted_peak_bytes / 2**30:7.2f} / "
                     f"{result.measured_peak_bytes / 2**30:7.2f} GiB (predicted / measured); "
@@ -800,6 +849,7 @@ def validate(
         "seconds_per_unit": seconds_per_unit,
     }
     report.notes = notes
+    report.host = host
     return report
 
 
