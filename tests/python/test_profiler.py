@@ -985,3 +985,142 @@ def test_validate_measures_the_time_rows_in_its_own_process(tmp_path, capsys):
     assert "--time-only --quick" in measured["created"]
     ranks = [json.loads(line) for line in results.read_text().splitlines()]
     assert ranks and all(r["timed_steps"] == 1 and r["measured_s"] > 0 for r in ranks)
+
+
+def _quick_validate_ranks(tmp_path, *extra: str) -> list[dict]:
+    pytest.importorskip("zellige.runtime.attention", reason="needs the engine's attention")
+    from zellige import _core
+
+    if not hasattr(_core, "make_plan"):
+        pytest.skip("needs the planners (make_plan)")
+    from zellige.cli import main
+
+    jsonl = tmp_path / "ranks.jsonl"
+    args = ["validate-profile", "--quick", "--plans", "1", "--ranks-per-plan", "1"]
+    assert main([*args, "--repeats", "3", "--results-jsonl", str(jsonl), *extra]) == 0
+    return [json.loads(line) for line in jsonl.read_text().splitlines()]
+
+
+def test_validate_records_the_hosts_issue_time_and_facts(tmp_path, capsys):
+    """Each rank records the host's issue time of its steps (on a CPU the host is the device:
+    about the step's time, never more) and the facts of the process that can slow the issue."""
+    import os
+
+    (rank,) = _quick_validate_ranks(tmp_path)
+    assert 0 < rank["host_issue_s"] <= rank["measured_s"] + 1e-4
+    assert len(rank["timed_gc_collections"]) == 3
+    assert all(n >= 0 for n in rank["timed_gc_collections"])
+    host = rank["host"]
+    assert host["pid"] == os.getpid() and host["torch_threads"] == torch.get_num_threads()
+    assert host["python_threads"] >= 1 and len(host["gc_collections"]) == 3
+    if os.path.exists("/proc/self/task"):
+        assert host["os_threads"] >= host["python_threads"]
+    printed = capsys.readouterr()
+    assert f"host: pid {os.getpid()}, torch_threads" in printed.err  # the log's header
+    assert "host issue" in printed.err  # the per-rank line
+
+
+def test_host_issue_time_ends_before_the_final_synchronize(tmp_path, monkeypatch):
+    """A slow synchronize (a GPU still busy after the host queued everything) lengthens the
+    measured step but not the host's issue time: that is taken before the synchronize."""
+    import time
+
+    from zellige.profiler import timing
+
+    wait_s = 0.03
+    synchronize = timing.synchronize
+
+    def slow_synchronize(device):
+        time.sleep(wait_s)
+        synchronize(device)
+
+    monkeypatch.setattr(timing, "synchronize", slow_synchronize)
+    (rank,) = _quick_validate_ranks(tmp_path)
+    assert rank["measured_s"] >= wait_s
+    assert 0 < rank["host_issue_s"] <= rank["measured_s"] - 0.9 * wait_s
+
+
+def test_summarise_reads_results_written_before_the_host_issue_time(capsys):
+    """Run 9's results (no host_issue_s, host facts or GC counts) still summarise; their
+    launch-floor ranks are listed with the issue time not recorded."""
+    from pathlib import Path
+
+    from zellige.cli import main
+
+    old = (
+        Path(__file__).resolve().parents[2]
+        / "bench/results/mmdit_h200_202612_run9_validate_a.jsonl"
+    )
+    assert "host_issue_s" not in old.read_text()
+    assert main(["validate-profile", "--summarise", str(old)]) == 0
+    printed = capsys.readouterr().out
+    assert "launch-floor ranks (2)" in printed
+    floor = [line for line in printed.splitlines() if "dp-tokens/0" in line]
+    assert len(floor) == 2 and all(line.endswith("not recorded") for line in floor)
+    assert "host as the ranks began" not in printed  # no facts recorded: none claimed
+
+
+def test_summarise_shows_the_issue_time_of_launch_floor_ranks(tmp_path, capsys):
+    import dataclasses
+
+    from zellige.cli import main
+
+    def rank(index, busy_s, issue_s):
+        return RankResult(
+            plan=f"p/{index}",
+            rank=0,
+            tokens=1700,
+            num_sequences=3,
+            predicted_s=0.030,
+            measured_s=0.038,
+            predicted_peak_bytes=1e9,
+            measured_peak_bytes=1e9,
+            modelled_state_bytes=0.0,
+            knapformer_work=1.0,
+            predicted_busy_s=busy_s,
+            host_issue_s=issue_s,
+        )
+
+    rows = [rank(0, 0.020, 0.0371), rank(1, 0.030, 0.0052), rank(2, 0.0, None)]
+    jsonl = tmp_path / "ranks.jsonl"
+    jsonl.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in rows))
+    assert main(["validate-profile", "--summarise", str(jsonl)]) == 0
+    printed = capsys.readouterr().out
+    # only rank 0 is a launch floor (busy < predicted; 0: not recorded, not a floor)
+    assert "launch-floor ranks (1)" in printed
+    (line,) = [line for line in printed.splitlines() if "1700 tokens" in line]
+    assert line.split(":")[-1].split() == ["30.00", "/", "38.00", "/", "37.10"]
+
+
+def test_repredict_lists_launch_floor_ranks_with_their_issue_time(tmp_path, monkeypatch, capsys):
+    """bench/profile_repredict.py on run 9's two launch-floor ranks, one given an issue time."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    old = root / "bench/results/mmdit_h200_202612_run9_validate_a.jsonl"
+    floor = [json.loads(line) for line in old.read_text().splitlines() if "dp-tokens/0" in line]
+    assert len(floor) == 2
+    floor[0]["host_issue_s"] = 0.0377
+    jsonl = tmp_path / "ranks.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in floor))
+    spec = importlib.util.spec_from_file_location("repredict", root / "bench/profile_repredict.py")
+    repredict = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(repredict)
+    profile = root / "bench/results/mmdit_h200_202612_run8_rows.json"
+    argv = [
+        "x",
+        str(jsonl),
+        "--model",
+        "mmdit-11b",
+        "--layers",
+        "3",
+        "--plan-profile",
+        str(profile),
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    repredict.main()
+    lines = capsys.readouterr().out.split("launch-floor ranks")[1].splitlines()
+    rows = [line.split() for line in lines if "dp-tokens/0" in line]
+    assert [row[-2:] for row in rows] == [["39.52", "37.70"], ["37.47", "-"]]

@@ -139,7 +139,7 @@ def host_facts() -> dict:
         "os_threads": len(tasks) if tasks is not None else None,
         "descendant_processes": _descendants(os.getpid()),
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "load_average_1min": load[0] if load else None,
+        "load_average_1min": round(load[0], 2) if load else None,
         "gc_enabled": gc.isenabled(),
         "gc_counts": list(gc.get_count()),
         "gc_collections": [generation["collections"] for generation in gc.get_stats()],

@@ -511,7 +511,9 @@ def run_rank(
         seconds = median_time_s(
             step, device, warmup=0, repeats=repeats, samples=steps_s, issue_samples=issue_s
         )
-        collections = [after - before for after, before in zip(_gc_collections(), collections)]
+        collections = [
+            after - before for after, before in zip(_gc_collections(), collections, strict=True)
+        ]
     return StepTimes(
         measured_s=seconds, steps_s=steps_s, issue_s=issue_s, gc_collections=collections
     )
