@@ -142,13 +142,18 @@ def host_facts() -> dict:
         "load_average_1min": round(load[0], 2) if load else None,
         "gc_enabled": gc.isenabled(),
         "gc_counts": list(gc.get_count()),
-        "gc_collections": [generation["collections"] for generation in gc.get_stats()],
+        "gc_collections": gc_collections(),
         "gc_frozen_objects": gc.get_freeze_count(),
         "cpu": cpu,
         "cpu_mhz": _cpu_mhz(freq, cpu),
         "cpu_max_mhz": _khz_as_mhz(_read(f"{freq}/cpuinfo_max_freq")) if freq else None,
         "cpu_governor": _read(f"{freq}/scaling_governor") if freq else None,
     }
+
+
+def gc_collections() -> list[int]:
+    """Python's garbage collections of each generation since the process started."""
+    return [generation["collections"] for generation in gc.get_stats()]
 
 
 def _read(path: str) -> str | None:

@@ -44,6 +44,7 @@ from zellige.profile import load_profile
 from zellige.profiler import fit, rank_work
 from zellige.profiler.models import dit_config, model_name, model_spec
 from zellige.profiler.timing import (
+    gc_collections,
     host_facts,
     median_time_s,
     peak_allocated_bytes,
@@ -463,10 +464,6 @@ class StepTimes:
     gc_collections: list[int]  # collections of each generation during the timed steps
 
 
-def _gc_collections() -> list[int]:
-    return [generation["collections"] for generation in gc.get_stats()]
-
-
 def run_rank(
     *,
     batch: _core.Batch,
@@ -507,12 +504,12 @@ def run_rank(
         repeats = timed_steps(step_s, options.repeats, min_timed_s)
         steps_s: list[float] = []
         issue_s: list[float] = []
-        collections = _gc_collections()
+        collections = gc_collections()
         seconds = median_time_s(
             step, device, warmup=0, repeats=repeats, samples=steps_s, issue_samples=issue_s
         )
         collections = [
-            after - before for after, before in zip(_gc_collections(), collections, strict=True)
+            after - before for after, before in zip(gc_collections(), collections, strict=True)
         ]
     return StepTimes(
         measured_s=seconds, steps_s=steps_s, issue_s=issue_s, gc_collections=collections
