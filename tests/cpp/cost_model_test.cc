@@ -568,21 +568,36 @@ TEST(CostModel, PeakIsTheMaximumOverTheBackwardsProgress) {
   }
 }
 
+// mmdit-11b cut to the validation harness's 3 blocks (one double, two single), its weights the
+// blocks' alone: the memory tests below price one rank of it.
+ModelSpec mmdit_three_blocks() {
+  ModelSpec spec = model_preset("mmdit-11b");
+  spec.num_layers = 3;
+  spec.num_double_layers = 1;
+  spec.param_count = block_param_count(spec);
+  return spec;
+}
+
+// An analytic profile with measured-looking memory rows for mmdit-11b: activations and
+// checkpoints per token and layer as the MMDiT probes measured them, and the backward's
+// buffers per token and layer as given.
+HardwareProfile mmdit_memory_profile(double backward_bytes_per_token_layer) {
+  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
+  profile.memory_models = {"mmdit-11b"};
+  profile.activation_bytes_per_token_layer = {150000};
+  profile.checkpoint_bytes_per_token_layer = {12000};
+  profile.backward_bytes_per_token_layer = {backward_bytes_per_token_layer};
+  return profile;
+}
+
 // The profile's reduce rows add the step's second peak moment: right after the backward of a
 // layer of the largest kind (an MMDiT's double blocks, which come first), its gradients being
 // reduced (reduce_fixed_bytes in place of step_fixed_bytes), the kept bytes below it, the
 // gradients above it and reduce_bytes_per_token per held token. A small rank peaks there, a
 // large one at the backward as before; without the rows nothing changes.
 TEST(CostModel, GradientReductionIsTheSmallRanksPeak) {
-  ModelSpec spec = model_preset("mmdit-11b");
-  spec.num_layers = 3;
-  spec.num_double_layers = 1;
-  spec.param_count = block_param_count(spec);  // the 3 blocks' weights alone
-  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
-  profile.memory_models = {spec.name};
-  profile.activation_bytes_per_token_layer = {150000};
-  profile.checkpoint_bytes_per_token_layer = {12000};
-  profile.backward_bytes_per_token_layer = {80000};
+  const ModelSpec spec = mmdit_three_blocks();
+  HardwareProfile profile = mmdit_memory_profile(80000);
   profile.step_fixed_bytes = {1.0e9};
   const CostModel backward_only(spec, profile, make_cluster(8, 8));
   profile.reduce_fixed_bytes = {2.5e9};
@@ -626,15 +641,8 @@ TEST(CostModel, GradientReductionIsTheSmallRanksPeak) {
 // packs and along the end segments: a rank between two packs gets their interpolation, one
 // beyond them the last segment's extension; equal to the rows where the table meets them.
 TEST(CostModel, MeasuredBackwardPeakReplacesTheRowsLine) {
-  ModelSpec spec = model_preset("mmdit-11b");
-  spec.num_layers = 3;
-  spec.num_double_layers = 1;
-  spec.param_count = block_param_count(spec);
-  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
-  profile.memory_models = {spec.name};
-  profile.activation_bytes_per_token_layer = {150000};
-  profile.checkpoint_bytes_per_token_layer = {12000};
-  profile.backward_bytes_per_token_layer = {60000};
+  const ModelSpec spec = mmdit_three_blocks();
+  HardwareProfile profile = mmdit_memory_profile(60000);
   profile.step_fixed_bytes = {1.0e9};
   const CostModel rows_only(spec, profile, make_cluster(8, 8));
   // measured: on the rows' line at 16k and 64k, 0.2 GB below it at 32k, 0.3 GB above at 96k
@@ -666,11 +674,7 @@ TEST(CostModel, MeasuredBackwardPeakReplacesTheRowsLine) {
 // ulysses_exchanged_bytes_per_token charges the share beyond the measured 2 ranks' half, per
 // held token; 2 ranks as before, 8 ranks 3/8 of it more.
 TEST(CostModel, UlyssesBuffersGrowWithTheShareExchanged) {
-  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
-  profile.memory_models = {"mmdit-11b"};
-  profile.activation_bytes_per_token_layer = {150000};
-  profile.checkpoint_bytes_per_token_layer = {12000};
-  profile.backward_bytes_per_token_layer = {80000};
+  HardwareProfile profile = mmdit_memory_profile(80000);
   profile.ulysses_bytes_per_token = {50000};
   const Sequence sequence = sequence_from_tokens(0, "video", 64000, 512, 0);
   const auto buffer = [&](const HardwareProfile& p, int64_t degree) {
@@ -699,11 +703,7 @@ TEST(CostModel, UlyssesBuffersGrowWithTheShareExchanged) {
 // sequences of any lengths, or one shard) is priced as before; the planners' additive sizing,
 // which keeps every share's buffers, is unchanged and so stays at or above evaluate's peak.
 TEST(CostModel, AttentionPhasesHoldTheirBuffersOneAtATime) {
-  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
-  profile.memory_models = {"mmdit-11b"};
-  profile.activation_bytes_per_token_layer = {150000};
-  profile.checkpoint_bytes_per_token_layer = {12000};
-  profile.backward_bytes_per_token_layer = {60000};
+  HardwareProfile profile = mmdit_memory_profile(60000);
   profile.ulysses_bytes_per_token = {50000};
   profile.ring_bytes_per_token = {80000};
   HardwareProfile phased = profile;
