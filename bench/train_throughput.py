@@ -20,7 +20,10 @@ the step before these changes. ":overlap" runs each step's optimizer update (wit
 the next step's forward, block by block (":no-overlap", the default, steps at the step's end);
 ":side-stream" runs it on a CUDA stream of its own, concurrently with the forward. ":gc-auto"
 leaves Python's garbage collections as they come (by default the loop collects and freezes the
-objects torch.compile made, between steps: zellige.train.loop.QuietCollector). Every step's
+objects torch.compile made, between steps: zellige.train.loop.QuietCollector). ":eager-outside"
+runs the RoPE tables, output head and loss without torch.compile (by default compiled with the
+blocks); ":unpadded-rows" leaves the per-token modulation's one-hot GEMM at the sequence count
+(by default padded to a multiple of 8: aligned bf16 operands, conditioning.per_token). Every step's
 predicted and measured peak are listed, and each step's line its full garbage collections
 (count, seconds), those between it and the step before, and torch.compile's events in it (0
 after the warm-up: no recompilation).
@@ -74,6 +77,8 @@ VARIANTS = {
     "no-overlap": {"overlap_optimizer": False},
     "side-stream": {"overlap_optimizer": True, "optimizer_side_stream": True},
     "gc-auto": {"freeze_gc": False},
+    "eager-outside": {"compile_outside": False},
+    "unpadded-rows": {"pad_sequence_rows": False},
 }
 
 

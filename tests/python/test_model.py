@@ -124,10 +124,15 @@ def test_presets_match_public_parameter_counts() -> None:
         assert abs(count - params) / params < 0.01, (name, count)
 
 
-@pytest.mark.parametrize("num_sequences", [0, 1, 5], ids=["none", "one", "five"])
-def test_per_token_rows_equal_indexing_forward_and_backward(num_sequences: int) -> None:
+@pytest.mark.parametrize("multiple", [8, 1], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("num_sequences", [0, 1, 5, 8, 9], ids=["0", "1", "5", "8", "9"])
+def test_per_token_rows_equal_indexing_forward_and_backward(
+    num_sequences: int, multiple: int, monkeypatch
+) -> None:
+    from zellige.model import conditioning
     from zellige.model.conditioning import per_token
 
+    monkeypatch.setattr(conditioning, "_row_multiple", multiple)
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(num_sequences, 6, 4, generator=generator, dtype=torch.float64)
     counts = torch.randint(1, 5, (num_sequences,), generator=generator)
@@ -141,6 +146,33 @@ def test_per_token_rows_equal_indexing_forward_and_backward(num_sequences: int) 
     torch.testing.assert_close(ours.grad, reference.grad, rtol=1e-15, atol=1e-15)
 
 
+def test_per_token_one_hot_rows_are_16_byte_aligned() -> None:
+    """The one-hot GEMM's operands have a sequence count padded to a multiple of 8 (bf16 rows of
+    16 bytes: cuBLAS's aligned kernels), whatever the sequence count."""
+    from torch.overrides import TorchFunctionMode
+
+    from zellige.model.conditioning import per_token
+
+    class Shapes(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("matmul", "__matmul__"):
+                self.seen.append((tuple(args[0].shape), tuple(args[1].shape)))
+            return func(*args, **(kwargs or {}))
+
+    for num_sequences in (1, 21):
+        rows = torch.randn(num_sequences, 6, 16, dtype=torch.bfloat16)
+        index = torch.arange(num_sequences).repeat_interleave(3)
+        with Shapes() as shapes:
+            per_token(rows, index)
+        ((one_hot, table),) = shapes.seen
+        assert one_hot == (3 * num_sequences, 8 * -(-num_sequences // 8))
+        assert table == (one_hot[1], 6 * 16)
+
+
 class Recomputed(torch.nn.Module):
     """A block recomputed in the backward (activation checkpointing, as training's BlockRunner)."""
 
@@ -152,7 +184,8 @@ class Recomputed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
 
 
-def test_compiled_regions_equal_eager_and_compile_once() -> None:
+@pytest.mark.parametrize("outside", [True, False], ids=["outside-compiled", "outside-eager"])
+def test_compiled_regions_equal_eager_and_compile_once(outside: bool) -> None:
     """The blocks' fused regions under torch.compile (aot_eager: the same graphs and
     partitioner as on a GPU, without code generation) give eager's loss and gradients, and
     compile on the first step only: later steps of other token, text and sequence counts (one
@@ -183,7 +216,7 @@ def test_compiled_regions_equal_eager_and_compile_once() -> None:
     eager = [loss_and_grads(*step) for step in steps]
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
-    fused.use_compiled(True, backend=counter)
+    fused.use_compiled(True, backend=counter, outside=outside)
     try:
         compiled = [loss_and_grads(*steps[0])]
         graphs_first_step = counter.frame_count
@@ -194,8 +227,33 @@ def test_compiled_regions_equal_eager_and_compile_once() -> None:
         torch.testing.assert_close(loss_c, loss, rtol=1e-12, atol=0)
         for grad, grad_c in zip(grads, grads_c, strict=True):
             torch.testing.assert_close(grad_c, grad, rtol=1e-10, atol=1e-12)
-    assert graphs_first_step == 4  # the four regions of a block
+    # the four regions of a block, and outside the blocks the RoPE tables and the output head
+    assert graphs_first_step == 4 + 2 * outside
     assert counter.frame_count == graphs_first_step  # no compilation after the first step
+
+
+def test_compiled_loss_equals_eager_and_compiles_once() -> None:
+    """The loss region (squared_error_sum) over token counts 1..: eager's value and gradient,
+    one graph for every count above 1 (a count of 1 is specialised once, like every region)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from zellige.model import fused
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fused.use_compiled(True, backend=counter)
+    try:
+        for tokens in (5, 9, 2, 33):
+            predicted = torch.randn(tokens, 4, dtype=torch.float64, requires_grad=True)
+            target = torch.randn(tokens, 4, dtype=torch.float64)
+            loss = fused.kernels["squared_error_sum"](predicted, target)
+            (grad,) = torch.autograd.grad(loss, predicted)
+            expected = (predicted - target).square().mean(dim=1).sum()
+            torch.testing.assert_close(loss, expected, rtol=1e-14, atol=0)
+            torch.testing.assert_close(grad, (predicted - target).detach() / 2, rtol=1e-14, atol=0)
+    finally:
+        fused.use_compiled(False)
+    assert counter.frame_count == 1
 
 
 def test_compiled_region_ignores_the_calling_threads_thread_count() -> None:

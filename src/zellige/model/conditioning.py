@@ -52,15 +52,34 @@ class TextEmbedding(nn.Module):
         return self.layers(text_XE)
 
 
+# per_token pads the sequence count to a multiple of this: a bf16 one-hot [T, S] whose rows are
+# not 16-byte aligned (S = 21 images, or 1 clip) sends cuBLAS to slow unaligned kernels (an H200
+# ran the block's [T, 21] @ [21, 6D] at about 1 TB/s); set_row_multiple(1): no padding
+_row_multiple = 8
+
+
+def set_row_multiple(multiple: int) -> None:
+    """per_token pads the sequence count up to a multiple of `multiple` (>= 1)."""
+    global _row_multiple
+    if multiple < 1:
+        raise ValueError(f"the row multiple must be >= 1, got {multiple}")
+    _row_multiple = multiple
+
+
 def per_token(rows_SKD: Tensor, sequence_index_T: Tensor) -> Tensor:
     """rows_SKD[sequence_index_T] ([T, K, D]) as a one-hot matmul. Indexing's backward
     scatter-adds every token's gradient into its sequence's row with atomics, which serialises
     when one long video's tokens all hit one row (3x slower per-token layers on an H200); the
-    matmul's backward is a GEMM that sums each sequence's tokens. The forward is exact."""
+    matmul's backward is a GEMM that sums each sequence's tokens. The forward is exact, and so is
+    the padding: the rows past the S sequences are zero and no token's one-hot selects them."""
     num_sequences = rows_SKD.shape[0]
-    sequences_S = torch.arange(num_sequences, device=sequence_index_T.device)
+    padded = -(-num_sequences // _row_multiple) * _row_multiple
+    rows_SF = rows_SKD.flatten(1)
+    if padded != num_sequences:
+        rows_SF = torch.nn.functional.pad(rows_SF, (0, 0, 0, padded - num_sequences))
+    sequences_S = torch.arange(padded, device=sequence_index_T.device)
     one_hot_TS = (sequence_index_T[:, None] == sequences_S).to(rows_SKD.dtype)
-    return (one_hot_TS @ rows_SKD.flatten(1)).unflatten(1, rows_SKD.shape[1:])
+    return (one_hot_TS @ rows_SF).unflatten(1, rows_SKD.shape[1:])
 
 
 def modulation_per_token(

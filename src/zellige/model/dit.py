@@ -14,11 +14,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from zellige.model import fused
 from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock, FloatLayerNorm
 from zellige.model.conditioning import TextEmbedding, TimestepEmbedding, modulation_per_token
 from zellige.model.config import DiTConfig
-from zellige.model.rope import rope_tables
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,7 +57,8 @@ class OutputHead(nn.Module):
 
     def forward(self, x_TD: Tensor, e_SD: Tensor, sequence_index_T: Tensor) -> Tensor:
         shift, scale = modulation_per_token(e_SD[:, None, :], self.modulation, sequence_index_T)
-        return self.linear(self.norm(x_TD) * (1 + scale) + shift)
+        weights = (self.linear.weight, self.linear.bias)
+        return fused.kernels["output_head"](x_TD, shift, scale, self.norm.eps, weights)
 
 
 class VideoDiT(nn.Module):
@@ -123,7 +124,7 @@ class VideoDiT(nn.Module):
         dtype = self.patch_embedding.weight.dtype
         # RoPE in float32 at least: bf16 angles would smear neighbouring positions
         rope_dtype = torch.promote_types(dtype, torch.float32)
-        rope_cos, rope_sin = rope_tables(
+        rope_cos, rope_sin = fused.kernels["rope_tables"](
             tokens.positions_T3, self.config.head_dim, self.config.rope_theta, rope_dtype
         )
         x_TD = self.patch_embedding(tokens.latents_TC.to(dtype))

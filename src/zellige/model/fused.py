@@ -24,6 +24,8 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 from torch import Tensor
 
+from zellige.model.rope import rope_tables
+
 
 def modulated_layer_norm(x_TD: Tensor, shift_TD: Tensor, scale_TD: Tensor, eps: float) -> Tensor:
     """LayerNorm(x) * (1 + scale) + shift."""
@@ -254,6 +256,23 @@ def single_stream_out(
     return gated_residual(x_TD, F.linear(joined_TE, out_w, out_b), gate_TD)
 
 
+def output_head(
+    x_TD: Tensor, shift_TD: Tensor, scale_TD: Tensor, eps: float, weights: tuple[Tensor, ...]
+) -> Tensor:
+    """The Wan output head after its modulation lookup: modulated LayerNorm, then the linear map
+    to the token channels [T, C]. weights: linear weight and bias."""
+    weight, bias = weights
+    return F.linear(modulated_layer_norm(x_TD, shift_TD, scale_TD, eps), weight, bias)
+
+
+def squared_error_sum(predicted_TC: Tensor, target_TC: Tensor) -> Tensor:
+    """Sum over tokens of each token's mean squared error over its channels, in float32 at
+    least (the rectified-flow loss before the division by the global token count)."""
+    wide = _wide(predicted_TC)
+    error_TC = predicted_TC.to(wide) - target_TC.to(wide)
+    return error_TC.square().mean(dim=1).sum()
+
+
 def _wide(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
@@ -272,8 +291,14 @@ _EAGER = {
     "joint_stream_out_ffn": joint_stream_out_ffn,
     "single_stream_in": single_stream_in,
     "single_stream_out": single_stream_out,
+    "rope_tables": rope_tables,
+    "output_head": output_head,
+    "squared_error_sum": squared_error_sum,
 }
-kernels = dict(_EAGER)  # what the blocks call
+# the model's work outside its blocks (RoPE tables, output head, loss): compiled or not with the
+# blocks unless use_compiled says otherwise
+_OUTSIDE = ("rope_tables", "output_head", "squared_error_sum")
+kernels = dict(_EAGER)  # what the models and the loss call
 _compiled: dict[str, dict] = {}  # by backend
 
 
@@ -348,8 +373,10 @@ def _no_automatic_dynamic():
     return contextlib.nullcontext()
 
 
-def use_compiled(enabled: bool, backend: str = "inductor") -> None:
-    """Switches the blocks' per-token functions to compiled ones (CompiledRegion) or back."""
+def use_compiled(enabled: bool, backend: str = "inductor", outside: bool | None = None) -> None:
+    """Switches the blocks' per-token functions to compiled ones (CompiledRegion) or back;
+    `outside` (None: as `enabled`) does the same for the work outside the blocks (_OUTSIDE)."""
+    outside = enabled if outside is None else outside
     if enabled:
         import torch._inductor.config
 
@@ -361,6 +388,8 @@ def use_compiled(enabled: bool, backend: str = "inductor") -> None:
             triton.mix_order_reduction_non_strict_mode = True
         elif hasattr(triton, "mix_order_reduction"):
             triton.mix_order_reduction = False
-    if enabled and backend not in _compiled:
+    if (enabled or outside) and backend not in _compiled:
         _compiled[backend] = {name: CompiledRegion(fn, backend) for name, fn in _EAGER.items()}
-    kernels.update(_compiled[backend] if enabled else _EAGER)
+    for name, fn in _EAGER.items():
+        compiled = outside if name in _OUTSIDE else enabled
+        kernels[name] = _compiled[backend][name] if compiled else fn

@@ -37,7 +37,6 @@ from zellige.model.conditioning import (
     sinusoidal_embedding,
 )
 from zellige.model.config import DiTConfig
-from zellige.model.rope import rope_tables
 
 VISUAL, TEXT = 0, 1  # modality tags, as the runtime's step.modality
 
@@ -150,7 +149,9 @@ def rope_without_text(
     positions); text rows get position (0, 0, 0): the identity rotation."""
     positions_T3 = positions_T3 * (modality_T != TEXT)[:, None]
     rope_dtype = torch.promote_types(dtype, torch.float32)
-    return rope_tables(positions_T3, config.head_dim, config.rope_theta, rope_dtype)
+    return fused.kernels["rope_tables"](
+        positions_T3, config.head_dim, config.rope_theta, rope_dtype
+    )
 
 
 def whole_sequence_attention(sequence_index_T: Tensor) -> AttentionFn:

@@ -36,6 +36,12 @@ class TrainConfig:
     # torch.compile the blocks' per-token layers (norms, modulation, RoPE, projections, FFN);
     # None: on CUDA only
     compile_elementwise: bool | None = None
+    # torch.compile the model's work outside its blocks (RoPE tables, output head, loss);
+    # None: as compile_elementwise
+    compile_outside: bool | None = None
+    # the one-hot GEMMs that expand per-sequence modulation to tokens get a sequence count
+    # padded to a multiple of 8 (aligned bf16 rows; conditioning.per_token); False: unpadded
+    pad_sequence_rows: bool = True
     # FSDP2 frees each block's gathered bf16 weights after its forward and gathers them again
     # for its backward; None: only on more than one rank (a lone rank keeps them from its
     # forward to its backward: no second cast and copy of every weight; the cost model prices
@@ -235,6 +241,8 @@ FIELD_HELP = {
     "compile_elementwise": "torch.compile the blocks' per-token layers (default: on CUDA only)",
     "reshard_after_forward": "free gathered weights after the forward (default: on >1 rank)",
     "fsdp_on_one_rank": "FSDP2 also on one rank (default: fp32 masters, bf16 copies per step)",
+    "compile_outside": "torch.compile RoPE tables, output head and loss (default: as the blocks)",
+    "pad_sequence_rows": "pad the per-token modulation's one-hot GEMM to 8 sequences (aligned)",
     "fused_optimizer": "AdamW as one fused kernel (default: on CUDA only)",
     "clip_in_optimizer": "a fused optimizer applies the gradient clipping's scale itself",
     "overlap_optimizer": "one rank: the update runs block by block under the next forward",

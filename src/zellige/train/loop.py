@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import zellige
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
-from zellige.model import MMDiT, VideoDiT
+from zellige.model import MMDiT, VideoDiT, conditioning, fused
 from zellige.model import build_model as reference_model
 from zellige.train.checkpoint import (
     CheckpointInfo,
@@ -191,6 +191,7 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
     """The sharded model. On CUDA it is built on the meta device and initialised after sharding
     (no rank ever holds the whole model); on CPU built whole, identical on every rank."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    conditioning.set_row_multiple(8 if config.pad_sequence_rows else 1)
     torch.manual_seed(config.seed)
     if device.type == "cuda":
         with torch.device("meta"):
@@ -206,6 +207,7 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
         compile_elementwise=device.type == "cuda"
         if config.compile_elementwise is None
         else config.compile_elementwise,
+        compile_outside=config.compile_outside,
         reshard_after_forward=config.reshard_after_forward,
         fsdp_on_one_rank=config.fsdp_on_one_rank,
         defer_optimizer=overlaps_optimizer(config),
@@ -801,9 +803,8 @@ def step_loss(
         timer.wrap("attention", step_input.self_attention, fresh_output=False),
         timer.wrap("cross_attention", step_input.cross_attention, fresh_output=False),
     )
-    loss_dtype = torch.promote_types(velocity_TC.dtype, torch.float32)
-    error_TC = velocity_TC.to(loss_dtype) - step_input.velocity_TC.to(loss_dtype)
-    return error_TC.square().mean(dim=1).sum() / total_tokens
+    squared_error_sum = fused.kernels["squared_error_sum"]
+    return squared_error_sum(velocity_TC, step_input.velocity_TC) / total_tokens
 
 
 def weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from zellige import runtime
 from zellige.data import StepData
-from zellige.model import AttentionFn, JointTokens, MMDiT
+from zellige.model import AttentionFn, JointTokens, MMDiT, fused
 from zellige.model.mmdit import StreamOrder
 from zellige.train.step import assemble_step
 
@@ -69,6 +69,5 @@ def joint_step_loss(
     # a view, not a copy, of the attention output (see StepTimer.wrap), as loop.step_loss does
     attention = timer.wrap("attention", step_input.attention, fresh_output=False)
     velocity_VC = model(step_input.tokens, attention)
-    loss_dtype = torch.promote_types(velocity_VC.dtype, torch.float32)
-    error_VC = velocity_VC.to(loss_dtype) - step_input.velocity_VC.to(loss_dtype)
-    return error_VC.square().mean(dim=1).sum() / total_tokens
+    squared_error_sum = fused.kernels["squared_error_sum"]
+    return squared_error_sum(velocity_VC, step_input.velocity_VC) / total_tokens

@@ -233,6 +233,7 @@ def parallelize(
     activation_checkpointing: bool,
     timer: StepTimer,
     compile_elementwise: bool = False,
+    compile_outside: bool | None = None,
     reshard_after_forward: bool | None = None,
     fsdp_on_one_rank: bool = False,
     defer_optimizer: bool = False,
@@ -240,7 +241,8 @@ def parallelize(
 ) -> VideoDiT:
     """Shards `model` in place over `mesh` and returns it. bfloat16 means bf16 compute with fp32
     master weights and fp32 gradient reduction; float32 / float64 compute in that dtype.
-    compile_elementwise fuses the blocks' per-token layers with torch.compile (zellige.model.fused).
+    compile_elementwise fuses the blocks' per-token layers with torch.compile (zellige.model.fused),
+    compile_outside (None: the same) the RoPE tables, output head and loss.
     Each block unit prefetches the next one's all-gather in the forward (FSDP2's backward
     prefetches one unit by default). reshard_after_forward (None: on more than one rank) frees
     each unit's gathered weights after its forward; a lone rank keeps them for the backward,
@@ -255,7 +257,7 @@ def parallelize(
     if reshard_after_forward is None:
         reshard_after_forward = mesh.size() > 1
     lone = mesh.size() == 1 and not fsdp_on_one_rank
-    fused.use_compiled(compile_elementwise)
+    fused.use_compiled(compile_elementwise, outside=compile_outside)
     if dtype == "bfloat16":
         policy = bf16_policy()
     else:
