@@ -23,7 +23,10 @@ leaves Python's garbage collections as they come (by default the loop collects a
 objects torch.compile made, between steps: zellige.train.loop.QuietCollector). ":eager-outside"
 runs the RoPE tables, output head and loss without torch.compile (by default compiled with the
 blocks); ":unpadded-rows" leaves the per-token modulation's one-hot GEMM at the sequence count
-(by default padded to a multiple of 8: aligned bf16 operands, conditioning.per_token). Every step's
+(by default padded to a multiple of 8: aligned bf16 operands, conditioning.per_token).
+":copying-adamw" (one GPU without FSDP2) writes the next forward's bf16 weight copies in the
+AdamW update's compiled pass (zellige.train.optimizer) instead of casting them at the forward's
+start; ":torch-adamw" is torch's fused AdamW and the cast. Every step's
 predicted and measured peak are listed, and each step's line its full garbage collections
 (count, seconds), those between it and the step before, and torch.compile's events in it (0
 after the warm-up: no recompilation).
@@ -79,6 +82,8 @@ VARIANTS = {
     "gc-auto": {"freeze_gc": False},
     "eager-outside": {"compile_outside": False},
     "unpadded-rows": {"pad_sequence_rows": False},
+    "copying-adamw": {"copying_optimizer": True},
+    "torch-adamw": {"copying_optimizer": False},
 }
 
 

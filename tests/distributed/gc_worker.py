@@ -44,7 +44,9 @@ def run(freeze_gc: bool) -> dict:
         steps[-1]["sequences"] = record["sequences"]
         return record
 
-    fused.use_compiled = lambda enabled, backend="aot_eager": use_compiled(enabled, "aot_eager")
+    fused.use_compiled = lambda enabled, backend="aot_eager", outside=None: use_compiled(
+        enabled, "aot_eager", outside
+    )
     loop.step_loss, loop._run_step = counted_loss, counted_step
     before = len(gc.get_objects())  # the process's objects: torch, zellige, ...
     try:

@@ -6,6 +6,8 @@ world of one give the parameters of the general path after several clipped steps
   casts are the same) and float64;
 - each step's update deferred to the next step's forward and applied block by block
   (overlap_optimizer, LoneRankWeights.defer_update): bit for bit the same parameters;
+- AdamW writing the next forward's weight copies with its update (copying_optimizer,
+  train.optimizer.CopyingAdamW): torch's fused AdamW and the cast, to float64 rounding;
 - the clipping folded into the fused AdamW (its grad_scale): torch's clip_grad_norm_ then AdamW
   within the float32 rounding of the scale, while a clipping off by 1% is far outside that; on
   one rank and on two (sharded gradients).
@@ -112,6 +114,30 @@ def test_clipping_in_the_fused_optimizer_matches_clip_grad_norm(tmp_path: Path) 
     assert runs["folded_overlap"]["losses"] == runs["folded_lone"]["losses"]
     # a wrong clipping shows far above that tolerance
     assert _largest_relative_difference(runs["off_by_1pct"]["params"], reference) > 1e-5
+
+
+def test_copying_optimizer_matches_the_fused_adamw(tmp_path: Path) -> None:
+    """CopyingAdamW (one rank, no FSDP) writes the next forward's weight copies with its update
+    (float64 copies here: LoneRankWeights makes them for it in any dtype): torch's fused AdamW
+    with the clipping folded in and the forward's cast, up to float64 rounding of another
+    evaluation order; a stale copy (a forward on the weights before the update) or a lost
+    clipping would be far outside it, as a clipping off by 1% is."""
+    runs = _runs(
+        tmp_path,
+        "float64",
+        "folded_lone=fused_optimizer:true",
+        "copying=copying_optimizer:true",
+        "copying_checkpointed=copying_optimizer:true,activation_checkpointing:true,"
+        "adaptive_checkpointing:false",
+        "off_by_1pct=fused_optimizer:true,grad_clip_norm:0.0505",
+    )
+    reference = runs["folded_lone"]
+    assert _clipped_every_step(reference)
+    for name in ("copying", "copying_checkpointed"):
+        assert _largest_relative_difference(runs[name]["params"], reference["params"]) < 1e-12
+        for got, want in zip(runs[name]["losses"], reference["losses"], strict=True):
+            assert abs(got - want) <= 1e-12 * abs(want), name
+    assert _largest_relative_difference(runs["off_by_1pct"]["params"], reference["params"]) > 1e-5
 
 
 def test_clipping_in_the_fused_optimizer_on_sharded_gradients(tmp_path: Path) -> None:

@@ -208,3 +208,36 @@ def test_stepping_parameter_groups_one_by_one_equals_one_step(fused: bool) -> No
     one_step.step()
     step_parameters(by_groups, [split[0]], [0.05, 0.01], scale if fused else None)
     assert not torch.equal(whole[0], split[0])
+
+
+def test_lone_rank_forward_takes_offered_copies_unless_a_master_changed() -> None:
+    """LoneRankWeights: copies an optimizer offered (offer_copies) are the next forward's
+    weights, no cast; a master changed after the offer (a checkpoint loaded) voids them: the
+    forward casts the masters as without an offer; an offer is used once."""
+    from zellige.model import build_model
+    from zellige.train.parallelize import LoneRankWeights
+
+    model = build_model(get_config("tiny-cpu").model)
+    lone = LoneRankWeights(model, torch.bfloat16)
+    master = model.patch_embedding.weight
+
+    def forward_weight() -> torch.Tensor:
+        lone._before_forward(model, ())
+        weight = model.patch_embedding.weight
+        lone._restore()
+        return weight
+
+    copies = lone.new_copies()
+    for chunk in lone.chunks():
+        for p in chunk:
+            copies[id(p)].fill_(3.0)  # not what a cast of the masters gives
+    lone.offer_copies(copies)
+    used = forward_weight()
+    assert used.data_ptr() == copies[id(master)].data_ptr()
+    assert bool((used == 3.0).all())
+    assert torch.equal(forward_weight(), master.detach().to(torch.bfloat16))  # used once
+    lone.offer_copies(copies)
+    with torch.no_grad():
+        master.mul_(2.0)  # after the offer
+    assert torch.equal(forward_weight(), master.detach().to(torch.bfloat16))
+    assert sum(len(chunk) for chunk in lone.chunks()) == len(list(model.parameters()))

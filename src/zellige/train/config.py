@@ -55,6 +55,10 @@ class TrainConfig:
     # with a fused optimizer: the gradient clipping's scale is applied inside the optimizer's
     # kernel (its grad_scale), not by a pass of its own over the gradients
     clip_in_optimizer: bool = True
+    # on a world of one without FSDP: AdamW's update also writes the next forward's bf16 copies
+    # of the weights, in the same compiled pass (train.optimizer.CopyingAdamW; no cast at the
+    # forward's start); False: torch's AdamW, and the forward casts
+    copying_optimizer: bool = False
     # on a world of one without FSDP: each step's optimizer update (and the cast of the bf16
     # copies) runs at the next step's forward, block by block, where it fills the device while
     # the host issues the forward's first kernels (parallelize.LoneRankWeights.defer_update).
@@ -245,6 +249,7 @@ FIELD_HELP = {
     "pad_sequence_rows": "pad the per-token modulation's one-hot GEMM to 8 sequences (aligned)",
     "fused_optimizer": "AdamW as one fused kernel (default: on CUDA only)",
     "clip_in_optimizer": "a fused optimizer applies the gradient clipping's scale itself",
+    "copying_optimizer": "one rank: AdamW writes the bf16 weight copies with its update",
     "overlap_optimizer": "one rank: the update runs block by block under the next forward",
     "optimizer_side_stream": "with overlap_optimizer: the update on a CUDA stream of its own",
     "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",

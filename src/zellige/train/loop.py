@@ -35,6 +35,7 @@ from zellige.train.checkpoint import (
 )
 from zellige.train.config import TrainConfig, validate_config
 from zellige.train.mmdit_step import assemble_joint_step, joint_step_loss
+from zellige.train.optimizer import CopyingAdamW
 from zellige.train.parallelize import parallelize, set_checkpointed_blocks
 from zellige.train.step import StepInput, assemble_step
 from zellige.train.timing import StepTimer
@@ -212,6 +213,7 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
         fsdp_on_one_rank=config.fsdp_on_one_rank,
         defer_optimizer=overlaps_optimizer(config),
         optimizer_side_stream=config.optimizer_side_stream,
+        copying_optimizer=config.copying_optimizer,
     )
     if device.type == "cuda":
         model.to_empty(device=device)
@@ -253,14 +255,7 @@ def train(
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     timer = StepTimer(device)
     model = build_model(config, device, timer)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=config.learning_rate,
-        betas=config.betas,
-        weight_decay=config.weight_decay,
-        # one kernel over all parameters, no per-tensor launches
-        fused=device.type == "cuda" if config.fused_optimizer is None else config.fused_optimizer,
-    )
+    optimizer = make_optimizer(config, model, device)
     warmup = max(config.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     if start.checkpoint is not None:
@@ -807,6 +802,29 @@ def step_loss(
     return squared_error_sum(velocity_TC, step_input.velocity_TC) / total_tokens
 
 
+def copies_in_optimizer(config: TrainConfig, model) -> bool:
+    """Whether AdamW writes the weights' compute copies (one rank without FSDP, the update at
+    the step's end)."""
+    lone = getattr(model, "lone_weights", None) is not None
+    return lone and config.copying_optimizer and not overlaps_optimizer(config)
+
+
+def make_optimizer(config: TrainConfig, model, device: torch.device) -> torch.optim.Optimizer:
+    """torch's AdamW (fused on CUDA: one kernel over all parameters), or CopyingAdamW where it
+    writes the weights' copies (copies_in_optimizer; compiled where the blocks are)."""
+    options = dict(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
+    if copies_in_optimizer(config, model):
+        compiled = config.compile_elementwise
+        return CopyingAdamW(
+            model.parameters(),
+            chunks=model.lone_weights.chunks(),
+            compiled=device.type == "cuda" if compiled is None else compiled,
+            **options,
+        )
+    fused = device.type == "cuda" if config.fused_optimizer is None else config.fused_optimizer
+    return torch.optim.AdamW(model.parameters(), fused=fused, **options)
+
+
 def weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:
     """Whether the blocks' gathered weights live from their forward to their backward (the cost
     model prices them): no FSDP on one rank, or FSDP2 without resharding after the forward."""
@@ -835,7 +853,8 @@ def clip_and_step(
     the next forward, group by group (step_parameters, with this step's learning rates); the
     gradients live until then."""
     parameters = [p for p in model.parameters() if p.grad is not None]
-    fused = any(group.get("fused") for group in optimizer.param_groups)
+    copying = isinstance(optimizer, CopyingAdamW)
+    fused = copying or any(group.get("fused") for group in optimizer.param_groups)
     if fused and in_optimizer:
         norm = _full(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
         scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).float()
@@ -843,7 +862,13 @@ def clip_and_step(
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         scale = None
     if defer_to is None:
+        lone = getattr(model, "lone_weights", None) if copying else None
+        if lone is not None:
+            optimizer.copies_out = lone.new_copies()  # the next forward's weights
+            copies = optimizer.copies_out
         _step_scaled(optimizer, scale)
+        if lone is not None:
+            lone.offer_copies(copies)
         optimizer.zero_grad(set_to_none=True)
     else:
         rates = [group["lr"] for group in optimizer.param_groups]

@@ -110,6 +110,8 @@ class LoneRankWeights:
             for group in range(1 + len(model.blocks))
         ]
         self._masters = None  # during a step: the master weights, in slot order
+        # copies an optimizer wrote with its update (offer_copies): (copies, masters' versions)
+        self._offered = None
         self._restore_queued = False
         self._pending = None  # the deferred update: update(masters of one group)
         self._issuing = None  # during a forward: (update, masters, copies, [next group])
@@ -133,6 +135,34 @@ class LoneRankWeights:
             for group in self._groups:
                 update([self._slot_param(slot) for slot in group])
 
+    def chunks(self) -> list[list[nn.Parameter]]:
+        """The masters by group: the root's, then each block's (the optimizer's chunks)."""
+        return [[self._slot_param(slot) for slot in group] for group in self._groups]
+
+    def new_copies(self) -> dict[int, torch.Tensor]:
+        """Empty copies in the compute dtype, by id of their master, for an optimizer that
+        writes them with its update (train.optimizer.CopyingAdamW; then offer_copies)."""
+        masters = [self._slot_param(slot) for slot in range(len(self._slots))]
+        return {id(m): torch.empty_like(m, dtype=self._dtype) for m in masters}
+
+    def offer_copies(self, copies: dict[int, torch.Tensor]) -> None:
+        """The next forward computes with `copies` instead of casting the masters, unless a
+        master changed after this (its version counter moved: a checkpoint loaded, say). They
+        are held from now to that forward, where the cast would make them anyway: between the
+        optimizer's step and the next forward, never in the backward, whose peak the cost
+        model prices."""
+        masters = [self._slot_param(slot) for slot in range(len(self._slots))]
+        self._offered = ([copies[id(m)] for m in masters], [m._version for m in masters])
+
+    def _take_offered(self, masters: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        offered, self._offered = self._offered, None
+        if offered is None:
+            return None
+        copies, versions = offered
+        if [m._version for m in masters] != versions:
+            return None
+        return copies
+
     def _slot_param(self, slot: int) -> nn.Parameter:
         module, name = self._slots[slot]
         return module._parameters[name]
@@ -141,13 +171,15 @@ class LoneRankWeights:
         if self._masters is not None:
             raise RuntimeError("LoneRankWeights: a forward began before the last backward ended")
         masters = [module._parameters[name] for module, name in self._slots]
-        computes = [torch.empty_like(m, dtype=self._dtype) for m in masters]
         update, self._pending = self._pending, None
-        if update is None:
-            with torch.no_grad():
-                torch._foreach_copy_(computes, masters)  # the step's one cast of every weight
-        else:
-            self._update_and_cast(update, masters, computes)
+        computes = self._take_offered(masters) if update is None else None
+        if computes is None:
+            computes = [torch.empty_like(m, dtype=self._dtype) for m in masters]
+            if update is None:
+                with torch.no_grad():
+                    torch._foreach_copy_(computes, masters)  # the step's one cast of every weight
+            else:
+                self._update_and_cast(update, masters, computes)
         self._masters = masters
         for (module, name), master, compute in zip(self._slots, masters, computes, strict=True):
             weight = nn.Parameter(compute, requires_grad=master.requires_grad)
@@ -238,6 +270,7 @@ def parallelize(
     fsdp_on_one_rank: bool = False,
     defer_optimizer: bool = False,
     optimizer_side_stream: bool = False,
+    copying_optimizer: bool = False,
 ) -> VideoDiT:
     """Shards `model` in place over `mesh` and returns it. bfloat16 means bf16 compute with fp32
     master weights and fp32 gradient reduction; float32 / float64 compute in that dtype.
@@ -252,7 +285,8 @@ def parallelize(
     masters with one cast per step and no copies; defer_optimizer (there only) lets the loop
     apply each step's update at the next forward, block by block (LoneRankWeights.defer_update),
     with copies in the compute dtype whatever it is (optimizer_side_stream: on a CUDA stream of
-    its own). The LoneRankWeights is model.lone_weights
+    its own); copying_optimizer (there only): copies in the compute dtype whatever it is, which
+    the optimizer writes (LoneRankWeights.offer_copies). The LoneRankWeights is model.lone_weights
     (None where there is none)."""
     if reshard_after_forward is None:
         reshard_after_forward = mesh.size() > 1
@@ -273,7 +307,7 @@ def parallelize(
         )
     model.lone_weights = None
     if lone:
-        if dtype == "bfloat16" or defer_optimizer:
+        if dtype == "bfloat16" or defer_optimizer or copying_optimizer:
             model.lone_weights = LoneRankWeights(
                 model, DTYPES[dtype], side_stream=optimizer_side_stream
             )
