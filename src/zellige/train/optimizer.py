@@ -64,8 +64,9 @@ class CopyingAdamW(torch.optim.AdamW):
     -> its copy; set before step(), cleared by it; None: no copies, the same update). chunks:
     the parameters split into lists that each compiled call updates together (None: one chunk a
     parameter group); compiled: torch.compile the chunk update (True: inductor, or a
-    torch.compile backend; False: eager, the same arithmetic). grad_scale (attribute, as torch's fused AdamW reads it): each gradient is
-    divided by it. Only plain AdamW: no amsgrad, maximize, capturable or differentiable."""
+    torch.compile backend; False: eager, the same arithmetic). grad_scale (attribute, as
+    torch's fused AdamW reads it): each gradient is divided by it. Only plain AdamW: no
+    amsgrad, maximize, capturable or differentiable."""
 
     def __init__(
         self,
