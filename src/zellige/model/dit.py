@@ -120,15 +120,17 @@ class VideoDiT(nn.Module):
             cross_attention = local_attention(
                 tokens.tokens_per_sequence, tokens.text_tokens_per_sequence, device
             )
-        sequence_index_T = tokens.sequence_index()
         dtype = self.patch_embedding.weight.dtype
+        # the text embedding's GEMMs first: the device has milliseconds of work while the host
+        # issues the small kernels that follow (at a step's start it would wait for them)
+        text_XD = self.text_embedding(tokens.text_XE.to(dtype))
+        sequence_index_T = tokens.sequence_index()
         # RoPE in float32 at least: bf16 angles would smear neighbouring positions
         rope_dtype = torch.promote_types(dtype, torch.float32)
         rope_cos, rope_sin = fused.kernels["rope_tables"](
             tokens.positions_T3, self.config.head_dim, self.config.rope_theta, rope_dtype
         )
         x_TD = self.patch_embedding(tokens.latents_TC.to(dtype))
-        text_XD = self.text_embedding(tokens.text_XE.to(dtype))
         e_SD, e_S6D = self.time_embedding(tokens.timesteps_S)
         for block in self.blocks:
             x_TD = block(

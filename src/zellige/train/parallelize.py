@@ -147,21 +147,35 @@ class LoneRankWeights:
 
     def offer_copies(self, copies: dict[int, torch.Tensor]) -> None:
         """The next forward computes with `copies` instead of casting the masters, unless a
-        master changed after this (its version counter moved: a checkpoint loaded, say). They
+        master changed after this (its version counter moved: a checkpoint loaded, say) or was
+        replaced. They
         are held from now to that forward, where the cast would make them anyway: between the
         optimizer's step and the next forward, never in the backward, whose peak the cost
-        model prices."""
+        model prices. Their parameters and gradient hooks are made now, while the device runs
+        the optimizer, not at the forward's start, where the device would wait for the host."""
         masters = [self._slot_param(slot) for slot in range(len(self._slots))]
-        self._offered = ([copies[id(m)] for m in masters], [m._version for m in masters])
+        weights = self._weights(masters, [copies[id(m)] for m in masters])
+        self._offered = (weights, [(id(m), m._version) for m in masters])
 
-    def _take_offered(self, masters: list[nn.Parameter]) -> list[torch.Tensor] | None:
+    def _take_offered(self, masters: list[nn.Parameter]) -> list[nn.Parameter] | None:
         offered, self._offered = self._offered, None
         if offered is None:
             return None
-        copies, versions = offered
-        if [m._version for m in masters] != versions:
+        weights, versions = offered
+        if [(id(m), m._version) for m in masters] != versions:  # a master changed or moved
             return None
-        return copies
+        return weights
+
+    def _weights(self, masters: list[nn.Parameter], computes: list[torch.Tensor]) -> list:
+        """The forward's parameters: the compute copies as leaves whose gradient, once
+        accumulated, becomes their master's (_arrived)."""
+        weights = []
+        for (module, name), master, compute in zip(self._slots, masters, computes, strict=True):
+            weight = nn.Parameter(compute, requires_grad=master.requires_grad)
+            if weight.requires_grad:
+                weight.register_post_accumulate_grad_hook(self._arrived(module, name, master))
+            weights.append(weight)
+        return weights
 
     def _slot_param(self, slot: int) -> nn.Parameter:
         module, name = self._slots[slot]
@@ -172,19 +186,17 @@ class LoneRankWeights:
             raise RuntimeError("LoneRankWeights: a forward began before the last backward ended")
         masters = [module._parameters[name] for module, name in self._slots]
         update, self._pending = self._pending, None
-        computes = self._take_offered(masters) if update is None else None
-        if computes is None:
+        weights = self._take_offered(masters) if update is None else None
+        if weights is None:
             computes = [torch.empty_like(m, dtype=self._dtype) for m in masters]
             if update is None:
                 with torch.no_grad():
                     torch._foreach_copy_(computes, masters)  # the step's one cast of every weight
             else:
                 self._update_and_cast(update, masters, computes)
+            weights = self._weights(masters, computes)
         self._masters = masters
-        for (module, name), master, compute in zip(self._slots, masters, computes, strict=True):
-            weight = nn.Parameter(compute, requires_grad=master.requires_grad)
-            if weight.requires_grad:
-                weight.register_post_accumulate_grad_hook(self._arrived(module, name, master))
+        for (module, name), weight in zip(self._slots, weights, strict=True):
             module._parameters[name] = weight
         self._wait(0)  # the root's layers (embeddings) come first
 
