@@ -26,10 +26,11 @@ blocks); ":unpadded-rows" leaves the per-token modulation's one-hot GEMM at the 
 (by default padded to a multiple of 8: aligned bf16 operands, conditioning.per_token).
 ":copying-adamw" (one GPU without FSDP2) writes the next forward's bf16 weight copies in the
 AdamW update's compiled pass (zellige.train.optimizer) instead of casting them at the forward's
-start; ":torch-adamw" is torch's fused AdamW and the cast. Every step's
-predicted and measured peak are listed, and each step's line its full garbage collections
-(count, seconds), those between it and the step before, and torch.compile's events in it (0
-after the warm-up: no recompilation).
+start; ":torch-adamw" is torch's fused AdamW and the cast; ":bf16-grads" (with it) hands the
+optimizer the backward's bf16 gradients (no fp32 gradients, their norm taken as they arrive).
+Every step's predicted and measured peak are listed, and each step's line its full garbage
+collections (count, seconds), those between it and the step before, and torch.compile's events in
+it (0 after the warm-up: no recompilation).
 --sync-check: the first run warns at every host sync inside its steps
 (torch.cuda.set_sync_debug_mode, from step start to the optimizer step) and the summary counts
 them per step and by source line; steps after the warm-up should have 0 (the first steps have
@@ -84,6 +85,7 @@ VARIANTS = {
     "unpadded-rows": {"pad_sequence_rows": False},
     "copying-adamw": {"copying_optimizer": True},
     "torch-adamw": {"copying_optimizer": False},
+    "bf16-grads": {"copying_optimizer": True, "compute_dtype_gradients": True},
 }
 
 

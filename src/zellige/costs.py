@@ -29,13 +29,16 @@ def make_cost_model(
     activation_checkpointing: bool = True,
     adaptive_checkpointing: bool = False,
     weights_kept_to_backward: bool = False,
+    gradient_bytes_per_param: float = 4.0,
 ) -> CostModel:
     """A CostModel for `gpus` GPUs of `gpus_per_node` each (default: 8, or `gpus` when fewer).
     `profile` is a profile JSON path, a HardwareProfile, or None for the built-in H200 profile.
     `model` is a preset name, a model spec file or a ModelSpec (zellige.resolve_model).
     adaptive_checkpointing: each rank checkpoints only the layers its memory needs (the plan's
     predicted rank_checkpointed_layers). weights_kept_to_backward: training keeps each block's
-    gathered weights from its forward to its backward (zellige.train on one rank). Raises
+    gathered weights from its forward to its backward (zellige.train on one rank).
+    gradient_bytes_per_param: what a parameter's gradient holds (4: fp32; 2: training that
+    keeps the backward's bf16 gradients), part of the 16 bytes of state a parameter. Raises
     ValueError for an unknown model or link class, a bad cluster shape or profile."""
     spec = resolve_model(model)
     if gpus_per_node is None:
@@ -46,4 +49,6 @@ def make_cost_model(
     options.activation_checkpointing = activation_checkpointing
     options.adaptive_checkpointing = adaptive_checkpointing
     options.weights_kept_to_backward = weights_kept_to_backward
+    options.state_bytes_per_param += gradient_bytes_per_param - options.gradient_bytes_per_param
+    options.gradient_bytes_per_param = gradient_bytes_per_param
     return CostModel(spec, hardware, cluster, options)

@@ -120,20 +120,22 @@ def test_copying_optimizer_matches_the_fused_adamw(tmp_path: Path) -> None:
     """CopyingAdamW (one rank, no FSDP) writes the next forward's weight copies with its update
     (float64 copies here: LoneRankWeights makes them for it in any dtype): torch's fused AdamW
     with the clipping folded in and the forward's cast, up to float64 rounding of another
-    evaluation order; a stale copy (a forward on the weights before the update) or a lost
-    clipping would be far outside it, as a clipping off by 1% is."""
+    evaluation order, also where it reads the gradients in the compute dtype with their norm
+    taken as they arrive (compute_dtype_gradients); a stale copy (a forward on the weights
+    before the update) or a lost clipping would be far outside it, as a clipping off by 1% is."""
     runs = _runs(
         tmp_path,
         "float64",
         "folded_lone=fused_optimizer:true",
         "copying=copying_optimizer:true",
+        "copying_kept=copying_optimizer:true,compute_dtype_gradients:true",
         "copying_checkpointed=copying_optimizer:true,activation_checkpointing:true,"
         "adaptive_checkpointing:false",
         "off_by_1pct=fused_optimizer:true,grad_clip_norm:0.0505",
     )
     reference = runs["folded_lone"]
     assert _clipped_every_step(reference)
-    for name in ("copying", "copying_checkpointed"):
+    for name in ("copying", "copying_checkpointed", "copying_kept"):
         assert _largest_relative_difference(runs[name]["params"], reference["params"]) < 1e-12
         for got, want in zip(runs[name]["losses"], reference["losses"], strict=True):
             assert abs(got - want) <= 1e-12 * abs(want), name

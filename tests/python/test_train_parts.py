@@ -241,3 +241,62 @@ def test_lone_rank_forward_takes_offered_copies_unless_a_master_changed() -> Non
         master.mul_(2.0)  # after the offer
     assert torch.equal(forward_weight(), master.detach().to(torch.bfloat16))
     assert sum(len(chunk) for chunk in lone.chunks()) == len(list(model.parameters()))
+
+
+def test_lone_rank_kept_gradients_are_the_backwards_with_their_norm() -> None:
+    """keep_gradients: the masters get no gradient; take_gradients gives each master's
+    gradient in the compute dtype, the values whose cast the default path accumulates, and
+    their global norm (get_total_norm's over the cast gradients, to float32 rounding)."""
+    from zellige.model import build_model
+    from zellige.train.parallelize import LoneRankWeights
+
+    def backward(keep: bool):
+        torch.manual_seed(0)
+        model = build_model(get_config("tiny-cpu").model)
+        lone = LoneRankWeights(model, torch.bfloat16, keep_gradients=keep)
+        generator = torch.Generator().manual_seed(1)
+        lone._before_forward(model, ())
+        channels = model.config.token_channels
+        x = torch.randn(6, channels, generator=generator, dtype=torch.bfloat16)
+        loss = model.patch_embedding(x).float().square().sum()
+        # every other weight takes part too, with a zero gradient
+        loss = loss + 0 * sum(p.float().sum() for p in model.blocks.parameters())
+        loss.backward()  # LoneRankWeights restores the masters at its end
+        return model, lone
+
+    reference, _ = backward(keep=False)
+    model, lone = backward(keep=True)
+    gradients, norm = lone.take_gradients()
+    assert all(p.grad is None for p in model.parameters())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if q.grad is None:
+            assert id(p) not in gradients, name
+            continue
+        assert gradients[id(p)].dtype == torch.bfloat16
+        assert torch.equal(gradients[id(p)].float(), q.grad), name
+    grads = [p.grad for p in reference.parameters() if p.grad is not None]
+    torch.testing.assert_close(norm, torch.nn.utils.get_total_norm(grads), rtol=1e-6, atol=0)
+    assert norm > 0
+    assert lone.take_gradients() == ({}, None)  # taken once
+
+
+def test_kept_bf16_gradients_are_priced_at_two_bytes() -> None:
+    """The cost model prices what training holds: 2-byte gradients where the copying optimizer
+    reads the backward's bf16 ones (one rank), 4 otherwise; the other 12 bytes of state stay."""
+    import dataclasses
+
+    import zellige
+    from zellige.train.loop import gradient_bytes_per_param
+
+    config = get_config("wan14b-width-h200")
+    kept = dataclasses.replace(config, copying_optimizer=True, compute_dtype_gradients=True)
+    assert gradient_bytes_per_param(kept, 1) == 2.0
+    assert gradient_bytes_per_param(kept, 2) == 4.0  # FSDP2 reduces fp32 gradients
+    assert gradient_bytes_per_param(config, 1) == 4.0
+    fp32, bf16 = (
+        zellige.make_cost_model("wan-14b", 1, profile=None, gradient_bytes_per_param=g)
+        for g in (4.0, 2.0)
+    )
+    params = fp32.gradient_bytes() / 4
+    assert bf16.gradient_bytes() == pytest.approx(2 * params)
+    assert fp32.fixed_bytes() - bf16.fixed_bytes() == pytest.approx(2 * params)

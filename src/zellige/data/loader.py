@@ -132,6 +132,7 @@ class StepDataset(torch.utils.data.Dataset):
         activation_checkpointing: bool = True,
         adaptive_checkpointing: bool = False,
         weights_kept_to_backward: bool = False,
+        gradient_bytes_per_param: float = 4.0,
         sequences: list[dict] | None = None,
         plan: dict | None = None,
         data_ranks: int | None = None,
@@ -147,6 +148,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.activation_checkpointing = activation_checkpointing
         self.adaptive_checkpointing = adaptive_checkpointing
         self.weights_kept_to_backward = weights_kept_to_backward
+        self.gradient_bytes_per_param = gradient_bytes_per_param
         self.sequences = sequences
         self.fixed_plan = plan
         self.data_ranks = data_ranks or num_ranks
@@ -164,6 +166,7 @@ class StepDataset(torch.utils.data.Dataset):
                 activation_checkpointing=self.activation_checkpointing,
                 adaptive_checkpointing=self.adaptive_checkpointing,
                 weights_kept_to_backward=self.weights_kept_to_backward,
+                gradient_bytes_per_param=self.gradient_bytes_per_param,
             )
             recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
             latents = SyntheticLatents(

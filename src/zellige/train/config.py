@@ -59,6 +59,9 @@ class TrainConfig:
     # of the weights, in the same compiled pass (train.optimizer.CopyingAdamW; no cast at the
     # forward's start); False: torch's AdamW, and the forward casts
     copying_optimizer: bool = False
+    # with copying_optimizer: the backward's bf16 gradients go to the optimizer as they are (no
+    # fp32 gradients, no cast; their norm taken as each arrives; the cost model prices 2 bytes)
+    compute_dtype_gradients: bool = False
     # on a world of one without FSDP: each step's optimizer update (and the cast of the bf16
     # copies) runs at the next step's forward, block by block, where it fills the device while
     # the host issues the forward's first kernels (parallelize.LoneRankWeights.defer_update).
@@ -250,6 +253,7 @@ FIELD_HELP = {
     "fused_optimizer": "AdamW as one fused kernel (default: on CUDA only)",
     "clip_in_optimizer": "a fused optimizer applies the gradient clipping's scale itself",
     "copying_optimizer": "one rank: AdamW writes the bf16 weight copies with its update",
+    "compute_dtype_gradients": "with copying_optimizer: AdamW reads the bf16 gradients",
     "overlap_optimizer": "one rank: the update runs block by block under the next forward",
     "optimizer_side_stream": "with overlap_optimizer: the update on a CUDA stream of its own",
     "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",

@@ -214,6 +214,7 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
         defer_optimizer=overlaps_optimizer(config),
         optimizer_side_stream=config.optimizer_side_stream,
         copying_optimizer=config.copying_optimizer,
+        compute_dtype_gradients=config.compute_dtype_gradients,
     )
     if device.type == "cuda":
         model.to_empty(device=device)
@@ -287,6 +288,7 @@ def train(
         activation_checkpointing=config.activation_checkpointing,
         adaptive_checkpointing=config.activation_checkpointing and config.adaptive_checkpointing,
         weights_kept_to_backward=weights_kept_to_backward(config, num_ranks),
+        gradient_bytes_per_param=gradient_bytes_per_param(config, num_ranks),
         sequences=sequences,
     )
     num_steps = config.steps - first_step
@@ -825,6 +827,15 @@ def make_optimizer(config: TrainConfig, model, device: torch.device) -> torch.op
     return torch.optim.AdamW(model.parameters(), fused=fused, **options)
 
 
+def gradient_bytes_per_param(config: TrainConfig, num_ranks: int) -> float:
+    """Bytes a parameter's gradient holds in training (the cost model prices them): fp32, or
+    bf16 where the copying optimizer reads the backward's bf16 gradients (one rank)."""
+    lone = num_ranks == 1 and not config.fsdp_on_one_rank
+    kept = lone and config.copying_optimizer and config.compute_dtype_gradients
+    kept = kept and not config.overlap_optimizer
+    return 2.0 if kept and config.dtype == "bfloat16" else 4.0
+
+
 def weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:
     """Whether the blocks' gathered weights live from their forward to their backward (the cost
     model prices them): no FSDP on one rank, or FSDP2 without resharding after the forward."""
@@ -852,8 +863,20 @@ def clip_and_step(
     defer_to (a parallelize.LoneRankWeights): the norm and scale are computed now, the step at
     the next forward, group by group (step_parameters, with this step's learning rates); the
     gradients live until then."""
-    parameters = [p for p in model.parameters() if p.grad is not None]
     copying = isinstance(optimizer, CopyingAdamW)
+    lone = getattr(model, "lone_weights", None) if copying else None
+    if lone is not None and lone.keeps_gradients and defer_to is None:
+        # the gradients in the compute dtype, their norm taken as they arrived
+        gradients, norm = lone.take_gradients()
+        if norm is None:
+            norm = torch.zeros((), device=next(model.parameters()).device)
+        scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).float()
+        optimizer.gradients_in = gradients
+        optimizer.copies_out = copies = lone.new_copies()
+        _step_scaled(optimizer, scale)
+        lone.offer_copies(copies)
+        return norm
+    parameters = [p for p in model.parameters() if p.grad is not None]
     fused = copying or any(group.get("fused") for group in optimizer.param_groups)
     if fused and in_optimizer:
         norm = _full(torch.nn.utils.get_total_norm([p.grad for p in parameters]))

@@ -47,7 +47,7 @@ def adamw_chunk_(
     for param, grad, exp_avg, exp_avg_sq, copy in zip(
         params, grads, exp_avgs, exp_avg_sqs, copies, strict=True
     ):
-        grad = grad / grad_scale
+        grad = grad.to(param.dtype) / grad_scale
         updated = param * decay
         exp_avg_new = exp_avg.lerp(grad, 1 - beta1)
         exp_avg_sq_new = exp_avg_sq * beta2 + (1 - beta2) * grad * grad
@@ -61,7 +61,9 @@ def adamw_chunk_(
 
 class CopyingAdamW(torch.optim.AdamW):
     """torch.optim.AdamW whose step writes the copies given in `copies_out` (id of a parameter
-    -> its copy; set before step(), cleared by it; None: no copies, the same update). chunks:
+    -> its copy; set before step(), cleared by it; None: no copies, the same update), and reads
+    the gradients from `gradients_in` where it is set (id of a parameter -> its gradient, in any
+    float dtype: each is widened to its parameter's as it is read; cleared by step()). chunks:
     the parameters split into lists that each compiled call updates together (None: one chunk a
     parameter group); compiled: torch.compile the chunk update (True: inductor, or a
     torch.compile backend; False: eager, the same arithmetic). grad_scale (attribute, as
@@ -87,6 +89,7 @@ class CopyingAdamW(torch.optim.AdamW):
             self._update = torch.compile(adamw_chunk_, backend=backend, dynamic=False)
         self._ones: dict[torch.device, Tensor] = {}
         self.copies_out: dict[int, Tensor] | None = None
+        self.gradients_in: dict[int, Tensor] | None = None
         self.grad_scale: Tensor | None = None
 
     @torch.no_grad()
@@ -94,8 +97,13 @@ class CopyingAdamW(torch.optim.AdamW):
         if closure is not None:
             raise ValueError("CopyingAdamW.step takes no closure")
         copies_out, self.copies_out = self.copies_out, None
+        gradients_in, self.gradients_in = self.gradients_in, None
+        if gradients_in is None:
+            gradient = lambda p: p.grad  # noqa: E731
+        else:
+            gradient = lambda p: gradients_in.get(id(p))  # noqa: E731
         for group in self.param_groups:
-            chosen = [p for p in group["params"] if p.grad is not None]
+            chosen = [p for p in group["params"] if gradient(p) is not None]
             if not chosen:
                 continue
             step = self._advance(chosen)
@@ -127,7 +135,7 @@ class CopyingAdamW(torch.optim.AdamW):
                 )
                 self._update(
                     params,
-                    [p.grad for p in params],
+                    [gradient(p) for p in params],
                     [s["exp_avg"] for s in states],
                     [s["exp_avg_sq"] for s in states],
                     copies,

@@ -90,8 +90,17 @@ class LoneRankWeights:
     copies only where it uses them (the root's before its first layer, each block's before its
     body); on one H200 that hid 11 ms of the update but slowed the blocks by about as much."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, side_stream: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        dtype: torch.dtype,
+        side_stream: bool = False,
+        keep_gradients: bool = False,
+    ) -> None:
         self._dtype = dtype
+        self.keeps_gradients = keep_gradients
+        self._gradients = {}  # keep_gradients: id(master) -> its gradient in the compute dtype
+        self._norms = []  # keep_gradients: each kept gradient's 2-norm (device scalars)
         self._side_stream = side_stream
         group_of = {
             id(m): 1 + index for index, runner in enumerate(model.blocks) for m in runner.modules()
@@ -177,6 +186,14 @@ class LoneRankWeights:
             weights.append(weight)
         return weights
 
+    def take_gradients(self) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """keep_gradients: this step's gradients in the compute dtype by id of their master,
+        and their global 2-norm (None where none came); forgets both."""
+        gradients, norms = self._gradients, self._norms
+        self._gradients, self._norms = {}, []
+        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+        return gradients, norm
+
     def _slot_param(self, slot: int) -> nn.Parameter:
         module, name = self._slots[slot]
         return module._parameters[name]
@@ -253,8 +270,20 @@ class LoneRankWeights:
                 # at the backward's end, the masters go back where no gradient came
                 torch.autograd.Variable._execution_engine.queue_callback(self._restore)
                 self._restore_queued = True
-            grad = weight.grad.to(master.dtype)
-            master.grad = grad if master.grad is None else master.grad + grad
+            if self.keeps_gradients:
+                # kept as the backward made it, for an optimizer that reads the compute dtype
+                # (CopyingAdamW): no cast to the master's dtype (6 bytes a parameter moved)
+                # and no fp32 gradient (2 bytes a parameter held instead of 4); its norm, which
+                # the clipping needs, is taken now from the 2-byte values
+                if id(master) in self._gradients:
+                    raise RuntimeError("LoneRankWeights: two backwards in one step")
+                grad = weight.grad
+                self._gradients[id(master)] = grad
+                wide = torch.promote_types(grad.dtype, torch.float32)
+                self._norms.append(torch.linalg.vector_norm(grad, dtype=wide))
+            else:
+                grad = weight.grad.to(master.dtype)
+                master.grad = grad if master.grad is None else master.grad + grad
             weight.grad = None
             module._parameters[name] = master  # the copy is freed with the autograd graph
 
@@ -283,6 +312,7 @@ def parallelize(
     defer_optimizer: bool = False,
     optimizer_side_stream: bool = False,
     copying_optimizer: bool = False,
+    compute_dtype_gradients: bool = False,
 ) -> VideoDiT:
     """Shards `model` in place over `mesh` and returns it. bfloat16 means bf16 compute with fp32
     master weights and fp32 gradient reduction; float32 / float64 compute in that dtype.
@@ -298,8 +328,9 @@ def parallelize(
     apply each step's update at the next forward, block by block (LoneRankWeights.defer_update),
     with copies in the compute dtype whatever it is (optimizer_side_stream: on a CUDA stream of
     its own); copying_optimizer (there only): copies in the compute dtype whatever it is, which
-    the optimizer writes (LoneRankWeights.offer_copies). The LoneRankWeights is model.lone_weights
-    (None where there is none)."""
+    the optimizer writes (LoneRankWeights.offer_copies); with compute_dtype_gradients it also
+    reads the gradients in the compute dtype (LoneRankWeights.take_gradients). The
+    LoneRankWeights is model.lone_weights (None where there is none)."""
     if reshard_after_forward is None:
         reshard_after_forward = mesh.size() > 1
     lone = mesh.size() == 1 and not fsdp_on_one_rank
@@ -321,7 +352,10 @@ def parallelize(
     if lone:
         if dtype == "bfloat16" or defer_optimizer or copying_optimizer:
             model.lone_weights = LoneRankWeights(
-                model, DTYPES[dtype], side_stream=optimizer_side_stream
+                model,
+                DTYPES[dtype],
+                side_stream=optimizer_side_stream,
+                keep_gradients=copying_optimizer and compute_dtype_gradients,
             )
         return model
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
