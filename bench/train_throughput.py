@@ -16,11 +16,9 @@ memory needs); ":no-checkpointing" checkpoints none. One GPU trains without FSDP
 each block's gathered weights to its backward), ":fsdp:reshard" as on more GPUs (gathered again
 in the backward); ":separate-clipping" scales the gradients in a pass of its own before the fused
 AdamW (by default its kernel applies the clipping's scale). ":fsdp:reshard:separate-clipping" is
-the step before these changes. ":overlap" runs each step's optimizer update (without FSDP2) at
-the next step's forward, block by block (":no-overlap", the default, steps at the step's end);
-":side-stream" runs it on a CUDA stream of its own, concurrently with the forward. ":gc-auto"
-leaves Python's garbage collections as they come (by default the loop collects and freezes the
-objects torch.compile made, between steps: zellige.train.loop.QuietCollector). ":eager-outside"
+the step before these changes. ":gc-auto" leaves Python's garbage collections as they come (by
+default the loop collects and freezes the objects torch.compile made, between steps:
+zellige.train.loop.QuietCollector). ":eager-outside"
 runs the RoPE tables, output head and loss without torch.compile (by default compiled with the
 blocks); ":unpadded-rows" leaves the per-token modulation's one-hot GEMM at the sequence count
 (by default padded to a multiple of 8: aligned bf16 operands, conditioning.per_token).
@@ -77,9 +75,6 @@ VARIANTS = {
     "reshard": {"reshard_after_forward": True},
     "separate-clipping": {"clip_in_optimizer": False},
     "fsdp": {"fsdp_on_one_rank": True},
-    "overlap": {"overlap_optimizer": True},
-    "no-overlap": {"overlap_optimizer": False},
-    "side-stream": {"overlap_optimizer": True, "optimizer_side_stream": True},
     "gc-auto": {"freeze_gc": False},
     "eager-outside": {"compile_outside": False},
     "unpadded-rows": {"pad_sequence_rows": False},

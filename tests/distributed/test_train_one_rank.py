@@ -4,8 +4,6 @@ world of one give the parameters of the general path after several clipped steps
 - no FSDP (fp32 masters, bf16 copies cast once per step: parallelize.LoneRankWeights) and FSDP2
   keeping its gathered weights to the backward: bit for bit FSDP2's parameters, in bf16 (the
   casts are the same) and float64;
-- each step's update deferred to the next step's forward and applied block by block
-  (overlap_optimizer, LoneRankWeights.defer_update): bit for bit the same parameters;
 - AdamW writing the next forward's weight copies with its update (copying_optimizer,
   train.optimizer.CopyingAdamW): torch's fused AdamW and the cast, to float64 rounding;
 - the clipping folded into the fused AdamW (its grad_scale): torch's clip_grad_norm_ then AdamW
@@ -50,21 +48,18 @@ def test_one_rank_paths_give_fsdp_parameters_bit_for_bit(tmp_path: Path) -> None
         variants = [
             "fsdp=fsdp_on_one_rank:true,reshard_after_forward:true",
             "kept=fsdp_on_one_rank:true,reshard_after_forward:false",
-            "lone=fsdp_on_one_rank:false,overlap_optimizer:false",
-            "overlap=fsdp_on_one_rank:false,overlap_optimizer:true",
+            "lone=fsdp_on_one_rank:false",
         ]
         if dtype == "bfloat16":  # the backward's recompute uses the bf16 copies too
             variants += [
                 f"fsdp_checkpointed=fsdp_on_one_rank:true,reshard_after_forward:true,{checkpointed}",
                 f"lone_checkpointed=fsdp_on_one_rank:false,{checkpointed}",
-                f"overlap_checkpointed=overlap_optimizer:true,{checkpointed}",
             ]
         runs = _runs(tmp_path, dtype, *variants)
         assert _clipped_every_step(runs["fsdp"])
-        pairs = [("kept", "fsdp"), ("lone", "fsdp"), ("overlap", "fsdp")]
+        pairs = [("kept", "fsdp"), ("lone", "fsdp")]
         if dtype == "bfloat16":
             pairs.append(("lone_checkpointed", "fsdp_checkpointed"))
-            pairs.append(("overlap_checkpointed", "fsdp_checkpointed"))
             assert min(runs["lone_checkpointed"]["checkpointed_blocks"]) > 0
         for name, reference_name in pairs:
             reference = runs[reference_name]
@@ -74,23 +69,19 @@ def test_one_rank_paths_give_fsdp_parameters_bit_for_bit(tmp_path: Path) -> None
                 assert torch.equal(runs[name]["params"][key], value), (dtype, name, key)
 
 
-def test_deferred_update_resumes_bit_for_bit(tmp_path: Path) -> None:
-    """A checkpoint saved while a step's update is deferred holds that update (the save applies
-    it first): the resumed steps' losses are the uninterrupted run's, which are those of the
-    run that steps at each step's end."""
-    args = ("--steps", "4", "--dtype", "float64", "--loader-workers", "0")
-    overlap = _train(
-        1, tmp_path, "overlap", *args, "--overlap-optimizer", "--checkpoint-every", "2",
-        "--out", str(tmp_path / "ckpt"),
-    )  # fmt: skip
-    plain = _train(1, tmp_path, "plain", *args, "--no-overlap-optimizer")
-    assert [r["loss"] for r in overlap] == [r["loss"] for r in plain]
-    resumed = _train(
-        1, tmp_path, "resumed", *args, "--overlap-optimizer",
-        "--resume", str(tmp_path / "ckpt" / "step-2"),
-    )  # fmt: skip
+def test_copying_optimizer_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """A run with the copying optimizer (bf16 copies written with the update, gradients kept in
+    the compute dtype) resumed from its step-2 checkpoint continues with the uninterrupted
+    run's losses: the saved masters and state are the whole story (the first resumed forward
+    casts the masters, as the copies it would have had are their cast)."""
+    args = ("--steps", "4", "--loader-workers", "0", "--copying-optimizer")
+    args += ("--compute-dtype-gradients",)
+    whole = _train(
+        1, tmp_path, "whole", *args, "--checkpoint-every", "2", "--out", str(tmp_path / "ckpt")
+    )
+    resumed = _train(1, tmp_path, "resumed", *args, "--resume", str(tmp_path / "ckpt" / "step-2"))
     assert [r["step"] for r in resumed] == [3, 4]
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in overlap[2:]]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
 
 
 def test_clipping_in_the_fused_optimizer_matches_clip_grad_norm(tmp_path: Path) -> None:
@@ -99,8 +90,7 @@ def test_clipping_in_the_fused_optimizer_matches_clip_grad_norm(tmp_path: Path) 
         "float64",
         "separate=fused_optimizer:false,fsdp_on_one_rank:true",
         "folded=fused_optimizer:true,fsdp_on_one_rank:true",
-        "folded_lone=fused_optimizer:true,overlap_optimizer:false",
-        "folded_overlap=fused_optimizer:true,overlap_optimizer:true",
+        "folded_lone=fused_optimizer:true",
         "off_by_1pct=fused_optimizer:false,fsdp_on_one_rank:true,grad_clip_norm:0.0505",
     )
     reference = runs["separate"]["params"]
@@ -108,10 +98,6 @@ def test_clipping_in_the_fused_optimizer_matches_clip_grad_norm(tmp_path: Path) 
     # the scale reaches the kernel in float32: agreement to its rounding, not to float64's
     for name in ("folded", "folded_lone"):
         assert _largest_relative_difference(runs[name]["params"], reference) < 1e-7, name
-    # deferred and applied block by block: the same arithmetic
-    for key, value in runs["folded_lone"]["params"].items():
-        assert torch.equal(runs["folded_overlap"]["params"][key], value), key
-    assert runs["folded_overlap"]["losses"] == runs["folded_lone"]["losses"]
     # a wrong clipping shows far above that tolerance
     assert _largest_relative_difference(runs["off_by_1pct"]["params"], reference) > 1e-5
 

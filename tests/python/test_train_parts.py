@@ -161,55 +161,6 @@ def test_end_rank_process_keeps_output_and_exit_code(exit_code) -> None:
     assert done.stdout == ("done" if exit_code == 0 else "donefinalized\n")
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_stepping_parameter_groups_one_by_one_equals_one_step(fused: bool) -> None:
-    """The deferred update (train.loop.step_parameters, one call per block's parameters) gives
-    the parameters and optimizer state of one step over all of them, bit for bit in float64,
-    with the clipping's scale, two param groups and learning rates captured before a schedule
-    moved them; it frees exactly the stepped parameters' gradients."""
-    from zellige.train.loop import step_parameters
-
-    def setup():
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n, dtype=torch.float64)) for n in (5, 7, 3, 4)]
-        groups = [{"params": params[:3]}, {"params": params[3:], "lr": 0.02}]
-        optimizer = torch.optim.AdamW(groups, lr=0.1, weight_decay=0.1, fused=fused)
-        return params, optimizer
-
-    def grads(round_):
-        return [
-            torch.randn(n, dtype=torch.float64) * (i + 1 + round_)
-            for i, n in enumerate((5, 7, 3, 4))
-        ]
-
-    scale = torch.tensor(2.5, dtype=torch.float32) if fused else None
-    whole, one_step = setup()
-    split, by_groups = setup()
-    for round_ in range(3):  # state created on the first step, then used
-        for p, q, g in zip(whole, split, grads(round_), strict=True):
-            p.grad, q.grad = g.clone(), g.clone()
-        rates = [g["lr"] for g in by_groups.param_groups]
-        one_step.grad_scale = scale
-        one_step.step()
-        one_step.grad_scale = None
-        for group in by_groups.param_groups:  # a schedule moves the rates before the update
-            group["lr"] *= 0.5
-        for chunk in ([split[1]], [split[0], split[3]], [split[2]]):
-            step_parameters(by_groups, chunk, rates, scale)
-            assert all(p.grad is None for p in chunk)
-        for group in by_groups.param_groups:
-            group["lr"] *= 2.0
-        for p, q in zip(whole, split, strict=True):
-            assert torch.equal(p, q)
-            state, other = one_step.state[p], by_groups.state[q]
-            assert all(torch.equal(state[k], other[k]) for k in state)
-    # a wrong learning rate (the moved one) would differ
-    split[0].grad = whole[0].grad = torch.ones(5, dtype=torch.float64)
-    one_step.step()
-    step_parameters(by_groups, [split[0]], [0.05, 0.01], scale if fused else None)
-    assert not torch.equal(whole[0], split[0])
-
-
 def test_lone_rank_forward_takes_offered_copies_unless_a_master_changed() -> None:
     """LoneRankWeights: copies an optimizer offered (offer_copies) are the next forward's
     weights, no cast; a master changed after the offer (a checkpoint loaded) voids them: the

@@ -62,15 +62,6 @@ class TrainConfig:
     # with copying_optimizer: the backward's bf16 gradients go to the optimizer as they are (no
     # fp32 gradients, no cast; their norm taken as each arrives; the cost model prices 2 bytes)
     compute_dtype_gradients: bool = False
-    # on a world of one without FSDP: each step's optimizer update (and the cast of the bf16
-    # copies) runs at the next step's forward, block by block, where it fills the device while
-    # the host issues the forward's first kernels (parallelize.LoneRankWeights.defer_update).
-    # Off by default: on one H200 it was not faster (bench/results/train_throughput_h200_202612.md,
-    # run 10) and it holds the gradients into the next forward
-    overlap_optimizer: bool = False
-    # with overlap_optimizer on CUDA: the deferred update runs on a stream of its own,
-    # concurrently with the forward (on one H200 the blocks slowed by about the time it hid)
-    optimizer_side_stream: bool = False
     sync_debug: bool = False  # CUDA: warn at each host sync from step start to optimizer step
     # Python's objects are collected and frozen at the start and after each step that compiled,
     # so a full garbage collection in a step walks only that step's objects, not torch.compile's
@@ -254,8 +245,6 @@ FIELD_HELP = {
     "clip_in_optimizer": "a fused optimizer applies the gradient clipping's scale itself",
     "copying_optimizer": "one rank: AdamW writes the bf16 weight copies with its update",
     "compute_dtype_gradients": "with copying_optimizer: AdamW reads the bf16 gradients",
-    "overlap_optimizer": "one rank: the update runs block by block under the next forward",
-    "optimizer_side_stream": "with overlap_optimizer: the update on a CUDA stream of its own",
     "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",
     "freeze_gc": "freeze Python's objects after compiling steps (full GCs in steps stay short)",
     "learning_rate": "AdamW peak learning rate",

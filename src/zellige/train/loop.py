@@ -12,7 +12,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,8 +210,6 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
         compile_outside=config.compile_outside,
         reshard_after_forward=config.reshard_after_forward,
         fsdp_on_one_rank=config.fsdp_on_one_rank,
-        defer_optimizer=overlaps_optimizer(config),
-        optimizer_side_stream=config.optimizer_side_stream,
         copying_optimizer=config.copying_optimizer,
         compute_dtype_gradients=config.compute_dtype_gradients,
     )
@@ -338,8 +335,6 @@ def train(
             due = config.checkpoint_every and done % config.checkpoint_every == 0
             if out_dir and (due or done == config.steps):
                 saved_at = time.perf_counter()
-                if model.lone_weights is not None:
-                    model.lone_weights.flush()  # a deferred update goes into the checkpoint
                 try:
                     saved_now = last_saved = save_checkpoint(
                         out_dir,
@@ -481,19 +476,8 @@ def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, w
     # the step's peak split by phase, against the cost model's (which has no optimizer step)
     peak_backward_gib = _peak_gib(device, reset=True)
     with record_function("zellige.step.optimizer"):
-        # deferred to the next step's forward (overlapped there), except at the run's last step
-        defer = model.lone_weights if overlaps_optimizer(config) else None
-        grad_norm = clip_and_step(
-            model,
-            optimizer,
-            config.grad_clip_norm,
-            config.clip_in_optimizer,
-            defer_to=defer if step + 1 < config.steps else None,
-        )
-        with warnings.catch_warnings():
-            # a deferred first update has not called optimizer.step() yet; its rates are taken
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-            scheduler.step()
+        grad_norm = clip_and_step(model, optimizer, config.grad_clip_norm, config.clip_in_optimizer)
+        scheduler.step()
     del step_input  # its tensors are free once the device is done with them
     if step + 1 < config.steps:
         ahead.prepare(step + 1)  # host work while the device runs this step's tail
@@ -808,7 +792,7 @@ def copies_in_optimizer(config: TrainConfig, model) -> bool:
     """Whether AdamW writes the weights' compute copies (one rank without FSDP, the update at
     the step's end)."""
     lone = getattr(model, "lone_weights", None) is not None
-    return lone and config.copying_optimizer and not overlaps_optimizer(config)
+    return lone and config.copying_optimizer
 
 
 def make_optimizer(config: TrainConfig, model, device: torch.device) -> torch.optim.Optimizer:
@@ -832,7 +816,6 @@ def gradient_bytes_per_param(config: TrainConfig, num_ranks: int) -> float:
     bf16 where the copying optimizer reads the backward's bf16 gradients (one rank)."""
     lone = num_ranks == 1 and not config.fsdp_on_one_rank
     kept = lone and config.copying_optimizer and config.compute_dtype_gradients
-    kept = kept and not config.overlap_optimizer
     return 2.0 if kept and config.dtype == "bfloat16" else 4.0
 
 
@@ -845,85 +828,40 @@ def weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:
     return not (num_ranks > 1 if reshard is None else reshard)
 
 
-def overlaps_optimizer(config: TrainConfig) -> bool:
-    """Whether each step's update is deferred to the next step's forward (one rank, no FSDP)."""
-    lone = dist.get_world_size() == 1 and not config.fsdp_on_one_rank
-    return lone and config.overlap_optimizer
-
-
-def clip_and_step(
-    model, optimizer, max_norm: float, in_optimizer: bool = True, defer_to=None
-) -> torch.Tensor:
+def clip_and_step(model, optimizer, max_norm: float, in_optimizer: bool = True) -> torch.Tensor:
     """Clips the gradients' global 2-norm to max_norm and steps the optimizer, then frees the
     gradients; returns the norm before clipping (a device tensor: no host sync). A fused AdamW
     applies the clipping's scale itself (its grad_scale divides each gradient as it reads it),
     which saves a pass that reads and writes every gradient; otherwise torch's clip_grad_norm_
     scales them first. The scale is the reciprocal of clip_grad_norm_'s coefficient
     min(1, max_norm / (norm + 1e-6)), computed on the device; the optimizer takes it in float32.
-    defer_to (a parallelize.LoneRankWeights): the norm and scale are computed now, the step at
-    the next forward, group by group (step_parameters, with this step's learning rates); the
-    gradients live until then."""
+    A CopyingAdamW (one rank) also writes the next forward's weight copies, which it offers to
+    the LoneRankWeights; where those keep the backward's gradients, it reads them, and the norm
+    is the one taken as they arrived."""
     copying = isinstance(optimizer, CopyingAdamW)
     lone = getattr(model, "lone_weights", None) if copying else None
-    if lone is not None and lone.keeps_gradients and defer_to is None:
-        # the gradients in the compute dtype, their norm taken as they arrived
+    scale = None
+    if lone is not None and lone.keeps_gradients:
         gradients, norm = lone.take_gradients()
         if norm is None:
             norm = torch.zeros((), device=next(model.parameters()).device)
-        scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).float()
         optimizer.gradients_in = gradients
-        optimizer.copies_out = copies = lone.new_copies()
-        _step_scaled(optimizer, scale)
-        lone.offer_copies(copies)
-        return norm
-    parameters = [p for p in model.parameters() if p.grad is not None]
-    fused = copying or any(group.get("fused") for group in optimizer.param_groups)
-    if fused and in_optimizer:
-        norm = _full(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
         scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).float()
     else:
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        scale = None
-    if defer_to is None:
-        lone = getattr(model, "lone_weights", None) if copying else None
-        if lone is not None:
-            optimizer.copies_out = lone.new_copies()  # the next forward's weights
-            copies = optimizer.copies_out
-        _step_scaled(optimizer, scale)
-        if lone is not None:
-            lone.offer_copies(copies)
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        rates = [group["lr"] for group in optimizer.param_groups]
-        defer_to.defer_update(lambda masters: step_parameters(optimizer, masters, rates, scale))
+        parameters = [p for p in model.parameters() if p.grad is not None]
+        fused = copying or any(group.get("fused") for group in optimizer.param_groups)
+        if fused and in_optimizer:
+            norm = _full(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
+            scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).float()
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    if lone is not None:
+        optimizer.copies_out = copies = lone.new_copies()  # the next forward's weights
+    _step_scaled(optimizer, scale)
+    if lone is not None:
+        lone.offer_copies(copies)
+    optimizer.zero_grad(set_to_none=True)
     return norm
-
-
-def step_parameters(optimizer, parameters: list, rates: list[float], grad_scale) -> None:
-    """The optimizer's step on `parameters` only (those with a gradient), with learning rates
-    `rates` (one a param group), then their gradients freed. Element for element what a step
-    over all parameters does: AdamW updates each element from its own gradient and state. On
-    CUDA the gradients and the scale may come from another stream than the current one: they
-    are marked as used here, so their memory is not handed out before this stream is done."""
-    chosen = {id(p) for p in parameters if p.grad is not None}
-    if not chosen:
-        return
-    whole = optimizer.param_groups
-    subsets = [
-        dict(group, params=[p for p in group["params"] if id(p) in chosen], lr=rate)
-        for group, rate in zip(whole, rates, strict=True)
-    ]
-    optimizer.param_groups = [group for group in subsets if group["params"]]
-    try:
-        _step_scaled(optimizer, grad_scale)
-    finally:
-        optimizer.param_groups = whole
-    for p in parameters:
-        if p.grad is not None and p.grad.is_cuda:
-            p.grad.record_stream(torch.cuda.current_stream(p.grad.device))
-        p.grad = None
-    if grad_scale is not None and grad_scale.is_cuda:
-        grad_scale.record_stream(torch.cuda.current_stream(grad_scale.device))
 
 
 def _step_scaled(optimizer, grad_scale) -> None:

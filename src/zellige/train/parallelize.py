@@ -10,9 +10,6 @@ of 1 would say the same, but gloo lacks the PREMUL_SUM reduction it needs.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -81,27 +78,16 @@ class LoneRankWeights:
     the backward's second cast; the copies live from the forward to their backward, as FSDP2's
     do with reshard_after_forward=False.
 
-    defer_update: a step's optimizer update waits for the next forward, which applies it group
-    by group (the model's own weights, then each block's, a block's when the forward reaches the
-    block before it), each group's cast right after its update. On the forward's stream the
-    update's kernels fill the device while the host issues the forward's first small kernels
-    (after the step's start the device would otherwise wait for them). With side_stream (CUDA)
-    they run on a stream of their own, concurrently with the forward, which waits for a group's
-    copies only where it uses them (the root's before its first layer, each block's before its
-    body); on one H200 that hid 11 ms of the update but slowed the blocks by about as much."""
+    An optimizer that writes the copies with its update (train.optimizer.CopyingAdamW) offers
+    them for the next forward (offer_copies), which then casts nothing. keep_gradients: the
+    backward's gradients stay in the compute dtype for such an optimizer (take_gradients), with
+    their norm, and the masters get none."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        dtype: torch.dtype,
-        side_stream: bool = False,
-        keep_gradients: bool = False,
-    ) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, keep_gradients: bool = False) -> None:
         self._dtype = dtype
         self.keeps_gradients = keep_gradients
         self._gradients = {}  # keep_gradients: id(master) -> its gradient in the compute dtype
         self._norms = []  # keep_gradients: each kept gradient's 2-norm (device scalars)
-        self._side_stream = side_stream
         group_of = {
             id(m): 1 + index for index, runner in enumerate(model.blocks) for m in runner.modules()
         }
@@ -119,30 +105,11 @@ class LoneRankWeights:
             for group in range(1 + len(model.blocks))
         ]
         self._masters = None  # during a step: the master weights, in slot order
-        # copies an optimizer wrote with its update (offer_copies): (copies, masters' versions)
+        # the forward's parameters an optimizer offered (offer_copies): (weights, masters' ids
+        # and versions then)
         self._offered = None
         self._restore_queued = False
-        self._pending = None  # the deferred update: update(masters of one group)
-        self._issuing = None  # during a forward: (update, masters, copies, [next group])
-        self._ready = [None] * len(self._groups)  # CUDA events: a group's copies are made
-        self._stream = None  # CUDA: where deferred updates and their casts run
         model.register_forward_pre_hook(self._before_forward)
-        for index, runner in enumerate(model.blocks):
-            runner.register_forward_pre_hook(self._waiting_for(1 + index))
-
-    def defer_update(self, update: Callable[[list[nn.Parameter]], None]) -> None:
-        """update(masters) runs at the next forward's start, once per group of masters, before
-        that group's cast (see the class). It must also free the group's gradients."""
-        if self._pending is not None:
-            raise RuntimeError("LoneRankWeights: an update is already deferred")
-        self._pending = update
-
-    def flush(self) -> None:
-        """Applies a deferred update now (before a checkpoint reads the masters)."""
-        update, self._pending = self._pending, None
-        if update is not None:
-            for group in self._groups:
-                update([self._slot_param(slot) for slot in group])
 
     def chunks(self) -> list[list[nn.Parameter]]:
         """The masters by group: the root's, then each block's (the optimizer's chunks)."""
@@ -202,67 +169,15 @@ class LoneRankWeights:
         if self._masters is not None:
             raise RuntimeError("LoneRankWeights: a forward began before the last backward ended")
         masters = [module._parameters[name] for module, name in self._slots]
-        update, self._pending = self._pending, None
-        weights = self._take_offered(masters) if update is None else None
+        weights = self._take_offered(masters)
         if weights is None:
             computes = [torch.empty_like(m, dtype=self._dtype) for m in masters]
-            if update is None:
-                with torch.no_grad():
-                    torch._foreach_copy_(computes, masters)  # the step's one cast of every weight
-            else:
-                self._update_and_cast(update, masters, computes)
+            with torch.no_grad():
+                torch._foreach_copy_(computes, masters)  # the step's one cast of every weight
             weights = self._weights(masters, computes)
         self._masters = masters
         for (module, name), weight in zip(self._slots, weights, strict=True):
             module._parameters[name] = weight
-        self._wait(0)  # the root's layers (embeddings) come first
-
-    def _update_and_cast(self, update, masters: list, computes: list) -> None:
-        """Starts the deferred update: the root's group and the first block's now, each next
-        block's when the forward reaches the block before it (the host's launches spread over
-        the forward, one block ahead of the device's need)."""
-        if masters[0].is_cuda and self._side_stream:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(masters[0].device)
-            # the gradients, the clipping's scale and the copies' memory are the main stream's
-            self._stream.wait_stream(torch.cuda.current_stream(masters[0].device))
-        self._issuing = (update, masters, computes, [0])
-        self._issue_through(1)
-
-    def _issue_through(self, last: int) -> None:
-        """Launches the deferred update and cast of every group up to `last` not yet launched."""
-        if self._issuing is None:
-            return
-        update, masters, computes, next_group = self._issuing
-        while next_group[0] <= min(last, len(self._groups) - 1):
-            index = next_group[0]
-            group = self._groups[index]
-            cuda = self._stream is not None and masters[0].is_cuda
-            with torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext():
-                update([masters[slot] for slot in group])
-                if group:
-                    with torch.no_grad():
-                        torch._foreach_copy_(
-                            [computes[slot] for slot in group], [masters[slot] for slot in group]
-                        )
-                if cuda:
-                    self._ready[index] = self._stream.record_event()
-            next_group[0] += 1
-        if next_group[0] == len(self._groups):
-            self._issuing = None
-
-    def _waiting_for(self, index: int):
-        def hook(_module, _args) -> None:
-            self._issue_through(index + 1)
-            self._wait(index)
-
-        return hook
-
-    def _wait(self, index: int) -> None:
-        """The current stream waits until group `index`'s copies are made (CUDA, deferred)."""
-        event, self._ready[index] = self._ready[index], None
-        if event is not None:
-            torch.cuda.current_stream(self._stream.device).wait_event(event)
 
     def _arrived(self, module: nn.Module, name: str, master: nn.Parameter):
         def hook(weight: torch.Tensor) -> None:
@@ -290,8 +205,6 @@ class LoneRankWeights:
         return hook
 
     def _restore(self) -> None:
-        if self._issuing is not None:  # a block's copies were never made: its results are void
-            raise RuntimeError("LoneRankWeights: a block's forward did not run through its runner")
         for (module, name), master in zip(self._slots, self._masters, strict=True):
             module._parameters[name] = master
         self._masters = None
@@ -309,8 +222,6 @@ def parallelize(
     compile_outside: bool | None = None,
     reshard_after_forward: bool | None = None,
     fsdp_on_one_rank: bool = False,
-    defer_optimizer: bool = False,
-    optimizer_side_stream: bool = False,
     copying_optimizer: bool = False,
     compute_dtype_gradients: bool = False,
 ) -> VideoDiT:
@@ -324,13 +235,11 @@ def parallelize(
     which then neither casts nor copies them again (FSDP2's gather on one rank is those two
     passes over every weight: pure overhead, paid once per step instead of twice). On one rank
     FSDP2 is left out unless fsdp_on_one_rank: LoneRankWeights gives bf16 compute on fp32
-    masters with one cast per step and no copies; defer_optimizer (there only) lets the loop
-    apply each step's update at the next forward, block by block (LoneRankWeights.defer_update),
-    with copies in the compute dtype whatever it is (optimizer_side_stream: on a CUDA stream of
-    its own); copying_optimizer (there only): copies in the compute dtype whatever it is, which
-    the optimizer writes (LoneRankWeights.offer_copies); with compute_dtype_gradients it also
-    reads the gradients in the compute dtype (LoneRankWeights.take_gradients). The
-    LoneRankWeights is model.lone_weights (None where there is none)."""
+    masters with one cast per step and no copies; copying_optimizer (there only): copies in the
+    compute dtype whatever it is, which the optimizer writes (LoneRankWeights.offer_copies);
+    with compute_dtype_gradients it also reads the gradients in the compute dtype
+    (LoneRankWeights.take_gradients). The LoneRankWeights is model.lone_weights (None where
+    there is none)."""
     if reshard_after_forward is None:
         reshard_after_forward = mesh.size() > 1
     lone = mesh.size() == 1 and not fsdp_on_one_rank
@@ -350,11 +259,10 @@ def parallelize(
         )
     model.lone_weights = None
     if lone:
-        if dtype == "bfloat16" or defer_optimizer or copying_optimizer:
+        if dtype == "bfloat16" or copying_optimizer:
             model.lone_weights = LoneRankWeights(
                 model,
                 DTYPES[dtype],
-                side_stream=optimizer_side_stream,
                 keep_gradients=copying_optimizer and compute_dtype_gradients,
             )
         return model
