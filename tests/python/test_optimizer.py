@@ -124,3 +124,17 @@ def test_compiled_update_equals_eager_and_compiles_once() -> None:
 def test_unsupported_options_are_refused() -> None:
     with pytest.raises(ValueError, match="amsgrad"):
         CopyingAdamW(_params(torch.float32), amsgrad=True)
+
+
+def test_compiled_update_keeps_compiling_past_eight_chunk_shapes() -> None:
+    """One process may train several models (a benchmark): the chunk update compiles a graph for
+    each of ten chunk shapes instead of falling back to eager after torch.compile's default
+    limit of eight."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    params = [torch.nn.Parameter(torch.randn(n + 1)) for n in range(10)]
+    optimizer = CopyingAdamW(params, chunks=[[p] for p in params], compiled=counter, **OPTIONS)
+    _train(optimizer, params, 1, None)
+    assert counter.frame_count == 10

@@ -191,7 +191,14 @@ def test_lone_rank_forward_takes_offered_copies_unless_a_master_changed() -> Non
     with torch.no_grad():
         master.mul_(2.0)  # after the offer
     assert torch.equal(forward_weight(), master.detach().to(torch.bfloat16))
-    assert sum(len(chunk) for chunk in lone.chunks()) == len(list(model.parameters()))
+    every = [id(p) for p in model.parameters()]
+    for per_chunk in (1, 2, 8):
+        chunks = lone.chunks(per_chunk)
+        assert sorted(id(p) for chunk in chunks for p in chunk) == sorted(every)
+        assert len(chunks) == 1 + -(-len(model.blocks) // per_chunk)
+        assert [id(p) for p in chunks[1]] == [
+            id(p) for block in list(model.blocks)[:per_chunk] for p in block.parameters()
+        ]
 
 
 def test_lone_rank_kept_gradients_are_the_backwards_with_their_norm() -> None:

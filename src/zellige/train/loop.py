@@ -788,6 +788,12 @@ def step_loss(
     return squared_error_sum(velocity_TC, step_input.velocity_TC) / total_tokens
 
 
+# CopyingAdamW updates this many blocks' weights per compiled call: fewer calls (each checks
+# its guards on every tensor it takes) where a model has many blocks; the last chunk may be
+# shorter (a graph of its own)
+OPTIMIZER_BLOCKS_PER_CHUNK = 8
+
+
 def copies_in_optimizer(config: TrainConfig, model) -> bool:
     """Whether AdamW writes the weights' compute copies (one rank without FSDP, the update at
     the step's end)."""
@@ -803,7 +809,7 @@ def make_optimizer(config: TrainConfig, model, device: torch.device) -> torch.op
         compiled = config.compile_elementwise
         return CopyingAdamW(
             model.parameters(),
-            chunks=model.lone_weights.chunks(),
+            chunks=model.lone_weights.chunks(OPTIMIZER_BLOCKS_PER_CHUNK),
             compiled=device.type == "cuda" if compiled is None else compiled,
             **options,
         )

@@ -20,6 +20,7 @@ checkpoints load into either.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -133,20 +134,21 @@ class CopyingAdamW(torch.optim.AdamW):
                     if copies_out is not None
                     else [torch.empty_like(p) for p in params]  # written, then dropped
                 )
-                self._update(
-                    params,
-                    [gradient(p) for p in params],
-                    [s["exp_avg"] for s in states],
-                    [s["exp_avg_sq"] for s in states],
-                    copies,
-                    decay,
-                    step_size,
-                    bias_correction2_sqrt,
-                    grad_scale,
-                    beta1,
-                    beta2,
-                    group["eps"],
-                )
+                with _graphs_per_model():
+                    self._update(
+                        params,
+                        [gradient(p) for p in params],
+                        [s["exp_avg"] for s in states],
+                        [s["exp_avg_sq"] for s in states],
+                        copies,
+                        decay,
+                        step_size,
+                        bias_correction2_sqrt,
+                        grad_scale,
+                        beta1,
+                        beta2,
+                        group["eps"],
+                    )
         return None
 
     def _advance(self, params: list[Tensor]) -> int:
@@ -176,3 +178,14 @@ class CopyingAdamW(torch.optim.AdamW):
         if device not in self._ones:
             self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
         return self._ones[device]
+
+
+def _graphs_per_model():
+    """torch.compile stops compiling a function after 8 graphs (its recompile limit) and runs
+    it eagerly from then on; the chunk update has about three a model and gradient dtype (the
+    root's chunk, a full run of blocks, a shorter last run), and one process may train several
+    models (a benchmark), so the limit is raised for its calls."""
+    config = torch._dynamo.config
+    if hasattr(config, "recompile_limit"):
+        return config.patch(recompile_limit=64)
+    return contextlib.nullcontext()

@@ -111,9 +111,14 @@ class LoneRankWeights:
         self._restore_queued = False
         model.register_forward_pre_hook(self._before_forward)
 
-    def chunks(self) -> list[list[nn.Parameter]]:
-        """The masters by group: the root's, then each block's (the optimizer's chunks)."""
-        return [[self._slot_param(slot) for slot in group] for group in self._groups]
+    def chunks(self, blocks_per_chunk: int = 1) -> list[list[nn.Parameter]]:
+        """The masters in the optimizer's chunks: the root's, then those of each run of
+        `blocks_per_chunk` consecutive blocks (the last run may be shorter)."""
+        blocks = self._groups[1:]
+        runs = [self._groups[:1]] + [
+            blocks[i : i + blocks_per_chunk] for i in range(0, len(blocks), blocks_per_chunk)
+        ]
+        return [[self._slot_param(slot) for group in run for slot in group] for run in runs]
 
     def new_copies(self) -> dict[int, torch.Tensor]:
         """Empty copies in the compute dtype, by id of their master, for an optimizer that
