@@ -78,7 +78,7 @@ VARIANTS = {
     "gc-auto": {"freeze_gc": False},
     "eager-outside": {"compile_outside": False},
     "unpadded-rows": {"pad_sequence_rows": False},
-    "copying-adamw": {"copying_optimizer": True},
+    "copying-adamw": {"copying_optimizer": True, "compute_dtype_gradients": False},
     "torch-adamw": {"copying_optimizer": False},
     "bf16-grads": {"copying_optimizer": True, "compute_dtype_gradients": True},
 }

@@ -113,9 +113,10 @@ def test_copying_optimizer_matches_the_fused_adamw(tmp_path: Path) -> None:
         tmp_path,
         "float64",
         "folded_lone=fused_optimizer:true",
-        "copying=copying_optimizer:true",
+        "copying=copying_optimizer:true,compute_dtype_gradients:false",
         "copying_kept=copying_optimizer:true,compute_dtype_gradients:true",
-        "copying_checkpointed=copying_optimizer:true,activation_checkpointing:true,"
+        "copying_checkpointed=copying_optimizer:true,compute_dtype_gradients:false,"
+        "activation_checkpointing:true,"
         "adaptive_checkpointing:false",
         "off_by_1pct=fused_optimizer:true,grad_clip_norm:0.0505",
     )

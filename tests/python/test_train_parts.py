@@ -246,11 +246,12 @@ def test_kept_bf16_gradients_are_priced_at_two_bytes() -> None:
     import zellige
     from zellige.train.loop import gradient_bytes_per_param
 
-    config = get_config("wan14b-width-h200")
-    kept = dataclasses.replace(config, copying_optimizer=True, compute_dtype_gradients=True)
-    assert gradient_bytes_per_param(kept, 1) == 2.0
-    assert gradient_bytes_per_param(kept, 2) == 4.0  # FSDP2 reduces fp32 gradients
-    assert gradient_bytes_per_param(config, 1) == 4.0
+    config = get_config("wan14b-width-h200")  # on CUDA: the copying optimizer by default
+    assert gradient_bytes_per_param(config, 1) == 2.0
+    assert gradient_bytes_per_param(config, 2) == 4.0  # FSDP2 reduces fp32 gradients
+    for changes in ({"copying_optimizer": False}, {"compute_dtype_gradients": False}):
+        assert gradient_bytes_per_param(dataclasses.replace(config, **changes), 1) == 4.0
+    assert gradient_bytes_per_param(get_config("tiny-cpu"), 1) == 4.0  # CPU: torch's AdamW
     fp32, bf16 = (
         zellige.make_cost_model("wan-14b", 1, profile=None, gradient_bytes_per_param=g)
         for g in (4.0, 2.0)
@@ -258,3 +259,32 @@ def test_kept_bf16_gradients_are_priced_at_two_bytes() -> None:
     params = fp32.gradient_bytes() / 4
     assert bf16.gradient_bytes() == pytest.approx(2 * params)
     assert fp32.fixed_bytes() - bf16.fixed_bytes() == pytest.approx(2 * params)
+
+
+def test_a_kept_copy_does_not_keep_the_model_alive() -> None:
+    """A compute copy that outlives its step (something kept it: a compiled function's cache,
+    say) holds neither the masters nor the model through its gradient hook; close() drops an
+    offer no forward took."""
+    import gc
+    import weakref
+
+    from zellige.model import build_model
+    from zellige.train.parallelize import LoneRankWeights
+
+    def step():
+        model = build_model(get_config("tiny-cpu").model)
+        lone = LoneRankWeights(model, torch.bfloat16, keep_gradients=True)
+        model.lone_weights = lone  # as parallelize() sets it: a cycle, collectable
+        lone._before_forward(model, ())
+        kept = model.patch_embedding.weight  # the step's copy
+        x = torch.randn(3, model.config.token_channels, dtype=torch.bfloat16)
+        model.patch_embedding(x).float().sum().backward()
+        lone.offer_copies(lone.new_copies())
+        lone.close()
+        assert lone._offered is None
+        return kept, weakref.ref(model), weakref.ref(model.patch_embedding.weight)
+
+    kept, model, master = step()
+    gc.collect()
+    assert kept.dtype == torch.bfloat16
+    assert model() is None and master() is None

@@ -210,8 +210,8 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
         compile_outside=config.compile_outside,
         reshard_after_forward=config.reshard_after_forward,
         fsdp_on_one_rank=config.fsdp_on_one_rank,
-        copying_optimizer=config.copying_optimizer,
-        compute_dtype_gradients=config.compute_dtype_gradients,
+        copying_optimizer=uses_copying_optimizer(config),
+        compute_dtype_gradients=keeps_compute_dtype_gradients(config),
     )
     if device.type == "cuda":
         model.to_empty(device=device)
@@ -357,6 +357,8 @@ def train(
         sinks.close()
         watch.close()
         collector.close()
+        if model.lone_weights is not None:
+            model.lone_weights.close()
     if rank == 0 and progress:
         # with the step lines, on stdout; notices (saved, resumed) go to stderr
         seconds = time.perf_counter() - run_start
@@ -798,7 +800,19 @@ def copies_in_optimizer(config: TrainConfig, model) -> bool:
     """Whether AdamW writes the weights' compute copies (one rank without FSDP, the update at
     the step's end)."""
     lone = getattr(model, "lone_weights", None) is not None
-    return lone and config.copying_optimizer
+    return lone and uses_copying_optimizer(config)
+
+
+def uses_copying_optimizer(config: TrainConfig) -> bool:
+    """config.copying_optimizer, None resolved: on CUDA (it applies on one rank without FSDP)."""
+    chosen = config.copying_optimizer
+    return config.device == "cuda" if chosen is None else chosen
+
+
+def keeps_compute_dtype_gradients(config: TrainConfig) -> bool:
+    """config.compute_dtype_gradients, None resolved: wherever the copying optimizer runs."""
+    chosen = config.compute_dtype_gradients
+    return uses_copying_optimizer(config) and (chosen is None or chosen)
 
 
 def make_optimizer(config: TrainConfig, model, device: torch.device) -> torch.optim.Optimizer:
@@ -821,7 +835,7 @@ def gradient_bytes_per_param(config: TrainConfig, num_ranks: int) -> float:
     """Bytes a parameter's gradient holds in training (the cost model prices them): fp32, or
     bf16 where the copying optimizer reads the backward's bf16 gradients (one rank)."""
     lone = num_ranks == 1 and not config.fsdp_on_one_rank
-    kept = lone and config.copying_optimizer and config.compute_dtype_gradients
+    kept = lone and keeps_compute_dtype_gradients(config)
     return 2.0 if kept and config.dtype == "bfloat16" else 4.0
 
 

@@ -10,6 +10,8 @@ of 1 would say the same, but gloo lacks the PREMUL_SUM reduction it needs.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,12 +31,20 @@ class BlockRunner(nn.Module):
     (where the plan's memory has no room for the kept outputs). Both may change between steps
     (set_checkpointed_blocks)."""
 
-    def __init__(self, block: nn.Module, timer: StepTimer, activation_checkpointing: bool) -> None:
+    def __init__(
+        self,
+        block: nn.Module,
+        timer: StepTimer,
+        activation_checkpointing: bool,
+        fresh_output: bool = True,
+    ) -> None:
         super().__init__()
         self.block = block
         self.activation_checkpointing = activation_checkpointing
         self.full_recompute = False
-        self._timed = timer.wrap("block", self._run)
+        # fresh_output: the output is a copy, for FSDP's hooks on module outputs; without FSDP
+        # a view of the block's own output does (no copy of [T, D] after every block)
+        self._timed = timer.wrap("block", self._run, fresh_output=fresh_output)
 
     def _run(self, *args):
         if self.activation_checkpointing:
@@ -185,7 +195,17 @@ class LoneRankWeights:
             module._parameters[name] = weight
 
     def _arrived(self, module: nn.Module, name: str, master: nn.Parameter):
+        # The hook lives on the copy, and a copy may outlive the step where something keeps it
+        # (one a compiled function saw, say): weak references, so that it never keeps the
+        # LoneRankWeights, its modules or the masters alive.
+        self_ref, module_ref, master_ref = (
+            weakref.ref(self),
+            weakref.ref(module),
+            weakref.ref(master),
+        )
+
         def hook(weight: torch.Tensor) -> None:
+            self, module, master = self_ref(), module_ref(), master_ref()
             if not self._restore_queued:
                 # at the backward's end, the masters go back where no gradient came
                 torch.autograd.Variable._execution_engine.queue_callback(self._restore)
@@ -214,6 +234,12 @@ class LoneRankWeights:
             module._parameters[name] = master
         self._masters = None
         self._restore_queued = False
+
+    def close(self) -> None:
+        """Drops what a finished run still holds: an offer no forward will take (a copy of
+        every weight), kept gradients."""
+        self._offered = None
+        self._gradients, self._norms = {}, []
 
 
 def parallelize(
@@ -255,7 +281,7 @@ def parallelize(
         model.to(DTYPES[dtype])
         policy = MixedPrecisionPolicy()
     for index, block in enumerate(model.blocks):
-        runner = BlockRunner(block, timer, activation_checkpointing)
+        runner = BlockRunner(block, timer, activation_checkpointing, fresh_output=not lone)
         model.blocks[index] = runner
         if lone:
             continue
