@@ -17,7 +17,11 @@ from torch import Tensor, nn
 from zellige.model import fused
 from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock, FloatLayerNorm
-from zellige.model.conditioning import TextEmbedding, TimestepEmbedding, modulation_per_token
+from zellige.model.conditioning import (
+    TextEmbedding,
+    TimestepEmbedding,
+    per_token,
+)
 from zellige.model.config import DiTConfig
 
 
@@ -56,9 +60,9 @@ class OutputHead(nn.Module):
         self.modulation = nn.Parameter(torch.empty(2, width))  # see VideoDiT.reset_parameters
 
     def forward(self, x_TD: Tensor, e_SD: Tensor, sequence_index_T: Tensor) -> Tensor:
-        shift, scale = modulation_per_token(e_SD[:, None, :], self.modulation, sequence_index_T)
+        modulation_T2D = per_token(e_SD[:, None, :] + self.modulation, sequence_index_T)
         weights = (self.linear.weight, self.linear.bias)
-        return fused.kernels["output_head"](x_TD, shift, scale, self.norm.eps, weights)
+        return fused.kernels["output_head"](x_TD, modulation_T2D, self.norm.eps, weights)
 
 
 class VideoDiT(nn.Module):

@@ -257,11 +257,14 @@ def single_stream_out(
 
 
 def output_head(
-    x_TD: Tensor, shift_TD: Tensor, scale_TD: Tensor, eps: float, weights: tuple[Tensor, ...]
+    x_TD: Tensor, modulation_T2D: Tensor, eps: float, weights: tuple[Tensor, ...]
 ) -> Tensor:
-    """The Wan output head after its modulation lookup: modulated LayerNorm, then the linear map
-    to the token channels [T, C]. weights: linear weight and bias."""
+    """The Wan output head after its modulation lookup (each token's shift and scale, [T, 2, D]:
+    taken apart here, so that compiled, the backward writes their gradients as one tensor and
+    no stack copies them together): modulated LayerNorm, then the linear map to the token
+    channels [T, C]. weights: linear weight and bias."""
     weight, bias = weights
+    shift_TD, scale_TD = modulation_T2D.unbind(dim=1)
     return F.linear(modulated_layer_norm(x_TD, shift_TD, scale_TD, eps), weight, bias)
 
 
