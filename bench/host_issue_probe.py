@@ -53,6 +53,8 @@ PLANS = (("knapformer-mixed-images", 8, "dp-tokens", 0, (2, 4)),
          ("knapformer-mixed-images", 8, "dp-tokens", 1, (0, 4)))  # fmt: skip
 SCALES = (0.125, 0.25, 0.5)  # plan 6 rank 4's layout with token counts scaled by these
 TINY_TEXT, TINY_LENGTHS = 15, ((32,), tuple(32 + i for i in range(8)))
+# the same pair of launch ranks at an image's size (256 visual tokens, a caption's text)
+IMAGE_TEXT, IMAGE_LENGTHS = 127, ((256,), tuple(256 + i for i in range(8)))
 STEPS_PER_ROUND = 12
 # CUDA runtime calls that wait for the device (or may: an allocation that misses the cache)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
@@ -102,7 +104,17 @@ def ranks_to_probe(plan_profile: str | None) -> list[tuple[str, _core.Batch, _co
         cases.append(
             (f"tiny {len(lengths)} seq", *local_plan([(n, TINY_TEXT) for n in lengths]), 0)
         )
+    for lengths in IMAGE_LENGTHS:
+        shapes = [(n, IMAGE_TEXT) for n in lengths]
+        cases.append((f"image {len(lengths)} seq", *local_plan(shapes), 0))
     return cases
+
+
+def launch_fit(one_s: float, many_s: float, layers: int) -> tuple[float, float]:
+    """(seconds per layer, per attention call) from steps of 1 and 8 sequences, as
+    measure.profile_launch fits them (one joint call per sequence and layer)."""
+    per_call = max(0.0, (many_s - one_s) / 7 / layers)
+    return max(0.0, one_s / layers - per_call), per_call
 
 
 def profiled_step(step, device) -> dict:
@@ -256,16 +268,34 @@ def main() -> None:
             r = results[name]
             r["tokens"], r["text"] = tokens, text
             r["gpu_s"] = gpu_time_s(step, device, warmup=1, repeats=3 if not args.quick else 1)
-            r["profile"] = profiled_step(step, device)
+        say("GPU-only times done")
+        print_table(results, cases, args.layers)
+        save(args.json, device, results)
+        # one profiled step of each rank (profiler overhead: counts, not times, are the point)
+        for name, (step, _, _) in steps.items():
+            r = results[name]
+            r["profile"] = p = profiled_step(step, device)
             r["sync_warnings"] = sync_warnings(step, device)
-        say("GPU times and profiles done")
+            print(
+                f"\n{name}: {p['launches']} kernel launches, {p['aten_ops']} aten ops, "
+                f"synchronizing calls {p['sync_calls']}, allocator calls {p['alloc_calls']}; "
+                "top host ops by self CPU time (name, calls, ms):"
+            )
+            for key, calls, ms in p["top_self_cpu"]:
+                print(f"   {key:<70} {calls:>5} {ms:>8.3f}")
+            print("   CUDA runtime calls (name, calls, self CPU ms):", p["cuda_api"][:12])
+            for message in r["sync_warnings"]:
+                print(f"   sync: {message}")
+            save(args.json, device, results)
+    say("done")
+
+
+def print_table(results: dict, cases: list, layers: int) -> None:
     print(
         f"\n{'rank':<20} {'tokens':>6} {'text':>5} {'issue ms':>8} {'spread':>6} {'fwd':>6}"
-        f" {'bwd':>6} {'event ms':>8} {'no-gc':>7} {'flash':>7} {'GPU-only':>8} {'launch':>6}"
-        f" {'aten':>5}  syncs / allocs"
+        f" {'bwd':>6} {'event ms':>8} {'no-gc':>7} {'flash':>7} {'GPU-only':>8}"
     )
     for name, r in results.items():
-        p = r["profile"]
         forward_ms = 1e3 * statistics.median(f for f, _ in r["split"])
         backward_ms = 1e3 * statistics.median(b for _, b in r["split"])
         flash = 1e3 * statistics.median(r["issue_flash"]) if r.get("issue_flash") else float("nan")
@@ -275,23 +305,32 @@ def main() -> None:
             f" {spread(r['issue']):>6.2f} {forward_ms:>6.2f} {backward_ms:>6.2f}"
             f" {1e3 * statistics.median(r['wall']):>8.2f}"
             f" {1e3 * statistics.median(r['issue_nogc']):>7.2f} {flash:>7.2f}"
-            f" {1e3 * r['gpu_s']:>8.2f} {p['launches']:>6} {p['aten_ops']:>5}"
-            f"  {p['sync_calls']} {p['alloc_calls']}"
+            f" {1e3 * r['gpu_s']:>8.2f}"
         )
     print("(ms: host issue median, its spread (IQR / median), of which forward / backward; step")
     print(" time between CUDA events; issue with gc off; issue with the flash kernel; GPU time")
-    print(" queued behind heavy GPU work; kernel launches and aten ops of one profiled step)")
-    for name, r in results.items():
-        print(f"\n{name}: top host ops by self CPU time (one profiled step; name, calls, ms)")
-        for key, calls, ms in r["profile"]["top_self_cpu"]:
-            print(f"   {key:<70} {calls:>5} {ms:>8.3f}")
-        print("   CUDA runtime calls (name, calls, self CPU ms):", r["profile"]["cuda_api"][:12])
-        for message in r["sync_warnings"]:
-            print(f"   sync: {message}")
-    if args.json:
-        with open(args.json, "w") as f:
+    print(" queued behind heavy GPU work)")
+    num_seqs = {
+        name: sum(rank in p.ranks for p in plan.placements) for name, _, plan, rank in cases
+    }
+    for label in ("tiny", "image"):
+        one, many = (statistics.median(results[f"{label} {n} seq"]["issue"]) for n in (1, 8))
+        per_layer, per_call = launch_fit(one, many, layers)
+        print(
+            f"launch rows from the {label} ranks' issue: {1e3 * per_layer:.2f} ms per layer + "
+            f"{1e3 * per_call:.3f} ms per call; predicted issue of the plan ranks: "
+            + ", ".join(
+                f"{name} {1e3 * layers * (per_layer + num_seqs[name] * per_call):.1f}"
+                for name in results
+                if name.startswith("plan") and " x" not in name
+            )
+        )
+
+
+def save(path: str | None, device, results: dict) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump({"device": str(device), "torch": torch.__version__, "ranks": results}, f)
-    say("done")
 
 
 if __name__ == "__main__":
