@@ -39,6 +39,7 @@ import warnings
 
 import numpy as np
 import torch
+import torch._inductor.async_compile
 
 from zellige import _core
 from zellige.costs import make_cost_model
@@ -183,6 +184,41 @@ def time_steps(step, device, count: int, issue: list[float], wall: list[float], 
             wall.append(time.perf_counter() - t0)
 
 
+def _pids_below(pid: int) -> list[int]:
+    pids, pending = [], [pid]
+    while pending:
+        parent = pending.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            pids += children
+            pending += children
+    return pids
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def cpu_seconds() -> tuple[float, float, int]:
+    """CPU seconds used so far by this process (all its threads) and by its descendant
+    processes (torch.compile's workers among them), and how many descendants there are."""
+    below = _pids_below(os.getpid())
+    return _cpu_s(os.getpid()), sum(_cpu_s(p) for p in below), len(below)
+
+
 def spread(values: list[float]) -> float:
     q25, q50, q75 = np.percentile(np.asarray(values), [25, 50, 75])
     return float((q75 - q25) / q50) if q50 > 0 else 0.0
@@ -238,11 +274,18 @@ def main() -> None:
             name: {"issue": [], "wall": [], "split": [], "issue_nogc": [], "wall_nogc": []}
             for name in steps
         }
+        own0, below0, count = cpu_seconds()
+        wall0 = time.perf_counter()
         for _ in range(args.rounds):
             for name, (step, _, _) in steps.items():
                 r = results[name]
                 time_steps(step, device, per_step, r["issue"], r["wall"], r["split"])
-        say("timed (gc on)")
+        wall_s = time.perf_counter() - wall0
+        own1, below1, _ = cpu_seconds()
+        say(
+            f"timed (gc on): this process used {(own1 - own0) / wall_s:.2f} CPUs over the rounds, "
+            f"its {count} descendant processes {(below1 - below0) / wall_s:.2f} CPUs"
+        )
         gc.collect()
         gc.disable()
         try:
@@ -264,6 +307,14 @@ def main() -> None:
             finally:
                 del os.environ["ZELLIGE_ATTENTION_BACKEND"]
             say("timed (flash kernel)")
+        shutdown = getattr(torch._inductor.async_compile, "shutdown_compile_workers", None)
+        if shutdown is not None and not args.eager:  # the compile workers gone: does issue change?
+            shutdown()
+            say(f"compile workers shut down ({cpu_seconds()[2]} descendant processes left)")
+            for name, (step, _, _) in steps.items():
+                r = results[name]
+                r["issue_noworkers"], r["wall_noworkers"] = [], []
+                time_steps(step, device, per_step, r["issue_noworkers"], r["wall_noworkers"])
         for name, (step, tokens, text) in steps.items():
             r = results[name]
             r["tokens"], r["text"] = tokens, text
@@ -293,23 +344,26 @@ def main() -> None:
 def print_table(results: dict, cases: list, layers: int) -> None:
     print(
         f"\n{'rank':<20} {'tokens':>6} {'text':>5} {'issue ms':>8} {'spread':>6} {'fwd':>6}"
-        f" {'bwd':>6} {'event ms':>8} {'no-gc':>7} {'flash':>7} {'GPU-only':>8}"
+        f" {'bwd':>6} {'event ms':>8} {'no-gc':>7} {'flash':>7} {'no-wkrs':>7} {'GPU-only':>8}"
     )
     for name, r in results.items():
         forward_ms = 1e3 * statistics.median(f for f, _ in r["split"])
         backward_ms = 1e3 * statistics.median(b for _, b in r["split"])
-        flash = 1e3 * statistics.median(r["issue_flash"]) if r.get("issue_flash") else float("nan")
+        flash, no_workers = (
+            1e3 * statistics.median(r[key]) if r.get(key) else float("nan")
+            for key in ("issue_flash", "issue_noworkers")
+        )
         print(
             f"{name:<20} {r['tokens']:>6} {r['text']:>5}"
             f" {1e3 * statistics.median(r['issue']):>8.2f}"
             f" {spread(r['issue']):>6.2f} {forward_ms:>6.2f} {backward_ms:>6.2f}"
             f" {1e3 * statistics.median(r['wall']):>8.2f}"
-            f" {1e3 * statistics.median(r['issue_nogc']):>7.2f} {flash:>7.2f}"
+            f" {1e3 * statistics.median(r['issue_nogc']):>7.2f} {flash:>7.2f} {no_workers:>7.2f}"
             f" {1e3 * r['gpu_s']:>8.2f}"
         )
     print("(ms: host issue median, its spread (IQR / median), of which forward / backward; step")
-    print(" time between CUDA events; issue with gc off; issue with the flash kernel; GPU time")
-    print(" queued behind heavy GPU work)")
+    print(" time between CUDA events; issue with gc off; with the flash kernel; with the compile")
+    print(" workers shut down; GPU time queued behind heavy GPU work)")
     num_seqs = {
         name: sum(rank in p.ranks for p in plan.placements) for name, _, plan, rank in cases
     }
