@@ -1124,3 +1124,17 @@ def test_repredict_lists_launch_floor_ranks_with_their_issue_time(tmp_path, monk
     lines = capsys.readouterr().out.split("launch-floor ranks")[1].splitlines()
     rows = [line.split() for line in lines if "dp-tokens/0" in line]
     assert [row[-2:] for row in rows] == [["39.52", "37.70"], ["37.47", "-"]]
+
+
+def test_interleaved_step_times_alternates_rounds_and_keeps_every_run():
+    """profile_launch's two tiny ranks are timed in alternating rounds, so a drift of the host's
+    speed falls on both: each fn runs per_round times in a row, then the next, round after
+    round, and every run's seconds come back under its own fn."""
+    from zellige.profiler.measure import interleaved_step_times
+
+    order: list[str] = []
+    fns = [lambda: order.append("a"), lambda: order.append("b")]
+    times = interleaved_step_times(fns, torch.device("cpu"), rounds=3, per_round=2)
+    assert order == ["a", "a", "b", "b"] * 3
+    assert [len(t) for t in times] == [6, 6]
+    assert all(s >= 0 for t in times for s in t)
