@@ -987,6 +987,43 @@ def test_validate_measures_the_time_rows_in_its_own_process(tmp_path, capsys):
     assert ranks and all(r["timed_steps"] == 1 and r["measured_s"] > 0 for r in ranks)
 
 
+def test_validate_measures_only_the_launch_rows_in_its_own_process(tmp_path, capsys):
+    """validate-profile --measure-rows FILE --launch-rows: the model's host launch rows measured
+    in the validating process; every other row (per-token rates, attention tables, memory) stays
+    --profile's, and the ranks are predicted with the new launch rows."""
+    from zellige import _core
+
+    if not hasattr(_core, "make_plan"):
+        pytest.skip("needs the planners (make_plan)")
+    from zellige.cli import main
+    from zellige.profile import load_profile, profile_to_dict
+
+    rows, results = tmp_path / "rows.json", tmp_path / "ranks.jsonl"
+    args = ["validate-profile", "--quick", "--model", "mmdit-11b", "--plans", "1", "--repeats", "1"]
+    assert main([*args, "--launch-rows"]) == 2
+    assert "--launch-rows needs --measure-rows" in capsys.readouterr().err
+    both = ["--measure-rows", str(rows), "--launch-rows", "--time-rows"]
+    assert main([*args, *both]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    extra = ["--measure-rows", str(rows), "--launch-rows", "--results-jsonl", str(results)]
+    assert main([*args, *extra]) == 0
+    err = capsys.readouterr().err
+    assert "host issue time" in err and "per-token layers" not in err
+    measured, base = json.loads(rows.read_text()), profile_to_dict(load_profile(None))
+    row = measured["memory_models"].index("mmdit-tiny")  # what --quick runs mmdit-11b as
+    assert measured["launch_s_per_layer"][row] + measured["launch_s_per_attention_call"][row] > 0
+    for key in ("attention_forward_s_per_head", "attention_call_forward_s", "attention_streams"):
+        assert measured[key] == base[key]
+    kept = len(base["memory_models"])
+    assert measured["memory_models"][:kept] == base["memory_models"]
+    assert measured["step_fixed_bytes"][:kept] == base["step_fixed_bytes"]
+    for table in ("model_matmul_forward_flops_per_s", "model_matmul_backward_flops_per_s"):
+        assert measured[table][:kept] == base[table]  # no per-token rates measured
+    assert "time rows (launch)" in measured["created"]
+    ranks = [json.loads(line) for line in results.read_text().splitlines()]
+    assert ranks and all(r["measured_s"] > 0 for r in ranks)
+
+
 def _quick_validate_ranks(tmp_path, *extra: str) -> list[dict]:
     pytest.importorskip("zellige.runtime.attention", reason="needs the engine's attention")
     from zellige import _core

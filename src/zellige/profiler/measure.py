@@ -1424,6 +1424,7 @@ def profile_time_into(
     save: Callable[[dict], None] | None = None,
     *,
     call_tables: bool = True,
+    launch_only: bool = False,
 ) -> ProfileResult:
     """Measures only the time rows and returns `base` (a profile JSON object) with them replaced,
     in this order: the host launch rows and per-token rate tables of `options.model` on its own
@@ -1433,7 +1434,9 @@ def profile_time_into(
     time many distinct call shapes (on an H200 the stream probe and the per-head tables alone
     took over two minutes, bench/results/mmdit_h200_202612.md run 8). Memory rows, exchange
     and layout rows stay as in `base`. `save`, if given, gets the profile after each part, so a
-    run cut short keeps what it measured (--details only comes with a finished run)."""
+    run cut short keeps what it measured (--details only comes with a finished run).
+    `launch_only`: the launch rows alone (the host's issue speed, which moves from one process
+    and lease to the next; the GPU's rates stay `base`'s)."""
     from zellige.profiler.attention_calls import measure_stream_overlap
     from zellige.runtime.merging import streams_for_device
 
@@ -1467,6 +1470,8 @@ def profile_time_into(
     rows = {key: launch[key] for key in ("launch_s_per_layer", "launch_s_per_attention_call")}
     profile = merge_memory(profile, spec.name, rows)
     stamped("launch")
+    if launch_only:
+        return ProfileResult(profile=profile, details=details)
     rate_forward, rate_backward, layer_seconds = profile_per_token_layers(
         options, device, dtype, base["memory_bytes_per_s"], progress
     )
