@@ -87,6 +87,7 @@ LAYOUT_POINTS = {
 }
 QUICK_LAYOUT_POINTS = {"ulysses": ((256, 2),), "ring": ((256, 2),)}
 LAUNCH_SEQUENCES = 8  # a tiny rank of this many distinct lengths, against one of one
+LAUNCH_VISUAL_TOKENS = 32  # visual tokens of the tiny ranks' first sequence (then +1 each)
 # an MMDiT's tiny ranks: text tokens of each sequence (both streams of a double-stream block
 # issue their kernels, as in training, where no sequence is without text). Odd, as the text
 # split of per_token_inputs: torch.compile's dynamic shapes take a size that equals another
@@ -512,7 +513,10 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
         return lambda: rank_work.train_step(blocks, inputs, checkpointing=True)
 
     with rank_work.local_exchanges():
-        steps = [train_step([32]), train_step([32 + i for i in range(LAUNCH_SEQUENCES)])]
+        steps = [
+            train_step([LAUNCH_VISUAL_TOKENS]),
+            train_step([LAUNCH_VISUAL_TOKENS + i for i in range(LAUNCH_SEQUENCES)]),
+        ]
         for step in steps:
             _warm(step, device)
             _warm(step, device)
