@@ -1057,6 +1057,18 @@ def test_validate_records_the_hosts_issue_time_and_facts(tmp_path, capsys):
     assert "host issue" in printed.err  # the per-rank line
 
 
+def test_validate_times_ranks_with_the_collector_frozen_as_training_does(tmp_path):
+    """The ranks run with Python's collector as training's loop keeps it (QuietCollector): the
+    objects that exist when the ranks start (torch.compile's among them) frozen, so a full
+    collection does not traverse them inside a timed step; unfrozen again afterwards."""
+    import gc
+
+    before = gc.get_freeze_count()
+    (rank,) = _quick_validate_ranks(tmp_path)
+    assert rank["host"]["gc_frozen_objects"] > max(before, 10_000)
+    assert gc.get_freeze_count() == 0  # close(): the run's objects collectable again
+
+
 def test_host_issue_time_ends_before_the_final_synchronize(tmp_path, monkeypatch):
     """A slow synchronize (a GPU still busy after the host queued everything) lengthens the
     measured step but not the host's issue time: that is taken before the synchronize."""
