@@ -987,6 +987,43 @@ def test_validate_measures_the_time_rows_in_its_own_process(tmp_path, capsys):
     assert ranks and all(r["timed_steps"] == 1 and r["measured_s"] > 0 for r in ranks)
 
 
+def test_validate_measures_only_the_launch_rows_in_its_own_process(tmp_path, capsys):
+    """validate-profile --measure-rows FILE --launch-rows: the model's host launch rows measured
+    in the validating process; every other row (per-token rates, attention tables, memory) stays
+    --profile's, and the ranks are predicted with the new launch rows."""
+    from zellige import _core
+
+    if not hasattr(_core, "make_plan"):
+        pytest.skip("needs the planners (make_plan)")
+    from zellige.cli import main
+    from zellige.profile import load_profile, profile_to_dict
+
+    rows, results = tmp_path / "rows.json", tmp_path / "ranks.jsonl"
+    args = ["validate-profile", "--quick", "--model", "mmdit-11b", "--plans", "1", "--repeats", "1"]
+    assert main([*args, "--launch-rows"]) == 2
+    assert "--launch-rows needs --measure-rows" in capsys.readouterr().err
+    both = ["--measure-rows", str(rows), "--launch-rows", "--time-rows"]
+    assert main([*args, *both]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    extra = ["--measure-rows", str(rows), "--launch-rows", "--results-jsonl", str(results)]
+    assert main([*args, *extra]) == 0
+    err = capsys.readouterr().err
+    assert "host issue time" in err and "per-token layers" not in err
+    measured, base = json.loads(rows.read_text()), profile_to_dict(load_profile(None))
+    row = measured["memory_models"].index("mmdit-tiny")  # what --quick runs mmdit-11b as
+    assert measured["launch_s_per_layer"][row] + measured["launch_s_per_attention_call"][row] > 0
+    for key in ("attention_forward_s_per_head", "attention_call_forward_s", "attention_streams"):
+        assert measured[key] == base[key]
+    kept = len(base["memory_models"])
+    assert measured["memory_models"][:kept] == base["memory_models"]
+    assert measured["step_fixed_bytes"][:kept] == base["step_fixed_bytes"]
+    for table in ("model_matmul_forward_flops_per_s", "model_matmul_backward_flops_per_s"):
+        assert measured[table][:kept] == base[table]  # no per-token rates measured
+    assert "time rows (launch)" in measured["created"]
+    ranks = [json.loads(line) for line in results.read_text().splitlines()]
+    assert ranks and all(r["measured_s"] > 0 for r in ranks)
+
+
 def _quick_validate_ranks(tmp_path, *extra: str) -> list[dict]:
     pytest.importorskip("zellige.runtime.attention", reason="needs the engine's attention")
     from zellige import _core
@@ -1018,6 +1055,18 @@ def test_validate_records_the_hosts_issue_time_and_facts(tmp_path, capsys):
     printed = capsys.readouterr()
     assert f"host: pid {os.getpid()}, torch_threads" in printed.err  # the log's header
     assert "host issue" in printed.err  # the per-rank line
+
+
+def test_validate_times_ranks_with_the_collector_frozen_as_training_does(tmp_path):
+    """The ranks run with Python's collector as training's loop keeps it (QuietCollector): the
+    objects that exist when the ranks start (torch.compile's among them) frozen, so a full
+    collection does not traverse them inside a timed step; unfrozen again afterwards."""
+    import gc
+
+    before = gc.get_freeze_count()
+    (rank,) = _quick_validate_ranks(tmp_path)
+    assert rank["host"]["gc_frozen_objects"] > max(before, 10_000)
+    assert gc.get_freeze_count() == 0  # close(): the run's objects collectable again
 
 
 def test_host_issue_time_ends_before_the_final_synchronize(tmp_path, monkeypatch):
@@ -1124,3 +1173,72 @@ def test_repredict_lists_launch_floor_ranks_with_their_issue_time(tmp_path, monk
     lines = capsys.readouterr().out.split("launch-floor ranks")[1].splitlines()
     rows = [line.split() for line in lines if "dp-tokens/0" in line]
     assert [row[-2:] for row in rows] == [["39.52", "37.70"], ["37.47", "-"]]
+
+
+def test_interleaved_step_times_alternates_rounds_and_keeps_every_run():
+    """profile_launch's two tiny ranks are timed in alternating rounds, so a drift of the host's
+    speed falls on both: each fn runs per_round times in a row, then the next, round after
+    round, and every run's seconds come back under its own fn."""
+    from zellige.profiler.measure import interleaved_step_times
+
+    order: list[str] = []
+    fns = [lambda: order.append("a"), lambda: order.append("b")]
+    times = interleaved_step_times(fns, torch.device("cpu"), rounds=3, per_round=2)
+    assert order == ["a", "a", "b", "b"] * 3
+    assert [len(t) for t in times] == [6, 6]
+    assert all(s >= 0 for t in times for s in t)
+
+
+def _host_issue_probe():
+    import importlib.util
+    from pathlib import Path
+
+    from zellige import _core
+
+    if not hasattr(_core, "make_plan"):
+        pytest.skip("needs the planners (make_plan)")
+    root = Path(__file__).resolve().parents[2]
+    path = root / "bench/host_issue_probe.py"
+    spec = importlib.util.spec_from_file_location("host_issue_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe, root
+
+
+def test_host_issue_probe_redraws_validates_launch_floor_ranks():
+    """bench/host_issue_probe.py runs the ranks validate-profile ran: plans 6 and 20 re-drawn
+    with run 8a's rows give the held tokens and sequence counts run 9 recorded for them."""
+    probe, root = _host_issue_probe()
+    cases = probe.ranks_to_probe(str(root / "bench/results/mmdit_h200_202612_run8_rows.json"))
+    recorded = {}
+    for name in ("a", "b"):
+        path = root / f"bench/results/mmdit_h200_202612_run9_validate_{name}.jsonl"
+        for line in path.read_text().splitlines():
+            rank = json.loads(line)
+            if rank["plan"].startswith("knapformer-mixed-images/8/dp-tokens/"):
+                number = 6 if rank["plan"].endswith("/0") else 20
+                recorded[f"plan{number}/rank{rank['rank']}"] = (
+                    rank["tokens"],
+                    rank["num_sequences"],
+                )
+    drawn = {}
+    for name, batch, plan, rank in cases:
+        sequences = {s.id: s for s in batch.sequences}
+        held = [sequences[p.sequence_id] for p in plan.placements if rank in p.ranks]
+        drawn[name] = (sum(s.num_tokens + s.text_tokens for s in held), len(held))
+    assert len(recorded) == 4
+    for name, value in recorded.items():
+        assert drawn[name] == value
+    # the scaled layouts keep plan 6 rank 4's four sequences; the launch ranks have 1 and 8
+    assert drawn["plan6/rank4 x0.125"][1] == 4 and drawn["plan6/rank4 x0.125"][0] < 300
+    assert [drawn[f"tiny {n} seq"][1] for n in (1, 8)] == [1, 8]
+
+
+def test_host_issue_probe_launch_fit_recovers_planted_rows():
+    """The probe's launch fit (measure.profile_launch's): steps of 1 and 8 sequences of a
+    3-layer stack issued at planted seconds per layer and per call give those back."""
+    probe, _ = _host_issue_probe()
+    per_layer, per_call, layers = 7.5e-3, 0.4e-3, 3
+    one = layers * (per_layer + per_call)
+    many = layers * (per_layer + 8 * per_call)
+    assert probe.launch_fit(one, many, layers) == pytest.approx((per_layer, per_call))

@@ -104,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and keep --profile's memory rows, attention call tables and streams (`zellige profile "
         "--time-only` measures those too, minutes more)",
     )
+    parser.add_argument(
+        "--launch-rows",
+        action="store_true",
+        help="with --measure-rows: measure only the model's host launch rows (the host's issue "
+        "time of a step, which moves from one process to the next) and keep every other row of "
+        "--profile",
+    )
     parser.add_argument("--json", type=Path, help="write every rank's numbers here")
     parser.add_argument(
         "--results-jsonl", type=Path, help="append each rank's numbers here as they come"
@@ -218,6 +225,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--rows-details needs --measure-rows")
     if args.time_rows and not args.measure_rows:
         raise ValueError("--time-rows needs --measure-rows")
+    if args.launch_rows and not args.measure_rows:
+        raise ValueError("--launch-rows needs --measure-rows")
+    if args.launch_rows and args.time_rows:
+        raise ValueError(
+            "--launch-rows and --time-rows exclude each other (--time-rows measures "
+            "the launch rows too)"
+        )
     check_outputs(
         {
             "--json": args.json,
@@ -286,9 +300,14 @@ def run(args: argparse.Namespace) -> int:
             elapsed_s = time.monotonic() - started_s
             print(f"[profile] {line} ({elapsed_s:.0f} s)", file=sys.stderr, flush=True)
 
-        if args.time_rows:
+        if args.time_rows or args.launch_rows:
             result = profile_time_into(
-                base, profile_options, rows_progress, save, call_tables=False
+                base,
+                profile_options,
+                rows_progress,
+                save,
+                call_tables=False,
+                launch_only=args.launch_rows,
             )
         else:
             result = profile_memory_into(base, profile_options, rows_progress, save, per_token=True)

@@ -87,12 +87,17 @@ LAYOUT_POINTS = {
 }
 QUICK_LAYOUT_POINTS = {"ulysses": ((256, 2),), "ring": ((256, 2),)}
 LAUNCH_SEQUENCES = 8  # a tiny rank of this many distinct lengths, against one of one
+LAUNCH_VISUAL_TOKENS = 32  # visual tokens of the tiny ranks' first sequence (then +1 each)
 # an MMDiT's tiny ranks: text tokens of each sequence (both streams of a double-stream block
 # issue their kernels, as in training, where no sequence is without text). Odd, as the text
 # split of per_token_inputs: torch.compile's dynamic shapes take a size that equals another
 # (e.g. 8 x 16 text rows = head_dim 128) for the same symbol and specialise the graph on it.
 LAUNCH_TEXT_TOKENS = 15
-LAUNCH_REPEATS = 20  # host-bound steps scatter by +-25% from one to the next: take many
+# Host-bound steps scatter by +-25% from one to the next, and the host's speed drifts over
+# seconds: the two tiny ranks are timed in alternating rounds (interleaved_step_times), so a
+# drift falls on both alike and not on their difference (the per-call term).
+LAUNCH_ROUNDS = 6
+LAUNCH_STEPS_PER_ROUND = 8
 QUICK_TOKEN_COUNTS = (64, 128, 256)
 QUICK_MEMORY_TOKENS = (64, 128)
 QUICK_REDUCE_TOKENS = (16, 32)
@@ -488,7 +493,7 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
     single blocks in its proportion) over tiny ranks, one of 1 sequence and one of
     LAUNCH_SEQUENCES distinct lengths (each a self- and a cross-attention call, or one joint
     attention call), whose GPU work is far shorter than their issue, so their time is the
-    issue time."""
+    issue time; the two timed in alternating rounds (interleaved_step_times)."""
     config = dit_config(options.model)
     num_layers = stack_layers(options.model)
     blocks = rank_work.make_blocks(config, num_layers, device, dtype)
@@ -500,21 +505,30 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
         (LAUNCH_TEXT_TOKENS, 1) if config.joint_attention else (config.text_tokens, 2)
     )
 
-    def step_s(lengths: list[int]) -> float:
+    def train_step(lengths: list[int]) -> Callable[[], None]:
         batch, plan = _local_plan(lengths, text_tokens)
-        with rank_work.local_exchanges():
-            inputs = rank_work.plan_rank_inputs(
-                batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
-            )
-            _warm(lambda: rank_work.train_step(blocks, inputs, checkpointing=True), device)
-            return median_time_s(
-                lambda: rank_work.train_step(blocks, inputs, checkpointing=True),
-                device,
-                repeats=max(options.repeats, LAUNCH_REPEATS),
-            )
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
+        )
+        return lambda: rank_work.train_step(blocks, inputs, checkpointing=True)
 
-    one = step_s([32])
-    many = step_s([32 + i for i in range(LAUNCH_SEQUENCES)])
+    with rank_work.local_exchanges():
+        steps = [
+            train_step([LAUNCH_VISUAL_TOKENS]),
+            train_step([LAUNCH_VISUAL_TOKENS + i for i in range(LAUNCH_SEQUENCES)]),
+        ]
+        for step in steps:
+            _warm(step, device)
+            _warm(step, device)
+        rounds, per_round = (
+            (2, max(2, options.repeats))  # a CPU smoke run: its numbers mean nothing
+            if options.quick
+            else (LAUNCH_ROUNDS, max(options.repeats, LAUNCH_STEPS_PER_ROUND))
+        )
+        one, many = (
+            float(np.median(times))
+            for times in interleaved_step_times(steps, device, rounds, per_round)
+        )
     calls_one, calls_many = calls_per_length, calls_per_length * LAUNCH_SEQUENCES
     per_call = max(0.0, (many - one) / (calls_many - calls_one) / num_layers)
     per_layer = max(0.0, one / num_layers - calls_one * per_call)
@@ -528,6 +542,19 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
         "launch_s_per_attention_call": per_call,
         "step_s": {"1": one, str(LAUNCH_SEQUENCES): many},
     }
+
+
+def interleaved_step_times(
+    fns: list[Callable[[], object]], device, rounds: int, per_round: int
+) -> list[list[float]]:
+    """Seconds of every timed run of each fn (timing.median_time_s's runs), timed in `rounds`
+    rounds that each run fn 0 `per_round` times, then fn 1, ...: a drift of the host's speed
+    during the measurement falls on every fn alike. The fns are warm (no warm-up here)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, samples in zip(fns, times, strict=True):
+            median_time_s(fn, device, warmup=0, repeats=per_round, samples=samples)
+    return times
 
 
 def _warm(fn: Callable[[], object], device) -> None:
@@ -1401,6 +1428,7 @@ def profile_time_into(
     save: Callable[[dict], None] | None = None,
     *,
     call_tables: bool = True,
+    launch_only: bool = False,
 ) -> ProfileResult:
     """Measures only the time rows and returns `base` (a profile JSON object) with them replaced,
     in this order: the host launch rows and per-token rate tables of `options.model` on its own
@@ -1410,7 +1438,9 @@ def profile_time_into(
     time many distinct call shapes (on an H200 the stream probe and the per-head tables alone
     took over two minutes, bench/results/mmdit_h200_202612.md run 8). Memory rows, exchange
     and layout rows stay as in `base`. `save`, if given, gets the profile after each part, so a
-    run cut short keeps what it measured (--details only comes with a finished run)."""
+    run cut short keeps what it measured (--details only comes with a finished run).
+    `launch_only`: the launch rows alone (the host's issue speed, which moves from one process
+    and lease to the next; the GPU's rates stay `base`'s)."""
     from zellige.profiler.attention_calls import measure_stream_overlap
     from zellige.runtime.merging import streams_for_device
 
@@ -1444,6 +1474,8 @@ def profile_time_into(
     rows = {key: launch[key] for key in ("launch_s_per_layer", "launch_s_per_attention_call")}
     profile = merge_memory(profile, spec.name, rows)
     stamped("launch")
+    if launch_only:
+        return ProfileResult(profile=profile, details=details)
     rate_forward, rate_backward, layer_seconds = profile_per_token_layers(
         options, device, dtype, base["memory_bytes_per_s"], progress
     )

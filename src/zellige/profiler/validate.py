@@ -777,6 +777,12 @@ def validate(
         fsdp_blocks = rank_work.make_fsdp_blocks(config, options.num_layers, device, dtype)
         if options.compiled:  # compile the regions' training graphs before any rank is timed
             _warm_up(blocks, fsdp_blocks, config, options, device, dtype)
+        # Python's collector as training runs it (train.loop.QuietCollector): the objects
+        # torch.compile left are collected once and frozen, so no full collection of them
+        # falls in a timed step
+        from zellige.train.loop import QuietCollector
+
+        collector = QuietCollector()
         host = host_facts()  # what may slow the host's issue in this process (each rank: .host)
         progress(f"host: {host_line(host)}")
         for plan_index, (name, batch, plan) in enumerate(plans):
@@ -838,6 +844,8 @@ def validate(
                         else ""
                     )
                 )
+                collector.after_step()  # a rank that compiled (a new size guard): settle it
+        collector.close()
         del fsdp_blocks  # before its process group goes
     notes.extend(f"skipped {line}" for line in skipped)
     report = summarise(results, gamma)
