@@ -244,7 +244,7 @@ def test_kept_bf16_gradients_are_priced_at_two_bytes() -> None:
     import dataclasses
 
     import zellige
-    from zellige.train.loop import gradient_bytes_per_param
+    from zellige.train.loop import gradient_bytes_per_param, uses_copying_optimizer
 
     config = get_config("wan14b-width-h200")  # on CUDA: the copying optimizer by default
     assert gradient_bytes_per_param(config, 1) == 2.0
@@ -252,6 +252,8 @@ def test_kept_bf16_gradients_are_priced_at_two_bytes() -> None:
     for changes in ({"copying_optimizer": False}, {"compute_dtype_gradients": False}):
         assert gradient_bytes_per_param(dataclasses.replace(config, **changes), 1) == 4.0
     assert gradient_bytes_per_param(get_config("tiny-cpu"), 1) == 4.0  # CPU: torch's AdamW
+    float32 = dataclasses.replace(config, dtype="float32")  # no copies to write: torch's AdamW
+    assert not uses_copying_optimizer(float32) and gradient_bytes_per_param(float32, 1) == 4.0
     fp32, bf16 = (
         zellige.make_cost_model("wan-14b", 1, profile=None, gradient_bytes_per_param=g)
         for g in (4.0, 2.0)

@@ -57,7 +57,7 @@ class TrainConfig:
     clip_in_optimizer: bool = True
     # on a world of one without FSDP: AdamW's update also writes the next forward's bf16 copies
     # of the weights, in the same compiled pass (train.optimizer.CopyingAdamW; no cast at the
-    # forward's start); False: torch's AdamW, and the forward casts; None: on CUDA only
+    # forward's start); False: torch's AdamW, and the forward casts; None: on CUDA in bf16
     copying_optimizer: bool | None = None
     # with the copying optimizer: the backward's bf16 gradients go to it as they are (no fp32
     # gradients, no cast; their norm taken as each arrives; the cost model prices 2 bytes);
@@ -244,7 +244,7 @@ FIELD_HELP = {
     "pad_sequence_rows": "pad the per-token modulation's one-hot GEMM to 8 sequences (aligned)",
     "fused_optimizer": "AdamW as one fused kernel (default: on CUDA only)",
     "clip_in_optimizer": "a fused optimizer applies the gradient clipping's scale itself",
-    "copying_optimizer": "one rank: AdamW writes the bf16 weight copies (default: on CUDA)",
+    "copying_optimizer": "one rank: AdamW writes the bf16 weight copies (default: CUDA bf16)",
     "compute_dtype_gradients": "with the copying optimizer: it reads the bf16 gradients",
     "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",
     "freeze_gc": "freeze Python's objects after compiling steps (full GCs in steps stay short)",

@@ -804,9 +804,11 @@ def copies_in_optimizer(config: TrainConfig, model) -> bool:
 
 
 def uses_copying_optimizer(config: TrainConfig) -> bool:
-    """config.copying_optimizer, None resolved: on CUDA (it applies on one rank without FSDP)."""
+    """config.copying_optimizer, None resolved: on CUDA in bf16 (it applies on one rank without
+    FSDP; float32 or float64 training computes with the masters themselves, no copies)."""
     chosen = config.copying_optimizer
-    return config.device == "cuda" if chosen is None else chosen
+    default = config.device == "cuda" and config.dtype == "bfloat16"
+    return default if chosen is None else chosen
 
 
 def keeps_compute_dtype_gradients(config: TrainConfig) -> bool:
