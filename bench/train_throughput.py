@@ -81,6 +81,7 @@ VARIANTS = {
     "copying-adamw": {"copying_optimizer": True, "compute_dtype_gradients": False},
     "torch-adamw": {"copying_optimizer": False},
     "bf16-grads": {"copying_optimizer": True, "compute_dtype_gradients": True},
+    "sync-steps": {"metrics_one_step_late": False},
 }
 
 
@@ -209,17 +210,20 @@ def tracing_step(step: int, path: Path):
     loop = zellige.train.loop
     run_step = loop._run_step
 
-    def traced(config, model, optimizer, scheduler, timer, device, ahead, index, watch):
+    def traced(*args):
+        config, device, index = args[0], args[5], args[7]
         if index + 1 != step:
-            return run_step(config, model, optimizer, scheduler, timer, device, ahead, index,
-                            watch)  # fmt: skip
+            return run_step(*args)
         print(f"step {step}: profiling", file=sys.stderr, flush=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as profiler:
-            record = run_step(config, model, optimizer, scheduler, timer, device, ahead,
-                              index, watch)  # fmt: skip
+            records, pending = run_step(*args)
+            # a late step's work is still queued: the trace waits for it (the next step then
+            # starts on an idle device; it is not measured)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         raw = path.with_suffix("")  # .json
         profiler.export_chrome_trace(str(raw))
         try:
@@ -237,6 +241,8 @@ def tracing_step(step: int, path: Path):
             )
         except Exception as error:
             summary += f"\n(no key_averages table: {error})"
+        # the profiled step's record (a late step's is made again, the same, by the next step)
+        record = records[-1] if pending is None else loop.finish_step(config, pending, device)
         header = (
             f"step {record['step']}: {record['tokens']} tokens, {record['sequences']} sequences, "
             f"step {record['step_s'] * 1e3:.1f} ms, blocks {record['busy_s_max'] * 1e3:.1f} ms, "
@@ -248,7 +254,7 @@ def tracing_step(step: int, path: Path):
         raw.unlink()
         path.with_suffix("").with_suffix(".txt").write_text(header + "\n" + summary + "\n")
         print(f"\n== trace of {path.name}\n{header}\n{summary}\n", flush=True)
-        return record
+        return records, pending
 
     loop._run_step = traced
     try:
@@ -294,28 +300,34 @@ def printing_steps(label: str):
     pauses = GcPauses()
     last_end = [pauses.totals()]
 
+    issued = {}  # step -> its call's counts, until its record is made (a late step's: next call)
+
     def printed(*args):
         before = pauses.totals()
         compiles = loop.compile_events()
-        record = run_step(*args)
+        records, pending = run_step(*args)
         after = pauses.totals()
-        record["gc_full"] = after[0] - before[0]
-        record["gc_full_s"] = after[1] - before[1]
-        record["gc_s"] = after[3] - before[3]
-        record["gc_full_before_s"] = before[1] - last_end[0][1]
-        record["compile_events"] = loop.compile_events() - compiles
+        issued[args[7] + 1] = {
+            "gc_full": after[0] - before[0],
+            "gc_full_s": after[1] - before[1],
+            "gc_s": after[3] - before[3],
+            "gc_full_before_s": before[1] - last_end[0][1],
+            "compile_events": loop.compile_events() - compiles,
+        }
         last_end[0] = after
-        print(
-            f"{label} step {record['step']}: {record['tokens']} tokens, {record['sequences']} "
-            f"sequences, {record['step_s']:.3f} s (blocks {record['busy_s_max']:.3f} s, data "
-            f"wait {record['data_wait_s_max']:.3f} s), allocator retries {record['alloc_retries']}"
-            f", full GC {record['gc_full']} ({record['gc_full_s']:.3f} s; all GC "
-            f"{record['gc_s']:.3f} s; before the step {record['gc_full_before_s']:.3f} s), "
-            f"compile events {record['compile_events']}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return record
+        for record in records:
+            record.update(issued.pop(record["step"]))
+            print(
+                f"{label} step {record['step']}: {record['tokens']} tokens, "
+                f"{record['sequences']} sequences, {record['step_s']:.3f} s (blocks "
+                f"{record['busy_s_max']:.3f} s, data wait {record['data_wait_s_max']:.3f} s), "
+                f"allocator retries {record['alloc_retries']}, full GC {record['gc_full']} "
+                f"({record['gc_full_s']:.3f} s; all GC {record['gc_s']:.3f} s; before the step "
+                f"{record['gc_full_before_s']:.3f} s), compile events {record['compile_events']}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return records, pending
 
     loop._run_step = printed
     gc.callbacks.append(pauses)

@@ -39,10 +39,11 @@ def run(freeze_gc: bool) -> dict:
 
     def counted_step(*args):
         steps.append({"compile_events": -loop.compile_events()})
-        record = run_step(*args)
+        records, pending = run_step(*args)
         steps[-1]["compile_events"] += loop.compile_events()
-        steps[-1]["sequences"] = record["sequences"]
-        return record
+        for record in records:  # a late step's record comes from the next step's call
+            steps[record["step"] - 1]["sequences"] = record["sequences"]
+        return records, pending
 
     fused.use_compiled = lambda enabled, backend="aot_eager", outside=None: use_compiled(
         enabled, "aot_eager", outside

@@ -64,6 +64,10 @@ class TrainConfig:
     # None: wherever the copying optimizer runs
     compute_dtype_gradients: bool | None = None
     sync_debug: bool = False  # CUDA: warn at each host sync from step start to optimizer step
+    # a step's metrics (loss, grad norm, times) are read while the next step runs: the host
+    # issues step N+1's forward and backward before it waits for step N's values, and checks them
+    # before N+1's optimizer step (loop._run_step); False: each step ends with a full sync
+    metrics_one_step_late: bool = True
     # Python's objects are collected and frozen at the start and after each step that compiled,
     # so a full garbage collection in a step walks only that step's objects, not torch.compile's
     # (loop.QuietCollector); False: Python's automatic collections as they come
@@ -247,6 +251,7 @@ FIELD_HELP = {
     "copying_optimizer": "one rank: AdamW writes the bf16 weight copies (default: CUDA bf16)",
     "compute_dtype_gradients": "with the copying optimizer: it reads the bf16 gradients",
     "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",
+    "metrics_one_step_late": "read a step's metrics during the next step (no sync between steps)",
     "freeze_gc": "freeze Python's objects after compiling steps (full GCs in steps stay short)",
     "learning_rate": "AdamW peak learning rate",
     "betas": "AdamW betas (TOML only: a list of two numbers)",

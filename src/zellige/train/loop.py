@@ -26,6 +26,7 @@ import zellige
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
 from zellige.model import MMDiT, VideoDiT, conditioning, fused
 from zellige.model import build_model as reference_model
+from zellige.runtime import layout
 from zellige.train.checkpoint import (
     CheckpointInfo,
     find_checkpoint,
@@ -37,7 +38,7 @@ from zellige.train.mmdit_step import assemble_joint_step, joint_step_loss
 from zellige.train.optimizer import CopyingAdamW
 from zellige.train.parallelize import parallelize, set_checkpointed_blocks
 from zellige.train.step import StepInput, assemble_step
-from zellige.train.timing import StepTimer
+from zellige.train.timing import StepTimer, region_seconds
 
 
 class TrainingFailed(RuntimeError):
@@ -314,26 +315,32 @@ def train(
     run_start = time.perf_counter()
     ahead = StepsAhead(iter(loader), config, device)
     collector = QuietCollector(enabled=config.freeze_gc)
+    pending = None  # a late step's StepEnd, finished by the next step
     try:
         for step in range(first_step, config.steps):
+            done = step + 1
+            due = config.checkpoint_every and done % config.checkpoint_every == 0
+            saving = bool(out_dir) and (due or done == config.steps)
+            # a step that saves, and the last one, end with a full sync (no step after them)
+            late = config.metrics_one_step_late and done < config.steps and not saving
             try:
-                record = _run_step(
-                    config, model, optimizer, scheduler, timer, device, ahead, step, watch
-                )
+                records, pending = _run_step(
+                    config, model, optimizer, scheduler, timer, device, ahead, step, watch,
+                    pending, late,
+                )  # fmt: skip
             except TrainingFailed:
                 raise
             except RuntimeError as error:
                 raise watch.failure(step + 1, error) from None
-            record["prediction_comparable"] = profile_note is None
             collector.after_step()
-            history.append(record)
-            sinks.write(record)
-            if rank == 0 and progress:
-                bar.update(1)
-                bar.write(_step_line(record, config.steps))
-            done = step + 1
-            due = config.checkpoint_every and done % config.checkpoint_every == 0
-            if out_dir and (due or done == config.steps):
+            for record in records:
+                record["prediction_comparable"] = profile_note is None
+                history.append(record)
+                sinks.write(record)
+                if rank == 0 and progress:
+                    bar.update(1)
+                    bar.write(_step_line(record, config.steps))
+            if saving:
                 saved_at = time.perf_counter()
                 try:
                     saved_now = last_saved = save_checkpoint(
@@ -445,22 +452,65 @@ class StepsAhead:
         return ready[1:]
 
 
-def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, watch) -> dict:
-    """One optimizer step; returns its metrics (gathered: the same on every rank). `ahead`
-    (StepsAhead) holds the step's inputs; the next step's are made after this step's optimizer
-    step is issued, before the step waits for the device."""
+@dataclass(kw_only=True, slots=True)
+class StepEnd:
+    """A step whose work is issued and whose values are on their way to the host: what
+    finish_step needs to make its metrics record once the device has passed `end`."""
+
+    step: int  # 0-based
+    data: object  # the loader's step (plan, token counts)
+    wait_s: float  # seconds the host waited for the loader
+    checkpointed: int
+    full_recompute: int
+    values: torch.Tensor  # [local loss, grad norm] float64 on the host (pinned on CUDA)
+    intervals: dict  # StepTimer.take(): the step's region marks
+    start: object  # a CUDA event (or perf_counter seconds) where the step's time begins
+    end: object  # the same, recorded after the step's last work
+    peak_backward_gib: float | None
+    peak_optimizer_gib: float | None
+    allocated_start_gib: float | None
+    alloc_retries: int | None
+    reserved_gib: float | None
+    lr: float
+
+
+def _time_mark(device: torch.device):
+    """A point in the device's queue (a recorded CUDA event), or the host's clock on CPU (where
+    every operation has finished when it returns)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _run_step(
+    config, model, optimizer, scheduler, timer, device, ahead, step, watch, before, late
+) -> tuple[list[dict], StepEnd | None]:
+    """One optimizer step. Returns the metrics records finished in it (gathered: the same on
+    every rank) and, when `late`, this step's StepEnd, which the next call finishes (as
+    `before`) after issuing its own forward and backward and before its optimizer step; so the
+    host never waits for the device between steps, and a non-finite loss or gradient norm still
+    stops the run before the next update is applied. Not late: the step ends with a full sync
+    and returns its own record. `ahead` (StepsAhead) holds the step's inputs; the next step's
+    are made after this step's optimizer step is issued."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     watch.at_step(step + 1)
     # torch's generators follow (seed, step, rank): a resumed run continues them on any number
     # of ranks without storing them (the data has generators of its own)
     torch.manual_seed(_seed_of(config.seed, step, rank))
     data, step_input, wait_s = ahead.take(step)  # made during the previous step
-    _synchronize(device)
+    if before is None:
+        _synchronize(device)  # nothing in flight: the step's time starts with an idle device
+    # the allocator's counters follow the host's order of allocations, not the device's: reset
+    # here, where the previous step's last work has been issued, they count this step's alone
     allocated_start_gib = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         allocated_start_gib = torch.cuda.memory_allocated(device) / 2**30
-    step_start = time.perf_counter()
+    # after a late step this step's time starts where that one's ended on the device: the
+    # steps' times add up to the wall time from the first step's start to the last one's end
+    start = before.end if before is not None else _time_mark(device)
     timer.reset()
     checkpointed, full_recompute = _checkpointed_blocks(config, data.plan, rank)
     set_checkpointed_blocks(model, checkpointed, full_recompute)
@@ -477,6 +527,12 @@ def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, w
         (local_loss * num_ranks).backward()
     # the step's peak split by phase, against the cost model's (which has no optimizer step)
     peak_backward_gib = _peak_gib(device, reset=True)
+    records = []
+    if before is not None:
+        # the previous step's values: the device passed them long ago (this step's forward and
+        # backward are queued behind them); a non-finite one raises before this step's update
+        with record_function("zellige.step.previous_metrics"):
+            records.append(finish_step(config, before, device))
     with record_function("zellige.step.optimizer"):
         grad_norm = clip_and_step(model, optimizer, config.grad_clip_norm, config.clip_in_optimizer)
         scheduler.step()
@@ -486,36 +542,87 @@ def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, w
     if sync_check:
         torch.cuda.set_sync_debug_mode("default")
     with record_function("zellige.step.end"):
-        regions = timer.seconds()
+        # the loss and norm go to the host behind the step's work (no wait here); their device
+        # tensors are freed now, as they were when a step returned
+        values = torch.stack([local_loss.detach(), _full(grad_norm).detach()]).double()
+        if device.type == "cuda":
+            host = torch.empty(2, dtype=torch.float64, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+        else:
+            host = values
+        del local_loss, grad_norm, values
+        ended = StepEnd(
+            step=step,
+            data=data,
+            wait_s=wait_s,
+            checkpointed=checkpointed,
+            full_recompute=full_recompute,
+            values=host,
+            intervals=timer.take(),
+            start=start,
+            end=_time_mark(device),
+            peak_backward_gib=peak_backward_gib,
+            peak_optimizer_gib=_peak_gib(device),  # clipping and the optimizer step
+            allocated_start_gib=allocated_start_gib,
+            # the caching allocator's state after the step: a retry frees cached blocks and
+            # waits for the device (a stall in the step); reserved: what it holds from the driver
+            alloc_retries=_allocator_stat(device, "num_alloc_retries"),
+            reserved_gib=None
+            if device.type != "cuda"
+            else _allocator_stat(device, "reserved_bytes.all.peak") / 2**30,
+            lr=scheduler.get_last_lr()[0],
+        )
+        if late:
+            return records, ended
         _synchronize(device)
-    step_s = time.perf_counter() - step_start
+        records.append(finish_step(config, ended, device))
+    return records, None
 
+
+def finish_step(config: TrainConfig, ended: StepEnd, device: torch.device) -> dict:
+    """The metrics record of a step whose work is issued: waits for the device to pass the
+    step's end, gathers the ranks' values (over host tensors: no device queue to wait for) and
+    raises TrainingFailed, on every rank alike, if the loss or gradient norm is not finite."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    if device.type == "cuda":
+        # the step's end, not the queue's: later work keeps running (polled, not synchronize():
+        # the event has almost always passed already)
+        while not ended.end.query():
+            time.sleep(50e-6)
+        step_s = ended.start.elapsed_time(ended.end) / 1e3
+    else:
+        step_s = ended.end - ended.start
+    local_loss, grad_norm = ended.values.tolist()
+    regions = region_seconds(ended.intervals)
     busy_s = regions.get("block", 0.0) + regions.get("block.backward", 0.0)
     local = torch.tensor(
         [
-            local_loss.item(),
+            local_loss,
             busy_s,
             regions.get("attention", 0.0) + regions.get("attention.backward", 0.0),
             regions.get("cross_attention", 0.0) + regions.get("cross_attention.backward", 0.0),
             step_s,
-            wait_s,
+            ended.wait_s,
         ],
         dtype=torch.float64,
     )
-    gathered = _all_gather(local, device)  # [ranks, fields]
+    gathered = _all_gather_host(local, device)  # [ranks, fields]
     loss = float(gathered[:, 0].sum())
-    grad_norm = float(_full(grad_norm))
-    # checked here, after the step's one host sync (not before the optimizer step, which would
-    # add one): the weights it updated are never saved, the run stops (the same on every rank)
+    step = ended.step
+    # checked once the values reach the host (never a sync of its own): at the step's end, or
+    # for a late step before the next step's optimizer step; the weights this step updated are
+    # never saved, the run stops (the same on every rank)
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise TrainingFailed(
             f"step {step + 1}: the loss is {loss} and the gradient norm {grad_norm}: not "
             "finite; stopped, nothing saved",
             report=rank == 0,
         )
+    data = ended.data
     rank_busy = gathered[:, 1]
     slowest_step_s = float(gathered[:, 4].max())
     predicted = data.plan["predicted"]["rank_time_s"]
+    peak_backward_gib = ended.peak_backward_gib
     return {
         "step": step + 1,
         "loss": loss,
@@ -536,20 +643,16 @@ def _run_step(config, model, optimizer, scheduler, timer, device, ahead, step, w
         "grad_norm": grad_norm,
         "peak_gib": None
         if peak_backward_gib is None
-        else max(peak_backward_gib, _peak_gib(device)),
+        else max(peak_backward_gib, ended.peak_optimizer_gib),
         "peak_backward_gib": peak_backward_gib,  # forward and backward
-        "peak_optimizer_gib": _peak_gib(device),  # clipping and the optimizer step
+        "peak_optimizer_gib": ended.peak_optimizer_gib,
         "predicted_peak_gib": data.plan["predicted"]["rank_peak_bytes"][rank] / 2**30,
-        "checkpointed_blocks": checkpointed,
-        "full_recompute_blocks": full_recompute,
-        "allocated_start_gib": allocated_start_gib,  # held when the step began
-        # the caching allocator's state after the step: a retry frees cached blocks and waits
-        # for the device (a stall in the step); reserved: what it holds from the driver
-        "alloc_retries": _allocator_stat(device, "num_alloc_retries"),
-        "reserved_gib": None
-        if device.type != "cuda"
-        else _allocator_stat(device, "reserved_bytes.all.peak") / 2**30,
-        "lr": scheduler.get_last_lr()[0],
+        "checkpointed_blocks": ended.checkpointed,
+        "full_recompute_blocks": ended.full_recompute,
+        "allocated_start_gib": ended.allocated_start_gib,  # held when the step began
+        "alloc_retries": ended.alloc_retries,
+        "reserved_gib": ended.reserved_gib,
+        "lr": ended.lr,
         "planner": config.planner,
     }
 
@@ -949,10 +1052,15 @@ def _full(value):
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-def _all_gather(local, device):
-    buffers = [torch.empty_like(local, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(buffers, local.to(device))
-    return torch.stack(buffers).cpu()
+def _all_gather_host(local: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Every rank's copy of a host tensor, stacked; on CUDA over the world's gloo twin (the
+    loaders' status exchange makes it), so nothing waits for a device's queue."""
+    if dist.get_world_size() == 1:
+        return local[None]
+    group, _ = layout._status_group(None, device)
+    buffers = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(buffers, local, group=group)
+    return torch.stack(buffers)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -75,18 +75,30 @@ class StepTimer:
         """Total seconds per region since the last reset; waits for the device once."""
         if self._cuda:
             torch.cuda.synchronize()
-        totals = {}
-        for name, intervals in self._intervals.items():
-            if self._cuda:
-                totals[name] = sum(a.elapsed_time(b) for a, b in intervals) / 1e3
-            else:
-                totals[name] = sum(b - a for a, b in intervals)
-        return totals
+        return region_seconds(self._intervals)
+
+    def take(self) -> dict[str, list[tuple[object, object]]]:
+        """The intervals since the last reset (for region_seconds once the device has passed
+        them); the timer starts empty, so the next step's marks do not mix with them."""
+        intervals, self._intervals = self._intervals, defaultdict(list)
+        return intervals
 
     def reset(self) -> None:
         self._intervals.clear()
         self._open.clear()
         self._ranges.clear()
+
+
+def region_seconds(intervals: dict[str, list[tuple[object, object]]]) -> dict[str, float]:
+    """Total seconds per region of StepTimer.take()'s intervals; CUDA events must have been
+    passed by the device (the caller waited for a later event)."""
+    totals = {}
+    for name, marks in intervals.items():
+        if marks and isinstance(marks[0][0], torch.cuda.Event):
+            totals[name] = sum(a.elapsed_time(b) for a, b in marks) / 1e3
+        else:
+            totals[name] = sum(b - a for a, b in marks)
+    return totals
 
 
 class _Mark(torch.autograd.Function):
