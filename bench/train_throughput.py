@@ -26,6 +26,9 @@ blocks); ":unpadded-rows" leaves the per-token modulation's one-hot GEMM at the 
 AdamW update's compiled pass (zellige.train.optimizer) instead of casting them at the forward's
 start; ":torch-adamw" is torch's fused AdamW and the cast; ":bf16-grads" (with it) hands the
 optimizer the backward's bf16 gradients (no fp32 gradients, their norm taken as they arrive).
+":sync-steps" ends every step with a full sync and reads its metrics then (by default a step's
+metrics are read during the next step, after its backward is issued: no idle device between
+steps; training's metrics_one_step_late).
 Every step's predicted and measured peak are listed, and each step's line its full garbage
 collections (count, seconds), those between it and the step before, and torch.compile's events in
 it (0 after the warm-up: no recompilation).

@@ -544,7 +544,7 @@ def _run_step(
     with record_function("zellige.step.end"):
         # the loss and norm go to the host behind the step's work (no wait here); their device
         # tensors are freed now, as they were when a step returned
-        values = torch.stack([local_loss.detach(), _full(grad_norm).detach()]).double()
+        values = torch.stack([local_loss.detach().double(), _full(grad_norm).detach().double()])
         if device.type == "cuda":
             host = torch.empty(2, dtype=torch.float64, pin_memory=True)
             host.copy_(values, non_blocking=True)
