@@ -542,6 +542,12 @@ def _run_step(
     if sync_check:
         torch.cuda.set_sync_debug_mode("default")
     with record_function("zellige.step.end"):
+        # the allocator's counters first, before the few bytes below
+        peak_optimizer_gib = _peak_gib(device)  # clipping and the optimizer step
+        # the caching allocator's state after the step: a retry frees cached blocks and waits
+        # for the device (a stall in the step); reserved: what it holds from the driver
+        alloc_retries = _allocator_stat(device, "num_alloc_retries")
+        reserved = _allocator_stat(device, "reserved_bytes.all.peak")
         # the loss and norm go to the host behind the step's work (no wait here); their device
         # tensors are freed now, as they were when a step returned
         values = torch.stack([local_loss.detach().double(), _full(grad_norm).detach().double()])
@@ -562,14 +568,10 @@ def _run_step(
             start=start,
             end=_time_mark(device),
             peak_backward_gib=peak_backward_gib,
-            peak_optimizer_gib=_peak_gib(device),  # clipping and the optimizer step
+            peak_optimizer_gib=peak_optimizer_gib,
             allocated_start_gib=allocated_start_gib,
-            # the caching allocator's state after the step: a retry frees cached blocks and
-            # waits for the device (a stall in the step); reserved: what it holds from the driver
-            alloc_retries=_allocator_stat(device, "num_alloc_retries"),
-            reserved_gib=None
-            if device.type != "cuda"
-            else _allocator_stat(device, "reserved_bytes.all.peak") / 2**30,
+            alloc_retries=alloc_retries,
+            reserved_gib=None if reserved is None else reserved / 2**30,
             lr=scheduler.get_last_lr()[0],
         )
         if late:
