@@ -28,7 +28,10 @@ start; ":torch-adamw" is torch's fused AdamW and the cast; ":bf16-grads" (with i
 optimizer the backward's bf16 gradients (no fp32 gradients, their norm taken as they arrive).
 ":sync-steps" ends every step with a full sync and reads its metrics then (by default a step's
 metrics are read during the next step, after its backward is issued: no idle device between
-steps; training's metrics_one_step_late).
+steps; training's metrics_one_step_late). Its step times start after the sync at each step's
+start, so they leave out the host's work between steps (the metrics' gather and writes, the next
+step's start); the column "wall step s" is the device's time per step from the end of the
+warm-up to the last step's end, gaps included, the same measure for both.
 Every step's predicted and measured peak are listed, and each step's line its full garbage
 collections (count, seconds), those between it and the step before, and torch.compile's events in
 it (0 after the warm-up: no recompilation).
@@ -163,6 +166,17 @@ def summarise(
     }
 
 
+def device_wall_s(ends: dict, warmup: int, steps: int) -> float | None:
+    """Seconds per step from the end of step `warmup` to the end of step `steps` (printing_steps'
+    marks): the device's time, idle gaps between steps included. None without a warm-up."""
+    if warmup < 1 or steps <= warmup or warmup not in ends or steps not in ends:
+        return None
+    first, last = ends[warmup], ends[steps]
+    if isinstance(first, float):
+        return (last - first) / (steps - warmup)
+    return first.elapsed_time(last) / 1e3 / (steps - warmup)
+
+
 @contextlib.contextmanager
 def marking_steps(caught: list, step_marks: list[int]):
     """While inside, the loop's torch.cuda.set_sync_debug_mode("warn") at each step's start
@@ -291,13 +305,17 @@ class GcPauses:
 
 
 @contextlib.contextmanager
-def printing_steps(label: str):
+def printing_steps(label: str, ends: dict):
     """While inside, each training step prints one line on stderr as it ends (a run cut by a
     time limit still says how far it got and what each step took), with what could stall it
     once outside the blocks: Python's full garbage collections in the step (count and seconds),
     the graphs torch.compile captured or compiled in it, and the full collections between this
     step and the previous one (the loop's own, after a step that compiled). The same numbers go
-    into the step's record (gc_full, gc_full_s, gc_s, compile_events, gc_full_before_s)."""
+    into the step's record (gc_full, gc_full_s, gc_s, compile_events, gc_full_before_s).
+    `ends` gets, per step (1-based), a mark queued after each step's call returns: a CUDA event
+    (behind the step's work where it is still running, so device time, idle time included) or
+    the host's clock on CPU; device_wall_s between two of them is the run's time over those
+    steps, whatever the loop counts as a step's time."""
     loop = zellige.train.loop
     run_step = loop._run_step
     pauses = GcPauses()
@@ -309,6 +327,7 @@ def printing_steps(label: str):
         before = pauses.totals()
         compiles = loop.compile_events()
         records, pending = run_step(*args)
+        ends[args[7] + 1] = loop._time_mark(args[5])
         after = pauses.totals()
         issued[args[7] + 1] = {
             "gc_full": after[0] - before[0],
@@ -377,13 +396,14 @@ def main() -> int:
         )
         start = time.perf_counter()
         step_marks: list[int] = []
+        ends: dict = {}
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 with contextlib.ExitStack() as stack:
                     if sync_check:
                         stack.enter_context(marking_steps(caught, step_marks))
-                    stack.enter_context(printing_steps(run))
+                    stack.enter_context(printing_steps(run, ends))
                     if args.trace:
                         Path(args.trace).mkdir(parents=True, exist_ok=True)
                         label = "_".join([name, recipe, *variants])
@@ -404,6 +424,7 @@ def main() -> int:
         if sync_check:
             row.update(sync_readout(caught, step_marks, args.warmup))
         row["wall_s"] = time.perf_counter() - start
+        row["device_wall_step_s"] = device_wall_s(ends, args.warmup, args.steps)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
@@ -421,6 +442,7 @@ def main() -> int:
         "tok/s",
         "MFU",
         "step s",
+        "wall step s",
         "self-attn",
         "cross-attn",
         "per-token",
@@ -438,7 +460,8 @@ def main() -> int:
             r["recipe"],
             f"{r['tokens_per_s']:,.0f}",
             f"{100 * r['mfu']:.1f}%",
-            f"{r['step_s']:.2f}",
+            f"{r['step_s']:.3f}",
+            "-" if r["device_wall_step_s"] is None else f"{r['device_wall_step_s']:.3f}",
             f"{100 * r['attention_share']:.1f}%",
             f"{100 * r['cross_attention_share']:.1f}%",
             f"{100 * r['per_token_share']:.1f}%",
