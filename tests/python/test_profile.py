@@ -8,6 +8,7 @@ import pytest
 import zellige
 from zellige.profile import (
     MODEL_ROWS,
+    MODEL_TABLES,
     load_profile,
     profile_from_dict,
     profile_to_dict,
@@ -42,7 +43,7 @@ def test_round_trip_is_exact(tmp_path):
         zellige.Table(x=[1e3, 1e8], y=[2e-5, 1e-3], source="measured"),
         zellige.Table(x=[1e3, 1e8], y=[3e-5, 2e-3], source="measured"),
     ]
-    for row in MODEL_ROWS:  # one memory model: every row of the built-in one goes
+    for row in (*MODEL_ROWS, *MODEL_TABLES):  # one memory model: every row of the built-in goes
         setattr(profile, row, [])
     profile.memory_models = ["wan-14b"]
     profile.activation_bytes_per_token_layer = [250000.0]

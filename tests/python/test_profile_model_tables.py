@@ -10,14 +10,30 @@ from pathlib import Path
 import pytest
 
 from zellige.costs import make_cost_model
-from zellige.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
+from zellige.profile import (
+    MODEL_TABLES,
+    load_profile,
+    profile_from_dict,
+    profile_to_dict,
+    save_profile,
+)
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
-def _with_own_tables(model: str, scale: float) -> dict:
-    """The built-in profile with `model`'s own per-token tables: the shared ones times scale."""
+def _shared_tables_only() -> dict:
+    """The built-in profile with no model's own tables (every model priced with the shared
+    ones, as profiles before the per-model tables): the reference the tests below change."""
     data = profile_to_dict(load_profile())
+    for key in MODEL_TABLES:
+        data[key] = []
+    return data
+
+
+def _with_own_tables(model: str, scale: float) -> dict:
+    """The built-in profile with `model`'s own per-token tables (the shared ones times scale)
+    and no other model's."""
+    data = _shared_tables_only()
     models = data["memory_models"]
     if model not in models:
         from zellige.profiler.measure import merge_memory
@@ -45,18 +61,40 @@ def test_a_profile_written_before_the_model_tables_loads_and_prices_as_before():
     assert "model_matmul_forward_flops_per_s" not in old
     profile = load_profile(RESULTS / "profile_h200_202611_run8.json")
     assert profile.model_matmul_forward_flops_per_s == []
+    # without tables of its own, every model is priced with the shared tables: as with an
+    # empty table of its own for every memory model
+    explicit = profile_to_dict(profile)
+    for key in MODEL_TABLES:
+        explicit[key] = [
+            {"source": "analytic", "x": [], "y": []} for _ in explicit["memory_models"]
+        ]
+    for model in ("mmdit-11b", "wan-14b"):
+        before = make_cost_model(model, gpus=8, profile=profile_from_dict(explicit))
+        after = make_cost_model(model, gpus=8, profile=profile)
+        assert after.linear_time_s(5000) == before.linear_time_s(5000)
+
+
+def test_the_shipped_profile_has_mmdit_11b_tables_and_shares_the_others():
     builtin = load_profile()
-    assert builtin.model_matmul_forward_flops_per_s == []  # the shipped file: none (yet)
-    # without tables of its own, every model is priced with the shared tables
-    shared = builtin.matmul_forward_flops_per_s
-    cost = make_cost_model("mmdit-11b", gpus=8, profile=builtin)
-    assert list(cost.profile.matmul_forward_flops_per_s.y) == list(shared.y)
+    models = list(builtin.memory_models)
+    row = models.index("mmdit-11b")  # measured and validated (bench/results/mmdit_h200_202612.md)
+    for tables in (
+        builtin.model_matmul_forward_flops_per_s,
+        builtin.model_matmul_backward_flops_per_s,
+    ):
+        assert len(tables) == len(models)
+        assert not tables[row].empty()
+        assert all(table.empty() for i, table in enumerate(tables) if i != row)
+    # its own tables price it differently from the shared ones
+    own = make_cost_model("mmdit-11b", gpus=8)
+    shared = make_cost_model("mmdit-11b", gpus=8, profile=profile_from_dict(_shared_tables_only()))
+    assert own.linear_time_s(8192) != shared.linear_time_s(8192)
 
 
 @pytest.mark.parametrize("tokens", [300, 5000, 100_000])
 def test_a_models_own_tables_price_that_model_only(tokens):
     own = profile_from_dict(_with_own_tables("mmdit-11b", 0.5))
-    builtin = load_profile()
+    builtin = profile_from_dict(_shared_tables_only())
     mmdit_shared = make_cost_model("mmdit-11b", gpus=8, profile=builtin)
     mmdit_own = make_cost_model("mmdit-11b", gpus=8, profile=own)
     # half the GEMM rate: the GEMM part of the per-token time doubles, the elementwise part not
@@ -94,7 +132,7 @@ def test_plans_and_evaluate_use_the_models_tables():
     slow = make_cost_model(
         "mmdit-11b", gpus=2, profile=profile_from_dict(_with_own_tables("mmdit-11b", 0.5))
     )
-    fast = make_cost_model("mmdit-11b", gpus=2)
+    fast = make_cost_model("mmdit-11b", gpus=2, profile=profile_from_dict(_shared_tables_only()))
     assert (
         slow.evaluate(batch, plan).ranks[0].linear_s
         > 1.5 * fast.evaluate(batch, plan).ranks[0].linear_s
@@ -137,7 +175,7 @@ def test_model_tables_survive_a_save_and_load(tmp_path):
 def test_merge_adds_a_models_tables_and_keeps_the_others():
     from zellige.profiler.measure import merge_memory
 
-    base = profile_to_dict(load_profile())
+    base = _shared_tables_only()
     table = {"source": "measured", "x": [256.0, 4096.0], "y": [1e14, 4e14]}
     tables = {
         "model_matmul_forward_flops_per_s": table,
