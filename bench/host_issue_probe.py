@@ -46,6 +46,7 @@ from zellige.costs import make_cost_model
 from zellige.model import fused
 from zellige.profile import load_profile
 from zellige.profiler import rank_work
+from zellige.profiler.measure import launch_rows
 from zellige.profiler.models import dit_config, model_spec
 from zellige.profiler.timing import gpu_time_s, synchronize
 from zellige.workload import load_recipe
@@ -65,19 +66,8 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaL
 
 
 def local_plan(shapes: list[tuple[int, int]]) -> tuple[_core.Batch, _core.Plan]:
-    """Local sequences of (visual tokens, text tokens) on rank 0 of 1."""
-    batch = _core.Batch()
-    batch.sequences = [
-        _core.sequence_from_tokens(i, "image", visual, text, 0)
-        for i, (visual, text) in enumerate(shapes)
-    ]
-    plan = _core.Plan()
-    plan.planner = "probe"
-    plan.num_ranks = 1
-    plan.placements = [
-        _core.make_placement(i, _core.Strategy.local, [0]) for i in range(len(shapes))
-    ]
-    return batch, plan
+    """Local images of (visual tokens, text tokens) on rank 0 of 1."""
+    return rank_work.local_plan(shapes, kind="image")
 
 
 def ranks_to_probe(plan_profile: str | None) -> list[tuple[str, _core.Batch, _core.Plan, int]]:
@@ -114,8 +104,7 @@ def ranks_to_probe(plan_profile: str | None) -> list[tuple[str, _core.Batch, _co
 def launch_fit(one_s: float, many_s: float, layers: int) -> tuple[float, float]:
     """(seconds per layer, per attention call) from steps of 1 and 8 sequences, as
     measure.profile_launch fits them (one joint call per sequence and layer)."""
-    per_call = max(0.0, (many_s - one_s) / 7 / layers)
-    return max(0.0, one_s / layers - per_call), per_call
+    return launch_rows(one_s, many_s, 1, 8, layers)
 
 
 def profiled_step(step, device) -> dict:

@@ -351,18 +351,8 @@ def check_in_step(
 
 
 def _local_plan(lengths: list[int], text_tokens: int) -> tuple[_core.Batch, _core.Plan]:
-    """Sequences of these lengths, all local on rank 0 of 1."""
-    batch = _core.Batch()
-    batch.sequences = [
-        _core.sequence_from_tokens(i, "video", n, text_tokens, 0) for i, n in enumerate(lengths)
-    ]
-    plan = _core.Plan()
-    plan.planner = "profile"
-    plan.num_ranks = 1
-    plan.placements = [
-        _core.make_placement(i, _core.Strategy.local, [0]) for i in range(len(lengths))
-    ]
-    return batch, plan
+    """Sequences of these lengths, `text_tokens` each, all local on rank 0 of 1."""
+    return rank_work.local_plan([(n, text_tokens) for n in lengths])
 
 
 def ulysses_sent_bytes(
@@ -529,9 +519,9 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
             float(np.median(times))
             for times in interleaved_step_times(steps, device, rounds, per_round)
         )
-    calls_one, calls_many = calls_per_length, calls_per_length * LAUNCH_SEQUENCES
-    per_call = max(0.0, (many - one) / (calls_many - calls_one) / num_layers)
-    per_layer = max(0.0, one / num_layers - calls_one * per_call)
+    per_layer, per_call = launch_rows(
+        one, many, calls_per_length, calls_per_length * LAUNCH_SEQUENCES, num_layers
+    )
     progress(
         f"host issue time: {per_layer * 1e3:.2f} ms per layer + {per_call * 1e3:.3f} ms per "
         f"attention call (tiny ranks: {one * 1e3:.1f} ms with 1 sequence, {many * 1e3:.1f} ms "
@@ -542,6 +532,16 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
         "launch_s_per_attention_call": per_call,
         "step_s": {"1": one, str(LAUNCH_SEQUENCES): many},
     }
+
+
+def launch_rows(
+    one_s: float, many_s: float, calls_one: int, calls_many: int, num_layers: int
+) -> tuple[float, float]:
+    """(seconds per layer, per attention call) of host issue from the steps of two tiny ranks
+    that make `calls_one` and `calls_many` attention calls a layer: the per-call term is their
+    difference, the per-layer term what is left of the first (neither below 0)."""
+    per_call = max(0.0, (many_s - one_s) / (calls_many - calls_one) / num_layers)
+    return max(0.0, one_s / num_layers - calls_one * per_call), per_call
 
 
 def interleaved_step_times(

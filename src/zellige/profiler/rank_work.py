@@ -103,6 +103,25 @@ def local_exchanges(contiguous_kernel_inputs: bool = False) -> Iterator[None]:
         engine_attention.all_to_all_rows, engine_attention.p2p, engine_attention.kernel_for = saved
 
 
+def local_plan(
+    shapes: Sequence[tuple[int, int]], kind: str = "video"
+) -> tuple[_core.Batch, _core.Plan]:
+    """Sequences of (tokens, text tokens), each whole on rank 0 of 1: the single-rank steps the
+    profiler, validate-profile and the benchmarks time."""
+    batch = _core.Batch()
+    batch.sequences = [
+        _core.sequence_from_tokens(i, kind, tokens, text, 0)
+        for i, (tokens, text) in enumerate(shapes)
+    ]
+    plan = _core.Plan()
+    plan.planner = "local"
+    plan.num_ranks = 1
+    plan.placements = [
+        _core.make_placement(i, _core.Strategy.local, [0]) for i in range(len(shapes))
+    ]
+    return batch, plan
+
+
 def make_blocks(
     config: DiTConfig, num_layers: int, device: torch.device, dtype: torch.dtype
 ) -> nn.ModuleList:

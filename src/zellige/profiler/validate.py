@@ -417,7 +417,7 @@ def measure_forward_latencies(
     lengths = [64, 128, 256] if options.quick else list(FORWARD_LATENCY_LENGTHS)
     latencies = []
     for length in lengths:
-        batch, plan = _one_local_plan(length, config.text_tokens)
+        batch, plan = rank_work.local_plan([(length, config.text_tokens)])
         with rank_work.local_exchanges():
             inputs = rank_work.plan_rank_inputs(
                 batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
@@ -437,16 +437,6 @@ def measure_forward_latencies(
         + ", ".join(f"L={n}: {s * 1e3:.2f} ms" for n, s in zip(lengths, latencies, strict=True))
     )
     return lengths, latencies
-
-
-def _one_local_plan(num_tokens: int, text_tokens: int) -> tuple[_core.Batch, _core.Plan]:
-    batch = _core.Batch()
-    batch.sequences = [_core.sequence_from_tokens(0, "video", num_tokens, text_tokens, 0)]
-    plan = _core.Plan()
-    plan.planner = "validate"
-    plan.num_ranks = 1
-    plan.placements = [_core.make_placement(0, _core.Strategy.local, [0])]
-    return batch, plan
 
 
 def _outside_allocator_bytes(device: torch.device) -> int:
