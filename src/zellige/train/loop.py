@@ -967,21 +967,21 @@ def clip_and_step(model, optimizer, max_norm: float, in_optimizer: bool = True) 
     is the one taken as they arrived."""
     copying = isinstance(optimizer, CopyingAdamW)
     lone = getattr(model, "lone_weights", None) if copying else None
-    scale = None
     if lone is not None and lone.keeps_gradients:
         gradients, norm = lone.take_gradients()
         if norm is None:
             norm = torch.zeros((), device=next(model.parameters()).device)
         optimizer.gradients_in = gradients
-        scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).float()
+        scaled_in_optimizer = True
     else:
         parameters = [p for p in model.parameters() if p.grad is not None]
         fused = copying or any(group.get("fused") for group in optimizer.param_groups)
-        if fused and in_optimizer:
+        scaled_in_optimizer = fused and in_optimizer
+        if scaled_in_optimizer:
             norm = _full(torch.nn.utils.get_total_norm([p.grad for p in parameters]))
-            scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).float()
         else:
             norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).float() if scaled_in_optimizer else None
     if lone is not None:
         optimizer.copies_out = copies = lone.new_copies()  # the next forward's weights
     _step_scaled(optimizer, scale)
