@@ -146,6 +146,78 @@ def test_per_token_rows_equal_indexing_forward_and_backward(
     torch.testing.assert_close(ours.grad, reference.grad, rtol=1e-15, atol=1e-15)
 
 
+@pytest.mark.parametrize("multiple", [8, 1], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("num_sequences", [0, 1, 5, 9], ids=["0", "1", "5", "9"])
+def test_split_pieces_and_gathered_rows_equal_indexing(
+    num_sequences: int, multiple: int, monkeypatch
+) -> None:
+    """per_token_pieces with one GEMM a piece, and gathered_per_token (indexing forward, one-hot
+    GEMM backward): indexing's values exactly, its row gradients in float64; a piece whose
+    gradient does not come (the gate of a block's last region unused, say) counts as zero."""
+    from zellige.model import conditioning
+    from zellige.model.conditioning import gathered_per_token, per_token_pieces
+
+    monkeypatch.setattr(conditioning, "_row_multiple", multiple)
+    monkeypatch.setattr(conditioning, "_split_pieces", True)
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(num_sequences, 6, 4, generator=generator, dtype=torch.float64)
+    counts = torch.randint(1, 5, (num_sequences,), generator=generator)
+    index = torch.repeat_interleave(torch.arange(num_sequences), counts)
+    grad = torch.randn(index.numel(), 6, 4, generator=generator, dtype=torch.float64)
+    grad[:, 2] = 0  # the piece below that gets no gradient
+    reference = rows.clone().requires_grad_()
+    reference[index].backward(grad)
+
+    split = rows.clone().requires_grad_()
+    pieces = per_token_pieces(split, index)
+    assert len(pieces) == 6
+    for k, piece in enumerate(pieces):
+        torch.testing.assert_close(piece, rows[index][:, k], rtol=0, atol=0)
+    used = [k for k in range(6) if k != 2]
+    torch.autograd.backward([pieces[k] for k in used], [grad[:, k] for k in used])
+    torch.testing.assert_close(split.grad, reference.grad, rtol=1e-15, atol=1e-15)
+
+    gathered = rows.clone().requires_grad_()
+    out = gathered_per_token(gathered, index)
+    torch.testing.assert_close(out, rows[index], rtol=0, atol=0)
+    out.backward(grad)
+    torch.testing.assert_close(gathered.grad, reference.grad, rtol=1e-15, atol=1e-15)
+
+
+def test_split_pieces_make_no_stack_in_the_backward(monkeypatch) -> None:
+    """The reason for the split: unbinding per_token's [T, K, D] stacks the K gradients back into
+    one [T, K, D] tensor in the backward; one GEMM a piece stacks only the [S, K, D] rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zellige.model import conditioning
+    from zellige.model.conditioning import per_token_pieces
+
+    class Stacks(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.startswith(("stack", "cat")):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    rows = torch.randn(3, 6, 4, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([0, 0, 1, 2, 2, 2, 2])
+    for split, largest in ((False, 7 * 6 * 4), (True, 8 * 6 * 4)):
+        monkeypatch.setattr(conditioning, "_split_pieces", split)
+        pieces = per_token_pieces(rows, index)
+        with Stacks() as stacks:
+            sum(piece.sum() for piece in pieces).backward()
+        rows.grad = None
+        sizes = [torch.Size(shape).numel() for shape in stacks.shapes]
+        if split:  # only rows: the 8 padded sequences' [8, 6, 4]
+            assert all(size <= largest for size in sizes) and 7 * 6 * 4 not in sizes
+        else:
+            assert largest in sizes
+
+
 def test_per_token_one_hot_rows_are_16_byte_aligned() -> None:
     """The one-hot GEMM's operands have a sequence count padded to a multiple of 8 (bf16 rows of
     16 bytes: cuBLAS's aligned kernels), whatever the sequence count."""
@@ -185,7 +257,10 @@ class Recomputed(torch.nn.Module):
 
 
 @pytest.mark.parametrize("outside", [True, False], ids=["outside-compiled", "outside-eager"])
-def test_compiled_regions_equal_eager_and_compile_once(outside: bool) -> None:
+@pytest.mark.parametrize("variant", ["default", "split-gathered"])
+def test_compiled_regions_equal_eager_and_compile_once(
+    outside: bool, variant: str, monkeypatch
+) -> None:
     """The blocks' fused regions under torch.compile (aot_eager: the same graphs and
     partitioner as on a GPU, without code generation) give eager's loss and gradients, and
     compile on the first step only: later steps of other token, text and sequence counts (one
@@ -194,7 +269,11 @@ def test_compiled_regions_equal_eager_and_compile_once(outside: bool) -> None:
     graph torch.compile makes."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from zellige.model import fused
+    from zellige.model import conditioning, fused
+
+    if variant == "split-gathered":  # conditioning.set_split_pieces, set_gathered_head
+        monkeypatch.setattr(conditioning, "_split_pieces", True)
+        monkeypatch.setattr(conditioning, "_gathered_head", True)
 
     def loss_and_grads(packed: PackedTokens, recompute: bool) -> tuple[Tensor, list[Tensor]]:
         model = _model()
@@ -230,6 +309,29 @@ def test_compiled_regions_equal_eager_and_compile_once(outside: bool) -> None:
     # the four regions of a block, and outside the blocks the RoPE tables and the output head
     assert graphs_first_step == 4 + 2 * outside
     assert counter.frame_count == graphs_first_step  # no compilation after the first step
+
+
+def test_split_modulation_and_gathered_head_leave_loss_and_gradients(monkeypatch) -> None:
+    """set_split_pieces and set_gathered_head change where the per-token rows are made, not
+    what they are: the same loss (the one-hot GEMMs and the gather select exactly) and, in
+    float64, the same gradients as the default model, recomputed block or not."""
+    from zellige.model import conditioning
+
+    def loss_and_grads(split: bool, gathered: bool) -> tuple[Tensor, list[Tensor]]:
+        monkeypatch.setattr(conditioning, "_split_pieces", split)
+        monkeypatch.setattr(conditioning, "_gathered_head", gathered)
+        model = _model()
+        model.blocks[1] = Recomputed(model.blocks[1])
+        loss = model(_packed(GRIDS, TEXT_TOKENS, seed=7)).square().sum()
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    loss, grads = loss_and_grads(False, False)
+    for split, gathered in ((True, False), (False, True), (True, True)):
+        loss_v, grads_v = loss_and_grads(split, gathered)
+        torch.testing.assert_close(loss_v, loss, rtol=0, atol=0)
+        for grad, grad_v in zip(grads, grads_v, strict=True):
+            torch.testing.assert_close(grad_v, grad, rtol=1e-12, atol=1e-14)
 
 
 def test_compiled_loss_equals_eager_and_compiles_once() -> None:

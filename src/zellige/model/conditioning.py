@@ -56,6 +56,10 @@ class TextEmbedding(nn.Module):
 # not 16-byte aligned (S = 21 images, or 1 clip) sends cuBLAS to slow unaligned kernels (an H200
 # ran the block's [T, 21] @ [21, 6D] at about 1 TB/s); set_row_multiple(1): no padding
 _row_multiple = 8
+# per_token_pieces makes each piece with a GEMM of its own (set_split_pieces)
+_split_pieces = False
+# the Wan output head gathers its rows in its region (set_gathered_head)
+_gathered_head = False
 
 
 def set_row_multiple(multiple: int) -> None:
@@ -66,6 +70,32 @@ def set_row_multiple(multiple: int) -> None:
     _row_multiple = multiple
 
 
+def set_split_pieces(enabled: bool) -> None:
+    """per_token_pieces: one one-hot GEMM a piece (True) or one for all pieces, then unbound."""
+    global _split_pieces
+    _split_pieces = bool(enabled)
+
+
+def set_gathered_head(enabled: bool) -> None:
+    """The Wan output head reads each token's shift and scale from its sequence's rows inside
+    its region (gathered_per_token: no [T, 2, D] tensor in the forward) instead of taking
+    per_token's [T, 2, D]."""
+    global _gathered_head
+    _gathered_head = bool(enabled)
+
+
+def gathered_head() -> bool:
+    return _gathered_head
+
+
+def _one_hot(sequence_index_T: Tensor, num_sequences: int, dtype: torch.dtype) -> Tensor:
+    """[T, S'] one-hot of each token's sequence, S' = num_sequences padded to the row multiple
+    (the columns past the S sequences are zero: no token selects them)."""
+    padded = -(-num_sequences // _row_multiple) * _row_multiple
+    sequences_S = torch.arange(padded, device=sequence_index_T.device)
+    return (sequence_index_T[:, None] == sequences_S).to(dtype)
+
+
 def per_token(rows_SKD: Tensor, sequence_index_T: Tensor) -> Tensor:
     """rows_SKD[sequence_index_T] ([T, K, D]) as a one-hot matmul. Indexing's backward
     scatter-adds every token's gradient into its sequence's row with atomics, which serialises
@@ -73,13 +103,66 @@ def per_token(rows_SKD: Tensor, sequence_index_T: Tensor) -> Tensor:
     matmul's backward is a GEMM that sums each sequence's tokens. The forward is exact, and so is
     the padding: the rows past the S sequences are zero and no token's one-hot selects them."""
     num_sequences = rows_SKD.shape[0]
-    padded = -(-num_sequences // _row_multiple) * _row_multiple
+    one_hot_TS = _one_hot(sequence_index_T, num_sequences, rows_SKD.dtype)
     rows_SF = rows_SKD.flatten(1)
+    padded = one_hot_TS.shape[1]
     if padded != num_sequences:
         rows_SF = torch.nn.functional.pad(rows_SF, (0, 0, 0, padded - num_sequences))
-    sequences_S = torch.arange(padded, device=sequence_index_T.device)
-    one_hot_TS = (sequence_index_T[:, None] == sequences_S).to(rows_SKD.dtype)
     return (one_hot_TS @ rows_SF).unflatten(1, rows_SKD.shape[1:])
+
+
+def per_token_pieces(rows_SKD: Tensor, sequence_index_T: Tensor) -> tuple[Tensor, ...]:
+    """The K pieces [T, D] of per_token(rows_SKD, sequence_index_T). Unbinding per_token's
+    [T, K, D] costs a stack of the K gradients in the backward (a [T, K, D] copy: about 1 ms a
+    Wan-14B block on an H200 at 32,760 tokens); with set_split_pieces(True) each piece is a GEMM
+    of its own over the same one-hot, whose backward takes its piece's gradient as it comes."""
+    if not _split_pieces:
+        return per_token(rows_SKD, sequence_index_T).unbind(dim=1)
+    num_sequences = rows_SKD.shape[0]
+    one_hot_TS = _one_hot(sequence_index_T, num_sequences, rows_SKD.dtype)
+    padded = one_hot_TS.shape[1]
+    if padded != num_sequences:
+        rows_SKD = torch.nn.functional.pad(rows_SKD, (0, 0, 0, 0, 0, padded - num_sequences))
+    return tuple(one_hot_TS @ rows_SD for rows_SD in rows_SKD.unbind(dim=1))
+
+
+class _GatheredRows(torch.autograd.Function):
+    """rows_SKD[sequence_index_T] by indexing (compiled, a consumer reads the rows in place: no
+    [T, K, D] tensor is written); the backward is per_token's one-hot GEMM, which sums each
+    sequence's tokens without atomics."""
+
+    @staticmethod
+    def forward(ctx, rows_SKD: Tensor, sequence_index_T: Tensor) -> Tensor:
+        ctx.save_for_backward(sequence_index_T)
+        ctx.num_sequences = rows_SKD.shape[0]
+        return rows_SKD[sequence_index_T]
+
+    @staticmethod
+    def backward(ctx, grad_TKD: Tensor):
+        (sequence_index_T,) = ctx.saved_tensors
+        num_sequences = ctx.num_sequences
+        one_hot_TS = _one_hot(sequence_index_T, num_sequences, grad_TKD.dtype)
+        grad_SF = one_hot_TS.transpose(0, 1) @ grad_TKD.flatten(1)
+        return grad_SF[:num_sequences].unflatten(1, grad_TKD.shape[1:]), None
+
+
+def gathered_per_token(rows_SKD: Tensor, sequence_index_T: Tensor) -> Tensor:
+    """per_token's value ([T, K, D]) by indexing, per_token's GEMM in the backward: for a
+    compiled region that reads each token's rows (the output head), where the gather fuses into
+    the kernel that uses it and the [T, K, D] tensor is neither written nor read."""
+    return _GatheredRows.apply(rows_SKD, sequence_index_T)
+
+
+def padded_rows(rows_SKD: Tensor) -> Tensor:
+    """rows_SKD with zero rows up to the row multiple: for gathered_per_token in a compiled
+    region, whose graphs then never see a count of 1 sequence (torch.compile specialises sizes
+    0 and 1: a one-clip step would compile the region again), and whose backward GEMM gets
+    aligned rows."""
+    num_sequences = rows_SKD.shape[0]
+    padded = -(-num_sequences // _row_multiple) * _row_multiple
+    if padded == num_sequences:
+        return rows_SKD
+    return torch.nn.functional.pad(rows_SKD, (0, 0, 0, 0, 0, padded - num_sequences))
 
 
 def modulation_per_token(
@@ -89,4 +172,4 @@ def modulation_per_token(
 
     The sum is formed per sequence (S rows) and only then expanded to tokens.
     """
-    return per_token(table_SKD + offset_KD, sequence_index_T).unbind(dim=1)
+    return per_token_pieces(table_SKD + offset_KD, sequence_index_T)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from zellige.model import fused
 from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock, FloatLayerNorm
+from zellige.model import conditioning
 from zellige.model.conditioning import (
     TextEmbedding,
     TimestepEmbedding,
@@ -60,8 +61,14 @@ class OutputHead(nn.Module):
         self.modulation = nn.Parameter(torch.empty(2, width))  # see VideoDiT.reset_parameters
 
     def forward(self, x_TD: Tensor, e_SD: Tensor, sequence_index_T: Tensor) -> Tensor:
-        modulation_T2D = per_token(e_SD[:, None, :] + self.modulation, sequence_index_T)
+        rows_S2D = e_SD[:, None, :] + self.modulation
         weights = (self.linear.weight, self.linear.bias)
+        if conditioning.gathered_head():
+            # each token's shift and scale read from the sequence's rows inside the region
+            return fused.kernels["output_head_gathered"](
+                x_TD, conditioning.padded_rows(rows_S2D), sequence_index_T, self.norm.eps, weights
+            )
+        modulation_T2D = per_token(rows_S2D, sequence_index_T)
         return fused.kernels["output_head"](x_TD, modulation_T2D, self.norm.eps, weights)
 
 

@@ -24,6 +24,7 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 from torch import Tensor
 
+from zellige.model.conditioning import gathered_per_token
 from zellige.model.rope import rope_tables
 
 
@@ -268,6 +269,20 @@ def output_head(
     return F.linear(modulated_layer_norm(x_TD, shift_TD, scale_TD, eps), weight, bias)
 
 
+def output_head_gathered(
+    x_TD: Tensor,
+    rows_S2D: Tensor,
+    sequence_index_T: Tensor,
+    eps: float,
+    weights: tuple[Tensor, ...],
+) -> Tensor:
+    """output_head with each token's shift and scale read from its sequence's rows [S, 2, D]
+    (conditioning.gathered_per_token: compiled, the norm's kernel reads the rows in place, and
+    the forward neither writes nor reads a [T, 2, D] tensor)."""
+    modulation_T2D = gathered_per_token(rows_S2D, sequence_index_T)
+    return output_head(x_TD, modulation_T2D, eps, weights)
+
+
 def squared_error_sum(predicted_TC: Tensor, target_TC: Tensor) -> Tensor:
     """Sum over tokens of each token's mean squared error over its channels, in float32 at
     least (the rectified-flow loss before the division by the global token count)."""
@@ -296,11 +311,12 @@ _EAGER = {
     "single_stream_out": single_stream_out,
     "rope_tables": rope_tables,
     "output_head": output_head,
+    "output_head_gathered": output_head_gathered,
     "squared_error_sum": squared_error_sum,
 }
 # the model's work outside its blocks (RoPE tables, output head, loss): compiled or not with the
 # blocks unless use_compiled says otherwise
-_OUTSIDE = ("rope_tables", "output_head", "squared_error_sum")
+_OUTSIDE = ("rope_tables", "output_head", "output_head_gathered", "squared_error_sum")
 kernels = dict(_EAGER)  # what the models and the loss call
 _compiled: dict[str, dict] = {}  # by backend
 

@@ -33,7 +33,7 @@ from zellige.model.blocks import FeedForward, FloatRMSNorm
 from zellige.model.conditioning import (
     TIMESTEP_SCALE,
     TextEmbedding,
-    per_token,
+    per_token_pieces,
     sinusoidal_embedding,
 )
 from zellige.model.config import DiTConfig
@@ -195,7 +195,7 @@ class Modulation(nn.Module):
 
     def forward(self, vec_SD: Tensor, sequence_index_T: Tensor) -> tuple[Tensor, ...]:
         rows_SKD = self.linear(nn.functional.silu(vec_SD)).unflatten(1, (self.count, -1))
-        return per_token(rows_SKD, sequence_index_T).unbind(dim=1)
+        return per_token_pieces(rows_SKD, sequence_index_T)
 
 
 class StreamAttentionIn(nn.Module):

@@ -42,6 +42,12 @@ class TrainConfig:
     # the one-hot GEMMs that expand per-sequence modulation to tokens get a sequence count
     # padded to a multiple of 8 (aligned bf16 rows; conditioning.per_token); False: unpadded
     pad_sequence_rows: bool = True
+    # the per-token modulation's pieces (shift, scale, gate) each made by a one-hot GEMM of its
+    # own, so the backward stacks no [T, K, D] gradient (conditioning.per_token_pieces)
+    split_modulation: bool = False
+    # the Wan output head reads each token's shift and scale from its sequence's rows inside its
+    # compiled region: no [T, 2, D] tensor in the forward (conditioning.gathered_per_token)
+    gathered_head: bool = False
     # FSDP2 frees each block's gathered bf16 weights after its forward and gathers them again
     # for its backward; None: only on more than one rank (a lone rank keeps them from its
     # forward to its backward: no second cast and copy of every weight; the cost model prices
@@ -63,6 +69,9 @@ class TrainConfig:
     # gradients, no cast; their norm taken as each arrives; the cost model prices 2 bytes);
     # None: wherever the copying optimizer runs
     compute_dtype_gradients: bool | None = None
+    # with the copying optimizer compiled by inductor: its kernels' launch configurations are
+    # chosen by timing candidates on the device at compile time (CopyingAdamW tuned=True)
+    tune_optimizer_kernels: bool = False
     sync_debug: bool = False  # CUDA: warn at each host sync from step start to optimizer step
     # a step's metrics (loss, grad norm, times) are read while the next step runs: the host
     # issues step N+1's forward and backward before it waits for step N's values, and checks them
@@ -246,10 +255,13 @@ FIELD_HELP = {
     "fsdp_on_one_rank": "FSDP2 also on one rank (default: fp32 masters, bf16 copies per step)",
     "compile_outside": "torch.compile RoPE tables, output head and loss (default: as the blocks)",
     "pad_sequence_rows": "pad the per-token modulation's one-hot GEMM to 8 sequences (aligned)",
+    "split_modulation": "one one-hot GEMM per modulation piece (no stack in the backward)",
+    "gathered_head": "the Wan output head gathers its shift and scale rows in its region",
     "fused_optimizer": "AdamW as one fused kernel (default: on CUDA only)",
     "clip_in_optimizer": "a fused optimizer applies the gradient clipping's scale itself",
     "copying_optimizer": "one rank: AdamW writes the bf16 weight copies (default: CUDA bf16)",
     "compute_dtype_gradients": "with the copying optimizer: it reads the bf16 gradients",
+    "tune_optimizer_kernels": "time launch configurations of the copying optimizer's kernels",
     "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",
     "metrics_one_step_late": "read a step's metrics during the next step (no sync between steps)",
     "freeze_gc": "freeze Python's objects after compiling steps (full GCs in steps stay short)",

@@ -193,6 +193,8 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
     (no rank ever holds the whole model); on CPU built whole, identical on every rank."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     conditioning.set_row_multiple(8 if config.pad_sequence_rows else 1)
+    conditioning.set_split_pieces(config.split_modulation)
+    conditioning.set_gathered_head(config.gathered_head)
     torch.manual_seed(config.seed)
     if device.type == "cuda":
         with torch.device("meta"):
@@ -932,6 +934,7 @@ def make_optimizer(config: TrainConfig, model, device: torch.device) -> torch.op
             model.parameters(),
             chunks=model.lone_weights.chunks(OPTIMIZER_BLOCKS_PER_CHUNK),
             compiled=device.type == "cuda" if compiled is None else compiled,
+            tuned=config.tune_optimizer_kernels,
             **options,
         )
     fused = device.type == "cuda" if config.fused_optimizer is None else config.fused_optimizer
