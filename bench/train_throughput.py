@@ -26,17 +26,17 @@ blocks); ":unpadded-rows" leaves the per-token modulation's one-hot GEMM at the 
 AdamW update's compiled pass (zellige.train.optimizer) instead of casting them at the forward's
 start; ":torch-adamw" is torch's fused AdamW and the cast; ":bf16-grads" (with it) hands the
 optimizer the backward's bf16 gradients (no fp32 gradients, their norm taken as they arrive).
-":split-modulation" makes each
-modulation piece (shift, scale, gate) by a one-hot GEMM of its own (no [T, K, D] stack of their
-gradients in the backward); ":gathered-head" has the Wan output head's compiled region read each
-token's shift and scale from its sequence's rows (no [T, 2, D] tensor in the forward).
-":tuned-update" has inductor time launch configurations of the copying optimizer's kernels
-when they compile (the same arithmetic). ":sync-steps" ends every step with a full sync and reads its metrics then (by default a step's
-metrics are read during the next step, after its backward is issued: no idle device between
-steps; training's metrics_one_step_late). Its step times start after the sync at each step's
-start, so they leave out the host's work between steps (the metrics' gather and writes, the next
-step's start); the column "wall step s" is the device's time per step from the end of the
-warm-up to the last step's end, gaps included, the same measure for both.
+":split-modulation" makes each modulation piece (shift, scale, gate) by a one-hot GEMM of its own
+(no [T, K, D] stack of their gradients in the backward); ":gathered-head" has the Wan output head's
+compiled region read each token's shift and scale from its sequence's rows (no [T, 2, D] tensor in
+the forward). ":tuned-update" has inductor time launch configurations of the copying optimizer's
+kernels when they compile (the same arithmetic). ":sync-steps" ends every step with a full sync and
+reads its metrics then (by default a step's metrics are read during the next step, after its
+backward is issued: no idle device between steps; training's metrics_one_step_late). Its step times
+start after the sync at each step's start, so they leave out the host's work between steps (the
+metrics' gather and writes, the next step's start); the column "wall step s" is the device's time
+per step from the end of the warm-up to the last step's end, gaps included, the same measure for
+both.
 Every step's predicted and measured peak are listed, and each step's line its full garbage
 collections (count, seconds), those between it and the step before, and torch.compile's events in
 it (0 after the warm-up: no recompilation).

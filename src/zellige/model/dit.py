@@ -14,10 +14,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from zellige.model import fused
+from zellige.model import conditioning, fused
 from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock, FloatLayerNorm
-from zellige.model import conditioning
 from zellige.model.conditioning import (
     TextEmbedding,
     TimestepEmbedding,
