@@ -138,3 +138,26 @@ def test_compiled_update_keeps_compiling_past_eight_chunk_shapes() -> None:
     optimizer = CopyingAdamW(params, chunks=[[p] for p in params], compiled=counter, **OPTIONS)
     _train(optimizer, params, 1, None)
     assert counter.frame_count == 10
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_tuned_update_asks_inductor_to_time_launch_configurations(backend, monkeypatch) -> None:
+    """tuned=True: the chunk update compiles with inductor's pointwise autotuning and coordinate
+    descent (launch configurations timed on the device, the same arithmetic); other backends
+    and tuned=False compile as before."""
+    seen = []
+
+    def compile_spy(fn, **kwargs):
+        seen.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile_spy)
+    for tuned in (True, False):
+        CopyingAdamW(_params(torch.float32), compiled=backend, tuned=tuned, **OPTIONS)
+    tuned_options, plain_options = (kwargs["options"] for kwargs in seen)
+    assert plain_options is None
+    if backend == "inductor":
+        assert tuned_options == {"max_autotune_pointwise": True, "coordinate_descent_tuning": True}
+    else:
+        assert tuned_options is None
+    assert all(kwargs["backend"] == backend and kwargs["dynamic"] is False for kwargs in seen)
