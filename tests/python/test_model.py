@@ -151,11 +151,11 @@ def test_per_token_rows_equal_indexing_forward_and_backward(
 def test_split_pieces_and_gathered_rows_equal_indexing(
     num_sequences: int, multiple: int, monkeypatch
 ) -> None:
-    """per_token_pieces with one GEMM a piece, and gathered_per_token (indexing forward, one-hot
+    """per_token_pieces with one GEMM a piece, and gathered_pieces (indexing forward, one-hot
     GEMM backward): indexing's values exactly, its row gradients in float64; a piece whose
     gradient does not come (the gate of a block's last region unused, say) counts as zero."""
     from zellige.model import conditioning
-    from zellige.model.conditioning import gathered_per_token, per_token_pieces
+    from zellige.model.conditioning import gathered_pieces, per_token_pieces
 
     monkeypatch.setattr(conditioning, "_row_multiple", multiple)
     monkeypatch.setattr(conditioning, "_split_pieces", True)
@@ -178,9 +178,10 @@ def test_split_pieces_and_gathered_rows_equal_indexing(
     torch.testing.assert_close(split.grad, reference.grad, rtol=1e-15, atol=1e-15)
 
     gathered = rows.clone().requires_grad_()
-    out = gathered_per_token(gathered, index)
-    torch.testing.assert_close(out, rows[index], rtol=0, atol=0)
-    out.backward(grad)
+    pieces = gathered_pieces(gathered, index)
+    for k, piece in enumerate(pieces):
+        torch.testing.assert_close(piece, rows[index][:, k], rtol=0, atol=0)
+    torch.autograd.backward([pieces[k] for k in used], [grad[:, k] for k in used])
     torch.testing.assert_close(gathered.grad, reference.grad, rtol=1e-15, atol=1e-15)
 
 

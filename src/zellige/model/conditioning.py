@@ -78,7 +78,7 @@ def set_split_pieces(enabled: bool) -> None:
 
 def set_gathered_head(enabled: bool) -> None:
     """The Wan output head reads each token's shift and scale from its sequence's rows inside
-    its region (gathered_per_token: no [T, 2, D] tensor in the forward) instead of taking
+    its region (gathered_pieces: no [T, 2, D] tensor) instead of taking
     per_token's [T, 2, D]."""
     global _gathered_head
     _gathered_head = bool(enabled)
@@ -126,35 +126,41 @@ def per_token_pieces(rows_SKD: Tensor, sequence_index_T: Tensor) -> tuple[Tensor
     return tuple(one_hot_TS @ rows_SD for rows_SD in rows_SKD.unbind(dim=1))
 
 
-class _GatheredRows(torch.autograd.Function):
-    """rows_SKD[sequence_index_T] by indexing (compiled, a consumer reads the rows in place: no
-    [T, K, D] tensor is written); the backward is per_token's one-hot GEMM, which sums each
-    sequence's tokens without atomics."""
+class _GatheredPieces(torch.autograd.Function):
+    """The K pieces [T, D] of rows_SKD[sequence_index_T] by indexing (compiled, a consumer reads
+    the rows in place: no [T, K, D] tensor is written); the backward is per_token's one-hot GEMM,
+    one a piece, which sums each sequence's tokens without atomics and takes each piece's
+    gradient as it comes (no [T, K, D] stack of them)."""
 
     @staticmethod
-    def forward(ctx, rows_SKD: Tensor, sequence_index_T: Tensor) -> Tensor:
+    def forward(ctx, rows_SKD: Tensor, sequence_index_T: Tensor) -> tuple[Tensor, ...]:
         ctx.save_for_backward(sequence_index_T)
         ctx.num_sequences = rows_SKD.shape[0]
-        return rows_SKD[sequence_index_T]
+        ctx.set_materialize_grads(False)
+        return tuple(rows_SD[sequence_index_T] for rows_SD in rows_SKD.unbind(dim=1))
 
     @staticmethod
-    def backward(ctx, grad_TKD: Tensor):
+    def backward(ctx, *grads_TD: Tensor | None):
         (sequence_index_T,) = ctx.saved_tensors
         num_sequences = ctx.num_sequences
-        one_hot_TS = _one_hot(sequence_index_T, num_sequences, grad_TKD.dtype)
-        grad_SF = one_hot_TS.transpose(0, 1) @ grad_TKD.flatten(1)
-        return grad_SF[:num_sequences].unflatten(1, grad_TKD.shape[1:]), None
+        given = next(g for g in grads_TD if g is not None)
+        one_hot_ST = _one_hot(sequence_index_T, num_sequences, given.dtype).transpose(0, 1)
+        rows = [
+            given.new_zeros(one_hot_ST.shape[0], given.shape[1]) if g is None else one_hot_ST @ g
+            for g in grads_TD
+        ]
+        return torch.stack(rows, dim=1)[:num_sequences], None
 
 
-def gathered_per_token(rows_SKD: Tensor, sequence_index_T: Tensor) -> Tensor:
-    """per_token's value ([T, K, D]) by indexing, per_token's GEMM in the backward: for a
-    compiled region that reads each token's rows (the output head), where the gather fuses into
-    the kernel that uses it and the [T, K, D] tensor is neither written nor read."""
-    return _GatheredRows.apply(rows_SKD, sequence_index_T)
+def gathered_pieces(rows_SKD: Tensor, sequence_index_T: Tensor) -> tuple[Tensor, ...]:
+    """per_token_pieces' values by indexing, its GEMMs in the backward: for a compiled region
+    that reads each token's rows (the output head), where the gathers fuse into the kernel that
+    uses them and no [T, K, D] tensor is written or read."""
+    return _GatheredPieces.apply(rows_SKD, sequence_index_T)
 
 
 def padded_rows(rows_SKD: Tensor) -> Tensor:
-    """rows_SKD with zero rows up to the row multiple: for gathered_per_token in a compiled
+    """rows_SKD with zero rows up to the row multiple: for gathered_pieces in a compiled
     region, whose graphs then never see a count of 1 sequence (torch.compile specialises sizes
     0 and 1: a one-clip step would compile the region again), and whose backward GEMM gets
     aligned rows."""

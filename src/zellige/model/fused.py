@@ -24,7 +24,7 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 from torch import Tensor
 
-from zellige.model.conditioning import gathered_per_token
+from zellige.model.conditioning import gathered_pieces
 from zellige.model.rope import rope_tables
 
 
@@ -277,10 +277,12 @@ def output_head_gathered(
     weights: tuple[Tensor, ...],
 ) -> Tensor:
     """output_head with each token's shift and scale read from its sequence's rows [S, 2, D]
-    (conditioning.gathered_per_token: compiled, the norm's kernel reads the rows in place, and
-    the forward neither writes nor reads a [T, 2, D] tensor)."""
-    modulation_T2D = gathered_per_token(rows_S2D, sequence_index_T)
-    return output_head(x_TD, modulation_T2D, eps, weights)
+    (conditioning.gathered_pieces: compiled, the norm's kernel reads the rows in place; no
+    [T, 2, D] tensor is written in the forward, and the backward's one-hot GEMMs take the shift's
+    gradient, the linear map's input gradient, as it is)."""
+    weight, bias = weights
+    shift_TD, scale_TD = gathered_pieces(rows_S2D, sequence_index_T)
+    return F.linear(modulated_layer_norm(x_TD, shift_TD, scale_TD, eps), weight, bias)
 
 
 def squared_error_sum(predicted_TC: Tensor, target_TC: Tensor) -> Tensor:
