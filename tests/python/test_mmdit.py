@@ -339,3 +339,25 @@ def test_compiled_regions_equal_eager_and_compile_once() -> None:
     # single_stream_out, the head's modulated_layer_norm
     assert graphs_first_step == 7  # the six regions and the RoPE tables
     assert counter.frame_count == graphs_first_step  # no compilation after the first step
+
+
+def test_split_modulation_leaves_loss_and_gradients(monkeypatch) -> None:
+    """conditioning.set_split_pieces (one one-hot GEMM per modulation piece): the MMDiT's loss
+    exactly (the GEMMs select exactly) and, in float64, its gradients."""
+    from zellige.model import conditioning
+
+    rows, timesteps = _joint_rows(seed=3)
+    tokens = _tokens(rows, timesteps, [0, 1, 2, 3])
+
+    def loss_and_grads(split: bool):
+        monkeypatch.setattr(conditioning, "_split_pieces", split)
+        model = _model()
+        loss = model(tokens).square().sum()
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    loss, grads = loss_and_grads(False)
+    loss_split, grads_split = loss_and_grads(True)
+    torch.testing.assert_close(loss_split, loss, rtol=0, atol=0)
+    for grad, grad_split in zip(grads, grads_split, strict=True):
+        torch.testing.assert_close(grad_split, grad, rtol=1e-12, atol=1e-14)
