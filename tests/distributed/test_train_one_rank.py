@@ -182,3 +182,21 @@ def test_compiled_steps_leave_full_collections_little_to_traverse(tmp_path: Path
     assert report["frozen_after"] == 0
     auto = runs["auto"]
     assert all(step["traversed"] > auto["before"] / 2 for step in auto["steps"])
+
+
+def test_split_modulation_and_gathered_head_train_as_the_default(tmp_path: Path) -> None:
+    """The modulation's one-hot GEMM per piece and the head's gathered rows (bench variants
+    :split-modulation, :gathered-head) in float64 training with clipping on every step: the
+    default path's losses and final parameters to float64 rounding (the forward selects the
+    same rows; the gradients' sums over tokens may be ordered differently)."""
+    runs = _runs(
+        tmp_path,
+        "float64",
+        "default=split_modulation:false,gathered_head:false",
+        "new=split_modulation:true,gathered_head:true",
+    )
+    assert _clipped_every_step(runs["default"])
+    assert runs["new"]["losses"][0] == runs["default"]["losses"][0]
+    for got, want in zip(runs["new"]["losses"], runs["default"]["losses"], strict=True):
+        assert abs(got - want) <= 1e-12 * abs(want)
+    assert _largest_relative_difference(runs["new"]["params"], runs["default"]["params"]) < 1e-10
