@@ -29,14 +29,14 @@ optimizer the backward's bf16 gradients (no fp32 gradients, their norm taken as 
 ":split-modulation" makes each modulation piece (shift, scale, gate) by a one-hot GEMM of its own
 (no [T, K, D] stack of their gradients in the backward); ":gathered-head" has the Wan output head's
 compiled region read each token's shift and scale from its sequence's rows (no [T, 2, D] tensor in
-the forward). ":tuned-update" has inductor time launch configurations of the copying optimizer's
-kernels when they compile (the same arithmetic). ":sync-steps" ends every step with a full sync and
-reads its metrics then (by default a step's metrics are read during the next step, after its
-backward is issued: no idle device between steps; training's metrics_one_step_late). Its step times
-start after the sync at each step's start, so they leave out the host's work between steps (the
-metrics' gather and writes, the next step's start); the column "wall step s" is the device's time
-per step from the end of the warm-up to the last step's end, gaps included, the same measure for
-both.
+the forward). ":stacked-modulation", ":one-hot-head" and ":untuned-update" turn them off.
+":tuned-update" has inductor time launch configurations of the copying optimizer's kernels when they
+compile (the same arithmetic). ":sync-steps" ends every step with a full sync and reads its metrics
+then (by default a step's metrics are read during the next step, after its backward is issued: no
+idle device between steps; training's metrics_one_step_late). Its step times start after the sync at
+each step's start, so they leave out the host's work between steps (the metrics' gather and writes,
+the next step's start); the column "wall step s" is the device's time per step from the end of the
+warm-up to the last step's end, gaps included, the same measure for both.
 Every step's predicted and measured peak are listed, and each step's line its full garbage
 collections (count, seconds), those between it and the step before, and torch.compile's events in
 it (0 after the warm-up: no recompilation).
@@ -96,6 +96,10 @@ VARIANTS = {
     "tuned-update": {"tune_optimizer_kernels": True},
     "split-modulation": {"split_modulation": True},
     "gathered-head": {"gathered_head": True},
+    # the three above off, whatever the defaults
+    "stacked-modulation": {"split_modulation": False},
+    "one-hot-head": {"gathered_head": False},
+    "untuned-update": {"tune_optimizer_kernels": False},
 }
 
 
