@@ -134,10 +134,6 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
     name = "cudnn-fe"
     # cuDNN graphs kept per process (each holds its execution plan); oldest dropped first
     max_graphs = 64
-    # "heuristic": cuDNN's first plan; "fastest": every plan that builds, timed on the first
-    # call of each graph (its inputs), the fastest kept
-    plans = "heuristic"
-    implementation = "AUTO"  # cudnn.attention_implementation of the forward
 
     def __init__(self) -> None:
         import cudnn  # noqa: F401  (ImportError: the package is not installed)
@@ -190,8 +186,7 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
 
     # -- graphs ----------------------------------------------------------------------------
     def _graph(self, backward: bool, dtype, n, head_dim, shape, totals, scale, device):
-        key = (backward, dtype, n, head_dim, shape, totals, scale, device, self.plans,
-               self.implementation)  # fmt: skip
+        key = (backward, dtype, n, head_dim, shape, totals, scale, device)
         if key in self._graphs:
             self._graphs[key] = self._graphs.pop(key)  # most recently used last
             return self._graphs[key]
@@ -235,9 +230,7 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
         if not backward:
             o, stats = graph.sdpa(
                 name="sdpa", q=t["q"], k=t["k"], v=t["v"], generate_stats=True,
-                attn_scale=scale, implementation=getattr(
-                    cudnn.attention_implementation, self.implementation
-                ), **mask,
+                attn_scale=scale, **mask,
             )  # fmt: skip
             mark(o, s_q, "off_q")
             mark(stats, s_q, "off_lse", cudnn.data_type.FLOAT, 1)
@@ -258,11 +251,8 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
         graph.build_operation_graph()
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         graph.check_support()
-        if self.plans == "fastest":
-            graph.build_plans(cudnn.build_plan_policy.ALL)
-        else:
-            graph.build_plans()
-        self._graphs[key] = (graph, t, {})
+        graph.build_plans()
+        self._graphs[key] = (graph, t)
         while len(self._graphs) > self.max_graphs:
             self._graphs.pop(next(iter(self._graphs)))
         return self._graphs[key]
@@ -275,46 +265,14 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
         columns = self._layout_tensors(layout, head_dim, device)
         # the backward's fp32 dq / dk accumulators are sized by tokens: every row of the buffers
         totals = (math.ceil(q.shape[0] / n), math.ceil(buffers["k"].shape[0] / n))
-        graph, t, chosen = self._graph(
+        graph, t = self._graph(
             backward, q.dtype, n, head_dim, columns["shape"], totals if backward else None,
             float(scale), device,
         )  # fmt: skip
         pack = {t[name]: columns[name] for name in ("seq_q", "seq_k", "off_q", "off_k", "off_lse")}
         pack |= {t[name]: tensor for name, tensor in buffers.items()}
-        handle = self._handle(device)
-        if self.plans == "fastest":
-            if "index" not in chosen:
-                chosen["index"], chosen["times_ms"] = self._fastest_plan(graph, pack, handle, device)
-            index = chosen["index"]
-            size = graph.get_workspace_size_plan_at_index(index)
-            workspace = torch.empty(size, dtype=torch.uint8, device=device)
-            graph.execute_plan_at_index(pack, workspace, index, handle=handle)
-            return
         workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
-        graph.execute(pack, workspace, handle=handle)
-
-    @staticmethod
-    def _fastest_plan(graph, pack, handle, device) -> tuple[int, dict]:
-        """The index of the plan that runs this call fastest (median of 3 after one warm-up)
-        and each built plan's time (ms, by name)."""
-        times = {}
-        for index in range(graph.get_execution_plan_count()):
-            size = graph.get_workspace_size_plan_at_index(index)
-            workspace = torch.empty(size, dtype=torch.uint8, device=device)
-            samples = []
-            try:
-                for _ in range(4):
-                    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                    start.record()
-                    graph.execute_plan_at_index(pack, workspace, index, handle=handle)
-                    end.record()
-                    end.synchronize()
-                    samples.append(start.elapsed_time(end))
-            except Exception:  # a plan that does not run on these inputs is not a candidate
-                continue
-            times[index] = (sorted(samples[1:])[1], graph.get_plan_name_at_index(index))
-        best = min(times, key=lambda i: times[i][0])
-        return best, {name: ms for ms, name in times.values()}
+        graph.execute(pack, workspace, handle=self._handle(device))
 
     def forward_into(self, q, k, v, o, lse, layout, scale):
         self._run(False, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, layout, scale)
