@@ -106,7 +106,7 @@ def test_packed_sequences_match_per_sequence_attention(lengths: list[int]) -> No
 def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
     """One ragged call over every group (the math oracle's ragged kernel) computes what the
     per-group dense calls do: outputs, lse and gradients, with gathers and a row no segment
-    covers; auto keeps the groups (no ragged kernel is trusted for automatic use)."""
+    covers; auto keeps the groups (the math oracle is not trusted for automatic use)."""
     from zellige.runtime import coalesced
 
     gen = torch.Generator().manual_seed(3)
@@ -137,10 +137,29 @@ def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
     for grouped, ragged in zip(*results, strict=True):
         torch.testing.assert_close(ragged, grouped, rtol=0, atol=1e-12)
     assert torch.isinf(results[1][1][-heads:]).all()
-    assert coalesced._ragged_choice(table, q, None, None) is None  # CPU: no ragged kernel
-    assert coalesced._ragged_choice(table, q, "math", "auto") is None  # the oracle: not auto
+    assert coalesced._ragged_choice(table, q, k, None, None) is None  # CPU: no ragged kernel
+    assert coalesced._ragged_choice(table, q, k, "math", "auto") is None  # the oracle: not auto
+    kernel, layout = coalesced._ragged_choice(table, q, k, "math", "ragged")
+    works = [lq * lk for lq, lk in zip(layout.q_lens, layout.k_lens, strict=True)]
+    assert works == sorted(works, reverse=True)  # the most work first
+    assert sorted(zip(layout.q_lens, layout.k_lens, strict=True)) == sorted(lengths)
     with pytest.raises(ValueError, match="merge"):
         coalesced_attention(q, k, v, table, merge="padded")
+
+
+def test_ragged_call_falls_back_to_groups_past_int32_offsets(monkeypatch) -> None:
+    """Rows past cuDNN's int32 ragged offsets run as groups (same results), never a failure."""
+    from zellige.runtime import coalesced
+
+    q = torch.randn(2 * 6, 4, dtype=torch.float64)
+    table = SegmentTable.build([0, 6], [0, 6], [3, 3], [3, 3], [2, 2])
+    table2 = SegmentTable.build([0, 4], [0, 4], [2, 4], [2, 4], [2, 2])
+    assert coalesced._ragged_choice(table2, q, q, "math", "ragged") is not None
+    monkeypatch.setattr(coalesced, "RAGGED_MAX_ELEMENTS", q.numel() - 1)
+    assert coalesced._ragged_choice(table2, q, q, "math", "ragged") is None
+    o = coalesced_attention(q, q, q, table, backend="math", merge="ragged")
+    o_groups = coalesced_attention(q, q, q, table, backend="math", merge="groups")
+    torch.testing.assert_close(o, o_groups, rtol=0, atol=0)
 
 
 def test_ragged_kernel_check_catches_wrong_kernels() -> None:

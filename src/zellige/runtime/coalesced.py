@@ -658,28 +658,33 @@ class _CoalescedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-# Merge policy: "auto" runs one ragged call for tables of at least this many groups (dense calls)
-# with a ragged kernel trusted for automatic use (AUTO_RAGGED_KERNELS: measured faster than the
-# groups on the device, see the module docstring). bench/attention_engine.py measures both paths.
-RAGGED_MIN_CALLS = 4
-AUTO_RAGGED_KERNELS: tuple[str, ...] = ()
+# Merge policy: "auto" runs tables of at least this many dense calls as one ragged call, with a
+# ragged kernel trusted for automatic use (AUTO_RAGGED_KERNELS). The cuDNN frontend's ragged call
+# reached 0.89-1.05 of one dense cuDNN call of the same FLOPs on the twelve packs of
+# bench/attention_engine.py (six recipes, self and joint; one H200, cuDNN 9.19), at or above the
+# groups' rate on every pack, with no copies and one launch
+# (bench/results/attention_engine_h200_202612_ragged.md).
+RAGGED_MIN_CALLS = 2
+AUTO_RAGGED_KERNELS: tuple[str, ...] = ("cudnn-fe",)
 MERGE_CHOICES = ("auto", "groups", "ragged")
+RAGGED_MAX_ELEMENTS = 2**31 - 1  # cuDNN's ragged offsets are int32 element counts
 
 
 def _ragged_layout(table: SegmentTable) -> RaggedLayout | None:
-    """The table's segments as one ragged call sees them, in place in the rows; None unless the
-    segments are disjoint and share one head count."""
+    """The table's segments as one ragged call sees them, in place in the rows, the most work
+    first (a call schedules its batch entries in order: long ones first leave short ones to fill
+    the last wave); None unless the segments are disjoint and share one head count."""
     if "ragged" not in table.merged:
         heads = {g.num_heads for g in table.groups}
         layout = None
         if table.disjoint and len(heads) == 1 and table.groups:
-            layout = RaggedLayout(
-                num_heads=heads.pop(),
-                q_starts=tuple(o for g in table.groups for o in g.q_offsets),
-                k_starts=tuple(o for g in table.groups for o in g.k_offsets),
-                q_lens=tuple(g.q_len for g in table.groups for _ in range(g.count)),
-                k_lens=tuple(g.k_len for g in table.groups for _ in range(g.count)),
-            )
+            segments = sorted(
+                ((g.q_len, g.k_len, q0, k0) for g in table.groups
+                 for q0, k0 in zip(g.q_offsets, g.k_offsets, strict=True)),
+                key=lambda s: -s[0] * s[1],
+            )  # fmt: skip
+            q_lens, k_lens, q_starts, k_starts = zip(*segments, strict=True)
+            layout = RaggedLayout(heads.pop(), q_starts, k_starts, q_lens, k_lens)
         table.merged["ragged"] = layout
     return table.merged["ragged"]
 
@@ -728,10 +733,14 @@ class _RaggedAttention(torch.autograd.Function):
 
 
 def _ragged_choice(
-    table: SegmentTable, q_rows: Tensor, backend: str | None, merge: str | None
+    table: SegmentTable, q_rows: Tensor, k_rows: Tensor, backend: str | None, merge: str | None
 ) -> tuple[RaggedKernel, RaggedLayout] | None:
     """The merge policy: (kernel, layout) when this table runs as one ragged call."""
-    if merge == "groups" or table.padded:
+    if (
+        merge == "groups"
+        or table.padded
+        or max(q_rows.numel(), k_rows.numel()) > RAGGED_MAX_ELEMENTS
+    ):
         return None
     if merge == "auto" and table.num_calls < RAGGED_MIN_CALLS:
         return None
@@ -803,17 +812,19 @@ def coalesced_attention(
     (key_split_ok); 0: never; None: the device's measured value (runtime/merging.py
     key_split_for_device; 0 where nothing was measured).
     merge: "groups" (one dense call per group, or as the table's own padded merges say),
-    "ragged" (one ragged call where a checked ragged kernel exists: cuDNN on CUDA, or the math
-    oracle with backend="math"; measurements only, see the module docstring), or "auto"/None
-    ($ZELLIGE_ATTENTION_MERGE, else: nearby lengths merged into padded calls where the device's
-    measured call costs say it pays (runtime/merging.py), the rest as groups).
+    "ragged" (one ragged call where a checked ragged kernel exists: the cuDNN frontend on CUDA,
+    or the math oracle with backend="math"; else as "groups"), or "auto"/None
+    ($ZELLIGE_ATTENTION_MERGE, else: one ragged call for a disjoint table of RAGGED_MIN_CALLS or
+    more calls where a kernel of AUTO_RAGGED_KERNELS passes its check (runtime/ragged.py: the
+    `nvidia-cudnn-frontend` package installed); otherwise nearby lengths merged into padded calls
+    where the device's measured call costs say it pays (runtime/merging.py), the rest as groups).
     """
     merge = merge or os.environ.get("ZELLIGE_ATTENTION_MERGE") or "auto"
     if merge not in MERGE_CHOICES:
         raise ValueError(f"unknown attention merge '{merge}' (allowed: {', '.join(MERGE_CHOICES)})")
     head_dim = q_rows.shape[-1]
     scale_or_default = default_scale(head_dim) if scale is None else scale
-    ragged = _ragged_choice(table, q_rows, backend, merge)
+    ragged = _ragged_choice(table, q_rows, k_rows, backend, merge)
     if ragged is not None:
         o_rows, lse_rows = _RaggedAttention.apply(
             q_rows, k_rows, v_rows, table, ragged[1], ragged[0], scale_or_default

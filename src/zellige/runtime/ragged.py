@@ -133,7 +133,7 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
 
     name = "cudnn-fe"
     # cuDNN graphs kept per process (each holds its execution plan); oldest dropped first
-    max_graphs = 64
+    max_graphs = 256
 
     def __init__(self) -> None:
         import cudnn  # noqa: F401  (ImportError: the package is not installed)
