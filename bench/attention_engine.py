@@ -11,8 +11,8 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
   coalesced-auto   zellige.runtime.coalesced_attention as the engine calls it (automatic kernel
                    and merge policy)
   coalesced-groups the same, one dense cuDNN call per group of equal lengths (merge="groups")
-  coalesced-ragged the same, one ragged cuDNN call over the whole pack (merge="ragged"; run
-                   last per pack: on torch 2.11 it broke the CUDA context on a pack of 8)
+  coalesced-ragged the same, one ragged cuDNN call over the whole pack, in place in the rows
+                   (merge="ragged": runtime/ragged.py, the cuDNN frontend package)
   coalesced-Nstreams  groups round-robin on N CUDA streams (--streams)
   coalesced-flash  the grouping with FlashAttention-2 dense kernels (--flash-groups)
   fa2-varlen       packed FlashAttention-2 varlen as shipped in torch (target: auto >= 1.4x)
@@ -63,6 +63,7 @@ from zellige.runtime.coalesced import (
     key_split_ok,
     planned_table,
 )
+from zellige.runtime.ragged import ragged_kernel_for
 
 aten = torch.ops.aten
 DEVICE = "cuda"  # --smoke runs the script's logic on the CPU with tiny shapes
@@ -403,10 +404,8 @@ def main() -> None:
     split_ok = key_split_ok(K.kernel_for(device, torch.bfloat16, head_dim), device,
                             torch.bfloat16, head_dim)  # fmt: skip
     print(f"split forward (--key-split) passes its check against math on {auto}: {split_ok}")
-    ragged = K.ragged_kernel_for(device, torch.bfloat16, head_dim)
-    ragged_name = None if ragged is None else f"{ragged.name} (lse token-major: "
-    if ragged is not None:
-        ragged_name += f"{getattr(ragged, 'lse_token_major', True)})"
+    ragged = ragged_kernel_for(device, torch.bfloat16, head_dim)
+    ragged_name = None if ragged is None else ragged.name
     print(
         f"kernels passing the check against math (bf16, H={head_dim}): {verified}; auto={auto}; "
         f"ragged: {ragged_name}"

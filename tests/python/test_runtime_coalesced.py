@@ -106,7 +106,7 @@ def test_packed_sequences_match_per_sequence_attention(lengths: list[int]) -> No
 def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
     """One ragged call over every group (the math oracle's ragged kernel) computes what the
     per-group dense calls do: outputs, lse and gradients, with gathers and a row no segment
-    covers; auto keeps the groups (no ragged kernel is trusted for automatic use)."""
+    covers; auto keeps the groups (the math oracle is not trusted for automatic use)."""
     from zellige.runtime import coalesced
 
     gen = torch.Generator().manual_seed(3)
@@ -137,27 +137,65 @@ def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
     for grouped, ragged in zip(*results, strict=True):
         torch.testing.assert_close(ragged, grouped, rtol=0, atol=1e-12)
     assert torch.isinf(results[1][1][-heads:]).all()
-    assert coalesced._ragged_choice(table, q, None, None) is None  # CPU: no ragged kernel
-    assert coalesced._ragged_choice(table, q, "math", "auto") is None  # the oracle: not auto
+    assert coalesced._ragged_choice(table, q, k, None, None) is None  # CPU: no ragged kernel
+    assert coalesced._ragged_choice(table, q, k, "math", "auto") is None  # the oracle: not auto
+    kernel, layout = coalesced._ragged_choice(table, q, k, "math", "ragged")
+    works = [lq * lk for lq, lk in zip(layout.q_lens, layout.k_lens, strict=True)]
+    assert works == sorted(works, reverse=True)  # the most work first
+    assert sorted(zip(layout.q_lens, layout.k_lens, strict=True)) == sorted(lengths)
     with pytest.raises(ValueError, match="merge"):
         coalesced_attention(q, k, v, table, merge="padded")
 
 
-def test_ragged_kernel_check_catches_long_sequence_errors() -> None:
-    """The check that gates a ragged kernel passes the math oracle and fails a kernel that is
-    right on short sequences only (as torch 2.11's ragged cuDNN backward was: dq wrong from
-    512 tokens on)."""
-    from zellige.runtime import kernels as K
+def test_ragged_call_falls_back_to_groups_past_int32_offsets(monkeypatch) -> None:
+    """Rows past cuDNN's int32 ragged offsets run as groups (same results), never a failure."""
+    from zellige.runtime import coalesced
 
-    class WrongWhenLong(K.MathRaggedKernel):
-        def backward(self, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale):
-            dq, dk, dv = super().backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale)
-            bounds = cu_q.tolist()
-            for a, b in zip(bounds, bounds[1:], strict=False):
-                if b - a >= 512:
-                    dq[a:b] *= 2
-            return dq, dk, dv
+    q = torch.randn(2 * 6, 4, dtype=torch.float64)
+    table = SegmentTable.build([0, 6], [0, 6], [3, 3], [3, 3], [2, 2])
+    table2 = SegmentTable.build([0, 4], [0, 4], [2, 4], [2, 4], [2, 2])
+    assert coalesced._ragged_choice(table2, q, q, "math", "ragged") is not None
+    monkeypatch.setattr(coalesced, "RAGGED_MAX_ELEMENTS", q.numel() - 1)
+    assert coalesced._ragged_choice(table2, q, q, "math", "ragged") is None
+    o = coalesced_attention(q, q, q, table, backend="math", merge="ragged")
+    o_groups = coalesced_attention(q, q, q, table, backend="math", merge="groups")
+    torch.testing.assert_close(o, o_groups, rtol=0, atol=0)
+
+
+def test_ragged_kernel_check_catches_wrong_kernels() -> None:
+    """The check that gates a ragged kernel passes the math oracle and fails kernels that are
+    right on short segments only (as torch 2.11's ragged cuDNN backward was: dq wrong from 512
+    tokens on) or that write rows outside their segments."""
+    from zellige.runtime import ragged as R
+
+    class WrongWhenLong(R.MathRaggedKernel):
+        def backward_into(self, do, q, k, v, o, lse, dq, dk, dv, layout, scale):
+            super().backward_into(do, q, k, v, o, lse, dq, dk, dv, layout, scale)
+            for (q0, q1, _, _), length in zip(layout.spans(), layout.q_lens, strict=True):
+                if length >= 512:
+                    dq[q0:q1] *= 2
+
+    class WritesTheGaps(R.MathRaggedKernel):
+        def forward_into(self, q, k, v, o, lse, layout, scale):
+            super().forward_into(q, k, v, o, lse, layout, scale)
+            o[layout.q_starts[1] - 1] = 1.0  # the last row before segment 1: a gap row
 
     cpu = torch.device("cpu")
-    assert K._ragged_agrees_with_math(K.MathRaggedKernel(), cpu, torch.float32, 16)
-    assert not K._ragged_agrees_with_math(WrongWhenLong(), cpu, torch.float32, 16)
+    assert R._agrees_with_math(R.MathRaggedKernel(), cpu, torch.float32, 16)
+    assert not R._agrees_with_math(WrongWhenLong(), cpu, torch.float32, 16)
+    assert not R._agrees_with_math(WritesTheGaps(), cpu, torch.float32, 16)
+    assert R.ragged_kernel_for(cpu, torch.float32, 16) is None  # no ragged kernel on the CPU
+    with pytest.raises(ValueError, match="ragged attention backend"):
+        R.ragged_kernel_for(cpu, torch.float32, 16, backend="flash")
+
+
+def test_ragged_layout_rejects_bad_segments_and_buckets_round_up() -> None:
+    from zellige.runtime import ragged as R
+
+    with pytest.raises(ValueError, match="one start and one length"):
+        R.RaggedLayout(2, (0,), (0, 4), (1,), (1,))
+    with pytest.raises(ValueError, match="at least one query"):
+        R.RaggedLayout(2, (0,), (0,), (0,), (1,))
+    assert [R._bucket(v) for v in (1, 8, 9, 12, 13, 16, 17, 1100, 1536, 1537)] == [
+        8, 8, 12, 12, 16, 16, 24, 1536, 1536, 2048,
+    ]  # fmt: skip

@@ -12,13 +12,10 @@ A pack of many distinct lengths makes many small calls, each below the dense rat
 followed by copies of its results into the rows. On CUDA the calls are spread over side streams
 (count: the device's measured call table, runtime/merging.py streams_for_device), so one call's
 copies and last wave run beside another call's kernel; results are the same calls'. merge="ragged"
-runs such a table as ONE ragged call over the packed segments (their cumulative lengths, no
-padding). The automatic policy does not choose it: on an H200 (torch 2.11, cuDNN 9.19) torch's
-ragged cuDNN path builds its cuDNN graph on every call (50-65 ms a call, whatever its size) and
-its backward gives wrong dq / dk from 512 tokens a sequence on (o, lse and dv right;
-bench/attention_ragged_probe.py, bench/results/attention_engine_h200_202612_streams.md). The
-check that admits a ragged kernel (kernels.ragged_kernel_for) now includes a sequence of 1,100
-tokens, so such a build is refused.
+runs such a table as ONE ragged call that reads and writes the segments in place (runtime/ragged.py:
+cuDNN's fused attention through its Python frontend, each segment a batch entry with its own row
+offset and length); the automatic policy chooses it where its kernel is in AUTO_RAGGED_KERNELS
+(measured faster than the groups on the device: bench/attention_engine.py --ragged).
 """
 
 from __future__ import annotations
@@ -35,14 +32,13 @@ from zellige.runtime import recompute
 from zellige.runtime.kernels import (
     Kernel,
     MathKernel,
-    RaggedKernel,
     default_scale,
     kernel_for,
     key_mask,
     lse_dtype,
     masked_kernel_for,
-    ragged_kernel_for,
 )
+from zellige.runtime.ragged import RaggedKernel, RaggedLayout, ragged_kernel_for
 
 Tensor = torch.Tensor
 RowIndex = slice | Tensor  # a contiguous run of rows, or a gather index
@@ -662,90 +658,39 @@ class _CoalescedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-# Merge policy: "auto" runs one ragged call for tables of at least this many groups (dense calls)
-# only with a ragged kernel trusted for automatic use (AUTO_RAGGED_KERNELS; none today, see the
-# module docstring). bench/attention_engine.py measures both paths on its packs.
-RAGGED_MIN_CALLS = 4
-AUTO_RAGGED_KERNELS: tuple[str, ...] = ()
+# Merge policy: "auto" runs tables of at least this many dense calls as one ragged call, with a
+# ragged kernel trusted for automatic use (AUTO_RAGGED_KERNELS). The cuDNN frontend's ragged call
+# reached 0.89-1.05 of one dense cuDNN call of the same FLOPs on the twelve packs of
+# bench/attention_engine.py (six recipes, self and joint; one H200, cuDNN 9.19), at or above the
+# groups' rate on every pack, with no copies and one launch
+# (bench/results/attention_engine_h200_202612_ragged.md).
+RAGGED_MIN_CALLS = 2
+AUTO_RAGGED_KERNELS: tuple[str, ...] = ("cudnn-fe",)
 MERGE_CHOICES = ("auto", "groups", "ragged")
+RAGGED_MAX_ELEMENTS = 2**31 - 1  # cuDNN's ragged offsets are int32 element counts
 
 
-@dataclass(frozen=True, slots=True)
-class RaggedLayout:
-    """The groups' segments packed back to back in group order (each group's dense rows as they
-    are), as one ragged call sees them: cumulative query / key lengths on the device."""
-
-    num_heads: int
-    cu_q: Tensor  # int32 [segments + 1]
-    cu_k: Tensor
-    max_q: int
-    max_k: int
-    q_rows_per_group: tuple[int, ...]
-    k_rows_per_group: tuple[int, ...]
-
-
-def _ragged_layout(table: SegmentTable, device: torch.device) -> RaggedLayout | None:
-    """None unless the segments are disjoint and share one head count (one [T, n, H] buffer)."""
+def _ragged_layout(table: SegmentTable) -> RaggedLayout | None:
+    """The table's segments as one ragged call sees them, in place in the rows, the most work
+    first (a call schedules its batch entries in order: long ones first leave short ones to fill
+    the last wave); None unless the segments are disjoint and share one head count."""
     if "ragged" not in table.merged:
         heads = {g.num_heads for g in table.groups}
         layout = None
-        if table.disjoint and len(heads) == 1:
-            q_lens = [g.q_len for g in table.groups for _ in range(g.count)]
-            k_lens = [g.k_len for g in table.groups for _ in range(g.count)]
-
-            def cumulative(lengths: list[int]) -> Tensor:
-                bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-                return to_device(torch.from_numpy(bounds), device)
-
-            n = heads.pop()
-            layout = RaggedLayout(
-                num_heads=n,
-                cu_q=cumulative(q_lens),
-                cu_k=cumulative(k_lens),
-                max_q=max(q_lens),
-                max_k=max(k_lens),
-                q_rows_per_group=tuple(g.count * g.q_len * n for g in table.groups),
-                k_rows_per_group=tuple(g.count * g.k_len * n for g in table.groups),
-            )
+        if table.disjoint and len(heads) == 1 and table.groups:
+            segments = sorted(
+                ((g.q_len, g.k_len, q0, k0) for g in table.groups
+                 for q0, k0 in zip(g.q_offsets, g.k_offsets, strict=True)),
+                key=lambda s: -s[0] * s[1],
+            )  # fmt: skip
+            q_lens, k_lens, q_starts, k_starts = zip(*segments, strict=True)
+            layout = RaggedLayout(heads.pop(), q_starts, k_starts, q_lens, k_lens)
         table.merged["ragged"] = layout
     return table.merged["ragged"]
 
 
-def _packed(rows: Tensor, table: SegmentTable, query: bool, num_heads: int) -> Tensor:
-    """Every group's rows, group after group: [sum rows, H] -> [tokens, n, H]."""
-    parts = [_take(rows, g.q_index if query else g.k_index) for g in table.groups]
-    packed = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return packed.view(-1, num_heads, *rows.shape[1:])
-
-
-def _unpack_into(
-    rows: Tensor, packed: Tensor, table: SegmentTable, layout: RaggedLayout, query: bool
-) -> None:
-    sizes = layout.q_rows_per_group if query else layout.k_rows_per_group
-    for g, part in zip(table.groups, packed.reshape(-1, *rows.shape[1:]).split(sizes), strict=True):
-        _put(rows, g.q_index if query else g.k_index, part)
-
-
-def _ragged_forward(q_rows, k_rows, v_rows, table, layout, kernel, scale):
-    n = layout.num_heads
-    o, lse = kernel.forward(
-        _packed(q_rows, table, True, n),
-        _packed(k_rows, table, False, n),
-        _packed(v_rows, table, False, n),
-        layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale,
-    )  # fmt: skip
-    num_q = q_rows.shape[0]
-    o_rows = torch.empty_like(q_rows) if table.q_rows == num_q else torch.zeros_like(q_rows)
-    lse_rows = torch.full(
-        (num_q,), float("-inf"), dtype=lse_dtype(q_rows.dtype), device=q_rows.device
-    )
-    _unpack_into(o_rows, o, table, layout, True)
-    _unpack_into(lse_rows, lse.to(lse_rows.dtype), table, layout, True)
-    return o_rows, lse_rows
-
-
 class _RaggedAttention(torch.autograd.Function):
-    """The same function as _CoalescedAttention, as one ragged kernel call over all groups."""
+    """The same function as _CoalescedAttention, as one ragged kernel call over all segments."""
 
     @staticmethod
     def forward(ctx, q_rows, k_rows, v_rows, table, layout, kernel, scale):
@@ -754,7 +699,13 @@ class _RaggedAttention(torch.autograd.Function):
         if kept is not None:  # a checkpointed block's recompute: the forward's outputs
             o_rows, lse_rows = kept
         else:
-            o_rows, lse_rows = _ragged_forward(q_rows, k_rows, v_rows, table, layout, kernel, scale)
+            num_q = q_rows.shape[0]
+            covered = table.q_rows == num_q
+            o_rows = torch.empty_like(q_rows) if covered else torch.zeros_like(q_rows)
+            lse_rows = torch.full(
+                (num_q,), float("-inf"), dtype=lse_dtype(q_rows.dtype), device=q_rows.device
+            )
+            kernel.forward_into(q_rows, k_rows, v_rows, o_rows, lse_rows, layout, scale)
             recompute.keep(o_rows, lse_rows)
         ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
         ctx.table, ctx.layout, ctx.kernel, ctx.scale = table, layout, kernel, scale
@@ -764,28 +715,32 @@ class _RaggedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_rows, _dlse):
         q_rows, k_rows, v_rows, o_rows, lse_rows = ctx.saved_tensors
-        table, layout, n = ctx.table, ctx.layout, ctx.layout.num_heads
-        do_rows = do_rows.contiguous()
-        q, o, do = (_packed(t, table, True, n) for t in (q_rows, o_rows, do_rows))
-        k, v = (_packed(t, table, False, n) for t in (k_rows, v_rows))
-        lse = _packed(lse_rows[:, None], table, True, n).reshape(-1, n)
-        dq, dk, dv = ctx.kernel.backward(
-            do, q, k, v, o, lse, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, ctx.scale
-        )
+        table = ctx.table
         grads = []
-        for rows, packed, query in ((q_rows, dq, True), (k_rows, dk, False), (v_rows, dv, False)):
-            covered = (table.q_rows if query else table.k_rows) == rows.shape[0]
-            out = torch.empty_like(rows) if covered else torch.zeros_like(rows)
-            _unpack_into(out, packed, table, layout, query)
-            grads.append(out)
+        for rows, covered_rows in (
+            (q_rows, table.q_rows),
+            (k_rows, table.k_rows),
+            (v_rows, table.k_rows),
+        ):
+            grads.append(
+                torch.empty_like(rows) if covered_rows == rows.shape[0] else torch.zeros_like(rows)
+            )
+        ctx.kernel.backward_into(
+            do_rows.contiguous(), q_rows, k_rows, v_rows, o_rows, lse_rows, *grads, ctx.layout,
+            ctx.scale,
+        )  # fmt: skip
         return *grads, None, None, None, None
 
 
 def _ragged_choice(
-    table: SegmentTable, q_rows: Tensor, backend: str | None, merge: str | None
+    table: SegmentTable, q_rows: Tensor, k_rows: Tensor, backend: str | None, merge: str | None
 ) -> tuple[RaggedKernel, RaggedLayout] | None:
     """The merge policy: (kernel, layout) when this table runs as one ragged call."""
-    if merge == "groups" or table.padded:
+    if (
+        merge == "groups"
+        or table.padded
+        or max(q_rows.numel(), k_rows.numel()) > RAGGED_MAX_ELEMENTS
+    ):
         return None
     if merge == "auto" and table.num_calls < RAGGED_MIN_CALLS:
         return None
@@ -794,7 +749,7 @@ def _ragged_choice(
     )
     if merge == "auto" and kernel is not None and kernel.name not in AUTO_RAGGED_KERNELS:
         return None
-    layout = _ragged_layout(table, q_rows.device) if kernel is not None else None
+    layout = _ragged_layout(table) if kernel is not None else None
     return None if layout is None else (kernel, layout)
 
 
@@ -857,17 +812,19 @@ def coalesced_attention(
     (key_split_ok); 0: never; None: the device's measured value (runtime/merging.py
     key_split_for_device; 0 where nothing was measured).
     merge: "groups" (one dense call per group, or as the table's own padded merges say),
-    "ragged" (one ragged call where a checked ragged kernel exists: cuDNN on CUDA, or the math
-    oracle with backend="math"; measurements only, see the module docstring), or "auto"/None
-    ($ZELLIGE_ATTENTION_MERGE, else: nearby lengths merged into padded calls where the device's
-    measured call costs say it pays (runtime/merging.py), the rest as groups).
+    "ragged" (one ragged call where a checked ragged kernel exists: the cuDNN frontend on CUDA,
+    or the math oracle with backend="math"; else as "groups"), or "auto"/None
+    ($ZELLIGE_ATTENTION_MERGE, else: one ragged call for a disjoint table of RAGGED_MIN_CALLS or
+    more calls where a kernel of AUTO_RAGGED_KERNELS passes its check (runtime/ragged.py: the
+    `nvidia-cudnn-frontend` package installed); otherwise nearby lengths merged into padded calls
+    where the device's measured call costs say it pays (runtime/merging.py), the rest as groups).
     """
     merge = merge or os.environ.get("ZELLIGE_ATTENTION_MERGE") or "auto"
     if merge not in MERGE_CHOICES:
         raise ValueError(f"unknown attention merge '{merge}' (allowed: {', '.join(MERGE_CHOICES)})")
     head_dim = q_rows.shape[-1]
     scale_or_default = default_scale(head_dim) if scale is None else scale
-    ragged = _ragged_choice(table, q_rows, backend, merge)
+    ragged = _ragged_choice(table, q_rows, k_rows, backend, merge)
     if ragged is not None:
         o_rows, lse_rows = _RaggedAttention.apply(
             q_rows, k_rows, v_rows, table, ragged[1], ragged[0], scale_or_default

@@ -1,0 +1,376 @@
+"""Ragged attention: many sequences of different lengths in ONE kernel call, read and written in
+place in the engine's row buffers.
+
+Rows: a row is one (token, head) pair of head_dim values, as in runtime/coalesced.py. Segment i
+is q_lens[i] query tokens x n heads starting at row q_starts[i] of q_rows (token-major,
+[q_len, n, H]), attending to k_lens[i] key tokens at row k_starts[i] of k_rows / v_rows. The
+segments may sit anywhere in the buffers (gaps, any order), but no two share a row: results are
+written, not added. A kernel writes o / lse (forward) and dq / dk / dv (backward) only on the
+segments' rows; the caller fills the other rows (zero output, -inf lse, zero gradients).
+
+The cuDNN frontend kernel (CudnnFrontendRaggedKernel) passes each segment's start as a "ragged
+offset" and its length as the padding mask's sequence length, so one fused call covers the whole
+pack with no gather or scatter copies. Its graphs are built once per shape bucket (segment count
+and longest lengths rounded up, see `_bucket`) and cached; each kernel is checked against the
+math oracle (one sequence at a time) on an uneven layout with a gap, reversed keys and a sequence
+of over 1k tokens before first use (`ragged_kernel_for`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from zellige.runtime.kernels import MathKernel
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedLayout:
+    """Where each segment's rows are (host ints; see the module docstring)."""
+
+    num_heads: int
+    q_starts: tuple[int, ...]
+    k_starts: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    # per-kernel device tensors made from the above (offsets, lengths), built on first use
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        counts = {len(self.q_starts), len(self.k_starts), len(self.q_lens), len(self.k_lens)}
+        if len(counts) != 1 or not self.q_lens:
+            raise ValueError("a ragged layout needs one start and one length per segment, >= 1")
+        if min(self.q_lens) < 1 or min(self.k_lens) < 1 or self.num_heads < 1:
+            raise ValueError("ragged segments need at least one query, one key and one head")
+
+    @property
+    def count(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def q_rows(self) -> int:
+        """Rows the segments cover in q_rows."""
+        return sum(self.q_lens) * self.num_heads
+
+    @property
+    def k_rows(self) -> int:
+        return sum(self.k_lens) * self.num_heads
+
+    def spans(self):
+        """(q0, q1, k0, k1) row spans of each segment."""
+        n = self.num_heads
+        for qs, ks, lq, lk in zip(
+            self.q_starts, self.k_starts, self.q_lens, self.k_lens, strict=True
+        ):
+            yield qs, qs + lq * n, ks, ks + lk * n
+
+
+class RaggedKernel:
+    """Attention of every segment of a RaggedLayout in one call (see the module docstring).
+    q / k / v / o / do and the gradients are row buffers [R, H]; lse is [Rq] (float32, float64
+    for float64 rows)."""
+
+    name = "base"
+
+    def forward_into(self, q, k, v, o, lse, layout: RaggedLayout, scale: float) -> None:
+        raise NotImplementedError
+
+    def backward_into(self, do, q, k, v, o, lse, dq, dk, dv, layout, scale) -> None:
+        raise NotImplementedError
+
+
+def _dense(rows: Tensor, start: int, end: int, n: int) -> Tensor:
+    """A segment's rows [L * n, H] as the dense kernels' [1, n, L, H] view."""
+    return rows[start:end].view(-1, n, rows.shape[-1]).transpose(0, 1)[None]
+
+
+class MathRaggedKernel(RaggedKernel):
+    """The math kernel, one segment at a time: any device and dtype; the oracle."""
+
+    name = "math"
+
+    def forward_into(self, q, k, v, o, lse, layout, scale):
+        math_kernel, n = MathKernel(), layout.num_heads
+        for q0, q1, k0, k1 in layout.spans():
+            o_part, lse_part = math_kernel.forward(
+                _dense(q, q0, q1, n), _dense(k, k0, k1, n), _dense(v, k0, k1, n), scale
+            )
+            o[q0:q1] = o_part[0].transpose(0, 1).reshape(-1, q.shape[-1])
+            lse[q0:q1] = lse_part[0].transpose(0, 1).reshape(-1)
+
+    def backward_into(self, do, q, k, v, o, lse, dq, dk, dv, layout, scale):
+        math_kernel, n = MathKernel(), layout.num_heads
+        for q0, q1, k0, k1 in layout.spans():
+            lse_part = lse[q0:q1].view(-1, n).transpose(0, 1)[None]
+            grads = math_kernel.backward(
+                _dense(do, q0, q1, n), _dense(q, q0, q1, n), _dense(k, k0, k1, n),
+                _dense(v, k0, k1, n), _dense(o, q0, q1, n), lse_part, scale,
+            )  # fmt: skip
+            for out, grad, (a, b) in zip(
+                (dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1)), strict=True
+            ):
+                out[a:b] = grad[0].transpose(0, 1).reshape(-1, q.shape[-1])
+
+
+def _bucket(value: int) -> int:
+    """Graph dimensions rounded up to 2^k or 1.5 * 2^k (at least 8): a new batch rarely needs
+    a new cuDNN graph, and a bucket wastes at most a third of a call's (empty, exiting) tiles."""
+    value = max(value, 8)
+    power = 1 << (value - 1).bit_length()
+    return power * 3 // 4 if power * 3 // 4 >= value else power
+
+
+class CudnnFrontendRaggedKernel(RaggedKernel):
+    """cuDNN's fused attention through its Python frontend (the `nvidia-cudnn-frontend` package,
+    imported as `cudnn`): segments are batch entries of a padding-masked call whose ragged
+    offsets point at each segment's first row, so the call reads and writes the engine's rows in
+    place. bf16 / fp16 on CUDA."""
+
+    name = "cudnn-fe"
+    # cuDNN graphs kept per process (each holds its execution plan); oldest dropped first
+    max_graphs = 256
+
+    def __init__(self) -> None:
+        import cudnn  # noqa: F401  (ImportError: the package is not installed)
+
+        self._graphs: dict[tuple, tuple] = {}
+        self._handles: dict[int, int] = {}
+
+    # -- device tensors of a layout --------------------------------------------------------
+    def _layout_tensors(self, layout: RaggedLayout, head_dim: int, device: torch.device):
+        key = (self.name, device, head_dim)
+        if key not in layout.cache:
+            count = _bucket(layout.count)
+
+            def column(values, scale: int, extra: int = 0) -> Tensor:
+                # entries past the real segments: length 0 (no work), offset 0
+                out = np.zeros(count + extra, dtype=np.int64)
+                out[: layout.count] = np.asarray(values, dtype=np.int64) * scale
+                if out.max(initial=0) >= 2**31:
+                    raise ValueError("ragged attention: row offsets past 2^31 elements")
+                return torch.from_numpy(out.astype(np.int32)).view(-1, 1, 1, 1)
+
+            host = {
+                "seq_q": column(layout.q_lens, 1),
+                "seq_k": column(layout.k_lens, 1),
+                "off_q": column(layout.q_starts, head_dim, 1),
+                "off_k": column(layout.k_starts, head_dim, 1),
+                "off_lse": column(layout.q_starts, 1, 1),
+            }
+            pinned = {name: t.pin_memory() for name, t in host.items()}
+            layout.cache[key] = {
+                name: t.to(device, non_blocking=True) for name, t in pinned.items()
+            }
+            layout.cache[key]["shape"] = (
+                count,
+                _bucket(max(layout.q_lens)),
+                _bucket(max(layout.k_lens)),
+            )
+        return layout.cache[key]
+
+    def _handle(self, device: torch.device) -> int:
+        import cudnn
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._handles:
+            with torch.cuda.device(index):
+                self._handles[index] = cudnn.create_handle()
+        handle = self._handles[index]
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(index).cuda_stream)
+        return handle
+
+    # -- graphs ----------------------------------------------------------------------------
+    def _graph(self, backward: bool, dtype, n, head_dim, shape, totals, scale, device):
+        key = (backward, dtype, n, head_dim, shape, totals, scale, device)
+        if key in self._graphs:
+            self._graphs[key] = self._graphs.pop(key)  # most recently used last
+            return self._graphs[key]
+        import cudnn
+
+        io_type = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[
+            dtype
+        ]
+        graph = cudnn.pygraph(
+            io_data_type=io_type,
+            intermediate_data_type=cudnn.data_type.FLOAT,
+            compute_data_type=cudnn.data_type.FLOAT,
+            handle=self._handle(device),
+        )
+        count, s_q, s_k = shape
+
+        def scalar_column(name: str, length: int):
+            return graph.tensor(
+                name=name, dim=[length, 1, 1, 1], stride=[1, 1, 1, 1],
+                data_type=cudnn.data_type.INT32,
+            )  # fmt: skip
+
+        t = {name: scalar_column(name, count) for name in ("seq_q", "seq_k")}
+        t |= {name: scalar_column(name, count + 1) for name in ("off_q", "off_k", "off_lse")}
+
+        def rows(name, s, offset, data_type=io_type, width=head_dim):
+            # [count, n, s, width] over token-major rows: batch entry b starts at its offset
+            return graph.tensor(
+                name=name, dim=[count, n, s, width], stride=[s * n * width, width, n * width, 1],
+                data_type=data_type, ragged_offset=t[offset],
+            )  # fmt: skip
+
+        def mark(tensor, s, offset, data_type=io_type, width=head_dim):
+            tensor.set_output(True).set_dim([count, n, s, width]).set_stride(
+                [s * n * width, width, n * width, 1]
+            ).set_data_type(data_type).set_ragged_offset(t[offset])
+
+        for name, s, offset in (("q", s_q, "off_q"), ("k", s_k, "off_k"), ("v", s_k, "off_k")):
+            t[name] = rows(name, s, offset)
+        mask = dict(use_padding_mask=True, seq_len_q=t["seq_q"], seq_len_kv=t["seq_k"])
+        if not backward:
+            o, stats = graph.sdpa(
+                name="sdpa", q=t["q"], k=t["k"], v=t["v"], generate_stats=True,
+                attn_scale=scale, **mask,
+            )  # fmt: skip
+            mark(o, s_q, "off_q")
+            mark(stats, s_q, "off_lse", cudnn.data_type.FLOAT, 1)
+            t["o"], t["lse"] = o, stats
+        else:
+            t["o"], t["do"] = rows("o", s_q, "off_q"), rows("do", s_q, "off_q")
+            t["lse"] = rows("lse", s_q, "off_lse", cudnn.data_type.FLOAT, 1)
+            dq, dk, dv = graph.sdpa_backward(
+                name="sdpa_backward", q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["do"],
+                stats=t["lse"], attn_scale=scale, max_total_seq_len_q=totals[0],
+                max_total_seq_len_kv=totals[1], **mask,
+            )  # fmt: skip
+            mark(dq, s_q, "off_q")
+            mark(dk, s_k, "off_k")
+            mark(dv, s_k, "off_k")
+            t["dq"], t["dk"], t["dv"] = dq, dk, dv
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        self._graphs[key] = (graph, t)
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.pop(next(iter(self._graphs)))
+        return self._graphs[key]
+
+    def _run(self, backward: bool, buffers: dict, layout: RaggedLayout, scale: float) -> None:
+        q = buffers["q"]
+        device, head_dim, n = q.device, q.shape[-1], layout.num_heads
+        if q.dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda":
+            raise ValueError("the cuDNN frontend ragged kernel takes bf16 / fp16 rows on CUDA")
+        columns = self._layout_tensors(layout, head_dim, device)
+        # the backward's fp32 dq / dk accumulators are sized by tokens: every row of the buffers
+        totals = (math.ceil(q.shape[0] / n), math.ceil(buffers["k"].shape[0] / n))
+        graph, t = self._graph(
+            backward, q.dtype, n, head_dim, columns["shape"], totals if backward else None,
+            float(scale), device,
+        )  # fmt: skip
+        pack = {t[name]: columns[name] for name in ("seq_q", "seq_k", "off_q", "off_k", "off_lse")}
+        pack |= {t[name]: tensor for name, tensor in buffers.items()}
+        workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
+        graph.execute(pack, workspace, handle=self._handle(device))
+
+    def forward_into(self, q, k, v, o, lse, layout, scale):
+        self._run(False, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, layout, scale)
+
+    def backward_into(self, do, q, k, v, o, lse, dq, dk, dv, layout, scale):
+        buffers = {
+            "do": do,
+            "q": q,
+            "k": k,
+            "v": v,
+            "o": o,
+            "lse": lse,
+            "dq": dq,
+            "dk": dk,
+            "dv": dv,
+        }
+        self._run(True, buffers, layout, scale)
+
+
+def check_layout(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """The uneven layout the check runs (rows, layout, gen): three segments of 37, 5 and 1,100
+    query tokens (the last longer than 1k: torch 2.11's ragged cuDNN backward was right on short
+    sequences only), keys in reverse order, a gap of uncovered rows between queries."""
+    heads, q_lens, k_lens = 3, (37, 5, 1100), (53, 5, 1029)
+    gap = 7 * heads
+    q_starts, row = [], 0
+    for length in q_lens:
+        q_starts.append(row)
+        row += length * heads + gap
+    q_rows = row
+    k_starts, row = [0] * 3, 0
+    for i in reversed(range(3)):
+        k_starts[i] = row
+        row += k_lens[i] * heads
+    layout = RaggedLayout(heads, tuple(q_starts), tuple(k_starts), q_lens, k_lens)
+    return q_rows, row, layout
+
+
+def _agrees_with_math(kernel: RaggedKernel, device, dtype, head_dim: int) -> bool:
+    """Forward, lse and backward on check_layout against MathRaggedKernel, outputs compared on
+    every row (a kernel that writes outside its segments fails)."""
+    q_rows, k_rows, layout = check_layout(device, dtype, head_dim)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+
+    def rand(rows):
+        return torch.randn(rows, head_dim, generator=gen).to(device, dtype)
+
+    q, do = rand(q_rows), rand(q_rows)
+    k, v = rand(k_rows), rand(k_rows)
+    scale = head_dim**-0.5
+    lse_type = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def run(candidate: RaggedKernel):
+        o = torch.zeros_like(q)
+        lse = torch.full((q_rows,), float("-inf"), dtype=lse_type, device=device)
+        candidate.forward_into(q, k, v, o, lse, layout, scale)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        candidate.backward_into(do, q, k, v, o, lse, dq, dk, dv, layout, scale)
+        return o, lse, dq, dk, dv
+
+    try:
+        got = run(kernel)
+    except (RuntimeError, TypeError, NotImplementedError, ValueError, AttributeError, KeyError):
+        return False
+    want = run(MathRaggedKernel())
+    tolerance = {torch.float64: 1e-9, torch.float32: 2e-3}.get(dtype, 5e-2)
+    for a, b in zip(got, want, strict=True):
+        finite = torch.isfinite(b)
+        if not torch.equal(finite, torch.isfinite(a)):
+            return False
+        a, b = a[finite].float(), b[finite].float()
+        if not bool((a - b).abs().max() <= tolerance * b.abs().max().clamp_min(1e-6)):
+            return False
+    return True
+
+
+_verified: dict[tuple, RaggedKernel | None] = {}
+
+
+def ragged_kernel_for(
+    device: torch.device, dtype: torch.dtype, head_dim: int, backend: str | None = None
+) -> RaggedKernel | None:
+    """A ragged kernel for this device/dtype that agrees with the math oracle, or None. backend:
+    "math" for the oracle itself (any device: tests), None for the cuDNN frontend on CUDA
+    (bf16 / fp16, where the `cudnn` package is installed)."""
+    if backend == "math":
+        return MathRaggedKernel()
+    if backend not in (None, "cudnn-fe"):
+        raise ValueError(f"unknown ragged attention backend '{backend}' (allowed: cudnn-fe, math)")
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    key = (device.type, dtype, head_dim)
+    if key not in _verified:
+        _verified[key] = None
+        try:
+            kernel = CudnnFrontendRaggedKernel()
+        except (ImportError, OSError, RuntimeError):
+            kernel = None
+        if kernel is not None and _agrees_with_math(kernel, device, dtype, head_dim):
+            _verified[key] = kernel
+    return _verified[key]
