@@ -27,9 +27,10 @@ AdamW update's compiled pass (zellige.train.optimizer) instead of casting them a
 start; ":torch-adamw" is torch's fused AdamW and the cast; ":bf16-grads" (with it) hands the
 optimizer the backward's bf16 gradients (no fp32 gradients, their norm taken as they arrive).
 ":split-modulation" makes each modulation piece (shift, scale, gate) by a one-hot GEMM of its own
-(no [T, K, D] stack of their gradients in the backward); ":gathered-head" has the Wan output head's
-compiled region read each token's shift and scale from its sequence's rows (no [T, 2, D] tensor in
-the forward). ":stacked-modulation", ":one-hot-head" and ":untuned-update" turn them off.
+(no [T, K, D] stack of their gradients in the backward); ":gathered-head" (the default) has the Wan
+output head's compiled region read each token's shift and scale from its sequence's rows (no
+[T, 2, D] tensor in the forward), ":one-hot-head" gives them to it from per_token's one-hot GEMM
+(the head before). ":stacked-modulation" and ":untuned-update" turn the other two off.
 ":tuned-update" has inductor time launch configurations of the copying optimizer's kernels when they
 compile (the same arithmetic). ":sync-steps" ends every step with a full sync and reads its metrics
 then (by default a step's metrics are read during the next step, after its backward is issued: no

