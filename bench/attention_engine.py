@@ -60,6 +60,7 @@ from zellige.runtime.coalesced import (
     RAGGED_MIN_CALLS,
     _dense,
     _for_each_group,
+    _ragged_choice,
     key_split_ok,
     planned_table,
 )
@@ -465,14 +466,20 @@ def main() -> None:
         }
         auto_table = planned_table(table, q.view(-1, head_dim))
         costs = merging.costs_for_device(torch.device(DEVICE))
+        rows = q.view(-1, head_dim)
+        ragged = _ragged_choice(table, rows, rows, None, "auto")
         entry["auto_plan"] = {
-            "calls": auto_table.num_calls,
+            "calls": 1 if ragged else auto_table.num_calls,
+            "ragged": None if ragged is None else ragged[0].name,
             "padded": [[q for q, _ in p.member_shapes] for p in auto_table.padded],
             "costs": None if costs is None else costs.source,
         }
         plan = entry["auto_plan"]
-        print(f"{recipe}: auto runs {plan['calls']} calls (padded: {plan['padded']}); "
-              f"costs: {plan['costs']}", flush=True)  # fmt: skip
+        if ragged is not None:
+            print(f"{recipe}: auto runs one ragged call ({plan['ragged']})", flush=True)
+        else:
+            print(f"{recipe}: auto runs {plan['calls']} calls (padded: {plan['padded']}); "
+                  f"costs: {plan['costs']}", flush=True)  # fmt: skip
         dense_length = max(64, round(math.sqrt(square_sum) / 64) * 64)
         dense_repeat = max(5, args.repeat)  # the reference of every ratio: a steadier median
         timings = {"dense-cudnn": bench_dense(dense_length, heads, head_dim, dense_repeat, gen)}
