@@ -3,8 +3,9 @@
 For each recipe of bench/attention_engine.py (self and --joint packs, the same `make_pack`), the
 kernel's forward_into / backward_into on ready row buffers, segments in both orders (most work
 first, as the engine lays them, and the reverse), against torch SDPA on cuDNN for one sequence of
-the pack's FLOPs (L = sqrt(sum L_i^2)). Medians of --repeat CUDA-event timings after a warm-up
-(the first call of a shape builds its cuDNN graphs). Needs CUDA and `nvidia-cudnn-frontend`.
+the pack's FLOPs (L = sqrt(sum L_i^2)). Medians of --repeat device timings after a warm-up, as
+attention_engine.py takes them (the first call of a shape builds its cuDNN graphs). Needs CUDA
+and `nvidia-cudnn-frontend`.
 
     python3 bench/attention_ragged_probe.py --out ragged.json
 """
@@ -19,22 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_engine import RECIPES, make_pack
+from attention_engine import RECIPES, make_pack, median_time_s
 from zellige.runtime.ragged import CudnnFrontendRaggedKernel, RaggedLayout
 
 
 def median_ms(fn, repeat: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median_time_s(fn, repeat) * 1e3  # device time, as attention_engine.py measures it
 
 
 def dense_ms(length: int, heads: int, head_dim: int, repeat: int) -> tuple[float, float]:
@@ -77,7 +68,10 @@ def main() -> None:
     for joint in (True, False):
         for recipe in args.recipes:
             lengths = make_pack(recipe, 98304, 0, joint)
-            dense = dense_ms(int(math.sqrt(sum(x * x for x in lengths))), n, head_dim, args.repeat)
+            # as attention_engine.py: the nearest multiple of 64 (of L and L + 64 one is a multiple
+            # of 128, where cuDNN's forward is faster: the same reference as the engine's bench)
+            dense_length = max(64, round(math.sqrt(sum(x * x for x in lengths)) / 64) * 64)
+            dense = dense_ms(dense_length, n, head_dim, args.repeat)
             tokens = sum(lengths)
             buffers = {
                 name: torch.randn(tokens * n, head_dim, device="cuda", dtype=torch.bfloat16)
