@@ -63,6 +63,7 @@ _TABLE_LISTS = (
 )
 _INTEGERS = ("attention_head_dim", "runtime_reserved_bytes", "attention_streams")
 _STRINGS = ("device_name", "created")
+_BOOLEANS = ("attention_ragged",)
 _FIELDS = (
     "device_name",
     "created",
@@ -74,6 +75,7 @@ _FIELDS = (
     "attention_call_backward_s",
     "attention_streams",
     "attention_stream_overlap",
+    "attention_ragged",
     "exchange_group_sizes",
     "exchange_intra_node_s",
     "exchange_overlap",
@@ -146,6 +148,11 @@ def profile_from_dict(data: Any) -> HardwareProfile:
     for key in _INTEGERS:
         if key in data:
             setattr(profile, key, _integer(data[key], key))
+    for key in _BOOLEANS:
+        if key in data:
+            if not isinstance(data[key], bool):
+                raise ValueError(f"{key} must be true or false, got {data[key]!r}")
+            setattr(profile, key, data[key])
     for key in _TABLE_FIELDS:
         if key in data:
             setattr(profile, key, _table(data[key], key))

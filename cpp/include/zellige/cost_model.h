@@ -292,6 +292,17 @@ class CostModel {
     CallKey key{};
     int64_t segments = 1;
   };
+  // The engine's tables that run as one ragged call under profile.attention_ragged
+  // (runtime/attention.py): 0 a rank's local self- or joint attention (whole sequences, every
+  // head), 1 its Ulysses-exchanged sequences, 2 its cross-attention; -1 a ring step (its own
+  // calls, never ragged).
+  static constexpr int kRaggedKinds = 3;
+  int ragged_kind(const CallKey& key) const;
+  // Per kind, whether a rank with these calls (sorted by key) runs that table as one ragged
+  // call: attention_ragged, two or more distinct calls, one head count (the engine's
+  // coalesced._ragged_choice; a rank's tables are disjoint).
+  std::array<bool, kRaggedKinds> ragged_tables(std::vector<RankCall>::const_iterator first,
+                                               std::vector<RankCall>::const_iterator last) const;
   // Appends one RankCall per segment (rank: placement.ranks[position]).
   void add_attention_calls(const Sequence& sequence, const Placement& placement,
                            std::vector<RankCall>* calls) const;
