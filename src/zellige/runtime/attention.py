@@ -14,8 +14,6 @@ Legend: T held tokens, N heads, H head dim; *_rows are [rows, H] with row = toke
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from zellige.runtime import recompute
@@ -25,6 +23,7 @@ from zellige.runtime.coalesced import (
     backward_into,
     coalesced_attention,
     forward_into,
+    merge_policy,
 )
 from zellige.runtime.exchange import all_to_all_rows, p2p, wait_all
 from zellige.runtime.kernels import Kernel, default_scale, kernel_for, lse_dtype
@@ -50,7 +49,7 @@ def _ragged(table: SegmentTable, q: Tensor, k: Tensor, backend: str | None):
     (coalesced._ragged_choice, as coalesced_attention decides it), else None. The step's local and
     exchanged tables are disjoint and written whole (accumulate=False), as a ragged call writes;
     ring steps add into their rows and keep their groups."""
-    return _ragged_choice(table, q, k, backend, os.environ.get("ZELLIGE_ATTENTION_MERGE") or "auto")
+    return _ragged_choice(table, q, k, backend, merge_policy())
 
 
 def _table_forward(table, kernel, scale, q, k, v, o, lse, backend) -> None:
