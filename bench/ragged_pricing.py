@@ -4,7 +4,7 @@
    holding every sequence of the pack whole, its self-attention through the step program
    (zellige.runtime.distributed_attention on the rank's local table), forward and backward GPU
    time and host issue time, under the merge policy "groups" (dense calls) and "auto" (one
-   ragged call where the cuDNN frontend is installed and checked).
+   ragged call where the cuDNN frontend is installed and checked; JSON key "ragged").
 2. Launch: the host issue time of a training step of the model's stack (profiler launch rows'
    tiny ranks: 1 sequence, and LAUNCH_SEQUENCES distinct lengths) under "groups" and "auto":
    what a ragged call costs the host against the dense calls it replaces.
@@ -137,8 +137,8 @@ def main() -> None:
         for recipe in RECIPES[:2] if args.quick else RECIPES:
             lengths = attention_engine.make_pack(recipe, 98304, 0, joint, shrink)
             row = {"recipe": recipe, "joint": joint, "lengths": lengths}
-            for merge in ("groups", ragged_merge):
-                row[merge] = pack_times(lengths, device, dtype, merge, backend, args.repeats)
+            for key, merge in (("groups", "groups"), ("ragged", ragged_merge)):
+                row[key] = pack_times(lengths, device, dtype, merge, backend, args.repeats)
             result["packs"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "lengths"}), flush=True)
             with open(args.out, "w") as f:
@@ -146,8 +146,8 @@ def main() -> None:
     for model in args.models.split(","):
         model = "tiny" if args.quick else model
         result["launch"][model] = {
-            merge: launch_times(model, device, dtype, merge, args.quick)
-            for merge in ("groups", ragged_merge)
+            key: launch_times(model, device, dtype, merge, args.quick)
+            for key, merge in (("groups", "groups"), ("ragged", ragged_merge))
         }
         print(model, json.dumps(result["launch"][model]), flush=True)
         with open(args.out, "w") as f:

@@ -1,0 +1,77 @@
+"""How a profile's per-head attention tables predict one ragged call over a pack.
+
+Reads measured ragged-call times of the packs of bench/attention_engine.py (make_pack 98304,
+seed 0, 24 heads x 128) and prints, per pack, the measured forward and backward time against
+the rule the cost model prices a ragged table with (profile attention_ragged): every segment at
+the per-head tables, no call's excess. Two inputs are read:
+  - a kernel-level probe (a JSON list of rows with "recipe", "joint" and "desc-heuristic-AUTO":
+    [forward ms, backward ms, ...], the ragged call as the engine issues it);
+  - bench/ragged_pricing.py's JSON (packs with "lengths" and "ragged" {"forward_s",
+    "backward_s"}: the step program's local table as one ragged call).
+
+    python bench/ragged_fit.py MEASURED.json [--profile PROFILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from attention_engine import make_pack
+from zellige.profile import load_profile
+
+HEADS, HEAD_DIM = 24, 128
+
+
+def rows_of(data) -> list[tuple[str, bool, list[int], float, float]]:
+    """(recipe, joint, lengths, forward s, backward s) of every pack measured."""
+    if isinstance(data, list):  # the kernel-level probe
+        return [
+            (
+                row["recipe"],
+                row["joint"],
+                make_pack(row["recipe"], 98304, 0, row["joint"]),
+                row["desc-heuristic-AUTO"][0] / 1e3,
+                row["desc-heuristic-AUTO"][1] / 1e3,
+            )
+            for row in data
+        ]
+    return [
+        (p["recipe"], p["joint"], p["lengths"], p["ragged"]["forward_s"], p["ragged"]["backward_s"])
+        for p in data["packs"]
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("measured")
+    parser.add_argument("--profile", help="profile JSON (default: the built-in H200 profile)")
+    args = parser.parse_args()
+    profile = load_profile(args.profile)
+    forward, backward = profile.attention_forward_s_per_head, profile.attention_backward_s_per_head
+    scale = HEAD_DIM / profile.attention_head_dim
+    with open(args.measured) as f:
+        rows = rows_of(json.load(f))
+    print("| pack | joint | lengths | fwd ms measured | predicted | error | bwd ms measured "
+          "| predicted | error |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    errors: dict[str, list[float]] = {"forward": [], "backward": []}
+    for recipe, joint, lengths, fwd_s, bwd_s in rows:
+        cells = [recipe, "yes" if joint else "no", str(len(lengths))]
+        for name, table, measured_s in (("forward", forward, fwd_s), ("backward", backward, bwd_s)):
+            predicted_s = sum(HEADS * scale * table(length) for length in lengths)
+            error = predicted_s / measured_s - 1
+            errors[name].append(error)
+            cells += [f"{measured_s * 1e3:.2f}", f"{predicted_s * 1e3:.2f}", f"{100 * error:+.1f}%"]
+        print("| " + " | ".join(cells) + " |")
+    for name, values in errors.items():
+        print(
+            f"{name}: mean error {100 * statistics.mean(values):+.1f}%, MAPE "
+            f"{100 * statistics.mean(abs(e) for e in values):.1f}%, largest "
+            f"{100 * max(abs(e) for e in values):.1f}%"
+        )
+
+
+if __name__ == "__main__":
+    main()
