@@ -23,8 +23,8 @@ constexpr int64_t kCrossTag = -2;
 // Host issue of one ragged call (forward + backward), in attention calls of the profile's launch
 // rows (launch_s_per_attention_call: one dense call of the groups). bench/attention_engine.py on
 // one H200 measured 1.79 and 2.07 ms for the ragged call of the opensora2-stage1 and wan-stage2
-// joint packs against 0.51 and 0.44 ms per dense call of their groups (/work/team/gpu/lead6
-// joint.json, host_ms): 3.5 and 4.7 calls.
+// joint packs against 0.51 and 0.44 ms per dense call of their groups: 3.5 and 4.7 calls
+// (bench/results/ragged_pricing_h200_202612.md).
 constexpr double kRaggedCallLaunches = 4.0;
 constexpr int64_t kRaggedMinCalls = 2;  // runtime/coalesced.py RAGGED_MIN_CALLS
 
@@ -1161,7 +1161,8 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
       if (kind >= 0 && ragged[kind]) {
         // One ragged call runs every segment at the per-head tables' rate (0.89-1.05 of one
         // dense call of the same FLOPs on the twelve packs of bench/attention_engine.py, within
-        // the tables' own error; docs/cost_model.md): none of the excess the shares priced.
+        // the tables' own error; bench/results/ragged_pricing_h200_202612.md): none of the
+        // excess the shares priced.
         rank.call_s -= layers * call_heads * call_excess_per_head_s(lq, lk, heads);
         continue;
       }

@@ -81,7 +81,8 @@ struct RankCost {
   double call_s = 0;
   double stream_s = 0;
   double launch_floor_s = 0;    // host time to issue the rank's kernels
-  int64_t attention_calls = 0;  // per layer pass: distinct (shape, heads) groups, ring steps apart
+  // per layer pass: distinct (shape, heads) groups, ring steps apart; a ragged table one call
+  int64_t attention_calls = 0;
   int64_t checkpointed_layers = 0;  // the first this many layers recompute in the backward
   // The first this many of those recompute their attention too (full recompute): only where
   // keeping every checkpointed layer's attention outputs does not fit.
@@ -222,7 +223,9 @@ class CostModel {
   // of a rank as one call, and call_s gives back what that saves. The launch floor: a rank is
   // not done before its host has issued its kernels (launch_floor_s). A rank's attention with
   // call_s is the per-head tables' time plus each actual call's excess (never negative), and
-  // the floor only adds, so makespan_lower_bound stays a bound.
+  // the floor only adds, so makespan_lower_bound stays a bound. Under profile.attention_ragged
+  // a rank's table that the engine runs as one ragged call (HardwareProfile::attention_ragged)
+  // pays no call's excess and no streams, and counts as kRaggedCallLaunches calls in the floor.
   PlanCost evaluate(const Batch& batch, const Plan& plan) const;
   // The same, memoised in `cache` (see EvaluationCache).
   PlanCost evaluate(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
