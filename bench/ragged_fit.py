@@ -37,10 +37,13 @@ def rows_of(data) -> list[tuple[str, bool, list[int], float, float]]:
             )
             for row in data
         ]
-    return [
-        (p["recipe"], p["joint"], p["lengths"], p["ragged"]["forward_s"], p["ragged"]["backward_s"])
-        for p in data["packs"]
-    ]
+    rows = []
+    for p in data["packs"]:
+        ragged = p["ragged"] if "ragged" in p else p["auto"]  # the key of the first runs
+        rows.append(
+            (p["recipe"], p["joint"], p["lengths"], ragged["forward_s"], ragged["backward_s"])
+        )
+    return rows
 
 
 def main() -> None:
@@ -52,7 +55,8 @@ def main() -> None:
     forward, backward = profile.attention_forward_s_per_head, profile.attention_backward_s_per_head
     scale = HEAD_DIM / profile.attention_head_dim
     with open(args.measured) as f:
-        rows = rows_of(json.load(f))
+        data = json.load(f)
+    rows = rows_of(data)
     print("| pack | joint | lengths | fwd ms measured | predicted | error | bwd ms measured "
           "| predicted | error |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -71,6 +75,36 @@ def main() -> None:
             f"{100 * statistics.mean(abs(e) for e in values):.1f}%, largest "
             f"{100 * max(abs(e) for e in values):.1f}%"
         )
+    if isinstance(data, dict):
+        host_in_dense_calls(data["packs"])
+
+
+def host_in_dense_calls(packs: list[dict]) -> None:
+    """Host issue of the step's attention (forward + backward) by pack: the groups' time is a
+    fixed part per table plus a part per dense call (least squares over the packs); a ragged
+    table's time, less that of a table of one dense call, in dense calls, plus that one."""
+    calls = [len(set(p["lengths"])) for p in packs]
+    groups_s = [sum(p["groups"]["host_s"]) for p in packs]
+    ragged_s = [sum((p["ragged"] if "ragged" in p else p["auto"])["host_s"]) for p in packs]
+    per_call_s, fixed_s = statistics.linear_regression(calls, groups_s)
+    one_call_s = fixed_s + per_call_s
+    print(
+        f"\ngroups host = {fixed_s * 1e3:.2f} ms + {per_call_s * 1e3:.3f} ms per dense call "
+        f"(least squares over {len(packs)} packs); a table of one dense call: "
+        f"{one_call_s * 1e3:.2f} ms"
+    )
+    print(
+        "| pack | joint | dense calls | groups host ms | ragged host ms | ragged in dense calls |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    equivalents = []
+    for p, n, g, r in zip(packs, calls, groups_s, ragged_s, strict=True):
+        equivalents.append(1 + (r - one_call_s) / per_call_s)
+        print(
+            f"| {p['recipe']} | {'yes' if p['joint'] else 'no'} | {n} | {g * 1e3:.2f} | "
+            f"{r * 1e3:.2f} | {equivalents[-1]:+.2f} |"
+        )
+    print(f"a ragged table issues like {statistics.mean(equivalents):+.2f} dense calls on average")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
    what a ragged call costs the host against the dense calls it replaces.
 The predictions are computed from the JSON afterwards (the lengths are in it).
 
-    python bench/ragged_pricing.py --out ragged.json [--models wan-14b,mmdit-11b] [--quick]
+    python bench/ragged_pricing.py --out ragged.json [--packs all|joint|self|none]
+        [--models wan-14b,mmdit-11b (empty: no launch part)] [--quick]
 --quick: a CPU smoke run (shrunk packs, the math ragged kernel under "ragged" in place of "auto").
 """
 
@@ -64,9 +65,10 @@ def pack_times(lengths, device, dtype, merge: str, backend, repeats: int) -> dic
     batch, plan = rank_work.local_plan([(n, 0) for n in lengths])
     step = prepare_step(batch, plan, HEADS, device, rank=0)
     total = sum(lengths)
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)  # on the device: packs of ~100k tokens
     q, k, v, do = (
-        torch.randn(total, HEADS, HEAD_DIM, generator=gen).to(device, dtype) for _ in range(4)
+        torch.randn(total, HEADS, HEAD_DIM, generator=gen, device=device, dtype=dtype)
+        for _ in range(4)
     )
     for t in (q, k, v):
         t.requires_grad_()
@@ -119,6 +121,9 @@ def main() -> None:
     parser.add_argument("--models", default="wan-14b,mmdit-11b")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--packs", choices=("all", "joint", "self", "none"), default="all", help="which packs"
+    )
     args = parser.parse_args()
     import attention_engine  # bench/, next to this file
 
@@ -133,7 +138,8 @@ def main() -> None:
     }
     print(f"engine runs ragged calls: {result['ragged']}", flush=True)
     shrink = 64 if args.quick else 1
-    for joint in (True, False):
+    kinds = {"all": (True, False), "joint": (True,), "self": (False,), "none": ()}[args.packs]
+    for joint in kinds:
         for recipe in RECIPES[:2] if args.quick else RECIPES:
             lengths = attention_engine.make_pack(recipe, 98304, 0, joint, shrink)
             row = {"recipe": recipe, "joint": joint, "lengths": lengths}
@@ -143,7 +149,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "lengths"}), flush=True)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
-    for model in args.models.split(","):
+    for model in args.models.split(",") if args.models else []:
         model = "tiny" if args.quick else model
         result["launch"][model] = {
             key: launch_times(model, device, dtype, merge, args.quick)

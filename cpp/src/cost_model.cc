@@ -20,12 +20,6 @@ namespace {
 // segment, >= 0 a ring step's sequence.
 constexpr int64_t kCrossTag = -2;
 
-// Host issue of one ragged call (forward + backward), in attention calls of the profile's launch
-// rows (launch_s_per_attention_call: one dense call of the groups). bench/attention_engine.py on
-// one H200 measured 1.79 and 2.07 ms for the ragged call of the opensora2-stage1 and wan-stage2
-// joint packs against 0.51 and 0.44 ms per dense call of their groups: 3.5 and 4.7 calls
-// (bench/results/ragged_pricing_h200_202612.md).
-constexpr double kRaggedCallLaunches = 4.0;
 constexpr int64_t kRaggedMinCalls = 2;  // runtime/coalesced.py RAGGED_MIN_CALLS
 
 constexpr double kRouteBytesPerToken = 512;  // latent features + ids, each direction
@@ -1200,14 +1194,14 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
                       serial_s;
       rank.call_s += rank.stream_s;
     }
-    const auto ragged_calls = std::count(ragged.begin(), ragged.end(), true);
-    rank.attention_calls = distinct_calls + ragged_calls;
+    // A ragged table is one call to the host too: in the step program on one H200 it issued in
+    // 1.2-2.0 ms forward + backward, where the groups took 1.9 ms + 0.38 ms per dense call
+    // (bench/results/ragged_pricing_h200_202612.md).
+    rank.attention_calls = distinct_calls + std::count(ragged.begin(), ragged.end(), true);
     if (rank.tokens > 0) {
-      // bit for bit as before without ragged tables (0 x kRaggedCallLaunches adds 0)
-      const double launched_calls = static_cast<double>(distinct_calls) +
-                                    kRaggedCallLaunches * static_cast<double>(ragged_calls);
       rank.launch_floor_s =
-          layers * (launch_s_per_layer_ + launch_s_per_call_ * launched_calls);
+          layers *
+          (launch_s_per_layer_ + launch_s_per_call_ * static_cast<double>(rank.attention_calls));
     }
     // Checkpoint every layer, none, or (adaptive) the fewest whose peak fits, keeping their
     // attention outputs; where even that does not fit, the fewest of them that recompute their

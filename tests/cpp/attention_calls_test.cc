@@ -190,7 +190,7 @@ TEST(AttentionCalls, RaggedTablesRunAtThePerHeadTablesAsOneCallEach) {
   const double layers = 40;
   EXPECT_EQ(cost.ranks[0].attention_calls, 12);
   EXPECT_EQ(ragged_cost.ranks[0].attention_calls, 2);
-  EXPECT_NEAR(ragged_cost.ranks[0].launch_floor_s, layers * (5e-3 + 2 * 4 * 1e-3), 1e-12);
+  EXPECT_NEAR(ragged_cost.ranks[0].launch_floor_s, layers * (5e-3 + 2 * 1e-3), 1e-12);
   EXPECT_LT(ragged_cost.ranks[0].launch_floor_s, cost.ranks[0].launch_floor_s);
   // Each segment at the per-head tables: none of the excess the shares priced.
   EXPECT_NEAR(ragged_cost.ranks[0].attention_s + ragged_cost.ranks[0].call_s,
@@ -220,7 +220,7 @@ TEST(AttentionCalls, RaggedTablesNeedOneHeadCountAndRingStepsStayCalls) {
                      make_placement(3, Strategy::kRing, {6, 7})};
   const PlanCost cost = model.evaluate(batch, plan);
   EXPECT_EQ(cost.ranks[2].attention_calls, 3 + 1);
-  EXPECT_NEAR(cost.ranks[2].launch_floor_s, 40 * (5e-3 + (3 + 4) * 1e-3), 1e-12);
+  EXPECT_NEAR(cost.ranks[2].launch_floor_s, 40 * (5e-3 + (3 + 1) * 1e-3), 1e-12);
   // Without the third sequence, ranks 2 and 3 hold one head count: one ragged call each table.
   Plan two = plan;
   two.placements[2] = make_placement(2, Strategy::kLocal, {5});

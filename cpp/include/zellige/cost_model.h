@@ -225,7 +225,7 @@ class CostModel {
   // call_s is the per-head tables' time plus each actual call's excess (never negative), and
   // the floor only adds, so makespan_lower_bound stays a bound. Under profile.attention_ragged
   // a rank's table that the engine runs as one ragged call (HardwareProfile::attention_ragged)
-  // pays no call's excess and no streams, and counts as kRaggedCallLaunches calls in the floor.
+  // pays no call's excess and no streams, and is one call in the launch floor.
   PlanCost evaluate(const Batch& batch, const Plan& plan) const;
   // The same, memoised in `cache` (see EvaluationCache).
   PlanCost evaluate(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;

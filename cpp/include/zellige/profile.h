@@ -158,8 +158,8 @@ struct HardwareProfile {
   // head count as ONE ragged call (runtime/coalesced.py _ragged_choice: the cuDNN frontend
   // installed and checked). The cost model then prices such a table of a rank (its local self- or
   // joint attention, its Ulysses-exchanged sequences, its cross-attention; never ring steps) at
-  // the per-head tables with no call's excess and no streams, and as kRaggedCallLaunches calls
-  // in the launch floor (cost_model.cc). false (the default): the engine's dense calls.
+  // the per-head tables with no call's excess and no streams, and as one call in the launch
+  // floor (CostModel::evaluate). false (the default): the engine's dense calls.
   bool attention_ragged = false;
 
   // Every non-empty table valid, every value inside the ranges above; throws

@@ -503,8 +503,9 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
         )
         return lambda: rank_work.train_step(blocks, inputs, checkpointing=True)
 
-    # The rows are per dense call (the cost model counts a ragged call as kRaggedCallLaunches of
-    # them): the tiny ranks' tables run as groups whatever this machine's merge policy.
+    # The rows are per dense call (the cost model counts a ragged table as one of them): the
+    # tiny ranks' tables run as groups whatever this machine's merge policy, else the many-length
+    # rank's tables would be single ragged calls and the per-call slope would measure nothing.
     with rank_work.local_exchanges(), merge_policy_set("groups"):
         steps = [
             train_step([LAUNCH_VISUAL_TOKENS]),
