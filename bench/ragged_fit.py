@@ -76,7 +76,27 @@ def main() -> None:
             f"{100 * max(abs(e) for e in values):.1f}%"
         )
     if isinstance(data, dict):
-        host_in_dense_calls(data["packs"])
+        if data["packs"]:
+            host_in_dense_calls(data["packs"])
+        launch_in_dense_calls(data.get("launch", {}))
+
+
+def launch_in_dense_calls(launch: dict) -> None:
+    """The profiler's tiny ranks (1 sequence; LAUNCH_SEQUENCES = 8 distinct lengths) under groups
+    and ragged: the per-call host time of a step from the groups, and a ragged table (the many-
+    length rank's) in those calls. A cross-attention model has two tables (self, cross), an
+    MMDiT one (joint); the 1-sequence rank's tables hold one call each, never ragged."""
+    for model, runs in launch.items():
+        groups, ragged = runs["groups"], runs.get("ragged", runs.get("auto"))
+        tables = 1 if model.startswith("mmdit") else 2
+        per_call_s = (groups["many_s"] - groups["one_s"]) / (tables * 7)
+        equivalent = 1 + (ragged["many_s"] - ragged["one_s"]) / (tables * per_call_s)
+        print(
+            f"{model}: step host 1 sequence {groups['one_s'] * 1e3:.1f} / "
+            f"{ragged['one_s'] * 1e3:.1f} ms, 8 lengths {groups['many_s'] * 1e3:.1f} (groups) / "
+            f"{ragged['many_s'] * 1e3:.1f} ms (ragged); {per_call_s * 1e3:.3f} ms per dense call "
+            f"a step; a ragged table issues like {equivalent:+.2f} dense calls"
+        )
 
 
 def host_in_dense_calls(packs: list[dict]) -> None:
