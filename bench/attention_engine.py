@@ -34,7 +34,10 @@ profile --attention-calls` measures it): the merge policy's costs (runtime/mergi
 --joint: MMDiT packs: every sequence attends jointly with its own text of 256-512 tokens (uniform,
 seeded), so each attended length is visual + text tokens, as the step program lays joint sequences.
 FLOPs: forward 4 N H sum L_i^2, backward 2.5x that. Rates in TFLOP/s; median of --repeat timed
-runs after a warm-up, CUDA events. Prints a table last; --out writes every number as JSON.
+runs after a warm-up, CUDA events around each run queued behind a spin kernel that outlasts its
+host issue, so rates are device time (since 2026-12-02; earlier reports include any device idle
+time while the host issued a run, which penalised methods with more host work). Prints a table
+last; --out writes every number as JSON.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from zellige.runtime.coalesced import (
     RAGGED_MIN_CALLS,
     _dense,
     _for_each_group,
+    _ragged_choice,
     key_split_ok,
     planned_table,
 )
@@ -98,10 +102,30 @@ def make_pack(
 
 
 HOST_S: dict[str, list[float]] = {}  # host issue seconds of the last timed runs, by tag
+_SLEEP_CYCLES_PER_S: list[float] = []  # torch.cuda._sleep's rate on this device, measured once
+
+
+def _busy_device(seconds: float) -> None:
+    """Queue a spin kernel of about `seconds` on the current stream: the timed calls are issued
+    while it runs, so their CUDA-event time is device time, not the host's issue time."""
+    if not _SLEEP_CYCLES_PER_S:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_S.append(10_000_000 / (start.elapsed_time(end) / 1e3))
+    torch.cuda._sleep(int(seconds * _SLEEP_CYCLES_PER_S[0]))
 
 
 def median_time_s(fn: Callable[[], object], repeat: int, tag: str | None = None) -> float:
+    """Median device seconds of fn over `repeat` runs after a warm-up. On CUDA each run is
+    queued behind a spin kernel longer than its host issue time (_busy_device), so host time
+    (reported apart, HOST_S) does not count as device time; a method whose host issue is longer
+    than its device time is host-bound, and the host ms column shows it."""
+    start_s = time.perf_counter()
     fn()  # warm-up
+    issue_s = time.perf_counter() - start_s
     times, host = [], []
     for _ in range(repeat):
         if DEVICE == "cpu":
@@ -112,6 +136,7 @@ def median_time_s(fn: Callable[[], object], repeat: int, tag: str | None = None)
             continue
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _busy_device(max(2 * issue_s, 2e-3))
         start.record()
         start_s = time.perf_counter()
         fn()
@@ -465,14 +490,20 @@ def main() -> None:
         }
         auto_table = planned_table(table, q.view(-1, head_dim))
         costs = merging.costs_for_device(torch.device(DEVICE))
+        rows = q.view(-1, head_dim)
+        ragged = _ragged_choice(table, rows, rows, None, "auto")
         entry["auto_plan"] = {
-            "calls": auto_table.num_calls,
+            "calls": 1 if ragged else auto_table.num_calls,
+            "ragged": None if ragged is None else ragged[0].name,
             "padded": [[q for q, _ in p.member_shapes] for p in auto_table.padded],
             "costs": None if costs is None else costs.source,
         }
         plan = entry["auto_plan"]
-        print(f"{recipe}: auto runs {plan['calls']} calls (padded: {plan['padded']}); "
-              f"costs: {plan['costs']}", flush=True)  # fmt: skip
+        if ragged is not None:
+            print(f"{recipe}: auto runs one ragged call ({plan['ragged']})", flush=True)
+        else:
+            print(f"{recipe}: auto runs {plan['calls']} calls (padded: {plan['padded']}); "
+                  f"costs: {plan['costs']}", flush=True)  # fmt: skip
         dense_length = max(64, round(math.sqrt(square_sum) / 64) * 64)
         dense_repeat = max(5, args.repeat)  # the reference of every ratio: a steadier median
         timings = {"dense-cudnn": bench_dense(dense_length, heads, head_dim, dense_repeat, gen)}

@@ -196,6 +196,8 @@ def test_ragged_layout_rejects_bad_segments_and_buckets_round_up() -> None:
         R.RaggedLayout(2, (0,), (0, 4), (1,), (1,))
     with pytest.raises(ValueError, match="at least one query"):
         R.RaggedLayout(2, (0,), (0,), (0,), (1,))
-    assert [R._bucket(v) for v in (1, 8, 9, 12, 13, 16, 17, 1100, 1536, 1537)] == [
-        8, 8, 12, 12, 16, 16, 24, 1536, 1536, 2048,
-    ]  # fmt: skip
+    assert [R._bucket(v) for v in (1, 8, 9, 12, 13, 16, 17, 33)] == [8, 8, 12, 12, 16, 16, 24, 48]
+    lengths = [1, 100, 128, 129, 1100, 8382, 17436, 76608]
+    assert [R._bucket_length(v) for v in lengths] == [128, 128, 128, 256, 1152, 9216, 18432, 81920]
+    for tokens in range(1, 200_000, 997):  # at most 12.5% (or one 128-token tile) above
+        assert tokens <= R._bucket_length(tokens) <= max(tokens * 1.125, tokens + 127)

@@ -1,0 +1,110 @@
+"""The ragged cuDNN call alone (runtime/ragged.py) on the bench's packs, against one dense call.
+
+For each recipe of bench/attention_engine.py (self and --joint packs, the same `make_pack`), the
+kernel's forward_into / backward_into on ready row buffers, segments in both orders (most work
+first, as the engine lays them, and the reverse), against torch SDPA on cuDNN for one sequence of
+the pack's FLOPs (L = sqrt(sum L_i^2)). Medians of --repeat device timings after a warm-up, as
+attention_engine.py takes them (the first call of a shape builds its cuDNN graphs). Needs CUDA
+and `nvidia-cudnn-frontend`.
+
+    python3 bench/attention_ragged_probe.py --out ragged.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attention_engine import RECIPES, make_pack, median_time_s
+from zellige.runtime.ragged import CudnnFrontendRaggedKernel, RaggedLayout
+
+
+def median_ms(fn, repeat: int) -> float:
+    return median_time_s(fn, repeat) * 1e3  # device time, as attention_engine.py measures it
+
+
+def dense_ms(length: int, heads: int, head_dim: int, repeat: int) -> tuple[float, float]:
+    q, k, v, do = (
+        torch.randn(1, length, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        .transpose(1, 2)
+        .requires_grad_()
+        for _ in range(4)
+    )
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        forward = median_ms(lambda: F.scaled_dot_product_attention(q, k, v), repeat)
+        o = F.scaled_dot_product_attention(q, k, v)
+        backward = median_ms(
+            lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), repeat
+        )
+    return forward, backward
+
+
+def ragged_ms(kernel, buffers: dict, layout: RaggedLayout, scale: float, repeat: int):
+    q, k, v, do, o, lse, dq, dk, dv = (buffers[name] for name in "q k v do o lse dq dk dv".split())
+    forward = median_ms(lambda: kernel.forward_into(q, k, v, o, lse, layout, scale), repeat)
+    backward = median_ms(
+        lambda: kernel.backward_into(do, q, k, v, o, lse, dq, dk, dv, layout, scale), repeat
+    )
+    return forward, backward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipes", nargs="*", default=RECIPES)
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    n, head_dim, scale = args.heads, args.head_dim, args.head_dim**-0.5
+    kernel, rows = CudnnFrontendRaggedKernel(), []
+    print("| pack | joint | seqs | dense ms fwd / bwd | order | ragged ms fwd / bwd | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for joint in (True, False):
+        for recipe in args.recipes:
+            lengths = make_pack(recipe, 98304, 0, joint)
+            # as attention_engine.py: the nearest multiple of 64 (of L and L + 64 one is a multiple
+            # of 128, where cuDNN's forward is faster: the same reference as the engine's bench)
+            dense_length = max(64, round(math.sqrt(sum(x * x for x in lengths)) / 64) * 64)
+            dense = dense_ms(dense_length, n, head_dim, args.repeat)
+            tokens = sum(lengths)
+            buffers = {
+                name: torch.randn(tokens * n, head_dim, device="cuda", dtype=torch.bfloat16)
+                for name in ("q", "k", "v", "do", "o", "dq", "dk", "dv")
+            }
+            buffers["lse"] = torch.empty(tokens * n, device="cuda")
+            for order in ("most-work-first", "least-work-first"):
+                ordered = sorted(lengths, reverse=order == "most-work-first")
+                starts = [0]
+                for length in ordered[:-1]:
+                    starts.append(starts[-1] + length * n)
+                layout = RaggedLayout(
+                    n, tuple(starts), tuple(starts), tuple(ordered), tuple(ordered)
+                )
+                forward, backward = ragged_ms(kernel, buffers, layout, scale, args.repeat)
+                row = {
+                    "recipe": recipe, "joint": joint, "sequences": len(lengths), "order": order,
+                    "dense_ms": dense, "ragged_ms": [forward, backward],
+                    "ratio": [dense[0] / forward, dense[1] / backward],
+                }  # fmt: skip
+                rows.append(row)
+                print(
+                    f"| {recipe} | {joint} | {len(lengths)} | {dense[0]:.2f} / {dense[1]:.2f} | "
+                    f"{order} | {forward:.2f} / {backward:.2f} | "
+                    f"{row['ratio'][0]:.3f} / {row['ratio'][1]:.3f} |",
+                    flush=True,
+                )
+    if args.out:
+        machine = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "cudnn": torch.backends.cudnn.version()}  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump({"machine": machine, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
