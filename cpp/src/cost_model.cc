@@ -20,7 +20,6 @@ namespace {
 // segment, >= 0 a ring step's sequence.
 constexpr int64_t kCrossTag = -2;
 
-constexpr int64_t kRaggedMinCalls = 2;  // runtime/coalesced.py RAGGED_MIN_CALLS
 
 constexpr double kRouteBytesPerToken = 512;  // latent features + ids, each direction
 constexpr int64_t kDefaultReservedBytes = int64_t{3} << 30;

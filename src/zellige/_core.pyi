@@ -1327,6 +1327,8 @@ class CostModel:
 
     def __repr__(self) -> str: ...
 
+RAGGED_MIN_CALLS: int = 2
+
 def stream_assignment(works: _Sequence[int], streams: int) -> list[int]:
     """
     The stream of each attention call of one table (calls most work first): the one with the least work queued so far, the lowest index on ties. The engine and the cost model both use this.

@@ -89,6 +89,11 @@ struct RankCost {
   int64_t full_recompute_layers = 0;
 };
 
+// The least number of dense calls of a table that the engine runs as one ragged call where the
+// profile says it does (attention_ragged): the one value, read by runtime/coalesced.py through
+// zellige._core.RAGGED_MIN_CALLS.
+inline constexpr int64_t kRaggedMinCalls = 2;
+
 // The stream of each attention call of one table, calls in the order given (most work first):
 // the stream with the least work queued so far, the lowest index on ties. The one place this is
 // decided: the engine (runtime/coalesced.py _for_each_group, through zellige._core) issues its

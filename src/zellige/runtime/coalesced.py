@@ -660,12 +660,11 @@ class _CoalescedAttention(torch.autograd.Function):
 
 
 # Merge policy: "auto" runs tables of at least this many dense calls as one ragged call, with a
-# ragged kernel trusted for automatic use (AUTO_RAGGED_KERNELS). The cuDNN frontend's ragged call
-# reached 0.89-1.05 of one dense cuDNN call of the same FLOPs on the twelve packs of
-# bench/attention_engine.py (six recipes, self and joint; one H200, cuDNN 9.19), at or above the
-# groups' rate on every pack, with no copies and one launch
-# (bench/results/attention_engine_h200_202612_ragged.md).
-RAGGED_MIN_CALLS = 2
+# ragged kernel trusted for automatic use (AUTO_RAGGED_KERNELS). On one H200 (cuDNN 9.19) the
+# cuDNN frontend's ragged call ran packs of many short sequences 6-13% faster than the groups
+# and issued every table in a tenth of their host time; on packs of a few long sequences the
+# groups were 3-6% faster (bench/results/attention_engine_h200_202612_ragged.md).
+RAGGED_MIN_CALLS = _core.RAGGED_MIN_CALLS  # the cost model prices the same threshold
 AUTO_RAGGED_KERNELS: tuple[str, ...] = ("cudnn-fe",)
 MERGE_CHOICES = ("auto", "groups", "ragged")
 RAGGED_MAX_ELEMENTS = 2**31 - 1  # cuDNN's ragged offsets are int32 element counts
