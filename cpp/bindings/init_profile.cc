@@ -77,6 +77,7 @@ void init_profile(nb::module_& m) {
       .def_rw("runtime_reserved_bytes", &HardwareProfile::runtime_reserved_bytes)
       .def_rw("attention_streams", &HardwareProfile::attention_streams)
       .def_rw("attention_stream_overlap", &HardwareProfile::attention_stream_overlap)
+      .def_rw("attention_ragged", &HardwareProfile::attention_ragged)
       .def("validate", &HardwareProfile::validate);
   add_value_methods(profile, {"device_name",
                               "created",
@@ -115,7 +116,8 @@ void init_profile(nb::module_& m) {
                               "backward_peak_bytes",
                               "runtime_reserved_bytes",
                               "attention_streams",
-                              "attention_stream_overlap"});
+                              "attention_stream_overlap",
+                              "attention_ragged"});
 
   m.def("analytic_profile", &analytic_profile, nb::arg("device_name"),
         nb::arg("matmul_flops_per_s"), nb::arg("attention_flops_per_s"),

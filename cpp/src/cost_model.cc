@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <stdexcept>
@@ -18,6 +19,7 @@ namespace {
 // A call key's tag (CostModel::CallKey) for cross-attention; -1 is a coalescable self-attention
 // segment, >= 0 a ring step's sequence.
 constexpr int64_t kCrossTag = -2;
+
 
 constexpr double kRouteBytesPerToken = 512;  // latent features + ids, each direction
 constexpr int64_t kDefaultReservedBytes = int64_t{3} << 30;
@@ -377,6 +379,31 @@ void CostModel::position_calls(const Sequence& sequence, const Placement& placem
     }
   }
   if (cross && chunk > 0) keys->push_back({chunk, sequence.text_tokens, all_heads, kCrossTag, 0});
+}
+
+int CostModel::ragged_kind(const CallKey& key) const {
+  if (key[3] == kCrossTag) return 2;
+  if (key[3] != -1) return -1;  // a ring step's sequence
+  return key[2] == model_.num_heads ? 0 : 1;  // a Ulysses rank holds fewer heads than all
+}
+
+std::array<bool, CostModel::kRaggedKinds> CostModel::ragged_tables(
+    std::vector<RankCall>::const_iterator first, std::vector<RankCall>::const_iterator last) const {
+  std::array<bool, kRaggedKinds> ragged{};
+  if (!profile_.attention_ragged) return ragged;
+  std::array<int64_t, kRaggedKinds> calls{}, heads{};
+  std::array<bool, kRaggedKinds> one_head_count{true, true, true};
+  for (auto it = first; it != last; ++it) {
+    if (it != first && std::prev(it)->key == it->key) continue;  // one call per distinct key
+    const int kind = ragged_kind(it->key);
+    if (kind < 0) continue;
+    if (calls[kind]++ == 0) heads[kind] = it->key[2];
+    one_head_count[kind] = one_head_count[kind] && heads[kind] == it->key[2];
+  }
+  for (int kind = 0; kind < kRaggedKinds; ++kind) {
+    ragged[kind] = calls[kind] >= kRaggedMinCalls && one_head_count[kind];
+  }
+  return ragged;
 }
 
 // price_calls = false leaves out every call's excess (the lower bound's shapes).
@@ -1115,14 +1142,24 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     std::sort(first, last, [](const RankCall& a, const RankCall& b) { return a.key < b.key; });
     int64_t distinct_calls = 0;
     streamed.clear();
+    const std::array<bool, kRaggedKinds> ragged = ragged_tables(first, last);
     for (auto it = first; it != last;) {
       const CallKey& key = it->key;
       int64_t segments = 0;
       for (; it != last && it->key == key; ++it) segments += it->segments;
-      ++distinct_calls;
       const double heads = static_cast<double>(key[2]);
       const double call_heads = static_cast<double>(segments) * heads;
       const double lq = static_cast<double>(key[0]), lk = static_cast<double>(key[1]);
+      const int kind = ragged_kind(key);
+      if (kind >= 0 && ragged[kind]) {
+        // One ragged call runs every segment at the per-head tables' rate (0.89-1.05 of one
+        // dense call of the same FLOPs on the twelve packs of bench/attention_engine.py, within
+        // the tables' own error; bench/results/ragged_pricing_h200_202612.md): none of the
+        // excess the shares priced.
+        rank.call_s -= layers * call_heads * call_excess_per_head_s(lq, lk, heads);
+        continue;
+      }
+      ++distinct_calls;
       if (segments > 1) {  // the shares priced each segment as a call of its own
         rank.call_s +=
             layers * call_heads *
@@ -1156,7 +1193,10 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
                       serial_s;
       rank.call_s += rank.stream_s;
     }
-    rank.attention_calls = distinct_calls;
+    // A ragged table is one call to the host too: in the step program on one H200 it issued in
+    // 1.2-2.0 ms forward + backward, where the groups took 1.9 ms + 0.38 ms per dense call
+    // (bench/results/ragged_pricing_h200_202612.md).
+    rank.attention_calls = distinct_calls + std::count(ragged.begin(), ragged.end(), true);
     if (rank.tokens > 0) {
       rank.launch_floor_s =
           layers *
@@ -1409,11 +1449,16 @@ struct LowerBoundSearch {
     const bool cross = !cost.model().joint_attention && shape.text_tokens > 0 && chunk > 0;
     *calls = (r == 1 ? 1 : r) + (cross ? 1 : 0);
     if (cost.call_log_lengths_.empty()) return 0;
+    // A ragged table (profile.attention_ragged) pays no excess, and every segment but a ring
+    // step's may be in one; its one call still counts at least once in the launch floor.
+    const bool ragged = cost.profile_.attention_ragged;
     const double block = static_cast<double>(shape.block_tokens(block_class));
     double layer_s = 0;
     if (r == 1) {
-      layer_s += h * least_excess_per_head_s(block, block, h, h * group_of(self_groups,
-                                                                          shape.unit_tokens));
+      if (!ragged) {
+        layer_s += h * least_excess_per_head_s(block, block, h,
+                                               h * group_of(self_groups, shape.unit_tokens));
+      }
     } else {
       const int64_t head_class =
           std::clamp<int64_t>(heads - num_heads / shape.ulysses_degree, 0, 1);
@@ -1428,7 +1473,7 @@ struct LowerBoundSearch {
         layer_s += count * h * excess;
       }
     }
-    if (cross) {
+    if (cross && !ragged) {
       int slot = 0;
       while (slot < 3 && memo->cross_chunk[slot] != chunk && memo->cross_chunk[slot] >= 0) ++slot;
       if (memo->cross_chunk[slot] != chunk) {

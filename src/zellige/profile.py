@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ _TABLE_LISTS = (
 )
 _INTEGERS = ("attention_head_dim", "runtime_reserved_bytes", "attention_streams")
 _STRINGS = ("device_name", "created")
+_BOOLEANS = ("attention_ragged",)
 _FIELDS = (
     "device_name",
     "created",
@@ -74,6 +76,7 @@ _FIELDS = (
     "attention_call_backward_s",
     "attention_streams",
     "attention_stream_overlap",
+    "attention_ragged",
     "exchange_group_sizes",
     "exchange_intra_node_s",
     "exchange_overlap",
@@ -146,6 +149,11 @@ def profile_from_dict(data: Any) -> HardwareProfile:
     for key in _INTEGERS:
         if key in data:
             setattr(profile, key, _integer(data[key], key))
+    for key in _BOOLEANS:
+        if key in data:
+            if not isinstance(data[key], bool):
+                raise ValueError(f"{key} must be true or false, got {data[key]!r}")
+            setattr(profile, key, data[key])
     for key in _TABLE_FIELDS:
         if key in data:
             setattr(profile, key, _table(data[key], key))
@@ -203,6 +211,31 @@ def save_profile(profile: HardwareProfile, path: str | Path) -> None:
     `path`."""
     profile.validate()
     write_output(path, _dumps(profile_to_dict(profile)))
+
+
+def priced_as_engine_runs(
+    profile: HardwareProfile, attention_ragged: bool, say: Callable[[str], None] | None = None
+) -> HardwareProfile:
+    """`profile` as the cost model must read it for a run whose attention engine runs ragged
+    calls or not (`attention_ragged`: zellige.runtime.coalesced.engine_runs_ragged on the run's
+    device): a copy with that value, and one line to `say` where it differs from the file's. The
+    profile's tables stay: the per-head tables price a ragged call (docs/cost_model.md)."""
+    if profile.attention_ragged == attention_ragged:
+        return profile
+    matched = profile_from_dict(profile_to_dict(profile))
+    matched.attention_ragged = attention_ragged
+    if say is not None:
+        say(
+            "cost model: the attention engine here runs "
+            + (
+                "a table of several calls as one ragged call (cuDNN frontend), so the profile's "
+                "attention is priced that way (attention_ragged: true; the profile says false)"
+                if attention_ragged
+                else "dense calls only, so the profile's attention is priced as dense calls "
+                "(attention_ragged: false; the profile says true)"
+            )
+        )
+    return matched
 
 
 def load_profile(path: str | Path | None = None) -> HardwareProfile:

@@ -166,6 +166,70 @@ TEST(AttentionCalls, LowerBoundHoldsForPlannedBatches) {
   }
 }
 
+HardwareProfile ragged(HardwareProfile profile) {
+  profile.attention_ragged = true;
+  return profile;
+}
+
+TEST(AttentionCalls, RaggedTablesRunAtThePerHeadTablesAsOneCallEach) {
+  const HardwareProfile dense = with_launch(call_profile(), 5e-3, 1e-3);
+  const CostModel model = wan14b(dense);
+  const CostModel ragged_model = wan14b(ragged(dense));
+  const CostModel plain = wan14b(with_launch(seeded_profile(), 5e-3, 1e-3));  // no call tables
+  // Rank 0: six distinct lengths (a local table of six calls, a cross-attention table of six).
+  Batch batch = test_util::batch_of({300, 700, 1500, 3000, 6000, 9000, 20000}, 512);
+  Plan plan;
+  plan.num_ranks = 8;
+  for (int64_t i = 0; i < 6; ++i) {
+    plan.placements.push_back(make_placement(i, Strategy::kLocal, {0}));
+  }
+  plan.placements.push_back(make_placement(6, Strategy::kLocal, {1}));  // alone: no table
+  const PlanCost cost = model.evaluate(batch, plan);
+  const PlanCost ragged_cost = ragged_model.evaluate(batch, plan);
+  const PlanCost plain_cost = plain.evaluate(batch, plan);
+  const double layers = 40;
+  EXPECT_EQ(cost.ranks[0].attention_calls, 12);
+  EXPECT_EQ(ragged_cost.ranks[0].attention_calls, 2);
+  EXPECT_NEAR(ragged_cost.ranks[0].launch_floor_s, layers * (5e-3 + 2 * 1e-3), 1e-12);
+  EXPECT_LT(ragged_cost.ranks[0].launch_floor_s, cost.ranks[0].launch_floor_s);
+  // Each segment at the per-head tables: none of the excess the shares priced.
+  EXPECT_NEAR(ragged_cost.ranks[0].attention_s + ragged_cost.ranks[0].call_s,
+              plain_cost.ranks[0].attention_s, 1e-9 * plain_cost.ranks[0].attention_s);
+  EXPECT_LT(ragged_cost.ranks[0].time_s, cost.ranks[0].time_s);
+  // A rank of one call per table runs dense calls: priced bit for bit as without ragged calls.
+  EXPECT_EQ(ragged_cost.ranks[1].time_s, cost.ranks[1].time_s);
+  EXPECT_EQ(ragged_cost.ranks[1].call_s, cost.ranks[1].call_s);
+  EXPECT_EQ(ragged_cost.ranks[1].launch_floor_s, cost.ranks[1].launch_floor_s);
+  EXPECT_EQ(ragged_cost.ranks[1].attention_calls, 2);
+  EXPECT_LE(makespan_lower_bound(batch, ragged_model), ragged_cost.makespan_s);
+  EvaluationCache cache;
+  EXPECT_LE(ragged_model.makespan_floor(batch, plan, cache), ragged_cost.makespan_s);
+}
+
+TEST(AttentionCalls, RaggedTablesNeedOneHeadCountAndRingStepsStayCalls) {
+  const CostModel model = wan14b(ragged(with_launch(call_profile(), 5e-3, 1e-3)));
+  // Ranks 2 and 3: two sequences over Ulysses 2 (20 heads each) and one over Ulysses 3 with rank
+  // 4 (14 or 13 heads): their exchanged table holds two head counts, so it stays three calls; the
+  // cross-attention table (every head) is one ragged call. Ranks 6 and 7: a ring of two steps.
+  Batch batch = test_util::batch_of({20000, 30000, 36000, 50000}, 512);
+  Plan plan;
+  plan.num_ranks = 8;
+  plan.placements = {make_placement(0, Strategy::kUlysses, {2, 3}),
+                     make_placement(1, Strategy::kUlysses, {2, 3}),
+                     make_placement(2, Strategy::kUlysses, {2, 3, 4}),
+                     make_placement(3, Strategy::kRing, {6, 7})};
+  const PlanCost cost = model.evaluate(batch, plan);
+  EXPECT_EQ(cost.ranks[2].attention_calls, 3 + 1);
+  EXPECT_NEAR(cost.ranks[2].launch_floor_s, 40 * (5e-3 + (3 + 1) * 1e-3), 1e-12);
+  // Without the third sequence, ranks 2 and 3 hold one head count: one ragged call each table.
+  Plan two = plan;
+  two.placements[2] = make_placement(2, Strategy::kLocal, {5});
+  EXPECT_EQ(model.evaluate(batch, two).ranks[2].attention_calls, 2);
+  // Ring: two steps and one cross-attention call, none ragged (one call in the cross table).
+  EXPECT_EQ(cost.ranks[6].attention_calls, 3);
+  EXPECT_EQ(cost.ranks[6].call_s, 0);
+}
+
 // `model` charges 1 ps a byte of layout work beyond `plain`: every share of `placement` pays,
 // and the extra time adds up to the bytes the placement exchanges less the routing of the
 // sequence's tokens from rank 0 to the others (512 bytes a token each way for wan-14b).

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "test_util.h"
+#include "zellige/planners.h"
 #include "zellige/simulator.h"
 
 namespace zellige {
@@ -426,8 +427,13 @@ TEST(LowerBound, NeverAboveBruteForceOptimumOnRandomBatches) {
 // profile whose calls of few heads are slower per head (so grouping equal segments matters),
 // with a launch floor and a GEMM rate that peaks at a size no rank of these batches reaches.
 // Repeated lengths and texts let segments of several sequences share a call.
-TEST(LowerBound, WithCallTablesLaunchFloorAndGemmPeakNeverAboveBruteForceOptimum) {
+// With ragged calls (profile.attention_ragged) too: the bound stays below the optimum, and no
+// planner's plan beats it.
+class LowerBoundRagged : public ::testing::TestWithParam<bool> {};
+
+TEST_P(LowerBoundRagged, WithCallTablesLaunchFloorAndGemmPeakNeverAboveBruteForceOptimum) {
   HardwareProfile profile = seeded_profile();
+  profile.attention_ragged = GetParam();
   const std::vector<double> call_heads = {1, 2, 4, 8, 64};
   for (double length : {64.0, 4096.0, 65536.0}) {
     Table table{call_heads, {}, "measured"};
@@ -474,6 +480,21 @@ TEST(LowerBound, WithCallTablesLaunchFloorAndGemmPeakNeverAboveBruteForceOptimum
         EXPECT_LE(bound, optimum * (1 + 1e-12))
             << gpus_per_node << " " << checkpointing << " " << lengths.size() << " "
             << lengths[0].first;
+        for (const char* name : {"dp-tokens", "dp-cost", "megatron-dcp", "static-cp:2",
+                                 "zellige"}) {
+          Plan plan;
+          try {
+            plan = make_plan(name, batch, cost_model);
+          } catch (const PlanMemoryError&) {
+            continue;
+          }
+          const double makespan_s = cost_model.evaluate(batch, plan).makespan_s;
+          EXPECT_EQ(plan.predicted.makespan_s, makespan_s) << name;
+          EXPECT_GE(makespan_s, optimum * (1 - 1e-12)) << name;
+          EvaluationCache cache;
+          EXPECT_LE(cost_model.makespan_floor(batch, plan, cache), makespan_s * (1 + 1e-12))
+              << name;
+        }
       }
     }
   }
@@ -489,6 +510,17 @@ TEST(LowerBound, WithCallTablesLaunchFloorAndGemmPeakNeverAboveBruteForceOptimum
               brute_force_makespan(batch, cost_model) * (1 + 1e-12))
         << length;
   }
+  // Distinct lengths, more than ranks: the optimum shares a rank between different lengths,
+  // whose table a ragged call runs without any call's excess.
+  {
+    const CostModel cost_model(tiny, profile, make_cluster(2, 2));
+    Batch batch;
+    for (int64_t i = 0; i < 4; ++i) {
+      batch.sequences.push_back(sequence_from_tokens(i, "video", 40000 + 1000 * i, 0, i % 2));
+    }
+    EXPECT_LE(makespan_lower_bound(batch, cost_model),
+              brute_force_makespan(batch, cost_model) * (1 + 1e-12));
+  }
   // The terms bite: without call tables, launch floor and GEMM peak the bound is lower.
   HardwareProfile plain = seeded_profile();
   plain.matmul_forward_flops_per_s = {{64, 1 << 22}, {2e13, 9e14}, "measured"};
@@ -500,6 +532,9 @@ TEST(LowerBound, WithCallTablesLaunchFloorAndGemmPeakNeverAboveBruteForceOptimum
   EXPECT_GT(makespan_lower_bound(batch, CostModel(tiny, profile, cluster)),
             1.05 * makespan_lower_bound(batch, CostModel(tiny, plain, cluster)));
 }
+
+INSTANTIATE_TEST_SUITE_P(CostModel, LowerBoundRagged, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "ragged" : "dense"; });
 
 TEST(LowerBound, BelowHandMadePlansAtScale) {
   const CostModel cost_model = make_model("wan-14b", 32, 8);

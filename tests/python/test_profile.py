@@ -34,6 +34,8 @@ def test_builtin_profile_is_a_measured_h200():
     assert forward(32768) / forward(16384) == pytest.approx(4, rel=0.1)
     assert 300e12 < profile.matmul_forward_flops_per_s(32768) < profile.matmul_flops_per_s
     assert 0 < profile.runtime_reserved_bytes < 3 << 30
+    # measured without the cuDNN frontend: dense calls (a run sets what its engine does)
+    assert profile.attention_ragged is False
 
 
 def test_round_trip_is_exact(tmp_path):
@@ -59,10 +61,11 @@ def test_round_trip_is_exact(tmp_path):
     ]
     profile.launch_s_per_layer = [4e-3]
     profile.launch_s_per_attention_call = [2e-4]
+    profile.attention_ragged = True
     path = tmp_path / "p.json"
     save_profile(profile, path)
     again = load_profile(path)
-    assert again == profile
+    assert again == profile and again.attention_ragged is True
     assert profile_to_dict(again) == profile_to_dict(profile)
     assert profile_to_dict(profile_from_dict(json.loads(path.read_text()))) == json.loads(
         path.read_text()
@@ -106,6 +109,8 @@ BAD_PROFILES = {
         "attention_call_forward_s": [{"source": "measured", "x": [1], "y": [1]}] * 2,
         "attention_call_backward_s": [{"source": "measured", "x": [1], "y": [1]}] * 2,
     },
+    "ragged-not-a-bool": {**_builtin_dict(), "attention_ragged": 1},
+    "ragged-a-string": {**_builtin_dict(), "attention_ragged": "true"},
     "negative-launch": {**_builtin_dict(), "launch_s_per_layer": [-1e-3]},
     "launch-not-a-row": {**_builtin_dict(), "launch_s_per_layer": 1e-3},
     "launch-row-too-long": {

@@ -193,6 +193,7 @@ def test_quick_profile_writes_a_valid_measured_profile(tmp_path):
     assert data["device_name"]
     assert "torch" in data["created"]
     assert data["attention_head_dim"] == 16  # the tiny model's head dim
+    assert data["attention_ragged"] is False  # a CPU's engine runs dense calls
     # Call tables: per length, calls of 1 head up to the full pack; the host's issue time.
     assert len(data["attention_call_lengths"]) == len(data["attention_call_forward_s"]) >= 2
     for table in data["attention_call_forward_s"] + data["attention_call_backward_s"]:
@@ -232,6 +233,10 @@ def test_quick_validate_runs_ranks_through_the_engine(tmp_path):
     assert len(report["ranks"]) >= 2
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in report["ranks"])
     assert any("exchanges excluded" in note for note in report["notes"])
+    assert (
+        "attention priced as the engine runs it here: dense calls (attention_ragged)"
+        in (report["notes"])
+    )
     # --plan-range 2-2 runs only the second of the same two plans
     part = tmp_path / "part.json"
     args = ["validate-profile", "--quick", "--plans", "2", "--plan-range", "2-2", "--repeats", "1"]

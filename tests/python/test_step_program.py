@@ -122,6 +122,68 @@ def test_one_rank_step_equals_single_process_attention(joint: bool, one_process_
         text_at += s.text_tokens
 
 
+@pytest.mark.parametrize("joint", [False, True], ids=["self+cross", "joint"])
+def test_one_rank_step_runs_its_tables_as_ragged_calls(
+    joint: bool, one_process_group, monkeypatch
+) -> None:
+    """With merge="ragged" the step's local table (three lengths) and cross-attention table (two
+    text lengths) each run as one ragged call, forward and backward, and attention and its
+    gradients equal single-process attention (the math ragged kernel as the engine's)."""
+    from zellige.runtime.ragged import MathRaggedKernel
+
+    calls = {"forward_into": 0, "backward_into": 0}
+    for name in calls:
+        original = getattr(MathRaggedKernel, name)
+
+        def counted(self, *args, _original=original, _name=name):
+            calls[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(MathRaggedKernel, name, counted)
+    monkeypatch.setenv("ZELLIGE_ATTENTION_MERGE", "ragged")
+    batch, plan = _case(world=1)
+    plan.placements = [make_placement(s.id, Strategy.local, [0]) for s in batch.sequences]
+    step = prepare_step(batch, plan, 2, "cpu", joint_attention=joint)
+    gen = torch.Generator().manual_seed(0)
+    text = {s.id: s.text_tokens if joint else 0 for s in batch.sequences}
+    lengths = [text[s.id] + s.num_tokens for s in batch.sequences]
+    x = torch.randn(sum(lengths), 2, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    held = route(x, step)
+    o = reverse_route(attention_fn(step, backend="math")(held, held, held), step)
+    (grad,) = torch.autograd.grad((o * weight).sum(), x)
+    assert calls == {"forward_into": 1, "backward_into": 1}
+    x_ref = x.detach().requires_grad_()
+    parts, start = [], 0
+    for length in lengths:
+        part = x_ref[start : start + length].transpose(0, 1)
+        parts.append(F.scaled_dot_product_attention(part, part, part).transpose(0, 1))
+        start += length
+    want = torch.cat(parts)
+    (grad_want,) = torch.autograd.grad((want * weight).sum(), x_ref)
+    torch.testing.assert_close(o, want, rtol=0, atol=1e-13)
+    torch.testing.assert_close(grad, grad_want, rtol=0, atol=1e-12)
+    if joint:
+        return
+    text_XE = torch.randn(8, 2, 4, generator=gen, dtype=torch.float64)  # 3 + 0 + 5 rows
+    out = reverse_route(
+        cross_attention_fn(step, backend="math")(held, *(route_text(text_XE, step),) * 2), step
+    )
+    assert calls["forward_into"] == 2  # the cross-attention table: one more ragged call
+    start = text_at = 0
+    for s in batch.sequences:
+        q = x[start : start + s.num_tokens].transpose(0, 1)
+        kv = text_XE[text_at : text_at + s.text_tokens].transpose(0, 1)
+        want = (
+            F.scaled_dot_product_attention(q, kv, kv).transpose(0, 1)
+            if s.text_tokens
+            else torch.zeros_like(q.transpose(0, 1))
+        )
+        torch.testing.assert_close(out[start : start + s.num_tokens], want, rtol=0, atol=1e-13)
+        start += s.num_tokens
+        text_at += s.text_tokens
+
+
 def test_loader_tensors_that_do_not_match_the_program_are_an_error() -> None:
     """A plan compiled for another batch: the loader's tensors have other sizes than the program
     expects; assemble_step hands that to load_step, which raises it on every rank."""

@@ -81,12 +81,18 @@ struct RankCost {
   double call_s = 0;
   double stream_s = 0;
   double launch_floor_s = 0;    // host time to issue the rank's kernels
-  int64_t attention_calls = 0;  // per layer pass: distinct (shape, heads) groups, ring steps apart
+  // per layer pass: distinct (shape, heads) groups, ring steps apart; a ragged table one call
+  int64_t attention_calls = 0;
   int64_t checkpointed_layers = 0;  // the first this many layers recompute in the backward
   // The first this many of those recompute their attention too (full recompute): only where
   // keeping every checkpointed layer's attention outputs does not fit.
   int64_t full_recompute_layers = 0;
 };
+
+// The least number of dense calls of a table that the engine runs as one ragged call where the
+// profile says it does (attention_ragged): the one value, read by runtime/coalesced.py through
+// zellige._core.RAGGED_MIN_CALLS.
+inline constexpr int64_t kRaggedMinCalls = 2;
 
 // The stream of each attention call of one table, calls in the order given (most work first):
 // the stream with the least work queued so far, the lowest index on ties. The one place this is
@@ -222,7 +228,9 @@ class CostModel {
   // of a rank as one call, and call_s gives back what that saves. The launch floor: a rank is
   // not done before its host has issued its kernels (launch_floor_s). A rank's attention with
   // call_s is the per-head tables' time plus each actual call's excess (never negative), and
-  // the floor only adds, so makespan_lower_bound stays a bound.
+  // the floor only adds, so makespan_lower_bound stays a bound. Under profile.attention_ragged
+  // a rank's table that the engine runs as one ragged call (HardwareProfile::attention_ragged)
+  // pays no call's excess and no streams, and is one call in the launch floor.
   PlanCost evaluate(const Batch& batch, const Plan& plan) const;
   // The same, memoised in `cache` (see EvaluationCache).
   PlanCost evaluate(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
@@ -292,6 +300,17 @@ class CostModel {
     CallKey key{};
     int64_t segments = 1;
   };
+  // The engine's tables that run as one ragged call under profile.attention_ragged
+  // (runtime/attention.py): 0 a rank's local self- or joint attention (whole sequences, every
+  // head), 1 its Ulysses-exchanged sequences, 2 its cross-attention; -1 a ring step (its own
+  // calls, never ragged).
+  static constexpr int kRaggedKinds = 3;
+  int ragged_kind(const CallKey& key) const;
+  // Per kind, whether a rank with these calls (sorted by key) runs that table as one ragged
+  // call: attention_ragged, two or more distinct calls, one head count (the engine's
+  // coalesced._ragged_choice; a rank's tables are disjoint).
+  std::array<bool, kRaggedKinds> ragged_tables(std::vector<RankCall>::const_iterator first,
+                                               std::vector<RankCall>::const_iterator last) const;
   // Appends one RankCall per segment (rank: placement.ranks[position]).
   void add_attention_calls(const Sequence& sequence, const Placement& placement,
                            std::vector<RankCall>* calls) const;

@@ -154,6 +154,13 @@ struct HardwareProfile {
   // (profiler/attention_calls.py measure_stream_overlap) on a pack of many lengths.
   int64_t attention_streams = 1;
   double attention_stream_overlap = 0.0;
+  // Whether the engine on this machine runs a disjoint table of two or more dense calls with one
+  // head count as ONE ragged call (runtime/coalesced.py _ragged_choice: the cuDNN frontend
+  // installed and checked). The cost model then prices such a table of a rank (its local self- or
+  // joint attention, its Ulysses-exchanged sequences, its cross-attention; never ring steps) at
+  // the per-head tables with no call's excess and no streams, and as one call in the launch
+  // floor (CostModel::evaluate). false (the default): the engine's dense calls.
+  bool attention_ragged = false;
 
   // Every non-empty table valid, every value inside the ranges above; throws
   // std::invalid_argument naming the field, the value and the allowed range.

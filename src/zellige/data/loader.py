@@ -21,6 +21,7 @@ import zellige
 from zellige import _core, runtime
 from zellige.data.synthetic import SyntheticLatents
 from zellige.model import DiTConfig
+from zellige.profile import priced_as_engine_runs
 
 # A mix of 64x64 images (16 tokens each) and short 64x96 / 64x128 clips (120 and 288 tokens):
 # lengths spread 18x like the real recipes, small enough for seconds per step on two CPU cores.
@@ -136,6 +137,7 @@ class StepDataset(torch.utils.data.Dataset):
         sequences: list[dict] | None = None,
         plan: dict | None = None,
         data_ranks: int | None = None,
+        attention_ragged: bool | None = None,
     ) -> None:
         self.model = model
         self.recipe_name = recipe
@@ -152,17 +154,24 @@ class StepDataset(torch.utils.data.Dataset):
         self.sequences = sequences
         self.fixed_plan = plan
         self.data_ranks = data_ranks or num_ranks
+        # whether the engine of the training process runs ragged calls (None: as the profile
+        # says); decided there (coalesced.engine_runs_ragged), not in a loader worker, which
+        # must not start CUDA
+        self.attention_ragged = attention_ragged
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
     def _planning_state(self):
         if self._state is None:
             spec = model_spec(self.model, self.num_params)
+            profile = zellige.load_profile(self.profile)
+            if self.attention_ragged is not None:
+                profile = priced_as_engine_runs(profile, self.attention_ragged)
             cost_model = zellige.make_cost_model(
                 spec,
                 self.num_ranks,
                 self.gpus_per_node,
-                self.profile,
+                profile,
                 activation_checkpointing=self.activation_checkpointing,
                 adaptive_checkpointing=self.adaptive_checkpointing,
                 weights_kept_to_backward=self.weights_kept_to_backward,

@@ -53,6 +53,7 @@ from zellige.profiler.timing import (
     reset_peak,
     synchronize,
 )
+from zellige.runtime.coalesced import engine_runs_ragged, merge_policy_set
 
 PACK_TOKENS = 16384  # tokens of equal-length segments one coalesced call sees on a typical rank
 # The cost model's elementwise traffic per token and width per pass (kElementwiseBytesPerTokenWidth)
@@ -502,7 +503,10 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
         )
         return lambda: rank_work.train_step(blocks, inputs, checkpointing=True)
 
-    with rank_work.local_exchanges():
+    # The rows are per dense call (the cost model counts a ragged table as one of them): the
+    # tiny ranks' tables run as groups whatever this machine's merge policy, else the many-length
+    # rank's tables would be single ragged calls and the per-call slope would measure nothing.
+    with rank_work.local_exchanges(), merge_policy_set("groups"):
         steps = [
             train_step([LAUNCH_VISUAL_TOKENS]),
             train_step([LAUNCH_VISUAL_TOKENS + i for i in range(LAUNCH_SEQUENCES)]),
@@ -532,6 +536,23 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
         "launch_s_per_attention_call": per_call,
         "step_s": {"1": one, str(LAUNCH_SEQUENCES): many},
     }
+
+
+def ragged_line(device, dtype, head_dim: int, progress: Progress) -> bool:
+    """The profile's attention_ragged: whether the engine here runs a table of several calls as
+    one ragged call (coalesced.engine_runs_ragged), said in one line."""
+    ragged = engine_runs_ragged(device, dtype, head_dim)
+    progress(
+        "attention engine: "
+        + (
+            "a table of several calls runs as one ragged call (cuDNN frontend): "
+            "attention_ragged true"
+            if ragged
+            else "dense calls (no checked ragged kernel, or merge policy groups): "
+            "attention_ragged false"
+        )
+    )
+    return ragged
 
 
 def launch_rows(
@@ -1206,6 +1227,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         options, device, dtype, config.num_heads, config.head_dim, progress
     )
     launch = profile_launch(options, device, dtype, progress)
+    attention_ragged = ragged_line(device, dtype, config.head_dim, progress)
     layout_s_per_byte, layouts = profile_layouts(
         options, device, dtype, memory_bytes_per_s, progress
     )
@@ -1251,6 +1273,7 @@ def profile_device(options: ProfileOptions, progress: Progress = print) -> Profi
         "attention_call_lengths": call_lengths,
         "attention_call_forward_s": call_forward,
         "attention_call_backward_s": call_backward,
+        "attention_ragged": attention_ragged,
         "ulysses_layout_s_per_byte": layout_s_per_byte["ulysses"],
         "ring_layout_s_per_byte": layout_s_per_byte["ring"],
         "matmul_forward_flops_per_s": matmul_forward,
@@ -1490,6 +1513,7 @@ def profile_time_into(
         options, device, dtype, config.num_heads, config.head_dim, progress
     )
     profile.update(
+        attention_ragged=ragged_line(device, dtype, config.head_dim, progress),
         attention_head_dim=config.head_dim,
         attention_forward_s_per_head=forward,
         attention_backward_s_per_head=backward,

@@ -40,7 +40,7 @@ import torch
 from zellige import _core
 from zellige.costs import make_cost_model
 from zellige.plan_io import plan_from_json, plan_to_json
-from zellige.profile import load_profile
+from zellige.profile import load_profile, priced_as_engine_runs
 from zellige.profiler import fit, rank_work
 from zellige.profiler.models import dit_config, model_name, model_spec
 from zellige.profiler.timing import (
@@ -52,6 +52,7 @@ from zellige.profiler.timing import (
     reset_peak,
     synchronize,
 )
+from zellige.runtime.coalesced import engine_runs_ragged
 from zellige.workload import load_recipe
 
 Progress = Callable[[str], None]
@@ -724,6 +725,11 @@ def validate(
                 f"rows measured; {torch.cuda.memory_allocated(device) / 2**20:.0f} MiB still "
                 "allocated before the ranks run"
             )
+    # Attention priced as the engine runs it here; after drawing the plans (their planners fork,
+    # and the ragged kernel's check starts CUDA).
+    profile = priced_as_engine_runs(
+        profile, engine_runs_ragged(device, dtype, config.head_dim), progress
+    )
     blocks = rank_work.make_blocks(config, options.num_layers, device, dtype)
 
     lengths, latencies = measure_forward_latencies(options, device, dtype, progress)
@@ -745,6 +751,15 @@ def validate(
         f"{model_name(options.model)}, activation checkpointing "
         f"{'on' if options.activation_checkpointing else 'off'}",
     ]
+    notes.append(
+        "attention priced as the engine runs it here: "
+        + (
+            "one ragged call per table of several calls"
+            if profile.attention_ragged
+            else "dense calls"
+        )
+        + " (attention_ragged)"
+    )
     if options.contiguous_kernel_inputs:
         notes.append("attention kernel inputs copied to contiguous tensors (workaround switch)")
     if device.type == "cuda":

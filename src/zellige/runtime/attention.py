@@ -17,7 +17,14 @@ from __future__ import annotations
 import torch
 
 from zellige.runtime import recompute
-from zellige.runtime.coalesced import backward_into, coalesced_attention, forward_into
+from zellige.runtime.coalesced import (
+    SegmentTable,
+    _ragged_choice,
+    backward_into,
+    coalesced_attention,
+    forward_into,
+    merge_policy,
+)
 from zellige.runtime.exchange import all_to_all_rows, p2p, wait_all
 from zellige.runtime.kernels import Kernel, default_scale, kernel_for, lse_dtype
 from zellige.runtime.layout import RingPlan, RingStep, Step
@@ -35,6 +42,31 @@ def _issue_kv(rs: RingStep, kv_c: Tensor, step: Step, tag: int) -> tuple[list, T
         sends.append((peer, parts[0] if len(parts) == 1 else torch.cat(parts)))
     recvs = [(peer, recv[sl]) for peer, sl in rs.recvs]
     return p2p(sends, recvs, step, tag), recv
+
+
+def _ragged(table: SegmentTable, q: Tensor, k: Tensor, backend: str | None):
+    """(kernel, layout) where the merge policy runs this whole table as one ragged call
+    (coalesced._ragged_choice, as coalesced_attention decides it), else None. The step's local and
+    exchanged tables are disjoint and written whole (accumulate=False), as a ragged call writes;
+    ring steps add into their rows and keep their groups."""
+    return _ragged_choice(table, q, k, backend, merge_policy())
+
+
+def _table_forward(table, kernel, scale, q, k, v, o, lse, backend) -> None:
+    ragged = _ragged(table, q, k, backend)
+    if ragged is None:
+        forward_into(table, kernel, scale, q, k, v, o, lse)
+    else:
+        ragged[0].forward_into(q, k, v, o, lse, ragged[1], scale)
+
+
+def _table_backward(table, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, backend) -> None:
+    """Writes the table's rows of dq / dk / dv (accumulate=False)."""
+    ragged = _ragged(table, q, k, backend)
+    if ragged is None:
+        backward_into(table, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, accumulate=False)
+    else:
+        ragged[0].backward_into(do, q, k, v, o, lse, dq, dk, dv, ragged[1], scale)
 
 
 def _ring_forward(
@@ -141,21 +173,21 @@ def _received(step: Step, recv: Tensor, work) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(recv[:, i].index_select(0, step.exchange_recv_index) for i in range(3))
 
 
-def _attend(step: Step, kernel: Kernel, scale: float, q, k, v, recv, work):
+def _attend(step: Step, kernel: Kernel, scale: float, q, k, v, recv, work, backend=None):
     """The forward's attention of the held rows: local sequences (overlapping the q/k/v
     exchange), exchanged sequences, ring blocks, and the exchange of the outputs back.
     Returns o, lse, o_x, lse_x, lse_c, q_x, k_x, v_x (None where the plan has no such rows)."""
     lse_type = lse_dtype(q.dtype)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[0], dtype=lse_type, device=q.device)
-    forward_into(step.local_table, kernel, scale, q, k, v, o, lse)  # overlaps the exchange
+    _table_forward(step.local_table, kernel, scale, q, k, v, o, lse, backend)  # overlaps exchange
 
     q_x = k_x = v_x = o_x = lse_x = None
     if work is not None:
         q_x, k_x, v_x = _received(step, recv, work)
         o_x = torch.empty_like(q_x)
         lse_x = torch.empty(q_x.shape[0], dtype=lse_type, device=q.device)
-        forward_into(step.exchange_table, kernel, scale, q_x, k_x, v_x, o_x, lse_x)
+        _table_forward(step.exchange_table, kernel, scale, q_x, k_x, v_x, o_x, lse_x, backend)
 
     ring = step.ring
     lse_c = None
@@ -178,7 +210,7 @@ def _attend(step: Step, kernel: Kernel, scale: float, q, k, v, recv, work):
 
 class _DistributedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_TNH, k_TNH, v_TNH, step: Step, kernel: Kernel, scale: float):
+    def forward(ctx, q_TNH, k_TNH, v_TNH, step: Step, kernel: Kernel, scale: float, backend):
         num_tokens, num_heads, head_dim = q_TNH.shape
         q, k, v = (
             t.contiguous().view(num_tokens * num_heads, head_dim) for t in (q_TNH, k_TNH, v_TNH)
@@ -193,7 +225,7 @@ class _DistributedAttention(torch.autograd.Function):
         kept = recompute.replayed()
         if kept is None:
             o, lse, o_x, lse_x, lse_c, q_x, k_x, v_x = _attend(
-                step, kernel, scale, q, k, v, recv, work
+                step, kernel, scale, q, k, v, recv, work, backend
             )
             recompute.keep(o, lse, o_x, lse_x, lse_c)
         else:
@@ -203,14 +235,14 @@ class _DistributedAttention(torch.autograd.Function):
             q_x, k_x, v_x = _received(step, recv, work) if work is not None else (None,) * 3
         # Ring rows are gathered again in backward rather than kept: ring is chosen for memory.
         ctx.save_for_backward(q, k, v, o, lse, q_x, k_x, v_x, o_x, lse_x, lse_c)
-        ctx.step, ctx.kernel, ctx.scale = step, kernel, scale
+        ctx.step, ctx.kernel, ctx.scale, ctx.backend = step, kernel, scale, backend
         ctx.shape = q_TNH.shape
         return o.view(num_tokens, num_heads, head_dim)
 
     @staticmethod
     def backward(ctx, grad_TNH):
         q, k, v, o, lse, q_x, k_x, v_x, o_x, lse_x, lse_c = ctx.saved_tensors
-        step, kernel, scale = ctx.step, ctx.kernel, ctx.scale
+        step, kernel, scale, backend = ctx.step, ctx.kernel, ctx.scale, ctx.backend
         do = grad_TNH.contiguous().view(q.shape)
         work = None
         if step.world_has_exchange:
@@ -222,18 +254,16 @@ class _DistributedAttention(torch.autograd.Function):
                 True,
             )
         dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-        backward_into(
-            step.local_table, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, accumulate=False
-        )
+        _table_backward(step.local_table, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, backend)
 
         do_x = dq_x = dk_x = dv_x = None
         if work is not None:
             work.wait()
             do_x = recv.index_select(0, step.exchange_recv_index)
             dq_x, dk_x, dv_x = (torch.zeros_like(t) for t in (q_x, k_x, v_x))
-            backward_into(
+            _table_backward(
                 step.exchange_table, kernel, scale, q_x, k_x, v_x, o_x, lse_x, do_x,
-                dq_x, dk_x, dv_x, accumulate=False,
+                dq_x, dk_x, dv_x, backend,
             )  # fmt: skip
 
         ring = step.ring
@@ -255,7 +285,7 @@ class _DistributedAttention(torch.autograd.Function):
             for grad, i in ((dq, 0), (dk, 1), (dv, 2)):
                 grad.index_copy_(0, step.exchange_send_index, back[:, i])
         shape = ctx.shape
-        return dq.view(shape), dk.view(shape), dv.view(shape), None, None, None
+        return dq.view(shape), dk.view(shape), dv.view(shape), None, None, None, None
 
 
 def distributed_attention(
@@ -281,7 +311,7 @@ def distributed_attention(
     head_dim = q_TNH.shape[-1]
     kernel = kernel_for(q_TNH.device, q_TNH.dtype, head_dim, backend)
     scale = default_scale(head_dim) if scale is None else scale
-    return _DistributedAttention.apply(q_TNH, k_TNH, v_TNH, step, kernel, scale)
+    return _DistributedAttention.apply(q_TNH, k_TNH, v_TNH, step, kernel, scale, backend)
 
 
 def cross_attention(

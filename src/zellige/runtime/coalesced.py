@@ -20,6 +20,7 @@ offset and length); the automatic policy chooses it where its kernel is in AUTO_
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -659,12 +660,11 @@ class _CoalescedAttention(torch.autograd.Function):
 
 
 # Merge policy: "auto" runs tables of at least this many dense calls as one ragged call, with a
-# ragged kernel trusted for automatic use (AUTO_RAGGED_KERNELS). The cuDNN frontend's ragged call
-# reached 0.89-1.05 of one dense cuDNN call of the same FLOPs on the twelve packs of
-# bench/attention_engine.py (six recipes, self and joint; one H200, cuDNN 9.19), at or above the
-# groups' rate on every pack, with no copies and one launch
-# (bench/results/attention_engine_h200_202612_ragged.md).
-RAGGED_MIN_CALLS = 2
+# ragged kernel trusted for automatic use (AUTO_RAGGED_KERNELS). On one H200 (cuDNN 9.19) the
+# cuDNN frontend's ragged call ran packs of many short sequences 6-13% faster than the groups
+# and issued every table in a tenth of their host time; on packs of a few long sequences the
+# groups were 3-6% faster (bench/results/attention_engine_h200_202612_ragged.md).
+RAGGED_MIN_CALLS = _core.RAGGED_MIN_CALLS  # the cost model prices the same threshold
 AUTO_RAGGED_KERNELS: tuple[str, ...] = ("cudnn-fe",)
 MERGE_CHOICES = ("auto", "groups", "ragged")
 RAGGED_MAX_ELEMENTS = 2**31 - 1  # cuDNN's ragged offsets are int32 element counts
@@ -753,6 +753,48 @@ def _ragged_choice(
     return None if layout is None else (kernel, layout)
 
 
+def merge_policy() -> str:
+    """The merge policy coalesced_attention and the step's tables run: $ZELLIGE_ATTENTION_MERGE,
+    else "auto"; ValueError for another value."""
+    merge = os.environ.get("ZELLIGE_ATTENTION_MERGE") or "auto"
+    if merge not in MERGE_CHOICES:
+        raise ValueError(
+            f"ZELLIGE_ATTENTION_MERGE='{merge}' is not a merge policy "
+            f"(allowed: {', '.join(MERGE_CHOICES)})"
+        )
+    return merge
+
+
+@contextlib.contextmanager
+def merge_policy_set(merge: str):
+    """Runs the block under another merge policy (MERGE_CHOICES), then restores the previous one:
+    the profiler's launch rows time dense calls whatever this machine's policy runs."""
+    if merge not in MERGE_CHOICES:
+        raise ValueError(f"unknown attention merge '{merge}' (allowed: {', '.join(MERGE_CHOICES)})")
+    before = os.environ.get("ZELLIGE_ATTENTION_MERGE")
+    os.environ["ZELLIGE_ATTENTION_MERGE"] = merge
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["ZELLIGE_ATTENTION_MERGE"]
+        else:
+            os.environ["ZELLIGE_ATTENTION_MERGE"] = before
+
+
+def engine_runs_ragged(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the engine here runs a disjoint table of RAGGED_MIN_CALLS or more dense calls with
+    one head count as one ragged call (_ragged_choice under merge_policy(), automatic backend):
+    the one place that decides a profile's attention_ragged, both where `zellige profile`
+    measures and where a run prices its plans (zellige.profile.priced_as_engine_runs). The first
+    call on a device checks the kernel against the math kernel (runtime/ragged.py)."""
+    merge = merge_policy()
+    if merge == "groups":
+        return False
+    kernel = ragged_kernel_for(torch.device(device), dtype, head_dim)
+    return kernel is not None and (merge == "ragged" or kernel.name in AUTO_RAGGED_KERNELS)
+
+
 def _auto_padded(table: SegmentTable, kernel: Kernel, q_rows: Tensor) -> SegmentTable:
     """The merge policy for padded calls: the table with the priced plan of merging.py applied
     where the device has measured call costs and the kernel takes a key mask; else the table.
@@ -819,7 +861,7 @@ def coalesced_attention(
     `nvidia-cudnn-frontend` package installed); otherwise nearby lengths merged into padded calls
     where the device's measured call costs say it pays (runtime/merging.py), the rest as groups).
     """
-    merge = merge or os.environ.get("ZELLIGE_ATTENTION_MERGE") or "auto"
+    merge = merge or merge_policy()
     if merge not in MERGE_CHOICES:
         raise ValueError(f"unknown attention merge '{merge}' (allowed: {', '.join(MERGE_CHOICES)})")
     head_dim = q_rows.shape[-1]

@@ -26,7 +26,9 @@ import zellige
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
 from zellige.model import MMDiT, VideoDiT, conditioning, fused
 from zellige.model import build_model as reference_model
+from zellige.profile import priced_as_engine_runs
 from zellige.runtime import layout
+from zellige.runtime.coalesced import engine_runs_ragged
 from zellige.train.checkpoint import (
     CheckpointInfo,
     find_checkpoint,
@@ -274,6 +276,11 @@ def train(
     profile_note = _profile_note(config, device)
     if profile_note:
         say(profile_note)
+    # the planner prices attention as this process's engine runs it (ragged calls or dense)
+    attention_ragged = engine_runs_ragged(
+        device, getattr(torch, config.dtype), config.model.head_dim
+    )
+    priced_as_engine_runs(zellige.load_profile(config.profile), attention_ragged, say)
 
     dataset = StepDataset(
         model=config.model,
@@ -290,6 +297,7 @@ def train(
         weights_kept_to_backward=weights_kept_to_backward(config, num_ranks),
         gradient_bytes_per_param=gradient_bytes_per_param(config, num_ranks),
         sequences=sequences,
+        attention_ragged=attention_ragged,
     )
     num_steps = config.steps - first_step
     loader = make_loader(
