@@ -49,6 +49,9 @@ one-time work: torch.compile, the attention kernel's check on first use).
 both are left out of the means; its Chrome trace (DIR/trace_CONFIG_RECIPE.json.gz) and a
 summary of where the step's time goes outside the blocks (DIR/trace_CONFIG_RECIPE.txt,
 bench/step_trace.py; printed too).
+":groups-attention" runs the attention tables as dense calls per length group (merge policy
+"groups"), where the default runs a table of many lengths as one ragged cuDNN call if the cuDNN
+frontend is installed (zellige.runtime.ragged); the run's planner prices it so too.
 MMDiT configs (mmdit11b-width-h200, hunyuan13b-width-h200) run the same way, e.g.
 --runs mmdit11b-width-h200:opensora2-stage2; their cross-attention share is 0 (text joins the
 self-attention, counted as attention) and their FLOPs count text tokens as attended tokens.
@@ -75,6 +78,7 @@ import zellige.train.loop
 from _provenance import git_commit
 from step_trace import summarise_trace
 from zellige.profile import load_profile
+from zellige.runtime.coalesced import merge_policy_set
 from zellige.train.config import get_config
 from zellige.train.loop import train
 
@@ -101,6 +105,8 @@ VARIANTS = {
     "stacked-modulation": {"split_modulation": False},
     "one-hot-head": {"gathered_head": False},
     "untuned-update": {"tune_optimizer_kernels": False},
+    # the attention engine's merge policy, not a config field (entered around the run)
+    "groups-attention": {},
 }
 
 
@@ -417,6 +423,8 @@ def main() -> int:
                     if sync_check:
                         stack.enter_context(marking_steps(caught, step_marks))
                     stack.enter_context(printing_steps(run, ends))
+                    if "groups-attention" in variants:
+                        stack.enter_context(merge_policy_set("groups"))
                     if args.trace:
                         Path(args.trace).mkdir(parents=True, exist_ok=True)
                         label = "_".join([name, recipe, *variants])
