@@ -107,7 +107,8 @@ void init_cost_model(nb::module_& m) {
                (cost_model.options().activation_checkpointing ? "True" : "False") + ")";
       });
 
-  m.attr("RAGGED_MIN_CALLS") = kRaggedMinCalls;  // runtime/coalesced.py reads it
+  m.attr("RAGGED_MIN_CALLS") = kRaggedMinCalls;  // runtime/coalesced.py reads them
+  m.attr("RAGGED_MAX_SEGMENT_TOKENS") = kRaggedMaxSegmentTokens;
   m.def("stream_assignment", &stream_assignment, nb::arg("works"), nb::arg("streams"),
         "The stream of each attention call of one table (calls most work first): the one with "
         "the least work queued so far, the lowest index on ties. The engine and the cost model "

@@ -391,7 +391,7 @@ std::array<bool, CostModel::kRaggedKinds> CostModel::ragged_tables(
     std::vector<RankCall>::const_iterator first, std::vector<RankCall>::const_iterator last) const {
   std::array<bool, kRaggedKinds> ragged{};
   if (!profile_.attention_ragged) return ragged;
-  std::array<int64_t, kRaggedKinds> calls{}, heads{};
+  std::array<int64_t, kRaggedKinds> calls{}, heads{}, longest{};
   std::array<bool, kRaggedKinds> one_head_count{true, true, true};
   for (auto it = first; it != last; ++it) {
     if (it != first && std::prev(it)->key == it->key) continue;  // one call per distinct key
@@ -399,9 +399,11 @@ std::array<bool, CostModel::kRaggedKinds> CostModel::ragged_tables(
     if (kind < 0) continue;
     if (calls[kind]++ == 0) heads[kind] = it->key[2];
     one_head_count[kind] = one_head_count[kind] && heads[kind] == it->key[2];
+    longest[kind] = std::max({longest[kind], it->key[0], it->key[1]});
   }
   for (int kind = 0; kind < kRaggedKinds; ++kind) {
-    ragged[kind] = calls[kind] >= kRaggedMinCalls && one_head_count[kind];
+    ragged[kind] = calls[kind] >= kRaggedMinCalls && one_head_count[kind] &&
+                   longest[kind] <= kRaggedMaxSegmentTokens;
   }
   return ragged;
 }

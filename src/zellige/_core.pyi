@@ -1329,6 +1329,8 @@ class CostModel:
 
 RAGGED_MIN_CALLS: int = 2
 
+RAGGED_MAX_SEGMENT_TOKENS: int = 16384
+
 def stream_assignment(works: _Sequence[int], streams: int) -> list[int]:
     """
     The stream of each attention call of one table (calls most work first): the one with the least work queued so far, the lowest index on ties. The engine and the cost model both use this.

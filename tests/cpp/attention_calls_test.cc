@@ -211,7 +211,7 @@ TEST(AttentionCalls, RaggedTablesNeedOneHeadCountAndRingStepsStayCalls) {
   // Ranks 2 and 3: two sequences over Ulysses 2 (20 heads each) and one over Ulysses 3 with rank
   // 4 (14 or 13 heads): their exchanged table holds two head counts, so it stays three calls; the
   // cross-attention table (every head) is one ragged call. Ranks 6 and 7: a ring of two steps.
-  Batch batch = test_util::batch_of({20000, 30000, 36000, 50000}, 512);
+  Batch batch = test_util::batch_of({8000, 12000, 15000, 50000}, 512);
   Plan plan;
   plan.num_ranks = 8;
   plan.placements = {make_placement(0, Strategy::kUlysses, {2, 3}),
@@ -228,6 +228,26 @@ TEST(AttentionCalls, RaggedTablesNeedOneHeadCountAndRingStepsStayCalls) {
   // Ring: two steps and one cross-attention call, none ragged (one call in the cross table).
   EXPECT_EQ(cost.ranks[6].attention_calls, 3);
   EXPECT_EQ(cost.ranks[6].call_s, 0);
+}
+
+TEST(AttentionCalls, RaggedTablesHoldNoSegmentOverTheLengthLimit) {
+  const CostModel model = wan14b(ragged(with_launch(call_profile(), 5e-3, 1e-3)));
+  // Rank 0: three short sequences (one ragged call a table); rank 1: two short ones and one of
+  // more than kRaggedMaxSegmentTokens, so its local table runs its three dense calls (its
+  // cross-attention table too: the long sequence's queries).
+  const int64_t long_tokens = kRaggedMaxSegmentTokens + 1000;
+  Batch batch = test_util::batch_of({2000, 3000, 5000, 2500, 3500, long_tokens}, 512);
+  Plan plan;
+  plan.num_ranks = 8;
+  for (int64_t i = 0; i < 6; ++i) {
+    plan.placements.push_back(make_placement(i, Strategy::kLocal, {i < 3 ? 0 : 1}));
+  }
+  const PlanCost cost = model.evaluate(batch, plan);
+  EXPECT_EQ(cost.ranks[0].attention_calls, 2);
+  EXPECT_EQ(cost.ranks[1].attention_calls, 6);
+  EXPECT_LT(cost.ranks[0].call_s, 0);  // the ragged tables give back the calls' excess
+  EXPECT_EQ(cost.ranks[1].call_s, 0);  // distinct dense calls: each keeps its own
+  EXPECT_LE(makespan_lower_bound(batch, model), cost.makespan_s);
 }
 
 // `model` charges 1 ps a byte of layout work beyond `plain`: every share of `placement` pays,

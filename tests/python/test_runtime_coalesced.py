@@ -147,6 +147,26 @@ def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
         coalesced_attention(q, k, v, table, merge="padded")
 
 
+def test_auto_runs_ragged_only_for_tables_of_short_segments(monkeypatch) -> None:
+    """The automatic policy: one ragged call for a table of RAGGED_MIN_CALLS or more calls whose
+    segments are all at most RAGGED_MAX_SEGMENT_TOKENS tokens; "ragged" asked for explicitly
+    runs it whatever the lengths. The math oracle stands in for a trusted kernel."""
+    from zellige import _core
+    from zellige.runtime import coalesced
+
+    assert coalesced.RAGGED_MIN_CALLS == _core.RAGGED_MIN_CALLS  # the cost model's values
+    assert coalesced.RAGGED_MAX_SEGMENT_TOKENS == _core.RAGGED_MAX_SEGMENT_TOKENS
+    monkeypatch.setattr(coalesced, "AUTO_RAGGED_KERNELS", ("math",))
+    q = torch.randn(2 * 10, 4, dtype=torch.float64)
+    table = SegmentTable.build([0, 6], [0, 6], [3, 7], [3, 7], [2, 2])  # 2 calls, longest 7
+    one_call = SegmentTable.build([0, 6], [0, 6], [3, 3], [3, 3], [2, 2])
+    assert coalesced._ragged_choice(table, q, q, "math", "auto") is not None
+    assert coalesced._ragged_choice(one_call, q, q, "math", "auto") is None
+    monkeypatch.setattr(coalesced, "RAGGED_MAX_SEGMENT_TOKENS", 6)
+    assert coalesced._ragged_choice(table, q, q, "math", "auto") is None
+    assert coalesced._ragged_choice(table, q, q, "math", "ragged") is not None
+
+
 def test_ragged_call_falls_back_to_groups_past_int32_offsets(monkeypatch) -> None:
     """Rows past cuDNN's int32 ragged offsets run as groups (same results), never a failure."""
     from zellige.runtime import coalesced

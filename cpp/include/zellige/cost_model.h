@@ -93,6 +93,12 @@ struct RankCost {
 // profile says it does (attention_ragged): the one value, read by runtime/coalesced.py through
 // zellige._core.RAGGED_MIN_CALLS.
 inline constexpr int64_t kRaggedMinCalls = 2;
+// ... and whose segments are all at most this many query and key tokens: a table holding a
+// longer one runs its dense calls (with the key split and streams), which were 3-6% faster than
+// the ragged call on the packs of a few long sequences on one H200, the ragged call 13-15%
+// faster on the packs of only short ones (bench/results/attention_engine_h200_202612_ragged.md).
+// Read by runtime/coalesced.py as zellige._core.RAGGED_MAX_SEGMENT_TOKENS.
+inline constexpr int64_t kRaggedMaxSegmentTokens = 16384;
 
 // The stream of each attention call of one table, calls in the order given (most work first):
 // the stream with the least work queued so far, the lowest index on ties. The one place this is

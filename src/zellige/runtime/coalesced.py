@@ -659,12 +659,15 @@ class _CoalescedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-# Merge policy: "auto" runs tables of at least this many dense calls as one ragged call, with a
-# ragged kernel trusted for automatic use (AUTO_RAGGED_KERNELS). On one H200 (cuDNN 9.19) the
-# cuDNN frontend's ragged call ran packs of many short sequences 6-13% faster than the groups
-# and issued every table in a tenth of their host time; on packs of a few long sequences the
-# groups were 3-6% faster (bench/results/attention_engine_h200_202612_ragged.md).
-RAGGED_MIN_CALLS = _core.RAGGED_MIN_CALLS  # the cost model prices the same threshold
+# Merge policy: "auto" runs a table of at least RAGGED_MIN_CALLS dense calls whose segments are
+# all at most RAGGED_MAX_SEGMENT_TOKENS query and key tokens as one ragged call, with a ragged
+# kernel trusted for automatic use (AUTO_RAGGED_KERNELS). On one H200 (cuDNN 9.19) the cuDNN
+# frontend's ragged call ran the packs of only short sequences (opensora2-stage1) 13-15% faster
+# forward and 2-3% backward than the groups, in a tenth of their host time, and the packs with a
+# long sequence 3-6% slower (bench/results/attention_engine_h200_202612_ragged.md). The cost
+# model prices the same rule (cost_model.h), so both constants come from there.
+RAGGED_MIN_CALLS = _core.RAGGED_MIN_CALLS
+RAGGED_MAX_SEGMENT_TOKENS = _core.RAGGED_MAX_SEGMENT_TOKENS
 AUTO_RAGGED_KERNELS: tuple[str, ...] = ("cudnn-fe",)
 MERGE_CHOICES = ("auto", "groups", "ragged")
 RAGGED_MAX_ELEMENTS = 2**31 - 1  # cuDNN's ragged offsets are int32 element counts
@@ -742,7 +745,10 @@ def _ragged_choice(
         or max(q_rows.numel(), k_rows.numel()) > RAGGED_MAX_ELEMENTS
     ):
         return None
-    if merge == "auto" and table.num_calls < RAGGED_MIN_CALLS:
+    if merge == "auto" and (
+        table.num_calls < RAGGED_MIN_CALLS
+        or max(max(g.q_len, g.k_len) for g in table.groups) > RAGGED_MAX_SEGMENT_TOKENS
+    ):
         return None
     kernel = ragged_kernel_for(
         q_rows.device, q_rows.dtype, q_rows.shape[-1], "math" if backend == "math" else None
@@ -784,7 +790,8 @@ def merge_policy_set(merge: str):
 
 def engine_runs_ragged(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the engine here runs a disjoint table of RAGGED_MIN_CALLS or more dense calls with
-    one head count as one ragged call (_ragged_choice under merge_policy(), automatic backend):
+    one head count and no segment over RAGGED_MAX_SEGMENT_TOKENS as one ragged call
+    (_ragged_choice under merge_policy(), automatic backend):
     the one place that decides a profile's attention_ragged, both where `zellige profile`
     measures and where a run prices its plans (zellige.profile.priced_as_engine_runs). The first
     call on a device checks the kernel against the math kernel (runtime/ragged.py)."""
@@ -857,7 +864,8 @@ def coalesced_attention(
     "ragged" (one ragged call where a checked ragged kernel exists: the cuDNN frontend on CUDA,
     or the math oracle with backend="math"; else as "groups"), or "auto"/None
     ($ZELLIGE_ATTENTION_MERGE, else: one ragged call for a disjoint table of RAGGED_MIN_CALLS or
-    more calls where a kernel of AUTO_RAGGED_KERNELS passes its check (runtime/ragged.py: the
+    more calls, none over RAGGED_MAX_SEGMENT_TOKENS tokens, where a kernel of
+    AUTO_RAGGED_KERNELS passes its check (runtime/ragged.py: the
     `nvidia-cudnn-frontend` package installed); otherwise nearby lengths merged into padded calls
     where the device's measured call costs say it pays (runtime/merging.py), the rest as groups).
     """
