@@ -219,7 +219,7 @@ def priced_as_engine_runs(
     """`profile` as the cost model must read it for a run whose attention engine runs ragged
     calls or not (`attention_ragged`: zellige.runtime.coalesced.engine_runs_ragged on the run's
     device): a copy with that value, and one line to `say` where it differs from the file's. The
-    profile's tables stay: the per-head tables price a ragged call (docs/cost_model.md)."""
+    profile's tables stay: the per-head tables price a ragged call (docs/formats.md)."""
     if profile.attention_ragged == attention_ragged:
         return profile
     matched = profile_from_dict(profile_to_dict(profile))
@@ -228,8 +228,9 @@ def priced_as_engine_runs(
         say(
             "cost model: the attention engine here runs "
             + (
-                "a table of several calls as one ragged call (cuDNN frontend), so the profile's "
-                "attention is priced that way (attention_ragged: true; the profile says false)"
+                "a table of several short sequences as one ragged call (cuDNN frontend), so "
+                "the profile's attention is priced that way (attention_ragged: true; the "
+                "profile says false)"
                 if attention_ragged
                 else "dense calls only, so the profile's attention is priced as dense calls "
                 "(attention_ragged: false; the profile says true)"
