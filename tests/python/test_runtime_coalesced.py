@@ -167,6 +167,29 @@ def test_auto_runs_ragged_only_for_tables_of_short_segments(monkeypatch) -> None
     assert coalesced._ragged_choice(table, q, q, "math", "ragged") is not None
 
 
+def test_a_shape_the_ragged_kernel_refuses_runs_as_groups(monkeypatch) -> None:
+    """RaggedKernel.prepare saying no (cuDNN refusing a graph) sends the table to the dense
+    calls, with their results, instead of failing mid-step."""
+    from zellige.runtime import coalesced
+    from zellige.runtime import ragged as R
+
+    class Refusing(R.MathRaggedKernel):
+        def prepare(self, q, k, layout, scale):
+            return False
+
+        def forward_into(self, *args):
+            raise AssertionError("a refused shape must not run")
+
+    monkeypatch.setattr(coalesced, "ragged_kernel_for", lambda *args: Refusing())
+    q = torch.randn(2 * 10, 4, dtype=torch.float64)
+    table = SegmentTable.build([0, 6], [0, 6], [3, 7], [3, 7], [2, 2])
+    assert coalesced._ragged_choice(table, q, q, None, "ragged") is None
+    o = coalesced_attention(q, q, q, table, merge="ragged")
+    torch.testing.assert_close(
+        o, coalesced_attention(q, q, q, table, merge="groups"), rtol=0, atol=0
+    )
+
+
 def test_ragged_call_falls_back_to_groups_past_int32_offsets(monkeypatch) -> None:
     """Rows past cuDNN's int32 ragged offsets run as groups (same results), never a failure."""
     from zellige.runtime import coalesced

@@ -44,16 +44,16 @@ def _issue_kv(rs: RingStep, kv_c: Tensor, step: Step, tag: int) -> tuple[list, T
     return p2p(sends, recvs, step, tag), recv
 
 
-def _ragged(table: SegmentTable, q: Tensor, k: Tensor, backend: str | None):
+def _ragged(table: SegmentTable, q: Tensor, k: Tensor, backend: str | None, scale: float):
     """(kernel, layout) where the merge policy runs this whole table as one ragged call
     (coalesced._ragged_choice, as coalesced_attention decides it), else None. The step's local and
     exchanged tables are disjoint and written whole (accumulate=False), as a ragged call writes;
     ring steps add into their rows and keep their groups."""
-    return _ragged_choice(table, q, k, backend, merge_policy())
+    return _ragged_choice(table, q, k, backend, merge_policy(), scale)
 
 
 def _table_forward(table, kernel, scale, q, k, v, o, lse, backend) -> None:
-    ragged = _ragged(table, q, k, backend)
+    ragged = _ragged(table, q, k, backend, scale)
     if ragged is None:
         forward_into(table, kernel, scale, q, k, v, o, lse)
     else:
@@ -62,7 +62,7 @@ def _table_forward(table, kernel, scale, q, k, v, o, lse, backend) -> None:
 
 def _table_backward(table, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, backend) -> None:
     """Writes the table's rows of dq / dk / dv (accumulate=False)."""
-    ragged = _ragged(table, q, k, backend)
+    ragged = _ragged(table, q, k, backend, scale)
     if ragged is None:
         backward_into(table, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, accumulate=False)
     else:

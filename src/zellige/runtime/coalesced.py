@@ -736,9 +736,15 @@ class _RaggedAttention(torch.autograd.Function):
 
 
 def _ragged_choice(
-    table: SegmentTable, q_rows: Tensor, k_rows: Tensor, backend: str | None, merge: str | None
+    table: SegmentTable,
+    q_rows: Tensor,
+    k_rows: Tensor,
+    backend: str | None,
+    merge: str | None,
+    scale: float | None = None,
 ) -> tuple[RaggedKernel, RaggedLayout] | None:
-    """The merge policy: (kernel, layout) when this table runs as one ragged call."""
+    """The merge policy: (kernel, layout) when this table runs as one ragged call; None also
+    where the kernel cannot run this table's shape (RaggedKernel.prepare)."""
     if (
         merge == "groups"
         or table.padded
@@ -756,7 +762,10 @@ def _ragged_choice(
     if merge == "auto" and kernel is not None and kernel.name not in AUTO_RAGGED_KERNELS:
         return None
     layout = _ragged_layout(table) if kernel is not None else None
-    return None if layout is None else (kernel, layout)
+    if layout is None:
+        return None
+    scale = default_scale(q_rows.shape[-1]) if scale is None else scale
+    return (kernel, layout) if kernel.prepare(q_rows, k_rows, layout, scale) else None
 
 
 def merge_policy() -> str:
@@ -874,7 +883,7 @@ def coalesced_attention(
         raise ValueError(f"unknown attention merge '{merge}' (allowed: {', '.join(MERGE_CHOICES)})")
     head_dim = q_rows.shape[-1]
     scale_or_default = default_scale(head_dim) if scale is None else scale
-    ragged = _ragged_choice(table, q_rows, k_rows, backend, merge)
+    ragged = _ragged_choice(table, q_rows, k_rows, backend, merge, scale_or_default)
     if ragged is not None:
         o_rows, lse_rows = _RaggedAttention.apply(
             q_rows, k_rows, v_rows, table, ragged[1], ragged[0], scale_or_default

@@ -77,6 +77,11 @@ class RaggedKernel:
 
     name = "base"
 
+    def prepare(self, q, k, layout: RaggedLayout, scale: float) -> bool:
+        """Whether this kernel runs `layout` over rows like q / k (forward and backward); False
+        sends the table to the dense calls. Called before a table's first ragged call."""
+        return True
+
     def forward_into(self, q, k, v, o, lse, layout: RaggedLayout, scale: float) -> None:
         raise NotImplementedError
 
@@ -149,6 +154,7 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
 
         self._graphs: dict[tuple, tuple] = {}
         self._handles: dict[int, int] = {}
+        self._refused: dict[tuple, bool] = {}  # prepare's answer per shape bucket
 
     # -- device tensors of a layout --------------------------------------------------------
     def _layout_tensors(self, layout: RaggedLayout, head_dim: int, device: torch.device):
@@ -266,18 +272,39 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
             self._graphs.pop(next(iter(self._graphs)))
         return self._graphs[key]
 
-    def _run(self, backward: bool, buffers: dict, layout: RaggedLayout, scale: float) -> None:
-        q = buffers["q"]
+    def _graph_for(self, backward: bool, q: Tensor, k: Tensor, layout: RaggedLayout, scale):
         device, head_dim, n = q.device, q.shape[-1], layout.num_heads
         if q.dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda":
             raise ValueError("the cuDNN frontend ragged kernel takes bf16 / fp16 rows on CUDA")
         columns = self._layout_tensors(layout, head_dim, device)
-        # the backward's fp32 dq / dk accumulators are sized by tokens: every row of the buffers
-        totals = (math.ceil(q.shape[0] / n), math.ceil(buffers["k"].shape[0] / n))
+        # the backward's fp32 dq / dk accumulators are sized by tokens: every row of the buffers,
+        # bucketed like the lengths (a step's rank holds a new token count every step)
+        totals = tuple(_bucket_length(math.ceil(t.shape[0] / n)) for t in (q, k))
         graph, t = self._graph(
             backward, q.dtype, n, head_dim, columns["shape"], totals if backward else None,
             float(scale), device,
         )  # fmt: skip
+        return graph, t, columns
+
+    def prepare(self, q, k, layout, scale):
+        """Builds (or finds) the forward and backward graphs of this shape bucket; a shape
+        cuDNN refuses is remembered and its tables run as dense calls."""
+        n = layout.num_heads
+        key = (q.dtype, q.shape[-1], n, float(scale),
+               self._layout_tensors(layout, q.shape[-1], q.device)["shape"],
+               *(_bucket_length(math.ceil(t.shape[0] / n)) for t in (q, k)))  # fmt: skip
+        if key not in self._refused:
+            try:
+                for backward in (False, True):
+                    self._graph_for(backward, q, k, layout, scale)
+                self._refused[key] = False
+            except Exception:  # cuDNN's refusal (its errors derive from Exception)
+                self._refused[key] = True
+        return not self._refused[key]
+
+    def _run(self, backward: bool, buffers: dict, layout: RaggedLayout, scale: float) -> None:
+        q, device = buffers["q"], buffers["q"].device
+        graph, t, columns = self._graph_for(backward, q, buffers["k"], layout, scale)
         pack = {t[name]: columns[name] for name in ("seq_q", "seq_k", "off_q", "off_k", "off_lse")}
         pack |= {t[name]: tensor for name, tensor in buffers.items()}
         workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
@@ -344,7 +371,7 @@ def _agrees_with_math(kernel: RaggedKernel, device, dtype, head_dim: int) -> boo
 
     try:
         got = run(kernel)
-    except (RuntimeError, TypeError, NotImplementedError, ValueError, AttributeError, KeyError):
+    except Exception:  # any failure refuses the kernel (cuDNN's own errors derive from Exception)
         return False
     want = run(MathRaggedKernel())
     tolerance = {torch.float64: 1e-9, torch.float32: 2e-3}.get(dtype, 5e-2)
