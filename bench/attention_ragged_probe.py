@@ -17,31 +17,13 @@ import json
 import math
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_engine import RECIPES, make_pack, median_time_s
+from attention_engine import RECIPES, bench_dense, make_pack, median_time_s
 from zellige.runtime.ragged import CudnnFrontendRaggedKernel, RaggedLayout
 
 
 def median_ms(fn, repeat: int) -> float:
     return median_time_s(fn, repeat) * 1e3  # device time, as attention_engine.py measures it
-
-
-def dense_ms(length: int, heads: int, head_dim: int, repeat: int) -> tuple[float, float]:
-    q, k, v, do = (
-        torch.randn(1, length, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-        .transpose(1, 2)
-        .requires_grad_()
-        for _ in range(4)
-    )
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        forward = median_ms(lambda: F.scaled_dot_product_attention(q, k, v), repeat)
-        o = F.scaled_dot_product_attention(q, k, v)
-        backward = median_ms(
-            lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), repeat
-        )
-    return forward, backward
 
 
 def ragged_ms(kernel, buffers: dict, layout: RaggedLayout, scale: float, repeat: int):
@@ -63,6 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     n, head_dim, scale = args.heads, args.head_dim, args.head_dim**-0.5
     kernel, rows = CudnnFrontendRaggedKernel(), []
+    gen = torch.Generator(device="cuda").manual_seed(0)
     print("| pack | joint | seqs | dense ms fwd / bwd | order | ragged ms fwd / bwd | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for joint in (True, False):
@@ -71,7 +54,10 @@ def main() -> None:
             # as attention_engine.py: the nearest multiple of 64 (of L and L + 64 one is a multiple
             # of 128, where cuDNN's forward is faster: the same reference as the engine's bench)
             dense_length = max(64, round(math.sqrt(sum(x * x for x in lengths)) / 64) * 64)
-            dense = dense_ms(dense_length, n, head_dim, args.repeat)
+            dense = tuple(
+                1e3 * seconds
+                for seconds in bench_dense(dense_length, n, head_dim, args.repeat, gen)
+            )
             tokens = sum(lengths)
             buffers = {
                 name: torch.randn(tokens * n, head_dim, device="cuda", dtype=torch.bfloat16)

@@ -29,14 +29,6 @@ from zellige.profiler.models import dit_config, stack_layers
 from zellige.runtime import distributed_attention, prepare_step
 from zellige.runtime.coalesced import engine_runs_ragged, merge_policy_set
 
-RECIPES = (
-    "opensora2-stage1",
-    "opensora2-stage2",
-    "wan-stage2",
-    "wan-stage3",
-    "knapformer-joint",
-    "knapformer-mixed-images",
-)
 HEADS, HEAD_DIM = 24, 128
 
 
@@ -140,7 +132,7 @@ def main() -> None:
     shrink = 64 if args.quick else 1
     kinds = {"all": (True, False), "joint": (True,), "self": (False,), "none": ()}[args.packs]
     for joint in kinds:
-        for recipe in RECIPES[:2] if args.quick else RECIPES:
+        for recipe in attention_engine.RECIPES[:2] if args.quick else attention_engine.RECIPES:
             lengths = attention_engine.make_pack(recipe, 98304, 0, joint, shrink)
             row = {"recipe": recipe, "joint": joint, "lengths": lengths}
             for key, merge in (("groups", "groups"), ("ragged", ragged_merge)):
