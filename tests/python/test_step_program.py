@@ -82,6 +82,23 @@ def one_process_group():
     dist.destroy_process_group()
 
 
+def _assert_cross_attention(out, x, text_XE, batch) -> None:
+    """Each sequence's rows of `out` are its queries' attention to its own text (zero without
+    text), as single-process SDPA computes it."""
+    start = text_at = 0
+    for s in batch.sequences:
+        q = x[start : start + s.num_tokens].transpose(0, 1)
+        kv = text_XE[text_at : text_at + s.text_tokens].transpose(0, 1)
+        want = (
+            F.scaled_dot_product_attention(q, kv, kv).transpose(0, 1)
+            if s.text_tokens
+            else torch.zeros_like(q.transpose(0, 1))
+        )
+        torch.testing.assert_close(out[start : start + s.num_tokens], want, rtol=0, atol=1e-13)
+        start += s.num_tokens
+        text_at += s.text_tokens
+
+
 @pytest.mark.parametrize("joint", [False, True], ids=["self+cross", "joint"])
 def test_one_rank_step_equals_single_process_attention(joint: bool, one_process_group) -> None:
     """World of one: routes are permutations into held order, attention is whole sequences."""
@@ -108,18 +125,7 @@ def test_one_rank_step_equals_single_process_attention(joint: bool, one_process_
     text_XE = torch.randn(8, 2, 4, generator=gen, dtype=torch.float64)  # 3 + 0 + 5 rows
     routed = route_text(text_XE, step)
     out = reverse_route(cross_attention_fn(step)(held, routed, routed), step)
-    start = text_at = 0
-    for s in batch.sequences:
-        q = x[start : start + s.num_tokens].transpose(0, 1)
-        kv = text_XE[text_at : text_at + s.text_tokens].transpose(0, 1)
-        want = (
-            F.scaled_dot_product_attention(q, kv, kv).transpose(0, 1)
-            if s.text_tokens
-            else torch.zeros_like(q.transpose(0, 1))
-        )
-        torch.testing.assert_close(out[start : start + s.num_tokens], want, rtol=0, atol=1e-13)
-        start += s.num_tokens
-        text_at += s.text_tokens
+    _assert_cross_attention(out, x, text_XE, batch)
 
 
 @pytest.mark.parametrize("joint", [False, True], ids=["self+cross", "joint"])
@@ -170,18 +176,7 @@ def test_one_rank_step_runs_its_tables_as_ragged_calls(
         cross_attention_fn(step, backend="math")(held, *(route_text(text_XE, step),) * 2), step
     )
     assert calls["forward_into"] == 2  # the cross-attention table: one more ragged call
-    start = text_at = 0
-    for s in batch.sequences:
-        q = x[start : start + s.num_tokens].transpose(0, 1)
-        kv = text_XE[text_at : text_at + s.text_tokens].transpose(0, 1)
-        want = (
-            F.scaled_dot_product_attention(q, kv, kv).transpose(0, 1)
-            if s.text_tokens
-            else torch.zeros_like(q.transpose(0, 1))
-        )
-        torch.testing.assert_close(out[start : start + s.num_tokens], want, rtol=0, atol=1e-13)
-        start += s.num_tokens
-        text_at += s.text_tokens
+    _assert_cross_attention(out, x, text_XE, batch)
 
 
 def test_loader_tensors_that_do_not_match_the_program_are_an_error() -> None:
