@@ -33,6 +33,7 @@ from zellige.runtime import recompute
 from zellige.runtime.kernels import (
     Kernel,
     MathKernel,
+    close_to_math,
     default_scale,
     kernel_for,
     key_mask,
@@ -945,12 +946,7 @@ def key_split_ok(kernel: Kernel, device: torch.device, dtype: torch.dtype, head_
             o_rest, lse_rest = kernel.forward(q, k[:, :, KEY_TILE:], v[:, :, KEY_TILE:], scale)
             o, lse = _merge_split(o, lse, o_rest, lse_rest)
             o_ref, lse_ref = MathKernel().forward(q, k, v, scale)
-            tolerance = {torch.float64: 1e-9, torch.float32: 2e-3}.get(dtype, 5e-2)
-            ok = all(
-                bool((got.float() - want.float()).abs().max()
-                     <= tolerance * want.float().abs().max().clamp_min(1e-6))
-                for got, want in ((o, o_ref), (lse, lse_ref))
-            )  # fmt: skip
+            ok = all(close_to_math(got, want, dtype) for got, want in ((o, o_ref), (lse, lse_ref)))
         except (RuntimeError, TypeError, NotImplementedError, ValueError):
             ok = False
         _key_split_verified[key] = ok
