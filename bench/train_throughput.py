@@ -78,6 +78,7 @@ import zellige.train.loop
 from _provenance import git_commit
 from step_trace import summarise_trace
 from zellige.profile import load_profile
+from zellige.runtime import ragged
 from zellige.runtime.coalesced import merge_policy_set
 from zellige.train.config import get_config
 from zellige.train.loop import train
@@ -170,6 +171,7 @@ def summarise(
                     "gc_s",
                     "gc_full_before_s",
                     "compile_events",
+                    "ragged_graphs",
                 )
                 if k in r
             }
@@ -330,7 +332,8 @@ def printing_steps(label: str, ends: dict):
     once outside the blocks: Python's full garbage collections in the step (count and seconds),
     the graphs torch.compile captured or compiled in it, and the full collections between this
     step and the previous one (the loop's own, after a step that compiled). The same numbers go
-    into the step's record (gc_full, gc_full_s, gc_s, compile_events, gc_full_before_s).
+    into the step's record (gc_full, gc_full_s, gc_s, compile_events, gc_full_before_s), with
+    the cuDNN graphs the ragged attention kernel built in it (ragged_graphs).
     `ends` gets, per step (1-based), a mark queued after each step's call returns: a CUDA event
     (behind the step's work where it is still running, so device time, idle time included) or
     the host's clock on CPU; device_wall_s between two of them is the run's time over those
@@ -344,7 +347,7 @@ def printing_steps(label: str, ends: dict):
 
     def printed(*args):
         before = pauses.totals()
-        compiles = loop.compile_events()
+        compiles, graphs = loop.compile_events(), ragged.graphs_built()
         records, pending = run_step(*args)
         ends[args[7] + 1] = loop._time_mark(args[5])
         after = pauses.totals()
@@ -354,6 +357,7 @@ def printing_steps(label: str, ends: dict):
             "gc_s": after[3] - before[3],
             "gc_full_before_s": before[1] - last_end[0][1],
             "compile_events": loop.compile_events() - compiles,
+            "ragged_graphs": ragged.graphs_built() - graphs,
         }
         last_end[0] = after
         for record in records:
@@ -364,7 +368,8 @@ def printing_steps(label: str, ends: dict):
                 f"{record['busy_s_max']:.3f} s, data wait {record['data_wait_s_max']:.3f} s), "
                 f"allocator retries {record['alloc_retries']}, full GC {record['gc_full']} "
                 f"({record['gc_full_s']:.3f} s; all GC {record['gc_s']:.3f} s; before the step "
-                f"{record['gc_full_before_s']:.3f} s), compile events {record['compile_events']}",
+                f"{record['gc_full_before_s']:.3f} s), compile events {record['compile_events']}, "
+                f"ragged attention graphs built {record['ragged_graphs']}",
                 file=sys.stderr,
                 flush=True,
             )

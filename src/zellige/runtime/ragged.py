@@ -153,6 +153,7 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
         import cudnn  # noqa: F401  (ImportError: the package is not installed)
 
         self._graphs: dict[tuple, tuple] = {}
+        self.graphs_built = 0  # cuDNN graphs built so far (tens of ms each: a new shape bucket)
         self._handles: dict[int, int] = {}
         self._refused: dict[tuple, bool] = {}  # prepare's answer per shape bucket
 
@@ -267,6 +268,7 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         graph.check_support()
         graph.build_plans()
+        self.graphs_built += 1
         self._graphs[key] = (graph, t)
         while len(self._graphs) > self.max_graphs:
             self._graphs.pop(next(iter(self._graphs)))
@@ -384,6 +386,12 @@ def _agrees_with_math(kernel: RaggedKernel, device, dtype, head_dim: int) -> boo
 
 
 _verified: dict[tuple, RaggedKernel | None] = {}
+
+
+def graphs_built() -> int:
+    """cuDNN graphs the checked ragged kernels of this process have built (a training loop's
+    steps after the first few should build none: their shapes fall into cached buckets)."""
+    return sum(getattr(kernel, "graphs_built", 0) for kernel in _verified.values())
 
 
 def ragged_kernel_for(
