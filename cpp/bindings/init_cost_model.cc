@@ -17,10 +17,12 @@ void init_cost_model(nb::module_& m) {
       .def_rw("gradient_bytes_per_param", &CostOptions::gradient_bytes_per_param)
       .def_rw("memory_headroom", &CostOptions::memory_headroom)
       .def_rw("adaptive_checkpointing", &CostOptions::adaptive_checkpointing)
-      .def_rw("weights_kept_to_backward", &CostOptions::weights_kept_to_backward);
+      .def_rw("weights_kept_to_backward", &CostOptions::weights_kept_to_backward)
+      .def_rw("optimizer_copy_bytes_per_param", &CostOptions::optimizer_copy_bytes_per_param);
   add_value_methods(options, {"activation_checkpointing", "bytes_per_element",
                               "state_bytes_per_param", "gradient_bytes_per_param",
-                              "memory_headroom", "adaptive_checkpointing"});
+                              "memory_headroom", "adaptive_checkpointing",
+                              "weights_kept_to_backward", "optimizer_copy_bytes_per_param"});
 
   nb::class_<RankShare> share(m, "RankShare", "What one placement costs one of its ranks.");
   share.def_rw("rank", &RankShare::rank)

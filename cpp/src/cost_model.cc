@@ -175,10 +175,12 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   if (options_.bytes_per_element <= 0 || options_.state_bytes_per_param < 0 ||
       !(options_.gradient_bytes_per_param >= 0 &&
         options_.gradient_bytes_per_param <= options_.state_bytes_per_param) ||
+      !(options_.optimizer_copy_bytes_per_param >= 0) ||
       !(options_.memory_headroom >= 0 && options_.memory_headroom < 1)) {
     throw std::invalid_argument(
         "cost model: bytes_per_element must be > 0, state_bytes_per_param >= 0, "
-        "gradient_bytes_per_param in [0, state_bytes_per_param] and memory_headroom in [0, 1)");
+        "gradient_bytes_per_param in [0, state_bytes_per_param], "
+        "optimizer_copy_bytes_per_param >= 0 and memory_headroom in [0, 1)");
   }
   const double d = static_cast<double>(model_.width);
   const double bpe = static_cast<double>(options_.bytes_per_element);
@@ -241,6 +243,12 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
   fixed_bytes_ = params * options_.state_bytes_per_param / ranks + step_fixed_bytes_ +
                  root_gathered_bytes + reserved;
   gradient_bytes_ = params * options_.gradient_bytes_per_param / ranks;
+  // In the optimizer step no activation, gathered layer or root copy is held (the graph is
+  // freed after the backward), only the state and the copies a copying optimizer writes.
+  optimizer_peak_bytes_ =
+      params * (options_.state_bytes_per_param + options_.optimizer_copy_bytes_per_param) /
+          ranks +
+      reserved;
   layer_gradient_bytes_ =
       block_params * options_.gradient_bytes_per_param / ranks / layer_units;
   layer_weight_bytes_ = block_params * bpe / layer_units;
@@ -755,7 +763,8 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
   double below = static_cast<double>(f) * layer_input_bytes +
                  static_cast<double>(k - f) * layer_checkpoint_bytes +
                  static_cast<double>(layers - k) * layer_activation_bytes;
-  double peak = held_always + gradient_bytes_;  // the backward's end: every gradient
+  // the backward's end (every gradient), and the optimizer step after it
+  double peak = std::max(held_always + gradient_bytes_, optimizer_peak_bytes_);
   const double measured_curve =
       held_tokens > 0 ? backward_peak_correction(static_cast<double>(held_tokens)) : 0.0;
   for (int64_t j = layers - 1; j >= 0; --j) {

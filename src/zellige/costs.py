@@ -30,6 +30,7 @@ def make_cost_model(
     adaptive_checkpointing: bool = False,
     weights_kept_to_backward: bool = False,
     gradient_bytes_per_param: float = 4.0,
+    optimizer_copy_bytes_per_param: float = 0.0,
 ) -> CostModel:
     """A CostModel for `gpus` GPUs of `gpus_per_node` each (default: 8, or `gpus` when fewer).
     `profile` is a profile JSON path, a HardwareProfile, or None for the built-in H200 profile.
@@ -38,7 +39,9 @@ def make_cost_model(
     predicted rank_checkpointed_layers). weights_kept_to_backward: training keeps each block's
     gathered weights from its forward to its backward (zellige.train on one rank).
     gradient_bytes_per_param: what a parameter's gradient holds (4: fp32; 2: training that
-    keeps the backward's bf16 gradients), part of the 16 bytes of state a parameter. Raises
+    keeps the backward's bf16 gradients), part of the 16 bytes of state a parameter.
+    optimizer_copy_bytes_per_param: what the optimizer step writes beside the state (2: one
+    rank's copying AdamW makes the next forward's bf16 weights while the gradients are held). Raises
     ValueError for an unknown model or link class, a bad cluster shape or profile."""
     spec = resolve_model(model)
     if gpus_per_node is None:
@@ -51,4 +54,5 @@ def make_cost_model(
     options.weights_kept_to_backward = weights_kept_to_backward
     options.state_bytes_per_param += gradient_bytes_per_param - options.gradient_bytes_per_param
     options.gradient_bytes_per_param = gradient_bytes_per_param
+    options.optimizer_copy_bytes_per_param = optimizer_copy_bytes_per_param
     return CostModel(spec, hardware, cluster, options)

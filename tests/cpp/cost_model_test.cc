@@ -818,6 +818,41 @@ TEST(CostModel, KeptWeightsAddTheGatheredLayersAboveTwo) {
   EXPECT_DOUBLE_EQ(kept.rank_peak_bytes(0, 0, 0, 0), gathered.rank_peak_bytes(0, 0, 0, 0));
 }
 
+// One rank's copying AdamW writes the next forward's bf16 copy of every weight while the
+// gradients are held: with few tokens that optimizer step is the peak (state + copies + the
+// runtime's reserve, nothing of the backward), with many the backward still is.
+TEST(CostModel, CopyingOptimizerStepHoldsTheStateAndEveryCopy) {
+  ModelSpec spec = model_preset("wan-1.3b");
+  spec.num_layers = 8;
+  // the blocks alone: the fixed bytes' two gathered layers and one layer's fp32 gradients are
+  // then 8 x a layer's parameters = 1 byte a parameter, under the copies' 2
+  spec.param_count = block_param_count(spec);
+  HardwareProfile profile = analytic_profile("t", 700e12, 550e12, 4.2e12);
+  profile.runtime_reserved_bytes = int64_t{1} << 30;
+  const auto model_with = [&](double copy_bytes) {
+    CostOptions options;
+    options.weights_kept_to_backward = true;
+    options.state_bytes_per_param = 14;  // bf16 gradients, as zellige.train on one rank
+    options.gradient_bytes_per_param = 2;
+    options.optimizer_copy_bytes_per_param = copy_bytes;
+    return CostModel(spec, profile, make_cluster(1, 1), options);
+  };
+  const CostModel plain = model_with(0);
+  const CostModel copying = model_with(2);
+  const double params = static_cast<double>(spec.param_count);
+  const double optimizer_step = params * 16 + static_cast<double>(int64_t{1} << 30);
+  ASSERT_GT(optimizer_step, plain.fixed_bytes());  // the copies outweigh two gathered layers
+  EXPECT_DOUBLE_EQ(plain.rank_peak_bytes(0, 0, 0, 0), plain.fixed_bytes());
+  EXPECT_DOUBLE_EQ(copying.rank_peak_bytes(0, 0, 0, 0), optimizer_step);
+  const double a = 4e9, c = 1, buffer = 5;
+  ASSERT_GT(plain.rank_peak_bytes(a, c, buffer, 0), optimizer_step);
+  EXPECT_DOUBLE_EQ(copying.rank_peak_bytes(a, c, buffer, 0),
+                   plain.rank_peak_bytes(a, c, buffer, 0));
+  CostOptions negative;
+  negative.optimizer_copy_bytes_per_param = -1;
+  EXPECT_THROW(CostModel(spec, profile, make_cluster(1, 1), negative), std::invalid_argument);
+}
+
 // Adaptive checkpointing: a rank with room keeps every layer's activations and pays no
 // recompute; a rank without room checkpoints the fewest layers whose peak fits.
 TEST(CostModel, AdaptiveCheckpointingRecomputesOnlyWhatMemoryNeeds) {

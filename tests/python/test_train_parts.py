@@ -263,6 +263,68 @@ def test_kept_bf16_gradients_are_priced_at_two_bytes() -> None:
     assert fp32.fixed_bytes() - bf16.fixed_bytes() == pytest.approx(2 * params)
 
 
+def test_copying_optimizer_step_is_priced_with_its_copies() -> None:
+    """One rank's copying AdamW writes the next forward's bf16 copy of every weight while the
+    gradients are held: the cost model prices that optimizer step (2 bytes a parameter beside
+    the state), which is the peak of a step of few tokens; nowhere else does it write copies."""
+    import dataclasses
+
+    import zellige
+    from zellige.train.loop import optimizer_copy_bytes_per_param
+
+    config = get_config("wan14b-width-h200")  # on CUDA: the copying optimizer by default
+    assert optimizer_copy_bytes_per_param(config, 1) == 2.0
+    assert optimizer_copy_bytes_per_param(config, 2) == 0.0  # FSDP2: no copies to write
+    for changes in ({"copying_optimizer": False}, {"fsdp_on_one_rank": True}):
+        assert optimizer_copy_bytes_per_param(dataclasses.replace(config, **changes), 1) == 0.0
+    assert optimizer_copy_bytes_per_param(get_config("tiny-cpu"), 1) == 0.0
+    plain, copying = (
+        zellige.make_cost_model(
+            "wan-1.3b", 1, profile=None, gradient_bytes_per_param=2.0,
+            optimizer_copy_bytes_per_param=c, weights_kept_to_backward=True,
+        )
+        for c in (0.0, 2.0)
+    )  # fmt: skip
+    params = plain.gradient_bytes() / 2
+    no_tokens = (0.0, 0.0, 0.0, 0)
+    assert copying.rank_peak_bytes(*no_tokens) - plain.rank_peak_bytes(*no_tokens) > params
+    assert copying.rank_peak_bytes(*no_tokens) > 16 * params  # state (14) + copies (2)
+    with pytest.raises(ValueError, match="optimizer_copy_bytes_per_param"):
+        zellige.make_cost_model("wan-1.3b", 1, profile=None, optimizer_copy_bytes_per_param=-1)
+
+
+def test_forward_copies_are_freed_before_the_optimizer_writes_the_next() -> None:
+    """Training on one rank with the copying optimizer: when the optimizer makes the next
+    forward's copies, the forward's own are gone (the step's graph, whose nodes hold them, is
+    released after the backward), so the optimizer step holds one set of copies, as priced."""
+    import dataclasses
+    import tempfile
+    import weakref
+
+    from zellige.train import loop
+    from zellige.train.parallelize import LoneRankWeights
+
+    forward_copies, alive = [], []
+    before, new_copies = LoneRankWeights._before_forward, LoneRankWeights.new_copies
+
+    def spy_before(self, module, args):
+        before(self, module, args)
+        forward_copies[:] = [weakref.ref(m._parameters[name]) for m, name in self._slots]
+
+    def spy_new(self):
+        alive.append(sum(ref() is not None for ref in forward_copies))
+        return new_copies(self)
+
+    config = dataclasses.replace(
+        get_config("tiny-cpu"), steps=2, dtype="bfloat16", copying_optimizer=True
+    )
+    with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as out:
+        patch.setattr(LoneRankWeights, "_before_forward", spy_before)
+        patch.setattr(LoneRankWeights, "new_copies", spy_new)
+        loop.train(config, out_dir=out, progress=False)
+    assert forward_copies and alive == [0, 0]
+
+
 def test_a_kept_copy_does_not_keep_the_model_alive() -> None:
     """A compute copy that outlives its step (something kept it: a compiled function's cache,
     say) holds neither the masters nor the model through its gradient hook; close() drops an

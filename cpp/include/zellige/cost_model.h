@@ -40,6 +40,10 @@ struct CostOptions {
   // forward, or no FSDP). Before layer j's backward the weights of layers 0..j are then held,
   // where the step's fixed bytes count two gathered layers (the one running and the prefetched).
   bool weights_kept_to_backward = false;
+  // Bytes a parameter holds in the optimizer step beside its state: zellige.train's copying
+  // AdamW on one rank without FSDP writes the next forward's bf16 copy of every weight (2)
+  // while the gradients are still held, the step's peak when it holds few tokens. 0: none.
+  double optimizer_copy_bytes_per_param = 0.0;
 };
 
 // What one placement of one sequence costs one of its ranks. Everything is additive over the
@@ -368,6 +372,7 @@ class CostModel {
   // (step_fixed_bytes_ + tokens x backward_bytes_); 0 without it.
   double backward_peak_correction(double tokens) const;
   double gradient_bytes_ = 0;           // the gradients within fixed_bytes_
+  double optimizer_peak_bytes_ = 0;     // the optimizer step's: state, copies, runtime reserve
   double layer_gradient_bytes_ = 0;     // one block's gradients (they appear layer by layer)
   double layer_weight_bytes_ = 0;       // one block's gathered weights (bytes_per_element each)
   double min_linear_time_per_token_s_ = 0;

@@ -134,6 +134,7 @@ class StepDataset(torch.utils.data.Dataset):
         adaptive_checkpointing: bool = False,
         weights_kept_to_backward: bool = False,
         gradient_bytes_per_param: float = 4.0,
+        optimizer_copy_bytes_per_param: float = 0.0,
         sequences: list[dict] | None = None,
         plan: dict | None = None,
         data_ranks: int | None = None,
@@ -151,6 +152,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.adaptive_checkpointing = adaptive_checkpointing
         self.weights_kept_to_backward = weights_kept_to_backward
         self.gradient_bytes_per_param = gradient_bytes_per_param
+        self.optimizer_copy_bytes_per_param = optimizer_copy_bytes_per_param
         self.sequences = sequences
         self.fixed_plan = plan
         self.data_ranks = data_ranks or num_ranks
@@ -176,6 +178,7 @@ class StepDataset(torch.utils.data.Dataset):
                 adaptive_checkpointing=self.adaptive_checkpointing,
                 weights_kept_to_backward=self.weights_kept_to_backward,
                 gradient_bytes_per_param=self.gradient_bytes_per_param,
+                optimizer_copy_bytes_per_param=self.optimizer_copy_bytes_per_param,
             )
             recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
             latents = SyntheticLatents(

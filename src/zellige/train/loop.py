@@ -296,6 +296,7 @@ def train(
         adaptive_checkpointing=config.activation_checkpointing and config.adaptive_checkpointing,
         weights_kept_to_backward=weights_kept_to_backward(config, num_ranks),
         gradient_bytes_per_param=gradient_bytes_per_param(config, num_ranks),
+        optimizer_copy_bytes_per_param=optimizer_copy_bytes_per_param(config, num_ranks),
         sequences=sequences,
         attention_ragged=attention_ragged,
     )
@@ -535,7 +536,11 @@ def _run_step(
     with record_function("zellige.step.backward"):
         # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
         (local_loss * num_ranks).backward()
-    # the step's peak split by phase, against the cost model's (which has no optimizer step)
+    # the graph's last reference: its nodes hold the forward's leaves (on one rank without FSDP
+    # the bf16 weight copies, a copy of every weight), which would otherwise live through the
+    # optimizer step beside the next step's copies (the cost model's peak has one set)
+    local_loss = local_loss.detach()
+    # the step's peak split by phase (the cost model's is the larger of the two)
     peak_backward_gib = _peak_gib(device, reset=True)
     records = []
     if before is not None:
@@ -955,6 +960,13 @@ def gradient_bytes_per_param(config: TrainConfig, num_ranks: int) -> float:
     lone = num_ranks == 1 and not config.fsdp_on_one_rank
     kept = lone and keeps_compute_dtype_gradients(config)
     return 2.0 if kept and config.dtype == "bfloat16" else 4.0
+
+
+def optimizer_copy_bytes_per_param(config: TrainConfig, num_ranks: int) -> float:
+    """Bytes a parameter's copy takes that the optimizer step writes beside the state (the cost
+    model prices them): the copying optimizer's next-forward weights, one rank without FSDP."""
+    lone = num_ranks == 1 and not config.fsdp_on_one_rank
+    return 2.0 if lone and uses_copying_optimizer(config) and config.dtype == "bfloat16" else 0.0
 
 
 def weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:
