@@ -293,36 +293,53 @@ def test_copying_optimizer_step_is_priced_with_its_copies() -> None:
         zellige.make_cost_model("wan-1.3b", 1, profile=None, optimizer_copy_bytes_per_param=-1)
 
 
+FREED_COPIES_SCRIPT = """
+import dataclasses, json, sys, tempfile, weakref
+from zellige.runtime import end_rank_process
+from zellige.train import loop
+from zellige.train.config import get_config
+from zellige.train.parallelize import LoneRankWeights
+
+forward_copies, alive = [], []
+before, new_copies = LoneRankWeights._before_forward, LoneRankWeights.new_copies
+
+def spy_before(self, module, args):
+    before(self, module, args)
+    forward_copies[:] = [weakref.ref(m._parameters[name]) for m, name in self._slots]
+
+def spy_new(self):
+    alive.append(sum(ref() is not None for ref in forward_copies))
+    return new_copies(self)
+
+LoneRankWeights._before_forward, LoneRankWeights.new_copies = spy_before, spy_new
+config = dataclasses.replace(
+    get_config("tiny-cpu"), steps=2, dtype="bfloat16", copying_optimizer=True
+)
+with tempfile.TemporaryDirectory() as out:
+    loop.train(config, out_dir=out, progress=False)
+sys.stdout.write(json.dumps({"copies": len(forward_copies), "alive": alive}))
+end_rank_process(0)
+"""
+
+
 def test_forward_copies_are_freed_before_the_optimizer_writes_the_next() -> None:
     """Training on one rank with the copying optimizer: when the optimizer makes the next
     forward's copies, the forward's own are gone (the step's graph, whose nodes hold them, is
-    released after the backward), so the optimizer step holds one set of copies, as priced."""
-    import dataclasses
-    import tempfile
-    import weakref
+    released after the backward), so the optimizer step holds one set of copies, as priced.
+    In a process of its own: training joins a process group, which outlives it."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    from zellige.train import loop
-    from zellige.train.parallelize import LoneRankWeights
-
-    forward_copies, alive = [], []
-    before, new_copies = LoneRankWeights._before_forward, LoneRankWeights.new_copies
-
-    def spy_before(self, module, args):
-        before(self, module, args)
-        forward_copies[:] = [weakref.ref(m._parameters[name]) for m, name in self._slots]
-
-    def spy_new(self):
-        alive.append(sum(ref() is not None for ref in forward_copies))
-        return new_copies(self)
-
-    config = dataclasses.replace(
-        get_config("tiny-cpu"), steps=2, dtype="bfloat16", copying_optimizer=True
-    )
-    with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as out:
-        patch.setattr(LoneRankWeights, "_before_forward", spy_before)
-        patch.setattr(LoneRankWeights, "new_copies", spy_new)
-        loop.train(config, out_dir=out, progress=False)
-    assert forward_copies and alive == [0, 0]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-c", FREED_COPIES_SCRIPT],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["copies"] > 0 and seen["alive"] == [0, 0], seen
 
 
 def test_a_kept_copy_does_not_keep_the_model_alive() -> None:

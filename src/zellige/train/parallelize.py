@@ -139,11 +139,11 @@ class LoneRankWeights:
     def offer_copies(self, copies: dict[int, torch.Tensor]) -> None:
         """The next forward computes with `copies` instead of casting the masters, unless a
         master changed after this (its version counter moved: a checkpoint loaded, say) or was
-        replaced. They
-        are held from now to that forward, where the cast would make them anyway: between the
-        optimizer's step and the next forward, never in the backward; the cost model prices
-        them in the optimizer step (CostOptions.optimizer_copy_bytes_per_param). Their parameters and gradient hooks are made now, while the device runs
-        the optimizer, not at the forward's start, where the device would wait for the host."""
+        replaced. They are held from now to that forward, where the cast would make them anyway:
+        between the optimizer's step and the next forward, never in the backward; the cost model
+        prices them in the optimizer step (CostOptions.optimizer_copy_bytes_per_param). Their
+        parameters and gradient hooks are made now, while the device runs the optimizer, not at
+        the forward's start, where the device would wait for the host."""
         masters = [self._slot_param(slot) for slot in range(len(self._slots))]
         weights = self._weights(masters, [copies[id(m)] for m in masters])
         self._offered = (weights, [(id(m), m._version) for m in masters])
