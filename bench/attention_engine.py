@@ -120,10 +120,10 @@ def _busy_device(seconds: float) -> None:
 
 def median_time_s(fn: Callable[[], object], repeat: int, tag: str | None = None) -> float:
     """Median device seconds of fn over `repeat` runs after a warm-up and one run that times its
-    host issue. On CUDA each run is
-    queued behind a spin kernel longer than its host issue time (_busy_device), so host time
-    (reported apart, HOST_S) does not count as device time; a method whose host issue is longer
-    than its device time is host-bound, and the host ms column shows it."""
+    host issue. On CUDA each run is queued behind a spin kernel longer than that host issue
+    time (_busy_device), so host time (reported apart, HOST_S) does not count as device time; a
+    method whose host issue is longer than its device time is host-bound, and the host ms column
+    shows it."""
     fn()  # warm-up: one-time work (graph builds, checks) stays out of issue_s
     if DEVICE == "cuda":
         torch.cuda.synchronize()

@@ -41,8 +41,8 @@ def make_cost_model(
     gradient_bytes_per_param: what a parameter's gradient holds (4: fp32; 2: training that
     keeps the backward's bf16 gradients), part of the 16 bytes of state a parameter.
     optimizer_copy_bytes_per_param: what the optimizer step writes beside the state (2: one
-    rank's copying AdamW makes the next forward's bf16 weights while the gradients are held). Raises
-    ValueError for an unknown model or link class, a bad cluster shape or profile."""
+    rank's copying AdamW makes the next forward's bf16 weights while the gradients are held).
+    Raises ValueError for an unknown model or link class, a bad cluster shape or profile."""
     spec = resolve_model(model)
     if gpus_per_node is None:
         gpus_per_node = default_gpus_per_node(gpus)
