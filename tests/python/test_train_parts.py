@@ -294,7 +294,7 @@ def test_copying_optimizer_step_is_priced_with_its_copies() -> None:
 
 
 FREED_COPIES_SCRIPT = """
-import dataclasses, json, sys, tempfile, weakref
+import dataclasses, json, tempfile, weakref
 from zellige.runtime import end_rank_process
 from zellige.train import loop
 from zellige.train.config import get_config
@@ -317,7 +317,8 @@ config = dataclasses.replace(
 )
 with tempfile.TemporaryDirectory() as out:
     loop.train(config, out_dir=out, progress=False)
-sys.stdout.write(json.dumps({"copies": len(forward_copies), "alive": alive}))
+print()  # a line of its own whatever training printed last
+print(json.dumps({"copies": len(forward_copies), "alive": alive}))
 end_rank_process(0)
 """
 
