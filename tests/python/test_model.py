@@ -124,6 +124,17 @@ def test_presets_match_public_parameter_counts() -> None:
         assert abs(count - params) / params < 0.01, (name, count)
 
 
+def _per_token_case(num_sequences: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(rows [S, 6, 4], index: each token's sequence, 1-4 tokens a sequence, grad [T, 6, 4]),
+    float64."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(num_sequences, 6, 4, generator=generator, dtype=torch.float64)
+    counts = torch.randint(1, 5, (num_sequences,), generator=generator)
+    index = torch.repeat_interleave(torch.arange(num_sequences), counts)
+    grad = torch.randn(index.numel(), 6, 4, generator=generator, dtype=torch.float64)
+    return rows, index, grad
+
+
 @pytest.mark.parametrize("multiple", [8, 1], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("num_sequences", [0, 1, 5, 8, 9], ids=["0", "1", "5", "8", "9"])
 def test_per_token_rows_equal_indexing_forward_and_backward(
@@ -133,11 +144,7 @@ def test_per_token_rows_equal_indexing_forward_and_backward(
     from zellige.model.conditioning import per_token
 
     monkeypatch.setattr(conditioning, "_row_multiple", multiple)
-    generator = torch.Generator().manual_seed(0)
-    rows = torch.randn(num_sequences, 6, 4, generator=generator, dtype=torch.float64)
-    counts = torch.randint(1, 5, (num_sequences,), generator=generator)
-    index = torch.repeat_interleave(torch.arange(num_sequences), counts)
-    grad = torch.randn(index.numel(), 6, 4, generator=generator, dtype=torch.float64)
+    rows, index, grad = _per_token_case(num_sequences, seed=0)
     ours, reference = rows.clone().requires_grad_(), rows.clone().requires_grad_()
     out = per_token(ours, index)
     out.backward(grad)
@@ -159,11 +166,7 @@ def test_split_pieces_and_gathered_rows_equal_indexing(
 
     monkeypatch.setattr(conditioning, "_row_multiple", multiple)
     monkeypatch.setattr(conditioning, "_split_pieces", True)
-    generator = torch.Generator().manual_seed(1)
-    rows = torch.randn(num_sequences, 6, 4, generator=generator, dtype=torch.float64)
-    counts = torch.randint(1, 5, (num_sequences,), generator=generator)
-    index = torch.repeat_interleave(torch.arange(num_sequences), counts)
-    grad = torch.randn(index.numel(), 6, 4, generator=generator, dtype=torch.float64)
+    rows, index, grad = _per_token_case(num_sequences, seed=1)
     grad[:, 2] = 0  # the piece below that gets no gradient
     reference = rows.clone().requires_grad_()
     reference[index].backward(grad)

@@ -99,24 +99,37 @@ def _assert_cross_attention(out, x, text_XE, batch) -> None:
         text_at += s.text_tokens
 
 
-@pytest.mark.parametrize("joint", [False, True], ids=["self+cross", "joint"])
-def test_one_rank_step_equals_single_process_attention(joint: bool, one_process_group) -> None:
-    """World of one: routes are permutations into held order, attention is whole sequences."""
+def _one_rank_step(joint: bool, requires_grad: bool = False):
+    """(batch, step, generator, lengths, x): _case's batch on a world of one, every sequence
+    whole on rank 0, and random rows of its attended lengths (text first where joint)."""
     batch, plan = _case(world=1)
     plan.placements = [make_placement(s.id, Strategy.local, [0]) for s in batch.sequences]
     step = prepare_step(batch, plan, 2, "cpu", joint_attention=joint)
     gen = torch.Generator().manual_seed(0)
-    text = {s.id: s.text_tokens if joint else 0 for s in batch.sequences}
-    lengths = [text[s.id] + s.num_tokens for s in batch.sequences]
-    x = torch.randn(sum(lengths), 2, 4, generator=gen, dtype=torch.float64)
-    held = route(x, step)
-    o = reverse_route(attention_fn(step)(held, held, held), step)
-    start = 0
+    lengths = [(s.text_tokens if joint else 0) + s.num_tokens for s in batch.sequences]
+    x = torch.randn(
+        sum(lengths), 2, 4, generator=gen, dtype=torch.float64, requires_grad=requires_grad
+    )
+    return batch, step, gen, lengths, x
+
+
+def _whole_attention(x, lengths):
+    """Single-process attention of each sequence of x (packed back to back) on its own."""
+    parts, start = [], 0
     for length in lengths:
         part = x[start : start + length].transpose(0, 1)
-        want = F.scaled_dot_product_attention(part, part, part).transpose(0, 1)
-        torch.testing.assert_close(o[start : start + length], want, rtol=0, atol=1e-13)
+        parts.append(F.scaled_dot_product_attention(part, part, part).transpose(0, 1))
         start += length
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("joint", [False, True], ids=["self+cross", "joint"])
+def test_one_rank_step_equals_single_process_attention(joint: bool, one_process_group) -> None:
+    """World of one: routes are permutations into held order, attention is whole sequences."""
+    batch, step, gen, lengths, x = _one_rank_step(joint)
+    held = route(x, step)
+    o = reverse_route(attention_fn(step)(held, held, held), step)
+    torch.testing.assert_close(o, _whole_attention(x, lengths), rtol=0, atol=1e-13)
     if joint:  # text tokens are held tokens: (k, 0, 0), modality 1
         assert step.text_index.numel() == sum(s.text_tokens for s in batch.sequences)
         assert (step.modality[step.text_index] == 1).all()
@@ -147,25 +160,14 @@ def test_one_rank_step_runs_its_tables_as_ragged_calls(
 
         monkeypatch.setattr(MathRaggedKernel, name, counted)
     monkeypatch.setenv("ZELLIGE_ATTENTION_MERGE", "ragged")
-    batch, plan = _case(world=1)
-    plan.placements = [make_placement(s.id, Strategy.local, [0]) for s in batch.sequences]
-    step = prepare_step(batch, plan, 2, "cpu", joint_attention=joint)
-    gen = torch.Generator().manual_seed(0)
-    text = {s.id: s.text_tokens if joint else 0 for s in batch.sequences}
-    lengths = [text[s.id] + s.num_tokens for s in batch.sequences]
-    x = torch.randn(sum(lengths), 2, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    batch, step, gen, lengths, x = _one_rank_step(joint, requires_grad=True)
     weight = torch.randn(x.shape, generator=gen, dtype=torch.float64)
     held = route(x, step)
     o = reverse_route(attention_fn(step, backend="math")(held, held, held), step)
     (grad,) = torch.autograd.grad((o * weight).sum(), x)
     assert calls == {"forward_into": 1, "backward_into": 1}
     x_ref = x.detach().requires_grad_()
-    parts, start = [], 0
-    for length in lengths:
-        part = x_ref[start : start + length].transpose(0, 1)
-        parts.append(F.scaled_dot_product_attention(part, part, part).transpose(0, 1))
-        start += length
-    want = torch.cat(parts)
+    want = _whole_attention(x_ref, lengths)
     (grad_want,) = torch.autograd.grad((want * weight).sum(), x_ref)
     torch.testing.assert_close(o, want, rtol=0, atol=1e-13)
     torch.testing.assert_close(grad, grad_want, rtol=0, atol=1e-12)
