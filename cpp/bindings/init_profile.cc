@@ -75,6 +75,7 @@ void init_profile(nb::module_& m) {
               &HardwareProfile::model_matmul_backward_flops_per_s)
       .def_rw("backward_peak_bytes", &HardwareProfile::backward_peak_bytes)
       .def_rw("runtime_reserved_bytes", &HardwareProfile::runtime_reserved_bytes)
+      .def_rw("device_memory_bytes", &HardwareProfile::device_memory_bytes)
       .def_rw("attention_streams", &HardwareProfile::attention_streams)
       .def_rw("attention_stream_overlap", &HardwareProfile::attention_stream_overlap)
       .def_rw("attention_ragged", &HardwareProfile::attention_ragged)
@@ -115,6 +116,7 @@ void init_profile(nb::module_& m) {
                               "model_matmul_backward_flops_per_s",
                               "backward_peak_bytes",
                               "runtime_reserved_bytes",
+                              "device_memory_bytes",
                               "attention_streams",
                               "attention_stream_overlap",
                               "attention_ragged"});

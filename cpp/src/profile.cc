@@ -253,6 +253,8 @@ void HardwareProfile::validate() const {
   }
   require_in(static_cast<double>(runtime_reserved_bytes), 0.0, kMaxProfileBytes,
              "runtime_reserved_bytes");
+  require_in(static_cast<double>(device_memory_bytes), 0.0, kMaxProfileBytes,
+             "device_memory_bytes");
 }
 
 HardwareProfile analytic_profile(const std::string& device_name, double matmul_flops_per_s,

@@ -60,9 +60,11 @@ def make_setup(
     profile: str | Path | _core.HardwareProfile | None = None,
     seed: int = 0,
     links: str = "nvlink",
+    gpu_memory_gib: float | None = None,
 ) -> Setup:
     """Resolves a workload name (generated for `gpus` ranks with `seed`) or a Batch, the model
-    (default: the workload's own; required with a Batch), the profile (default: built-in H200)
+    (default: the workload's own; required with a Batch), the profile (default: built-in H200;
+    "h100" names the built-in H100 one), each GPU's memory in GiB (default: the profile's device)
     and the cluster into a Setup. Raises ValueError for any unknown name or invalid value."""
     # The documented limits, checked before any int reaches the core (where one beyond int64
     # would be a TypeError, and a huge one a minutes-long allocation).
@@ -78,7 +80,15 @@ def make_setup(
         raise ValueError(f"a batch needs a model (one of: {names})")
     spec = resolve_model(model)  # a preset name, a spec file or a ModelSpec
     # The cost model checks the model, cluster and profile before any batch is made.
-    cost_model = make_cost_model(spec, gpus, gpus_per_node, profile, links)
+    memory_bytes = None
+    if gpu_memory_gib is not None:
+        number = isinstance(gpu_memory_gib, int | float) and not isinstance(gpu_memory_gib, bool)
+        if not number or not math.isfinite(gpu_memory_gib):
+            raise ValueError(f"GPU memory must be a number of GiB, got {gpu_memory_gib!r}")
+        memory_bytes = round(gpu_memory_gib * 2**30)  # make_cost_model checks its range
+    cost_model = make_cost_model(
+        spec, gpus, gpus_per_node, profile, links, gpu_memory_bytes=memory_bytes
+    )
     if workload is not None:
         batch = generate(recipe, gpus, seed)
     else:
@@ -166,6 +176,7 @@ def plan(
     planner: str = "zellige",
     seed: int = 0,
     links: str = "nvlink",
+    gpu_memory_gib: float | None = None,
 ) -> _core.Plan:
     """Places one step's batch (a built-in workload name, or a Batch) on `gpus` GPUs."""
     setup = make_setup(
@@ -176,6 +187,7 @@ def plan(
         profile=profile,
         seed=seed,
         links=links,
+        gpu_memory_gib=gpu_memory_gib,
     )
     return run_planner(setup, planner, seed)
 
@@ -273,6 +285,7 @@ def compare(
     planners: list[str] | None = None,
     seed: int = 0,
     links: str = "nvlink",
+    gpu_memory_gib: float | None = None,
 ) -> list[CompareRow]:
     """Runs `planners` (default: default_planners) on the same batch, one row each."""
     setup = make_setup(
@@ -283,5 +296,6 @@ def compare(
         profile=profile,
         seed=seed,
         links=links,
+        gpu_memory_gib=gpu_memory_gib,
     )
     return compare_setup(setup, planners, seed)

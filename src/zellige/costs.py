@@ -15,6 +15,10 @@ from zellige.model_spec import resolve_model
 from zellige.profile import load_profile
 
 
+MIN_GPU_MEMORY_BYTES = 2**30  # 1 GiB: below it no model of the presets plans
+MAX_GPU_MEMORY_BYTES = 2**50  # 1 PiB
+
+
 def default_gpus_per_node(gpus: int) -> int:
     """8 GPUs per node (an H200 node), or all of them when there are fewer."""
     return min(8, gpus) if gpus > 0 else 8
@@ -31,6 +35,7 @@ def make_cost_model(
     weights_kept_to_backward: bool = False,
     gradient_bytes_per_param: float = 4.0,
     optimizer_copy_bytes_per_param: float = 0.0,
+    gpu_memory_bytes: int | None = None,
 ) -> CostModel:
     """A CostModel for `gpus` GPUs of `gpus_per_node` each (default: 8, or `gpus` when fewer).
     `profile` is a profile JSON path, a HardwareProfile, or None for the built-in H200 profile.
@@ -42,12 +47,24 @@ def make_cost_model(
     keeps the backward's bf16 gradients), part of the 16 bytes of state a parameter.
     optimizer_copy_bytes_per_param: what the optimizer step writes beside the state (2: one
     rank's copying AdamW makes the next forward's bf16 weights while the gradients are held).
+    gpu_memory_bytes: each GPU's memory, which the plans' peaks must fit (less the cost
+    options' headroom); None: the profile's device_memory_bytes, or 140 GiB where it has none.
     Raises ValueError for an unknown model or link class, a bad cluster shape or profile."""
     spec = resolve_model(model)
     if gpus_per_node is None:
         gpus_per_node = default_gpus_per_node(gpus)
     cluster = make_cluster(gpus, gpus_per_node, links)
     hardware = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    if gpu_memory_bytes is None:
+        gpu_memory_bytes = hardware.device_memory_bytes or cluster.gpu_memory_bytes
+    if isinstance(gpu_memory_bytes, bool) or not isinstance(gpu_memory_bytes, int):
+        raise ValueError(f"gpu_memory_bytes must be an integer, got {gpu_memory_bytes!r}")
+    if not MIN_GPU_MEMORY_BYTES <= gpu_memory_bytes <= MAX_GPU_MEMORY_BYTES:
+        raise ValueError(
+            f"GPU memory must be {MIN_GPU_MEMORY_BYTES / 2**30:g} to "
+            f"{MAX_GPU_MEMORY_BYTES / 2**30:g} GiB, got {gpu_memory_bytes / 2**30:g} GiB"
+        )
+    cluster.gpu_memory_bytes = gpu_memory_bytes
     options = CostOptions()
     options.activation_checkpointing = activation_checkpointing
     options.adaptive_checkpointing = adaptive_checkpointing
@@ -56,3 +73,14 @@ def make_cost_model(
     options.gradient_bytes_per_param = gradient_bytes_per_param
     options.optimizer_copy_bytes_per_param = optimizer_copy_bytes_per_param
     return CostModel(spec, hardware, cluster, options)
+
+
+def device_memory_bytes(device) -> int:
+    """The memory this process can plan with on a torch CUDA device: what the device has free
+    plus what this process's allocator already holds (its weights and caches are part of what
+    the cost model counts), never more than the device's total. Other processes' allocations
+    on the same GPU are left out."""
+    import torch  # planning alone (the CLI) does not need torch
+
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    return min(total_bytes, free_bytes + torch.cuda.memory_reserved(device))

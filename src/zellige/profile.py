@@ -20,6 +20,9 @@ from zellige._files import write_output
 from zellige._json import parse_json, read_text
 
 BUILTIN_PROFILE = "h200"
+# Built-in profiles by name, each with the GPU name it was measured on (what a device's name
+# must contain for builtin_profile_for_device to pick it).
+BUILTIN_PROFILES = {"h200": "H200", "h100": "H100"}
 
 _TABLE_FIELDS = (
     "attention_forward_s_per_head",
@@ -62,7 +65,12 @@ _TABLE_LISTS = (
     "attention_call_backward_s",
     *MODEL_TABLES,
 )
-_INTEGERS = ("attention_head_dim", "runtime_reserved_bytes", "attention_streams")
+_INTEGERS = (
+    "attention_head_dim",
+    "runtime_reserved_bytes",
+    "device_memory_bytes",
+    "attention_streams",
+)
 _STRINGS = ("device_name", "created")
 _BOOLEANS = ("attention_ragged",)
 _FIELDS = (
@@ -86,6 +94,7 @@ _FIELDS = (
     *MODEL_ROWS,
     *MODEL_TABLES,
     "runtime_reserved_bytes",
+    "device_memory_bytes",
 )
 
 
@@ -179,6 +188,20 @@ def profile_from_dict(data: Any) -> HardwareProfile:
     return profile
 
 
+def builtin_profile_for_device(device_name: str) -> tuple[str, str | None]:
+    """The built-in profile for a GPU of this name (torch.cuda.get_device_name), and a one-line
+    note where none was measured on such a GPU (the H200's is used; its times are not this
+    device's, and `zellige profile` measures it). The memory capacity still comes from the
+    device the run is on (costs.device_memory_bytes)."""
+    for name, gpu in BUILTIN_PROFILES.items():
+        if gpu.lower() in device_name.lower():
+            return name, None
+    return BUILTIN_PROFILE, (
+        f"no built-in profile was measured on a {device_name}: planning with the H200's times "
+        "(zellige profile measures this GPU; --profile FILE uses it)"
+    )
+
+
 def _table_to_dict(table: Table) -> dict[str, Any]:
     return {"source": table.source, "x": list(table.x), "y": list(table.y)}
 
@@ -240,12 +263,14 @@ def priced_as_engine_runs(
 
 
 def load_profile(path: str | Path | None = None) -> HardwareProfile:
-    """Reads a profile JSON file; None gives the built-in H200 profile. Raises ValueError with a
+    """Reads a profile JSON file; a built-in profile's name ("h200", "h100"; where no file of
+    that name exists) or None (the H200's) gives a built-in profile. Raises ValueError with a
     one-line message for a missing, malformed or invalid file."""
-    if path is None:
-        source = resources.files("zellige") / "profiles" / f"{BUILTIN_PROFILE}.json"
+    name = BUILTIN_PROFILE if path is None else str(path)
+    if name in BUILTIN_PROFILES and (path is None or not Path(path).exists()):
+        source = resources.files("zellige") / "profiles" / f"{name}.json"
         text = source.read_text()
-        where = f"built-in profile {BUILTIN_PROFILE}"
+        where = f"built-in profile {name}"
     else:
         where = f"profile {path}"
         text = read_text(path)  # size-capped; its errors name the path

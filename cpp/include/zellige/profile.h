@@ -145,6 +145,9 @@ struct HardwareProfile {
   // so two packs' line errs above between them and below outside.
   std::vector<Table> backward_peak_bytes;
   int64_t runtime_reserved_bytes = 0;  // CUDA context, workspaces, allocator slack
+  // The measured GPU's memory (torch's total_memory), which the cluster's memory capacity
+  // defaults to under this profile (costs.make_cost_model); 0: not recorded (140 GiB assumed).
+  int64_t device_memory_bytes = 0;
   // CUDA streams the attention engine spreads one table's calls over (runtime/coalesced.py
   // _for_each_group; the device's call table says how many), and the measured share of the ideal
   // gain that concurrency delivers: a rank whose calls, assigned to streams as the engine assigns

@@ -45,7 +45,18 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, gpus_required: bool =
         help="GPUs per node, dividing --gpus (8, or --gpus when fewer)",
     )
     add_model_arguments(parser, "default: the workload's model")
-    parser.add_argument("--profile", metavar="FILE", help="hardware profile JSON (built-in H200)")
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="hardware profile JSON, or a built-in one: h200 (the default) or h100",
+    )
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="each GPU's memory the plans must fit (default: the profile's device's)",
+    )
     parser.add_argument("--links", default=None, metavar="nvlink|pcie", help="link class (nvlink)")
 
 
@@ -96,4 +107,5 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
         profile=args.profile,
         seed=seed,
         links=links,
+        gpu_memory_gib=getattr(args, "gpu_memory_gib", None),
     )

@@ -1,0 +1,64 @@
+"""Plans fit the GPU they run on: the built-in profile by device, and the memory capacity from
+the profile's device or an explicit override (a smaller running device)."""
+
+from __future__ import annotations
+
+import pytest
+
+import zellige
+from zellige.costs import make_cost_model
+from zellige.profile import builtin_profile_for_device, load_profile
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    "device_name, expected",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H100 PCIe", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H200 NVL", "h200"),
+    ],
+    ids=["h100-sxm", "h100-pcie", "h200", "h200-nvl"],
+)
+def test_builtin_profile_follows_the_device_name(device_name: str, expected: str) -> None:
+    name, note = builtin_profile_for_device(device_name)
+    assert (name, note) == (expected, None)
+    assert expected.upper() in load_profile(name).device_name
+
+
+def test_an_unknown_device_gets_the_h200_profile_and_a_note_naming_it() -> None:
+    name, note = builtin_profile_for_device("NVIDIA A100-SXM4-80GB")
+    assert name == "h200"
+    assert "A100" in note and "zellige profile" in note
+
+
+def test_capacity_comes_from_the_profile_device() -> None:
+    h100 = make_cost_model("mmdit-11b", 8, profile="h100")
+    h200 = make_cost_model("mmdit-11b", 8)  # the built-in H200 profile
+    assert h100.memory_capacity_bytes() < 80 * GIB < h200.memory_capacity_bytes()
+    assert load_profile("h100").device_memory_bytes == 81559 * 2**20
+
+
+def test_a_smaller_running_device_gets_plans_for_its_capacity() -> None:
+    """The H200 profile's 140 GiB against a 60 GiB device: every plan fits 60 GiB."""
+    small = make_cost_model("mmdit-11b", 32, profile="h200", gpu_memory_bytes=60 * GIB)
+    batch = zellige.generate(zellige.load_recipe("opensora2-stage2"), 32, 0)
+    large_plan = zellige.make_plan("zellige", batch, make_cost_model("mmdit-11b", 32))
+    assert max(large_plan.predicted.rank_peak_bytes) > 60 * GIB  # the H200 plan would not fit
+    plan = zellige.make_plan("zellige", batch, small)
+    assert max(plan.predicted.rank_peak_bytes) <= small.memory_capacity_bytes()
+
+
+@pytest.mark.parametrize("memory", [0, 2**60, True, 1.5 * GIB], ids=["zero", "huge", "bool", "float"])
+def test_bad_gpu_memory_is_refused(memory) -> None:
+    with pytest.raises(ValueError, match="GPU memory|gpu_memory_bytes"):
+        make_cost_model("mmdit-11b", 8, gpu_memory_bytes=memory)
+
+
+def test_cli_plans_for_the_gpu_memory_given(tmp_path) -> None:
+    rows = zellige.compare("opensora2-stage2", 32, planners=["zellige"], gpu_memory_gib=60)
+    assert rows[0].fits and rows[0].peak_bytes <= 60 * GIB
+    with pytest.raises(ValueError, match="GiB"):
+        zellige.compare("opensora2-stage2", 32, planners=["zellige"], gpu_memory_gib=float("nan"))
