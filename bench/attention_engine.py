@@ -6,8 +6,8 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
   dense-cudnn      one sequence with the pack's FLOPs (L = sqrt(sum L_i^2)), torch SDPA on cuDNN:
                    the reference rate the coalesced call should reach (target >= 90%)
   dense-cudnn-alt  (--dense-alt) the same 64 tokens longer: of L and L + 64 one is a multiple of
-                   128, where cuDNN's forward runs 10-20% faster (a call's key count decides;
-                   bench/attention_alignment_probe.py), so the pair shows both readings
+                   128, where cuDNN's forward runs 10-20% faster (a call's key count decides:
+                   bench/results/attention_engine_h200_202612.md), so the pair shows both readings
   coalesced-auto   zellige.runtime.coalesced_attention as the engine calls it (automatic kernel
                    and merge policy)
   coalesced-groups the same, one dense cuDNN call per group of equal lengths (merge="groups")

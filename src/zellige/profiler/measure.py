@@ -841,8 +841,8 @@ def attention_phase_rows(
     probes: dict[str, dict], one_phase_peak: Callable[[float], float] | None = None
 ) -> dict:
     """HardwareProfile::attention_phase_bytes_per_token and the shard rows from probes of one
-    rank (`probes`: name -> {"held_tokens", "calls", "step_peak"}, bench/memory_calls_probe.py
-    and profile_memory name them alike), n held tokens each unless said:
+    rank (`probes`: name -> {"held_tokens", "calls", "step_peak"}, as profile_memory names
+    them), n held tokens each unless said:
     - "local_shard" (one local sequence), "ring_shard_2" / "ulysses_shard_2" (a shard over 2
       ranks), "ulysses_shard_<u>" (over u > 2): ring_bytes_per_token, ulysses_bytes_per_token
       and ulysses_exchanged_bytes_per_token, what a shard holds beyond a local sequence of as
