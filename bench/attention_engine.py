@@ -47,7 +47,6 @@ import json
 import math
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -56,6 +55,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import zellige
+from _provenance import header, print_header
 from zellige.profiler.attention_calls import measure_call_table
 from zellige.runtime import SegmentTable, coalesced_attention, merging
 from zellige.runtime import kernels as K
@@ -411,6 +411,10 @@ def main() -> None:
         "--joint", action="store_true", help="MMDiT packs: each sequence with 256-512 text tokens"
     )
     args = parser.parse_args()
+    provenance = header("attention_engine.py")
+    if args.commit:
+        provenance["commit"] = args.commit
+    print_header(provenance)
     if args.smoke:
         global DEVICE
         DEVICE = "cpu"
@@ -440,6 +444,7 @@ def main() -> None:
         f"ragged: {ragged_name}"
     )
     report = {
+        "provenance": provenance,
         "joint": args.joint,
         "verified": verified,
         "auto": auto,
@@ -450,12 +455,7 @@ def main() -> None:
         "lengths": [],
     }
 
-    commit = (
-        args.commit
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    )
+    commit = provenance["commit"]
     report["machine"] = {
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor(),
         "torch": torch.__version__,

@@ -1101,10 +1101,7 @@ def test_summarise_reads_results_written_before_the_host_issue_time(capsys):
 
     from zellige.cli import main
 
-    old = (
-        Path(__file__).resolve().parents[2]
-        / "tests/fixtures/mmdit11b_h200_validate_ranks.jsonl"
-    )
+    old = Path(__file__).resolve().parents[2] / "tests/fixtures/mmdit11b_h200_validate_ranks.jsonl"
     assert "host_issue_s" not in old.read_text()
     assert main(["validate-profile", "--summarise", str(old)]) == 0
     printed = capsys.readouterr().out
