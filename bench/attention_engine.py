@@ -35,8 +35,8 @@ profile --attention-calls` measures it): the merge policy's costs (runtime/mergi
 seeded), so each attended length is visual + text tokens, as the step program lays joint sequences.
 FLOPs: forward 4 N H sum L_i^2, backward 2.5x that. Rates in TFLOP/s; median of --repeat timed
 runs after a warm-up, CUDA events around each run queued behind a spin kernel that outlasts its
-host issue, so rates are device time (since 2026-12-02; earlier reports include any device idle
-time while the host issued a run, which penalised methods with more host work). Prints a table
+host issue, so rates are device time (a run timed from an idle device would count the host's
+issue as device time and penalise methods with more host work). Prints a table
 last; --out writes every number as JSON.
 """
 

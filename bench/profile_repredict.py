@@ -11,8 +11,8 @@ strategies, Ulysses), and the launch-floor ranks with the host's issue time of a
 the report recorded it (`host_issue_s`).
 Reports: a `--json` report, or the per-rank `--results-jsonl` files (several are joined). Every
 prediction includes the exchanges' local stand-in copies, as
-validate-profile now predicts them (validate.local_copy_s); reports written before that have no
-`predicted_copy_s` and their drift check compares without copies.
+validate-profile predicts them (validate.local_copy_s); a report without `predicted_copy_s` has
+its drift check compare without copies.
 """
 
 from __future__ import annotations
