@@ -6,8 +6,8 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
   dense-cudnn      one sequence with the pack's FLOPs (L = sqrt(sum L_i^2)), torch SDPA on cuDNN:
                    the reference rate the coalesced call should reach (target >= 90%)
   dense-cudnn-alt  (--dense-alt) the same 64 tokens longer: of L and L + 64 one is a multiple of
-                   128, where cuDNN's forward runs 10-20% faster (a call's key count decides;
-                   bench/attention_alignment_probe.py), so the pair shows both readings
+                   128, where cuDNN's forward runs 10-20% faster (a call's key count decides:
+                   bench/results/attention_engine_h200_202612.md), so the pair shows both readings
   coalesced-auto   zellige.runtime.coalesced_attention as the engine calls it (automatic kernel
                    and merge policy)
   coalesced-groups the same, one dense cuDNN call per group of equal lengths (merge="groups")
@@ -35,8 +35,8 @@ profile --attention-calls` measures it): the merge policy's costs (runtime/mergi
 seeded), so each attended length is visual + text tokens, as the step program lays joint sequences.
 FLOPs: forward 4 N H sum L_i^2, backward 2.5x that. Rates in TFLOP/s; median of --repeat timed
 runs after a warm-up, CUDA events around each run queued behind a spin kernel that outlasts its
-host issue, so rates are device time (since 2026-12-02; earlier reports include any device idle
-time while the host issued a run, which penalised methods with more host work). Prints a table
+host issue, so rates are device time (a run timed from an idle device would count the host's
+issue as device time and penalise methods with more host work). Prints a table
 last; --out writes every number as JSON.
 """
 
@@ -47,7 +47,6 @@ import json
 import math
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -56,6 +55,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import zellige
+from _provenance import header, print_header
 from zellige.profiler.attention_calls import measure_call_table
 from zellige.runtime import SegmentTable, coalesced_attention, merging
 from zellige.runtime import kernels as K
@@ -411,6 +411,10 @@ def main() -> None:
         "--joint", action="store_true", help="MMDiT packs: each sequence with 256-512 text tokens"
     )
     args = parser.parse_args()
+    provenance = header("attention_engine.py")
+    if args.commit:
+        provenance["commit"] = args.commit
+    print_header(provenance)
     if args.smoke:
         global DEVICE
         DEVICE = "cpu"
@@ -440,6 +444,7 @@ def main() -> None:
         f"ragged: {ragged_name}"
     )
     report = {
+        "provenance": provenance,
         "joint": args.joint,
         "verified": verified,
         "auto": auto,
@@ -450,12 +455,7 @@ def main() -> None:
         "lengths": [],
     }
 
-    commit = (
-        args.commit
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    )
+    commit = provenance["commit"]
     report["machine"] = {
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else platform.processor(),
         "torch": torch.__version__,

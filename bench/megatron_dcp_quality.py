@@ -19,6 +19,7 @@ import sys
 import time
 
 import zellige
+from _provenance import header, print_header
 from planner_quality import (
     PCIE_FAMILIES,
     RECIPES,
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", default="8,16,32")
     parser.add_argument("--families", default=",".join(RECIPES + list(SYNTHETIC)))
     args = parser.parse_args(argv)
+    print_header(header("megatron_dcp_quality.py", argv))
     print(
         "| family | links | GPUs | dcp/dp-cost geo | max | dcp/best other geo | "
         "zellige/dcp geo | max | dcp best | dcp cpu ms |"

@@ -12,12 +12,14 @@ import argparse
 import sys
 
 import zellige
+from _provenance import header, print_header
 from zellige import _core
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", help="model preset for every recipe (default: the recipe's)")
 parser.add_argument("--profile", help="profile JSON (default: the built-in one)")
 args = parser.parse_args()
+print_header(header("planner_smoke.py"))
 profile = zellige.load_profile(args.profile)
 
 GPU_COUNTS = (8, 16, 32)

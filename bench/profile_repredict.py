@@ -11,8 +11,8 @@ strategies, Ulysses), and the launch-floor ranks with the host's issue time of a
 the report recorded it (`host_issue_s`).
 Reports: a `--json` report, or the per-rank `--results-jsonl` files (several are joined). Every
 prediction includes the exchanges' local stand-in copies, as
-validate-profile now predicts them (validate.local_copy_s); reports written before that have no
-`predicted_copy_s` and their drift check compares without copies.
+validate-profile predicts them (validate.local_copy_s); a report without `predicted_copy_s` has
+its drift check compare without copies.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
+from pathlib import Path
 
 from zellige import _core
 from zellige.costs import make_cost_model
@@ -34,6 +36,9 @@ from zellige.profiler.validate import (
 )
 from zellige.workload import load_recipe
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _provenance, also when loaded by path
+from _provenance import header, print_header  # noqa: E402
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -45,10 +50,11 @@ def main() -> None:
     parser.add_argument(
         "--with-gradients",
         action="store_true",
-        help="predict peaks with training's gradients added over the backward, as "
-        "validate-profile did before it left them out of both sides (harness_peak_model)",
+        help="predict peaks with training's gradients added over the backward (validate-profile "
+        "leaves them out of both sides: harness_peak_model)",
     )
     args = parser.parse_args()
+    print_header(header("profile_repredict.py"))
     report = {"ranks": [rank for path in args.report for rank in _ranks(path)]}
     plan_profile = load_profile(args.plan_profile)
     profiles = {"plan-profile": plan_profile}

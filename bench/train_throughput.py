@@ -16,7 +16,7 @@ memory needs); ":no-checkpointing" checkpoints none. One GPU trains without FSDP
 each block's gathered weights to its backward), ":fsdp:reshard" as on more GPUs (gathered again
 in the backward); ":separate-clipping" scales the gradients in a pass of its own before the fused
 AdamW (by default its kernel applies the clipping's scale). ":fsdp:reshard:separate-clipping" is
-the step before these changes. ":gc-auto" leaves Python's garbage collections as they come (by
+the step as on several GPUs. ":gc-auto" leaves Python's garbage collections as they come (by
 default the loop collects and freezes the objects torch.compile made, between steps:
 zellige.train.loop.QuietCollector). ":eager-outside"
 runs the RoPE tables, output head and loss without torch.compile (by default compiled with the
@@ -30,7 +30,7 @@ optimizer the backward's bf16 gradients (no fp32 gradients, their norm taken as 
 (no [T, K, D] stack of their gradients in the backward); ":gathered-head" (the default) has the Wan
 output head's compiled region read each token's shift and scale from its sequence's rows (no
 [T, 2, D] tensor in the forward), ":one-hot-head" gives them to it from per_token's one-hot GEMM
-(the head before). ":stacked-modulation" and ":untuned-update" turn the other two off.
+(a [T, 2, D] tensor). ":stacked-modulation" and ":untuned-update" turn the other two off.
 ":tuned-update" has inductor time launch configurations of the copying optimizer's kernels when they
 compile (the same arithmetic). ":sync-steps" ends every step with a full sync and reads its metrics
 then (by default a step's metrics are read during the next step, after its backward is issued: no
@@ -75,7 +75,7 @@ from pathlib import Path
 import torch
 
 import zellige.train.loop
-from _provenance import git_commit
+from _provenance import git_commit, header, print_header
 from step_trace import summarise_trace
 from zellige.profile import load_profile
 from zellige.runtime import ragged
@@ -392,10 +392,12 @@ def main() -> int:
     parser.add_argument("--planner", default="dp-cost", help="on one GPU every plan is local")
     parser.add_argument("--seed", type=int, default=1, help="data seed (1: images and videos)")
     parser.add_argument("--json", help="write the summaries here")
-    parser.add_argument("--sync-check", action="store_true", help="count host syncs (run 1)")
+    parser.add_argument("--sync-check", action="store_true", help="count host syncs (first run)")
     parser.add_argument("--profile", help="hardware profile JSON the plans use (default: built-in)")
     parser.add_argument("--trace", help="directory: profile one more step of each run (see above)")
     args = parser.parse_args()
+    provenance = header("train_throughput.py")
+    print_header(provenance)
 
     rows = []
     for index, run in enumerate(args.runs.split(",")):
@@ -454,7 +456,7 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"provenance": provenance, "runs": rows}, indent=1))
 
     commit = git_commit()  # "-dirty" where the tree differs (a device's copy of it may)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
@@ -462,7 +464,7 @@ def main() -> int:
         f"\n{device}, torch {torch.__version__}, python {platform.python_version()}, "
         f"commit {commit}; means over steps {args.warmup + 1}..{args.steps}"
     )
-    header = (
+    columns = (
         "config",
         "recipe",
         "tok/s",
@@ -478,8 +480,8 @@ def main() -> int:
         "ckpt blocks",
         "peak err max (allocator)",
     )
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for r in rows:
         cells = (
             ":".join([r["config"], *r["variants"]]),

@@ -1165,7 +1165,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
       if (kind >= 0 && ragged[kind]) {
         // One ragged call runs every segment at the per-head tables' rate (0.89-1.05 of one
         // dense call of the same FLOPs on the twelve packs of bench/attention_engine.py, within
-        // the tables' own error; bench/results/ragged_pricing_h200_202612.md): none of the
+        // the tables' own error; bench/results/attention_engine_h200_202612.md): none of the
         // excess the shares priced.
         rank.call_s -= layers * call_heads * call_excess_per_head_s(lq, lk, heads);
         continue;
@@ -1206,7 +1206,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     }
     // A ragged table is one call to the host too: in the step program on one H200 it issued in
     // 1.2-2.0 ms forward + backward, where the groups took 1.9 ms + 0.38 ms per dense call
-    // (bench/results/ragged_pricing_h200_202612.md).
+    // (bench/results/attention_engine_h200_202612.md).
     rank.attention_calls = distinct_calls + std::count(ragged.begin(), ragged.end(), true);
     if (rank.tokens > 0) {
       rank.launch_floor_s =

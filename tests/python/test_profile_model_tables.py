@@ -18,7 +18,7 @@ from zellige.profile import (
     save_profile,
 )
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def _shared_tables_only() -> dict:
@@ -57,9 +57,9 @@ def _with_own_tables(model: str, scale: float) -> dict:
 
 
 def test_a_profile_written_before_the_model_tables_loads_and_prices_as_before():
-    old = json.loads((RESULTS / "profile_h200_202611_run8.json").read_text())
+    old = json.loads((FIXTURES / "wan14b_h200_profile_202611.json").read_text())
     assert "model_matmul_forward_flops_per_s" not in old
-    profile = load_profile(RESULTS / "profile_h200_202611_run8.json")
+    profile = load_profile(FIXTURES / "wan14b_h200_profile_202611.json")
     assert profile.model_matmul_forward_flops_per_s == []
     # without tables of its own, every model is priced with the shared tables: as with an
     # empty table of its own for every memory model

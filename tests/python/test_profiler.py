@@ -1101,10 +1101,7 @@ def test_summarise_reads_results_written_before_the_host_issue_time(capsys):
 
     from zellige.cli import main
 
-    old = (
-        Path(__file__).resolve().parents[2]
-        / "bench/results/mmdit_h200_202612_run9_validate_a.jsonl"
-    )
+    old = Path(__file__).resolve().parents[2] / "tests/fixtures/mmdit11b_h200_validate_ranks.jsonl"
     assert "host_issue_s" not in old.read_text()
     assert main(["validate-profile", "--summarise", str(old)]) == 0
     printed = capsys.readouterr().out
@@ -1153,7 +1150,7 @@ def test_repredict_lists_launch_floor_ranks_with_their_issue_time(tmp_path, monk
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    old = root / "bench/results/mmdit_h200_202612_run9_validate_a.jsonl"
+    old = root / "tests/fixtures/mmdit11b_h200_validate_ranks.jsonl"
     floor = [json.loads(line) for line in old.read_text().splitlines() if "dp-tokens/0" in line]
     assert len(floor) == 2
     floor[0]["host_issue_s"] = 0.0377
@@ -1162,7 +1159,7 @@ def test_repredict_lists_launch_floor_ranks_with_their_issue_time(tmp_path, monk
     spec = importlib.util.spec_from_file_location("repredict", root / "bench/profile_repredict.py")
     repredict = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(repredict)
-    profile = root / "bench/results/mmdit_h200_202612_run8_rows.json"
+    profile = root / "tests/fixtures/mmdit11b_h200_rows.json"
     argv = [
         "x",
         str(jsonl),
@@ -1192,58 +1189,3 @@ def test_interleaved_step_times_alternates_rounds_and_keeps_every_run():
     assert order == ["a", "a", "b", "b"] * 3
     assert [len(t) for t in times] == [6, 6]
     assert all(s >= 0 for t in times for s in t)
-
-
-def _host_issue_probe():
-    import importlib.util
-    from pathlib import Path
-
-    from zellige import _core
-
-    if not hasattr(_core, "make_plan"):
-        pytest.skip("needs the planners (make_plan)")
-    root = Path(__file__).resolve().parents[2]
-    path = root / "bench/host_issue_probe.py"
-    spec = importlib.util.spec_from_file_location("host_issue_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    return probe, root
-
-
-def test_host_issue_probe_redraws_validates_launch_floor_ranks():
-    """bench/host_issue_probe.py runs the ranks validate-profile ran: plans 6 and 20 re-drawn
-    with run 8a's rows give the held tokens and sequence counts run 9 recorded for them."""
-    probe, root = _host_issue_probe()
-    cases = probe.ranks_to_probe(str(root / "bench/results/mmdit_h200_202612_run8_rows.json"))
-    recorded = {}
-    for name in ("a", "b"):
-        path = root / f"bench/results/mmdit_h200_202612_run9_validate_{name}.jsonl"
-        for line in path.read_text().splitlines():
-            rank = json.loads(line)
-            if rank["plan"].startswith("knapformer-mixed-images/8/dp-tokens/"):
-                number = 6 if rank["plan"].endswith("/0") else 20
-                recorded[f"plan{number}/rank{rank['rank']}"] = (
-                    rank["tokens"],
-                    rank["num_sequences"],
-                )
-    drawn = {}
-    for name, batch, plan, rank in cases:
-        sequences = {s.id: s for s in batch.sequences}
-        held = [sequences[p.sequence_id] for p in plan.placements if rank in p.ranks]
-        drawn[name] = (sum(s.num_tokens + s.text_tokens for s in held), len(held))
-    assert len(recorded) == 4
-    for name, value in recorded.items():
-        assert drawn[name] == value
-    # the scaled layouts keep plan 6 rank 4's four sequences; the launch ranks have 1 and 8
-    assert drawn["plan6/rank4 x0.125"][1] == 4 and drawn["plan6/rank4 x0.125"][0] < 300
-    assert [drawn[f"tiny {n} seq"][1] for n in (1, 8)] == [1, 8]
-
-
-def test_host_issue_probe_launch_fit_recovers_planted_rows():
-    """The probe's launch fit (measure.profile_launch's): steps of 1 and 8 sequences of a
-    3-layer stack issued at planted seconds per layer and per call give those back."""
-    probe, _ = _host_issue_probe()
-    per_layer, per_call, layers = 7.5e-3, 0.4e-3, 3
-    one = layers * (per_layer + per_call)
-    many = layers * (per_layer + 8 * per_call)
-    assert probe.launch_fit(one, many, layers) == pytest.approx((per_layer, per_call))

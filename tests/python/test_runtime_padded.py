@@ -222,4 +222,4 @@ def test_the_built_in_call_table_prices_calls() -> None:
     costs = merging.CallCosts.from_call_table(data, name)
     plain, masked = costs.call_s(2048, 2048, 96), costs.call_s(2048, 2048, 96, masked=True)
     assert 0 < plain[0] < masked[0] and 0 < plain[1] < masked[1]
-    assert costs.streams == 2  # measured: bench/results/attention_engine_h200_202612_streams.md
+    assert costs.streams == 2  # measured: bench/results/attention_engine_h200_202612.md

@@ -100,7 +100,7 @@ inline constexpr int64_t kRaggedMinCalls = 2;
 // ... and whose segments are all at most this many query and key tokens: a table holding a
 // longer one runs its dense calls (with the key split and streams), which were 3-6% faster than
 // the ragged call on the packs of a few long sequences on one H200, the ragged call 13-15%
-// faster on the packs of only short ones (bench/results/attention_engine_h200_202612_ragged.md).
+// faster on the packs of only short ones (bench/results/attention_engine_h200_202612.md).
 // Read by runtime/coalesced.py as zellige._core.RAGGED_MAX_SEGMENT_TOKENS.
 inline constexpr int64_t kRaggedMaxSegmentTokens = 16384;
 

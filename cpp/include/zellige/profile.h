@@ -122,7 +122,7 @@ struct HardwareProfile {
   // the sequences Ulysses exchanged, then the ring steps (runtime/attention.py), each phase
   // freeing its buffers before the next. The cost model takes this row x the held tokens outside
   // the rank's largest phase off the rank's backward buffers. Measured from a shard beside a
-  // local sequence against one shard of both (bench/memory_calls_probe.py).
+  // local sequence against one shard of both (`zellige profile --memory-only`).
   std::vector<double> attention_phase_bytes_per_token;
   // Optional likewise (0 = not modelled): host seconds to issue one layer's kernels (forward,
   // recompute, backward) apart from its attention calls, and per attention call (self or cross)

@@ -472,7 +472,7 @@ def forward_into(
 
     key_split > 0: a group of at least that many keys, not a multiple of KEY_TILE, runs as two
     calls, its queries against the first multiple of KEY_TILE keys (cuDNN 9.19's forward runs
-    ~11% faster on such a key count, bench/results/attention_engine_h200_202612_alignment.md)
+    ~11% faster on such a key count, bench/results/attention_engine_h200_202612.md)
     and against the < KEY_TILE keys left, merged by their lse (_merge_split) as ring steps are.
     The backward is unchanged: it needs only the final o and lse."""
     stores = _Stores(q_rows.device, overlap_copies and streams <= 1)
@@ -665,7 +665,7 @@ class _CoalescedAttention(torch.autograd.Function):
 # kernel trusted for automatic use (AUTO_RAGGED_KERNELS). On one H200 (cuDNN 9.19) the cuDNN
 # frontend's ragged call ran the packs of only short sequences (opensora2-stage1) 13-15% faster
 # forward and 2-3% backward than the groups, in a tenth of their host time, and the packs with a
-# long sequence 3-6% slower (bench/results/attention_engine_h200_202612_ragged.md). The cost
+# long sequence 3-6% slower (bench/results/attention_engine_h200_202612.md). The cost
 # model prices the same rule (cost_model.h), so both constants come from there.
 RAGGED_MIN_CALLS = _core.RAGGED_MIN_CALLS
 RAGGED_MAX_SEGMENT_TOKENS = _core.RAGGED_MAX_SEGMENT_TOKENS

@@ -134,7 +134,7 @@ def _bucket_length(tokens: int) -> int:
     """A graph's longest sequence, rounded up to a multiple of 1/8 of its power of two (and of
     128): at most 12.5% more (empty, exiting) tiles than the call needs, eight graphs an octave.
     On one H200 a 40% larger bound cost up to 7% of a forward (knapformer-mixed-images joint,
-    bench/results/attention_engine_h200_202612_ragged.md)."""
+    bench/results/attention_engine_h200_202612.md)."""
     step = max(128, (1 << (max(tokens, 1).bit_length() - 1)) // 8)
     return -(-tokens // step) * step
 
