@@ -160,6 +160,8 @@ def plan_from_json(text: str, source: str = "plan") -> _core.Plan:
 
 
 def load_plan(path: str | Path) -> _core.Plan:
+    """The Plan in a Plan JSON file (docs/formats.md); raises ValueError with one line naming the
+    file for a missing, malformed or invalid plan."""
     return plan_from_json(read_text(path), source=str(path))
 
 
