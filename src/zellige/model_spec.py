@@ -140,14 +140,15 @@ def model_spec_from_module(
     module,
     *,
     text_tokens: int,
-    joint_attention: bool,
+    joint_attention: bool = False,
     name: str | None = None,
     **sizes: int,
 ) -> ModelSpec:
     """The ModelSpec of a user's DiT (an nn.Module), derived where its structure shows it.
 
     Blocks: the items of the module's nn.ModuleLists of blocks (lists not nested in another);
-    with joint_attention and two such lists, the first holds the double-stream blocks. width:
+    with joint_attention (default False, as in a spec file) and two such lists, the first holds
+    the double-stream blocks. width:
     the most common in_features of the blocks' Linears; ffn_width: the in_features of the
     Linears that project back to the width from a different size; num_heads: a `num_heads`,
     `heads`, `n_heads` or `num_attention_heads` attribute inside the first block (as

@@ -71,7 +71,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, default: str) -> None:
     model.add_argument(
         "--model-spec",
         metavar="FILE",
-        help="your model's sizes as a TOML or JSON model spec file (see docs/formats)",
+        help="your model's sizes as a TOML or JSON model spec file (see docs/model-spec.md)",
     )
 
 
