@@ -26,6 +26,7 @@ import zellige
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
 from zellige.model import MMDiT, VideoDiT, conditioning, fused
 from zellige.model import build_model as reference_model
+from zellige.pipeline import StepRecord
 from zellige.profile import priced_as_engine_runs
 from zellige.runtime import layout
 from zellige.runtime.coalesced import engine_runs_ragged
@@ -523,7 +524,7 @@ def _run_step(
     # steps' times add up to the wall time from the first step's start to the last one's end
     start = before.end if before is not None else _time_mark(device)
     timer.reset()
-    checkpointed, full_recompute = _checkpointed_blocks(config, data.plan, rank)
+    checkpointed, full_recompute = _checkpointed_blocks(data.record, rank)
     set_checkpointed_blocks(model, checkpointed, full_recompute)
     sync_check = config.sync_debug and device.type == "cuda"
     if sync_check:
@@ -638,21 +639,21 @@ def finish_step(config: TrainConfig, ended: StepEnd, device: torch.device) -> di
     data = ended.data
     rank_busy = gathered[:, 1]
     slowest_step_s = float(gathered[:, 4].max())
-    predicted = data.plan["predicted"]["rank_time_s"]
+    record = data.record
     peak_backward_gib = ended.peak_backward_gib
     return {
         "step": step + 1,
         "loss": loss,
         "tokens_per_s": data.total_tokens / slowest_step_s,
-        "plan_ms": float(data.plan["plan_ms"]),
+        "plan_ms": record.plan_ms,
         "mfu": _mfu(data.train_flops, slowest_step_s, num_ranks, config.peak_flops_per_s),
         "step_s": slowest_step_s,
         "tokens": data.total_tokens,
         "train_flops": data.train_flops,
         "sequences": data.num_sequences,
-        "planned_imbalance": max(predicted) / (sum(predicted) / len(predicted)),
+        "planned_imbalance": record.planned_imbalance,
         "measured_imbalance": float(rank_busy.max() / rank_busy.mean().clamp_min(1e-12)),
-        "predicted_makespan_s": float(data.plan["predicted"]["makespan_s"]),
+        "predicted_makespan_s": record.makespan_s,
         "busy_s_max": float(rank_busy.max()),
         "attention_s_max": float(gathered[:, 2].max()),
         "cross_attention_s_max": float(gathered[:, 3].max()),
@@ -663,7 +664,7 @@ def finish_step(config: TrainConfig, ended: StepEnd, device: torch.device) -> di
         else max(peak_backward_gib, ended.peak_optimizer_gib),
         "peak_backward_gib": peak_backward_gib,  # forward and backward
         "peak_optimizer_gib": ended.peak_optimizer_gib,
-        "predicted_peak_gib": data.plan["predicted"]["rank_peak_bytes"][rank] / 2**30,
+        "predicted_peak_gib": record.rank_peak_bytes[rank] / 2**30,
         "checkpointed_blocks": ended.checkpointed,
         "full_recompute_blocks": ended.full_recompute,
         "allocated_start_gib": ended.allocated_start_gib,  # held when the step began
@@ -1024,19 +1025,11 @@ def _step_scaled(optimizer, grad_scale) -> None:
         optimizer.grad_scale = None
 
 
-def _checkpointed_blocks(config: TrainConfig, plan: dict, rank: int) -> tuple[int, int]:
-    """How many of the first blocks this rank checkpoints this step (the plan's choice under
-    adaptive checkpointing, else all of them or none), and how many of those recompute in full,
-    attention included (the plan's choice where the kept attention outputs do not fit)."""
-    if not config.activation_checkpointing:
-        return 0, 0
-    predicted = plan["predicted"]
-    chosen = predicted.get("rank_checkpointed_layers") or []
-    count = config.model.num_layers
-    if config.adaptive_checkpointing and len(chosen) > rank:
-        count = int(chosen[rank])
-    full = predicted.get("rank_full_recompute_layers") or []
-    return count, min(count, int(full[rank])) if len(full) > rank else 0
+def _checkpointed_blocks(record: StepRecord, rank: int) -> tuple[int, int]:
+    """How many of the first blocks this rank checkpoints this step, and how many of those
+    recompute in full, attention included: the cost model's choice (all blocks or none without
+    adaptive checkpointing; full recompute where the kept attention outputs do not fit)."""
+    return record.checkpointed_blocks(rank)
 
 
 def _peak_gib(device: torch.device, reset: bool = False) -> float | None:
