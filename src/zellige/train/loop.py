@@ -23,10 +23,11 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 import zellige
+from zellige.balancer import Balancer
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
 from zellige.model import MMDiT, VideoDiT, conditioning, fused
 from zellige.model import build_model as reference_model
-from zellige.pipeline import StepRecord
+from zellige.pipeline import JOINT, StepRecord, make_step_plan
 from zellige.profile import priced_as_engine_runs
 from zellige.runtime import layout
 from zellige.runtime.coalesced import engine_runs_ragged
@@ -142,6 +143,8 @@ def _check_planning(config: TrainConfig, num_ranks: int) -> None:
     """The recipe, profile and planner name resolve, and the planner accepts this cluster:
     planned here on a token per rank, not in a loader worker after the model is built."""
     load_training_recipe(config.recipe)
+    if config.planner == JOINT:  # time-limited: ranks could stop at different incumbents
+        raise ValueError("the joint MILP reference is for comparisons, not training")
     spec = model_spec(config.model)
     cost_model = zellige.make_cost_model(
         spec, num_ranks, min(config.gpus_per_node, num_ranks), config.profile
@@ -150,7 +153,7 @@ def _check_planning(config: TrainConfig, num_ranks: int) -> None:
         {"id": r, "num_tokens": 1, "text_tokens": 0, "source_rank": r} for r in range(num_ranks)
     ]
     batch = zellige.batch_from_dict({"sequences": sequences}, num_ranks=num_ranks)
-    zellige.make_plan(config.planner, batch, cost_model)
+    make_step_plan(config.planner, batch, cost_model, seed=0)
 
 
 def _require_cuda(config: TrainConfig) -> None:
@@ -325,7 +328,10 @@ def train(
     saved_now = None  # the newest checkpoint this run wrote
     history = []
     run_start = time.perf_counter()
-    ahead = StepsAhead(iter(loader), config, device)
+    # the trainer is a user of the public Balancer: the loader worker plans and compiles each
+    # step one ahead with the same pipeline, the Balancer loads it
+    balancer = Balancer.from_pipeline(dataset.pipeline(), device=device, plan_ahead=False)
+    ahead = StepsAhead(iter(loader), config, device, balancer)
     collector = QuietCollector(enabled=config.freeze_gc)
     pending = None  # a late step's StepEnd, finished by the next step
     try:
@@ -434,10 +440,13 @@ class StepsAhead:
     on the device: the host work of a step's setup overlaps the device's work instead of
     leaving it idle at the step's start. The first step's inputs are made before it starts."""
 
-    def __init__(self, loader_iter, config: TrainConfig, device: torch.device) -> None:
+    def __init__(
+        self, loader_iter, config: TrainConfig, device: torch.device, balancer: Balancer
+    ) -> None:
         self._loader_iter = loader_iter
         self._config = config
         self._device = device
+        self._balancer = balancer
         self._ready = None  # (step, data, inputs, seconds waited for the loader) or an error
 
     def prepare(self, step: int) -> None:
@@ -449,7 +458,7 @@ class StepsAhead:
             joint = self._config.model.joint_attention  # MMDiT: text joins attention
             assemble = assemble_joint_step if joint else assemble_step
             with record_function("zellige.step.setup"):
-                inputs = assemble(data, self._config.model.num_heads, self._device)
+                inputs = assemble(data, self._config.model.num_heads, self._device, self._balancer)
             self._ready = (step, data, inputs, wait_s)
         except Exception as error:  # noqa: BLE001 (raised again by take, in its own step)
             self._ready = (step, error)
