@@ -273,7 +273,7 @@ def test_kept_bf16_gradients_are_priced_at_two_bytes() -> None:
     import dataclasses
 
     import zellige
-    from zellige.train.loop import gradient_bytes_per_param, uses_copying_optimizer
+    from zellige.train.optimizer_builder import gradient_bytes_per_param, uses_copying_optimizer
 
     config = get_config("wan14b-width-h200")  # on CUDA: the copying optimizer by default
     assert gradient_bytes_per_param(config, 1) == 2.0
@@ -299,7 +299,7 @@ def test_copying_optimizer_step_is_priced_with_its_copies() -> None:
     import dataclasses
 
     import zellige
-    from zellige.train.loop import optimizer_copy_bytes_per_param
+    from zellige.train.optimizer_builder import optimizer_copy_bytes_per_param
 
     config = get_config("wan14b-width-h200")  # on CUDA: the copying optimizer by default
     assert optimizer_copy_bytes_per_param(config, 1) == 2.0
