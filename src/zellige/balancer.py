@@ -34,6 +34,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,8 +44,11 @@ from torch import Tensor
 from zellige import _core, runtime
 from zellige.costs import make_cost_model
 from zellige.model_spec import model_spec_to_dict, resolve_model
-from zellige.pipeline import JOINT, PlanFn, PreparedStep, StepPipeline, StepRecord
+from zellige.pipeline import JOINT, PreparedStep, StepPipeline, StepRecord
 from zellige.runtime.ops import StepOps
+
+if TYPE_CHECKING:
+    from zellige.pipeline import PlanFn
 
 
 @dataclass(kw_only=True)

@@ -24,17 +24,20 @@ from typing import TYPE_CHECKING
 
 from zellige import _core
 
-if TYPE_CHECKING:  # the runtime needs torch; planning does not
+if TYPE_CHECKING:
+    # the runtime needs torch; planning does not. The aliases are for type checkers only: a
+    # module-level object that refers to the core's types keeps them alive past the core's
+    # teardown, and nanobind then reports them as leaks.
     from torch import Tensor, distributed
 
     from zellige.runtime import Step
 
-JOINT = "joint"  # the MILP reference, in Python (zellige.joint); every other name is make_plan's
+    PlanFn = Callable[[_core.Batch, _core.CostModel], _core.Plan]
+    # a planner name (zellige.planner_names() or "joint"), a function (batch, cost_model) ->
+    # Plan, or a fixed Plan that every step uses (tests that need a particular placement)
+    Planner = str | PlanFn | _core.Plan
 
-PlanFn = Callable[[_core.Batch, _core.CostModel], _core.Plan]
-# a planner name (zellige.planner_names() or "joint"), a function (batch, cost_model) -> Plan, or
-# a fixed Plan that every step uses (tests that need a particular placement)
-Planner = str | PlanFn | _core.Plan
+JOINT = "joint"  # the MILP reference, in Python (zellige.joint); every other name is make_plan's
 
 
 def check_planner_name(planner: str) -> None:
