@@ -167,7 +167,8 @@ class Balancer:
     """Plans every training step's placement and executes it for the user's model.
 
     Every rank of the process group builds an equal Balancer and calls `step()` (or `schedule()`
-    then `start()`) the same number of times, in the same order.
+    then `start()`) the same number of times, in the same order. A loop whose loader worker plans
+    and compiles each step itself builds it with `from_pipeline` and calls `start(prepared)`.
 
     Args:
         model: a preset name, a model spec file (.toml / .json) or a ModelSpec: the cost model's

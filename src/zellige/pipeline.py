@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     # the runtime needs torch; planning does not. The aliases are for type checkers only: a
     # module-level object that refers to the core's types keeps them alive past the core's
     # teardown, and nanobind then reports them as leaks.
+    import torch
     from torch import Tensor, distributed
 
     from zellige.runtime import Step
@@ -214,7 +215,7 @@ class StepPipeline:
     @staticmethod
     def load(
         program: _core.StepProgram | None,
-        device,
+        device: torch.device | str,
         group: distributed.ProcessGroup | None = None,
         *,
         error: str | None = None,
