@@ -2,10 +2,10 @@
 
 The loader worker planned and compiled this rank's step (StepPipeline.prepare); here the public
 Balancer loads it (Balancer.start: every rank agrees on it, or all raise the same error), one
-all_to_all routes the per-token
-features (noisy latents, target velocity, flow time) and another moves the text: for a
-cross-attention model each held chunk receives its sequence's text (route_text); for a joint
-model the text tokens are held tokens of their own (route tokens="text").
+all_to_all routes the per-token features (noisy latents, target velocity, flow time) and another
+moves the text: for a cross-attention model each held chunk receives its sequence's text
+(route_text); for a joint model the text tokens are held tokens of their own (route
+tokens="text").
 """
 
 from __future__ import annotations
