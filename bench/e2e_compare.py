@@ -126,7 +126,7 @@ def first_step_makespan_s(config, num_ranks: int, planner: str) -> float:
         profile=config.profile,
         activation_checkpointing=config.activation_checkpointing,
     )
-    return float(dataset[0].plan["predicted"]["makespan_s"])
+    return dataset[0].record.makespan_s
 
 
 def resolve_planners(names: Iterable[str], config, num_ranks: int) -> list[Choice]:

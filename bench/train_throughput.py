@@ -246,7 +246,7 @@ def tracing_step(step: int, path: Path):
     """While inside, the training loop's step `step` (1-based) runs under torch.profiler; its
     trace goes to `path` (.json.gz) and the summary to `path` with .txt, and is printed."""
     loop = zellige.train.loop
-    run_step = loop._run_step
+    run_step = loop.train_step
 
     def traced(*args):
         config, device, index = args[0], args[5], args[7]
@@ -294,11 +294,11 @@ def tracing_step(step: int, path: Path):
         print(f"\n== trace of {path.name}\n{header}\n{summary}\n", flush=True)
         return records, pending
 
-    loop._run_step = traced
+    loop.train_step = traced
     try:
         yield
     finally:
-        loop._run_step = run_step
+        loop.train_step = run_step
 
 
 class GcPauses:
@@ -339,7 +339,7 @@ def printing_steps(label: str, ends: dict):
     the host's clock on CPU; device_wall_s between two of them is the run's time over those
     steps, whatever the loop counts as a step's time."""
     loop = zellige.train.loop
-    run_step = loop._run_step
+    run_step = loop.train_step
     pauses = GcPauses()
     last_end = [pauses.totals()]
 
@@ -347,16 +347,16 @@ def printing_steps(label: str, ends: dict):
 
     def printed(*args):
         before = pauses.totals()
-        compiles, graphs = loop.compile_events(), ragged.graphs_built()
+        compiles, graphs = zellige.train.timing.compile_events(), ragged.graphs_built()
         records, pending = run_step(*args)
-        ends[args[7] + 1] = loop._time_mark(args[5])
+        ends[args[7] + 1] = loop.time_mark(args[5])
         after = pauses.totals()
         issued[args[7] + 1] = {
             "gc_full": after[0] - before[0],
             "gc_full_s": after[1] - before[1],
             "gc_s": after[3] - before[3],
             "gc_full_before_s": before[1] - last_end[0][1],
-            "compile_events": loop.compile_events() - compiles,
+            "compile_events": zellige.train.timing.compile_events() - compiles,
             "ragged_graphs": ragged.graphs_built() - graphs,
         }
         last_end[0] = after
@@ -375,12 +375,12 @@ def printing_steps(label: str, ends: dict):
             )
         return records, pending
 
-    loop._run_step = printed
+    loop.train_step = printed
     gc.callbacks.append(pauses)
     try:
         yield
     finally:
-        loop._run_step = run_step
+        loop.train_step = run_step
         gc.callbacks.remove(pauses)
 
 

@@ -89,6 +89,18 @@ API_SECTIONS: list[tuple[str, str, list[str]]] = [
         ],
     ),
     (
+        "Step pipeline",
+        "The one path of a step: plan() -> compile() -> load() -> route(). The loader worker, the "
+        "Balancer, the reference trainer and zellige.plan / compare all go through it; plan and "
+        "compile need neither torch's process group nor a GPU (docs/architecture.md).",
+        [
+            "zellige.pipeline.StepPipeline",
+            "zellige.pipeline.PreparedStep",
+            "zellige.pipeline.StepRecord",
+            "zellige.pipeline.make_step_plan",
+        ],
+    ),
+    (
         "Runtime",
         "What the Balancer runs underneath: a plan compiled into one rank's step program, loaded "
         "as device tables, tokens routed to their ranks and the attention callables bound to it.",

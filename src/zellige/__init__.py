@@ -69,6 +69,7 @@ from zellige.model_spec import (
     resolve_model,
     save_model_spec,
 )
+from zellige.pipeline import PreparedStep, StepPipeline, StepRecord
 from zellige.plan_io import (
     load_plan,
     plan_from_dict,
@@ -106,6 +107,9 @@ def __getattr__(name: str):
 
 __all__ = [
     *_BALANCER_NAMES,
+    "PreparedStep",
+    "StepPipeline",
+    "StepRecord",
     "save_model_spec",
     "resolve_model",
     "model_spec_to_dict",

@@ -10,9 +10,8 @@ from pathlib import Path
 from zellige import _core
 from zellige.costs import make_cost_model
 from zellige.model_spec import resolve_model
+from zellige.pipeline import JOINT, check_planner_name, make_step_plan
 from zellige.workload import generate, load_recipe
-
-JOINT = "joint"  # the MILP reference, in Python (zellige.joint); every other name is make_plan's
 
 
 @dataclass(kw_only=True, slots=True)
@@ -130,37 +129,24 @@ def lower_bound(setup: Setup) -> float:
     return bound_s
 
 
-def _check_planner_name(planner: str) -> None:
-    """Fails before any planner runs; make_plan still checks the part after the colon."""
-    forms = [*_core.planner_names(), JOINT]
-    if planner.split(":", 1)[0] not in {form.split(":", 1)[0] for form in forms}:
-        allowed = ", ".join(forms)
-        raise ValueError(f"unknown planner '{planner}' (allowed: {allowed})")
-
-
 def run_planner(setup: Setup, planner: str, seed: int = 0) -> _core.Plan:
     """One planner on the setup's batch: a validated Plan with its prediction and plan_ms.
     Raises ValueError for a bad planner name or a non-finite prediction, PlanMemoryError when it
     cannot place in memory."""
-    _check_planner_name(planner)
-    if planner != JOINT:
-        options = _core.PlannerOptions(seed=seed)
-        try:
-            result = _core.make_plan(planner, setup.batch, setup.cost_model, options)
-        except _core.PlanMemoryError as error:
-            # A profile that predicts inf makes a planner's memory search fail: say the cause.
-            lower_bound(setup)
-            if str(error):
-                raise
-            # A planner whose every candidate has an inf or NaN time ends without a reason.
-            raise _core.PlanMemoryError(
-                f"{planner}: found no placement that fits in memory with a finite predicted time"
-            ) from None
-    else:
-        # Imported on demand: the MILP reference pulls in highspy.
-        from zellige import joint
-
-        result = joint.plan_joint(setup.batch, setup.cost_model, seed=seed)
+    check_planner_name(planner)
+    try:
+        result = make_step_plan(planner, setup.batch, setup.cost_model, seed=seed)
+    except _core.PlanMemoryError as error:
+        if planner == JOINT:
+            raise
+        # A profile that predicts inf makes a planner's memory search fail: say the cause.
+        lower_bound(setup)
+        if str(error):
+            raise
+        # A planner whose every candidate has an inf or NaN time ends without a reason.
+        raise _core.PlanMemoryError(
+            f"{planner}: found no placement that fits in memory with a finite predicted time"
+        ) from None
     predicted = result.predicted
     require_finite(setup, planner, predicted.makespan_s, *predicted.rank_time_s)
     return result
@@ -233,7 +219,7 @@ def compare_setup(setup: Setup, planners: list[str] | None, seed: int = 0) -> li
         cluster = setup.cost_model.cluster
         planners = default_planners(cluster.num_ranks(), cluster.gpus_per_node)
     for name in planners:
-        _check_planner_name(name)
+        check_planner_name(name)
     # A sequence that fits under no placement is the batch's fault, not a planner's: stop here.
     _core.check_sequences_fit(setup.batch, setup.cost_model)
     lower_bound_s = lower_bound(setup)

@@ -16,7 +16,10 @@ and the loss normalisation that makes loss and gradients those of data paralleli
         (loss * step.num_ranks).backward()          # DDP / FSDP average gradients over ranks
 
 One step ahead: `pending = balancer.schedule(samples)` gathers the sizes now and plans in a
-background thread; `pending.start()` (the next iteration) waits for the plan and loads it.
+background thread; `pending.start()` (the next iteration) waits for the plan and loads it. A loop
+whose loader worker already knows every rank's sizes (zellige.train's) plans and compiles there
+with the balancer's StepPipeline (`pipeline.prepare`, zellige.pipeline) and hands the result to
+`balancer.start(prepared)`: the Balancer then only loads it.
 
 Legend: T held tokens (joint models: text and visual), T_vis / T_txt their visual / text part,
 X cross-attention text rows, C held chunks (a sequence's part on this rank), N heads, H head dim.
@@ -25,13 +28,15 @@ Layouts, formats and the flow of a step: docs/architecture.md, docs/formats.md, 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -39,9 +44,11 @@ from torch import Tensor
 from zellige import _core, runtime
 from zellige.costs import make_cost_model
 from zellige.model_spec import model_spec_to_dict, resolve_model
+from zellige.pipeline import JOINT, PreparedStep, StepPipeline, StepRecord
 from zellige.runtime.ops import StepOps
 
-PlanFn = Callable[[_core.Batch, _core.CostModel], _core.Plan]
+if TYPE_CHECKING:
+    from zellige.pipeline import PlanFn
 
 
 @dataclass(kw_only=True)
@@ -160,7 +167,8 @@ class Balancer:
     """Plans every training step's placement and executes it for the user's model.
 
     Every rank of the process group builds an equal Balancer and calls `step()` (or `schedule()`
-    then `start()`) the same number of times, in the same order.
+    then `start()`) the same number of times, in the same order. A loop whose loader worker plans
+    and compiles each step itself builds it with `from_pipeline` and calls `start(prepared)`.
 
     Args:
         model: a preset name, a model spec file (.toml / .json) or a ModelSpec: the cost model's
@@ -196,36 +204,61 @@ class Balancer:
         seed: int = 0,
         plan_ahead: bool = True,
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("Balancer needs an initialised process group (torchrun)")
-        self.spec = resolve_model(model)
-        self.device = torch.device(device)
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
-        self.cost_model = make_cost_model(
-            self.spec,
-            self.num_ranks,
+        _require_process_group()
+        spec = resolve_model(model)
+        cost_model = make_cost_model(
+            spec,
+            dist.get_world_size(group),
             gpus_per_node,
             profile,
             links,
             activation_checkpointing=activation_checkpointing,
         )
-        if isinstance(planner, str):
-            from zellige.api import JOINT, _check_planner_name
+        pipeline = StepPipeline(spec, cost_model, planner, seed=seed)  # checks the name
+        if planner == JOINT:  # time-limited: ranks could stop at different incumbents
+            raise ValueError("the joint MILP reference is for comparisons, not training")
+        self._setup(pipeline, device, group, plan_ahead)
 
-            _check_planner_name(planner)  # a typo fails here, not at the first step
-            if planner == JOINT:  # time-limited: ranks could stop at different incumbents
-                raise ValueError("the joint MILP reference is for comparisons, not training")
-        self.planner = planner
-        self.seed = seed
+    @classmethod
+    def from_pipeline(
+        cls,
+        pipeline: StepPipeline,
+        *,
+        device: torch.device | str = "cpu",
+        group: dist.ProcessGroup | None = None,
+        plan_ahead: bool = True,
+    ) -> Balancer:
+        """A Balancer that plans with a StepPipeline built by the caller: a cost model with
+        options of its own (zellige.train's prices its optimizer and checkpointing choices), a
+        fixed plan. The pipeline's cost model must be for the group's size."""
+        _require_process_group()
+        balancer = cls.__new__(cls)
+        balancer._setup(pipeline, device, group, plan_ahead)
+        return balancer
+
+    def _setup(self, pipeline: StepPipeline, device, group, plan_ahead: bool) -> None:
+        self.pipeline = pipeline
+        self.spec = pipeline.spec
+        self.cost_model = pipeline.cost_model
+        self.planner = pipeline.planner
+        self.seed = pipeline.seed
+        self.device = torch.device(device)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        if pipeline.num_ranks != self.num_ranks:
+            raise ValueError(
+                f"the step pipeline's cost model is for {pipeline.num_ranks} ranks, the process "
+                f"group has {self.num_ranks}"
+            )
         self._executor = ThreadPoolExecutor(1, "zellige-plan") if plan_ahead else None
         self._scheduled = 0  # steps scheduled so far (the next one's index)
         self._started = 0  # steps started so far
         self._lock = threading.Lock()
-        planner_name = planner if isinstance(planner, str) else getattr(planner, "__name__", "fn")
         self._config = hashlib.sha256(
-            repr((model_spec_to_dict(self.spec), planner_name, seed, self.num_ranks)).encode()
+            repr(
+                (model_spec_to_dict(self.spec), pipeline.planner_name, self.seed, self.num_ranks)
+            ).encode()
         ).hexdigest()[:16]
 
     @property
@@ -292,19 +325,30 @@ class Balancer:
 
     def make_plan(self, batch: _core.Batch, step_index: int = 0) -> _core.Plan:
         """The plan of one step's batch (what every rank computes alike)."""
-        if callable(self.planner):
-            plan = self.planner(batch, self.cost_model)
-            _core.predict(plan, batch, self.cost_model)
-            return plan
-        options = _core.PlannerOptions(seed=self.seed + step_index)
-        return _core.make_plan(self.planner, batch, self.cost_model, options)
+        return self.pipeline.plan(batch, seed=self.seed + step_index)
 
     def _plan_and_compile(self, batch: _core.Batch, index: int):
         plan = self.make_plan(batch, index)
-        program = runtime.compile_step(
-            batch, plan, self.spec.num_heads, self.rank, joint_attention=self.joint_attention
+        return plan, self.pipeline.compile(batch, plan, self.rank)
+
+    def start(self, prepared: PreparedStep) -> BalancedStep:
+        """Loads a step planned and compiled ahead of it (StepPipeline.prepare in a loader worker
+        whose batch every rank knows) and returns it as this rank executes it. Every rank calls
+        it for the same step; a rank's `prepared.error`, or ranks whose programs differ, raise the
+        same ValueError on every rank. The step carries no Sample tensors: route your own
+        (route_tokens, route_text, ...). Use it or schedule(), not both, in one loop."""
+        step = self.pipeline.load(prepared.program, self.device, self.group, error=prepared.error)
+        return BalancedStep(
+            self,
+            index=prepared.index,
+            samples=[],
+            schema=None,
+            batch=None,
+            plan=None,
+            record=prepared.record,
+            sequence_num_tokens=prepared.sequence_num_tokens,
+            step=step,
         )
-        return plan, program
 
     def _start(self, pending: PendingStep) -> BalancedStep:
         error = plan = program = None
@@ -321,14 +365,29 @@ class Balancer:
                 plan, program = pending._future.result()
             except Exception as exc:  # noqa: BLE001 - raised on every rank by load_step
                 error = f"rank {self.rank}: planning step {pending.index} failed: {exc}"
-        step = runtime.load_step(program, self.device, self.group, error=error)
-        return BalancedStep(self, pending, plan, step)
+        step = self.pipeline.load(program, self.device, self.group, error=error)
+        return BalancedStep(
+            self,
+            index=pending.index,
+            samples=pending.samples,
+            schema=pending._schema,
+            batch=pending.batch,
+            plan=plan,
+            record=StepRecord.from_plan(plan),
+            sequence_num_tokens=tuple(s.num_tokens for s in pending.batch.sequences),
+            step=step,
+        )
 
     def close(self) -> None:
         """Stops the planning thread (also at interpreter exit)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def _require_process_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("Balancer needs an initialised process group (torchrun)")
 
 
 def _agreement_error(reports: list[_RankReport]) -> str | None:
@@ -368,14 +427,28 @@ class BalancedStep:
     reverse*, attention) the same number of times.
     """
 
-    def __init__(self, balancer, pending, plan, step: runtime.Step) -> None:
+    def __init__(
+        self,
+        balancer: Balancer,
+        *,
+        index: int,
+        samples: list[Sample],
+        schema: Schema | None,
+        batch: _core.Batch | None,
+        plan: _core.Plan | None,
+        record: StepRecord,
+        sequence_num_tokens: tuple[int, ...],
+        step: runtime.Step,
+    ) -> None:
         self._balancer = balancer
-        self.index = pending.index
-        self.samples: list[Sample] = pending.samples
-        self.batch: _core.Batch = pending.batch
-        self.plan: _core.Plan = plan
+        self.index = index
+        self.samples: list[Sample] = samples
+        self.batch: _core.Batch | None = batch  # None for a step started from a PreparedStep
+        self.plan: _core.Plan | None = plan  # likewise
+        self.record = record  # the plan's predictions, typed
         self.runtime_step = step
-        self._schema = pending._schema
+        self._schema = schema
+        self._sequence_num_tokens = sequence_num_tokens
         self.rank = balancer.rank
         self.num_ranks = balancer.num_ranks
         self.joint_attention = balancer.joint_attention
@@ -391,21 +464,30 @@ class BalancedStep:
         self.ops = StepOps(step)
         self.attention = self.ops.attention
         self.cross_attention = None if self.joint_attention else self.ops.cross_attention
-        sequences = self.batch.sequences
-        self.num_global_tokens = sum(s.num_tokens for s in sequences)
-        self.num_global_samples = len(sequences)
-        chunk_sequences = torch.tensor(step.chunk_sequence_index, dtype=torch.int64)
-        self._chunk_tokens = torch.tensor(
-            [sequences[i].num_tokens for i in step.chunk_sequence_index], dtype=torch.float64
-        ).to(self.device)
-        self.chunk_sequence_index = chunk_sequences.to(self.device)
-        # first held position of each chunk (T for an empty chunk: a zero row is appended)
-        num_held = step.num_held_tokens
-        first = torch.full((self.num_chunks,), num_held, dtype=torch.int64)
-        if num_held:
-            positions = torch.arange(num_held, dtype=torch.int64)
-            first.scatter_reduce_(0, step.chunk_index.cpu(), positions, "amin")
-        self._chunk_first = first.to(self.device)
+        self.num_global_tokens = sum(sequence_num_tokens)
+        self.num_global_samples = len(sequence_num_tokens)
+
+    # The per-chunk tables come from the program's host arrays when first used (a loop that
+    # routes and normalises on its own never builds them; none reads the device back).
+    @functools.cached_property
+    def chunk_sequence_index(self) -> Tensor:
+        """[C] index into batch.sequences of each held chunk."""
+        chunks = torch.tensor(self.runtime_step.chunk_sequence_index, dtype=torch.int64)
+        return runtime.to_device(chunks, self.device)
+
+    @functools.cached_property
+    def _chunk_tokens(self) -> Tensor:
+        tokens = self._sequence_num_tokens
+        chunk_tokens = [tokens[i] for i in self.runtime_step.chunk_sequence_index]
+        return runtime.to_device(torch.tensor(chunk_tokens, dtype=torch.float64), self.device)
+
+    @functools.cached_property
+    def _chunk_first(self) -> Tensor:
+        """First held position of each chunk (T for an empty chunk: a zero row is appended)."""
+        token_chunk = self.runtime_step.program.token_chunk_index
+        first = np.full(self.num_chunks, token_chunk.size, dtype=np.int64)
+        np.minimum.at(first, token_chunk, np.arange(token_chunk.size, dtype=np.int64))
+        return runtime.to_device(torch.from_numpy(first), self.device)
 
     # ---- tensors in
     def inputs(self) -> HeldInputs:

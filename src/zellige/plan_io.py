@@ -1,6 +1,5 @@
 """Plan JSON (docs/formats.md), read and written exactly (floats keep their repr).
 
-Importing this module also gives `_core.Plan` its `to_json()` and `Plan.from_json(text)`.
 A plan file may carry a "context" object (what the CLI needs to rebuild the plan's batch and cost
 model: model, cluster, workload + seed or the batch itself, and the batch's fingerprint, so that
 `show` and `check` refuse the plan for any other batch); the Plan ignores it.
@@ -205,7 +204,3 @@ def save_plan(plan: _core.Plan, path: str | Path, context: dict | None = None) -
     if context is not None:
         data["context"] = context
     write_output(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
-
-
-_core.Plan.to_json = plan_to_json
-_core.Plan.from_json = staticmethod(plan_from_json)

@@ -18,6 +18,7 @@ from zellige.model import fused
 from zellige.runtime import end_rank_process
 from zellige.train import loop
 from zellige.train.config import get_config
+from zellige.train.timing import compile_events
 
 STEPS = 5
 
@@ -31,16 +32,16 @@ def run(freeze_gc: bool) -> dict:
         freeze_gc=freeze_gc,
     )
     steps = []
-    use_compiled, step_loss, run_step = fused.use_compiled, loop.step_loss, loop._run_step
+    use_compiled, step_loss, run_step = fused.use_compiled, loop.step_loss, loop.train_step
 
     def counted_loss(*args):
         steps[-1]["traversed"] = len(gc.get_objects())  # the generations a full GC walks
         return step_loss(*args)
 
     def counted_step(*args):
-        steps.append({"compile_events": -loop.compile_events()})
+        steps.append({"compile_events": -compile_events()})
         records, pending = run_step(*args)
-        steps[-1]["compile_events"] += loop.compile_events()
+        steps[-1]["compile_events"] += compile_events()
         for record in records:  # a late step's record comes from the next step's call
             steps[record["step"] - 1]["sequences"] = record["sequences"]
         return records, pending
@@ -48,12 +49,12 @@ def run(freeze_gc: bool) -> dict:
     fused.use_compiled = lambda enabled, backend="aot_eager", outside=None: use_compiled(
         enabled, "aot_eager", outside
     )
-    loop.step_loss, loop._run_step = counted_loss, counted_step
+    loop.step_loss, loop.train_step = counted_loss, counted_step
     before = len(gc.get_objects())  # the process's objects: torch, zellige, ...
     try:
         loop.train(config, progress=False)
     finally:
-        fused.use_compiled, loop.step_loss, loop._run_step = use_compiled, step_loss, run_step
+        fused.use_compiled, loop.step_loss, loop.train_step = use_compiled, step_loss, run_step
     return {"before": before, "steps": steps, "frozen_after": gc.get_freeze_count()}
 
 

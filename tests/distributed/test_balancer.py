@@ -12,6 +12,7 @@ rank) is the same ValueError on every rank, never a hang.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import traceback
 from datetime import timedelta
@@ -119,6 +120,26 @@ def _contract_cases(rank: int, world: int, report: dict) -> None:
         "strategies": sorted({_core.strategy_name(p) for p in step.plan.placements}),
         "held_tokens": step.runtime_step.num_held_tokens,
     }
+    # The chunk tables come from the program's host arrays: the device tables' own answer.
+    num_held = step.runtime_step.num_held_tokens
+    first = torch.full((step.num_chunks,), num_held, dtype=torch.int64)
+    first.scatter_reduce_(0, step.chunk_index.cpu(), torch.arange(num_held), "amin")
+    case["chunk_first"] = bool(torch.equal(step._chunk_first.cpu(), first))
+    # The same step planned and compiled ahead (a loader worker's way) and started from it.
+    prepared = balancer.pipeline.prepare(step.batch, rank, index=0)
+    again = balancer.start(prepared)
+    case["prepared"] = (
+        prepared.program.fingerprint == step.runtime_step.program.fingerprint
+        and dataclasses.replace(again.record, plan_ms=0.0)
+        == dataclasses.replace(step.record, plan_ms=0.0)
+        and bool(torch.equal(again.position_ids, step.position_ids))
+        and bool(torch.equal(again.chunk_sequence_index, step.chunk_sequence_index))
+        and bool(torch.equal(again._chunk_first, step._chunk_first))
+        and float(again.loss(value_T)) == float(step.loss(value_T))
+        and float(again.loss(value_T, per="sample")) == float(step.loss(value_T, per="sample"))
+    )
+    broken = dataclasses.replace(prepared, program=None, error="rank 1: broken")
+    prepared_error = _expect_error(lambda: balancer.start(broken if rank == 1 else prepared))
     cases = [None] * world
     dist.all_gather_object(cases, case)
     report["contract"] = cases
@@ -153,6 +174,7 @@ def _contract_cases(rank: int, world: int, report: dict) -> None:
     )
     errors["unknown planner"] = _expect_error(lambda: zellige.Balancer("tiny", planner="zelige"))
     errors["joint reference"] = _expect_error(lambda: zellige.Balancer("tiny", planner="joint"))
+    errors["prepared step error"] = prepared_error
     report["errors"] = {key: _all_messages(message, world) for key, message in errors.items()}
 
 
@@ -276,6 +298,7 @@ def test_routing_and_loss_normalisation(report) -> None:
     world, data = report
     for rank, case in enumerate(data["contract"]):
         assert case["round_trip"] and case["unpack"] and case["sample_values"], rank
+        assert case["chunk_first"] and case["prepared"], rank
         for key in ("per_token", "per_sample"):
             got, expected = case[key]
             assert got == pytest.approx(expected, rel=1e-12), (rank, key)
@@ -296,6 +319,7 @@ def test_routing_and_loss_normalisation(report) -> None:
         ("no samples anywhere", "no rank has a sample"),
         ("unknown planner", "unknown planner 'zelige' (allowed:"),
         ("joint reference", "not training"),
+        ("prepared step error", "rank 1: broken"),
     ],
 )
 def test_disagreement_is_one_error_on_every_rank(report, kind, needle) -> None:

@@ -20,7 +20,7 @@ import torch
 from test_train import _torchrun, _train
 
 from zellige.train.config import TrainConfig
-from zellige.train.loop import weights_kept_to_backward
+from zellige.train.optimizer_builder import weights_kept_to_backward
 
 
 def _runs(tmp_path: Path, dtype: str, *variants: str, ranks: int = 1) -> dict:

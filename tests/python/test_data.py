@@ -87,7 +87,7 @@ def test_step_dataset_materialises_only_this_ranks_sequences() -> None:
     assert data.source_text_timestep_X.shape == (sum(s.text_tokens for s in mine),)
     assert data.total_tokens == sum(s.num_tokens for s in batch.sequences)
     assert data.num_sequences == len(batch.sequences)
-    assert data.plan["planner"] == "dp-cost" and data.plan["plan_ms"] >= 0
+    assert data.record.planner == "dp-cost" and data.record.plan_ms >= 0
     assert torch.equal(dataset[3].source_noisy_TC, data.source_noisy_TC)
     # The worker's compiled program: this rank's, and it crosses processes by pickle as is.
     assert data.error is None and data.program.rank == 1
@@ -95,6 +95,7 @@ def test_step_dataset_materialises_only_this_ranks_sequences() -> None:
     again = pickle.loads(pickle.dumps(data))
     assert again.program == data.program
     assert again.program.to_bytes() == data.program.to_bytes()
+    assert again.record == data.record  # the plan's typed record crosses with it
 
 
 SPAWNED_LOADER = """

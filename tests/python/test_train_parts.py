@@ -70,24 +70,53 @@ def test_step_timer_leaves_tensors_without_gradients_alone() -> None:
 
 
 def test_checkpointed_blocks_follow_the_plan() -> None:
-    """Adaptive: the plan's count for this rank; otherwise every block, or none. The plan's full
-    recompute count applies to either (never more than the checkpointed blocks)."""
+    """Adaptive: the plan's count for this rank; otherwise every block, or none (the cost model
+    decides: its prediction, checked here against those rules). The plan's full recompute count
+    applies to either (never more than the checkpointed blocks)."""
     import dataclasses
 
+    import zellige
+    from zellige.data import model_spec
+    from zellige.pipeline import StepRecord, make_step_plan
     from zellige.train.loop import _checkpointed_blocks
 
-    config = dataclasses.replace(get_config("wan1p3b-h200"), activation_checkpointing=True)
-    plan = {
-        "predicted": {"rank_checkpointed_layers": [7, 30], "rank_full_recompute_layers": [0, 4]}
-    }
-    assert _checkpointed_blocks(config, plan, 0) == (7, 0)
-    assert _checkpointed_blocks(config, plan, 1) == (30, 4)
-    assert _checkpointed_blocks(config, {"predicted": {}}, 0) == (30, 0)  # an older plan: all
-    fixed = dataclasses.replace(config, adaptive_checkpointing=False)
-    assert _checkpointed_blocks(fixed, plan, 0) == (30, 0)
-    assert _checkpointed_blocks(fixed, plan, 1) == (30, 4)
-    off = dataclasses.replace(config, activation_checkpointing=False)
-    assert _checkpointed_blocks(off, plan, 1) == (0, 0)
+    record = StepRecord(
+        planner="hand",
+        num_ranks=2,
+        plan_ms=0.0,
+        makespan_s=1.0,
+        rank_time_s=(1.0, 1.0),
+        rank_peak_bytes=(0.0, 0.0),
+        rank_checkpointed_layers=(7, 30),
+        rank_full_recompute_layers=(0, 4),
+    )
+    assert _checkpointed_blocks(record, 0) == (7, 0)
+    assert _checkpointed_blocks(record, 1) == (30, 4)
+    fewer = dataclasses.replace(record, rank_full_recompute_layers=(9, 4))
+    assert _checkpointed_blocks(fewer, 0) == (7, 7)  # never more than the checkpointed blocks
+
+    config = get_config("wan1p3b-h200")
+    spec = model_spec(config.model)
+    layers = config.model.num_layers
+    sequences = [
+        {"id": i, "num_tokens": 8190 if i < 2 else 1024, "text_tokens": 512, "source_rank": i % 2}
+        for i in range(6)
+    ]
+    batch = zellige.batch_from_dict({"sequences": sequences}, num_ranks=2)
+
+    def record_of(checkpointing: bool, adaptive: bool) -> StepRecord:
+        cost_model = zellige.make_cost_model(
+            spec, 2, 2, activation_checkpointing=checkpointing, adaptive_checkpointing=adaptive
+        )
+        return StepRecord.from_plan(make_step_plan("dp-cost", batch, cost_model, seed=0))
+
+    for rank in range(2):
+        count, full = _checkpointed_blocks(record_of(True, False), rank)
+        assert count == layers and 0 <= full <= count  # fixed: every block
+        assert _checkpointed_blocks(record_of(False, False), rank) == (0, 0)  # off: none
+        assert _checkpointed_blocks(record_of(False, True), rank) == (0, 0)
+        count, full = _checkpointed_blocks(record_of(True, True), rank)
+        assert 0 <= full <= count <= layers
 
 
 def test_block_runners_recompute_as_the_plan_says() -> None:
@@ -244,7 +273,7 @@ def test_kept_bf16_gradients_are_priced_at_two_bytes() -> None:
     import dataclasses
 
     import zellige
-    from zellige.train.loop import gradient_bytes_per_param, uses_copying_optimizer
+    from zellige.train.optimizer_builder import gradient_bytes_per_param, uses_copying_optimizer
 
     config = get_config("wan14b-width-h200")  # on CUDA: the copying optimizer by default
     assert gradient_bytes_per_param(config, 1) == 2.0
@@ -270,7 +299,7 @@ def test_copying_optimizer_step_is_priced_with_its_copies() -> None:
     import dataclasses
 
     import zellige
-    from zellige.train.loop import optimizer_copy_bytes_per_param
+    from zellige.train.optimizer_builder import optimizer_copy_bytes_per_param
 
     config = get_config("wan14b-width-h200")  # on CUDA: the copying optimizer by default
     assert optimizer_copy_bytes_per_param(config, 1) == 2.0

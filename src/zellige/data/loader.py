@@ -2,9 +2,10 @@
 
 Every rank generates the same batch description for a step from (recipe, seed, step) — what
 all-gathering the loaders' lengths would give — so every rank's worker makes the same plan and
-compiles its own step program (C++) while the main process trains on the previous step; the
-program crosses to the training process as is (it pickles through its C++ binary form). Only the
-tensors of the sequences this rank loads (source_rank == rank) are materialised here.
+compiles its own step program (the step pipeline's plan() and compile(), zellige.pipeline) while
+the main process trains on the previous step; the PreparedStep crosses to the training process
+as is (the program pickles through its C++ binary form, the plan's record is a dataclass). Only
+the tensors of the sequences this rank loads (source_rank == rank) are materialised here.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch
 from torch import Tensor
 
 import zellige
-from zellige import _core, runtime
+from zellige import _core
 from zellige.data.synthetic import SyntheticLatents
 from zellige.model import DiTConfig
+from zellige.pipeline import PreparedStep, StepPipeline, StepRecord
 from zellige.profile import priced_as_engine_runs
 
 # A mix of 64x64 images (16 tokens each) and short 64x96 / 64x128 clips (120 and 288 tokens):
@@ -71,15 +73,13 @@ def model_spec(config: DiTConfig, num_params: int | None = None) -> _core.ModelS
 class StepData:
     """What one rank needs for one step (picklable: it crosses from the loader worker).
 
-    program: this rank's StepProgram, compiled here, one step ahead; the training process loads
-    it as is (runtime.load_step). error: why it could not be compiled (program None); the
-    training process hands it to load_step so that every rank raises it together."""
+    prepared: this rank's step planned and compiled here, one step ahead (its StepProgram, or the
+    error that every rank raises together when the training process loads it, and the plan's
+    typed record); the training process loads it as is (Balancer.start)."""
 
     step: int
     rank: int
-    program: _core.StepProgram | None
-    error: str | None
-    plan: dict  # Plan JSON object (zellige.plan_to_dict): the step's record for metrics and logs
+    prepared: PreparedStep
     num_sequences: int
     total_tokens: int  # over all ranks: the loss normaliser
     train_flops: float  # forward + backward FLOPs of the whole batch (for MFU)
@@ -90,6 +90,18 @@ class StepData:
     source_text_XE: Tensor  # the text rows of the same sequences, concatenated in batch order
     source_text_timestep_X: Tensor  # the sequence's flow time, repeated per text row
     source_text_tokens: list[int] = field(default_factory=list)  # per source sequence
+
+    @property
+    def program(self) -> _core.StepProgram | None:
+        return self.prepared.program
+
+    @property
+    def error(self) -> str | None:
+        return self.prepared.error
+
+    @property
+    def record(self) -> StepRecord:
+        return self.prepared.record
 
     def pin_memory(self) -> StepData:
         """The tensors in pinned memory (the DataLoader calls this with pin_memory=True), so the
@@ -116,7 +128,8 @@ class StepDataset(torch.utils.data.Dataset):
     `data_ranks` loader ranks (default num_ranks). A run resumed on another number of ranks keeps
     its data_ranks, so its steps see the same batches; their sequences are then loaded round
     robin by the num_ranks ranks. `plan` (a Plan JSON object) replaces the planner, for tests
-    that need a particular placement.
+    that need a particular placement. pipeline() builds the StepPipeline that plans and compiles
+    each step (in the process that calls it; the dataset pickles without it).
     """
 
     def __init__(
@@ -163,6 +176,17 @@ class StepDataset(torch.utils.data.Dataset):
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
+    def __getstate__(self) -> dict:
+        # the core objects do not pickle: a spawned worker builds its own
+        return {**self.__dict__, "_state": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def pipeline(self) -> StepPipeline:
+        """The step pipeline this dataset plans and compiles with (built once per process)."""
+        return self._planning_state()[0]
+
     def _planning_state(self):
         if self._state is None:
             spec = model_spec(self.model, self.num_params)
@@ -180,13 +204,17 @@ class StepDataset(torch.utils.data.Dataset):
                 gradient_bytes_per_param=self.gradient_bytes_per_param,
                 optimizer_copy_bytes_per_param=self.optimizer_copy_bytes_per_param,
             )
+            planner = self.planner
+            if self.fixed_plan is not None:
+                planner = zellige.plan_from_dict(self.fixed_plan)
+            pipeline = StepPipeline(spec, cost_model, planner, seed=self.seed)
             recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
             latents = SyntheticLatents(
                 token_channels=self.model.token_channels,
                 text_dim=self.model.text_dim,
                 seed=self.seed,
             )
-            self._state = (spec, cost_model, recipe, latents)
+            self._state = (pipeline, recipe, latents)
             # A DataLoader worker keeps its dataset in a torch module global until interpreter
             # teardown, where nanobind reports the core objects still alive as leaks: drop them
             # at exit, before teardown.
@@ -194,7 +222,7 @@ class StepDataset(torch.utils.data.Dataset):
         return self._state
 
     def batch(self, step: int) -> _core.Batch:
-        spec, _, recipe, _ = self._planning_state()
+        _, recipe, _ = self._planning_state()
         if self.sequences is not None:
             return zellige.batch_from_dict({"sequences": self.sequences}, num_ranks=self.num_ranks)
         batch = zellige.generate_batch(recipe, self.data_ranks, _step_seed(self.seed, step))
@@ -209,22 +237,10 @@ class StepDataset(torch.utils.data.Dataset):
         return 2**62
 
     def __getitem__(self, step: int) -> StepData:
-        spec, cost_model, _, latents = self._planning_state()
+        pipeline, _, latents = self._planning_state()
+        spec = pipeline.spec
         batch = self.batch(step)
-        if self.fixed_plan is not None:
-            plan = zellige.plan_from_dict(self.fixed_plan)
-            zellige.predict(plan, batch, cost_model)
-        else:
-            options = _core.PlannerOptions(seed=_step_seed(self.seed, step))
-            plan = zellige.make_plan(self.planner, batch, cost_model, options)
-
-        program, error = None, None
-        try:
-            program = runtime.compile_step(
-                batch, plan, spec.num_heads, self.rank, joint_attention=spec.joint_attention
-            )
-        except ValueError as exc:
-            error = str(exc)
+        prepared = pipeline.prepare(batch, self.rank, index=step, seed=_step_seed(self.seed, step))
 
         noisy, velocity, timestep, text, text_timestep, text_tokens = [], [], [], [], [], []
         for sequence in batch.sequences:
@@ -246,9 +262,7 @@ class StepDataset(torch.utils.data.Dataset):
         return StepData(
             step=step,
             rank=self.rank,
-            program=program,
-            error=error,
-            plan=zellige.plan_to_dict(plan),
+            prepared=prepared,
             num_sequences=len(batch.sequences),
             total_tokens=zellige.total_tokens(batch),
             train_flops=float(

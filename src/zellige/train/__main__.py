@@ -25,7 +25,8 @@ from zellige.train.config import (
     load_config_file,
     resolve_config,
 )
-from zellige.train.loop import TrainingFailed, say, train
+from zellige.train.loop import say, train
+from zellige.train.watchdog import TrainingFailed
 
 PROG = "zellige.train"
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from zellige import runtime
+from zellige.balancer import Balancer
 from zellige.data import StepData
 from zellige.model import AttentionFn, JointTokens, MMDiT, fused
 from zellige.model.mmdit import StreamOrder
@@ -30,8 +31,10 @@ class JointStepInput:
     step: runtime.Step  # num_held_tokens counts text too
 
 
-def assemble_joint_step(data: StepData, num_heads: int, device: torch.device) -> JointStepInput:
-    routed = assemble_step(data, num_heads, device)
+def assemble_joint_step(
+    data: StepData, num_heads: int, device: torch.device, balancer: Balancer | None = None
+) -> JointStepInput:
+    routed = assemble_step(data, num_heads, device, balancer)
     step = routed.step
     if not step.joint_attention:
         raise ValueError("the step program is not for a joint-attention model (an MMDiT's)")

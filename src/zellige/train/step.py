@@ -1,23 +1,26 @@
 """One step's inputs on this rank: load the step program and route the loaders' tensors.
 
-The loader worker made the plan and compiled this rank's StepProgram; here the runtime loads it
-(every rank agrees on it, or all raise the same error), one all_to_all routes the per-token
-features (noisy latents, target velocity, flow time) and another moves the text: for a
-cross-attention model each held chunk receives its sequence's text (route_text); for a joint
-model the text tokens are held tokens of their own (route tokens="text").
+The loader worker planned and compiled this rank's step (StepPipeline.prepare); here the public
+Balancer loads it (Balancer.start: every rank agrees on it, or all raise the same error), one
+all_to_all routes the per-token features (noisy latents, target velocity, flow time) and another
+moves the text: for a cross-attention model each held chunk receives its sequence's text
+(route_text); for a joint model the text tokens are held tokens of their own (route
+tokens="text").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from zellige import runtime
+from zellige.balancer import BalancedStep, Balancer
 from zellige.data import StepData
 from zellige.model import AttentionFn, PackedTokens
+from zellige.pipeline import StepPipeline
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,6 +34,7 @@ class StepInput:
     self_attention: AttentionFn  # distributed self- or joint attention bound to this step
     cross_attention: AttentionFn  # cross-attention of each chunk to its text (cross models)
     step: runtime.Step
+    balanced: BalancedStep | None  # the Balancer's step (None: loaded without a Balancer)
 
 
 def _source_error(data: StepData) -> str | None:
@@ -75,9 +79,20 @@ def _loader_tensors(tensors: tuple[Tensor, ...], device: torch.device) -> list[T
     return moved
 
 
-def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepInput:
+def assemble_step(
+    data: StepData, num_heads: int, device: torch.device, balancer: Balancer | None = None
+) -> StepInput:
+    """The step's inputs on `device`: the prepared step loaded by `balancer` (zellige.train's
+    way; without one, by the step pipeline's load over the world) and the loader's tensors
+    routed to where the plan holds them."""
     error = data.error or _source_error(data)
-    step = runtime.load_step(data.program, device, error=error)
+    prepared = data.prepared if error == data.error else replace(data.prepared, error=error)
+    balanced = None
+    if balancer is not None:
+        balanced = balancer.start(prepared)
+        step = balanced.runtime_step
+    else:
+        step = StepPipeline.load(prepared.program, device, error=prepared.error)
     if step.num_heads != num_heads:
         raise ValueError(
             f"the step program is for {step.num_heads} heads, the model has {num_heads}"
@@ -132,4 +147,5 @@ def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepI
         self_attention=runtime.attention_fn(step),
         cross_attention=runtime.cross_attention_fn(step),
         step=step,
+        balanced=balanced,
     )
