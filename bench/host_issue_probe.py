@@ -238,95 +238,94 @@ def main() -> None:
     fused.use_compiled(not args.eager)
     blocks = rank_work.make_blocks(config, args.layers, device, dtype)
     steps = {}
-    with rank_work.local_exchanges():
-        for name, batch, plan, rank in cases:
-            inputs = rank_work.plan_rank_inputs(
-                batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype
-            )
-
-            def step(inputs=inputs) -> float:
-                """rank_work.train_step on plain blocks; returns the forward's issue seconds."""
-                t0 = time.perf_counter()
-                out = rank_work.forward_blocks(blocks, inputs, True, 0)
-                forward_s = time.perf_counter() - t0
-                out.backward(inputs.grad_TD)
-                rank_work.clear_grads(blocks, inputs)
-                return forward_s
-
-            step()  # compiles on the first case: the regions' dynamic graphs
-            step()
-            steps[name] = (step, inputs.num_tokens, inputs.num_text)
-        synchronize(device)
-        say(f"{len(steps)} ranks ready (compiled: {not args.eager}, {device})")
-        per_step = STEPS_PER_ROUND if not args.quick else 2
-        results = {
-            name: {"issue": [], "wall": [], "split": [], "issue_nogc": [], "wall_nogc": []}
-            for name in steps
-        }
-        own0, below0, count = cpu_seconds()
-        wall0 = time.perf_counter()
-        for _ in range(args.rounds):
-            for name, (step, _, _) in steps.items():
-                r = results[name]
-                time_steps(step, device, per_step, r["issue"], r["wall"], r["split"])
-        wall_s = time.perf_counter() - wall0
-        own1, below1, _ = cpu_seconds()
-        say(
-            f"timed (gc on): this process used {(own1 - own0) / wall_s:.2f} CPUs over the rounds, "
-            f"its {count} descendant processes {(below1 - below0) / wall_s:.2f} CPUs"
+    for name, batch, plan, rank in cases:
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype
         )
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(max(1, args.rounds // 2)):
-                for name, (step, _, _) in steps.items():
-                    r = results[name]
-                    time_steps(step, device, per_step, r["issue_nogc"], r["wall_nogc"])
-        finally:
-            gc.enable()
-        say("timed (gc off)")
-        if device.type == "cuda":  # the flash kernel in place of cuDNN: its host cost per call
-            os.environ["ZELLIGE_ATTENTION_BACKEND"] = "flash"
-            try:
-                for name, (step, _, _) in steps.items():
-                    r = results[name]
-                    r["issue_flash"], r["wall_flash"] = [], []
-                    step()
-                    time_steps(step, device, per_step, r["issue_flash"], r["wall_flash"])
-            finally:
-                del os.environ["ZELLIGE_ATTENTION_BACKEND"]
-            say("timed (flash kernel)")
-        shutdown = getattr(torch._inductor.async_compile, "shutdown_compile_workers", None)
-        if shutdown is not None and not args.eager:  # the compile workers gone: does issue change?
-            shutdown()
-            say(f"compile workers shut down ({cpu_seconds()[2]} descendant processes left)")
-            for name, (step, _, _) in steps.items():
-                r = results[name]
-                r["issue_noworkers"], r["wall_noworkers"] = [], []
-                time_steps(step, device, per_step, r["issue_noworkers"], r["wall_noworkers"])
-        for name, (step, tokens, text) in steps.items():
-            r = results[name]
-            r["tokens"], r["text"] = tokens, text
-            r["gpu_s"] = gpu_time_s(step, device, warmup=1, repeats=3 if not args.quick else 1)
-        say("GPU-only times done")
-        print_table(results, cases, args.layers)
-        save(args.json, device, results)
-        # one profiled step of each rank (profiler overhead: counts, not times, are the point)
+
+        def step(inputs=inputs) -> float:
+            """rank_work.train_step on plain blocks; returns the forward's issue seconds."""
+            t0 = time.perf_counter()
+            out = rank_work.forward_blocks(blocks, inputs, True, 0)
+            forward_s = time.perf_counter() - t0
+            out.backward(inputs.grad_TD)
+            rank_work.clear_grads(blocks, inputs)
+            return forward_s
+
+        step()  # compiles on the first case: the regions' dynamic graphs
+        step()
+        steps[name] = (step, inputs.num_tokens, inputs.num_text)
+    synchronize(device)
+    say(f"{len(steps)} ranks ready (compiled: {not args.eager}, {device})")
+    per_step = STEPS_PER_ROUND if not args.quick else 2
+    results = {
+        name: {"issue": [], "wall": [], "split": [], "issue_nogc": [], "wall_nogc": []}
+        for name in steps
+    }
+    own0, below0, count = cpu_seconds()
+    wall0 = time.perf_counter()
+    for _ in range(args.rounds):
         for name, (step, _, _) in steps.items():
             r = results[name]
-            r["profile"] = p = profiled_step(step, device)
-            r["sync_warnings"] = sync_warnings(step, device)
-            print(
-                f"\n{name}: {p['launches']} kernel launches, {p['aten_ops']} aten ops, "
-                f"synchronizing calls {p['sync_calls']}, allocator calls {p['alloc_calls']}; "
-                "top host ops by self CPU time (name, calls, ms):"
-            )
-            for key, calls, ms in p["top_self_cpu"]:
-                print(f"   {key:<70} {calls:>5} {ms:>8.3f}")
-            print("   CUDA runtime calls (name, calls, self CPU ms):", p["cuda_api"][:12])
-            for message in r["sync_warnings"]:
-                print(f"   sync: {message}")
-            save(args.json, device, results)
+            time_steps(step, device, per_step, r["issue"], r["wall"], r["split"])
+    wall_s = time.perf_counter() - wall0
+    own1, below1, _ = cpu_seconds()
+    say(
+        f"timed (gc on): this process used {(own1 - own0) / wall_s:.2f} CPUs over the rounds, "
+        f"its {count} descendant processes {(below1 - below0) / wall_s:.2f} CPUs"
+    )
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(max(1, args.rounds // 2)):
+            for name, (step, _, _) in steps.items():
+                r = results[name]
+                time_steps(step, device, per_step, r["issue_nogc"], r["wall_nogc"])
+    finally:
+        gc.enable()
+    say("timed (gc off)")
+    if device.type == "cuda":  # the flash kernel in place of cuDNN: its host cost per call
+        os.environ["ZELLIGE_ATTENTION_BACKEND"] = "flash"
+        try:
+            for name, (step, _, _) in steps.items():
+                r = results[name]
+                r["issue_flash"], r["wall_flash"] = [], []
+                step()
+                time_steps(step, device, per_step, r["issue_flash"], r["wall_flash"])
+        finally:
+            del os.environ["ZELLIGE_ATTENTION_BACKEND"]
+        say("timed (flash kernel)")
+    shutdown = getattr(torch._inductor.async_compile, "shutdown_compile_workers", None)
+    if shutdown is not None and not args.eager:  # the compile workers gone: does issue change?
+        shutdown()
+        say(f"compile workers shut down ({cpu_seconds()[2]} descendant processes left)")
+        for name, (step, _, _) in steps.items():
+            r = results[name]
+            r["issue_noworkers"], r["wall_noworkers"] = [], []
+            time_steps(step, device, per_step, r["issue_noworkers"], r["wall_noworkers"])
+    for name, (step, tokens, text) in steps.items():
+        r = results[name]
+        r["tokens"], r["text"] = tokens, text
+        r["gpu_s"] = gpu_time_s(step, device, warmup=1, repeats=3 if not args.quick else 1)
+    say("GPU-only times done")
+    print_table(results, cases, args.layers)
+    save(args.json, device, results)
+    # one profiled step of each rank (profiler overhead: counts, not times, are the point)
+    for name, (step, _, _) in steps.items():
+        r = results[name]
+        r["profile"] = p = profiled_step(step, device)
+        r["sync_warnings"] = sync_warnings(step, device)
+        print(
+            f"\n{name}: {p['launches']} kernel launches, {p['aten_ops']} aten ops, "
+            f"synchronizing calls {p['sync_calls']}, allocator calls {p['alloc_calls']}; "
+            "top host ops by self CPU time (name, calls, ms):"
+        )
+        for key, calls, ms in p["top_self_cpu"]:
+            print(f"   {key:<70} {calls:>5} {ms:>8.3f}")
+        print("   CUDA runtime calls (name, calls, self CPU ms):", p["cuda_api"][:12])
+        for message in r["sync_warnings"]:
+            print(f"   sync: {message}")
+        save(args.json, device, results)
     say("done")
 
 

@@ -90,12 +90,11 @@ def main() -> None:
             for sequence, placement in zip(batch.sequences, plan.placements, strict=True)
             for share in cost_model.shares(sequence, placement)
         )
-        with rank_work.local_exchanges():
-            inputs = rank_work.plan_rank_inputs(
-                batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
-            )
-            kept, peak = measure(blocks, inputs, False, device)
-            _, peak_without_grads = measure(blocks, inputs, True, device)
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
+        )
+        kept, peak = measure(blocks, inputs, False, device)
+        _, peak_without_grads = measure(blocks, inputs, True, device)
         del inputs
         torch.cuda.empty_cache()
         grads = peak - peak_without_grads

@@ -26,8 +26,7 @@ import torch
 
 from zellige.profiler import measure, rank_work
 from zellige.profiler.models import dit_config, stack_layers
-from zellige.runtime import distributed_attention, prepare_step
-from zellige.runtime.coalesced import engine_runs_ragged, merge_policy_set
+from zellige.runtime import EngineConfig, distributed_attention, engine_runs_ragged, prepare_step
 
 HEADS, HEAD_DIM = 24, 128
 
@@ -55,7 +54,9 @@ def timed(fn, device, repeats: int) -> tuple[float, float]:
 
 def pack_times(lengths, device, dtype, merge: str, backend, repeats: int) -> dict:
     batch, plan = rank_work.local_plan([(n, 0) for n in lengths])
-    step = prepare_step(batch, plan, HEADS, device, rank=0)
+    step = prepare_step(
+        batch, plan, HEADS, device, rank=0, engine=EngineConfig.from_env().replace(merge=merge)
+    )
     total = sum(lengths)
     gen = torch.Generator(device=device).manual_seed(0)  # on the device: packs of ~100k tokens
     q, k, v, do = (
@@ -64,16 +65,15 @@ def pack_times(lengths, device, dtype, merge: str, backend, repeats: int) -> dic
     )
     for t in (q, k, v):
         t.requires_grad_()
-    with merge_policy_set(merge):
 
-        def attend():
-            return distributed_attention(q, k, v, step, backend=backend)
+    def attend():
+        return distributed_attention(q, k, v, step, backend=backend)
 
-        forward = timed(attend, device, repeats)
-        out = attend()
-        backward = timed(
-            lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), device, repeats
-        )
+    forward = timed(attend, device, repeats)
+    out = attend()
+    backward = timed(
+        lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), device, repeats
+    )
     return {"forward_s": forward[0], "backward_s": backward[0], "host_s": [forward[1], backward[1]]}
 
 
@@ -86,24 +86,24 @@ def launch_times(model: str, device, dtype, merge: str, quick: bool) -> dict:
     def step_of(lengths):
         batch, plan = rank_work.local_plan([(n, text) for n in lengths])
         inputs = rank_work.plan_rank_inputs(
-            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
-        )
+            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype,
+            engine=EngineConfig.from_env().replace(merge=merge),
+        )  # fmt: skip
         return lambda: rank_work.train_step(blocks, inputs, checkpointing=True)
 
     first = measure.LAUNCH_VISUAL_TOKENS
-    with rank_work.local_exchanges(), merge_policy_set(merge):
-        steps = [
-            step_of([first]),
-            step_of([first + i for i in range(measure.LAUNCH_SEQUENCES)]),
-        ]
-        for fn in steps:
-            fn()
-            fn()
-        rounds, per_round = (2, 2) if quick else (3, 5)
-        one, many = (
-            float(np.median(t))
-            for t in measure.interleaved_step_times(steps, device, rounds, per_round)
-        )
+    steps = [
+        step_of([first]),
+        step_of([first + i for i in range(measure.LAUNCH_SEQUENCES)]),
+    ]
+    for fn in steps:
+        fn()
+        fn()
+    rounds, per_round = (2, 2) if quick else (3, 5)
+    one, many = (
+        float(np.median(t))
+        for t in measure.interleaved_step_times(steps, device, rounds, per_round)
+    )
     return {"layers": stack_layers(model), "one_s": one, "many_s": many}
 
 

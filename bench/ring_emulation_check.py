@@ -50,11 +50,10 @@ def main() -> None:
         )
         plan.placements = [first, _core.make_placement(1, _core.Strategy.local, [0])]
         start_s = time.perf_counter()
-        with rank_work.local_exchanges(args.contiguous):
-            inputs = rank_work.plan_rank_inputs(
-                batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
-            )
-            rank_work.train_step(blocks, inputs, checkpointing=True)
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
+        )
+        rank_work.train_step(blocks, inputs, checkpointing=True)
         if cuda:
             torch.cuda.synchronize()
         print(f"{name}: OK ({time.perf_counter() - start_s:.2f} s)", flush=True)

@@ -65,12 +65,14 @@ import dataclasses
 import gc
 import gzip
 import json
+import os
 import platform
 import sys
 import time
 import warnings
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -79,7 +81,6 @@ from _provenance import git_commit
 from step_trace import summarise_trace
 from zellige.profile import load_profile
 from zellige.runtime import ragged
-from zellige.runtime.coalesced import merge_policy_set
 from zellige.train.config import get_config
 from zellige.train.loop import train
 
@@ -429,7 +430,9 @@ def main() -> int:
                         stack.enter_context(marking_steps(caught, step_marks))
                     stack.enter_context(printing_steps(run, ends))
                     if "groups-attention" in variants:
-                        stack.enter_context(merge_policy_set("groups"))
+                        stack.enter_context(
+                            mock.patch.dict(os.environ, {"ZELLIGE_ATTENTION_MERGE": "groups"})
+                        )
                     if args.trace:
                         Path(args.trace).mkdir(parents=True, exist_ok=True)
                         label = "_".join([name, recipe, *variants])

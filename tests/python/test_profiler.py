@@ -345,17 +345,16 @@ def test_fsdp_blocks_need_a_group_of_one_that_goes_away():
         weights = sum(p.numel() * 4 for p in blocks.parameters())
         assert rank_work.persistent_bytes(blocks) == weights  # no gradients before a step
         batch, plan = _local_pack_plan(32, config.text_tokens)
-        with rank_work.local_exchanges():
-            inputs = rank_work.plan_rank_inputs(
-                batch=batch,
-                plan=plan,
-                rank=0,
-                config=config,
-                device=device,
-                dtype=torch.float32,
-                output_grad=False,
-            )
-            rank_work.train_step(blocks, inputs, checkpointing=True)
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch,
+            plan=plan,
+            rank=0,
+            config=config,
+            device=device,
+            dtype=torch.float32,
+            output_grad=False,
+        )
+        rank_work.train_step(blocks, inputs, checkpointing=True)
         assert inputs.grad_TD is None
         assert rank_work.persistent_bytes(blocks) == 2 * weights  # the sharded gradients stay
     assert not dist.is_initialized()
@@ -557,26 +556,24 @@ def test_fsdp_blocks_compute_the_plain_blocks_step():
         for make in (rank_work.make_blocks, rank_work.make_fsdp_blocks):
             torch.manual_seed(0)
             blocks = make(config, 2, device, dtype)
-            with rank_work.local_exchanges():
-                inputs = rank_work.plan_rank_inputs(
-                    batch=batch,
-                    plan=plan,
-                    rank=0,
-                    config=config,
-                    device=device,
-                    dtype=dtype,
-                    generator=torch.Generator().manual_seed(1),
-                )
-                out = rank_work.forward_blocks(blocks, inputs, checkpointing=True)
-                (out * inputs.grad_TD).sum().backward()
+            inputs = rank_work.plan_rank_inputs(
+                batch=batch,
+                plan=plan,
+                rank=0,
+                config=config,
+                device=device,
+                dtype=dtype,
+                generator=torch.Generator().manual_seed(1),
+            )
+            out = rank_work.forward_blocks(blocks, inputs, checkpointing=True)
+            (out * inputs.grad_TD).sum().backward()
             weight = next(iter(blocks.parameters())).grad
             weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
             # copies: the next step adds into the same gradient tensors
             grads = (out.detach(), inputs.x_TD.grad, inputs.text_XD.grad, weight)
             results.append(tuple(t.clone() for t in grads))
             # a whole step, as validate-profile runs it, keeps the FSDP weight gradients
-            with rank_work.local_exchanges():
-                rank_work.train_step(blocks, inputs, checkpointing=True)
+            rank_work.train_step(blocks, inputs, checkpointing=True)
             kept = next(iter(blocks.parameters())).grad is not None
             assert kept == isinstance(blocks, rank_work.FSDPBlocks)
     assert not dist.is_initialized()
@@ -623,20 +620,19 @@ def test_mmdit_rank_work_runs_joint_blocks_on_a_sharded_rank():
         _core.make_placement(0, _core.Strategy.ring, [0, 1]),
         _core.make_placement(1, _core.Strategy.local, [0]),
     ]
-    with rank_work.local_exchanges():
-        inputs = rank_work.plan_rank_inputs(
-            batch=batch,
-            plan=plan,
-            rank=0,
-            config=config,
-            device=torch.device("cpu"),
-            dtype=torch.float32,
-        )
-        # rank 0 holds the first half of sequence 0's joint list (its 12 text + 9 visual) and
-        # sequence 1 whole (3 text + 5 visual)
-        assert inputs.num_tokens == 21 + 8 and inputs.num_text == 12 + 3
-        assert inputs.vec_SD.shape[0] == 2
-        rank_work.train_step(blocks, inputs, checkpointing=True)
+    inputs = rank_work.plan_rank_inputs(
+        batch=batch,
+        plan=plan,
+        rank=0,
+        config=config,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    # rank 0 holds the first half of sequence 0's joint list (its 12 text + 9 visual) and
+    # sequence 1 whole (3 text + 5 visual)
+    assert inputs.num_tokens == 21 + 8 and inputs.num_text == 12 + 3
+    assert inputs.vec_SD.shape[0] == 2
+    rank_work.train_step(blocks, inputs, checkpointing=True)
     assert all(p.grad is None for p in blocks.parameters())  # dropped after the step
 
 

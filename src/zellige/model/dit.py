@@ -23,6 +23,7 @@ from zellige.model.conditioning import (
     per_token,
 )
 from zellige.model.config import DiTConfig
+from zellige.runtime.coalesced import to_device
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,8 +46,6 @@ class PackedTokens:
         """Made on the host from host ints and copied without a host sync."""
         if self.sequence_index_T is not None:
             return self.sequence_index_T
-        from zellige.runtime.coalesced import to_device
-
         counts = np.asarray(list(self.tokens_per_sequence), dtype=np.int64)
         indices = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
         return to_device(torch.from_numpy(indices), self.latents_TC.device)

@@ -37,6 +37,7 @@ from zellige.model.conditioning import (
     sinusoidal_embedding,
 )
 from zellige.model.config import DiTConfig
+from zellige.runtime.coalesced import to_device
 
 VISUAL, TEXT = 0, 1  # modality tags, as the runtime's step.modality
 
@@ -106,8 +107,6 @@ class StreamOrder:
         """The same order from host (numpy) tables, each modality's held positions in ascending
         order: built on the host and copied to the device (pinned, non-blocking), so nothing is
         read back. Equal to of() for the same tokens."""
-        from zellige.runtime.coalesced import to_device  # as attention.py: no import cycle
-
         order = np.concatenate((text_positions, visual_positions)).astype(np.int64)
         sorted_index = np.asarray(sequence_index_T, dtype=np.int64)[order]
         num_text = len(text_positions)

@@ -53,7 +53,7 @@ from zellige.profiler.timing import (
     reset_peak,
     synchronize,
 )
-from zellige.runtime.coalesced import engine_runs_ragged, merge_policy_set
+from zellige.runtime import EngineConfig, engine_runs_ragged
 
 PACK_TOKENS = 16384  # tokens of equal-length segments one coalesced call sees on a typical rank
 # The cost model's elementwise traffic per token and width per pass (kElementwiseBytesPerTokenWidth)
@@ -172,7 +172,7 @@ def measure_attention(
 ) -> tuple[float, float]:
     """Forward and backward seconds PER HEAD of one coalesced call over `heads_per_call`
     (segment, head) pairs of `length` tokens (segments side by side, token-major rows)."""
-    from zellige.runtime.coalesced import SegmentTable, coalesced_attention
+    from zellige.runtime import SegmentTable, coalesced_attention
 
     num_heads = heads_per_call
     # One segment with all pairs as heads is the same dense batch the engine forms from
@@ -321,13 +321,12 @@ def check_in_step(
         tokens = max(length, pack)
         count = tokens // length
         batch, plan = _local_pack_plan(count * length, 0, count)
-        with rank_work.local_exchanges():
-            inputs = rank_work.plan_rank_inputs(
-                batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
-            )
-            if not config.joint_attention:
-                inputs.cross_attention = rank_work.no_cross_attention
-            measured = step_s(inputs) - linear_s[tokens]
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
+        )
+        if not config.joint_attention:
+            inputs.cross_attention = rank_work.no_cross_attention
+        measured = step_s(inputs) - linear_s[tokens]
         # one forward and one backward: the recompute keeps attention's outputs (checkpointed())
         predicted = num_layers * count * config.num_heads * (forward(length) + backward(length))
         attention_factor[length] = measured / predicted
@@ -400,8 +399,6 @@ def _layout_point(
     distributed attention (forward + backward, exchanges as local copies), the calls it runs
     and the copies, and the bytes it sends in that forward and backward, as CostModel counts
     them."""
-    from zellige.runtime.layout import prepare_step
-
     config = dit_config(options.model)
     batch, _ = _local_plan([length], 0)
     plan = _core.Plan()
@@ -410,11 +407,10 @@ def _layout_point(
     plan.placements = [
         _core.make_placement(0, getattr(_core.Strategy, strategy), list(range(degree)))
     ]
-    with rank_work.local_exchanges():
-        step = prepare_step(batch, plan, config.num_heads, device, rank=0, check_agreement=False)
-        forward_s, backward_s = _time_distributed_attention(
-            step, config, device, dtype, options.repeats
-        )
+    step = rank_work.local_step(batch, plan, config.num_heads, device)
+    forward_s, backward_s = _time_distributed_attention(
+        step, config, device, dtype, options.repeats
+    )
 
     def call_s(call_length: int, heads: int) -> float:
         key = (call_length, heads)
@@ -453,7 +449,7 @@ def profile_layouts(
     """Seconds per byte a rank sends in Ulysses and in ring exchanges that the engine spends
     laying rows out around them (packing send buffers, gathering the rows into the calls'
     layouts and back, merging ring steps' partial results): a shard's distributed attention
-    with the exchanges as local copies (rank_work.local_exchanges), less its calls and those
+    with the exchanges as local copies (rank_work.LocalTransport), less its calls and those
     copies, per byte sent; the median over the points of LAYOUT_POINTS, at least 0. Returns
     ({"ulysses": s/B, "ring": s/B}, rows)."""
     call_cache: dict = {}
@@ -496,33 +492,35 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
         (LAUNCH_TEXT_TOKENS, 1) if config.joint_attention else (config.text_tokens, 2)
     )
 
-    def train_step(lengths: list[int]) -> Callable[[], None]:
-        batch, plan = _local_plan(lengths, text_tokens)
-        inputs = rank_work.plan_rank_inputs(
-            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
-        )
-        return lambda: rank_work.train_step(blocks, inputs, checkpointing=True)
-
     # The rows are per dense call (the cost model counts a ragged table as one of them): the
     # tiny ranks' tables run as groups whatever this machine's merge policy, else the many-length
     # rank's tables would be single ragged calls and the per-call slope would measure nothing.
-    with rank_work.local_exchanges(), merge_policy_set("groups"):
-        steps = [
-            train_step([LAUNCH_VISUAL_TOKENS]),
-            train_step([LAUNCH_VISUAL_TOKENS + i for i in range(LAUNCH_SEQUENCES)]),
-        ]
-        for step in steps:
-            _warm(step, device)
-            _warm(step, device)
-        rounds, per_round = (
-            (2, max(2, options.repeats))  # a CPU smoke run: its numbers mean nothing
-            if options.quick
-            else (LAUNCH_ROUNDS, max(options.repeats, LAUNCH_STEPS_PER_ROUND))
-        )
-        one, many = (
-            float(np.median(times))
-            for times in interleaved_step_times(steps, device, rounds, per_round)
-        )
+    groups = EngineConfig.from_env().replace(merge="groups")
+
+    def train_step(lengths: list[int]) -> Callable[[], None]:
+        batch, plan = _local_plan(lengths, text_tokens)
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype,
+            engine=groups,
+        )  # fmt: skip
+        return lambda: rank_work.train_step(blocks, inputs, checkpointing=True)
+
+    steps = [
+        train_step([LAUNCH_VISUAL_TOKENS]),
+        train_step([LAUNCH_VISUAL_TOKENS + i for i in range(LAUNCH_SEQUENCES)]),
+    ]
+    for step in steps:
+        _warm(step, device)
+        _warm(step, device)
+    rounds, per_round = (
+        (2, max(2, options.repeats))  # a CPU smoke run: its numbers mean nothing
+        if options.quick
+        else (LAUNCH_ROUNDS, max(options.repeats, LAUNCH_STEPS_PER_ROUND))
+    )
+    one, many = (
+        float(np.median(times))
+        for times in interleaved_step_times(steps, device, rounds, per_round)
+    )
     per_layer, per_call = launch_rows(
         one, many, calls_per_length, calls_per_length * LAUNCH_SEQUENCES, num_layers
     )
@@ -540,7 +538,7 @@ def profile_launch(options: ProfileOptions, device, dtype, progress: Progress) -
 
 def ragged_line(device, dtype, head_dim: int, progress: Progress) -> bool:
     """The profile's attention_ragged: whether the engine here runs a table of several calls as
-    one ragged call (coalesced.engine_runs_ragged), said in one line."""
+    one ragged call (runtime.engine_runs_ragged), said in one line."""
     ragged = engine_runs_ragged(device, dtype, head_dim)
     progress(
         "attention engine: "
@@ -792,25 +790,24 @@ def pack_probe(
     blocks, batch: _core.Batch, plan: _core.Plan, config, device, dtype, rank: int = 0
 ) -> MemoryProbe:
     """The memory probe of `rank` under `plan` on `blocks` (make_fsdp_blocks), its exchanges
-    replaced by local copies of the same sizes (rank_work.local_exchanges): a rank of a Ulysses
+    replaced by local copies of the same sizes (rank_work.LocalTransport): a rank of a Ulysses
     group or ring is emulated on one device with the buffers it holds there."""
-    with rank_work.local_exchanges():
-        synchronize(device)
-        before_inputs = allocated_bytes(device)
-        inputs = rank_work.plan_rank_inputs(
-            batch=batch,
-            plan=plan,
-            rank=rank,
-            config=config,
-            device=device,
-            dtype=dtype,
-            output_grad=False,
-        )
-        synchronize(device)
-        inputs_bytes = allocated_bytes(device) - before_inputs
-        rank_work.train_step(blocks, inputs, checkpointing=True)  # warm-up: workspaces
-        kept, transient = _memory_probe(blocks, inputs, False, device)
-        kept_ckpt, transient_ckpt = _memory_probe(blocks, inputs, True, device)
+    synchronize(device)
+    before_inputs = allocated_bytes(device)
+    inputs = rank_work.plan_rank_inputs(
+        batch=batch,
+        plan=plan,
+        rank=rank,
+        config=config,
+        device=device,
+        dtype=dtype,
+        output_grad=False,
+    )
+    synchronize(device)
+    inputs_bytes = allocated_bytes(device) - before_inputs
+    rank_work.train_step(blocks, inputs, checkpointing=True)  # warm-up: workspaces
+    kept, transient = _memory_probe(blocks, inputs, False, device)
+    kept_ckpt, transient_ckpt = _memory_probe(blocks, inputs, True, device)
     return MemoryProbe(inputs_bytes, kept, transient, kept_ckpt, transient_ckpt)
 
 
@@ -1531,7 +1528,7 @@ def profile_time_into(
         attention_call_backward_s=call_backward,
     )
     stamped("attention calls")
-    streams = streams_for_device(device)
+    streams = streams_for_device(device, EngineConfig.from_env())
     overlap = measure_stream_overlap(
         device, streams, num_heads=config.num_heads, head_dim=config.head_dim,
         quick=options.quick, repeats=options.repeats, progress=progress,
