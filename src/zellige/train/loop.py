@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import zellige
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
-from zellige.model import MMDiT, VideoDiT, conditioning, fused
+from zellige.model import MMDiT, ModelNumerics, VideoDiT, fused
 from zellige.model import build_model as reference_model
 from zellige.profile import priced_as_engine_runs
 from zellige.runtime import layout
@@ -194,15 +194,17 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
     """The sharded model. On CUDA it is built on the meta device and initialised after sharding
     (no rank ever holds the whole model); on CPU built whole, identical on every rank."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    conditioning.set_row_multiple(8 if config.pad_sequence_rows else 1)
-    conditioning.set_split_pieces(config.split_modulation)
-    conditioning.set_gathered_head(config.gathered_head)
+    numerics = ModelNumerics(
+        row_multiple=8 if config.pad_sequence_rows else 1,
+        split_pieces=config.split_modulation,
+        gathered_head=config.gathered_head,
+    )
     torch.manual_seed(config.seed)
     if device.type == "cuda":
         with torch.device("meta"):
-            model = reference_model(config.model)
+            model = reference_model(config.model, numerics)
     else:
-        model = reference_model(config.model)
+        model = reference_model(config.model, numerics)
     parallelize(
         model,
         mesh,
