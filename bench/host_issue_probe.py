@@ -46,7 +46,7 @@ from zellige.costs import make_cost_model
 from zellige.model import fused
 from zellige.profile import load_profile
 from zellige.profiler import rank_work
-from zellige.profiler.measure import launch_rows
+from zellige.profiler.launch import launch_rows
 from zellige.profiler.models import dit_config, model_spec
 from zellige.profiler.timing import gpu_time_s, synchronize
 from zellige.workload import load_recipe

@@ -23,7 +23,7 @@ import torch
 from zellige.costs import make_cost_model
 from zellige.profile import load_profile
 from zellige.profiler import rank_work
-from zellige.profiler.measure import _local_plan
+from zellige.profiler.memory import local_lengths_plan
 from zellige.profiler.models import dit_config, model_spec
 from zellige.profiler.timing import allocated_bytes, synchronize
 
@@ -84,7 +84,7 @@ def main() -> None:
         "| peak-(shares+grads)  GiB"
     )
     for label, lengths in SHAPES:
-        batch, plan = _local_plan(lengths, 512)
+        batch, plan = local_lengths_plan(lengths, 512)
         shares = sum(
             share.memory_bytes
             for sequence, placement in zip(batch.sequences, plan.placements, strict=True)

@@ -4,12 +4,12 @@ packs of one call) charge a rank of many calls, and the Ulysses shard over 2 and
 
     python bench/memory_calls_probe.py --model mmdit-11b --out probes.json [--quick]
 
-Each probe is profiler.measure.pack_probe (the profiler's memory probe: FSDP blocks of the
+Each probe is profiler.memory.pack_probe (the profiler's memory probe: FSDP blocks of the
 model's stack, compiled regions on a GPU, exchanges replaced by local copies of their sizes).
 The JSON is rewritten after every probe (a run stopped by a timeout keeps what it measured):
 per probe its held tokens, its attention calls (query token-heads per call / heads, from the
 rank's step program) and its step peak. The rows come from it through
-`zellige.profiler.measure.attention_phase_rows` (see there); this script prints them too.
+`zellige.profiler.memory.attention_phase_rows` (see there); this script prints them too.
 """
 
 from __future__ import annotations
@@ -22,25 +22,25 @@ from dataclasses import asdict
 
 import torch
 
-from zellige.profiler import measure, rank_work
+from zellige.profiler import measure, memory, rank_work
 from zellige.profiler.models import dit_config, model_to_run, stack_layers
 
 
 def probes_for(quick: bool, text: int, heads: int) -> list[tuple[str, list]]:
     """The probes, most needed first (a run cut by its timeout keeps the first ones): a pack of
     two sequences in one call against the same attended tokens in 8 calls and in 2 (per-call
-    buffers); the profiler's shard probes (measure.shard_probe_plans: shards of n held tokens,
+    buffers); the profiler's shard probes (memory.shard_probe_plans: shards of n held tokens,
     alone and beside a local sequence of n: the phases; the Ulysses shard over 2 and over 8
     ranks) and, as a check of the shard rows' linearity, one shard of 2n; more packs of one call
     between the profiler's (points of its backward_peak_bytes table); the 64k pack."""
     scale = 1 / 64 if quick else 1
     n = int(16384 * scale)
-    wide = min(measure.ULYSSES_WIDE_DEGREE, heads)
+    wide = min(memory.ULYSSES_WIDE_DEGREE, heads)
     attended = n + 2 * text  # the n pack's attended tokens
-    eight = measure._distinct_lengths(attended - 8 * text)
+    eight = memory._distinct_lengths(attended - 8 * text)
     big = int(65536 * scale)
-    eight_big = measure._distinct_lengths(big + 2 * text - 8 * text)
-    shard = measure.shard_probe_plans(n, 0, wide)  # the profiler's (a joint model: no text)
+    eight_big = memory._distinct_lengths(big + 2 * text - 8 * text)
+    shard = memory.shard_probe_plans(n, 0, wide)  # the profiler's (a joint model: no text)
     return [
         ("one_call", [(n // 2, text, "local", [0]), (n // 2, text, "local", [0])]),
         ("eight_calls", [(m, text, "local", [0]) for m in eight]),
@@ -67,8 +67,8 @@ ONE_CALL_PACKS = ("one_call", "one_call_64k")  # packs of one call, besides the 
 
 def rows_into(probes_path: str, base_path: str, out_path: str, model: str, table: bool) -> None:
     """A profile: `base_path` with `model`'s shard rows, Ulysses share row and phase row from the
-    probes (measure.attention_phase_rows) and, with `table`, the packs of one call as points of
-    its backward_peak_bytes table (measure.backward_peak_table with the base's kept rows; a point
+    probes (memory.attention_phase_rows) and, with `table`, the packs of one call as points of
+    its backward_peak_bytes table (memory.backward_peak_table with the base's kept rows; a point
     at a token count the base has replaces it)."""
     from zellige.profile import (
         MODEL_ROWS,
@@ -91,17 +91,17 @@ def rows_into(probes_path: str, base_path: str, out_path: str, model: str, table
     old = base["backward_peak_bytes"][row]
     points = {x: y + kept_per_token * x for x, y in zip(old["x"], old["y"], strict=True)}
     packs = {
-        p["held_tokens"]: measure.MemoryProbe(**p["probe"])
+        p["held_tokens"]: memory.MemoryProbe(**p["probe"])
         for name, p in probes.items()
         if name.startswith("pack_") or name in ONE_CALL_PACKS
     }
     if table:
         points.update({float(x): float(p.step_peak) for x, p in packs.items()})
-    rows = measure.attention_phase_rows(probes, measure.linear_peaks(points))
+    rows = memory.attention_phase_rows(probes, memory.linear_peaks(points))
     tables = {}
     added = []
     if table:
-        new = measure.backward_peak_table(
+        new = memory.backward_peak_table(
             packs,
             kept,
             num_layers=layers,
@@ -117,7 +117,7 @@ def rows_into(probes_path: str, base_path: str, out_path: str, model: str, table
             "y": [merged_points[v] for v in x],
         }
         added = new["x"]
-    merged = measure.merge_memory(
+    merged = memory.merge_memory(
         base, model, {k: v for k, v in rows.items() if k in MODEL_ROWS}, tables
     )
     merged["created"] += (
@@ -173,11 +173,11 @@ def main() -> None:
         for name, sequences in probes_for(args.quick, config.text_tokens, config.num_heads):
             if args.only and name not in args.only:
                 continue
-            batch, plan = measure.rank_plan(sequences)
-            held, calls = measure.rank_attention_calls(
+            batch, plan = memory.rank_plan(sequences)
+            held, calls = memory.rank_attention_calls(
                 batch, plan, config.num_heads, config.joint_attention
             )
-            p = measure.pack_probe(blocks, batch, plan, config, device, dtype)
+            p = memory.pack_probe(blocks, batch, plan, config, device, dtype)
             result["probes"][name] = {
                 "sequences": [
                     [*s[:3], len(s[3])] for s in sequences
@@ -195,7 +195,7 @@ def main() -> None:
             )
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
-    rows = measure.attention_phase_rows(result["probes"])
+    rows = memory.attention_phase_rows(result["probes"])
     result["rows"] = rows
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

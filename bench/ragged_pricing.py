@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from zellige.profiler import measure, rank_work
+from zellige.profiler import launch, rank_work
 from zellige.profiler.models import dit_config, stack_layers
 from zellige.runtime import EngineConfig, distributed_attention, engine_runs_ragged, prepare_step
 
@@ -78,10 +78,10 @@ def pack_times(lengths, device, dtype, merge: str, backend, repeats: int) -> dic
 
 
 def launch_times(model: str, device, dtype, merge: str, quick: bool) -> dict:
-    """Host seconds of a training step of the tiny ranks (measure.profile_launch's), by merge."""
+    """Host seconds of a training step of the tiny ranks (launch.profile_launch's), by merge."""
     config = dit_config(model)
     blocks = rank_work.make_blocks(config, stack_layers(model), device, dtype)
-    text = measure.LAUNCH_TEXT_TOKENS if config.joint_attention else config.text_tokens
+    text = launch.LAUNCH_TEXT_TOKENS if config.joint_attention else config.text_tokens
 
     def step_of(lengths):
         batch, plan = rank_work.local_plan([(n, text) for n in lengths])
@@ -91,10 +91,10 @@ def launch_times(model: str, device, dtype, merge: str, quick: bool) -> dict:
         )  # fmt: skip
         return lambda: rank_work.train_step(blocks, inputs, checkpointing=True)
 
-    first = measure.LAUNCH_VISUAL_TOKENS
+    first = launch.LAUNCH_VISUAL_TOKENS
     steps = [
         step_of([first]),
-        step_of([first + i for i in range(measure.LAUNCH_SEQUENCES)]),
+        step_of([first + i for i in range(launch.LAUNCH_SEQUENCES)]),
     ]
     for fn in steps:
         fn()
@@ -102,7 +102,7 @@ def launch_times(model: str, device, dtype, merge: str, quick: bool) -> dict:
     rounds, per_round = (2, 2) if quick else (3, 5)
     one, many = (
         float(np.median(t))
-        for t in measure.interleaved_step_times(steps, device, rounds, per_round)
+        for t in launch.interleaved_step_times(steps, device, rounds, per_round)
     )
     return {"layers": stack_layers(model), "one_s": one, "many_s": many}
 

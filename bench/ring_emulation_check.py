@@ -16,6 +16,7 @@ import torch
 from zellige import _core
 from zellige.profiler import rank_work
 from zellige.profiler.models import dit_config
+from zellige.runtime import EngineConfig
 
 
 def main() -> None:
@@ -51,8 +52,9 @@ def main() -> None:
         plan.placements = [first, _core.make_placement(1, _core.Strategy.local, [0])]
         start_s = time.perf_counter()
         inputs = rank_work.plan_rank_inputs(
-            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
-        )
+            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype,
+            engine=EngineConfig.from_env().replace(contiguous_kernel_inputs=args.contiguous),
+        )  # fmt: skip
         rank_work.train_step(blocks, inputs, checkpointing=True)
         if cuda:
             torch.cuda.synchronize()

@@ -135,7 +135,7 @@ def test_the_step_dataset_prices_as_its_engine_runs():
 def test_launch_rows_time_dense_calls_whatever_the_policy(monkeypatch):
     """The launch rows are per dense call (the cost model counts a ragged call as several), so
     the profiler times its tiny ranks under merge "groups" even where the policy is ragged."""
-    from zellige.profiler import measure, rank_work
+    from zellige.profiler import launch, measure, rank_work
 
     policies: list[str] = []
     monkeypatch.setenv("ZELLIGE_ATTENTION_MERGE", "ragged")
@@ -154,9 +154,9 @@ def test_launch_rows_time_dense_calls_whatever_the_policy(monkeypatch):
             fn()
         return [[0.010], [0.018]]
 
-    monkeypatch.setattr(measure, "interleaved_step_times", step_times)
+    monkeypatch.setattr(launch, "interleaved_step_times", step_times)
     options = measure.ProfileOptions(model="tiny", quick=True, device="cpu")
-    launch = measure.profile_launch(options, torch.device("cpu"), torch.float32, lambda line: None)
+    rows = launch.profile_launch(options, torch.device("cpu"), torch.float32, lambda line: None)
     assert policies and set(policies) == {"groups"}
-    assert launch["launch_s_per_attention_call"] > 0
+    assert rows["launch_s_per_attention_call"] > 0
     assert EngineConfig.from_env().merge == "ragged"  # the run's own policy is untouched

@@ -545,8 +545,7 @@ def _warm_up(blocks, fsdp_blocks, config, options: ValidationOptions, device, dt
     for text_tokens in texts:
         batch = _core.Batch()
         batch.sequences = [  # sizes unlike the weights' (see measure.per_token_inputs)
-            _core.sequence_from_tokens(i, "video", 257 + 66 * i, text_tokens, 0)
-            for i in range(2)
+            _core.sequence_from_tokens(i, "video", 257 + 66 * i, text_tokens, 0) for i in range(2)
         ]
         for block_set, output_grad in ((blocks, True), (fsdp_blocks, False)):
             inputs = rank_work.plan_rank_inputs(

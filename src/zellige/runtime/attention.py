@@ -185,9 +185,7 @@ def _attend(step: Step, kernel: Kernel, scale: float, q, k, v, recv, work, backe
         q_x, k_x, v_x = _received(step, recv, work)
         o_x = torch.empty_like(q_x)
         lse_x = torch.empty(q_x.shape[0], dtype=lse_type, device=q.device)
-        _table_forward(
-            step.exchange_table, step, kernel, scale, q_x, k_x, v_x, o_x, lse_x, backend
-        )
+        _table_forward(step.exchange_table, step, kernel, scale, q_x, k_x, v_x, o_x, lse_x, backend)
 
     ring = step.ring
     lse_c = None

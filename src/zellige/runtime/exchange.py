@@ -14,18 +14,14 @@ Tensor = torch.Tensor
 
 def _forward(x: Tensor, route: DeviceRoute, step: Step) -> Tensor:
     send = x.index_select(0, route.send_index)
-    recv, _ = step.transport.all_to_all_rows(
-        send, route.send_splits, route.recv_splits, step.group
-    )
+    recv, _ = step.transport.all_to_all_rows(send, route.send_splits, route.recv_splits, step.group)
     return recv.index_select(0, route.recv_index)
 
 
 def _backward(x: Tensor, route: DeviceRoute, step: Step) -> Tensor:
     """The transpose of _forward: rows go back; a source row sent to several ranks sums."""
     send = x.index_select(0, route.recv_inverse)
-    recv, _ = step.transport.all_to_all_rows(
-        send, route.recv_splits, route.send_splits, step.group
-    )
+    recv, _ = step.transport.all_to_all_rows(send, route.recv_splits, route.send_splits, step.group)
     if route.sends_each_row_once:
         return torch.empty_like(recv).index_copy_(0, route.send_index, recv)
     out = recv.new_zeros((route.num_source, *recv.shape[1:]))
