@@ -342,7 +342,37 @@ def choose_backend(
     """The backend that runs `table` over rows like q_rows / k_rows under `engine`; backend,
     merge, streams and key_split override the engine's for this call. `kernel`: the dense
     kernel already chosen (distributed attention's, shared with its ring steps); plain_groups:
-    dense calls as the groups are, one stream, no split (a step's local and exchanged tables)."""
+    dense calls as the groups are, one stream, no split (a step's local and exchanged tables).
+    Decided once per table and arguments: a step's tables serve every layer."""
+    key = (
+        "backend", engine, scale, backend, merge, streams, key_split, overlap_copies,
+        None if kernel is None else kernel.name, plain_groups, q_rows.device, q_rows.dtype,
+        q_rows.shape[-1], q_rows.shape[0], k_rows.shape[0],
+    )  # fmt: skip
+    if key not in table.merged:
+        table.merged[key] = _choose_backend(
+            table, q_rows, k_rows, engine, scale=scale, backend=backend, merge=merge,
+            streams=streams, key_split=key_split, overlap_copies=overlap_copies, kernel=kernel,
+            plain_groups=plain_groups,
+        )  # fmt: skip
+    return table.merged[key]
+
+
+def _choose_backend(
+    table: SegmentTable,
+    q_rows: Tensor,
+    k_rows: Tensor,
+    engine: EngineConfig,
+    *,
+    scale: float | None,
+    backend: str | None,
+    merge: str | None,
+    streams: int | None,
+    key_split: int | None,
+    overlap_copies: bool,
+    kernel: Kernel | None,
+    plain_groups: bool,
+) -> AttentionBackend:
     merge = merge or engine.merge
     if merge not in MERGE_CHOICES:
         raise ValueError(f"unknown attention merge '{merge}' (allowed: {', '.join(MERGE_CHOICES)})")
