@@ -101,8 +101,7 @@ def launch_times(model: str, device, dtype, merge: str, quick: bool) -> dict:
         fn()
     rounds, per_round = (2, 2) if quick else (3, 5)
     one, many = (
-        float(np.median(t))
-        for t in launch.interleaved_step_times(steps, device, rounds, per_round)
+        float(np.median(t)) for t in launch.interleaved_step_times(steps, device, rounds, per_round)
     )
     return {"layers": stack_layers(model), "one_s": one, "many_s": many}
 
