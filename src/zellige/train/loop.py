@@ -26,8 +26,7 @@ from zellige.data import StepDataset, load_training_recipe, make_loader, model_s
 from zellige.model import MMDiT, ModelNumerics, VideoDiT, fused
 from zellige.model import build_model as reference_model
 from zellige.profile import priced_as_engine_runs
-from zellige.runtime import layout
-from zellige.runtime.backends import engine_runs_ragged
+from zellige.runtime import EngineConfig, engine_runs_ragged, layout
 from zellige.runtime.collector import QuietCollector, compile_events  # noqa: F401
 from zellige.train.checkpoint import (
     CheckpointInfo,
@@ -278,9 +277,11 @@ def train(
     profile_note = _profile_note(config, device)
     if profile_note:
         say(profile_note)
-    # the planner prices attention as this process's engine runs it (ragged calls or dense)
+    # the attention engine's choices, made once for the run (the documented overrides); the
+    # planner prices attention as this engine runs it (ragged calls or dense)
+    engine = EngineConfig.from_env()
     attention_ragged = engine_runs_ragged(
-        device, getattr(torch, config.dtype), config.model.head_dim
+        device, getattr(torch, config.dtype), config.model.head_dim, engine
     )
     priced_as_engine_runs(zellige.load_profile(config.profile), attention_ragged, say)
 
@@ -326,7 +327,7 @@ def train(
     saved_now = None  # the newest checkpoint this run wrote
     history = []
     run_start = time.perf_counter()
-    ahead = StepsAhead(iter(loader), config, device)
+    ahead = StepsAhead(iter(loader), config, device, engine)
     collector = QuietCollector(enabled=config.freeze_gc)
     pending = None  # a late step's StepEnd, finished by the next step
     try:
@@ -392,10 +393,17 @@ class StepsAhead:
     on the device: the host work of a step's setup overlaps the device's work instead of
     leaving it idle at the step's start. The first step's inputs are made before it starts."""
 
-    def __init__(self, loader_iter, config: TrainConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        loader_iter,
+        config: TrainConfig,
+        device: torch.device,
+        engine: EngineConfig | None = None,
+    ) -> None:
         self._loader_iter = loader_iter
         self._config = config
         self._device = device
+        self._engine = engine
         self._ready = None  # (step, data, inputs, seconds waited for the loader) or an error
 
     def prepare(self, step: int) -> None:
@@ -407,7 +415,7 @@ class StepsAhead:
             joint = self._config.model.joint_attention  # MMDiT: text joins attention
             assemble = assemble_joint_step if joint else assemble_step
             with record_function("zellige.step.setup"):
-                inputs = assemble(data, self._config.model.num_heads, self._device)
+                inputs = assemble(data, self._config.model.num_heads, self._device, self._engine)
             self._ready = (step, data, inputs, wait_s)
         except Exception as error:  # noqa: BLE001 (raised again by take, in its own step)
             self._ready = (step, error)

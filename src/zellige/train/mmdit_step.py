@@ -30,8 +30,13 @@ class JointStepInput:
     step: runtime.Step  # num_held_tokens counts text too
 
 
-def assemble_joint_step(data: StepData, num_heads: int, device: torch.device) -> JointStepInput:
-    routed = assemble_step(data, num_heads, device)
+def assemble_joint_step(
+    data: StepData,
+    num_heads: int,
+    device: torch.device,
+    engine: runtime.EngineConfig | None = None,
+) -> JointStepInput:
+    routed = assemble_step(data, num_heads, device, engine)
     step = routed.step
     if not step.joint_attention:
         raise ValueError("the step program is not for a joint-attention model (an MMDiT's)")

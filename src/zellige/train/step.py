@@ -75,9 +75,14 @@ def _loader_tensors(tensors: tuple[Tensor, ...], device: torch.device) -> list[T
     return moved
 
 
-def assemble_step(data: StepData, num_heads: int, device: torch.device) -> StepInput:
+def assemble_step(
+    data: StepData,
+    num_heads: int,
+    device: torch.device,
+    engine: runtime.EngineConfig | None = None,
+) -> StepInput:
     error = data.error or _source_error(data)
-    step = runtime.load_step(data.program, device, error=error)
+    step = runtime.load_step(data.program, device, error=error, engine=engine)
     if step.num_heads != num_heads:
         raise ValueError(
             f"the step program is for {step.num_heads} heads, the model has {num_heads}"
