@@ -176,6 +176,8 @@ class Balancer:
         activation_checkpointing: whether training recomputes activations (memory model).
         seed: the planners' seed (step k plans with seed + k).
         plan_ahead: plan in a background thread, so that `schedule()` returns at once.
+        engine: how the attention engine runs (zellige.runtime.EngineConfig), chosen once for
+            the run; default: EngineConfig.from_env() (the documented overrides).
 
     Example:
         >>> balancer = zellige.Balancer("my_dit.toml", planner="zellige", device="cuda")
@@ -195,9 +197,11 @@ class Balancer:
         activation_checkpointing: bool = True,
         seed: int = 0,
         plan_ahead: bool = True,
+        engine: runtime.EngineConfig | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("Balancer needs an initialised process group (torchrun)")
+        self.engine = runtime.EngineConfig.from_env() if engine is None else engine
         self.spec = resolve_model(model)
         self.device = torch.device(device)
         self.group = group
@@ -321,7 +325,7 @@ class Balancer:
                 plan, program = pending._future.result()
             except Exception as exc:  # noqa: BLE001 - raised on every rank by load_step
                 error = f"rank {self.rank}: planning step {pending.index} failed: {exc}"
-        step = runtime.load_step(program, self.device, self.group, error=error)
+        step = runtime.load_step(program, self.device, self.group, error=error, engine=self.engine)
         return BalancedStep(self, pending, plan, step)
 
     def close(self) -> None:
