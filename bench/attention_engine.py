@@ -57,16 +57,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import zellige
 from _provenance import header, print_header
 from zellige.profiler.attention_calls import measure_call_table
-from zellige.runtime import SegmentTable, coalesced_attention, merging
+from zellige.runtime import EngineConfig, SegmentTable, coalesced_attention, merging
 from zellige.runtime import kernels as K
-from zellige.runtime.coalesced import (
-    RAGGED_MIN_CALLS,
-    _dense,
-    _for_each_group,
-    _ragged_choice,
-    key_split_ok,
-    planned_table,
-)
+from zellige.runtime.backends import RAGGED_MIN_CALLS, _ragged_choice, planned_table
+from zellige.runtime.coalesced import _dense, _for_each_group, key_split_ok
 from zellige.runtime.ragged import ragged_kernel_for
 
 aten = torch.ops.aten
@@ -245,7 +239,7 @@ def threshold_buckets(groups, max_waste: float) -> list[list[int]]:
 
 def auto_buckets(table, head_dim: int) -> tuple[list[list[int]], str]:
     """The engine's automatic plan (coalesced.merge_plan), and where its costs came from."""
-    costs = merging.costs_for_device(torch.device(DEVICE))
+    costs = merging.costs_for_device(torch.device(DEVICE), EngineConfig.from_env().call_table)
     if costs is None:
         return [], "no measured costs for this device"
     buckets, planned, alone = merging.plan_padded_merges(table.groups, costs, head_dim, 2)
@@ -493,7 +487,7 @@ def main() -> None:
             "rates": {},
         }
         auto_table = planned_table(table, q.view(-1, head_dim))
-        costs = merging.costs_for_device(torch.device(DEVICE))
+        costs = merging.costs_for_device(torch.device(DEVICE), EngineConfig.from_env().call_table)
         rows = q.view(-1, head_dim)
         ragged = _ragged_choice(table, rows, rows, None, "auto")
         entry["auto_plan"] = {
@@ -517,7 +511,9 @@ def main() -> None:
         print(f"{recipe} dense-cudnn L={dense_length}: {dense_flops / fwd_s / 1e12:.0f} / "
               f"{2.5 * dense_flops / bwd_s / 1e12:.0f} TFLOP/s", flush=True)  # fmt: skip
         entry["auto_streams"] = (
-            merging.streams_for_device(device) if DEVICE == "cuda" and table.num_calls > 1 else 1
+            merging.streams_for_device(device, EngineConfig.from_env())
+            if DEVICE == "cuda" and table.num_calls > 1
+            else 1
         )
         methods = [
             ("coalesced-auto", bench_coalesced, (table, None)),

@@ -18,7 +18,7 @@ in the backward); ":separate-clipping" scales the gradients in a pass of its own
 AdamW (by default its kernel applies the clipping's scale). ":fsdp:reshard:separate-clipping" is
 the step as on several GPUs. ":gc-auto" leaves Python's garbage collections as they come (by
 default the loop collects and freezes the objects torch.compile made, between steps:
-zellige.train.loop.QuietCollector). ":eager-outside"
+zellige.runtime.collector.QuietCollector). ":eager-outside"
 runs the RoPE tables, output head and loss without torch.compile (by default compiled with the
 blocks); ":unpadded-rows" leaves the per-token modulation's one-hot GEMM at the sequence count
 (by default padded to a multiple of 8: aligned bf16 operands, conditioning.per_token).
@@ -65,12 +65,14 @@ import dataclasses
 import gc
 import gzip
 import json
+import os
 import platform
 import sys
 import time
 import warnings
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -79,7 +81,6 @@ from _provenance import git_commit, header, print_header
 from step_trace import summarise_trace
 from zellige.profile import load_profile
 from zellige.runtime import ragged
-from zellige.runtime.coalesced import merge_policy_set
 from zellige.train.config import get_config
 from zellige.train.loop import train
 
@@ -347,7 +348,7 @@ def printing_steps(label: str, ends: dict):
 
     def printed(*args):
         before = pauses.totals()
-        compiles, graphs = zellige.train.timing.compile_events(), ragged.graphs_built()
+        compiles, graphs = zellige.runtime.collector.compile_events(), ragged.graphs_built()
         records, pending = run_step(*args)
         ends[args[7] + 1] = loop.time_mark(args[5])
         after = pauses.totals()
@@ -356,7 +357,7 @@ def printing_steps(label: str, ends: dict):
             "gc_full_s": after[1] - before[1],
             "gc_s": after[3] - before[3],
             "gc_full_before_s": before[1] - last_end[0][1],
-            "compile_events": zellige.train.timing.compile_events() - compiles,
+            "compile_events": zellige.runtime.collector.compile_events() - compiles,
             "ragged_graphs": ragged.graphs_built() - graphs,
         }
         last_end[0] = after
@@ -431,7 +432,9 @@ def main() -> int:
                         stack.enter_context(marking_steps(caught, step_marks))
                     stack.enter_context(printing_steps(run, ends))
                     if "groups-attention" in variants:
-                        stack.enter_context(merge_policy_set("groups"))
+                        stack.enter_context(
+                            mock.patch.dict(os.environ, {"ZELLIGE_ATTENTION_MERGE": "groups"})
+                        )
                     if args.trace:
                         Path(args.trace).mkdir(parents=True, exist_ok=True)
                         label = "_".join([name, recipe, *variants])

@@ -214,7 +214,9 @@ def _api_entry(qualified: str) -> list[str]:
             target = member.fget if isinstance(member, property) else member
             member_doc = _doc(target) if target is not None else ""
             if member is None or isinstance(member, property) or not callable(member):
-                lines.append(f"- `{name}`" + (f": {member_doc.splitlines()[0]}" if member_doc else ""))
+                lines.append(
+                    f"- `{name}`" + (f": {member_doc.splitlines()[0]}" if member_doc else "")
+                )
                 continue
             lines += [f"- `{_signature(name, member)}`"]
             if member_doc:

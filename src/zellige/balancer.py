@@ -42,9 +42,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zellige import _core, runtime
-from zellige.costs import make_cost_model
+from zellige.costs import device_memory_bytes, make_cost_model
 from zellige.model_spec import model_spec_to_dict, resolve_model
 from zellige.pipeline import JOINT, PreparedStep, StepPipeline, StepRecord
+from zellige.profile import builtin_profile_for_device
 from zellige.runtime.ops import StepOps
 
 if TYPE_CHECKING:
@@ -184,6 +185,10 @@ class Balancer:
         activation_checkpointing: whether training recomputes activations (memory model).
         seed: the planners' seed (step k plans with seed + k).
         plan_ahead: plan in a background thread, so that `schedule()` returns at once.
+        engine: how the attention engine runs (zellige.runtime.EngineConfig), chosen once for
+            the run; default: EngineConfig.from_env() (the documented overrides).
+        gpu_memory_bytes: each GPU's memory the plans must fit; default: on a CUDA device, what
+            this process can use of it (costs.device_memory_bytes), else the profile's device's.
 
     Example:
         >>> balancer = zellige.Balancer("my_dit.toml", planner="zellige", device="cuda")
@@ -203,9 +208,17 @@ class Balancer:
         activation_checkpointing: bool = True,
         seed: int = 0,
         plan_ahead: bool = True,
+        engine: runtime.EngineConfig | None = None,
+        gpu_memory_bytes: int | None = None,
     ) -> None:
         _require_process_group()
         spec = resolve_model(model)
+        device = torch.device(device)
+        if device.type == "cuda":
+            if profile is None:
+                profile = builtin_profile_for_device(torch.cuda.get_device_name(device))[0]
+            if gpu_memory_bytes is None:
+                gpu_memory_bytes = device_memory_bytes(device)
         cost_model = make_cost_model(
             spec,
             dist.get_world_size(group),
@@ -213,11 +226,12 @@ class Balancer:
             profile,
             links,
             activation_checkpointing=activation_checkpointing,
+            gpu_memory_bytes=gpu_memory_bytes,
         )
         pipeline = StepPipeline(spec, cost_model, planner, seed=seed)  # checks the name
         if planner == JOINT:  # time-limited: ranks could stop at different incumbents
             raise ValueError("the joint MILP reference is for comparisons, not training")
-        self._setup(pipeline, device, group, plan_ahead)
+        self._setup(pipeline, device, group, plan_ahead, engine)
 
     @classmethod
     def from_pipeline(
@@ -227,17 +241,19 @@ class Balancer:
         device: torch.device | str = "cpu",
         group: dist.ProcessGroup | None = None,
         plan_ahead: bool = True,
+        engine: runtime.EngineConfig | None = None,
     ) -> Balancer:
         """A Balancer that plans with a StepPipeline built by the caller: a cost model with
         options of its own (zellige.train's prices its optimizer and checkpointing choices), a
         fixed plan. The pipeline's cost model must be for the group's size."""
         _require_process_group()
         balancer = cls.__new__(cls)
-        balancer._setup(pipeline, device, group, plan_ahead)
+        balancer._setup(pipeline, device, group, plan_ahead, engine)
         return balancer
 
-    def _setup(self, pipeline: StepPipeline, device, group, plan_ahead: bool) -> None:
+    def _setup(self, pipeline: StepPipeline, device, group, plan_ahead: bool, engine) -> None:
         self.pipeline = pipeline
+        self.engine = runtime.EngineConfig.from_env() if engine is None else engine
         self.spec = pipeline.spec
         self.cost_model = pipeline.cost_model
         self.planner = pipeline.planner
@@ -337,7 +353,9 @@ class Balancer:
         it for the same step; a rank's `prepared.error`, or ranks whose programs differ, raise the
         same ValueError on every rank. The step carries no Sample tensors: route your own
         (route_tokens, route_text, ...). Use it or schedule(), not both, in one loop."""
-        step = self.pipeline.load(prepared.program, self.device, self.group, error=prepared.error)
+        step = self.pipeline.load(
+            prepared.program, self.device, self.group, error=prepared.error, engine=self.engine
+        )
         return BalancedStep(
             self,
             index=prepared.index,
@@ -365,7 +383,7 @@ class Balancer:
                 plan, program = pending._future.result()
             except Exception as exc:  # noqa: BLE001 - raised on every rank by load_step
                 error = f"rank {self.rank}: planning step {pending.index} failed: {exc}"
-        step = self.pipeline.load(program, self.device, self.group, error=error)
+        step = self.pipeline.load(program, self.device, self.group, error=error, engine=self.engine)
         return BalancedStep(
             self,
             index=pending.index,

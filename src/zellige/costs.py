@@ -14,7 +14,6 @@ from zellige._core import (
 from zellige.model_spec import resolve_model
 from zellige.profile import load_profile
 
-
 MIN_GPU_MEMORY_BYTES = 2**30  # 1 GiB: below it no model of the presets plans
 MAX_GPU_MEMORY_BYTES = 2**50  # 1 PiB
 

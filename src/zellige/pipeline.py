@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor, distributed
 
+    from zellige import runtime
     from zellige.runtime import Step
 
     PlanFn = Callable[[_core.Batch, _core.CostModel], _core.Plan]
@@ -219,12 +220,14 @@ class StepPipeline:
         group: distributed.ProcessGroup | None = None,
         *,
         error: str | None = None,
+        engine: runtime.EngineConfig | None = None,
     ) -> Step:
-        """The program on `device` (runtime.load_step): every rank of `group` calls it, and all
-        raise the same ValueError when any rank has an error or the ranks' programs differ."""
+        """The program on `device` (runtime.load_step) run by `engine` (default: from the
+        environment's documented overrides): every rank of `group` calls it, and all raise the
+        same ValueError when any rank has an error or the ranks' programs differ."""
         from zellige import runtime
 
-        return runtime.load_step(program, device, group, error=error)
+        return runtime.load_step(program, device, group, error=error, engine=engine)
 
     @staticmethod
     def route(x_SD: Tensor, step: Step, tokens: str = "all") -> Tensor:

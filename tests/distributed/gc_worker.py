@@ -16,9 +16,9 @@ import sys
 
 from zellige.model import fused
 from zellige.runtime import end_rank_process
+from zellige.runtime.collector import compile_events
 from zellige.train import loop
 from zellige.train.config import get_config
-from zellige.train.timing import compile_events
 
 STEPS = 5
 

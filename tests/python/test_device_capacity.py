@@ -51,7 +51,9 @@ def test_a_smaller_running_device_gets_plans_for_its_capacity() -> None:
     assert max(plan.predicted.rank_peak_bytes) <= small.memory_capacity_bytes()
 
 
-@pytest.mark.parametrize("memory", [0, 2**60, True, 1.5 * GIB], ids=["zero", "huge", "bool", "float"])
+@pytest.mark.parametrize(
+    "memory", [0, 2**60, True, 1.5 * GIB], ids=["zero", "huge", "bool", "float"]
+)
 def test_bad_gpu_memory_is_refused(memory) -> None:
     with pytest.raises(ValueError, match="GPU memory|gpu_memory_bytes"):
         make_cost_model("mmdit-11b", 8, gpu_memory_bytes=memory)

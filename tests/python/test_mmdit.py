@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import zellige
 from zellige.data.synthetic import grid_positions
-from zellige.model import JointTokens, MMDiT, VideoDiT, build_model, model_preset
+from zellige.model import JointTokens, MMDiT, ModelNumerics, VideoDiT, build_model, model_preset
 from zellige.model.mmdit import TEXT, VISUAL, StreamOrder, whole_sequence_attention
 
 CONFIG = model_preset("mmdit-tiny-cpu")
@@ -20,9 +20,9 @@ CONFIG = model_preset("mmdit-tiny-cpu")
 SEQUENCES = [((2, 3, 4), 8), ((1, 1, 1), 3), ((3, 2, 2), 0), ((1, 2, 3), 9)]
 
 
-def _model(config=CONFIG, seed: int = 0) -> MMDiT:
+def _model(config=CONFIG, seed: int = 0, numerics: ModelNumerics | None = None) -> MMDiT:
     torch.manual_seed(seed)
-    model = MMDiT(config).double()
+    model = MMDiT(config, numerics or ModelNumerics()).double()
     # the zero-initialised output layer would hide everything upstream from these tests
     torch.nn.init.normal_(model.head.linear.weight, std=0.1)
     return model
@@ -220,18 +220,15 @@ def test_block_parameters_match_model_spec() -> None:
 
 
 @pytest.mark.parametrize("num_double_layers", [2, 1])
-def test_forward_flops_match_model_spec(num_double_layers: int, monkeypatch) -> None:
+def test_forward_flops_match_model_spec(num_double_layers: int) -> None:
     """What the blocks execute for one sequence equals ModelSpec's layer FLOPs (linear + joint
     attention over text + visual), plus the AdaLN work it leaves out: the per-sequence
     modulation linears and their expansion to tokens (a one-hot matmul, conditioning.per_token).
     Attention is one SDPA call (the sequence alone) on the math backend: bmm calls the counter
     sees."""
-    from zellige.model import conditioning
-
     # counted without per_token's zero padding rows (their multiplications are not the model's)
-    monkeypatch.setattr(conditioning, "_row_multiple", 1)
     config = model_preset("mmdit-tiny-cpu", num_double_layers=num_double_layers)
-    model = _model(config)
+    model = _model(config, numerics=ModelNumerics(row_multiple=1))
     rows, timesteps = _joint_rows()
     rows = [r for r in rows if r[0] == 0]  # one sequence: 8 text + 24 visual tokens
     counter = FlopCounterMode(display=False)
@@ -341,17 +338,14 @@ def test_compiled_regions_equal_eager_and_compile_once() -> None:
     assert counter.frame_count == graphs_first_step  # no compilation after the first step
 
 
-def test_split_modulation_leaves_loss_and_gradients(monkeypatch) -> None:
-    """conditioning.set_split_pieces (one one-hot GEMM per modulation piece): the MMDiT's loss
+def test_split_modulation_leaves_loss_and_gradients() -> None:
+    """ModelNumerics.split_pieces (one one-hot GEMM per modulation piece): the MMDiT's loss
     exactly (the GEMMs select exactly) and, in float64, its gradients."""
-    from zellige.model import conditioning
-
     rows, timesteps = _joint_rows(seed=3)
     tokens = _tokens(rows, timesteps, [0, 1, 2, 3])
 
     def loss_and_grads(split: bool):
-        monkeypatch.setattr(conditioning, "_split_pieces", split)
-        model = _model()
+        model = _model(numerics=ModelNumerics(split_pieces=split))
         loss = model(tokens).square().sum()
         loss.backward()
         return loss.detach(), [p.grad for p in model.parameters()]

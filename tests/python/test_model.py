@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from zellige.data.synthetic import grid_positions
-from zellige.model import PackedTokens, VideoDiT, local_attention, model_preset
+from zellige.model import ModelNumerics, PackedTokens, VideoDiT, local_attention, model_preset
 from zellige.model.rope import rope_axis_dims
 
 CONFIG = model_preset("tiny-cpu")
@@ -16,9 +16,9 @@ GRIDS = [(1, 4, 4), (1, 4, 4), (3, 4, 4), (1, 1, 7), (2, 3, 5)]
 TEXT_TOKENS = [8, 8, 0, 3, 5]
 
 
-def _model(seed: int = 0) -> VideoDiT:
+def _model(seed: int = 0, numerics: ModelNumerics | None = None) -> VideoDiT:
     torch.manual_seed(seed)
-    model = VideoDiT(CONFIG).double()
+    model = VideoDiT(CONFIG, numerics or ModelNumerics()).double()
     # the zero-initialised output layer would hide everything upstream from these tests
     torch.nn.init.normal_(model.head.linear.weight, std=0.1)
     return model
@@ -138,15 +138,14 @@ def _per_token_case(num_sequences: int, seed: int) -> tuple[Tensor, Tensor, Tens
 @pytest.mark.parametrize("multiple", [8, 1], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("num_sequences", [0, 1, 5, 8, 9], ids=["0", "1", "5", "8", "9"])
 def test_per_token_rows_equal_indexing_forward_and_backward(
-    num_sequences: int, multiple: int, monkeypatch
+    num_sequences: int, multiple: int
 ) -> None:
-    from zellige.model import conditioning
     from zellige.model.conditioning import per_token
 
-    monkeypatch.setattr(conditioning, "_row_multiple", multiple)
+    numerics = ModelNumerics(row_multiple=multiple)
     rows, index, grad = _per_token_case(num_sequences, seed=0)
     ours, reference = rows.clone().requires_grad_(), rows.clone().requires_grad_()
-    out = per_token(ours, index)
+    out = per_token(ours, index, numerics)
     out.backward(grad)
     reference[index].backward(grad)
     torch.testing.assert_close(out, rows[index], rtol=0, atol=0)
@@ -155,24 +154,20 @@ def test_per_token_rows_equal_indexing_forward_and_backward(
 
 @pytest.mark.parametrize("multiple", [8, 1], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("num_sequences", [0, 1, 5, 9], ids=["0", "1", "5", "9"])
-def test_split_pieces_and_gathered_rows_equal_indexing(
-    num_sequences: int, multiple: int, monkeypatch
-) -> None:
+def test_split_pieces_and_gathered_rows_equal_indexing(num_sequences: int, multiple: int) -> None:
     """per_token_pieces with one GEMM a piece, and gathered_pieces (indexing forward, one-hot
     GEMM backward): indexing's values exactly, its row gradients in float64; a piece whose
     gradient does not come (the gate of a block's last region unused, say) counts as zero."""
-    from zellige.model import conditioning
     from zellige.model.conditioning import gathered_pieces, per_token_pieces
 
-    monkeypatch.setattr(conditioning, "_row_multiple", multiple)
-    monkeypatch.setattr(conditioning, "_split_pieces", True)
+    numerics = ModelNumerics(row_multiple=multiple, split_pieces=True)
     rows, index, grad = _per_token_case(num_sequences, seed=1)
     grad[:, 2] = 0  # the piece below that gets no gradient
     reference = rows.clone().requires_grad_()
     reference[index].backward(grad)
 
     split = rows.clone().requires_grad_()
-    pieces = per_token_pieces(split, index)
+    pieces = per_token_pieces(split, index, numerics)
     assert len(pieces) == 6
     for k, piece in enumerate(pieces):
         torch.testing.assert_close(piece, rows[index][:, k], rtol=0, atol=0)
@@ -181,19 +176,18 @@ def test_split_pieces_and_gathered_rows_equal_indexing(
     torch.testing.assert_close(split.grad, reference.grad, rtol=1e-15, atol=1e-15)
 
     gathered = rows.clone().requires_grad_()
-    pieces = gathered_pieces(gathered, index)
+    pieces = gathered_pieces(gathered, index, multiple)
     for k, piece in enumerate(pieces):
         torch.testing.assert_close(piece, rows[index][:, k], rtol=0, atol=0)
     torch.autograd.backward([pieces[k] for k in used], [grad[:, k] for k in used])
     torch.testing.assert_close(gathered.grad, reference.grad, rtol=1e-15, atol=1e-15)
 
 
-def test_split_pieces_make_no_stack_in_the_backward(monkeypatch) -> None:
+def test_split_pieces_make_no_stack_in_the_backward() -> None:
     """The reason for the split: unbinding per_token's [T, K, D] stacks the K gradients back into
     one [T, K, D] tensor in the backward; one GEMM a piece stacks only the [S, K, D] rows."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from zellige.model import conditioning
     from zellige.model.conditioning import per_token_pieces
 
     class Stacks(TorchDispatchMode):
@@ -210,8 +204,7 @@ def test_split_pieces_make_no_stack_in_the_backward(monkeypatch) -> None:
     rows = torch.randn(3, 6, 4, dtype=torch.float64, requires_grad=True)
     index = torch.tensor([0, 0, 1, 2, 2, 2, 2])
     for split, largest in ((False, 7 * 6 * 4), (True, 8 * 6 * 4)):
-        monkeypatch.setattr(conditioning, "_split_pieces", split)
-        pieces = per_token_pieces(rows, index)
+        pieces = per_token_pieces(rows, index, ModelNumerics(split_pieces=split))
         with Stacks() as stacks:
             sum(piece.sum() for piece in pieces).backward()
         rows.grad = None
@@ -267,7 +260,7 @@ class Recomputed(torch.nn.Module):
     ids=["default", "one-hot-head", "split"],
 )
 def test_compiled_regions_equal_eager_and_compile_once(
-    outside: bool, split: bool, gathered: bool, monkeypatch
+    outside: bool, split: bool, gathered: bool
 ) -> None:
     """The blocks' fused regions under torch.compile (aot_eager: the same graphs and
     partitioner as on a GPU, without code generation) give eager's loss and gradients, and
@@ -277,14 +270,12 @@ def test_compiled_regions_equal_eager_and_compile_once(
     graph torch.compile makes."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from zellige.model import conditioning, fused
+    from zellige.model import fused
 
-    # conditioning.set_split_pieces, set_gathered_head
-    monkeypatch.setattr(conditioning, "_split_pieces", split)
-    monkeypatch.setattr(conditioning, "_gathered_head", gathered)
+    numerics = ModelNumerics(split_pieces=split, gathered_head=gathered)
 
     def loss_and_grads(packed: PackedTokens, recompute: bool) -> tuple[Tensor, list[Tensor]]:
-        model = _model()
+        model = _model(numerics=numerics)
         if recompute:
             model.blocks[0] = Recomputed(model.blocks[0])
         loss = model(packed).square().sum()
@@ -319,16 +310,13 @@ def test_compiled_regions_equal_eager_and_compile_once(
     assert counter.frame_count == graphs_first_step  # no compilation after the first step
 
 
-def test_split_modulation_and_gathered_head_leave_loss_and_gradients(monkeypatch) -> None:
-    """set_split_pieces and set_gathered_head change where the per-token rows are made, not
-    what they are: the same loss (the one-hot GEMMs and the gather select exactly) and, in
+def test_split_modulation_and_gathered_head_leave_loss_and_gradients() -> None:
+    """ModelNumerics' split_pieces and gathered_head change where the per-token rows are made,
+    not what they are: the same loss (the one-hot GEMMs and the gather select exactly) and, in
     float64, the same gradients as the default model, recomputed block or not."""
-    from zellige.model import conditioning
 
     def loss_and_grads(split: bool, gathered: bool) -> tuple[Tensor, list[Tensor]]:
-        monkeypatch.setattr(conditioning, "_split_pieces", split)
-        monkeypatch.setattr(conditioning, "_gathered_head", gathered)
-        model = _model()
+        model = _model(numerics=ModelNumerics(split_pieces=split, gathered_head=gathered))
         model.blocks[1] = Recomputed(model.blocks[1])
         loss = model(_packed(GRIDS, TEXT_TOKENS, seed=7)).square().sum()
         loss.backward()

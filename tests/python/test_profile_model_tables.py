@@ -36,7 +36,7 @@ def _with_own_tables(model: str, scale: float) -> dict:
     data = _shared_tables_only()
     models = data["memory_models"]
     if model not in models:
-        from zellige.profiler.measure import merge_memory
+        from zellige.profiler.memory import merge_memory
 
         data = merge_memory(data, model, {})
         models = data["memory_models"]
@@ -173,7 +173,7 @@ def test_model_tables_survive_a_save_and_load(tmp_path):
 
 
 def test_merge_adds_a_models_tables_and_keeps_the_others():
-    from zellige.profiler.measure import merge_memory
+    from zellige.profiler.memory import merge_memory
 
     base = _shared_tables_only()
     table = {"source": "measured", "x": [256.0, 4096.0], "y": [1e14, 4e14]}

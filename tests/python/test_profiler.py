@@ -333,7 +333,7 @@ def test_fsdp_blocks_need_a_group_of_one_that_goes_away():
     import torch.distributed as dist
 
     from zellige.profiler import rank_work
-    from zellige.profiler.measure import _local_pack_plan
+    from zellige.profiler.memory import local_pack_plan
     from zellige.profiler.models import dit_config
 
     config = dit_config("tiny")
@@ -344,18 +344,17 @@ def test_fsdp_blocks_need_a_group_of_one_that_goes_away():
         blocks = rank_work.make_fsdp_blocks(config, 1, device, torch.float32)
         weights = sum(p.numel() * 4 for p in blocks.parameters())
         assert rank_work.persistent_bytes(blocks) == weights  # no gradients before a step
-        batch, plan = _local_pack_plan(32, config.text_tokens)
-        with rank_work.local_exchanges():
-            inputs = rank_work.plan_rank_inputs(
-                batch=batch,
-                plan=plan,
-                rank=0,
-                config=config,
-                device=device,
-                dtype=torch.float32,
-                output_grad=False,
-            )
-            rank_work.train_step(blocks, inputs, checkpointing=True)
+        batch, plan = local_pack_plan(32, config.text_tokens)
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch,
+            plan=plan,
+            rank=0,
+            config=config,
+            device=device,
+            dtype=torch.float32,
+            output_grad=False,
+        )
+        rank_work.train_step(blocks, inputs, checkpointing=True)
         assert inputs.grad_TD is None
         assert rank_work.persistent_bytes(blocks) == 2 * weights  # the sharded gradients stay
     assert not dist.is_initialized()
@@ -367,7 +366,7 @@ def test_memory_rows_recover_a_known_memory_model(backward):
     rows back: what the profile stores is what the cost model charges. A backward that frees
     more than it allocates (below 0) is stored as 0 (the profile's rows are >= 0; the cost
     model's peak then errs above)."""
-    from zellige.profiler.measure import MemoryProbe, memory_rows
+    from zellige.profiler.memory import MemoryProbe, memory_rows
 
     layers, sequences, text_tokens = 2, 2, 512
     inputs, activation, checkpoint = 11_000.0, 450_000.0, 10_240.0
@@ -414,7 +413,7 @@ def test_reduce_rows_recover_the_small_packs_line(attended_text):
     moment), per held token (a joint model's text counted with the visual tokens) and at 0
     tokens; the profile accepts them and the cost model charges them (a small rank's peak)."""
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict
-    from zellige.profiler.measure import MemoryProbe, merge_memory, reduce_rows
+    from zellige.profiler.memory import MemoryProbe, merge_memory, reduce_rows
 
     fixed, per_token = 2.4e9, 93_000.0
 
@@ -442,7 +441,7 @@ def test_backward_peak_table_is_the_packs_peaks_beyond_their_kept_activations():
     them; where the rows come from, that is their line (step_fixed + x * backward); the profile
     stores it per model and the cost model reads it."""
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict
-    from zellige.profiler.measure import MemoryProbe, backward_peak_table, merge_memory
+    from zellige.profiler.memory import MemoryProbe, backward_peak_table, merge_memory
 
     layers, text = 3, 1024
     rows = {
@@ -479,7 +478,7 @@ def test_backward_peak_table_is_the_packs_peaks_beyond_their_kept_activations():
 
 def test_memory_rows_merge_into_a_profile():
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict
-    from zellige.profiler.measure import merge_memory
+    from zellige.profiler.memory import merge_memory
 
     base = profile_to_dict(load_profile())
     memory = {
@@ -509,9 +508,10 @@ def test_memory_probes_run_through_fsdp_blocks():
     process group behind."""
     import torch.distributed as dist
 
-    from zellige.profiler.measure import ProfileOptions, _local_pack_plan, profile_memory
+    from zellige.profiler.measure import ProfileOptions
+    from zellige.profiler.memory import local_pack_plan, profile_memory
 
-    batch, _ = _local_pack_plan(96, 16)
+    batch, _ = local_pack_plan(96, 16)
     assert [s.num_tokens for s in batch.sequences] == [48, 48]
     lines: list[str] = []
     options = ProfileOptions(model="tiny", quick=True, device="cpu")
@@ -546,37 +546,35 @@ def test_fsdp_blocks_compute_the_plain_blocks_step():
     import torch.distributed as dist
 
     from zellige.profiler import rank_work
-    from zellige.profiler.measure import _local_pack_plan
+    from zellige.profiler.memory import local_pack_plan
     from zellige.profiler.models import dit_config
 
     config = dit_config("tiny")
-    batch, plan = _local_pack_plan(64, config.text_tokens)
+    batch, plan = local_pack_plan(64, config.text_tokens)
     device, dtype = torch.device("cpu"), torch.float32
     results = []
     with rank_work.process_group_of_one(device):
         for make in (rank_work.make_blocks, rank_work.make_fsdp_blocks):
             torch.manual_seed(0)
             blocks = make(config, 2, device, dtype)
-            with rank_work.local_exchanges():
-                inputs = rank_work.plan_rank_inputs(
-                    batch=batch,
-                    plan=plan,
-                    rank=0,
-                    config=config,
-                    device=device,
-                    dtype=dtype,
-                    generator=torch.Generator().manual_seed(1),
-                )
-                out = rank_work.forward_blocks(blocks, inputs, checkpointing=True)
-                (out * inputs.grad_TD).sum().backward()
+            inputs = rank_work.plan_rank_inputs(
+                batch=batch,
+                plan=plan,
+                rank=0,
+                config=config,
+                device=device,
+                dtype=dtype,
+                generator=torch.Generator().manual_seed(1),
+            )
+            out = rank_work.forward_blocks(blocks, inputs, checkpointing=True)
+            (out * inputs.grad_TD).sum().backward()
             weight = next(iter(blocks.parameters())).grad
             weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
             # copies: the next step adds into the same gradient tensors
             grads = (out.detach(), inputs.x_TD.grad, inputs.text_XD.grad, weight)
             results.append(tuple(t.clone() for t in grads))
             # a whole step, as validate-profile runs it, keeps the FSDP weight gradients
-            with rank_work.local_exchanges():
-                rank_work.train_step(blocks, inputs, checkpointing=True)
+            rank_work.train_step(blocks, inputs, checkpointing=True)
             kept = next(iter(blocks.parameters())).grad is not None
             assert kept == isinstance(blocks, rank_work.FSDPBlocks)
     assert not dist.is_initialized()
@@ -623,20 +621,19 @@ def test_mmdit_rank_work_runs_joint_blocks_on_a_sharded_rank():
         _core.make_placement(0, _core.Strategy.ring, [0, 1]),
         _core.make_placement(1, _core.Strategy.local, [0]),
     ]
-    with rank_work.local_exchanges():
-        inputs = rank_work.plan_rank_inputs(
-            batch=batch,
-            plan=plan,
-            rank=0,
-            config=config,
-            device=torch.device("cpu"),
-            dtype=torch.float32,
-        )
-        # rank 0 holds the first half of sequence 0's joint list (its 12 text + 9 visual) and
-        # sequence 1 whole (3 text + 5 visual)
-        assert inputs.num_tokens == 21 + 8 and inputs.num_text == 12 + 3
-        assert inputs.vec_SD.shape[0] == 2
-        rank_work.train_step(blocks, inputs, checkpointing=True)
+    inputs = rank_work.plan_rank_inputs(
+        batch=batch,
+        plan=plan,
+        rank=0,
+        config=config,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    # rank 0 holds the first half of sequence 0's joint list (its 12 text + 9 visual) and
+    # sequence 1 whole (3 text + 5 visual)
+    assert inputs.num_tokens == 21 + 8 and inputs.num_text == 12 + 3
+    assert inputs.vec_SD.shape[0] == 2
+    rank_work.train_step(blocks, inputs, checkpointing=True)
     assert all(p.grad is None for p in blocks.parameters())  # dropped after the step
 
 
@@ -658,7 +655,7 @@ def _core_preset(name):
 
 
 def test_joint_memory_rows_count_text_as_attended_tokens():
-    from zellige.profiler.measure import MemoryProbe, memory_rows
+    from zellige.profiler.memory import MemoryProbe, memory_rows
 
     layers, sequences, text_tokens = 2, 2, 512
     per_token = {"kept": 3000.0, "kept_checkpointing": 200.0}
@@ -838,7 +835,7 @@ def test_attention_phase_rows_recover_the_phase_model():
     only."""
     from zellige import _core
     from zellige.profile import load_profile, profile_from_dict, profile_to_dict
-    from zellige.profiler.measure import attention_phase_rows, linear_peaks, merge_memory
+    from zellige.profiler.memory import attention_phase_rows, linear_peaks, merge_memory
 
     n = 16384
     ring, ulysses, exchanged, phase = 84_000.0, 58_000.0, 30_000.0, 25_000.0
@@ -1181,7 +1178,7 @@ def test_interleaved_step_times_alternates_rounds_and_keeps_every_run():
     """profile_launch's two tiny ranks are timed in alternating rounds, so a drift of the host's
     speed falls on both: each fn runs per_round times in a row, then the next, round after
     round, and every run's seconds come back under its own fn."""
-    from zellige.profiler.measure import interleaved_step_times
+    from zellige.profiler.launch import interleaved_step_times
 
     order: list[str] = []
     fns = [lambda: order.append("a"), lambda: order.append("b")]

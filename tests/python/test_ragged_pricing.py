@@ -1,17 +1,15 @@
-"""The profile's attention_ragged: one place decides it from the engine (coalesced.
+"""The profile's attention_ragged: one place decides it from the engine (backends.
 engine_runs_ragged), a run prices its plans with it (profile.priced_as_engine_runs, StepDataset),
 and the profiler records it while timing its launch rows as dense calls."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 import zellige
 from zellige.profile import load_profile, priced_as_engine_runs, profile_from_dict, profile_to_dict
-from zellige.runtime import coalesced
+from zellige.runtime import EngineConfig, backends
 
 
 class _Kernel:
@@ -25,7 +23,7 @@ def kernel_named(monkeypatch):
 
     def install(name: str | None) -> None:
         kernel = None if name is None else _Kernel(name)
-        monkeypatch.setattr(coalesced, "ragged_kernel_for", lambda *args, **kwargs: kernel)
+        monkeypatch.setattr(backends, "ragged_kernel_for", lambda *args, **kwargs: kernel)
 
     return install
 
@@ -51,32 +49,30 @@ def test_engine_runs_ragged_follows_the_merge_policy(
         monkeypatch.delenv("ZELLIGE_ATTENTION_MERGE", raising=False)
     else:
         monkeypatch.setenv("ZELLIGE_ATTENTION_MERGE", merge)
-    assert coalesced.engine_runs_ragged("cuda", torch.bfloat16, 128) is ragged
+    assert backends.engine_runs_ragged("cuda", torch.bfloat16, 128) is ragged
 
 
 def test_a_cpu_engine_runs_dense_calls(monkeypatch):
     monkeypatch.delenv("ZELLIGE_ATTENTION_MERGE", raising=False)
-    assert coalesced.engine_runs_ragged("cpu", torch.float32, 16) is False
+    assert backends.engine_runs_ragged("cpu", torch.float32, 16) is False
 
 
 def test_an_unknown_merge_policy_is_a_value_error(monkeypatch):
     monkeypatch.setenv("ZELLIGE_ATTENTION_MERGE", "padded")
     with pytest.raises(ValueError, match="ZELLIGE_ATTENTION_MERGE='padded' .*allowed: auto"):
-        coalesced.engine_runs_ragged("cpu", torch.float32, 16)
+        backends.engine_runs_ragged("cpu", torch.float32, 16)
 
 
-def test_merge_policy_set_restores_the_policy(monkeypatch):
+def test_the_engine_config_reads_the_environment_in_one_place(monkeypatch):
     monkeypatch.setenv("ZELLIGE_ATTENTION_MERGE", "ragged")
-    with coalesced.merge_policy_set("groups"):
-        assert coalesced.merge_policy() == "groups"
-    assert os.environ["ZELLIGE_ATTENTION_MERGE"] == "ragged"
-    monkeypatch.delenv("ZELLIGE_ATTENTION_MERGE")
-    with coalesced.merge_policy_set("groups"):
-        pass
-    assert "ZELLIGE_ATTENTION_MERGE" not in os.environ
+    assert EngineConfig.from_env().merge == "ragged"
+    assert EngineConfig.from_env().replace(merge="groups").merge == "groups"
+    assert EngineConfig.from_env({}) == EngineConfig()
+    assert (
+        backends.engine_runs_ragged("cpu", torch.float32, 16, EngineConfig(merge="groups")) is False
+    )
     with pytest.raises(ValueError, match="allowed: auto, groups, ragged"):
-        with coalesced.merge_policy_set("fast"):
-            pass
+        EngineConfig(merge="fast")
 
 
 def test_a_profile_is_priced_as_the_engine_runs():
@@ -139,22 +135,28 @@ def test_the_step_dataset_prices_as_its_engine_runs():
 def test_launch_rows_time_dense_calls_whatever_the_policy(monkeypatch):
     """The launch rows are per dense call (the cost model counts a ragged call as several), so
     the profiler times its tiny ranks under merge "groups" even where the policy is ragged."""
-    from zellige.profiler import measure, rank_work
+    from zellige.profiler import launch, measure, rank_work
 
     policies: list[str] = []
     monkeypatch.setenv("ZELLIGE_ATTENTION_MERGE", "ragged")
-    monkeypatch.setattr(
-        rank_work, "train_step", lambda *args, **kwargs: policies.append(coalesced.merge_policy())
-    )
+    plan_rank_inputs = rank_work.plan_rank_inputs
+
+    def recorded(**kwargs):
+        inputs = plan_rank_inputs(**kwargs)
+        policies.append(kwargs["engine"].merge)
+        return inputs
+
+    monkeypatch.setattr(rank_work, "plan_rank_inputs", recorded)
+    monkeypatch.setattr(rank_work, "train_step", lambda *args, **kwargs: None)
 
     def step_times(fns, device, rounds, per_round):
         for fn in fns:
             fn()
         return [[0.010], [0.018]]
 
-    monkeypatch.setattr(measure, "interleaved_step_times", step_times)
+    monkeypatch.setattr(launch, "interleaved_step_times", step_times)
     options = measure.ProfileOptions(model="tiny", quick=True, device="cpu")
-    launch = measure.profile_launch(options, torch.device("cpu"), torch.float32, lambda line: None)
+    rows = launch.profile_launch(options, torch.device("cpu"), torch.float32, lambda line: None)
     assert policies and set(policies) == {"groups"}
-    assert launch["launch_s_per_attention_call"] > 0
-    assert coalesced.merge_policy() == "ragged"  # restored
+    assert rows["launch_s_per_attention_call"] > 0
+    assert EngineConfig.from_env().merge == "ragged"  # the run's own policy is untouched

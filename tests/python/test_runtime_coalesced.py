@@ -107,7 +107,7 @@ def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
     """One ragged call over every group (the math oracle's ragged kernel) computes what the
     per-group dense calls do: outputs, lse and gradients, with gathers and a row no segment
     covers; auto keeps the groups (the math oracle is not trusted for automatic use)."""
-    from zellige.runtime import coalesced
+    from zellige.runtime import backends
 
     gen = torch.Generator().manual_seed(3)
     head_dim = 8
@@ -125,7 +125,7 @@ def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
     do = torch.randn_like(q)
     q_len, k_len = zip(*lengths, strict=True)
     table = SegmentTable.build(q_off, k_off, q_len, k_len, [heads] * len(lengths))
-    assert table.num_calls == 4 >= coalesced.RAGGED_MIN_CALLS
+    assert table.num_calls == 4 >= backends.RAGGED_MIN_CALLS
     assert any(isinstance(g.k_index, torch.Tensor) for g in table.groups)
 
     results = []
@@ -137,9 +137,9 @@ def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
     for grouped, ragged in zip(*results, strict=True):
         torch.testing.assert_close(ragged, grouped, rtol=0, atol=1e-12)
     assert torch.isinf(results[1][1][-heads:]).all()
-    assert coalesced._ragged_choice(table, q, k, None, None) is None  # CPU: no ragged kernel
-    assert coalesced._ragged_choice(table, q, k, "math", "auto") is None  # the oracle: not auto
-    kernel, layout = coalesced._ragged_choice(table, q, k, "math", "ragged")
+    assert backends._ragged_choice(table, q, k, None, None) is None  # CPU: no ragged kernel
+    assert backends._ragged_choice(table, q, k, "math", "auto") is None  # the oracle: not auto
+    kernel, layout = backends._ragged_choice(table, q, k, "math", "ragged")
     works = [lq * lk for lq, lk in zip(layout.q_lens, layout.k_lens, strict=True)]
     assert works == sorted(works, reverse=True)  # the most work first
     assert sorted(zip(layout.q_lens, layout.k_lens, strict=True)) == sorted(lengths)
@@ -152,25 +152,25 @@ def test_auto_runs_ragged_only_for_tables_of_short_segments(monkeypatch) -> None
     segments are all at most RAGGED_MAX_SEGMENT_TOKENS tokens; "ragged" asked for explicitly
     runs it whatever the lengths. The math oracle stands in for a trusted kernel."""
     from zellige import _core
-    from zellige.runtime import coalesced
+    from zellige.runtime import backends
 
-    assert coalesced.RAGGED_MIN_CALLS == _core.RAGGED_MIN_CALLS  # the cost model's values
-    assert coalesced.RAGGED_MAX_SEGMENT_TOKENS == _core.RAGGED_MAX_SEGMENT_TOKENS
-    monkeypatch.setattr(coalesced, "AUTO_RAGGED_KERNELS", ("math",))
+    assert backends.RAGGED_MIN_CALLS == _core.RAGGED_MIN_CALLS  # the cost model's values
+    assert backends.RAGGED_MAX_SEGMENT_TOKENS == _core.RAGGED_MAX_SEGMENT_TOKENS
+    monkeypatch.setattr(backends, "AUTO_RAGGED_KERNELS", ("math",))
     q = torch.randn(2 * 10, 4, dtype=torch.float64)
     table = SegmentTable.build([0, 6], [0, 6], [3, 7], [3, 7], [2, 2])  # 2 calls, longest 7
     one_call = SegmentTable.build([0, 6], [0, 6], [3, 3], [3, 3], [2, 2])
-    assert coalesced._ragged_choice(table, q, q, "math", "auto") is not None
-    assert coalesced._ragged_choice(one_call, q, q, "math", "auto") is None
-    monkeypatch.setattr(coalesced, "RAGGED_MAX_SEGMENT_TOKENS", 6)
-    assert coalesced._ragged_choice(table, q, q, "math", "auto") is None
-    assert coalesced._ragged_choice(table, q, q, "math", "ragged") is not None
+    assert backends._ragged_choice(table, q, q, "math", "auto") is not None
+    assert backends._ragged_choice(one_call, q, q, "math", "auto") is None
+    monkeypatch.setattr(backends, "RAGGED_MAX_SEGMENT_TOKENS", 6)
+    assert backends._ragged_choice(table, q, q, "math", "auto") is None
+    assert backends._ragged_choice(table, q, q, "math", "ragged") is not None
 
 
 def test_a_shape_the_ragged_kernel_refuses_runs_as_groups(monkeypatch) -> None:
     """RaggedKernel.prepare saying no (cuDNN refusing a graph) sends the table to the dense
     calls, with their results, instead of failing mid-step."""
-    from zellige.runtime import coalesced
+    from zellige.runtime import backends
     from zellige.runtime import ragged as R
 
     class Refusing(R.MathRaggedKernel):
@@ -180,10 +180,10 @@ def test_a_shape_the_ragged_kernel_refuses_runs_as_groups(monkeypatch) -> None:
         def forward_into(self, *args):
             raise AssertionError("a refused shape must not run")
 
-    monkeypatch.setattr(coalesced, "ragged_kernel_for", lambda *args: Refusing())
+    monkeypatch.setattr(backends, "ragged_kernel_for", lambda *args: Refusing())
     q = torch.randn(2 * 10, 4, dtype=torch.float64)
     table = SegmentTable.build([0, 6], [0, 6], [3, 7], [3, 7], [2, 2])
-    assert coalesced._ragged_choice(table, q, q, None, "ragged") is None
+    assert backends._ragged_choice(table, q, q, None, "ragged") is None
     o = coalesced_attention(q, q, q, table, merge="ragged")
     torch.testing.assert_close(
         o, coalesced_attention(q, q, q, table, merge="groups"), rtol=0, atol=0
@@ -192,14 +192,14 @@ def test_a_shape_the_ragged_kernel_refuses_runs_as_groups(monkeypatch) -> None:
 
 def test_ragged_call_falls_back_to_groups_past_int32_offsets(monkeypatch) -> None:
     """Rows past cuDNN's int32 ragged offsets run as groups (same results), never a failure."""
-    from zellige.runtime import coalesced
+    from zellige.runtime import backends
 
     q = torch.randn(2 * 6, 4, dtype=torch.float64)
     table = SegmentTable.build([0, 6], [0, 6], [3, 3], [3, 3], [2, 2])
     table2 = SegmentTable.build([0, 4], [0, 4], [2, 4], [2, 4], [2, 2])
-    assert coalesced._ragged_choice(table2, q, q, "math", "ragged") is not None
-    monkeypatch.setattr(coalesced, "RAGGED_MAX_ELEMENTS", q.numel() - 1)
-    assert coalesced._ragged_choice(table2, q, q, "math", "ragged") is None
+    assert backends._ragged_choice(table2, q, q, "math", "ragged") is not None
+    monkeypatch.setattr(backends, "RAGGED_MAX_ELEMENTS", q.numel() - 1)
+    assert backends._ragged_choice(table2, q, q, "math", "ragged") is None
     o = coalesced_attention(q, q, q, table, backend="math", merge="ragged")
     o_groups = coalesced_attention(q, q, q, table, backend="math", merge="groups")
     torch.testing.assert_close(o, o_groups, rtol=0, atol=0)

@@ -10,7 +10,14 @@ import math
 import pytest
 import torch
 
-from zellige.runtime import SegmentTable, coalesced, coalesced_attention, kernel_for, merging
+from zellige.runtime import (
+    EngineConfig,
+    SegmentTable,
+    coalesced,
+    coalesced_attention,
+    kernel_for,
+    merging,
+)
 from zellige.runtime.coalesced import KEY_TILE
 from zellige.runtime.kernels import MathKernel
 
@@ -107,10 +114,11 @@ def test_key_split_comes_from_the_call_table_or_the_environment(monkeypatch) -> 
     with pytest.raises(ValueError, match="key_split must be an integer >= 0"):
         merging.CallCosts.from_call_table({**data, "key_split": -1}, "t.json")
     monkeypatch.setenv("ZELLIGE_ATTENTION_KEY_SPLIT", "2048")
-    assert merging.key_split_for_device(torch.device("cpu")) == 2048
+    assert merging.key_split_for_device(torch.device("cpu"), EngineConfig.from_env()) == 2048
     monkeypatch.setenv("ZELLIGE_ATTENTION_KEY_SPLIT", "many")
     with pytest.raises(ValueError, match="ZELLIGE_ATTENTION_KEY_SPLIT"):
-        merging.key_split_for_device(torch.device("cpu"))
+        EngineConfig.from_env()
+    monkeypatch.delenv("ZELLIGE_ATTENTION_KEY_SPLIT")
     q = torch.zeros(4, 8)
     with pytest.raises(ValueError, match="key_split must be a number"):
         coalesced_attention(q, q, q, SegmentTable.packed([0, 2, 4], 1), key_split=-1)

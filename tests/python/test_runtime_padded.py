@@ -181,16 +181,18 @@ def test_plan_merges_only_where_they_pay() -> None:
 def test_auto_policy_applies_the_plan(monkeypatch) -> None:
     """merge='auto' runs the priced plan where the device has measured costs (a CPU has none:
     the groups); the merged run still equals the explicit attention."""
-    from zellige.runtime import coalesced
+    from zellige.runtime import backends
 
     lengths = [9, 8, 8, 6, 5, 3]
     segments = [(n, n, 2) for n in lengths]
     table, tensors, q_off, k_off = _problem(segments, seed=5)
     kernel = K.kernel_for(torch.device("cpu"), torch.float64, 8)
-    assert coalesced._auto_padded(table, kernel, tensors[0]) is table  # CPU: no costs
-    monkeypatch.setattr(merging, "costs_for_device", lambda device: _costs(1e-3, 1.0))
+    assert backends._auto_padded(table, kernel, tensors[0]) is table  # CPU: no costs
+    monkeypatch.setattr(
+        merging, "costs_for_device", lambda device, call_table=None: _costs(1e-3, 1.0)
+    )
     table, tensors, q_off, k_off = _problem(segments, seed=5)  # a fresh table: plans are cached
-    planned = coalesced._auto_padded(table, kernel, tensors[0])
+    planned = backends._auto_padded(table, kernel, tensors[0])
     assert planned.padded and planned.num_calls < table.num_calls
     want = _reference(segments, tensors, q_off, k_off)
     for a, b in zip(_engine(table, tensors, None, merge="auto"), want, strict=True):

@@ -1,5 +1,5 @@
 """The coalesced engine's CUDA streams: which stream each call takes, and how many streams the
-automatic policy uses (the device's measured call table, or $ZELLIGE_ATTENTION_STREAMS)."""
+automatic policy uses (the device's measured call table, or EngineConfig.streams)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zellige import _core
-from zellige.runtime import SegmentTable, coalesced_attention, merging
+from zellige.runtime import EngineConfig, SegmentTable, coalesced_attention, merging
 from zellige.runtime.coalesced import stream_assignment
 
 
@@ -48,16 +48,20 @@ def test_call_table_carries_the_stream_count() -> None:
 def test_stream_count_policy(monkeypatch) -> None:
     cuda = torch.device("cuda", 0)  # only passed along: nothing runs on it
     monkeypatch.delenv("ZELLIGE_ATTENTION_STREAMS", raising=False)
-    monkeypatch.setattr(merging, "costs_for_device", lambda device: None)
-    assert merging.streams_for_device(cuda) == 1  # nothing measured: one stream
+    engine = EngineConfig.from_env()
+    monkeypatch.setattr(merging, "costs_for_device", lambda device, call_table=None: None)
+    assert merging.streams_for_device(cuda, engine) == 1  # nothing measured: one stream
     table = merging.CallCosts.from_call_table(_table_data(streams=4), "t.json")
-    monkeypatch.setattr(merging, "costs_for_device", lambda device: table)
-    assert merging.streams_for_device(cuda) == 4
+    monkeypatch.setattr(merging, "costs_for_device", lambda device, call_table=None: table)
+    assert merging.streams_for_device(cuda, engine) == 4
     monkeypatch.setenv("ZELLIGE_ATTENTION_STREAMS", "2")
-    assert merging.streams_for_device(cuda) == 2
+    assert merging.streams_for_device(cuda, EngineConfig.from_env()) == 2
+    assert merging.streams_for_device(cuda, EngineConfig(streams=2)) == 2
     monkeypatch.setenv("ZELLIGE_ATTENTION_STREAMS", "many")
     with pytest.raises(ValueError, match="ZELLIGE_ATTENTION_STREAMS must be an integer"):
-        merging.streams_for_device(cuda)
+        EngineConfig.from_env()
+    with pytest.raises(ValueError, match="streams must be an integer from 1 to 8"):
+        EngineConfig(streams=9)
 
 
 def test_streams_leave_cpu_results_unchanged() -> None:

@@ -3,7 +3,7 @@
 
 from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock
-from zellige.model.config import DiTConfig, model_preset, model_preset_names
+from zellige.model.config import DiTConfig, ModelNumerics, model_preset, model_preset_names
 from zellige.model.dit import PackedTokens, VideoDiT
 from zellige.model.mmdit import JointTokens, MMDiT
 
@@ -13,6 +13,7 @@ __all__ = [
     "DiTConfig",
     "JointTokens",
     "MMDiT",
+    "ModelNumerics",
     "PackedTokens",
     "VideoDiT",
     "build_model",
@@ -22,6 +23,8 @@ __all__ = [
 ]
 
 
-def build_model(config: DiTConfig) -> VideoDiT | MMDiT:
-    """The reference model a config describes: MMDiT for joint attention, else VideoDiT."""
-    return MMDiT(config) if config.joint_attention else VideoDiT(config)
+def build_model(config: DiTConfig, numerics: ModelNumerics | None = None) -> VideoDiT | MMDiT:
+    """The reference model a config describes: MMDiT for joint attention, else VideoDiT;
+    numerics: how it makes its per-token conditioning rows (default: ModelNumerics())."""
+    numerics = ModelNumerics() if numerics is None else numerics
+    return MMDiT(config, numerics) if config.joint_attention else VideoDiT(config, numerics)

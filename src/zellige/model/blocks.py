@@ -9,7 +9,12 @@ from torch import Tensor, nn
 
 from zellige.model import fused
 from zellige.model.attention import AttentionFn
-from zellige.model.conditioning import NUM_BLOCK_MODULATIONS, modulation_per_token
+from zellige.model.conditioning import (
+    DEFAULT_NUMERICS,
+    NUM_BLOCK_MODULATIONS,
+    modulation_per_token,
+)
+from zellige.model.config import ModelNumerics
 
 
 class FloatLayerNorm(nn.LayerNorm):
@@ -92,8 +97,16 @@ class FeedForward(nn.Module):
 
 
 class DiTBlock(nn.Module):
-    def __init__(self, width: int, num_heads: int, ffn_width: int, eps: float) -> None:
+    def __init__(
+        self,
+        width: int,
+        num_heads: int,
+        ffn_width: int,
+        eps: float,
+        numerics: ModelNumerics = DEFAULT_NUMERICS,
+    ) -> None:
         super().__init__()
+        self.numerics = numerics
         self.norm_attention = FloatLayerNorm(width, eps=eps, elementwise_affine=False)
         self.self_attention = SelfAttention(width, num_heads, eps)
         self.norm_cross = FloatLayerNorm(width, eps=eps, elementwise_affine=True)
@@ -119,7 +132,7 @@ class DiTBlock(nn.Module):
         (the same arithmetic as the submodules' own forwards, fusable by torch.compile)."""
         kernels = fused.kernels
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = modulation_per_token(
-            modulation_S6D, self.modulation, sequence_index_T
+            modulation_S6D, self.modulation, sequence_index_T, self.numerics
         )
         eps = self.norm_attention.eps
         sa, ca, ffn = self.self_attention, self.cross_attention, self.ffn

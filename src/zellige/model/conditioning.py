@@ -9,8 +9,11 @@ import math
 import torch
 from torch import Tensor, nn
 
+from zellige.model.config import ModelNumerics
+
 NUM_BLOCK_MODULATIONS = 6  # shift, scale, gate for attention; shift, scale, gate for the FFN
 TIMESTEP_SCALE = 1000.0  # flow time t in [0, 1] is embedded as t * 1000, as diffusion models do
+DEFAULT_NUMERICS = ModelNumerics()
 
 
 def sinusoidal_embedding(timesteps_S: Tensor, dim: int) -> Tensor:
@@ -52,59 +55,27 @@ class TextEmbedding(nn.Module):
         return self.layers(text_XE)
 
 
-# per_token pads the sequence count to a multiple of this: a bf16 one-hot [T, S] whose rows are
-# not 16-byte aligned (S = 21 images, or 1 clip) sends cuBLAS to slow unaligned kernels (an H200
-# ran the block's [T, 21] @ [21, 6D] at about 1 TB/s); set_row_multiple(1): no padding
-_row_multiple = 8
-# per_token_pieces makes each piece with a GEMM of its own (set_split_pieces)
-_split_pieces = False
-# the Wan output head gathers its rows in its region (set_gathered_head; measured on an H200:
-# 0.3 ms less of a wan-14b width step's 18.8 ms outside the blocks, the same loss and peak)
-_gathered_head = True
-
-
-def set_row_multiple(multiple: int) -> None:
-    """per_token pads the sequence count up to a multiple of `multiple` (>= 1)."""
-    global _row_multiple
-    if multiple < 1:
-        raise ValueError(f"the row multiple must be >= 1, got {multiple}")
-    _row_multiple = multiple
-
-
-def set_split_pieces(enabled: bool) -> None:
-    """per_token_pieces: one one-hot GEMM a piece (True) or one for all pieces, then unbound."""
-    global _split_pieces
-    _split_pieces = bool(enabled)
-
-
-def set_gathered_head(enabled: bool) -> None:
-    """The Wan output head reads each token's shift and scale from its sequence's rows inside
-    its region (gathered_pieces: no [T, 2, D] tensor) instead of taking
-    per_token's [T, 2, D]."""
-    global _gathered_head
-    _gathered_head = bool(enabled)
-
-
-def gathered_head() -> bool:
-    return _gathered_head
-
-
-def _one_hot(sequence_index_T: Tensor, num_sequences: int, dtype: torch.dtype) -> Tensor:
-    """[T, S'] one-hot of each token's sequence, S' = num_sequences padded to the row multiple
+def _one_hot(
+    sequence_index_T: Tensor, num_sequences: int, dtype: torch.dtype, row_multiple: int
+) -> Tensor:
+    """[T, S'] one-hot of each token's sequence, S' = num_sequences padded to `row_multiple`
     (the columns past the S sequences are zero: no token selects them)."""
-    padded = -(-num_sequences // _row_multiple) * _row_multiple
+    padded = -(-num_sequences // row_multiple) * row_multiple
     sequences_S = torch.arange(padded, device=sequence_index_T.device)
     return (sequence_index_T[:, None] == sequences_S).to(dtype)
 
 
-def per_token(rows_SKD: Tensor, sequence_index_T: Tensor) -> Tensor:
+def per_token(
+    rows_SKD: Tensor, sequence_index_T: Tensor, numerics: ModelNumerics = DEFAULT_NUMERICS
+) -> Tensor:
     """rows_SKD[sequence_index_T] ([T, K, D]) as a one-hot matmul. Indexing's backward
     scatter-adds every token's gradient into its sequence's row with atomics, which serialises
     when one long video's tokens all hit one row (3x slower per-token layers on an H200); the
     matmul's backward is a GEMM that sums each sequence's tokens. The forward is exact, and so is
-    the padding: the rows past the S sequences are zero and no token's one-hot selects them."""
+    the padding (numerics.row_multiple): the rows past the S sequences are zero and no token's
+    one-hot selects them."""
     num_sequences = rows_SKD.shape[0]
-    one_hot_TS = _one_hot(sequence_index_T, num_sequences, rows_SKD.dtype)
+    one_hot_TS = _one_hot(sequence_index_T, num_sequences, rows_SKD.dtype, numerics.row_multiple)
     rows_SF = rows_SKD.flatten(1)
     padded = one_hot_TS.shape[1]
     if padded != num_sequences:
@@ -112,15 +83,17 @@ def per_token(rows_SKD: Tensor, sequence_index_T: Tensor) -> Tensor:
     return (one_hot_TS @ rows_SF).unflatten(1, rows_SKD.shape[1:])
 
 
-def per_token_pieces(rows_SKD: Tensor, sequence_index_T: Tensor) -> tuple[Tensor, ...]:
+def per_token_pieces(
+    rows_SKD: Tensor, sequence_index_T: Tensor, numerics: ModelNumerics = DEFAULT_NUMERICS
+) -> tuple[Tensor, ...]:
     """The K pieces [T, D] of per_token(rows_SKD, sequence_index_T). Unbinding per_token's
     [T, K, D] costs a stack of the K gradients in the backward (a [T, K, D] copy: about 1 ms a
-    Wan-14B block on an H200 at 32,760 tokens); with set_split_pieces(True) each piece is a GEMM
+    Wan-14B block on an H200 at 32,760 tokens); with numerics.split_pieces each piece is a GEMM
     of its own over the same one-hot, whose backward takes its piece's gradient as it comes."""
-    if not _split_pieces:
-        return per_token(rows_SKD, sequence_index_T).unbind(dim=1)
+    if not numerics.split_pieces:
+        return per_token(rows_SKD, sequence_index_T, numerics).unbind(dim=1)
     num_sequences = rows_SKD.shape[0]
-    one_hot_TS = _one_hot(sequence_index_T, num_sequences, rows_SKD.dtype)
+    one_hot_TS = _one_hot(sequence_index_T, num_sequences, rows_SKD.dtype, numerics.row_multiple)
     padded = one_hot_TS.shape[1]
     if padded != num_sequences:
         rows_SKD = torch.nn.functional.pad(rows_SKD, (0, 0, 0, 0, 0, padded - num_sequences))
@@ -134,9 +107,11 @@ class _GatheredPieces(torch.autograd.Function):
     gradient as it comes (no [T, K, D] stack of them)."""
 
     @staticmethod
-    def forward(ctx, rows_SKD: Tensor, sequence_index_T: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        ctx, rows_SKD: Tensor, sequence_index_T: Tensor, row_multiple: int
+    ) -> tuple[Tensor, ...]:
         ctx.save_for_backward(sequence_index_T)
-        ctx.num_sequences = rows_SKD.shape[0]
+        ctx.num_sequences, ctx.row_multiple = rows_SKD.shape[0], row_multiple
         ctx.set_materialize_grads(False)
         return tuple(rows_SD[sequence_index_T] for rows_SD in rows_SKD.unbind(dim=1))
 
@@ -145,38 +120,46 @@ class _GatheredPieces(torch.autograd.Function):
         (sequence_index_T,) = ctx.saved_tensors
         num_sequences = ctx.num_sequences
         given = next(g for g in grads_TD if g is not None)
-        one_hot_ST = _one_hot(sequence_index_T, num_sequences, given.dtype).transpose(0, 1)
+        one_hot_ST = _one_hot(
+            sequence_index_T, num_sequences, given.dtype, ctx.row_multiple
+        ).transpose(0, 1)
         rows = [
             given.new_zeros(one_hot_ST.shape[0], given.shape[1]) if g is None else one_hot_ST @ g
             for g in grads_TD
         ]
-        return torch.stack(rows, dim=1)[:num_sequences], None
+        return torch.stack(rows, dim=1)[:num_sequences], None, None
 
 
-def gathered_pieces(rows_SKD: Tensor, sequence_index_T: Tensor) -> tuple[Tensor, ...]:
-    """per_token_pieces' values by indexing, its GEMMs in the backward: for a compiled region
-    that reads each token's rows (the output head), where the gathers fuse into the kernel that
-    uses them and no [T, K, D] tensor is written or read."""
-    return _GatheredPieces.apply(rows_SKD, sequence_index_T)
+def gathered_pieces(
+    rows_SKD: Tensor, sequence_index_T: Tensor, row_multiple: int = DEFAULT_NUMERICS.row_multiple
+) -> tuple[Tensor, ...]:
+    """per_token_pieces' values by indexing, its GEMMs (sequences padded to `row_multiple`) in
+    the backward: for a compiled region that reads each token's rows (the output head), where
+    the gathers fuse into the kernel that uses them and no [T, K, D] tensor is written or
+    read."""
+    return _GatheredPieces.apply(rows_SKD, sequence_index_T, row_multiple)
 
 
-def padded_rows(rows_SKD: Tensor) -> Tensor:
+def padded_rows(rows_SKD: Tensor, row_multiple: int = DEFAULT_NUMERICS.row_multiple) -> Tensor:
     """rows_SKD with zero rows up to the row multiple: for gathered_pieces in a compiled
     region, whose graphs then never see a count of 1 sequence (torch.compile specialises sizes
     0 and 1: a one-clip step would compile the region again), and whose backward GEMM gets
     aligned rows."""
     num_sequences = rows_SKD.shape[0]
-    padded = -(-num_sequences // _row_multiple) * _row_multiple
+    padded = -(-num_sequences // row_multiple) * row_multiple
     if padded == num_sequences:
         return rows_SKD
     return torch.nn.functional.pad(rows_SKD, (0, 0, 0, 0, 0, padded - num_sequences))
 
 
 def modulation_per_token(
-    table_SKD: Tensor, offset_KD: Tensor, sequence_index_T: Tensor
+    table_SKD: Tensor,
+    offset_KD: Tensor,
+    sequence_index_T: Tensor,
+    numerics: ModelNumerics = DEFAULT_NUMERICS,
 ) -> tuple[Tensor, ...]:
     """The K modulation vectors [T, D] of each token: (learned offset + its sequence's row).
 
     The sum is formed per sequence (S rows) and only then expanded to tokens.
     """
-    return per_token_pieces(table_SKD + offset_KD, sequence_index_T)
+    return per_token_pieces(table_SKD + offset_KD, sequence_index_T, numerics)

@@ -14,15 +14,18 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from zellige.model import conditioning, fused
+from zellige.model import fused
 from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock, FloatLayerNorm
 from zellige.model.conditioning import (
+    DEFAULT_NUMERICS,
     TextEmbedding,
     TimestepEmbedding,
+    padded_rows,
     per_token,
 )
-from zellige.model.config import DiTConfig
+from zellige.model.config import DiTConfig, ModelNumerics
+from zellige.runtime.coalesced import to_device
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,16 +48,17 @@ class PackedTokens:
         """Made on the host from host ints and copied without a host sync."""
         if self.sequence_index_T is not None:
             return self.sequence_index_T
-        from zellige.runtime.coalesced import to_device
-
         counts = np.asarray(list(self.tokens_per_sequence), dtype=np.int64)
         indices = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
         return to_device(torch.from_numpy(indices), self.latents_TC.device)
 
 
 class OutputHead(nn.Module):
-    def __init__(self, width: int, out_channels: int, eps: float) -> None:
+    def __init__(
+        self, width: int, out_channels: int, eps: float, numerics: ModelNumerics = DEFAULT_NUMERICS
+    ) -> None:
         super().__init__()
+        self.numerics = numerics
         self.norm = FloatLayerNorm(width, eps=eps, elementwise_affine=False)
         self.linear = nn.Linear(width, out_channels)
         self.modulation = nn.Parameter(torch.empty(2, width))  # see VideoDiT.reset_parameters
@@ -62,33 +66,36 @@ class OutputHead(nn.Module):
     def forward(self, x_TD: Tensor, e_SD: Tensor, sequence_index_T: Tensor) -> Tensor:
         rows_S2D = e_SD[:, None, :] + self.modulation
         weights = (self.linear.weight, self.linear.bias)
-        if conditioning.gathered_head():
+        numerics = self.numerics
+        if numerics.gathered_head:
             # each token's shift and scale read from the sequence's rows inside the region
+            multiple = numerics.row_multiple
             return fused.kernels["output_head_gathered"](
-                x_TD, conditioning.padded_rows(rows_S2D), sequence_index_T, self.norm.eps, weights
-            )
-        modulation_T2D = per_token(rows_S2D, sequence_index_T)
+                x_TD, padded_rows(rows_S2D, multiple), sequence_index_T, self.norm.eps, weights,
+                multiple,
+            )  # fmt: skip
+        modulation_T2D = per_token(rows_S2D, sequence_index_T, numerics)
         return fused.kernels["output_head"](x_TD, modulation_T2D, self.norm.eps, weights)
 
 
 class VideoDiT(nn.Module):
     """Predicts the rectified-flow velocity of every token it is given."""
 
-    def __init__(self, config: DiTConfig) -> None:
+    def __init__(self, config: DiTConfig, numerics: ModelNumerics = DEFAULT_NUMERICS) -> None:
         super().__init__()
         if config.joint_attention:
             raise ValueError(f"{config.name} is a joint-attention model: build it with MMDiT")
-        self.config = config
+        self.config, self.numerics = config, numerics
         width = config.width
         # The 1x2x2 patch embedding is a linear map of each token's flattened patch.
         self.patch_embedding = nn.Linear(config.token_channels, width)
         self.text_embedding = TextEmbedding(config.text_dim, width)
         self.time_embedding = TimestepEmbedding(config.freq_dim, width)
         self.blocks = nn.ModuleList(
-            DiTBlock(width, config.num_heads, config.ffn_width, config.eps)
+            DiTBlock(width, config.num_heads, config.ffn_width, config.eps, numerics)
             for _ in range(config.num_layers)
         )
-        self.head = OutputHead(width, config.token_channels, config.eps)
+        self.head = OutputHead(width, config.token_channels, config.eps, numerics)
         self.reset_parameters()
 
     @torch.no_grad()

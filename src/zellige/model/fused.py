@@ -275,13 +275,15 @@ def output_head_gathered(
     sequence_index_T: Tensor,
     eps: float,
     weights: tuple[Tensor, ...],
+    row_multiple: int,
 ) -> Tensor:
     """output_head with each token's shift and scale read from its sequence's rows [S, 2, D]
     (conditioning.gathered_pieces: compiled, the norm's kernel reads the rows in place; no
-    [T, 2, D] tensor is written in the forward, and the backward's one-hot GEMMs take the shift's
-    gradient, the linear map's input gradient, as it is)."""
+    [T, 2, D] tensor is written in the forward, and the backward's one-hot GEMMs, over sequences
+    padded to `row_multiple`, take the shift's gradient, the linear map's input gradient, as it
+    is)."""
     weight, bias = weights
-    shift_TD, scale_TD = gathered_pieces(rows_S2D, sequence_index_T)
+    shift_TD, scale_TD = gathered_pieces(rows_S2D, sequence_index_T, row_multiple)
     return F.linear(modulated_layer_norm(x_TD, shift_TD, scale_TD, eps), weight, bias)
 
 

@@ -31,12 +31,14 @@ from zellige.model import fused
 from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import FeedForward, FloatRMSNorm
 from zellige.model.conditioning import (
+    DEFAULT_NUMERICS,
     TIMESTEP_SCALE,
     TextEmbedding,
     per_token_pieces,
     sinusoidal_embedding,
 )
-from zellige.model.config import DiTConfig
+from zellige.model.config import DiTConfig, ModelNumerics
+from zellige.runtime.coalesced import to_device
 
 VISUAL, TEXT = 0, 1  # modality tags, as the runtime's step.modality
 
@@ -106,8 +108,6 @@ class StreamOrder:
         """The same order from host (numpy) tables, each modality's held positions in ascending
         order: built on the host and copied to the device (pinned, non-blocking), so nothing is
         read back. Equal to of() for the same tokens."""
-        from zellige.runtime.coalesced import to_device  # as attention.py: no import cycle
-
         order = np.concatenate((text_positions, visual_positions)).astype(np.int64)
         sorted_index = np.asarray(sequence_index_T, dtype=np.int64)[order]
         num_text = len(text_positions)
@@ -188,14 +188,14 @@ class TimeVector(nn.Module):
 class Modulation(nn.Module):
     """AdaLN: silu(vec) -> K vectors of width D per sequence, expanded to tokens last."""
 
-    def __init__(self, width: int, count: int) -> None:
+    def __init__(self, width: int, count: int, numerics: ModelNumerics = DEFAULT_NUMERICS) -> None:
         super().__init__()
-        self.count = count
+        self.count, self.numerics = count, numerics
         self.linear = nn.Linear(width, count * width)
 
     def forward(self, vec_SD: Tensor, sequence_index_T: Tensor) -> tuple[Tensor, ...]:
         rows_SKD = self.linear(nn.functional.silu(vec_SD)).unflatten(1, (self.count, -1))
-        return per_token_pieces(rows_SKD, sequence_index_T)
+        return per_token_pieces(rows_SKD, sequence_index_T, self.numerics)
 
 
 class StreamAttentionIn(nn.Module):
@@ -213,10 +213,12 @@ class StreamAttentionIn(nn.Module):
 class Stream(nn.Module):
     """The weights one modality owns in a double-stream block."""
 
-    def __init__(self, width: int, num_heads: int, ffn_width: int, eps: float) -> None:
+    def __init__(
+        self, width: int, num_heads: int, ffn_width: int, eps: float, numerics: ModelNumerics
+    ) -> None:
         super().__init__()
         self.eps = eps
-        self.modulation = Modulation(width, 6)  # shift, scale, gate: attention, then FFN
+        self.modulation = Modulation(width, 6, numerics)  # shift, scale, gate: attention, FFN
         self.attention_in = StreamAttentionIn(width, num_heads, eps)
         self.attention_out = nn.Linear(width, width)
         self.ffn = FeedForward(width, ffn_width)
@@ -225,10 +227,17 @@ class Stream(nn.Module):
 class DoubleStreamBlock(nn.Module):
     """Separate text and visual weights; one joint attention over the held tokens."""
 
-    def __init__(self, width: int, num_heads: int, ffn_width: int, eps: float) -> None:
+    def __init__(
+        self,
+        width: int,
+        num_heads: int,
+        ffn_width: int,
+        eps: float,
+        numerics: ModelNumerics = DEFAULT_NUMERICS,
+    ) -> None:
         super().__init__()
-        self.text = Stream(width, num_heads, ffn_width, eps)
-        self.visual = Stream(width, num_heads, ffn_width, eps)
+        self.text = Stream(width, num_heads, ffn_width, eps, numerics)
+        self.visual = Stream(width, num_heads, ffn_width, eps, numerics)
 
     def forward(
         self,
@@ -299,10 +308,17 @@ class SingleStreamBlock(nn.Module):
     """Shared weights over the joint token list: one projection feeds attention (QKV) and the
     MLP (tanh-GELU) in parallel, one projection maps both back, one gated residual."""
 
-    def __init__(self, width: int, num_heads: int, ffn_width: int, eps: float) -> None:
+    def __init__(
+        self,
+        width: int,
+        num_heads: int,
+        ffn_width: int,
+        eps: float,
+        numerics: ModelNumerics = DEFAULT_NUMERICS,
+    ) -> None:
         super().__init__()
         self.num_heads, self.width, self.eps = num_heads, width, eps
-        self.modulation = Modulation(width, 3)  # shift, scale, gate
+        self.modulation = Modulation(width, 3, numerics)  # shift, scale, gate
         self.linear_in = nn.Linear(width, 3 * width + ffn_width)
         self.norm_q = FloatRMSNorm(width, eps=eps)
         self.norm_k = FloatRMSNorm(width, eps=eps)
@@ -338,10 +354,12 @@ class SingleStreamBlock(nn.Module):
 class FinalLayer(nn.Module):
     """AdaLN-modulated norm and the linear map to the velocity, visual tokens only."""
 
-    def __init__(self, width: int, out_channels: int, eps: float) -> None:
+    def __init__(
+        self, width: int, out_channels: int, eps: float, numerics: ModelNumerics = DEFAULT_NUMERICS
+    ) -> None:
         super().__init__()
         self.eps = eps
-        self.modulation = Modulation(width, 2)
+        self.modulation = Modulation(width, 2, numerics)
         self.linear = nn.Linear(width, out_channels)
 
     def forward(self, x_VD: Tensor, vec_SD: Tensor, sequence_index_V: Tensor) -> Tensor:
@@ -355,20 +373,26 @@ class MMDiT(nn.Module):
     `blocks` holds the double-stream blocks then the single-stream ones, so parallelize() wraps
     both kinds as it wraps VideoDiT's blocks. Activations pass between blocks in held order."""
 
-    def __init__(self, config: DiTConfig) -> None:
+    def __init__(self, config: DiTConfig, numerics: ModelNumerics = DEFAULT_NUMERICS) -> None:
         super().__init__()
         if not config.joint_attention:
             raise ValueError(f"MMDiT needs a joint-attention config; {config.name} is not one")
-        self.config = config
+        self.config, self.numerics = config, numerics
         width, heads, ffn, eps = config.width, config.num_heads, config.ffn_width, config.eps
         self.patch_embedding = nn.Linear(config.token_channels, width)
         self.text_embedding = TextEmbedding(config.text_dim, width)
         self.time_embedding = TimeVector(config.freq_dim, width)
         self.blocks = nn.ModuleList(
-            [DoubleStreamBlock(width, heads, ffn, eps) for _ in range(config.num_double_layers)]
-            + [SingleStreamBlock(width, heads, ffn, eps) for _ in range(config.num_single_layers)]
+            [
+                DoubleStreamBlock(width, heads, ffn, eps, numerics)
+                for _ in range(config.num_double_layers)
+            ]
+            + [
+                SingleStreamBlock(width, heads, ffn, eps, numerics)
+                for _ in range(config.num_single_layers)
+            ]
         )
-        self.head = FinalLayer(width, config.token_channels, eps)
+        self.head = FinalLayer(width, config.token_channels, eps, numerics)
         self.reset_parameters()
 
     @torch.no_grad()

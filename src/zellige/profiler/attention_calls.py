@@ -176,7 +176,7 @@ def overlap_pack(recipe: str, pack_tokens: int, seed: int = 0, shrink: int = 1) 
 def _forward_backward(table, rows: int, head_dim: int, device, generator) -> Callable[[int], None]:
     """fn(streams): the engine's forward and backward of `table` over `rows` bf16 rows, one
     call per group (no padded merges)."""
-    from zellige.runtime.coalesced import coalesced_attention
+    from zellige.runtime import coalesced_attention
 
     q, k, v = (
         torch.randn(
@@ -214,7 +214,7 @@ def measure_stream_overlap(
     sum of ideal gains over the packs, clamped to [0, 1]. With one stream nothing runs
     concurrently: 0. (On a CPU the engine ignores streams: the result is noise around 0, for
     smoke tests of this code only.)"""
-    from zellige.runtime.coalesced import SegmentTable, _call_work, stream_assignment
+    from zellige.runtime import SegmentTable, call_work, stream_assignment
 
     result: dict = {"streams": streams, "packs": []}
     if streams <= 1:
@@ -246,7 +246,7 @@ def measure_stream_overlap(
             alone_s.append(gpu_time_s(lambda alone=alone: alone(1), device, repeats=repeats))
         loads = [0.0] * streams
         for s, i in zip(
-            alone_s, stream_assignment([_call_work(g) for g in calls], streams), strict=True
+            alone_s, stream_assignment([call_work(g) for g in calls], streams), strict=True
         ):
             loads[i] += s
         t_one, t_many = float(np.median(one_s)), float(np.median(many_s))

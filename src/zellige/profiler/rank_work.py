@@ -4,9 +4,9 @@ The rank's held tokens go through real DiT blocks of zellige.model (forward, bac
 recompute under activation checkpointing, as training's: zellige.runtime.recompute, selective,
 and in full for the first `full_recompute_layers` blocks where the cost model says so);
 self-attention is the engine's `distributed_attention` over the rank's compiled layout.
-Exchanges are EXCLUDED: inside `local_exchanges()` the all_to_all and ring messages become local
-copies of the same sizes, so every buffer, gather and kernel of the rank is real but no byte
-crosses a link.
+Exchanges are EXCLUDED: the rank's step carries a local transport (LocalTransport), so the
+all_to_all and ring messages become local copies of the same sizes; every buffer, gather and
+kernel of the rank is real but no byte crosses a link.
 
 Legend: T held tokens, C held chunks (one per sequence on the rank), X text tokens of those
 chunks, N heads, H head dim, D width.
@@ -24,10 +24,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from zellige import _core
-from zellige.model.attention import AttentionFn, local_attention
 from zellige.model.blocks import DiTBlock
 from zellige.model.config import DiTConfig, with_layers
 from zellige.model.rope import rope_tables
+from zellige.runtime import EngineConfig, Step, Transport, distributed_attention, prepare_step
+from zellige.runtime.local import AttentionFn, local_attention
+from zellige.runtime.precision import bf16_policy
 from zellige.runtime.recompute import recomputed
 
 
@@ -51,56 +53,43 @@ def _fill_from(dest: Tensor, source: Tensor) -> None:
         filled += take
 
 
-def _local_all_to_all_rows(send, send_splits, recv_splits, group, async_op=False):
-    recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
-    _fill_from(recv, send)
-    return recv, (_Done() if async_op else None)
+class LocalTransport(Transport):
+    """The exchanges as local copies of the same sizes (one process, no group): every buffer,
+    gather and kernel of the rank is real but no byte crosses a link."""
+
+    def all_to_all_rows(self, send, send_splits, recv_splits, group, async_op=False):
+        recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+        _fill_from(recv, send)
+        return recv, (_Done() if async_op else None)
+
+    def p2p(self, sends, recvs, global_ranks, group, tag):
+        sent = [t for _, t in sends if t.numel() > 0]
+        for _, buffer in recvs:
+            if sent:
+                _fill_from(buffer, sent[0])
+            else:
+                buffer.normal_()
+        return []
 
 
-def _local_p2p(sends, recvs, step, tag):
-    sent = [t for _, t in sends if t.numel() > 0]
-    for _, buffer in recvs:
-        if sent:
-            _fill_from(buffer, sent[0])
-        else:
-            buffer.normal_()
-    return []
+LOCAL = LocalTransport()
 
 
-class _ContiguousKernel:
-    """Hands the engine's kernel plain contiguous [B, n, L, H] tensors (a workaround switch for
-    kernels that mishandle the runtime's strided views; costs one copy per call)."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
-        self.name = f"{kernel.name}+contiguous"
-
-    def forward(self, q, k, v, scale):
-        return self.kernel.forward(q.contiguous(), k.contiguous(), v.contiguous(), scale)
-
-    def backward(self, do, q, k, v, o, lse, scale):
-        tensors = (t.contiguous() for t in (do, q, k, v, o, lse))
-        return self.kernel.backward(*tensors, scale)
-
-
-@contextlib.contextmanager
-def local_exchanges(contiguous_kernel_inputs: bool = False) -> Iterator[None]:
-    """Replaces the engine's exchanges by local copies of the same sizes (one process, no group).
-    contiguous_kernel_inputs: copy every kernel input to a contiguous tensor first."""
-    from zellige.runtime import attention as engine_attention
-
-    saved = engine_attention.all_to_all_rows, engine_attention.p2p, engine_attention.kernel_for
-    engine_attention.all_to_all_rows = _local_all_to_all_rows
-    engine_attention.p2p = _local_p2p
-    if contiguous_kernel_inputs:
-        kernel_for = saved[2]
-        engine_attention.kernel_for = lambda *args, **kwargs: _ContiguousKernel(
-            kernel_for(*args, **kwargs)
-        )
-    try:
-        yield
-    finally:
-        engine_attention.all_to_all_rows, engine_attention.p2p, engine_attention.kernel_for = saved
+def local_step(
+    batch: _core.Batch,
+    plan: _core.Plan,
+    num_heads: int,
+    device: torch.device,
+    *,
+    rank: int = 0,
+    joint_attention: bool = False,
+    engine: EngineConfig | None = None,
+) -> Step:
+    """`rank`'s step under `plan` on this one device, its exchanges local copies (LOCAL)."""
+    return prepare_step(
+        batch, plan, num_heads, device, rank=rank, check_agreement=False,
+        joint_attention=joint_attention, engine=engine, transport=LOCAL,
+    )  # fmt: skip
 
 
 def local_plan(
@@ -335,8 +324,6 @@ def make_fsdp_blocks(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from zellige.train.parallelize import bf16_policy
-
     if not dist.is_initialized() or dist.get_world_size() != 1:
         raise RuntimeError(
             "the FSDP harness runs one rank's work in a process group of one "
@@ -448,22 +435,17 @@ def plan_rank_inputs(
     dtype: torch.dtype,
     generator: torch.Generator | None = None,
     output_grad: bool = True,
+    engine: EngineConfig | None = None,
 ) -> RankInputs | JointRankInputs:
     """Inputs of `rank` under `plan`: its held chunks (from the plan compiler), their text and
-    positions, and the engine's distributed attention over its layout. `output_grad=False` for
-    FSDP blocks, whose step takes the output's gradient from a loss (train_step)."""
-    from zellige.runtime.attention import distributed_attention
-    from zellige.runtime.layout import prepare_step
-
-    step = prepare_step(
-        batch,
-        plan,
-        config.num_heads,
-        device,
-        rank=rank,
-        check_agreement=False,
-        joint_attention=config.joint_attention,
-    )
+    positions, and the engine's distributed attention over its layout, exchanges as local
+    copies (local_step; engine: the run's EngineConfig, default from the environment).
+    `output_grad=False` for FSDP blocks, whose step takes the output's gradient from a loss
+    (train_step)."""
+    step = local_step(
+        batch, plan, config.num_heads, device, rank=rank,
+        joint_attention=config.joint_attention, engine=engine,
+    )  # fmt: skip
     if config.joint_attention:
         # local sequence = nonempty held chunk (a rank holds at most one chunk of a sequence)
         _, local_sequence_T = torch.unique(step.chunk_index, return_inverse=True)

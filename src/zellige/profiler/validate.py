@@ -52,7 +52,7 @@ from zellige.profiler.timing import (
     reset_peak,
     synchronize,
 )
-from zellige.runtime.coalesced import engine_runs_ragged
+from zellige.runtime import EngineConfig, engine_runs_ragged
 from zellige.workload import load_recipe
 
 Progress = Callable[[str], None]
@@ -102,7 +102,7 @@ class ValidationOptions:
     # can be split over several processes (the same seed draws the same plans); None: all
     plan_range: tuple[int, int] | None = None
     exclude_strategies: tuple[str, ...] = ()  # skip plans that use these ("ring", "hybrid")
-    contiguous_kernel_inputs: bool = False  # see rank_work.local_exchanges
+    contiguous_kernel_inputs: bool = False  # see EngineConfig.contiguous_kernel_inputs
     results_jsonl: str | None = None  # append each rank's result as it is measured
     compiled: bool = False  # the per-token regions compiled (the command sets fused.kernels)
 
@@ -177,7 +177,7 @@ def local_copy_s(
     memory_bytes_per_s: float,
 ) -> float:
     """Seconds of the local copies that replace the rank's exchanges in the measured step
-    (rank_work.local_exchanges): every message becomes a copy of the same size, read and
+    (rank_work.LocalTransport): every message becomes a copy of the same size, read and
     written once. Bytes per rank: the placement's exchange bytes (every layer and pass, routing
     left out) times the rank's share of its tokens."""
     by_id = {s.id: s for s in batch.sequences}
@@ -408,6 +408,14 @@ def chosen_ranks(cost: _core.PlanCost, count: int) -> list[int]:
     return [order[int(i * step)] for i in range(count)]
 
 
+def _engine(options: ValidationOptions) -> EngineConfig:
+    """The run's engine (the environment's overrides), kernel inputs copied to contiguous
+    tensors where the options ask for it."""
+    return EngineConfig.from_env().replace(
+        contiguous_kernel_inputs=options.contiguous_kernel_inputs
+    )
+
+
 def measure_forward_latencies(
     options: ValidationOptions, device, dtype, progress: Progress
 ) -> tuple[list[int], list[float]]:
@@ -419,20 +427,19 @@ def measure_forward_latencies(
     latencies = []
     for length in lengths:
         batch, plan = rank_work.local_plan([(length, config.text_tokens)])
-        with rank_work.local_exchanges():
-            inputs = rank_work.plan_rank_inputs(
-                batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
-            )
-            # compiled regions: the training graphs, not a second (inference) compilation
-            with torch.enable_grad() if options.compiled else torch.no_grad():
-                latencies.append(
-                    median_time_s(
-                        lambda inputs=inputs: rank_work.forward_blocks(blocks, inputs, False),
-                        device,
-                        warmup=1,
-                        repeats=options.repeats,
-                    )
+        inputs = rank_work.plan_rank_inputs(
+            batch=batch, plan=plan, rank=0, config=config, device=device, dtype=dtype
+        )
+        # compiled regions: the training graphs, not a second (inference) compilation
+        with torch.enable_grad() if options.compiled else torch.no_grad():
+            latencies.append(
+                median_time_s(
+                    lambda inputs=inputs: rank_work.forward_blocks(blocks, inputs, False),
+                    device,
+                    warmup=1,
+                    repeats=options.repeats,
                 )
+            )
     progress(
         "forward latency of one block: "
         + ", ".join(f"L={n}: {s * 1e3:.2f} ms" for n, s in zip(lengths, latencies, strict=True))
@@ -470,38 +477,38 @@ def run_rank(
     """Median step seconds of the rank's compute on plain blocks (checkpointed as training
     checkpoints the rank: rank_work.train_step), the seconds of every timed step and the host's
     issue time of each."""
-    with rank_work.local_exchanges(options.contiguous_kernel_inputs):
-        inputs = rank_work.plan_rank_inputs(
-            batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype
+    inputs = rank_work.plan_rank_inputs(
+        batch=batch, plan=plan, rank=rank, config=config, device=device, dtype=dtype,
+        engine=_engine(options),
+    )  # fmt: skip
+
+    def step(inputs=inputs):
+        rank_work.train_step(
+            blocks, inputs, options.activation_checkpointing, full_recompute_layers
         )
 
-        def step(inputs=inputs):
-            rank_work.train_step(
-                blocks, inputs, options.activation_checkpointing, full_recompute_layers
-            )
-
-        synchronize(device)
+    synchronize(device)
+    start_s = time.perf_counter()
+    step()  # warm-up: kernels chosen, workspaces allocated
+    synchronize(device)
+    step_s = time.perf_counter() - start_s
+    if step_s <= SLOW_STEP_S:  # a second warm-up sizes the timing (the first builds plans)
         start_s = time.perf_counter()
-        step()  # warm-up: kernels chosen, workspaces allocated
+        step()
         synchronize(device)
         step_s = time.perf_counter() - start_s
-        if step_s <= SLOW_STEP_S:  # a second warm-up sizes the timing (the first builds plans)
-            start_s = time.perf_counter()
-            step()
-            synchronize(device)
-            step_s = time.perf_counter() - start_s
-        # a CPU smoke run (--quick) times --repeats steps only: its numbers mean nothing
-        min_timed_s = 0.0 if options.quick else options.min_timed_s
-        repeats = timed_steps(step_s, options.repeats, min_timed_s)
-        steps_s: list[float] = []
-        issue_s: list[float] = []
-        collections = gc_collections()
-        seconds = median_time_s(
-            step, device, warmup=0, repeats=repeats, samples=steps_s, issue_samples=issue_s
-        )
-        collections = [
-            after - before for after, before in zip(gc_collections(), collections, strict=True)
-        ]
+    # a CPU smoke run (--quick) times --repeats steps only: its numbers mean nothing
+    min_timed_s = 0.0 if options.quick else options.min_timed_s
+    repeats = timed_steps(step_s, options.repeats, min_timed_s)
+    steps_s: list[float] = []
+    issue_s: list[float] = []
+    collections = gc_collections()
+    seconds = median_time_s(
+        step, device, warmup=0, repeats=repeats, samples=steps_s, issue_samples=issue_s
+    )
+    collections = [
+        after - before for after, before in zip(gc_collections(), collections, strict=True)
+    ]
     return StepTimes(
         measured_s=seconds, steps_s=steps_s, issue_s=issue_s, gc_collections=collections
     )
@@ -535,24 +542,23 @@ def _warm_up(blocks, fsdp_blocks, config, options: ValidationOptions, device, dt
     plan.planner = "validate"
     plan.num_ranks = 1
     plan.placements = [_core.make_placement(i, _core.Strategy.local, [0]) for i in range(2)]
-    with rank_work.local_exchanges(options.contiguous_kernel_inputs):
-        for text_tokens in texts:
-            batch = _core.Batch()
-            batch.sequences = [  # sizes unlike the weights' (see measure.per_token_inputs)
-                _core.sequence_from_tokens(i, "video", 257 + 66 * i, text_tokens, 0)
-                for i in range(2)
-            ]
-            for block_set, output_grad in ((blocks, True), (fsdp_blocks, False)):
-                inputs = rank_work.plan_rank_inputs(
-                    batch=batch,
-                    plan=plan,
-                    rank=0,
-                    config=config,
-                    device=device,
-                    dtype=dtype,
-                    output_grad=output_grad,
-                )
-                rank_work.train_step(block_set, inputs, options.activation_checkpointing)
+    for text_tokens in texts:
+        batch = _core.Batch()
+        batch.sequences = [  # sizes unlike the weights' (see measure.per_token_inputs)
+            _core.sequence_from_tokens(i, "video", 257 + 66 * i, text_tokens, 0) for i in range(2)
+        ]
+        for block_set, output_grad in ((blocks, True), (fsdp_blocks, False)):
+            inputs = rank_work.plan_rank_inputs(
+                batch=batch,
+                plan=plan,
+                rank=0,
+                config=config,
+                device=device,
+                dtype=dtype,
+                output_grad=output_grad,
+                engine=_engine(options),
+            )
+            rank_work.train_step(block_set, inputs, options.activation_checkpointing)
     synchronize(device)
 
 
@@ -574,24 +580,24 @@ def rank_peak_bytes(
     allocator's peak without the harness's own weights and kept gradients (of both block sets,
     rank_work.persistent_bytes), plus `shard_bytes` (the modelled FSDP shard that stands in for
     them) and the CUDA context outside the allocator. 0 on a CPU (no allocator statistics)."""
-    with rank_work.local_exchanges(options.contiguous_kernel_inputs):
-        inputs = rank_work.plan_rank_inputs(
-            batch=batch,
-            plan=plan,
-            rank=rank,
-            config=config,
-            device=device,
-            dtype=dtype,
-            output_grad=False,
-        )
-        checkpointing = options.activation_checkpointing
-        rank_work.train_step(fsdp_blocks, inputs, checkpointing, full_recompute_layers)  # warm-up
-        harness_bytes = rank_work.persistent_bytes(fsdp_blocks) + rank_work.persistent_bytes(
-            plain_blocks
-        )  # after a step: FSDP's sharded gradients exist from the first one on
-        reset_peak(device)
-        rank_work.train_step(fsdp_blocks, inputs, checkpointing, full_recompute_layers)
-        peak = peak_allocated_bytes(device)
+    inputs = rank_work.plan_rank_inputs(
+        batch=batch,
+        plan=plan,
+        rank=rank,
+        config=config,
+        device=device,
+        dtype=dtype,
+        output_grad=False,
+        engine=_engine(options),
+    )
+    checkpointing = options.activation_checkpointing
+    rank_work.train_step(fsdp_blocks, inputs, checkpointing, full_recompute_layers)  # warm-up
+    harness_bytes = rank_work.persistent_bytes(fsdp_blocks) + rank_work.persistent_bytes(
+        plain_blocks
+    )  # after a step: FSDP's sharded gradients exist from the first one on
+    reset_peak(device)
+    rank_work.train_step(fsdp_blocks, inputs, checkpointing, full_recompute_layers)
+    peak = peak_allocated_bytes(device)
     del inputs
     if device.type != "cuda":
         return 0.0
@@ -782,10 +788,10 @@ def validate(
         fsdp_blocks = rank_work.make_fsdp_blocks(config, options.num_layers, device, dtype)
         if options.compiled:  # compile the regions' training graphs before any rank is timed
             _warm_up(blocks, fsdp_blocks, config, options, device, dtype)
-        # Python's collector as training runs it (train.loop.QuietCollector): the objects
+        # Python's collector as training runs it (runtime.collector.QuietCollector): the objects
         # torch.compile left are collected once and frozen, so no full collection of them
         # falls in a timed step
-        from zellige.train.loop import QuietCollector
+        from zellige.runtime.collector import QuietCollector
 
         collector = QuietCollector()
         host = host_facts()  # what may slow the host's issue in this process (each rank: .host)

@@ -10,13 +10,20 @@ Public API (stable; everything else in the package is private):
     program = compile_step(batch, plan, num_heads, rank, *, joint_attention=False)
         The rank's StepProgram (C++; picklable, so a loader worker builds it one step ahead and
         sends it as is). Raises ValueError when the plan does not match the batch or head count.
-    step = load_step(program, device, group=None, *, error=None)
+    step = load_step(program, device, group=None, *, error=None, engine=None, transport=None)
         Once per step, on every rank of `group` (default: the world): moves the program to
         `device`. One tiny all_gather makes every rank raise the same ValueError when any rank
         failed (`error`: a message from the rank's loader, e.g. compile_step's) or when the ranks'
-        programs are for different batches or plans; never a hang.
-    step = prepare_step(batch, plan, num_heads, device, group=None, *, joint_attention=False)
+        programs are for different batches or plans; never a hang. engine: the run's
+        EngineConfig (default: EngineConfig.from_env()); transport: how exchanges move rows
+        (default: torch.distributed; a Transport subclass for tools that run one rank alone).
+    step = prepare_step(batch, plan, num_heads, device, group=None, *, joint_attention=False,
+                        engine=None, transport=None)
         compile_step + load_step in one call.
+
+    EngineConfig(merge="auto", backend=None, streams=None, key_split=None, call_table=None)
+        How attention runs, chosen once per run (runtime/engine.py); EngineConfig.from_env()
+        reads the documented ZELLIGE_ATTENTION_* overrides, the only place they are read.
 
     Joint attention (MMDiT, joint_attention=True): a sequence's attended tokens are its text
     tokens followed by its visual tokens, and every strategy cuts that joint list. Cross-attention
@@ -50,10 +57,15 @@ Public API (stable; everything else in the package is private):
         against its sequence's text (rows from route_text); local, no communication
         Every rank of the group calls the distributed ones every layer. Differentiable.
 
-    o_rows = coalesced_attention(q_rows, k_rows, v_rows, table, *, scale, backend, return_lse)
+    o_rows = coalesced_attention(q_rows, k_rows, v_rows, table, *, scale, backend, return_lse,
+                                 engine)
         Single-device attention of many segments in few kernel calls: table = SegmentTable.build(
         q_row_offset, k_row_offset, q_len, k_len, num_heads, device) (grouped by the C++ engine
         that also groups the step program's segments) or SegmentTable.packed(cu_seqlens, N).
+        The table runs on one backend (dense groups, padded calls or one ragged call:
+        runtime/backends.py choose_backend), the same decision a step's tables take.
+    fn = local_attention(q_lengths, kv_lengths, device, engine=None)
+        (q_TNH, k_SNH, v_SNH) -> o_TNH of segments packed back to back on one rank
 
     y = checkpointed(block, *args)   block(*args) under selective activation checkpointing: the
         backward recomputes its per-token layers (and Ulysses' q/k/v exchange) but not its
@@ -70,7 +82,9 @@ Public API (stable; everything else in the package is private):
 
     kernel_for(device, dtype, head_dim, backend=None) / KERNELS: the attention kernels; the
         automatic choice (cuDNN > flash > efficient on CUDA half precision, ATen flash on CPU) can
-        be overridden with backend= or $ZELLIGE_ATTENTION_BACKEND.
+        be overridden with backend= or EngineConfig.backend.
+    call_work(call), stream_assignment(works, streams): the order and streams of a table's
+        calls (what the profiler measures a pack of calls by).
 
 Legend: S source tokens, T held tokens, X cross-attention text rows, N heads, H head dim,
 D features; rows = tokens x heads.
@@ -84,12 +98,16 @@ from collections.abc import Callable
 from torch import Tensor
 
 from zellige.runtime.attention import cross_attention, distributed_attention
-from zellige.runtime.coalesced import SegmentTable, coalesced_attention, to_device
+from zellige.runtime.backends import coalesced_attention, engine_runs_ragged
+from zellige.runtime.coalesced import SegmentTable, call_work, stream_assignment, to_device
+from zellige.runtime.engine import EngineConfig
 from zellige.runtime.exchange import reverse_route, route, route_text
 from zellige.runtime.kernels import KERNELS, kernel_for
 from zellige.runtime.layout import Step, compile_step, load_step, prepare_step
+from zellige.runtime.local import local_attention
 from zellige.runtime.recompute import checkpointed
 from zellige.runtime.teardown import end_rank_process
+from zellige.runtime.transport import Transport
 
 
 def attention_fn(
@@ -109,20 +127,26 @@ def cross_attention_fn(
 
 __all__ = [
     "KERNELS",
+    "EngineConfig",
     "SegmentTable",
     "Step",
+    "Transport",
     "attention_fn",
+    "call_work",
     "checkpointed",
     "coalesced_attention",
     "compile_step",
     "cross_attention_fn",
     "distributed_attention",
     "end_rank_process",
+    "engine_runs_ragged",
     "kernel_for",
     "load_step",
+    "local_attention",
     "prepare_step",
     "reverse_route",
     "route",
     "route_text",
+    "stream_assignment",
     "to_device",
 ]

@@ -17,17 +17,11 @@ from __future__ import annotations
 import torch
 
 from zellige.runtime import recompute
-from zellige.runtime.coalesced import (
-    SegmentTable,
-    _ragged_choice,
-    backward_into,
-    coalesced_attention,
-    forward_into,
-    merge_policy,
-)
-from zellige.runtime.exchange import all_to_all_rows, p2p, wait_all
-from zellige.runtime.kernels import Kernel, default_scale, kernel_for, lse_dtype
+from zellige.runtime.backends import choose_backend, coalesced_attention, step_kernel
+from zellige.runtime.coalesced import SegmentTable, backward_into, forward_into
+from zellige.runtime.kernels import Kernel, default_scale, lse_dtype
 from zellige.runtime.layout import RingPlan, RingStep, Step
+from zellige.runtime.transport import wait_all
 
 Tensor = torch.Tensor
 
@@ -41,32 +35,35 @@ def _issue_kv(rs: RingStep, kv_c: Tensor, step: Step, tag: int) -> tuple[list, T
         parts = [kv_c[sl] for sl in slices]
         sends.append((peer, parts[0] if len(parts) == 1 else torch.cat(parts)))
     recvs = [(peer, recv[sl]) for peer, sl in rs.recvs]
-    return p2p(sends, recvs, step, tag), recv
+    return _p2p(step, sends, recvs, tag), recv
 
 
-def _ragged(table: SegmentTable, q: Tensor, k: Tensor, backend: str | None, scale: float):
-    """(kernel, layout) where the merge policy runs this whole table as one ragged call
-    (coalesced._ragged_choice, as coalesced_attention decides it), else None. The step's local and
-    exchanged tables are disjoint and written whole (accumulate=False), as a ragged call writes;
-    ring steps add into their rows and keep their groups."""
-    return _ragged_choice(table, q, k, backend, merge_policy(), scale)
+def _p2p(step: Step, sends, recvs, tag: int) -> list:
+    return step.transport.p2p(sends, recvs, step.global_ranks, step.group, tag)
 
 
-def _table_forward(table, kernel, scale, q, k, v, o, lse, backend) -> None:
-    ragged = _ragged(table, q, k, backend, scale)
-    if ragged is None:
-        forward_into(table, kernel, scale, q, k, v, o, lse)
-    else:
-        ragged[0].forward_into(q, k, v, o, lse, ragged[1], scale)
+def _all_to_all_rows(step: Step, send, send_splits, recv_splits, async_op: bool = False):
+    return step.transport.all_to_all_rows(send, send_splits, recv_splits, step.group, async_op)
 
 
-def _table_backward(table, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, backend) -> None:
-    """Writes the table's rows of dq / dk / dv (accumulate=False)."""
-    ragged = _ragged(table, q, k, backend, scale)
-    if ragged is None:
-        backward_into(table, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, accumulate=False)
-    else:
-        ragged[0].backward_into(do, q, k, v, o, lse, dq, dk, dv, ragged[1], scale)
+def _backend(table: SegmentTable, step: Step, kernel: Kernel, scale, q, k, backend):
+    """The backend of a step's local or exchanged table (backends.choose_backend under the
+    step's engine): one ragged call, or the step's kernel over the plain groups. These tables are
+    disjoint and written whole; ring steps add into their rows and keep their groups."""
+    return choose_backend(
+        table, q, k, step.engine, scale=scale, backend=backend, kernel=kernel, plain_groups=True
+    )
+
+
+def _table_forward(table, step, kernel, scale, q, k, v, o, lse, backend) -> None:
+    _backend(table, step, kernel, scale, q, k, backend).forward_into(q, k, v, o, lse)
+
+
+def _table_backward(table, step, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, backend) -> None:
+    """Writes the table's rows of dq / dk / dv."""
+    _backend(table, step, kernel, scale, q, k, backend).backward_into(
+        do, q, k, v, o, lse, dq, dk, dv
+    )
 
 
 def _ring_forward(
@@ -139,10 +136,10 @@ def _ring_backward(
             kv_c.new_empty((sum(sl.stop - sl.start for sl in slices), *kv_c.shape[1:]))
             for _, slices in rs.sends
         ]
-        grad_works = p2p(
+        grad_works = _p2p(
+            step,
             [(peer, dkv_recv[sl]) for peer, sl in rs.recvs],
             [(peer, buf) for (peer, _), buf in zip(rs.sends, bufs, strict=True)],
-            step,
             _GRAD_TAG + s,
         )
         if pending_grads is not None:
@@ -180,14 +177,15 @@ def _attend(step: Step, kernel: Kernel, scale: float, q, k, v, recv, work, backe
     lse_type = lse_dtype(q.dtype)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[0], dtype=lse_type, device=q.device)
-    _table_forward(step.local_table, kernel, scale, q, k, v, o, lse, backend)  # overlaps exchange
+    # overlaps the exchange
+    _table_forward(step.local_table, step, kernel, scale, q, k, v, o, lse, backend)
 
     q_x = k_x = v_x = o_x = lse_x = None
     if work is not None:
         q_x, k_x, v_x = _received(step, recv, work)
         o_x = torch.empty_like(q_x)
         lse_x = torch.empty(q_x.shape[0], dtype=lse_type, device=q.device)
-        _table_forward(step.exchange_table, kernel, scale, q_x, k_x, v_x, o_x, lse_x, backend)
+        _table_forward(step.exchange_table, step, kernel, scale, q_x, k_x, v_x, o_x, lse_x, backend)
 
     ring = step.ring
     lse_c = None
@@ -198,11 +196,11 @@ def _attend(step: Step, kernel: Kernel, scale: float, q, k, v, recv, work, backe
         _scatter_ring(ring, o_c, o, o_x)
 
     if work is not None:
-        back, _ = all_to_all_rows(
+        back, _ = _all_to_all_rows(
+            step,
             o_x.index_select(0, step.exchange_recv_inverse),
             step.exchange_recv_splits,
             step.exchange_send_splits,
-            step.group,
         )
         o.index_copy_(0, step.exchange_send_index, back)
     return o, lse, o_x, lse_x, lse_c, q_x, k_x, v_x
@@ -219,8 +217,8 @@ class _DistributedAttention(torch.autograd.Function):
         if step.world_has_exchange:
             index = step.exchange_send_index
             send = torch.stack([t.index_select(0, index) for t in (q, k, v)], dim=1)
-            recv, work = all_to_all_rows(
-                send, step.exchange_send_splits, step.exchange_recv_splits, step.group, True
+            recv, work = _all_to_all_rows(
+                step, send, step.exchange_send_splits, step.exchange_recv_splits, True
             )
         kept = recompute.replayed()
         if kept is None:
@@ -246,15 +244,17 @@ class _DistributedAttention(torch.autograd.Function):
         do = grad_TNH.contiguous().view(q.shape)
         work = None
         if step.world_has_exchange:
-            recv, work = all_to_all_rows(
+            recv, work = _all_to_all_rows(
+                step,
                 do.index_select(0, step.exchange_send_index),
                 step.exchange_send_splits,
                 step.exchange_recv_splits,
-                step.group,
                 True,
             )
         dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
-        _table_backward(step.local_table, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, backend)
+        _table_backward(
+            step.local_table, step, kernel, scale, q, k, v, o, lse, do, dq, dk, dv, backend
+        )
 
         do_x = dq_x = dk_x = dv_x = None
         if work is not None:
@@ -262,7 +262,7 @@ class _DistributedAttention(torch.autograd.Function):
             do_x = recv.index_select(0, step.exchange_recv_index)
             dq_x, dk_x, dv_x = (torch.zeros_like(t) for t in (q_x, k_x, v_x))
             _table_backward(
-                step.exchange_table, kernel, scale, q_x, k_x, v_x, o_x, lse_x, do_x,
+                step.exchange_table, step, kernel, scale, q_x, k_x, v_x, o_x, lse_x, do_x,
                 dq_x, dk_x, dv_x, backend,
             )  # fmt: skip
 
@@ -279,8 +279,8 @@ class _DistributedAttention(torch.autograd.Function):
             send = torch.stack(
                 [t.index_select(0, step.exchange_recv_inverse) for t in (dq_x, dk_x, dv_x)], 1
             )
-            back, _ = all_to_all_rows(
-                send, step.exchange_recv_splits, step.exchange_send_splits, step.group
+            back, _ = _all_to_all_rows(
+                step, send, step.exchange_recv_splits, step.exchange_send_splits
             )
             for grad, i in ((dq, 0), (dk, 1), (dv, 2)):
                 grad.index_copy_(0, step.exchange_send_index, back[:, i])
@@ -309,7 +309,7 @@ def distributed_attention(
     if k_TNH.shape != q_TNH.shape or v_TNH.shape != q_TNH.shape:
         raise ValueError("q, k and v must have the same shape [T, N, H]")
     head_dim = q_TNH.shape[-1]
-    kernel = kernel_for(q_TNH.device, q_TNH.dtype, head_dim, backend)
+    kernel = step_kernel(step.engine, q_TNH.device, q_TNH.dtype, head_dim, backend)
     scale = default_scale(head_dim) if scale is None else scale
     return _DistributedAttention.apply(q_TNH, k_TNH, v_TNH, step, kernel, scale, backend)
 
@@ -344,5 +344,6 @@ def cross_attention(
         step.cross_table,
         scale=scale,
         backend=backend,
+        engine=step.engine,
     )
     return o_rows.view(num_tokens, num_heads, head_dim)

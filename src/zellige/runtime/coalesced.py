@@ -1,4 +1,4 @@
-"""Coalesced attention: every segment of a rank in as few kernel launches as possible.
+"""Coalesced attention's dense engine: segment tables and their dense kernel calls.
 
 Rows: a row is one (token, head) pair of head_dim values. A segment is `q_len` query tokens x
 `num_heads` heads at `q_row_offset` (token-major, [q_len, num_heads, H]) attending to `k_len` key
@@ -11,17 +11,13 @@ self-, joint, cross-attention and ring steps.
 A pack of many distinct lengths makes many small calls, each below the dense rate, and each
 followed by copies of its results into the rows. On CUDA the calls are spread over side streams
 (count: the device's measured call table, runtime/merging.py streams_for_device), so one call's
-copies and last wave run beside another call's kernel; results are the same calls'. merge="ragged"
-runs such a table as ONE ragged call that reads and writes the segments in place (runtime/ragged.py:
-cuDNN's fused attention through its Python frontend, each segment a batch entry with its own row
-offset and length); the automatic policy chooses it where its kernel is in AUTO_RAGGED_KERNELS
-(measured faster than the groups on the device: bench/attention_engine.py --ragged).
+copies and last wave run beside another call's kernel; results are the same calls'. Nearby lengths
+may run as one padded call (PaddedGroup, planned by runtime/merging.py). Which way a table runs
+(dense groups, padded calls or one ragged call) is decided once by runtime/backends.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,18 +25,7 @@ import numpy as np
 import torch
 
 from zellige import _core
-from zellige.runtime import recompute
-from zellige.runtime.kernels import (
-    Kernel,
-    MathKernel,
-    close_to_math,
-    default_scale,
-    kernel_for,
-    key_mask,
-    lse_dtype,
-    masked_kernel_for,
-)
-from zellige.runtime.ragged import RaggedKernel, RaggedLayout, ragged_kernel_for
+from zellige.runtime.kernels import Kernel, MathKernel, close_to_math, key_mask
 
 Tensor = torch.Tensor
 RowIndex = slice | Tensor  # a contiguous run of rows, or a gather index
@@ -288,7 +273,7 @@ class SegmentTable:
         if "calls" not in self.merged:
             calls = sorted(
                 (*self.padded, *self.groups),
-                key=lambda g: -_call_work(g),
+                key=lambda g: -call_work(g),
             )
             self.merged["calls"] = tuple(calls)
         return self.merged["calls"]
@@ -360,7 +345,9 @@ def _flat(dense: Tensor) -> Tensor:
 _side_streams: dict[tuple[torch.device, int], list] = {}
 
 
-def _call_work(g: SegmentGroup | PaddedGroup) -> int:
+def call_work(g: SegmentGroup | PaddedGroup) -> int:
+    """The work of one kernel call (problems x query x key tokens x heads): the order and the
+    stream assignment of a table's calls."""
     return g.count * g.q_len * g.k_len * g.num_heads
 
 
@@ -391,7 +378,7 @@ def _for_each_group(table: SegmentTable, fn, device: torch.device, streams: int)
     main = torch.cuda.current_stream(device)
     for stream in side:
         stream.wait_stream(main)
-    for g, i in zip(calls, stream_assignment([_call_work(g) for g in calls], streams), strict=True):
+    for g, i in zip(calls, stream_assignment([call_work(g) for g in calls], streams), strict=True):
         with torch.cuda.stream(side[i]):
             fn(g)
     for stream in side:
@@ -594,334 +581,6 @@ def _whole(table: SegmentTable, num_q_rows: int, num_k_rows: int) -> bool:
         return False
     g = table.groups[0]
     return g.q_index == slice(0, num_q_rows) and g.k_index == slice(0, num_k_rows)
-
-
-class _CoalescedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap, key_split):
-        q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
-        num_q, num_k = q_rows.shape[0], k_rows.shape[0]
-        lse_type = lse_dtype(q_rows.dtype)
-        kept = recompute.replayed()
-        if kept is not None:  # a checkpointed block's recompute: the forward's outputs
-            o_rows, lse_rows = kept
-        elif _whole(table, num_q, num_k):
-            g = table.groups[0]
-            o, lse = kernel.forward(
-                _dense(q_rows, g.q_index, g, g.q_len),
-                _dense(k_rows, g.k_index, g, g.k_len),
-                _dense(v_rows, g.k_index, g, g.k_len),
-                scale,
-            )
-            o_rows = _flat(o)
-            lse_rows = lse.transpose(1, 2).reshape(-1).to(lse_type)
-        else:
-            covered = table.disjoint and table.q_rows == num_q
-            o_rows = torch.empty_like(q_rows) if covered else torch.zeros_like(q_rows)
-            lse_rows = torch.full((num_q,), float("-inf"), dtype=lse_type, device=q_rows.device)
-            forward_into(
-                table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, streams, overlap,
-                key_split,
-            )  # fmt: skip
-        if kept is None:
-            recompute.keep(o_rows, lse_rows)
-        ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
-        ctx.table, ctx.kernel, ctx.scale, ctx.streams = table, kernel, scale, streams
-        ctx.overlap = overlap
-        ctx.mark_non_differentiable(lse_rows)
-        return o_rows, lse_rows
-
-    @staticmethod
-    def backward(ctx, do_rows, _dlse):
-        q_rows, k_rows, v_rows, o_rows, lse_rows = ctx.saved_tensors
-        table, kernel, scale = ctx.table, ctx.kernel, ctx.scale
-        do_rows = do_rows.contiguous()
-        num_q, num_k = q_rows.shape[0], k_rows.shape[0]
-        if _whole(table, num_q, num_k):
-            g = table.groups[0]
-            dq, dk, dv = kernel.backward(
-                _dense(do_rows, g.q_index, g, g.q_len),
-                _dense(q_rows, g.q_index, g, g.q_len),
-                _dense(k_rows, g.k_index, g, g.k_len),
-                _dense(v_rows, g.k_index, g, g.k_len),
-                _dense(o_rows, g.q_index, g, g.q_len),
-                lse_rows.view(g.count, g.q_len, g.num_heads).transpose(1, 2),
-                scale,
-            )
-            return _flat(dq), _flat(dk), _flat(dv), None, None, None, None, None, None
-        q_covered = table.disjoint and table.q_rows == num_q
-        k_covered = table.disjoint and table.k_rows == num_k
-        dq = torch.empty_like(q_rows) if q_covered else torch.zeros_like(q_rows)
-        dk, dv = (torch.empty_like(k_rows) if k_covered else torch.zeros_like(k_rows) for _ in "kv")
-        backward_into(
-            table, kernel, scale, q_rows, k_rows, v_rows, o_rows, lse_rows, do_rows, dq, dk, dv,
-            accumulate=not table.disjoint, streams=ctx.streams, overlap_copies=ctx.overlap,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None
-
-
-# Merge policy: "auto" runs a table of at least RAGGED_MIN_CALLS dense calls whose segments are
-# all at most RAGGED_MAX_SEGMENT_TOKENS query and key tokens as one ragged call, with a ragged
-# kernel trusted for automatic use (AUTO_RAGGED_KERNELS). On one H200 (cuDNN 9.19) the cuDNN
-# frontend's ragged call ran the packs of only short sequences (opensora2-stage1) 13-15% faster
-# forward and 2-3% backward than the groups, in a tenth of their host time, and the packs with a
-# long sequence 3-6% slower (bench/results/attention_engine_h200_202612.md). The cost
-# model prices the same rule (cost_model.h), so both constants come from there.
-RAGGED_MIN_CALLS = _core.RAGGED_MIN_CALLS
-RAGGED_MAX_SEGMENT_TOKENS = _core.RAGGED_MAX_SEGMENT_TOKENS
-AUTO_RAGGED_KERNELS: tuple[str, ...] = ("cudnn-fe",)
-MERGE_CHOICES = ("auto", "groups", "ragged")
-RAGGED_MAX_ELEMENTS = 2**31 - 1  # cuDNN's ragged offsets are int32 element counts
-
-
-def _ragged_layout(table: SegmentTable) -> RaggedLayout | None:
-    """The table's segments as one ragged call sees them, in place in the rows, the most work
-    first (a call schedules its batch entries in order: long ones first leave short ones to fill
-    the last wave); None unless the segments are disjoint and share one head count."""
-    if "ragged" not in table.merged:
-        heads = {g.num_heads for g in table.groups}
-        layout = None
-        if table.disjoint and len(heads) == 1 and table.groups:
-            segments = sorted(
-                ((g.q_len, g.k_len, q0, k0) for g in table.groups
-                 for q0, k0 in zip(g.q_offsets, g.k_offsets, strict=True)),
-                key=lambda s: -s[0] * s[1],
-            )  # fmt: skip
-            q_lens, k_lens, q_starts, k_starts = zip(*segments, strict=True)
-            layout = RaggedLayout(heads.pop(), q_starts, k_starts, q_lens, k_lens)
-        table.merged["ragged"] = layout
-    return table.merged["ragged"]
-
-
-class _RaggedAttention(torch.autograd.Function):
-    """The same function as _CoalescedAttention, as one ragged kernel call over all segments."""
-
-    @staticmethod
-    def forward(ctx, q_rows, k_rows, v_rows, table, layout, kernel, scale):
-        q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
-        kept = recompute.replayed()
-        if kept is not None:  # a checkpointed block's recompute: the forward's outputs
-            o_rows, lse_rows = kept
-        else:
-            num_q = q_rows.shape[0]
-            covered = table.q_rows == num_q
-            o_rows = torch.empty_like(q_rows) if covered else torch.zeros_like(q_rows)
-            lse_rows = torch.full(
-                (num_q,), float("-inf"), dtype=lse_dtype(q_rows.dtype), device=q_rows.device
-            )
-            kernel.forward_into(q_rows, k_rows, v_rows, o_rows, lse_rows, layout, scale)
-            recompute.keep(o_rows, lse_rows)
-        ctx.save_for_backward(q_rows, k_rows, v_rows, o_rows, lse_rows)
-        ctx.table, ctx.layout, ctx.kernel, ctx.scale = table, layout, kernel, scale
-        ctx.mark_non_differentiable(lse_rows)
-        return o_rows, lse_rows
-
-    @staticmethod
-    def backward(ctx, do_rows, _dlse):
-        q_rows, k_rows, v_rows, o_rows, lse_rows = ctx.saved_tensors
-        table = ctx.table
-        grads = []
-        for rows, covered_rows in (
-            (q_rows, table.q_rows),
-            (k_rows, table.k_rows),
-            (v_rows, table.k_rows),
-        ):
-            grads.append(
-                torch.empty_like(rows) if covered_rows == rows.shape[0] else torch.zeros_like(rows)
-            )
-        ctx.kernel.backward_into(
-            do_rows.contiguous(), q_rows, k_rows, v_rows, o_rows, lse_rows, *grads, ctx.layout,
-            ctx.scale,
-        )  # fmt: skip
-        return *grads, None, None, None, None
-
-
-def _ragged_choice(
-    table: SegmentTable,
-    q_rows: Tensor,
-    k_rows: Tensor,
-    backend: str | None,
-    merge: str | None,
-    scale: float | None = None,
-) -> tuple[RaggedKernel, RaggedLayout] | None:
-    """The merge policy: (kernel, layout) when this table runs as one ragged call; None also
-    where the kernel cannot run this table's shape (RaggedKernel.prepare)."""
-    if (
-        merge == "groups"
-        or table.padded
-        or max(q_rows.numel(), k_rows.numel()) > RAGGED_MAX_ELEMENTS
-    ):
-        return None
-    if merge == "auto" and (
-        table.num_calls < RAGGED_MIN_CALLS
-        or max(max(g.q_len, g.k_len) for g in table.groups) > RAGGED_MAX_SEGMENT_TOKENS
-    ):
-        return None
-    kernel = ragged_kernel_for(
-        q_rows.device, q_rows.dtype, q_rows.shape[-1], "math" if backend == "math" else None
-    )
-    if merge == "auto" and kernel is not None and kernel.name not in AUTO_RAGGED_KERNELS:
-        return None
-    layout = _ragged_layout(table) if kernel is not None else None
-    if layout is None:
-        return None
-    scale = default_scale(q_rows.shape[-1]) if scale is None else scale
-    return (kernel, layout) if kernel.prepare(q_rows, k_rows, layout, scale) else None
-
-
-def merge_policy() -> str:
-    """The merge policy coalesced_attention and the step's tables run: $ZELLIGE_ATTENTION_MERGE,
-    else "auto"; ValueError for another value."""
-    merge = os.environ.get("ZELLIGE_ATTENTION_MERGE") or "auto"
-    if merge not in MERGE_CHOICES:
-        raise ValueError(
-            f"ZELLIGE_ATTENTION_MERGE='{merge}' is not a merge policy "
-            f"(allowed: {', '.join(MERGE_CHOICES)})"
-        )
-    return merge
-
-
-@contextlib.contextmanager
-def merge_policy_set(merge: str):
-    """Runs the block under another merge policy (MERGE_CHOICES), then restores the previous one:
-    the profiler's launch rows time dense calls whatever this machine's policy runs."""
-    if merge not in MERGE_CHOICES:
-        raise ValueError(f"unknown attention merge '{merge}' (allowed: {', '.join(MERGE_CHOICES)})")
-    before = os.environ.get("ZELLIGE_ATTENTION_MERGE")
-    os.environ["ZELLIGE_ATTENTION_MERGE"] = merge
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["ZELLIGE_ATTENTION_MERGE"]
-        else:
-            os.environ["ZELLIGE_ATTENTION_MERGE"] = before
-
-
-def engine_runs_ragged(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the engine here runs a disjoint table of RAGGED_MIN_CALLS or more dense calls with
-    one head count and no segment over RAGGED_MAX_SEGMENT_TOKENS as one ragged call
-    (_ragged_choice under merge_policy(), automatic backend):
-    the one place that decides a profile's attention_ragged, both where `zellige profile`
-    measures and where a run prices its plans (zellige.profile.priced_as_engine_runs). The first
-    call on a device checks the kernel against the math kernel (runtime/ragged.py)."""
-    merge = merge_policy()
-    if merge == "groups":
-        return False
-    kernel = ragged_kernel_for(torch.device(device), dtype, head_dim)
-    return kernel is not None and (merge == "ragged" or kernel.name in AUTO_RAGGED_KERNELS)
-
-
-def _auto_padded(table: SegmentTable, kernel: Kernel, q_rows: Tensor) -> SegmentTable:
-    """The merge policy for padded calls: the table with the priced plan of merging.py applied
-    where the device has measured call costs and the kernel takes a key mask; else the table.
-    Planned once per table, kernel and dtype (a table serves every layer of a step)."""
-    if not table.disjoint or table.padded or len(table.groups) < 2:
-        return table
-    key = ("padded", kernel.name, q_rows.dtype)
-    if key not in table.merged:
-        from zellige.runtime import merging
-
-        device, head_dim = q_rows.device, q_rows.shape[-1]
-        costs = merging.costs_for_device(device)
-        plan = table
-        if costs is not None and masked_kernel_for(kernel, device, q_rows.dtype, head_dim):
-            buckets, _, _ = merging.plan_padded_merges(
-                table.groups, costs, head_dim, q_rows.element_size()
-            )
-            if buckets:
-                plan = table.merge_padded(buckets, device)
-        table.merged[key] = plan
-    return table.merged[key]
-
-
-def planned_table(table: SegmentTable, q_rows: Tensor, backend: str | None = None) -> SegmentTable:
-    """The table merge="auto" runs for rows like `q_rows` (dtype, device, head dim): `table`
-    itself, or it with padded merges where they pay (bench output shows it)."""
-    kernel = kernel_for(q_rows.device, q_rows.dtype, q_rows.shape[-1], backend)
-    return _auto_padded(table, kernel, q_rows)
-
-
-def coalesced_attention(
-    q_rows: Tensor,
-    k_rows: Tensor,
-    v_rows: Tensor,
-    table: SegmentTable,
-    *,
-    scale: float | None = None,
-    backend: str | None = None,
-    return_lse: bool = False,
-    streams: int | None = None,
-    merge: str | None = None,
-    overlap_copies: bool = False,
-    key_split: int | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention of every segment of `table` in one call; differentiable in q, k, v.
-
-    q_rows [Rq, H], k_rows / v_rows [Rk, H]; returns o_rows [Rq, H] (zero on rows that no segment
-    covers) and, with return_lse, the log-sum-exp per query row (float32; -inf where uncovered).
-    backend: a name of KERNELS ("cudnn", "flash", "cpu", ...) or None for the automatic choice.
-    streams: on CUDA, spread the calls over this many side streams (each call to the least
-    loaded, longest first: concurrent calls fill each other's last waves); None: the device's
-    measured count (runtime/merging.py streams_for_device; 1 where nothing was measured).
-    overlap_copies: on CUDA (one stream), write each call's results into the rows on a side
-    stream, beside the next call's kernel (measured by bench/attention_engine.py --overhead).
-    key_split: in the forward, a group of at least this many keys that are not a multiple of
-    128 runs as two calls merged by lse (forward_into), where the kernel passes the check of it
-    (key_split_ok); 0: never; None: the device's measured value (runtime/merging.py
-    key_split_for_device; 0 where nothing was measured).
-    merge: "groups" (one dense call per group, or as the table's own padded merges say),
-    "ragged" (one ragged call where a checked ragged kernel exists: the cuDNN frontend on CUDA,
-    or the math oracle with backend="math"; else as "groups"), or "auto"/None
-    ($ZELLIGE_ATTENTION_MERGE, else: one ragged call for a disjoint table of RAGGED_MIN_CALLS or
-    more calls, none over RAGGED_MAX_SEGMENT_TOKENS tokens, where a kernel of
-    AUTO_RAGGED_KERNELS passes its check (runtime/ragged.py: the
-    `nvidia-cudnn-frontend` package installed); otherwise nearby lengths merged into padded calls
-    where the device's measured call costs say it pays (runtime/merging.py), the rest as groups).
-    """
-    merge = merge or merge_policy()
-    if merge not in MERGE_CHOICES:
-        raise ValueError(f"unknown attention merge '{merge}' (allowed: {', '.join(MERGE_CHOICES)})")
-    head_dim = q_rows.shape[-1]
-    scale_or_default = default_scale(head_dim) if scale is None else scale
-    ragged = _ragged_choice(table, q_rows, k_rows, backend, merge, scale_or_default)
-    if ragged is not None:
-        o_rows, lse_rows = _RaggedAttention.apply(
-            q_rows, k_rows, v_rows, table, ragged[1], ragged[0], scale_or_default
-        )
-        return (o_rows, lse_rows) if return_lse else o_rows
-    kernel = kernel_for(q_rows.device, q_rows.dtype, head_dim, backend)
-    if merge == "auto":
-        table = _auto_padded(table, kernel, q_rows)
-    if any(p.masked and p.keys_padded for p in table.padded):
-        masked = masked_kernel_for(kernel, q_rows.device, q_rows.dtype, head_dim)
-        if masked is None:
-            raise ValueError(
-                f"the {kernel.name} attention kernel cannot take the key mask of a padded merge "
-                "on this device (use merge='groups' or another backend)"
-            )
-        kernel = masked
-    scale = default_scale(head_dim) if scale is None else scale
-    if streams is None:
-        streams = 1
-        if q_rows.device.type == "cuda" and table.num_calls > 1:
-            from zellige.runtime import merging
-
-            streams = merging.streams_for_device(q_rows.device)
-    if key_split is None:
-        key_split = 0
-        if q_rows.device.type == "cuda":
-            from zellige.runtime import merging
-
-            key_split = merging.key_split_for_device(q_rows.device)
-    if key_split < 0:
-        raise ValueError(f"key_split must be a number of key tokens >= 0, got {key_split}")
-    if key_split > 0 and not key_split_ok(kernel, q_rows.device, q_rows.dtype, head_dim):
-        key_split = 0
-    o_rows, lse_rows = _CoalescedAttention.apply(
-        q_rows, k_rows, v_rows, table, kernel, scale, streams, overlap_copies, key_split
-    )
-    return (o_rows, lse_rows) if return_lse else o_rows
 
 
 _key_split_verified: dict[tuple, bool] = {}

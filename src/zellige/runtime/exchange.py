@@ -1,70 +1,27 @@
-"""Communication: the route all_to_all, the world-wide Ulysses all_to_all and batched P2P ring
-messages. Every collective here is called by every rank of the group with sizes from the plan
+"""Routes: source tokens to held tokens and back, one all_to_all each through the step's
+transport (runtime/transport.py). Every rank of the group calls them with sizes from the plan
 compiler, so ranks with nothing to send still take part (zero splits) and none waits alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-import torch.distributed as dist
 
 from zellige.runtime.layout import TOKENS, DeviceRoute, Step
 
 Tensor = torch.Tensor
 
 
-def all_to_all_rows(
-    send: Tensor,
-    send_splits: list[int],
-    recv_splits: list[int],
-    group: dist.ProcessGroup | None,
-    async_op: bool = False,
-) -> tuple[Tensor, dist.Work | None]:
-    """Uneven all_to_all_single on dim 0; returns the receive buffer (and the handle if async)."""
-    recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
-    work = dist.all_to_all_single(
-        recv, send.contiguous(), recv_splits, send_splits, group=group, async_op=async_op
-    )
-    return recv, work
-
-
-def p2p(
-    sends: Sequence[tuple[int, Tensor]],
-    recvs: Sequence[tuple[int, Tensor]],
-    step: Step,
-    tag: int,
-) -> list:
-    """One dist.batch_isend_irecv for all messages of a ring step (group ranks -> global)."""
-    ops = [
-        dist.P2POp(dist.isend, t.contiguous(), step.global_ranks[p], step.group, tag)
-        for p, t in sends
-        if t.numel() > 0
-    ]
-    ops += [
-        dist.P2POp(dist.irecv, t, step.global_ranks[p], step.group, tag)
-        for p, t in recvs
-        if t.numel() > 0
-    ]
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def wait_all(works: list) -> None:
-    for work in works:
-        work.wait()
-
-
-def _forward(x: Tensor, route: DeviceRoute, group) -> Tensor:
+def _forward(x: Tensor, route: DeviceRoute, step: Step) -> Tensor:
     send = x.index_select(0, route.send_index)
-    recv, _ = all_to_all_rows(send, route.send_splits, route.recv_splits, group)
+    recv, _ = step.transport.all_to_all_rows(send, route.send_splits, route.recv_splits, step.group)
     return recv.index_select(0, route.recv_index)
 
 
-def _backward(x: Tensor, route: DeviceRoute, group) -> Tensor:
+def _backward(x: Tensor, route: DeviceRoute, step: Step) -> Tensor:
     """The transpose of _forward: rows go back; a source row sent to several ranks sums."""
     send = x.index_select(0, route.recv_inverse)
-    recv, _ = all_to_all_rows(send, route.recv_splits, route.send_splits, group)
+    recv, _ = step.transport.all_to_all_rows(send, route.recv_splits, route.send_splits, step.group)
     if route.sends_each_row_once:
         return torch.empty_like(recv).index_copy_(0, route.send_index, recv)
     out = recv.new_zeros((route.num_source, *recv.shape[1:]))
@@ -73,24 +30,24 @@ def _backward(x: Tensor, route: DeviceRoute, group) -> Tensor:
 
 class _Route(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, route, group):
-        ctx.route, ctx.group = route, group
-        return _forward(x, route, group)
+    def forward(ctx, x, route, step):
+        ctx.route, ctx.step = route, step
+        return _forward(x, route, step)
 
     @staticmethod
     def backward(ctx, grad):
-        return _backward(grad.contiguous(), ctx.route, ctx.group), None, None
+        return _backward(grad.contiguous(), ctx.route, ctx.step), None, None
 
 
 class _ReverseRoute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, route, group):
-        ctx.route, ctx.group = route, group
-        return _backward(x, route, group)
+    def forward(ctx, x, route, step):
+        ctx.route, ctx.step = route, step
+        return _backward(x, route, step)
 
     @staticmethod
     def backward(ctx, grad):
-        return _forward(grad.contiguous(), ctx.route, ctx.group), None, None
+        return _forward(grad.contiguous(), ctx.route, ctx.step), None, None
 
 
 def _token_route(step: Step, tokens: str) -> DeviceRoute:
@@ -116,7 +73,7 @@ def route(x_source: Tensor, step: Step, tokens: str = "all") -> Tensor:
             f"route(tokens={tokens!r}) expects {r.num_source} source rows on rank {step.rank}, "
             f"got {x_source.shape[0]}"
         )
-    return _Route.apply(x_source, r, step.group)
+    return _Route.apply(x_source, r, step)
 
 
 def reverse_route(x_held: Tensor, step: Step, tokens: str = "all") -> Tensor:
@@ -127,7 +84,7 @@ def reverse_route(x_held: Tensor, step: Step, tokens: str = "all") -> Tensor:
             f"reverse_route(tokens={tokens!r}) expects {r.num_held} held rows on rank "
             f"{step.rank}, got {x_held.shape[0]}"
         )
-    return _ReverseRoute.apply(x_held, r, step.group)
+    return _ReverseRoute.apply(x_held, r, step)
 
 
 def route_text(text_source: Tensor, step: Step) -> Tensor:
@@ -146,4 +103,4 @@ def route_text(text_source: Tensor, step: Step) -> Tensor:
             f"route_text expects {r.num_source} source text rows on rank {step.rank}, got "
             f"{text_source.shape[0]}"
         )
-    return _Route.apply(text_source, r, step.group)
+    return _Route.apply(text_source, r, step)

@@ -17,7 +17,6 @@ installed torch falls back to the next one instead of failing mid-step.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 
 import torch
@@ -280,9 +279,8 @@ def _agrees_with_math(kernel: Kernel, device: torch.device, dtype: torch.dtype, 
 def kernel_for(
     device: torch.device, dtype: torch.dtype, head_dim: int, backend: str | None = None
 ) -> Kernel:
-    """The kernel for this device/dtype: `backend` (or $ZELLIGE_ATTENTION_BACKEND) if given, else
-    the first of the preference list that passes the check against the math kernel."""
-    backend = backend or os.environ.get("ZELLIGE_ATTENTION_BACKEND") or None
+    """The kernel for this device/dtype: `backend` if given (EngineConfig.backend), else the
+    first of the preference list that passes the check against the math kernel."""
     if backend is not None:
         if backend not in KERNELS:
             raise ValueError(
@@ -298,6 +296,25 @@ def kernel_for(
         if _verified[key]:
             return KERNELS[name]()
     raise AssertionError("the math kernel always works")
+
+
+class ContiguousKernel(Kernel):
+    """`kernel` handed plain contiguous [B, n, L, H] tensors (EngineConfig.
+    contiguous_kernel_inputs: a workaround for kernels that mishandle the runtime's strided
+    views; one copy per call)."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self.name = f"{kernel.name}+contiguous"
+
+    def forward(self, q, k, v, scale, bias=None):
+        _no_mask(self, bias)
+        return self.kernel.forward(q.contiguous(), k.contiguous(), v.contiguous(), scale)
+
+    def backward(self, do, q, k, v, o, lse, scale, bias=None):
+        _no_mask(self, bias)
+        tensors = (t.contiguous() for t in (do, q, k, v, o, lse))
+        return self.kernel.backward(*tensors, scale)
 
 
 def key_mask(valid_BL: Tensor, dtype: torch.dtype) -> Tensor:

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from zellige import _core
 from zellige.runtime.coalesced import SegmentTable, to_device
+from zellige.runtime.engine import EngineConfig
+from zellige.runtime.transport import DISTRIBUTED, Transport
 
 Tensor = torch.Tensor
 TOKENS = ("all", "visual", "text")
@@ -137,6 +139,8 @@ class Step:
     ring: RingPlan
     cross_table: SegmentTable  # cross-attention: own rows against text rows
     global_ranks: list[int] = field(default_factory=list)  # group rank -> global rank (P2P)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # how attention runs
+    transport: Transport = DISTRIBUTED  # how the exchanges move rows
 
 
 def compile_step(
@@ -210,8 +214,12 @@ def load_step(
     *,
     error: str | None = None,
     check_agreement: bool = True,
+    engine: EngineConfig | None = None,
+    transport: Transport | None = None,
 ) -> Step:
     """The program's arrays on `device`, for every rank of `group` (default: the world).
+    engine: how its attention runs (default: EngineConfig.from_env(), the documented
+    overrides); transport: how its exchanges move rows (default: torch.distributed).
 
     Every rank calls it. When any rank passes an `error` (its loader could not compile, or found
     its tensors do not match the program; program may then be None), or the program is for
@@ -237,7 +245,7 @@ def load_step(
         raise ValueError(error)
     if program is None:
         raise ValueError("load_step: no step program and no error message")
-    return _build_step(program, device, group if distributed else None)
+    return _build_step(program, device, group if distributed else None, engine, transport)
 
 
 def prepare_step(
@@ -250,15 +258,19 @@ def prepare_step(
     joint_attention: bool = False,
     rank: int | None = None,
     check_agreement: bool = True,
+    engine: EngineConfig | None = None,
+    transport: Transport | None = None,
 ) -> Step:
     """compile_step for this process's rank in `group`, then load_step (same errors, raised on
-    every rank). rank: pass it (and no group) to build a step without a process group (tests,
-    tools), even where one is initialised."""
+    every rank; engine and transport as there). rank: pass it (and no group) to build a step
+    without a process group (tests, tools), even where one is initialised."""
     if rank is not None and group is None:
         return _build_step(
             compile_step(batch, plan, num_heads, rank, joint_attention=joint_attention),
             torch.device(device),
             None,
+            engine,
+            transport,
         )
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("prepare_step needs an initialised process group or an explicit rank")
@@ -274,11 +286,18 @@ def prepare_step(
             f"the plan is for {plan.num_ranks} ranks but the process group has "
             f"{dist.get_world_size(group)}"
         )
-    return load_step(program, device, group, error=error, check_agreement=check_agreement)
+    return load_step(
+        program, device, group, error=error, check_agreement=check_agreement, engine=engine,
+        transport=transport,
+    )  # fmt: skip
 
 
 def _build_step(
-    program: _core.StepProgram, device: torch.device, group: dist.ProcessGroup | None
+    program: _core.StepProgram,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    engine: EngineConfig | None = None,
+    transport: Transport | None = None,
 ) -> Step:
     if group is not None or (dist.is_available() and dist.is_initialized()):
         global_ranks = [
@@ -326,4 +345,6 @@ def _build_step(
         ring=_ring_plan(program, device),
         cross_table=SegmentTable.from_groups(program.cross_groups, device),
         global_ranks=global_ranks,
+        engine=EngineConfig.from_env() if engine is None else engine,
+        transport=DISTRIBUTED if transport is None else transport,
     )

@@ -23,12 +23,13 @@ plain groups. The engine applies it to disjoint tables on CUDA when the profile 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from zellige.runtime.engine import EngineConfig
 
 MAX_RUN = 24  # groups one padded call may take (bounds the planning work, O(groups * MAX_RUN))
 LogTable = tuple[np.ndarray, np.ndarray]  # (log total heads, log seconds) at one call length
@@ -214,27 +215,26 @@ def plan_padded_merges(
 
 
 # Call tables shipped with the package (zellige/profiles/), by the CUDA device name they were
-# measured on; $ZELLIGE_ATTENTION_CALLS names another file (for this device, whatever its name).
+# measured on; EngineConfig.call_table names another file (for this device, whatever its name).
 CALL_TABLES = {"NVIDIA H200": "h200_attention_calls.json"}
 _device_costs: dict[str, CallCosts | None] = {}
 
 
-def costs_for_device(device: torch.device) -> CallCosts | None:
-    """The call costs measured on this device's model, or None (no measured basis: no merges,
-    the engine runs plain groups). CPU runs never merge."""
+def costs_for_device(device: torch.device, call_table: str | None = None) -> CallCosts | None:
+    """The call costs measured on this device's model (or read from `call_table`, a file), or
+    None (no measured basis: no merges, the engine runs plain groups). CPU runs never merge."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    path = os.environ.get("ZELLIGE_ATTENTION_CALLS") or None
-    key = f"{name}|{path}"
+    key = f"{name}|{call_table}"
     if key not in _device_costs:
         from importlib import resources
 
         from zellige._json import parse_json
 
-        if path is not None:
-            with open(path) as f:
-                text, where = f.read(), path
+        if call_table is not None:
+            with open(call_table) as f:
+                text, where = f.read(), call_table
         elif name in CALL_TABLES:
             source = resources.files("zellige") / "profiles" / CALL_TABLES[name]
             text = source.read_text() if source.is_file() else None
@@ -247,31 +247,21 @@ def costs_for_device(device: torch.device) -> CallCosts | None:
     return _device_costs[key]
 
 
-def streams_for_device(device: torch.device) -> int:
-    """How many CUDA streams the engine spreads a table's calls over on `device`:
-    $ZELLIGE_ATTENTION_STREAMS if set, else the device's measured call table's count (see
-    CallCosts.streams), else 1 (no measured basis; CPU always 1)."""
-    override = os.environ.get("ZELLIGE_ATTENTION_STREAMS")
-    if override:
-        if not override.isdigit() or not 1 <= int(override) <= 8:
-            raise ValueError(
-                f"ZELLIGE_ATTENTION_STREAMS must be an integer from 1 to 8, got '{override}'"
-            )
-        return int(override)
-    costs = costs_for_device(device)
+def streams_for_device(device: torch.device, engine: EngineConfig) -> int:
+    """How many CUDA streams the engine spreads a table's calls over on `device`: the engine's
+    `streams` if set, else the device's measured call table's count (see CallCosts.streams),
+    else 1 (no measured basis; CPU always 1)."""
+    if engine.streams is not None:
+        return engine.streams
+    costs = costs_for_device(device, engine.call_table)
     return 1 if costs is None else costs.streams
 
 
-def key_split_for_device(device: torch.device) -> int:
+def key_split_for_device(device: torch.device, engine: EngineConfig) -> int:
     """The least key count of a group whose forward the engine splits at a multiple of 128 keys
-    on `device` (CallCosts.key_split): $ZELLIGE_ATTENTION_KEY_SPLIT if set, else the device's
+    on `device` (CallCosts.key_split): the engine's `key_split` if set, else the device's
     measured call table's value, else 0 (no split)."""
-    override = os.environ.get("ZELLIGE_ATTENTION_KEY_SPLIT")
-    if override:
-        if not override.isdigit():
-            raise ValueError(
-                f"ZELLIGE_ATTENTION_KEY_SPLIT must be a key count >= 0 (0: off), got '{override}'"
-            )
-        return int(override)
-    costs = costs_for_device(device)
+    if engine.key_split is not None:
+        return engine.key_split
+    costs = costs_for_device(device, engine.call_table)
     return 0 if costs is None else costs.key_split

@@ -261,7 +261,7 @@ def check_rank(batch: _core.Batch, plan: _core.Plan, cfg: CheckConfig) -> CheckR
     if cfg.cross_attention and not cfg.joint_attention:
         _check_cross(batch, step, cfg, dtype, device, errors)
     result = CheckResult(errors=errors.result(dtype))
-    result.kernel = kernel_for(device, dtype, cfg.head_dim, cfg.backend).name
+    result.kernel = kernel_for(device, dtype, cfg.head_dim, cfg.backend or step.engine.backend).name
     return result
 
 

@@ -21,11 +21,12 @@ from tqdm import tqdm
 import zellige
 from zellige.balancer import Balancer
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
-from zellige.model import MMDiT, VideoDiT, conditioning, fused
+from zellige.model import MMDiT, ModelNumerics, VideoDiT, fused
 from zellige.model import build_model as reference_model
 from zellige.pipeline import JOINT, StepRecord, make_step_plan
 from zellige.profile import priced_as_engine_runs
-from zellige.runtime.coalesced import engine_runs_ragged
+from zellige.runtime import EngineConfig, engine_runs_ragged
+from zellige.runtime.collector import QuietCollector
 from zellige.train.checkpoint import (
     CheckpointInfo,
     find_checkpoint,
@@ -56,7 +57,7 @@ from zellige.train.optimizer_builder import (
 )
 from zellige.train.parallelize import parallelize, set_checkpointed_blocks
 from zellige.train.step import StepInput, assemble_step
-from zellige.train.timing import QuietCollector, StepTimer
+from zellige.train.timing import StepTimer
 from zellige.train.watchdog import RankWatch, TrainingFailed
 
 
@@ -204,15 +205,17 @@ def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> 
     """The sharded model. On CUDA it is built on the meta device and initialised after sharding
     (no rank ever holds the whole model); on CPU built whole, identical on every rank."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    conditioning.set_row_multiple(8 if config.pad_sequence_rows else 1)
-    conditioning.set_split_pieces(config.split_modulation)
-    conditioning.set_gathered_head(config.gathered_head)
+    numerics = ModelNumerics(
+        row_multiple=8 if config.pad_sequence_rows else 1,
+        split_pieces=config.split_modulation,
+        gathered_head=config.gathered_head,
+    )
     torch.manual_seed(config.seed)
     if device.type == "cuda":
         with torch.device("meta"):
-            model = reference_model(config.model)
+            model = reference_model(config.model, numerics)
     else:
-        model = reference_model(config.model)
+        model = reference_model(config.model, numerics)
     parallelize(
         model,
         mesh,
@@ -286,9 +289,11 @@ def train(
     profile_note = _profile_note(config, device)
     if profile_note:
         say(profile_note)
-    # the planner prices attention as this process's engine runs it (ragged calls or dense)
+    # the attention engine's choices, made once for the run (the documented overrides); the
+    # planner prices attention as this engine runs it (ragged calls or dense)
+    engine = EngineConfig.from_env()
     attention_ragged = engine_runs_ragged(
-        device, getattr(torch, config.dtype), config.model.head_dim
+        device, getattr(torch, config.dtype), config.model.head_dim, engine
     )
     priced_as_engine_runs(zellige.load_profile(config.profile), attention_ragged, say)
 
@@ -336,7 +341,9 @@ def train(
     run_start = time.perf_counter()
     # the trainer is a user of the public Balancer: the loader worker plans and compiles each
     # step one ahead with the same pipeline, the Balancer loads it
-    balancer = Balancer.from_pipeline(dataset.pipeline(), device=device, plan_ahead=False)
+    balancer = Balancer.from_pipeline(
+        dataset.pipeline(), device=device, plan_ahead=False, engine=engine
+    )
     ahead = StepsAhead(iter(loader), config, device, balancer)
     collector = QuietCollector(enabled=config.freeze_gc)
     pending = None  # a late step's StepEnd, finished by the next step

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from zellige.model import VideoDiT, fused
+from zellige.runtime.precision import bf16_policy
 from zellige.runtime.recompute import recomputed
 from zellige.train.timing import StepTimer
 
@@ -67,15 +68,6 @@ def set_checkpointed_blocks(model: VideoDiT, count: int, full: int = 0) -> None:
     for index, runner in enumerate(model.blocks):
         runner.activation_checkpointing = index < count
         runner.full_recompute = index < full
-
-
-def bf16_policy() -> MixedPrecisionPolicy:
-    """bf16 compute on fp32 master weights, gradients reduced in fp32. Inputs keep their dtypes:
-    activations are bf16 from the first layer on, and the RoPE tables must stay float32 (bf16
-    angles would blur neighbouring positions)."""
-    return MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
-    )
 
 
 class LoneRankWeights:
