@@ -351,13 +351,16 @@ double CostModel::call_excess_per_head_s(double query_tokens, double key_tokens,
 // the step program's dense groups, docs/architecture.md): self-attention of its block's heads against
 // every block (one call per ring step), and cross-attention of its chunk to the text.
 void CostModel::add_attention_calls(const Sequence& sequence, const Placement& placement,
-                                    std::vector<RankCall>* calls) const {
+                                    std::vector<RankCall>* calls,
+                                    std::vector<int64_t>* ring_step_calls) const {
   std::vector<CallKey> keys;
   const int64_t u = placement.ulysses_degree;
   for (int64_t j = 0; j < placement.ring_degree; ++j) {
     for (int64_t k = 0; k < u; ++k) {
-      position_calls(sequence, placement, j, k, &keys);
+      int64_t steps = 0;
+      position_calls(sequence, placement, j, k, &keys, &steps);
       const int64_t rank = placement.ranks[j * u + k];
+      (*ring_step_calls)[rank] += steps;
       for (const CallKey& key : keys) calls->push_back({rank, key});
     }
   }
@@ -366,8 +369,10 @@ void CostModel::add_attention_calls(const Sequence& sequence, const Placement& p
 // Position (j, k) holds block j of the ring and head group k of the Ulysses group. Every key it
 // lists differs from the others (ring steps by step, the text call by its tag).
 void CostModel::position_calls(const Sequence& sequence, const Placement& placement, int64_t j,
-                               int64_t k, std::vector<CallKey>* keys) const {
+                               int64_t k, std::vector<CallKey>* keys,
+                               int64_t* ring_step_calls) const {
   keys->clear();
+  if (ring_step_calls != nullptr) *ring_step_calls = 0;
   const int64_t unit_tokens = attended_tokens(model_, sequence.num_tokens, sequence.text_tokens);
   const int64_t u = placement.ulysses_degree;
   const int64_t r = placement.ring_degree;
@@ -378,7 +383,10 @@ void CostModel::position_calls(const Sequence& sequence, const Placement& placem
   const int64_t block = block_of(j);
   const int64_t chunk = block / u + (k < block % u ? 1 : 0);
   const int64_t heads = all_heads / u + (k < all_heads % u ? 1 : 0);
-  if (block > 0 && heads > 0) {
+  if (block > 0 && heads > 0 && r > 1 && ring_step_calls != nullptr) {
+    // the ring meets every block once: one call per nonempty block
+    *ring_step_calls = small_block > 0 ? r : num_big_blocks;
+  } else if (block > 0 && heads > 0) {
     for (int64_t step = 0; step < r; ++step) {
       const int64_t key_block = block_of((j + r - step) % r);
       if (key_block == 0) continue;
@@ -809,8 +817,8 @@ size_t EvaluationCache::KeyHash::operator()(const std::vector<int64_t>& key) con
 }
 
 namespace {
-// Stands for the sequence's own id in a memoised call key (ring steps never coalesce across
-// sequences).
+// Stands for the sequence's own id in fill_entry's call keys: a ring's steps sort alike,
+// whichever the sequence, so every entry of one shape sums its excess in one order.
 constexpr int64_t kOwnTag = std::numeric_limits<int64_t>::min();
 }  // namespace
 
@@ -895,7 +903,7 @@ void CostModel::fill_entry(const Sequence& sequence, const Placement& placement,
   std::vector<std::pair<std::array<int64_t, 3>, double>> excess_per_head_s;
   std::vector<std::pair<std::array<int64_t, 3>, double>> excess_of_position;  // by its triple
   std::vector<CallKey> keys;
-  Sequence own = sequence;  // keys ordered as list_calls orders them
+  Sequence own = sequence;  // keys ordered alike for every sequence of this shape
   own.id = kOwnTag;
   const int64_t unit_tokens = attended_tokens(model_, sequence.num_tokens, sequence.text_tokens);
   const int64_t all_heads = model_.num_heads;
@@ -943,14 +951,13 @@ void CostModel::list_calls(const Sequence& sequence, const Placement& placement,
                            EvaluationCache::Entry* entry) const {
   if (entry->calls_listed) return;
   entry->calls_listed = true;
-  Sequence own = sequence;
-  own.id = kOwnTag;
   const int64_t u = placement.ulysses_degree;
   entry->calls.resize(placement.ranks.size());
+  entry->ring_step_calls.assign(placement.ranks.size(), 0);
   std::vector<CallKey> keys;
   for (int64_t j = 0; j < placement.ring_degree; ++j) {
     for (int64_t k = 0; k < u; ++k) {
-      position_calls(own, placement, j, k, &keys);
+      position_calls(sequence, placement, j, k, &keys, &entry->ring_step_calls[j * u + k]);
       std::sort(keys.begin(), keys.end());  // distinct keys, one segment each
       auto& calls = entry->calls[j * u + k];
       calls.clear();
@@ -1090,8 +1097,10 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     return placement.ring_degree > 1 ? 2 : placement.ulysses_degree > 1 ? 1 : 0;
   };
   // Every segment's call, by rank at the end: a rank's calls sorted by key, equal keys merged (a
-  // vector sorted once, not a map per rank: a ring over thousands of ranks lists millions).
+  // vector sorted once, not a map per rank). Ring steps' calls are only counted (a ring over r
+  // ranks has r on each: r^2 in all).
   std::vector<RankCall> calls;
+  std::vector<int64_t> ring_step_calls(static_cast<size_t>(num_ranks), 0);
   auto add_share = [&](const RankShare& share, int64_t rank_index, int phase) {
     RankCost& rank = cost.ranks[rank_index];
     rank.tokens += share.tokens;
@@ -1119,15 +1128,15 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
         if (rank_index != sequence.source_rank) {
           sent += 2.0 * kRouteBytesPerToken * static_cast<double>(entry.shares[k].tokens);
         }
-        for (auto [call, segments] : entry.calls[k]) {
-          if (call[3] == kOwnTag) call[3] = sequence.id;
+        ring_step_calls[rank_index] += entry.ring_step_calls[k];
+        for (const auto& [call, segments] : entry.calls[k]) {
           calls.push_back({rank_index, call, segments});
         }
       }
       cost.exchange_bytes += entry.exchange_bytes + sent;
       continue;
     }
-    add_attention_calls(sequence, placement, &calls);
+    add_attention_calls(sequence, placement, &calls, &ring_step_calls);
     for (const RankShare& share : shares_and_bytes(sequence, placement, &sent)) {
       add_share(share, share.rank, phase_of(placement));
     }
@@ -1207,7 +1216,8 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     // A ragged table is one call to the host too: in the step program on one H200 it issued in
     // 1.2-2.0 ms forward + backward, where the groups took 1.9 ms + 0.38 ms per dense call
     // (bench/results/ragged_pricing_h200_202612.md).
-    rank.attention_calls = distinct_calls + std::count(ragged.begin(), ragged.end(), true);
+    rank.attention_calls =
+        distinct_calls + ring_step_calls[i] + std::count(ragged.begin(), ragged.end(), true);
     if (rank.tokens > 0) {
       rank.launch_floor_s =
           layers *

@@ -141,10 +141,12 @@ class EvaluationCache {
     // cross-attention call beside others on streams (stream_gain_bound_); see makespan_floor.
     std::vector<double> call_excess_s;
     double exchange_bytes = 0;      // sent by the exchanges, routing excluded
-    // Per position: (query, key, heads, tag, step) -> segments, by key; tag kOwnTag stands for
-    // the sequence's id (its ring steps). Listed only once evaluate needs them (calls_listed):
-    // a ring of r steps lists r calls on each of its ranks, and the floors never read them.
+    // Per position: (query, key, heads, tag, step) -> segments, by key, ring steps left out;
+    // and its ring steps' calls, counted (each is a call of its own: never grouped, never
+    // ragged, never streamed, so a ring of r ranks costs O(r), not r calls on each rank).
+    // Listed only once evaluate needs them (calls_listed); the floors never read them.
     std::vector<std::vector<std::pair<std::array<int64_t, 5>, int64_t>>> calls;
+    std::vector<int64_t> ring_step_calls;
     bool calls_listed = false;
   };
   struct LengthsHash {
@@ -321,12 +323,15 @@ class CostModel {
   // coalesced._ragged_choice; a rank's tables are disjoint).
   std::array<bool, kRaggedKinds> ragged_tables(std::vector<RankCall>::const_iterator first,
                                                std::vector<RankCall>::const_iterator last) const;
-  // Appends one RankCall per segment (rank: placement.ranks[position]).
+  // Appends one RankCall per segment (rank: placement.ranks[position]) but the ring steps',
+  // which it counts per rank in `ring_step_calls` (indexed by rank).
   void add_attention_calls(const Sequence& sequence, const Placement& placement,
-                           std::vector<RankCall>* calls) const;
-  // The calls of one position (j in the ring, k in the Ulysses group), one per segment.
+                           std::vector<RankCall>* calls,
+                           std::vector<int64_t>* ring_step_calls) const;
+  // The calls of one position (j in the ring, k in the Ulysses group), one per segment. With
+  // `ring_step_calls`, the ring steps' calls are counted there instead of listed (O(1), not r).
   void position_calls(const Sequence& sequence, const Placement& placement, int64_t j, int64_t k,
-                      std::vector<CallKey>* keys) const;
+                      std::vector<CallKey>* keys, int64_t* ring_step_calls = nullptr) const;
   // Forward + backward seconds per head and layer that a call of `call_heads`
   // heads costs beyond the full-call rate; never negative, 0 without call tables.
   double call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads) const;
