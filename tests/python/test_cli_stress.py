@@ -26,14 +26,24 @@ WORKLOAD = ["--workload", "opensora2-stage2", "--gpus", "8"]
 SECONDS = 20  # every refusal below comes well within this; the old behaviour ran for minutes
 
 
-def zellige(*args, timeout: float = SECONDS) -> subprocess.CompletedProcess:
-    """`python -m zellige.cli ARGS`, failing the test if it runs longer than `timeout`."""
+def zellige(
+    *args, timeout: float = SECONDS, address_space_bytes: int | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m zellige.cli ARGS`, failing the test if it runs longer than `timeout`; with
+    `address_space_bytes`, an allocation beyond it fails (MemoryError) instead of swapping."""
+
+    def limit_memory() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (address_space_bytes, address_space_bytes))
+
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "zellige.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=limit_memory if address_space_bytes is not None else None,
     )
     result.seconds = time.monotonic() - started
     return result
@@ -72,6 +82,29 @@ def test_a_plan_file_with_a_trillion_ranks_is_refused_up_front(tmp_path):
 def test_gpus_beyond_the_limit_are_refused_up_front(gpus):
     message = refused("plan", "--workload", "wan-stage1", "--gpus", gpus, "--planner", "zellige")
     assert str(_core.MAX_GPUS) in message
+
+
+# ---- pricing a ring or hybrid placement takes time and memory linear in its ranks ----
+
+
+@pytest.mark.parametrize("strategy", ["ring", "hybrid(8,2048)"])
+def test_a_placement_over_the_most_ranks_is_shown_in_seconds_and_little_memory(tmp_path, strategy):
+    # A 100 KB plan: one 2^20-token sequence over 16,384 ranks, whose r ring steps on each of r
+    # ranks would take gigabytes as r x r listed calls.
+    ranks = _core.MAX_GPUS
+    batch = {"sequences": [{"id": 0, "num_tokens": 1 << 20, "text_tokens": 512}]}
+    plan = {
+        "planner": "hand-made",
+        "num_ranks": ranks,
+        "placements": [{"id": 0, "strategy": strategy, "ranks": list(range(ranks))}],
+        "context": {"model": "wan-14b", "gpus_per_node": 8, "links": "nvlink", "batch": batch},
+    }
+    path = tmp_path / "wide.json"
+    path.write_text(json.dumps(plan))
+    result = zellige("show", path, address_space_bytes=2 << 30)
+    assert result.returncode == 0, result.stderr
+    assert result.seconds < SECONDS
+    assert f"\n{ranks - 1} " in result.stdout  # a row for every rank
 
 
 # ---- stress 3: int64 overflow of frames x height x width; a plan's grid must multiply ----
