@@ -335,7 +335,7 @@ class CostModel {
   // Forward + backward seconds per head and layer that a call of `call_heads`
   // heads costs beyond the full-call rate; never negative, 0 without call tables.
   double call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads) const;
-  friend struct LowerBoundSearch;  // makespan_lower_bound's candidate search (cost_model.cc)
+  friend struct LowerBoundSearch;  // makespan_lower_bound's candidate search (lower_bound.cc)
 
   // A profile table in log space: a lookup costs one log and one exp (planners' hot path).
   struct LogTable {
