@@ -468,6 +468,16 @@ class LayerFlops:
 
     __hash__: None = None
 
+MAX_MODEL_WIDTH: int = 65536
+
+MAX_MODEL_HEADS: int = 4096
+
+MAX_MODEL_LAYERS: int = 256
+
+MAX_MODEL_FFN_WIDTH: int = 262144
+
+MAX_MODEL_PARAMS: int = 1125899906842624
+
 def model_preset(name: str) -> ModelSpec: ...
 
 def model_preset_names() -> list[str]: ...

@@ -107,6 +107,46 @@ def test_a_placement_over_the_most_ranks_is_shown_in_seconds_and_little_memory(t
     assert f"\n{ranks - 1} " in result.stdout  # a row for every rank
 
 
+# ---- model spec sizes are bounded: no size hangs a plan or wraps int64 ----
+
+
+@pytest.mark.parametrize(
+    "sizes, needle",
+    [
+        ({"num_layers": 2**20}, "num_layers must be at most"),
+        ({"num_layers": 2**40}, "num_layers must be at most"),  # 4.9e18 parameters
+        ({"width": 4, "head_dim": 2**62 + 1}, "head_dim must be at most"),  # x 4 heads wraps to 4
+        ({"ffn_width": 2**40}, "ffn_width must be at most"),
+        ({"num_heads": 2**13, "width": 2**13}, "num_heads must be at most"),
+    ],
+    ids=["layers-2^20", "layers-2^40", "head-dim-wraps", "ffn-2^40", "heads-2^13"],
+)
+def test_model_spec_sizes_beyond_their_bounds_are_refused_at_once(tmp_path, sizes, needle):
+    spec = {"name": "big", "width": 64, "num_heads": 4, "num_layers": 2, "ffn_width": 128}
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({**spec, "text_tokens": 8, **sizes}))
+    message = refused("plan", *WORKLOAD, "--planner", "zellige", "--model-spec", path)
+    assert needle in message and "big.json" in message
+
+
+@pytest.mark.parametrize("joint", [False, True], ids=["cross", "joint"])
+def test_a_model_spec_at_every_bound_plans_or_is_refused_in_seconds(tmp_path, joint):
+    from zellige.model_spec import load_model_spec, save_model_spec
+
+    layers = _core.MAX_MODEL_LAYERS
+    spec = _core.make_model_spec(
+        "largest", _core.MAX_MODEL_WIDTH, _core.MAX_MODEL_HEADS, layers,
+        _core.MAX_MODEL_FFN_WIDTH, 1 << 20, joint, layers // 2 if joint else 0,
+    )  # fmt: skip
+    assert 0 < spec.param_count <= _core.MAX_MODEL_PARAMS
+    path = tmp_path / "largest.toml"
+    save_model_spec(spec, path)
+    assert load_model_spec(path) == spec
+    result = zellige("plan", *WORKLOAD, "--planner", "zellige", "--model-spec", path)
+    if result.returncode != 0:  # its training state fits no GPU: one line, no traceback
+        assert_user_error(result, "does not fit")
+
+
 # ---- stress 3: int64 overflow of frames x height x width; a plan's grid must multiply ----
 
 
