@@ -545,6 +545,34 @@ std::vector<RankShare> CostModel::shares(const Sequence& sequence,
   return shares_and_bytes(sequence, placement, nullptr);
 }
 
+// A share's memory depends on its block class, chunk and head count alone (not on links or the
+// next block): each (block, chunk, heads) combination the placement has is priced once.
+double CostModel::max_share_memory_bytes(const Sequence& sequence, int64_t ulysses_degree,
+                                         int64_t ring_degree) const {
+  const int64_t unit_tokens = attended_tokens(model_, sequence.num_tokens, sequence.text_tokens);
+  const int64_t u = ulysses_degree;
+  const Shape shape =
+      make_shape(unit_tokens, sequence.text_tokens, u, ring_degree, /*price_calls=*/false);
+  double most_bytes = 0;
+  for (int block_class = 0; block_class < 2; ++block_class) {
+    if (shape.block_count(block_class) == 0) continue;
+    const int64_t block = shape.block_tokens(block_class);
+    // Chunk k is big iff k < block % u, head group k is big iff k < H % u: three ranges of k.
+    const int64_t big_chunks = block % u, big_heads = model_.num_heads % u;
+    const int64_t bounds[4] = {0, std::min(big_chunks, big_heads), std::max(big_chunks, big_heads),
+                               u};
+    for (int range = 0; range < 3; ++range) {
+      if (bounds[range + 1] <= bounds[range]) continue;
+      const int64_t k = bounds[range];
+      const int64_t chunk = block / u + (k < big_chunks ? 1 : 0);
+      const int64_t heads = model_.num_heads / u + (k < big_heads ? 1 : 0);
+      const RankTerms terms = rank_terms(shape, block_class, block_class, chunk, heads, true, true);
+      most_bytes = std::max(most_bytes, terms.memory_bytes);
+    }
+  }
+  return most_bytes;
+}
+
 double CostModel::exchange_bytes(const Sequence& sequence, const Placement& placement) const {
   double sent = 0;
   shares_and_bytes(sequence, placement, &sent);

@@ -87,6 +87,38 @@ TEST(RingPricing, RingStepsBesideLocalSequencesAddTheirOwnCalls) {
   expect_same_ranks(model.evaluate(batch, plan, cache), cost);
 }
 
+// Sizing a sequence prices every degree up to the rank count: its largest share's memory takes
+// O(1) per shape. Oracle: the shares themselves, bit for bit.
+TEST(RingPricing, TheLargestShareMemoryIsTheSharesMaximum) {
+  for (const char* preset : {"wan-14b", "tiny", "mmdit-tiny"}) {
+    const CostModel model(model_preset(preset), test_util::seeded_profile(), make_cluster(64, 8));
+    const int64_t heads = model.model().num_heads;
+    for (const int64_t text_tokens : {int64_t{0}, int64_t{77}}) {
+      for (const int64_t tokens : {int64_t{3}, int64_t{7}, int64_t{1001}, int64_t{65537}}) {
+        const Sequence sequence = sequence_from_tokens(0, "video", tokens, text_tokens, 0);
+        for (int64_t u = 1; u <= std::min<int64_t>(heads, 8); ++u) {
+          for (const int64_t r : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{8}}) {
+            if (u * r == 1) continue;
+            std::vector<int64_t> ranks(static_cast<size_t>(u * r));
+            std::iota(ranks.begin(), ranks.end(), 0);
+            const Placement placement = r == 1 ? make_placement(0, Strategy::kUlysses, ranks)
+                                                : ring_placement(0, u, r);
+            double most_bytes = 0;
+            for (const RankShare& share : model.shares(sequence, placement)) {
+              most_bytes = std::max(most_bytes, share.memory_bytes);
+            }
+            EXPECT_EQ(model.max_share_memory_bytes(sequence, u, r), most_bytes)
+                << preset << " " << tokens << " tokens, u " << u << ", r " << r;
+          }
+        }
+        const double local_bytes = model.shares(sequence, make_placement(0, Strategy::kLocal, {0}))[0]
+                                 .memory_bytes;
+        EXPECT_EQ(model.max_share_memory_bytes(sequence, 1, 1), std::max(0.0, local_bytes));
+      }
+    }
+  }
+}
+
 // A ring over the most ranks allowed: r x r step calls (2^28) would take gigabytes.
 TEST(RingPricing, AWideRingIsPricedInMemoryLinearInItsRanks) {
   constexpr int64_t kRanks = 16384;

@@ -107,6 +107,17 @@ def test_a_placement_over_the_most_ranks_is_shown_in_seconds_and_little_memory(t
     assert f"\n{ranks - 1} " in result.stdout  # a row for every rank
 
 
+def test_a_sequence_no_placement_holds_is_refused_with_an_estimate_in_seconds(tmp_path):
+    # Sizing it weighs every shape over up to 16,384 ranks: each in O(1), not O(its ranks).
+    path = write_batch(tmp_path / "b.json", [{"id": 0, "num_tokens": 2**32, "text_tokens": 512}])
+    result = zellige(
+        "plan", "--batch", path, "--model", "wan-14b", "--gpus", _core.MAX_GPUS,
+        "--planner", "zellige", address_space_bytes=2 << 30,
+    )  # fmt: skip
+    message = assert_user_error(result, "sequence 0", "does not fit in memory", "GiB per rank")
+    assert result.seconds < SECONDS, message
+
+
 # ---- model spec sizes are bounded: no size hangs a plan or wraps int64 ----
 
 

@@ -275,6 +275,12 @@ class CostModel {
   // adaptive checkpointing without their recompute), over any token count.
   double min_floor_time_per_token_s() const;
 
+  // The largest memory_bytes of any share of a placement of `sequence` with these degrees, as
+  // shares() gives them (memory does not depend on which ranks): O(1), not O(degree), so that
+  // sizing a sequence over every degree up to thousands stays linear in the degrees.
+  double max_share_memory_bytes(const Sequence& sequence, int64_t ulysses_degree,
+                                int64_t ring_degree) const;
+
   // Bytes the ranks of `placement` send in total per step (all layers, forward + backward, plus
   // routing the sequence's tokens from its source rank and back).
   double exchange_bytes(const Sequence& sequence, const Placement& placement) const;
