@@ -142,8 +142,8 @@ class EvaluationCache {
     std::vector<double> call_excess_s;
     double exchange_bytes = 0;      // sent by the exchanges, routing excluded
     // Per position: (query, key, heads, tag, step) -> segments, by key, ring steps left out;
-    // and its ring steps' calls, counted (each is a call of its own: never grouped, never
-    // ragged, never streamed, so a ring of r ranks costs O(r), not r calls on each rank).
+    // and its ring steps' calls, counted: each is a call of its own (never grouped, ragged or
+    // streamed), so a ring over r ranks keeps r counts, not r calls on each of its ranks.
     // Listed only once evaluate needs them (calls_listed); the floors never read them.
     std::vector<std::vector<std::pair<std::array<int64_t, 5>, int64_t>>> calls;
     std::vector<int64_t> ring_step_calls;
