@@ -31,6 +31,13 @@ void init_model_spec(nb::module_& m) {
       .def_rw("cross_attention", &LayerFlops::cross_attention);
   add_value_methods(flops, {"linear", "self_attention", "cross_attention"});
 
+  // The documented bounds of a model's sizes (model_spec.h).
+  m.attr("MAX_MODEL_WIDTH") = kMaxModelWidth;
+  m.attr("MAX_MODEL_HEADS") = kMaxModelHeads;
+  m.attr("MAX_MODEL_LAYERS") = kMaxModelLayers;
+  m.attr("MAX_MODEL_FFN_WIDTH") = kMaxModelFfnWidth;
+  m.attr("MAX_MODEL_PARAMS") = kMaxModelParams;
+
   m.def("model_preset", &model_preset, nb::arg("name"));
   m.def("model_preset_names", &model_preset_names);
   m.def("validate_model_spec", &validate_model_spec, nb::arg("model"));

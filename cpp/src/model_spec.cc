@@ -3,6 +3,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "zellige/workload.h"
+
 namespace zellige {
 namespace {
 
@@ -10,13 +12,27 @@ namespace {
 //  cross-attention block: self q,k,v,o + cross q,k,v,o + FFN in/out
 //  MMDiT double block: two streams, each q,k,v,o + FFN + 6-way modulation
 //  MMDiT single block: fused q,k,v + FFN in, fused out (= q,k,v,o + FFN) + 3-way modulation
+// Sizes within validate_model_spec's bounds give at most about 2^46; beyond them (a ModelSpec
+// built by hand) a count past int64 is refused, never wrapped.
 int64_t count_block_params(const ModelSpec& m) {
-  const int64_t d2 = m.width * m.width;
-  const int64_t ffn = 2 * m.width * m.ffn_width;
-  if (!m.joint_attention) return m.num_layers * (4 * d2 + 4 * d2 + ffn);
-  const int64_t double_block = 2 * (4 * d2 + ffn + 6 * d2);
-  const int64_t single_block = 4 * d2 + ffn + 3 * d2;
-  return m.num_double_layers * double_block + (m.num_layers - m.num_double_layers) * single_block;
+  const auto fail = [&m]() -> int64_t {
+    throw std::invalid_argument("model '" + m.name + "': its sizes give more than 2^63 parameters");
+  };
+  const auto mul = [&](int64_t a, int64_t b) {
+    int64_t product = 0;
+    return __builtin_mul_overflow(a, b, &product) ? fail() : product;
+  };
+  const auto add = [&](int64_t a, int64_t b) {
+    int64_t sum = 0;
+    return __builtin_add_overflow(a, b, &sum) ? fail() : sum;
+  };
+  const int64_t d2 = mul(m.width, m.width);
+  const int64_t ffn = mul(2, mul(m.width, m.ffn_width));
+  if (!m.joint_attention) return mul(m.num_layers, add(mul(8, d2), ffn));
+  const int64_t double_block = mul(2, add(mul(10, d2), ffn));
+  const int64_t single_block = add(mul(7, d2), ffn);
+  return add(mul(m.num_double_layers, double_block),
+             mul(m.num_layers - m.num_double_layers, single_block));
 }
 
 ModelSpec make_model(const std::string& name, int64_t width, int64_t num_double_layers,
@@ -61,21 +77,25 @@ ModelSpec model_preset(const std::string& name) {
 void validate_model_spec(const ModelSpec& m) {
   const std::string where = "model '" + m.name + "': ";
   if (m.name.empty()) throw std::invalid_argument("model: name must not be empty");
-  const auto positive = [&](int64_t value, const char* field) {
-    if (value <= 0) {
-      throw std::invalid_argument(where + field + " must be > 0, got " + std::to_string(value));
+  // low is 0 or 1: "> 0" or ">= 0"
+  const auto in_range = [&](int64_t value, const char* field, int64_t low, int64_t high) {
+    if (value < low) {
+      throw std::invalid_argument(where + field + (low > 0 ? " must be > 0" : " must be >= 0") +
+                                  ", got " + std::to_string(value));
+    }
+    if (value > high) {
+      throw std::invalid_argument(where + field + " must be at most " + std::to_string(high) +
+                                  ", got " + std::to_string(value));
     }
   };
-  positive(m.width, "width");
-  positive(m.num_heads, "num_heads");
-  positive(m.head_dim, "head_dim");
-  positive(m.num_layers, "num_layers");
-  positive(m.ffn_width, "ffn_width");
-  if (m.text_tokens < 0) {  // 0: a model without text (class- or unconditioned)
-    throw std::invalid_argument(where + "text_tokens must be >= 0, got " +
-                                std::to_string(m.text_tokens));
-  }
-  positive(m.param_count, "param_count");
+  in_range(m.width, "width", 1, kMaxModelWidth);
+  in_range(m.num_heads, "num_heads", 1, kMaxModelHeads);
+  in_range(m.head_dim, "head_dim", 1, kMaxModelWidth);
+  in_range(m.num_layers, "num_layers", 1, kMaxModelLayers);
+  in_range(m.ffn_width, "ffn_width", 1, kMaxModelFfnWidth);
+  in_range(m.text_tokens, "text_tokens", 0, kMaxTextTokens);  // 0: no text (class-conditioned)
+  in_range(m.param_count, "param_count", 1, kMaxModelParams);
+  // Both factors are bounded above, so the product cannot wrap.
   if (m.head_dim * m.num_heads != m.width) {
     throw std::invalid_argument(where + "head_dim * num_heads must equal width (" +
                                 std::to_string(m.head_dim) + " * " + std::to_string(m.num_heads) +

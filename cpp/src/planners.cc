@@ -95,24 +95,18 @@ double best_memory_bytes(const Sequence& sequence, const CostModel& cost_model,
   const int64_t num_heads = cost_model.model().num_heads;
   const double fixed_bytes = cost_model.fixed_bytes();
   double best_bytes = std::numeric_limits<double>::infinity();
-  auto consider = [&](const Placement& placement) {
+  auto consider = [&](int64_t ulysses_degree, int64_t ring_degree) {
     const double bytes =
-        fixed_bytes + planners::placement_memory_bytes(cost_model.shares(sequence, placement));
+        fixed_bytes + cost_model.max_share_memory_bytes(sequence, ulysses_degree, ring_degree);
     best_bytes = std::min(best_bytes, bytes);
     return stop_when_fits && bytes <= capacity_bytes;
   };
-  if (consider(make_placement(sequence.id, Strategy::kLocal, {0}))) return best_bytes;
+  if (consider(1, 1)) return best_bytes;
   for (int64_t degree = 2; degree <= num_ranks; ++degree) {
-    const std::vector<int64_t> ranks = planners::consecutive_ranks(0, degree);
-    if (degree <= num_heads && consider(make_placement(sequence.id, Strategy::kUlysses, ranks))) {
-      return best_bytes;
-    }
-    if (consider(make_placement(sequence.id, Strategy::kRing, ranks))) return best_bytes;
+    if (degree <= num_heads && consider(degree, 1)) return best_bytes;  // Ulysses
+    if (consider(1, degree)) return best_bytes;                          // ring
     for (int64_t ulysses = 2; ulysses <= std::min(num_heads, degree / 2); ++ulysses) {
-      if (degree % ulysses == 0 &&
-          consider(make_placement(sequence.id, Strategy::kHybrid, ranks, ulysses))) {
-        return best_bytes;
-      }
+      if (degree % ulysses == 0 && consider(ulysses, degree / ulysses)) return best_bytes;
     }
   }
   return best_bytes;

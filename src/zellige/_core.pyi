@@ -8,11 +8,6 @@ import enum
 import numpy
 from numpy.typing import NDArray
 
-from zellige.plan_io import (
-    plan_from_json as from_json,
-    plan_to_json as to_json
-)
-
 
 class LatentGeometry:
     """Pixels -> latent tokens: VAE strides and patch sizes."""
@@ -467,6 +462,16 @@ class LayerFlops:
     def __eq__(self, arg: object, /) -> object: ...
 
     __hash__: None = None
+
+MAX_MODEL_WIDTH: int = 65536
+
+MAX_MODEL_HEADS: int = 4096
+
+MAX_MODEL_LAYERS: int = 256
+
+MAX_MODEL_FFN_WIDTH: int = 262144
+
+MAX_MODEL_PARAMS: int = 1125899906842624
 
 def model_preset(name: str) -> ModelSpec: ...
 

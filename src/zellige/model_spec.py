@@ -14,6 +14,8 @@ A model spec file describes a DiT by the sizes the planner reads, as TOML or JSO
     param_count = 675000000   # optional: the blocks' count from the sizes
 
 The keys are the fields of `zellige.ModelSpec`, so a spec round-trips through a file unchanged.
+Each size has an upper bound (docs/formats.md, "Model spec limits"; `_core.MAX_MODEL_*`), checked
+by the core with the rest.
 Everywhere a preset name is accepted (`--model`, `model=`), a spec file (`--model-spec`) or a
 ModelSpec is too: `resolve_model` is the one place that turns any of them into a ModelSpec.
 """

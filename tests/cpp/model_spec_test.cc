@@ -2,9 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "zellige/cluster.h"
+#include "zellige/workload.h"
 
 namespace zellige {
 namespace {
@@ -85,6 +90,67 @@ TEST(ModelSpecFromSizes, RejectsEachBadFieldByName) {
             std::string::npos);
   EXPECT_NE(message([] { make_model_spec("", 64, 4, 2, 128, 8, true); }).find("name"),
             std::string::npos);
+}
+
+std::string error_of(const std::function<void()>& make) {
+  try {
+    make();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(ModelSpecFromSizes, RefusesEachSizeAboveItsBoundByName) {
+  // name, width, heads, layers, ffn, text, joint, double layers, head_dim, param_count
+  const std::vector<std::pair<std::function<void()>, std::string>> cases = {
+      {[] { make_model_spec("m", kMaxModelWidth * 2, 4, 2, 128, 8, false); },
+       "width must be at most 65536, got 131072"},
+      {[] { make_model_spec("m", kMaxModelHeads * 2, kMaxModelHeads + 1, 2, 128, 8, false, 0, 2); },
+       "num_heads must be at most 4096, got 4097"},
+      {[] { make_model_spec("m", 64, 4, kMaxModelLayers + 1, 128, 8, false); },
+       "num_layers must be at most 256, got 257"},
+      {[] { make_model_spec("m", 64, 4, int64_t{1} << 20, 128, 8, false); },
+       "num_layers must be at most 256"},
+      {[] { make_model_spec("m", 64, 4, int64_t{1} << 40, 128, 8, false); },
+       "num_layers must be at most 256"},
+      {[] { make_model_spec("m", 64, 4, 2, kMaxModelFfnWidth + 1, 8, false); },
+       "ffn_width must be at most 262144"},
+      {[] { make_model_spec("m", 64, 4, 2, 128, kMaxTextTokens + 1, false); },
+       "text_tokens must be at most 1048576"},
+      {[] { make_model_spec("m", 64, 4, 2, 128, 8, false, 0, 0, kMaxModelParams + 1); },
+       "param_count must be at most 1125899906842624"},
+      // 4 x (2^62 + 1) wraps to 4 = width in int64: head_dim is refused before the product.
+      {[] { make_model_spec("m", 4, 4, 2, 128, 8, false, 0, (int64_t{1} << 62) + 1); },
+       "head_dim must be at most 65536"},
+  };
+  for (const auto& [make, needle] : cases) {
+    const std::string message = error_of(make);
+    EXPECT_NE(message.find(needle), std::string::npos) << message << " lacks " << needle;
+  }
+}
+
+TEST(ModelSpecFromSizes, TheLargestSizesCountTheirParametersWithinTheBound) {
+  for (const bool joint : {false, true}) {
+    const int64_t double_layers = joint ? kMaxModelLayers : 0;
+    const ModelSpec m =
+        make_model_spec("m", kMaxModelWidth, kMaxModelWidth / 128, kMaxModelLayers,
+                        kMaxModelFfnWidth, kMaxTextTokens, joint, double_layers);
+    // The count in exact floating point (every term below 2^53).
+    const double d = static_cast<double>(kMaxModelWidth);
+    const double ffn = 2.0 * d * static_cast<double>(kMaxModelFfnWidth);
+    const double layers = static_cast<double>(kMaxModelLayers);
+    EXPECT_EQ(static_cast<double>(m.param_count),
+              joint ? layers * 2.0 * (10.0 * d * d + ffn) : layers * (8.0 * d * d + ffn));
+    EXPECT_LE(m.param_count, kMaxModelParams);
+  }
+}
+
+TEST(ModelSpecFromSizes, AHandMadeSpecWhoseCountWouldWrapIsRefused) {
+  ModelSpec m = model_preset("wan-14b");
+  m.num_layers = int64_t{1} << 40;  // 2^40 x 8 x 5120^2 > 2^63
+  const std::string message = error_of([&] { block_param_count(m); });
+  EXPECT_NE(message.find("more than 2^63 parameters"), std::string::npos) << message;
 }
 
 TEST(LayerFlops, CrossAttentionBreakEvenAtThreeWidthPlusFfn) {

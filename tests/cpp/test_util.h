@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "zellige/cost_model.h"
@@ -36,6 +37,22 @@ inline HardwareProfile seeded_profile() {
   profile.runtime_reserved_bytes = int64_t{3} << 30;
   profile.validate();
   return profile;
+}
+
+// A preset on `gpus` GPUs under the seeded profile.
+inline CostModel make_model(const std::string& model, int64_t gpus, int64_t gpus_per_node,
+                            bool checkpointing = true) {
+  CostOptions options;
+  options.activation_checkpointing = checkpointing;
+  return CostModel(model_preset(model), seeded_profile(), make_cluster(gpus, gpus_per_node),
+                   options);
+}
+
+// Ranks first, first + 1, ..., first + count - 1.
+inline std::vector<int64_t> iota_ranks(int64_t first, int64_t count) {
+  std::vector<int64_t> ranks(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) ranks[i] = first + i;
+  return ranks;
 }
 
 // Video sequences 0, 1, ... of the given lengths, all on source rank 0.

@@ -26,14 +26,24 @@ WORKLOAD = ["--workload", "opensora2-stage2", "--gpus", "8"]
 SECONDS = 20  # every refusal below comes well within this; the old behaviour ran for minutes
 
 
-def zellige(*args, timeout: float = SECONDS) -> subprocess.CompletedProcess:
-    """`python -m zellige.cli ARGS`, failing the test if it runs longer than `timeout`."""
+def zellige(
+    *args, timeout: float = SECONDS, address_space_bytes: int | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m zellige.cli ARGS`, failing the test if it runs longer than `timeout`; with
+    `address_space_bytes`, an allocation beyond it fails (MemoryError) instead of swapping."""
+
+    def limit_memory() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (address_space_bytes, address_space_bytes))
+
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "zellige.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=limit_memory if address_space_bytes is not None else None,
     )
     result.seconds = time.monotonic() - started
     return result
@@ -72,6 +82,80 @@ def test_a_plan_file_with_a_trillion_ranks_is_refused_up_front(tmp_path):
 def test_gpus_beyond_the_limit_are_refused_up_front(gpus):
     message = refused("plan", "--workload", "wan-stage1", "--gpus", gpus, "--planner", "zellige")
     assert str(_core.MAX_GPUS) in message
+
+
+# ---- pricing a ring or hybrid placement takes time and memory linear in its ranks ----
+
+
+@pytest.mark.parametrize("strategy", ["ring", "hybrid(8,2048)"])
+def test_a_placement_over_the_most_ranks_is_shown_in_seconds_and_little_memory(tmp_path, strategy):
+    # A 100 KB plan: one 2^20-token sequence over 16,384 ranks, whose r ring steps on each of r
+    # ranks would take gigabytes as r x r listed calls.
+    ranks = _core.MAX_GPUS
+    batch = {"sequences": [{"id": 0, "num_tokens": 1 << 20, "text_tokens": 512}]}
+    plan = {
+        "planner": "hand-made",
+        "num_ranks": ranks,
+        "placements": [{"id": 0, "strategy": strategy, "ranks": list(range(ranks))}],
+        "context": {"model": "wan-14b", "gpus_per_node": 8, "links": "nvlink", "batch": batch},
+    }
+    path = tmp_path / "wide.json"
+    path.write_text(json.dumps(plan))
+    result = zellige("show", path, address_space_bytes=2 << 30)
+    assert result.returncode == 0, result.stderr
+    assert result.seconds < SECONDS
+    assert f"\n{ranks - 1} " in result.stdout  # a row for every rank
+
+
+def test_a_sequence_no_placement_holds_is_refused_with_an_estimate_in_seconds(tmp_path):
+    # Sizing it weighs every shape over up to 16,384 ranks: each in O(1), not O(its ranks).
+    path = write_batch(tmp_path / "b.json", [{"id": 0, "num_tokens": 2**32, "text_tokens": 512}])
+    result = zellige(
+        "plan", "--batch", path, "--model", "wan-14b", "--gpus", _core.MAX_GPUS,
+        "--planner", "zellige", address_space_bytes=2 << 30,
+    )  # fmt: skip
+    message = assert_user_error(result, "sequence 0", "does not fit in memory", "GiB per rank")
+    assert result.seconds < SECONDS, message
+
+
+# ---- model spec sizes are bounded: no size hangs a plan or wraps int64 ----
+
+
+@pytest.mark.parametrize(
+    "sizes, needle",
+    [
+        ({"num_layers": 2**20}, "num_layers must be at most"),
+        ({"num_layers": 2**40}, "num_layers must be at most"),  # 4.9e18 parameters
+        ({"width": 4, "head_dim": 2**62 + 1}, "head_dim must be at most"),  # x 4 heads wraps to 4
+        ({"ffn_width": 2**40}, "ffn_width must be at most"),
+        ({"num_heads": 2**13, "width": 2**13}, "num_heads must be at most"),
+    ],
+    ids=["layers-2^20", "layers-2^40", "head-dim-wraps", "ffn-2^40", "heads-2^13"],
+)
+def test_model_spec_sizes_beyond_their_bounds_are_refused_at_once(tmp_path, sizes, needle):
+    spec = {"name": "big", "width": 64, "num_heads": 4, "num_layers": 2, "ffn_width": 128}
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({**spec, "text_tokens": 8, **sizes}))
+    message = refused("plan", *WORKLOAD, "--planner", "zellige", "--model-spec", path)
+    assert needle in message and "big.json" in message
+
+
+@pytest.mark.parametrize("joint", [False, True], ids=["cross", "joint"])
+def test_a_model_spec_at_every_bound_plans_or_is_refused_in_seconds(tmp_path, joint):
+    from zellige.model_spec import load_model_spec, save_model_spec
+
+    layers = _core.MAX_MODEL_LAYERS
+    spec = _core.make_model_spec(
+        "largest", _core.MAX_MODEL_WIDTH, _core.MAX_MODEL_HEADS, layers,
+        _core.MAX_MODEL_FFN_WIDTH, 1 << 20, joint, layers // 2 if joint else 0,
+    )  # fmt: skip
+    assert 0 < spec.param_count <= _core.MAX_MODEL_PARAMS
+    path = tmp_path / "largest.toml"
+    save_model_spec(spec, path)
+    assert load_model_spec(path) == spec
+    result = zellige("plan", *WORKLOAD, "--planner", "zellige", "--model-spec", path)
+    if result.returncode != 0:  # its training state fits no GPU: one line, no traceback
+        assert_user_error(result, "does not fit")
 
 
 # ---- stress 3: int64 overflow of frames x height x width; a plan's grid must multiply ----

@@ -155,6 +155,30 @@ BAD_SPECS = [
         "num_double_layers = 1\n",
         "must be 0 for a cross-attention model",
     ),
+    (  # bounded: far above any DiT, and every plan within seconds
+        "bad.toml",
+        'name = "x"\nwidth = 64\nnum_heads = 4\nnum_layers = 1048576\nffn_width = 8\n'
+        "text_tokens = 8\n",
+        "num_layers must be at most 256, got 1048576",
+    ),
+    (  # its parameter count would wrap int64
+        "bad.json",
+        '{"name": "x", "width": 64, "num_heads": 4, "num_layers": 1099511627776, '
+        '"ffn_width": 8, "text_tokens": 8}',
+        "num_layers must be at most 256, got 1099511627776",
+    ),
+    (  # 4 x (2^62 + 1) wraps to 4 = width
+        "bad.toml",
+        'name = "x"\nwidth = 4\nnum_heads = 4\nhead_dim = 4611686018427387905\nnum_layers = 2\n'
+        "ffn_width = 8\ntext_tokens = 8\n",
+        "head_dim must be at most 65536",
+    ),
+    (
+        "bad.toml",
+        'name = "x"\nwidth = 64\nnum_heads = 4\nnum_layers = 2\nffn_width = 8\ntext_tokens = 8\n'
+        "param_count = 4900000000000000000\n",
+        "param_count must be at most",
+    ),
     (  # beyond the core's int64: a one-line error, not the binding's TypeError
         "bad.toml",
         'name = "x"\nwidth = 99999999999999999999\nnum_heads = 4\nnum_layers = 2\n'

@@ -141,10 +141,12 @@ class EvaluationCache {
     // cross-attention call beside others on streams (stream_gain_bound_); see makespan_floor.
     std::vector<double> call_excess_s;
     double exchange_bytes = 0;      // sent by the exchanges, routing excluded
-    // Per position: (query, key, heads, tag, step) -> segments, by key; tag kOwnTag stands for
-    // the sequence's id (its ring steps). Listed only once evaluate needs them (calls_listed):
-    // a ring of r steps lists r calls on each of its ranks, and the floors never read them.
+    // Per position: (query, key, heads, tag, step) -> segments, by key, ring steps left out;
+    // and its ring steps' calls, counted: each is a call of its own (never grouped, ragged or
+    // streamed), so a ring over r ranks keeps r counts, not r calls on each of its ranks.
+    // Listed only once evaluate needs them (calls_listed); the floors never read them.
     std::vector<std::vector<std::pair<std::array<int64_t, 5>, int64_t>>> calls;
+    std::vector<int64_t> ring_step_calls;
     bool calls_listed = false;
   };
   struct LengthsHash {
@@ -273,6 +275,12 @@ class CostModel {
   // adaptive checkpointing without their recompute), over any token count.
   double min_floor_time_per_token_s() const;
 
+  // The largest memory_bytes of any share of a placement of `sequence` with these degrees, as
+  // shares() gives them (memory does not depend on which ranks): O(1), not O(degree), so that
+  // sizing a sequence over every degree up to thousands stays linear in the degrees.
+  double max_share_memory_bytes(const Sequence& sequence, int64_t ulysses_degree,
+                                int64_t ring_degree) const;
+
   // Bytes the ranks of `placement` send in total per step (all layers, forward + backward, plus
   // routing the sequence's tokens from its source rank and back).
   double exchange_bytes(const Sequence& sequence, const Placement& placement) const;
@@ -321,16 +329,19 @@ class CostModel {
   // coalesced._ragged_choice; a rank's tables are disjoint).
   std::array<bool, kRaggedKinds> ragged_tables(std::vector<RankCall>::const_iterator first,
                                                std::vector<RankCall>::const_iterator last) const;
-  // Appends one RankCall per segment (rank: placement.ranks[position]).
+  // Appends one RankCall per segment (rank: placement.ranks[position]) but the ring steps',
+  // which it counts per rank in `ring_step_calls` (indexed by rank).
   void add_attention_calls(const Sequence& sequence, const Placement& placement,
-                           std::vector<RankCall>* calls) const;
-  // The calls of one position (j in the ring, k in the Ulysses group), one per segment.
+                           std::vector<RankCall>* calls,
+                           std::vector<int64_t>* ring_step_calls) const;
+  // The calls of one position (j in the ring, k in the Ulysses group), one per segment. With
+  // `ring_step_calls`, the ring steps' calls are counted there instead of listed (O(1), not r).
   void position_calls(const Sequence& sequence, const Placement& placement, int64_t j, int64_t k,
-                      std::vector<CallKey>* keys) const;
+                      std::vector<CallKey>* keys, int64_t* ring_step_calls = nullptr) const;
   // Forward + backward seconds per head and layer that a call of `call_heads`
   // heads costs beyond the full-call rate; never negative, 0 without call tables.
   double call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads) const;
-  friend struct LowerBoundSearch;  // makespan_lower_bound's candidate search (cost_model.cc)
+  friend struct LowerBoundSearch;  // makespan_lower_bound's candidate search (lower_bound.cc)
 
   // A profile table in log space: a lookup costs one log and one exp (planners' hot path).
   struct LogTable {

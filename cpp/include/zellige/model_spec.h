@@ -20,6 +20,16 @@ struct ModelSpec {
   int64_t param_count = 0;       // presets: the blocks' (block_param_count); a module's: all
 };
 
+// Upper bounds of a model's sizes, the one table (docs/model-spec.md lists it): far above any
+// DiT (Wan 14B: width 5120, 40 layers, 40 heads), low enough that the parameter count and every
+// product of sizes stay inside int64 and a plan takes seconds (the planners' memory search
+// weighs every layer). text_tokens has a sequence's bound, kMaxTextTokens (workload.h).
+inline constexpr int64_t kMaxModelWidth = int64_t{1} << 16;     // width; head_dim too
+inline constexpr int64_t kMaxModelHeads = int64_t{1} << 12;     // num_heads
+inline constexpr int64_t kMaxModelLayers = int64_t{1} << 8;     // num_layers
+inline constexpr int64_t kMaxModelFfnWidth = int64_t{1} << 18;  // ffn_width
+inline constexpr int64_t kMaxModelParams = int64_t{1} << 50;    // param_count (10^15)
+
 // Presets: "wan-1.3b", "wan-14b", "mmdit-11b", "hunyuan-13b", "tiny" and "mmdit-tiny" (for
 // tests and CPU smoke runs: zellige.model's tiny-cpu and mmdit-tiny-cpu). Throws
 // std::invalid_argument naming the allowed names for an unknown one.
@@ -28,8 +38,9 @@ std::vector<std::string> model_preset_names();
 
 // Checks a model given by its sizes (a spec file, a user's module; zellige.load_model_spec) and
 // throws std::invalid_argument naming the field that is wrong and what is allowed: every size
-// > 0, head_dim * num_heads == width (the cost model's attention width is the model's), a
-// cross-attention model has no double-stream layers, a joint one at most num_layers of them.
+// > 0 and at most its bound above, head_dim * num_heads == width (the cost model's attention
+// width is the model's), a cross-attention model has no double-stream layers, a joint one at
+// most num_layers of them.
 void validate_model_spec(const ModelSpec& model);
 
 // A validated ModelSpec from sizes. head_dim 0: width / num_heads; param_count 0: the blocks'

@@ -1,0 +1,621 @@
+// A whole plan's cost: the attention calls the engine runs on each rank (grouped equal
+// segments, ragged tables, streams), the memo of placements' shares, the floors the planners
+// compare plans by, and evaluate().
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <iterator>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cost_model_internal.h"
+#include "zellige/cost_model.h"
+
+namespace zellige {
+
+using cost_model_internal::kCrossTag;
+using cost_model_internal::kElementwiseBytesPerTokenWidth;
+using cost_model_internal::kRouteBytesPerToken;
+using cost_model_internal::max_rate;
+
+std::vector<int64_t> stream_assignment(const std::vector<int64_t>& works, int64_t streams) {
+  std::vector<int64_t> queued(static_cast<size_t>(std::max<int64_t>(1, streams)), 0);
+  std::vector<int64_t> chosen;
+  chosen.reserve(works.size());
+  for (const int64_t work : works) {
+    const auto least = std::min_element(queued.begin(), queued.end());  // first of the least
+    *least += work;
+    chosen.push_back(least - queued.begin());
+  }
+  return chosen;
+}
+
+double streamed_calls_s(const std::vector<int64_t>& works, const std::vector<double>& seconds,
+                        int64_t streams, double overlap) {
+  if (works.size() != seconds.size()) {
+    throw std::invalid_argument("streamed_calls_s: one work and one time per call");
+  }
+  double serial_s = 0;
+  for (const double call_s : seconds) serial_s += call_s;
+  if (streams <= 1 || overlap == 0 || works.size() < 2) return serial_s;
+  std::vector<double> load_s(static_cast<size_t>(streams), 0.0);
+  const std::vector<int64_t> chosen = stream_assignment(works, streams);
+  for (size_t i = 0; i < chosen.size(); ++i) load_s[static_cast<size_t>(chosen[i])] += seconds[i];
+  const double most_s = *std::max_element(load_s.begin(), load_s.end());
+  return serial_s - overlap * (serial_s - most_s);
+}
+
+// The segments each rank of `placement` attends, as the engine groups them into calls (see
+// the step program's dense groups, docs/architecture.md): self-attention of its block's heads against
+// every block (one call per ring step), and cross-attention of its chunk to the text.
+void CostModel::add_attention_calls(const Sequence& sequence, const Placement& placement,
+                                    std::vector<RankCall>* calls,
+                                    std::vector<int64_t>* ring_step_calls) const {
+  std::vector<CallKey> keys;
+  const int64_t u = placement.ulysses_degree;
+  for (int64_t j = 0; j < placement.ring_degree; ++j) {
+    for (int64_t k = 0; k < u; ++k) {
+      int64_t steps = 0;
+      position_calls(sequence, placement, j, k, &keys, &steps);
+      const int64_t rank = placement.ranks[j * u + k];
+      (*ring_step_calls)[rank] += steps;
+      for (const CallKey& key : keys) calls->push_back({rank, key});
+    }
+  }
+}
+
+// Position (j, k) holds block j of the ring and head group k of the Ulysses group. Every key it
+// lists differs from the others (ring steps by step, the text call by its tag).
+void CostModel::position_calls(const Sequence& sequence, const Placement& placement, int64_t j,
+                               int64_t k, std::vector<CallKey>* keys,
+                               int64_t* ring_step_calls) const {
+  keys->clear();
+  if (ring_step_calls != nullptr) *ring_step_calls = 0;
+  const int64_t unit_tokens = attended_tokens(model_, sequence.num_tokens, sequence.text_tokens);
+  const int64_t u = placement.ulysses_degree;
+  const int64_t r = placement.ring_degree;
+  const int64_t all_heads = model_.num_heads;
+  const bool cross = !model_.joint_attention && sequence.text_tokens > 0;
+  const int64_t small_block = unit_tokens / r, num_big_blocks = unit_tokens % r;
+  const auto block_of = [&](int64_t i) { return small_block + (i < num_big_blocks ? 1 : 0); };
+  const int64_t block = block_of(j);
+  const int64_t chunk = block / u + (k < block % u ? 1 : 0);
+  const int64_t heads = all_heads / u + (k < all_heads % u ? 1 : 0);
+  if (block > 0 && heads > 0 && r > 1 && ring_step_calls != nullptr) {
+    // the ring meets every block once: one call per nonempty block
+    *ring_step_calls = small_block > 0 ? r : num_big_blocks;
+  } else if (block > 0 && heads > 0) {
+    for (int64_t step = 0; step < r; ++step) {
+      const int64_t key_block = block_of((j + r - step) % r);
+      if (key_block == 0) continue;
+      const int64_t tag = r == 1 ? -1 : sequence.id;
+      keys->push_back({block, key_block, heads, tag, r == 1 ? 0 : step});
+    }
+  }
+  if (cross && chunk > 0) keys->push_back({chunk, sequence.text_tokens, all_heads, kCrossTag, 0});
+}
+
+int CostModel::ragged_kind(const CallKey& key) const {
+  if (key[3] == kCrossTag) return 2;
+  if (key[3] != -1) return -1;  // a ring step's sequence
+  return key[2] == model_.num_heads ? 0 : 1;  // a Ulysses rank holds fewer heads than all
+}
+
+std::array<bool, CostModel::kRaggedKinds> CostModel::ragged_tables(
+    std::vector<RankCall>::const_iterator first, std::vector<RankCall>::const_iterator last) const {
+  std::array<bool, kRaggedKinds> ragged{};
+  if (!profile_.attention_ragged) return ragged;
+  std::array<int64_t, kRaggedKinds> calls{}, heads{}, longest{};
+  std::array<bool, kRaggedKinds> one_head_count{true, true, true};
+  for (auto it = first; it != last; ++it) {
+    if (it != first && std::prev(it)->key == it->key) continue;  // one call per distinct key
+    const int kind = ragged_kind(it->key);
+    if (kind < 0) continue;
+    if (calls[kind]++ == 0) heads[kind] = it->key[2];
+    one_head_count[kind] = one_head_count[kind] && heads[kind] == it->key[2];
+    longest[kind] = std::max({longest[kind], it->key[0], it->key[1]});
+  }
+  for (int kind = 0; kind < kRaggedKinds; ++kind) {
+    ragged[kind] = calls[kind] >= kRaggedMinCalls && one_head_count[kind] &&
+                   longest[kind] <= kRaggedMaxSegmentTokens;
+  }
+  return ragged;
+}
+
+size_t EvaluationCache::KeyHash::operator()(const std::vector<int64_t>& key) const {
+  uint64_t hash = 1469598103934665603ull;
+  for (int64_t value : key) {
+    hash ^= static_cast<uint64_t>(value) + 0x9e3779b97f4a7c15ull + (hash << 6) + (hash >> 2);
+  }
+  return static_cast<size_t>(hash);
+}
+
+namespace {
+// Stands for the sequence's own id in fill_entry's call keys: a ring's steps sort alike,
+// whichever the sequence, so every entry of one shape sums its excess in one order.
+constexpr int64_t kOwnTag = std::numeric_limits<int64_t>::min();
+}  // namespace
+
+// Key: lengths, degrees, then each rank's node renumbered by first appearance (shares depend on
+// the ranks only through which of them share a node).
+EvaluationCache::Entry& CostModel::cached_terms(const Sequence& sequence,
+                                                const Placement& placement,
+                                                EvaluationCache& cache) const {
+  EvaluationCache::Entry* found = nullptr;
+  bool inserted = false;
+  if (placement.ranks.size() == 1) {
+    auto [it, is_new] =
+        cache.local_entries_.try_emplace({sequence.num_tokens, sequence.text_tokens});
+    found = &it->second;
+    inserted = is_new;
+  } else {
+    found = &find_entry(sequence, placement, cache, &inserted);
+  }
+  EvaluationCache::Entry& entry = *found;
+  if (!inserted) return entry;
+  fill_entry(sequence, placement, &entry);
+  return entry;
+}
+
+EvaluationCache::Entry& CostModel::find_entry(const Sequence& sequence, const Placement& placement,
+                                              EvaluationCache& cache, bool* inserted) const {
+  std::vector<int64_t>& key = cache.key_;
+  key.assign({sequence.num_tokens, sequence.text_tokens, placement.ulysses_degree,
+              placement.ring_degree});
+  int64_t first_node = -1, next_label = 0;
+  int64_t last_node = -1, last_label = 0;  // the last node looked up in `labels`, its label
+  std::unordered_map<int64_t, int64_t> labels;
+  for (int64_t rank : placement.ranks) {
+    const int64_t node = cluster_.node_of(rank);
+    if (placement.ranks.size() <= 1 || node == first_node) {
+      key.push_back(0);
+      continue;
+    }
+    if (first_node < 0) {  // label 0, told apart without the map
+      first_node = node;
+      ++next_label;
+      key.push_back(0);
+      continue;
+    }
+    if (node != last_node) {  // ranks of one node usually come together: one lookup per run
+      const auto [it, inserted] = labels.try_emplace(node, next_label);
+      if (inserted) ++next_label;
+      last_node = node;
+      last_label = it->second;
+    }
+    key.push_back(last_label);
+  }
+  auto [it, is_new] = cache.entries_.try_emplace(key);
+  *inserted = is_new;
+  return it->second;
+}
+
+void CostModel::fill_entry(const Sequence& sequence, const Placement& placement,
+                           EvaluationCache::Entry* out) const {
+  EvaluationCache::Entry& entry = *out;
+  double sent = 0;
+  entry.shares = shares_and_bytes(sequence, placement, &sent);
+  for (RankShare& share : entry.shares) {
+    if (share.rank != sequence.source_rank) {
+      sent -= 2.0 * kRouteBytesPerToken * static_cast<double>(share.tokens);
+    }
+  }
+  entry.exchange_bytes = sent;
+  for (size_t k = 0; k < entry.shares.size(); ++k) entry.shares[k].rank = static_cast<int64_t>(k);
+  // Each position's call excess, summed over its calls in key order (as evaluate lists them).
+  // A position's calls are fixed by its block, head count and text chunk up to the ring step
+  // (every position's ring meets every block once), so positions alike share one sum: a ring
+  // over thousands of ranks lists a few positions' calls, not every one's.
+  const int64_t u = placement.ulysses_degree;
+  const int64_t r = placement.ring_degree;
+  entry.call_excess_s.assign(entry.shares.size(), 0.0);
+  entry.calls.clear();
+  entry.calls_listed = false;
+  const double layers = static_cast<double>(model_.num_layers);
+  // Positions repeat a few (query, key, heads) triples (a ring has at most two block sizes):
+  // each one's excess is priced once.
+  std::vector<std::pair<std::array<int64_t, 3>, double>> excess_per_head_s;
+  std::vector<std::pair<std::array<int64_t, 3>, double>> excess_of_position;  // by its triple
+  std::vector<CallKey> keys;
+  Sequence own = sequence;  // keys ordered alike for every sequence of this shape
+  own.id = kOwnTag;
+  const int64_t unit_tokens = attended_tokens(model_, sequence.num_tokens, sequence.text_tokens);
+  const int64_t all_heads = model_.num_heads;
+  for (int64_t j = 0; j < r; ++j) {
+    const int64_t block = unit_tokens / r + (j < unit_tokens % r ? 1 : 0);
+    for (int64_t k = 0; k < u; ++k) {
+      const std::array<int64_t, 3> position = {block, block / u + (k < block % u ? 1 : 0),
+                                               all_heads / u + (k < all_heads % u ? 1 : 0)};
+      auto alike = std::find_if(excess_of_position.begin(), excess_of_position.end(),
+                                [&](const auto& item) { return item.first == position; });
+      if (alike == excess_of_position.end()) {
+        position_calls(own, placement, j, k, &keys);
+        std::sort(keys.begin(), keys.end());  // distinct keys, one segment each
+        double excess_s = 0;
+        for (const CallKey& call : keys) {
+          const std::array<int64_t, 3> lengths_heads = {call[0], call[1], call[2]};
+          auto known = std::find_if(excess_per_head_s.begin(), excess_per_head_s.end(),
+                                    [&](const auto& item) { return item.first == lengths_heads; });
+          if (known == excess_per_head_s.end()) {
+            excess_per_head_s.push_back(
+                {lengths_heads,
+                 call_excess_per_head_s(static_cast<double>(call[0]), static_cast<double>(call[1]),
+                                        static_cast<double>(call[2]))});
+            known = excess_per_head_s.end() - 1;
+          }
+          const double heads = static_cast<double>(call[2]);
+          excess_s += layers * 1.0 * heads * known->second;
+          if (call[3] == kCrossTag && stream_gain_bound_ > 0) {
+            // what the cross-attention table's streams may save of this call at most: the floor
+            // takes it off with the excess (evaluate prices the actual saving per rank)
+            const double lq = static_cast<double>(call[0]), lk = static_cast<double>(call[1]);
+            excess_s += stream_gain_bound_ * layers * heads *
+                        (head_forward_s(lq, lk) + head_backward_s(lq, lk) + known->second);
+          }
+        }
+        excess_of_position.push_back({position, excess_s});
+        alike = excess_of_position.end() - 1;
+      }
+      entry.call_excess_s[j * u + k] = alike->second;
+    }
+  }
+}
+
+void CostModel::list_calls(const Sequence& sequence, const Placement& placement,
+                           EvaluationCache::Entry* entry) const {
+  if (entry->calls_listed) return;
+  entry->calls_listed = true;
+  const int64_t u = placement.ulysses_degree;
+  entry->calls.resize(placement.ranks.size());
+  entry->ring_step_calls.assign(placement.ranks.size(), 0);
+  std::vector<CallKey> keys;
+  for (int64_t j = 0; j < placement.ring_degree; ++j) {
+    for (int64_t k = 0; k < u; ++k) {
+      position_calls(sequence, placement, j, k, &keys, &entry->ring_step_calls[j * u + k]);
+      std::sort(keys.begin(), keys.end());  // distinct keys, one segment each
+      auto& calls = entry->calls[j * u + k];
+      calls.clear();
+      for (const CallKey& key : keys) calls.push_back({key, 1});
+    }
+  }
+}
+
+double CostModel::makespan_floor(const Batch& batch, const Plan& plan,
+                                 EvaluationCache& cache) const {
+  const int64_t num_ranks = cluster_.num_ranks();
+  std::vector<int64_t> tokens(static_cast<size_t>(num_ranks), 0);
+  std::vector<double> other_s(static_cast<size_t>(num_ranks), 0.0);
+  std::unordered_map<int64_t, const Sequence*> by_id;
+  const size_t num_sequences = batch.sequences.size();
+  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
+  for (size_t i = 0; i < plan.placements.size(); ++i) {
+    const Placement& placement = plan.placements[i];
+    const Sequence* sequence = i < num_sequences ? &batch.sequences[i] : nullptr;
+    if (sequence == nullptr || sequence->id != placement.sequence_id) {  // not in batch order
+      if (by_id.empty()) {
+        for (const Sequence& s : batch.sequences) by_id[s.id] = &s;
+      }
+      sequence = by_id.at(placement.sequence_id);
+    }
+    const EvaluationCache::Entry& entry = cached_terms(*sequence, placement, cache);
+    for (size_t k = 0; k < entry.shares.size(); ++k) {
+      const RankShare& share = entry.shares[k];
+      const int64_t rank = placement.ranks[k];
+      tokens[rank] += share.tokens;
+      other_s[rank] += share.attention_s + share.exchange_s - entry.call_excess_s[k];
+      // Adaptive checkpointing may skip every layer's recompute where memory allows.
+      if (skips_recompute) other_s[rank] -= share.recompute_s + share.recompute_exchange_s;
+    }
+  }
+  return floor_of_totals(tokens, other_s);
+}
+
+void CostModel::floor_terms(const Sequence& sequence, const Placement& placement,
+                            EvaluationCache& cache, std::vector<FloorTerm>* terms) const {
+  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
+  const EvaluationCache::Entry& entry = cached_terms(sequence, placement, cache);
+  terms->resize(entry.shares.size());
+  for (size_t k = 0; k < entry.shares.size(); ++k) {
+    const RankShare& share = entry.shares[k];
+    (*terms)[k].tokens = share.tokens;
+    (*terms)[k].added_s = share.attention_s + share.exchange_s - entry.call_excess_s[k];
+    (*terms)[k].skipped_s = skips_recompute ? share.recompute_s + share.recompute_exchange_s : 0.0;
+  }
+}
+
+double CostModel::floor_of_totals(const std::vector<int64_t>& tokens,
+                                  const std::vector<double>& other_s) const {
+  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
+  double floor_s = 0;
+  for (size_t rank = 0; rank < tokens.size(); ++rank) {
+    const double linear_s = linear_time_s(tokens[rank]) -
+                            (skips_recompute ? linear_recompute_s(tokens[rank]) : 0.0);
+    floor_s = std::max(floor_s, linear_s + other_s[rank]);
+  }
+  return floor_s;
+}
+
+double CostModel::min_floor_time_per_token_s() const {
+  if (!(options_.activation_checkpointing && options_.adaptive_checkpointing)) {
+    return min_linear_time_per_token_s_;
+  }
+  // linear_time_s - linear_recompute_s per token: one forward pass and one elementwise pass less,
+  // each at its fastest rate.
+  const double d = static_cast<double>(model_.width);
+  const double bpe = static_cast<double>(options_.bytes_per_element);
+  return min_linear_time_per_token_s_ -
+         static_cast<double>(model_.num_layers) *
+             (forward_flops_per_token_ /
+                  max_rate(profile_.matmul_forward_flops_per_s, profile_.matmul_flops_per_s) +
+              kElementwiseBytesPerTokenWidth * d * bpe / profile_.memory_bytes_per_s);
+}
+
+double CostModel::floor_rank_seconds(const Sequence& sequence, const Placement& placement,
+                                     EvaluationCache& cache) const {
+  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
+  const double rate_s = min_floor_time_per_token_s();
+  const EvaluationCache::Entry& entry = cached_terms(sequence, placement, cache);
+  double total_s = 0;
+  for (size_t k = 0; k < entry.shares.size(); ++k) {
+    const RankShare& share = entry.shares[k];
+    // As makespan_floor adds it to the rank.
+    double other_s = share.attention_s + share.exchange_s - entry.call_excess_s[k];
+    if (skips_recompute) other_s -= share.recompute_s + share.recompute_exchange_s;
+    total_s += rate_s * static_cast<double>(share.tokens) + other_s;
+  }
+  return total_s;
+}
+
+std::vector<RankShare> CostModel::shares(const Sequence& sequence, const Placement& placement,
+                                         EvaluationCache& cache) const {
+  std::vector<RankShare> result = cached_terms(sequence, placement, cache).shares;
+  for (size_t k = 0; k < result.size(); ++k) result[k].rank = placement.ranks[k];
+  return result;
+}
+
+PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
+  return evaluate_impl(batch, plan, nullptr);
+}
+
+PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan, EvaluationCache& cache) const {
+  return evaluate_impl(batch, plan, &cache);
+}
+
+PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
+                                  EvaluationCache* cache) const {
+  const int64_t num_ranks = cluster_.num_ranks();
+  if (plan.num_ranks != num_ranks) {
+    throw std::invalid_argument("plan is for " + std::to_string(plan.num_ranks) +
+                                " ranks but the cluster has " + std::to_string(num_ranks));
+  }
+  validate_plan(plan, batch, num_ranks, model_.num_heads);
+  std::unordered_map<int64_t, const Sequence*> by_id;
+  by_id.reserve(batch.sequences.size());
+  for (const Sequence& sequence : batch.sequences) by_id[sequence.id] = &sequence;
+
+  PlanCost cost;
+  cost.ranks.assign(static_cast<size_t>(num_ranks), RankCost{});
+  // per rank: one layer's kept activations without / with checkpointing, buffers, recompute
+  std::vector<double> activation(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> checkpoint(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> buffer(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> recompute(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> input(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> attention_recompute(static_cast<size_t>(num_ranks), 0.0);
+  std::vector<double> attention_recompute_exchange(static_cast<size_t>(num_ranks), 0.0);
+  // per rank: held tokens of each phase of its attention backward (local sequences' calls, the
+  // calls of the sequences Ulysses exchanged, ring steps), whose buffers never coexist
+  std::vector<std::array<double, 3>> phase_tokens(static_cast<size_t>(num_ranks), {0, 0, 0});
+  const auto phase_of = [](const Placement& placement) {
+    return placement.ring_degree > 1 ? 2 : placement.ulysses_degree > 1 ? 1 : 0;
+  };
+  // Every segment's call, by rank at the end: a rank's calls sorted by key, equal keys merged (a
+  // vector sorted once, not a map per rank). Ring steps' calls are only counted (a ring over r
+  // ranks has r on each: r^2 in all).
+  std::vector<RankCall> calls;
+  std::vector<int64_t> ring_step_calls(static_cast<size_t>(num_ranks), 0);
+  auto add_share = [&](const RankShare& share, int64_t rank_index, int phase) {
+    RankCost& rank = cost.ranks[rank_index];
+    rank.tokens += share.tokens;
+    phase_tokens[rank_index][phase] += static_cast<double>(share.tokens);
+    rank.attention_s += share.attention_s;
+    rank.exchange_s += share.exchange_s;
+    activation[rank_index] += share.layer_activation_bytes;
+    checkpoint[rank_index] += share.layer_checkpoint_bytes;
+    buffer[rank_index] += share.buffer_bytes;
+    recompute[rank_index] += share.recompute_s;
+    recompute_exchange[rank_index] += share.recompute_exchange_s;
+    input[rank_index] += share.layer_input_bytes;
+    attention_recompute[rank_index] += share.attention_recompute_s;
+    attention_recompute_exchange[rank_index] += share.attention_recompute_exchange_s;
+  };
+  for (const Placement& placement : plan.placements) {
+    double sent = 0;
+    const Sequence& sequence = *by_id.at(placement.sequence_id);
+    if (cache != nullptr) {
+      EvaluationCache::Entry& entry = cached_terms(sequence, placement, *cache);
+      list_calls(sequence, placement, &entry);
+      for (size_t k = 0; k < entry.shares.size(); ++k) {
+        const int64_t rank_index = placement.ranks[k];
+        add_share(entry.shares[k], rank_index, phase_of(placement));
+        if (rank_index != sequence.source_rank) {
+          sent += 2.0 * kRouteBytesPerToken * static_cast<double>(entry.shares[k].tokens);
+        }
+        ring_step_calls[rank_index] += entry.ring_step_calls[k];
+        for (const auto& [call, segments] : entry.calls[k]) {
+          calls.push_back({rank_index, call, segments});
+        }
+      }
+      cost.exchange_bytes += entry.exchange_bytes + sent;
+      continue;
+    }
+    add_attention_calls(sequence, placement, &calls, &ring_step_calls);
+    for (const RankShare& share : shares_and_bytes(sequence, placement, &sent)) {
+      add_share(share, share.rank, phase_of(placement));
+    }
+    cost.exchange_bytes += sent;
+  }
+  // By rank (counting sort), then each rank's calls by key.
+  std::vector<size_t> rank_begin(static_cast<size_t>(num_ranks) + 1, 0);
+  for (const RankCall& call : calls) ++rank_begin[call.rank + 1];
+  for (int64_t i = 0; i < num_ranks; ++i) rank_begin[i + 1] += rank_begin[i];
+  std::vector<RankCall> by_rank(calls.size());
+  {
+    std::vector<size_t> next(rank_begin.begin(), rank_begin.end() - 1);
+    for (const RankCall& call : calls) by_rank[next[call.rank]++] = call;
+  }
+  const double capacity = memory_capacity_bytes();
+  std::vector<std::pair<int64_t, double>> streamed;  // a rank's cross-attention calls: work, s
+  for (int64_t i = 0; i < num_ranks; ++i) {
+    RankCost& rank = cost.ranks[i];
+    rank.linear_s = linear_time_s(rank.tokens);
+    const double layers = static_cast<double>(model_.num_layers);
+    const auto first = by_rank.begin() + static_cast<std::ptrdiff_t>(rank_begin[i]);
+    const auto last = by_rank.begin() + static_cast<std::ptrdiff_t>(rank_begin[i + 1]);
+    std::sort(first, last, [](const RankCall& a, const RankCall& b) { return a.key < b.key; });
+    int64_t distinct_calls = 0;
+    streamed.clear();
+    const std::array<bool, kRaggedKinds> ragged = ragged_tables(first, last);
+    for (auto it = first; it != last;) {
+      const CallKey& key = it->key;
+      int64_t segments = 0;
+      for (; it != last && it->key == key; ++it) segments += it->segments;
+      const double heads = static_cast<double>(key[2]);
+      const double call_heads = static_cast<double>(segments) * heads;
+      const double lq = static_cast<double>(key[0]), lk = static_cast<double>(key[1]);
+      const int kind = ragged_kind(key);
+      if (kind >= 0 && ragged[kind]) {
+        // One ragged call runs every segment at the per-head tables' rate (0.89-1.05 of one
+        // dense call of the same FLOPs on the twelve packs of bench/attention_engine.py, within
+        // the tables' own error; bench/results/attention_engine_h200_202612.md): none of the
+        // excess the shares priced.
+        rank.call_s -= layers * call_heads * call_excess_per_head_s(lq, lk, heads);
+        continue;
+      }
+      ++distinct_calls;
+      if (segments > 1) {  // the shares priced each segment as a call of its own
+        rank.call_s +=
+            layers * call_heads *
+            (call_excess_per_head_s(lq, lk, call_heads) - call_excess_per_head_s(lq, lk, heads));
+      }
+      if (key[3] == kCrossTag && profile_.attention_streams > 1) {
+        const double seconds = layers * call_heads *
+                               (head_forward_s(lq, lk) + head_backward_s(lq, lk) +
+                                call_excess_per_head_s(lq, lk, call_heads));
+        streamed.push_back({segments * key[0] * key[1] * key[2], seconds});
+      }
+    }
+    // The cross-attention table runs its calls on the profile's streams (runtime/attention.py
+    // cross_attention: coalesced_attention at the device's count); self- and joint attention of
+    // the distributed step run one call after another (forward_into / backward_into on one
+    // stream), as do ring steps, so only this table's calls overlap.
+    if (streamed.size() > 1) {
+      // most work first, as coalesced.SegmentTable.calls orders them (ties: key order)
+      std::stable_sort(streamed.begin(), streamed.end(),
+                       [](const auto& a, const auto& b) { return a.first > b.first; });
+      std::vector<int64_t> works;
+      std::vector<double> seconds;
+      double serial_s = 0;
+      for (const auto& [work, call_s] : streamed) {
+        works.push_back(work);
+        seconds.push_back(call_s);
+        serial_s += call_s;
+      }
+      rank.stream_s = streamed_calls_s(works, seconds, profile_.attention_streams,
+                                       profile_.attention_stream_overlap) -
+                      serial_s;
+      rank.call_s += rank.stream_s;
+    }
+    // A ragged table is one call to the host too: in the step program on one H200 it issued in
+    // 1.2-2.0 ms forward + backward, where the groups took 1.9 ms + 0.38 ms per dense call
+    // (bench/results/attention_engine_h200_202612.md).
+    rank.attention_calls =
+        distinct_calls + ring_step_calls[i] + std::count(ragged.begin(), ragged.end(), true);
+    if (rank.tokens > 0) {
+      rank.launch_floor_s =
+          layers *
+          (launch_s_per_layer_ + launch_s_per_call_ * static_cast<double>(rank.attention_calls));
+    }
+    // Checkpoint every layer, none, or (adaptive) the fewest whose peak fits, keeping their
+    // attention outputs; where even that does not fit, the fewest of them that recompute their
+    // attention too (full recompute) so that it fits; a rank that fits nowhere recomputes all.
+    const int64_t num_layers = model_.num_layers;
+    // The shares' buffers hold attention_phase_bytes_ for every token; only the largest phase's
+    // exist at once (the planners' additive sizing keeps them all: it errs above, never below).
+    if (attention_phase_bytes_ > 0) {
+      const std::array<double, 3>& phases = phase_tokens[i];
+      const double outside_largest =
+          phases[0] + phases[1] + phases[2] - std::max({phases[0], phases[1], phases[2]});
+      buffer[i] = std::max(0.0, buffer[i] - attention_phase_bytes_ * outside_largest);
+    }
+    const auto peak = [&](int64_t k, int64_t f) {
+      return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f,
+                             rank.tokens);
+    };
+    int64_t k = options_.activation_checkpointing ? num_layers : 0, f = 0;
+    if (options_.activation_checkpointing) {
+      if (options_.adaptive_checkpointing) {
+        for (int64_t fewer = 0; fewer < num_layers; ++fewer) {
+          if (peak(fewer, 0) <= capacity) {
+            k = fewer;
+            break;
+          }
+        }
+      }
+      if (k == num_layers && peak(k, 0) > capacity) {
+        f = num_layers;
+        for (int64_t full = 1; full < num_layers; ++full) {
+          if (peak(k, full) <= capacity) {
+            f = full;
+            break;
+          }
+        }
+      }
+    }
+    rank.checkpointed_layers = k;
+    rank.full_recompute_layers = f;
+  }
+  // The recompute of a layer sends q, k, v again where the plan has a Ulysses placement, and
+  // that all-to-all spans the world (runtime/attention.py): every rank must then recompute the
+  // same layers (and run the same of them in full), the most any rank needs.
+  const bool world_exchange =
+      std::any_of(plan.placements.begin(), plan.placements.end(),
+                  [](const Placement& p) { return p.ulysses_degree > 1; });
+  int64_t most_checkpointed = 0, most_full = 0;
+  for (const RankCost& rank : cost.ranks) {
+    most_checkpointed = std::max(most_checkpointed, rank.checkpointed_layers);
+    most_full = std::max(most_full, rank.full_recompute_layers);
+  }
+  for (int64_t i = 0; i < num_ranks; ++i) {
+    RankCost& rank = cost.ranks[i];
+    if (world_exchange) {
+      rank.checkpointed_layers = most_checkpointed;
+      rank.full_recompute_layers = most_full;
+    }
+    const int64_t k = rank.checkpointed_layers, f = rank.full_recompute_layers;
+    rank.peak_bytes =
+        rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f, rank.tokens);
+    // Layers that keep their activations skip the recompute; full ones recompute attention too.
+    if (options_.activation_checkpointing) {
+      const double layers = static_cast<double>(model_.num_layers);
+      const double skipped = static_cast<double>(model_.num_layers - k) / layers;
+      const double full = static_cast<double>(f) / layers;
+      rank.linear_s -= skipped * linear_recompute_s(rank.tokens);
+      rank.attention_s += full * attention_recompute[i] - skipped * recompute[i];
+      rank.exchange_s +=
+          full * attention_recompute_exchange[i] - skipped * recompute_exchange[i];
+    }
+    rank.time_s = std::max(rank.linear_s + rank.attention_s + rank.call_s + rank.exchange_s,
+                           rank.launch_floor_s);
+    cost.makespan_s = std::max(cost.makespan_s, rank.time_s);
+    cost.peak_bytes = std::max(cost.peak_bytes, rank.peak_bytes);
+    if (rank.peak_bytes > capacity) cost.fits = false;
+  }
+  return cost;
+}
+
+}  // namespace zellige
