@@ -64,3 +64,56 @@ def test_cli_plans_for_the_gpu_memory_given(tmp_path) -> None:
     assert rows[0].fits and rows[0].peak_bytes <= 60 * GIB
     with pytest.raises(ValueError, match="GiB"):
         zellige.compare("opensora2-stage2", 32, planners=["zellige"], gpu_memory_gib=float("nan"))
+
+
+def test_training_on_a_smaller_gpu_plans_for_its_memory() -> None:
+    """A run on an H100 with the H200 profile given: its plans fit the H100's usable memory."""
+    from zellige.train.loop import planning_device
+
+    usable = 78 * GIB
+    profile, memory, notes = planning_device("h200", "NVIDIA H100 80GB HBM3", usable)
+    assert (profile, memory) == ("h200", usable)
+    assert any("78.0 GiB" in note and "140.0 GiB" in note for note in notes)
+    cost_model = make_cost_model("mmdit-11b", 32, profile=profile, gpu_memory_bytes=memory)
+    batch = zellige.generate(zellige.load_recipe("opensora2-stage2"), 32, 0)
+    plan = zellige.make_plan("zellige", batch, cost_model)
+    assert max(plan.predicted.rank_peak_bytes) <= cost_model.memory_capacity_bytes() < usable
+
+
+def test_training_picks_the_builtin_profile_of_its_gpu() -> None:
+    from zellige.train.loop import planning_device
+
+    whole = 81559 * 2**20  # all of the H100's memory, as its profile records it
+    profile, memory, notes = planning_device(None, "NVIDIA H100 80GB HBM3", whole)
+    assert (profile, memory) == ("h100", whole)
+    assert notes == ["cost model: the built-in h100 profile, for this NVIDIA H100 80GB HBM3"]
+    assert planning_device(None, None, None) == (None, None, [])  # CPU: the profile's device
+
+
+def test_a_first_step_that_fits_no_gpu_stops_before_training(tmp_path) -> None:
+    """A profile whose GPU has 1 GiB and a 2^24-token sequence: one line before the first step."""
+    import json
+    import subprocess
+    import sys
+
+    profile = zellige.profile.profile_to_dict(load_profile("h200"))
+    profile["device_memory_bytes"] = GIB
+    (tmp_path / "small.json").write_text(json.dumps(profile))
+    overrides = {"steps": 2, "profile": str(tmp_path / "small.json")}
+    script = f"""
+import os
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29617")
+from zellige.train.config import resolve_config
+from zellige.train.loop import train
+config = resolve_config("tiny-cpu", {{}}, {overrides!r}, "")
+try:
+    train(config, sequences=[{{"id": 0, "num_tokens": 2**24, "text_tokens": 8, "source_rank": 0}}])
+except ValueError as error:
+    print("refused:", error)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("refused:")]
+    assert len(lines) == 1, result.stdout + result.stderr
+    assert "does not fit in 0.9 GiB per GPU" in lines[0] and "more ranks" in lines[0]

@@ -152,6 +152,7 @@ class StepDataset(torch.utils.data.Dataset):
         plan: dict | None = None,
         data_ranks: int | None = None,
         attention_ragged: bool | None = None,
+        gpu_memory_bytes: int | None = None,
     ) -> None:
         self.model = model
         self.recipe_name = recipe
@@ -173,6 +174,8 @@ class StepDataset(torch.utils.data.Dataset):
         # says); decided there (coalesced.engine_runs_ragged), not in a loader worker, which
         # must not start CUDA
         self.attention_ragged = attention_ragged
+        # each GPU's memory the plans must fit (the training device's; None: the profile's)
+        self.gpu_memory_bytes = gpu_memory_bytes
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
@@ -203,6 +206,7 @@ class StepDataset(torch.utils.data.Dataset):
                 weights_kept_to_backward=self.weights_kept_to_backward,
                 gradient_bytes_per_param=self.gradient_bytes_per_param,
                 optimizer_copy_bytes_per_param=self.optimizer_copy_bytes_per_param,
+                gpu_memory_bytes=self.gpu_memory_bytes,
             )
             planner = self.planner
             if self.fixed_plan is not None:
@@ -235,6 +239,10 @@ class StepDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return 2**62
+
+    def plan(self, step: int) -> _core.Plan:
+        """Step `step`'s plan, as the loader makes it for that step (every rank alike)."""
+        return self.pipeline().plan(self.batch(step), seed=_step_seed(self.seed, step))
 
     def __getitem__(self, step: int) -> StepData:
         pipeline, _, latents = self._planning_state()

@@ -20,11 +20,12 @@ from tqdm import tqdm
 
 import zellige
 from zellige.balancer import Balancer
+from zellige.costs import device_memory_bytes
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
 from zellige.model import MMDiT, ModelNumerics, VideoDiT, fused
 from zellige.model import build_model as reference_model
 from zellige.pipeline import JOINT, StepRecord, make_step_plan
-from zellige.profile import priced_as_engine_runs
+from zellige.profile import builtin_profile_for_device, priced_as_engine_runs
 from zellige.runtime import EngineConfig, engine_runs_ragged
 from zellige.runtime.collector import QuietCollector
 from zellige.train.checkpoint import (
@@ -286,7 +287,15 @@ def train(
             )
         )
         say(f"resumed from {info.path} at step {info.step}{resharded}")
-    profile_note = _profile_note(config, device)
+    cuda = device.type == "cuda"
+    profile, gpu_memory_bytes, notes = planning_device(
+        config.profile,
+        torch.cuda.get_device_name(device) if cuda else None,
+        device_memory_bytes(device) if cuda else None,
+    )
+    for note in notes:
+        say(note)
+    profile_note = _profile_note(profile, device)
     if profile_note:
         say(profile_note)
     # the attention engine's choices, made once for the run (the documented overrides); the
@@ -295,7 +304,7 @@ def train(
     attention_ragged = engine_runs_ragged(
         device, getattr(torch, config.dtype), config.model.head_dim, engine
     )
-    priced_as_engine_runs(zellige.load_profile(config.profile), attention_ragged, say)
+    priced_as_engine_runs(zellige.load_profile(profile), attention_ragged, say)
 
     dataset = StepDataset(
         model=config.model,
@@ -306,7 +315,8 @@ def train(
         data_ranks=start.data_ranks,
         gpus_per_node=config.gpus_per_node,
         seed=config.seed,
-        profile=config.profile,
+        profile=profile,
+        gpu_memory_bytes=gpu_memory_bytes,
         activation_checkpointing=config.activation_checkpointing,
         adaptive_checkpointing=config.activation_checkpointing and config.adaptive_checkpointing,
         weights_kept_to_backward=weights_kept_to_backward(config, num_ranks),
@@ -315,6 +325,7 @@ def train(
         sequences=sequences,
         attention_ragged=attention_ragged,
     )
+    _check_first_step_fits(dataset, first_step)
     num_steps = config.steps - first_step
     loader = make_loader(
         dataset, first_step, num_steps, config.loader_workers, cuda=device.type == "cuda"
@@ -558,21 +569,60 @@ def _seed_of(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint32)[0])
 
 
-def _profile_note(config: TrainConfig, device: torch.device) -> str | None:
+def planning_device(
+    profile: str | None, device_name: str | None, usable_bytes: int | None
+) -> tuple[str | None, int | None, list[str]]:
+    """The profile a run plans with, each GPU's memory its plans must fit, and the lines that
+    say so, for a run on a GPU named `device_name` of which this process can use `usable_bytes`
+    (None, None: on CPU, the profile's own device). Without a profile, the built-in one of this
+    GPU's kind; the memory is always the running GPU's, so a plan made with a larger GPU's
+    profile never runs on a smaller one."""
+    if device_name is None:
+        return profile, None, []
+    notes = []
+    if profile is None:
+        profile, unknown = builtin_profile_for_device(device_name)
+        notes.append(
+            unknown or f"cost model: the built-in {profile} profile, for this {device_name}"
+        )
+    profile_bytes = zellige.load_profile(profile).device_memory_bytes
+    if profile_bytes and usable_bytes < profile_bytes:
+        notes.append(
+            f"memory: plans fit the {usable_bytes / 2**30:.1f} GiB this process can use of "
+            f"this GPU (the profile's device has {profile_bytes / 2**30:.1f} GiB)"
+        )
+    return profile, usable_bytes, notes
+
+
+def _check_first_step_fits(dataset: StepDataset, step: int) -> None:
+    """The first step's plan, made once here before training starts: a batch that no placement
+    fits in the GPUs' memory stops the run with one line on every rank (all plan it alike)."""
+    try:
+        dataset.plan(step)
+    except zellige.PlanMemoryError as error:
+        capacity_gib = dataset.pipeline().cost_model.memory_capacity_bytes() / 2**30
+        raise ValueError(
+            f"step {step + 1} does not fit in {capacity_gib:.1f} GiB per GPU ({error}); train "
+            "on more ranks, keep activation checkpointing on, or use a recipe of smaller "
+            "buckets"
+        ) from None
+
+
+def _profile_note(profile: str | None, device: torch.device) -> str | None:
     """None when the cost model's profile was measured on this kind of device; otherwise the
     line that says its predicted times are not comparable with the measured ones."""
-    profile = zellige.load_profile(config.profile)
+    loaded = zellige.load_profile(profile)
     if device.type == "cuda":
         here = torch.cuda.get_device_name(device)
-        same = profile.device_name == here
+        same = loaded.device_name == here
     else:
         here = "CPU"
-        same = profile.device_name.startswith("CPU")
+        same = loaded.device_name.startswith("CPU")
     if same:
         return None
-    source = config.profile or "the built-in profile"
+    source = profile or "the built-in profile"
     return (
-        f"cost model: {source} ({profile.device_name}); this run is on {here}, so the "
+        f"cost model: {source} ({loaded.device_name}); this run is on {here}, so the "
         "predicted step times are the profile's device's, not comparable with the measured "
         "ones (zellige profile measures this machine; pass its file with --profile)"
     )
