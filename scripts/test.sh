@@ -23,7 +23,7 @@ export PATH="$(dirname "$PY"):$PATH"
 # The same settings as scripts/setup.sh, so nothing is reconfigured or compiled twice.
 "$PY" -m pip install -q --no-build-isolation --no-deps -C build-dir="$BUILD" \
   -C cmake.define.ZELLIGE_BUILD_TESTS=ON .
-# Two at a time: the randomised never-worse test alone takes most of the C++ suite's time.
+# In parallel: the randomised never-worse test alone takes most of the C++ suite's time.
 (cd "$BUILD" && ctest --output-on-failure -j "$(nproc)")
 # pytest exits 5 when it collected no test (e.g. an empty tests/distributed); that is not a failure.
 rc=0
