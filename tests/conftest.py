@@ -6,7 +6,8 @@ Slow means it took 5 s or more under `pytest --durations=0` on a 2-core machine 
 builds (about 2 s on a quiet one): end-to-end profiler runs, torch.compile checks, multi-process
 training and CLI runs. A few such tests stay fast so that the fast tier still covers every layer:
 one distributed training run (the float64 loss identity across placements), distributed attention
-against a single process on two ranks, and the ragged kernel's check."""
+against a single process on two ranks, one example under torchrun with the Balancer checked
+against a single process, and the ragged kernel's check."""
 
 from __future__ import annotations
 
@@ -23,14 +24,10 @@ SLOW_MODULES: set[str] = {
 # Module -> its slow tests: a function's name marks all its parametrisations, `name[id]` one.
 SLOW_TESTS: dict[str, set[str]] = {
     "tests/distributed/test_attention_distributed.py": {
-        "test_matches_single_process_attention[world3]",
-        "test_matches_single_process_attention[world4]",
         "test_ragged_tables_match_single_process_attention",
     },
     "tests/distributed/test_balancer.py": {
-        "test_example_runs_under_torchrun",
-        "test_examples_match_a_single_process[world2-dit_cross_attention]",
-        "test_examples_match_a_single_process[world4-dit_cross_attention]",
+        "test_example_runs_under_torchrun[mmdit_joint_attention.py-4]",
     },
     "tests/distributed/test_check_command.py": {
         "test_check_of_an_all_local_plan_also_checks_distributed_plans",
@@ -111,6 +108,13 @@ SLOW_TESTS: dict[str, set[str]] = {
     },
 }
 
+# Module -> (fixture, its parameters whose tests are slow). A module-scoped fixture that starts
+# processes is paid for by the first of its tests that runs, so all of them go to one tier.
+SLOW_FIXTURE_PARAMS: dict[str, tuple[str, set[object]]] = {
+    "tests/distributed/test_attention_distributed.py": ("report", {3, 4}),  # world sizes
+    "tests/distributed/test_balancer.py": ("report", {2, 4}),  # each a minute or two
+}
+
 
 # tryfirst: mark before `-m`/`-k` deselect, so the check below sees every collected test.
 @pytest.hookimpl(tryfirst=True)
@@ -120,12 +124,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         module = item.nodeid.split("::", 1)[0]
         names = names_by_module.setdefault(module, set())
         function_name = getattr(item, "originalname", item.name)
-        names.update((item.name, function_name))
+        names.update((item.name, function_name, *getattr(item, "fixturenames", ())))
         slow = SLOW_TESTS.get(module, set())
-        if module in SLOW_MODULES or item.name in slow or function_name in slow:
+        fixture, slow_params = SLOW_FIXTURE_PARAMS.get(module, ("", set()))
+        callspec = getattr(item, "callspec", None)
+        slow_fixture = callspec is not None and callspec.params.get(fixture) in slow_params
+        if module in SLOW_MODULES or item.name in slow or function_name in slow or slow_fixture:
             item.add_marker(pytest.mark.slow)
     # A renamed or moved slow test would silently join the fast tier: refuse the run instead.
-    listed = SLOW_MODULES | SLOW_TESTS.keys()
+    listed = SLOW_MODULES | SLOW_TESTS.keys() | SLOW_FIXTURE_PARAMS.keys()
     gone = sorted(module for module in listed if not (config.rootpath / module).is_file())
     if gone:
         raise pytest.UsageError(
@@ -135,9 +142,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if any("::" in arg for arg in config.args):
         return
     for module, names in names_by_module.items():
-        missing = sorted(SLOW_TESTS.get(module, set()) - names)
+        expected = set(SLOW_TESTS.get(module, ()))
+        if module in SLOW_FIXTURE_PARAMS:
+            expected.add(SLOW_FIXTURE_PARAMS[module][0])
+        missing = sorted(expected - names)
         if missing:
             raise pytest.UsageError(
-                f"tests/conftest.py lists slow tests that {module} does not have: "
-                f"{', '.join(missing)}; update SLOW_TESTS to the tests' current names"
+                f"tests/conftest.py lists slow tests or fixtures that {module} does not have: "
+                f"{', '.join(missing)}; update it to their current names"
             )
