@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The test suite, in two tiers:
-#   bash scripts/test.sh          the fast tier: the C++ suite (GoogleTest via ctest) and pytest
-#                                 without the tests marked `slow`; every layer is still covered.
-#   bash scripts/test.sh --full   every test (what .ci/run runs), and the docs site build.
-# Other arguments go to pytest (e.g. `bash scripts/test.sh -k cli`).
+# The test suite, in two tiers; both run the whole C++ suite (GoogleTest via ctest) first and
+# build the docs site last:
+#   bash scripts/test.sh          the fast tier: pytest without the tests marked `slow`
+#                                 (tests/conftest.py lists them); every layer is still covered.
+#   bash scripts/test.sh --full   every test: what .ci/run runs.
+# Other arguments go to pytest (e.g. `bash scripts/test.sh -k cli`). PYTHON is the interpreter
+# of the environment to install into and test (default .venv/bin/python, made by setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
