@@ -15,19 +15,19 @@ import tempfile
 from pathlib import Path
 
 MAX_INPUT_BYTES = 256 << 20  # 256 MiB: a batch of the largest allowed size fits with room to spare
+MAX_TOML_BYTES = 1 << 20  # run files and model specs: a few dozen keys
 
 
-def read_input(path: str | Path) -> str:
-    """The UTF-8 text of an input file; one-line ValueError when unreadable or too large."""
+def read_input(path: str | Path, max_bytes: int = MAX_INPUT_BYTES, what: str = "input") -> str:
+    """The UTF-8 text of an input file; one-line ValueError when unreadable or over max_bytes."""
     try:
         with open(path, "rb") as file:
-            data = file.read(MAX_INPUT_BYTES + 1)
+            data = file.read(max_bytes + 1)
     except OSError as e:
         raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
-    if len(data) > MAX_INPUT_BYTES:
-        raise ValueError(
-            f"{path}: larger than the {MAX_INPUT_BYTES >> 20} MiB limit on input files"
-        )
+    if len(data) > max_bytes:
+        limit = f"{max_bytes >> 20} MiB" if max_bytes >= 1 << 20 else f"{max_bytes >> 10} KiB"
+        raise ValueError(f"{path}: larger than the {limit} limit on {what} files")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
