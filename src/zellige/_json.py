@@ -41,6 +41,15 @@ def printable(text: str) -> str:
     )
 
 
+MAX_OUTPUT_LINE = 1000  # characters of one printed line: a 10 MB name is not echoed whole
+
+
+def output_line(text: str) -> str:
+    """A line for a terminal: control characters escaped (printable) and at most
+    MAX_OUTPUT_LINE characters (cut)."""
+    return cut(printable(text), MAX_OUTPUT_LINE)
+
+
 def check_strings(value: Any, source: str) -> None:
     """ValueError for a document deeper than MAX_NESTING or a string that is not text (a lone
     surrogate such as "\\ud800", which JSON escapes allow and UTF-8 cannot hold)."""

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 from zellige import _core
 from zellige._files import check_outputs, write_output
-from zellige._json import require_int, require_str
+from zellige._json import output_line, require_int, require_str
 from zellige.api import Setup, lower_bound, make_setup, require_finite
 from zellige.commands._args import SEED_MAX, int_in
 from zellige.commands._inputs import add_cluster_arguments, model_from_args
@@ -243,8 +243,8 @@ def run(args: argparse.Namespace) -> int:
     setup = setup_for_plan(args, plan, context)
     _core.validate_plan(plan, setup.batch, plan.num_ranks, setup.cost_model.model.num_heads)
     for line in text_picture(setup, plan):
-        print(line)
+        print(output_line(line))
     if args.png:
         draw_png(setup, plan, args.png)
-        print(f"wrote {args.png}")
+        print(output_line(f"wrote {args.png}"))
     return 0
