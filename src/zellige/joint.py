@@ -274,9 +274,9 @@ def _warm_start(problem: JointProblem, deadline: _Deadline | None = None) -> lis
         range(len(problem.groups)), key=lambda g: -min(c.load_s[0] for c in problem.candidates[g])
     )
     for g in order:
-        if deadline is not None:
-            deadline.check("placing the MILP's first incumbent")
         for _ in problem.groups[g]:
+            if deadline is not None:  # each sequence scans every rank's candidate
+                deadline.check("placing the MILP's first incumbent")
             best, best_load = None, math.inf
             for k, cand in enumerate(problem.candidates[g]):
                 fits = all(
