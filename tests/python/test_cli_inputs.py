@@ -216,3 +216,18 @@ def test_spec_names_that_are_not_strings_or_text(tmp_path, name, suffix, words):
         path = _spec(tmp_path, name, suffix)
     result = zellige("plan", *WORKLOAD, "--model-spec", path, "--planner", "dp-tokens")
     assert_user_error(result, words)
+
+
+# ---- item 19: show --png linear in ranks ----
+
+
+def test_show_png_of_4096_ranks_takes_seconds(tmp_path):
+    plan = tmp_path / "plan.json"
+    made = zellige("plan", "--workload", "wan-stage2", "--gpus", 4096, "--planner", "dp-tokens",
+                   "--out", plan)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    png = tmp_path / "plan.png"
+    shown = zellige("show", plan, "--png", png)
+    assert shown.returncode == 0, shown.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert shown.seconds < 25, shown.seconds  # one artist per rank and phase: 36 s, and growing
