@@ -110,6 +110,7 @@ CONTENT_CASES = {
     "optimizer null": (lambda s: s.update(optimizer=None), "unknown key 'optimizer'"),
     "data_ranks 2^63": (lambda s: s.update(data_ranks=2**63), "data_ranks must be an integer"),
     "num_ranks 0": (lambda s: s.update(num_ranks=0), "num_ranks must be an integer"),
+    "data_ranks 16384": (lambda s: s.update(data_ranks=16384), "at most 8 per rank of this run's"),
     "no .metadata": (lambda s: s["files"].pop(".metadata"), "no checksum of .metadata"),
     "files empty": (lambda s: s.update(files={}), "no checksum of"),
     "files a path": (lambda s: s["files"].update({"../x": s["files"][".metadata"]}), "plain name"),

@@ -77,6 +77,7 @@ def test_config_file_nested_five_thousand_deep(capsys, tmp_path) -> None:
 
 FLAG_CASES = [
     (["--data-ranks", "20000"], "data_ranks must be at most 16,384"),
+    (["--data-ranks", "16384"], "data_ranks 16,384: each step's batch is drawn for that many"),
     (["--timeout-s", "1e300"], "timeout_s must be in [1, 604800] seconds"),
     (["--timeout-s", "1e-9"], "timeout_s must be in [1, 604800] seconds"),
     (["--timeout-s", "inf"], "timeout_s must be > 0 seconds"),

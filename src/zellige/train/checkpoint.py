@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from zellige._core import MAX_GPUS
 from zellige._files import read_input
 from zellige._json import check_strings, cut, parse_json, printable
-from zellige.train.config import MAX_LEARNING_RATE, MAX_STEPS
+from zellige.train.config import MAX_LEARNING_RATE, MAX_STEPS, check_data_ranks
 
 FORMAT = "zellige-train-checkpoint"
 # 2: train_state.json carries `run` and `digest`; version 1 files (without them) still load
@@ -227,8 +227,10 @@ def run_fields(config: Any) -> dict:
     return {key: getattr(config, key) for key in _RUN_KEYS}
 
 
-def check_resumable(info: CheckpointInfo, config: Any) -> None:
-    """ValueError, one line, when this run differs from the checkpoint's in what it recorded."""
+def check_resumable(info: CheckpointInfo, config: Any, num_ranks: int) -> None:
+    """ValueError, one line, when this run differs from the checkpoint's in what it recorded or
+    has too few ranks for the batches it was drawing."""
+    check_data_ranks(info.data_ranks, num_ranks, f"checkpoint {info.path}'s data_ranks")
     if info.run is None:  # a version 1 checkpoint did not record it
         return
     for key, saved in info.run.items():

@@ -287,6 +287,9 @@ MAX_STEPS = 1 << 30
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MIN_TIMEOUT_S = 1.0  # the process group's rendezvous itself needs about this long
 MAX_LOADER_WORKERS = 64
+# a step's batch is drawn for data_ranks loader ranks and spread over the run's ranks: a resumed
+# run may hold a few saving ranks' data each, not thousands (16,384 on one rank: out of memory)
+MAX_DATA_RANKS_PER_RANK = 8
 MAX_LEARNING_RATE = 1e30
 # AdamW's first step moves a weight by up to learning_rate / (1 - beta1): a float32 scalar
 MAX_FIRST_STEP_SIZE = 1e37
@@ -431,12 +434,24 @@ def check_world(config: TrainConfig, num_ranks: int) -> None:
     gpus_per_node ranks each (fewer ranks than that: one node)."""
     if num_ranks > MAX_GPUS:
         raise ValueError(f"{num_ranks:,} ranks: at most {MAX_GPUS:,} (the GPU limit)")
+    check_data_ranks(config.data_ranks, num_ranks, "data_ranks")
     per_node = min(config.gpus_per_node, num_ranks)
     if num_ranks % per_node:
         raise ValueError(
             f"gpus_per_node {config.gpus_per_node} does not divide the {num_ranks} ranks of this "
             "run (torchrun --nproc-per-node x nodes): pass --gpus-per-node with a divisor of "
             f"{num_ranks}"
+        )
+
+
+def check_data_ranks(data_ranks: int | None, num_ranks: int, what: str) -> None:
+    """ValueError when each of the run's ranks would hold more than MAX_DATA_RANKS_PER_RANK
+    loader ranks' data per step."""
+    if data_ranks is not None and data_ranks > MAX_DATA_RANKS_PER_RANK * num_ranks:
+        raise ValueError(
+            f"{what} {data_ranks:,}: each step's batch is drawn for that many loader ranks, at "
+            f"most {MAX_DATA_RANKS_PER_RANK} per rank of this run's {num_ranks}; run on at least "
+            f"{-(-data_ranks // MAX_DATA_RANKS_PER_RANK):,} ranks"
         )
 
 

@@ -140,7 +140,7 @@ def preflight(
             f"data_ranks {config.data_ranks} differs from the checkpoint's {info.data_ranks}: "
             "the resumed run would see other batches (leave data_ranks unset)"
         )
-    check_resumable(info, config)
+    check_resumable(info, config, num_ranks)
     return RunStart(first_step=info.step, checkpoint=info, data_ranks=info.data_ranks)
 
 
