@@ -108,3 +108,27 @@ def test_a_first_adamw_step_past_float32_is_refused(capsys, tmp_path) -> None:
     path.write_text('config = "tiny-cpu"\nlearning_rate = 1e30\nbetas = [0.99999999, 0.999]\n')
     line = _one_error(capsys, ["--config-file", str(path), "--warmup-steps", "0"])
     assert "learning_rate must be such that learning_rate / (1 - betas[0]) is at most" in line
+
+
+def test_terminal_escapes_in_a_recipe_are_escaped(capsys) -> None:
+    line = _one_error(capsys, ["--config", "tiny-cpu", "--recipe", "\x1b[31mred\x07"])
+    assert "\\x1b[31mred\\x07" in line and all(ch.isprintable() for ch in line)
+
+
+def test_a_long_recipe_string_is_cut_in_the_message(capsys, tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(f'config = "tiny-cpu"\nrecipe = "{"r" * 500_000}"\n')
+    line = _one_error(capsys, ["--config-file", str(path)])
+    assert len(line) <= 450 and "characters cut" in line
+
+
+def test_a_recipe_string_past_the_toml_cap_is_refused(capsys, tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(f'config = "tiny-cpu"\nrecipe = "{"r" * (2 << 20)}"\n')
+    assert "larger than the 1 MiB limit" in _one_error(capsys, ["--config-file", str(path)])
+
+
+def test_terminal_escapes_in_latest_are_escaped(capsys, tmp_path) -> None:
+    (tmp_path / "latest").write_text("\x1b]0;title\x07step-1\n")
+    line = _one_error(capsys, ["--config", "tiny-cpu", "--resume", str(tmp_path)])
+    assert "not a step-K" in line and all(ch.isprintable() for ch in line)

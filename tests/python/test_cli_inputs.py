@@ -231,3 +231,13 @@ def test_show_png_of_4096_ranks_takes_seconds(tmp_path):
     assert shown.returncode == 0, shown.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert shown.seconds < 25, shown.seconds  # one artist per rank and phase: 36 s, and growing
+
+
+# ---- item 6: model spec files nested deeply ----
+
+
+def test_a_model_spec_nested_five_thousand_deep(tmp_path):
+    spec = tmp_path / "deep.toml"
+    spec.write_text("name = " + "[" * 5000 + "]" * 5000 + "\n")
+    result = zellige("plan", *WORKLOAD, "--model-spec", spec, "--planner", "dp-tokens")
+    assert_user_error(result, "nested too deeply")
