@@ -23,6 +23,16 @@ from zellige.train.__main__ import main
 TIMEOUT_S = 180
 
 
+@pytest.fixture(autouse=True)
+def _restored_environment():
+    """An in-process run sets RANK, WORLD_SIZE and MASTER_* (setup_distributed): later tests'
+    subprocesses must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def _train(*args: str, wait: bool = True):
     command = [sys.executable, "-m", "zellige.train", "--loader-workers", "0", *args]
     # a single process picks its own rendezvous: drop what an in-process run left behind

@@ -79,6 +79,16 @@ MODEL = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _restored_environment():
+    """An in-process run sets RANK, WORLD_SIZE and MASTER_* (setup_distributed): later tests'
+    subprocesses must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def run_launcher(argv: list[str]) -> tuple[int, str, float]:
     err = io.StringIO()
     started = time.monotonic()

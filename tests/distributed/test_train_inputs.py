@@ -5,9 +5,21 @@ training, leaving what is on disk as it was."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from zellige.train.__main__ import main
+
+
+@pytest.fixture(autouse=True)
+def _restored_environment():
+    """An in-process run sets RANK, WORLD_SIZE and MASTER_* (setup_distributed): later tests'
+    subprocesses must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _one_error(capsys, argv: list[str], status: int = 2) -> str:
