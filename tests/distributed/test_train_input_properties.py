@@ -39,7 +39,10 @@ pytestmark = pytest.mark.slow
 
 SECONDS = 60  # one launcher call: refusals take seconds, a valid run trains 1-2 tiny steps
 SETTINGS = settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    derandomize=True,
 )
 JUNK = st.one_of(
     st.booleans(),
