@@ -1,13 +1,14 @@
-"""Test tiers. `bash scripts/test.sh` runs the fast tier, `pytest -m "not slow"`; `--full` (and
-CI) runs every test. The slow tests are listed here, in one place, rather than marked in their
+"""Test tiers. `bash scripts/test.sh` runs the fast tier, `pytest -m "not slow"`; `--full` (and CI)
+runs every test. The slow tests are listed here, in one place, rather than marked in their
 modules.
 
 Slow means it took 5 s or more under `pytest --durations=0` on a 2-core machine loaded by other
-builds (where the whole suite took 42 minutes), or shares a module or a multi-process fixture with
-such tests: end-to-end profiler runs, torch.compile checks, multi-process training and CLI runs. A few such tests stay fast so that the fast tier still covers every layer:
-one distributed training run (the float64 loss identity across placements), distributed attention
-against a single process on two ranks, one example under torchrun with the Balancer checked
-against a single process, and the ragged kernel's check."""
+builds (where the whole suite took 42 minutes), or shares a module or a multi-process fixture
+with such tests: end-to-end profiler runs, torch.compile checks, multi-process training and CLI
+runs. A few such tests stay fast so that the fast tier still covers every layer: one distributed
+training run (the float64 loss identity across placements), distributed attention against a
+single process on two ranks, one example under torchrun with the Balancer checked against a
+single process, and the ragged kernel's check."""
 
 from __future__ import annotations
 

@@ -229,7 +229,7 @@ def compare_setup(setup: Setup, planners: list[str] | None, seed: int = 0) -> li
             result = run_planner(setup, name, seed)
             cost = setup.cost_model.evaluate(setup.batch, result)
             require_finite(setup, name, cost.makespan_s, *(rank.time_s for rank in cost.ranks))
-        except (_core.PlanMemoryError, NonFinitePrediction) as error:
+        except (_core.PlanMemoryError, NonFinitePrediction, TimeoutError) as error:
             rows.append(
                 CompareRow(
                     planner=name,

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from zellige import _core, runtime
+from zellige._json import cut
 from zellige.costs import device_memory_bytes, make_cost_model
 from zellige.model_spec import model_spec_to_dict, resolve_model
 from zellige.pipeline import JOINT, PreparedStep, StepPipeline, StepRecord
@@ -50,6 +51,8 @@ from zellige.runtime.ops import StepOps
 
 if TYPE_CHECKING:
     from zellige.pipeline import PlanFn
+# step k plans with seed + k (a uint64 in the core): far below 2**64 for any run's step count
+_MAX_SEED = (1 << 63) - 1
 
 
 @dataclass(kw_only=True)
@@ -121,19 +124,53 @@ def _schema(samples: list[Sample]) -> Schema | None:
     return first
 
 
-def _check_sample(index: int, sample: Sample) -> None:
-    grid = tuple(sample.grid_thw)
-    if len(grid) != 3 or any(not isinstance(n, int) or n <= 0 for n in grid):
-        raise ValueError(f"sample {index}: grid_thw must be 3 positive ints, got {sample.grid_thw}")
-    if not isinstance(sample.text_tokens, int) or sample.text_tokens < 0:
-        raise ValueError(f"sample {index}: text_tokens must be an int >= 0")
-    for kind, rows in (("tokens", sample.num_tokens), ("text", sample.text_tokens)):
-        for name, tensor in getattr(sample, kind).items():
-            if tensor.dim() == 0 or tensor.shape[0] != rows:
+def _check_sample(index: int, sample: object) -> None:
+    """ValueError naming what is wrong with one sample: its sizes are ints inside the core's
+    limits (docs/formats.md, "Limits") and its tensors have one row per token."""
+    if not isinstance(sample, Sample):
+        raise ValueError(f"sample {index}: expected a zellige.Sample, got {type(sample).__name__}")
+    grid = sample.grid_thw
+    if (
+        not isinstance(grid, tuple | list)
+        or len(grid) != 3
+        or any(type(n) is not int or not 1 <= n <= _core.MAX_SEQUENCE_TOKENS for n in grid)
+        or grid[0] * grid[1] * grid[2] > _core.MAX_SEQUENCE_TOKENS
+    ):
+        raise ValueError(
+            f"sample {index}: grid_thw must be 3 positive ints whose product is at most "
+            f"{_core.MAX_SEQUENCE_TOKENS:,}, got {cut(repr(grid))}"
+        )
+    text_tokens = sample.text_tokens
+    if type(text_tokens) is not int or not 0 <= text_tokens <= _core.MAX_TEXT_TOKENS:
+        raise ValueError(
+            f"sample {index}: text_tokens must be an int in [0, {_core.MAX_TEXT_TOKENS:,}], "
+            f"got {cut(repr(text_tokens))}"
+        )
+    for kind, rows in (("tokens", sample.num_tokens), ("text", text_tokens), ("values", None)):
+        tensors = getattr(sample, kind)
+        if not isinstance(tensors, dict):
+            raise ValueError(f"sample {index}: {kind} must be a dict of tensors")
+        for name, tensor in tensors.items():
+            if not isinstance(name, str) or not isinstance(tensor, Tensor):
+                raise ValueError(
+                    f"sample {index}: {kind}[{cut(repr(name))}] must be a tensor under a str "
+                    f"key, got {type(tensor).__name__}"
+                )
+            if rows is not None and (tensor.dim() == 0 or tensor.shape[0] != rows):
                 raise ValueError(
                     f"sample {index}: {kind}[{name!r}] has shape {tuple(tensor.shape)}, "
                     f"expected {rows} rows ({'t*h*w' if kind == 'tokens' else 'text_tokens'})"
                 )
+
+
+def _check_samples(samples: object) -> Schema | None:
+    """The samples' schema; ValueError for anything malformed (never another exception, which
+    would leave the other ranks waiting in the collective)."""
+    if not isinstance(samples, list | tuple):
+        raise ValueError(f"samples must be a list of zellige.Sample, got {type(samples).__name__}")
+    for index, sample in enumerate(samples):
+        _check_sample(index, sample)
+    return _schema(list(samples))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -212,6 +249,8 @@ class Balancer:
         gpu_memory_bytes: int | None = None,
     ) -> None:
         _require_process_group()
+        if type(seed) is not int or not 0 <= seed <= _MAX_SEED:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {cut(repr(seed))}")
         spec = resolve_model(model)
         device = torch.device(device)
         if device.type == "cuda":
@@ -290,18 +329,18 @@ class Balancer:
         calls it) and plans the step, in the background when plan_ahead. Start pending steps in
         the order they were scheduled. Raises the same ValueError on every rank when a rank's
         samples are malformed or the ranks disagree (different Balancers, different steps)."""
-        error = None
+        error, sizes = None, []
         try:
-            for index, sample in enumerate(samples):
-                _check_sample(index, sample)
-            schema = _schema(samples)
-        except ValueError as exc:
-            error, schema = f"rank {self.rank}: {exc}", None
+            schema = _check_samples(samples)
+            sizes = [(*s.grid_thw, s.text_tokens) for s in samples]
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there alike
+            message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            error, schema = f"rank {self.rank}: {cut(message, 300)}", None
         report = _RankReport(
             error=error,
             step_index=self._scheduled,
             config=self._config,
-            sizes=[(*map(int, s.grid_thw), int(s.text_tokens)) for s in samples],
+            sizes=sizes,
             schema=schema,
         )
         reports: list[_RankReport | None] = [None] * self.num_ranks

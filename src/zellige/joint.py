@@ -125,6 +125,13 @@ def _candidate(
     )
 
 
+# what a user can do when the MILP does not finish: the CLI has no time-limit flag
+_TOO_LARGE = (
+    "the joint reference is for small clusters (tens of GPUs, hundreds of sequences); from "
+    "Python, zellige.joint.plan_joint takes time_limit_s, max_windows_per_shape and max_degree"
+)
+
+
 class _Deadline:
     """Raises TimeoutError naming the stage once `time_limit_s` (from `start`) has passed."""
 
@@ -139,7 +146,7 @@ class _Deadline:
         if self.remaining_s() <= 0:
             raise TimeoutError(
                 f"joint MILP: the {self.time_limit_s:g} s time limit ran out while {stage}; "
-                "raise the time limit or lower max_windows_per_shape / max_degree"
+                f"{_TOO_LARGE}"
             )
 
 
@@ -200,6 +207,8 @@ def joint_problem(
                 for placement in _core.candidate_placements(
                     sequence, cost_model, max_windows_per_shape, cap
                 ):
+                    if deadline is not None:  # each costs O(degree): thousands add up
+                        deadline.check(f"pricing the candidates of sequence {sequence.id}")
                     if placement.degree() < low:
                         continue
                     candidate = _candidate(sequence, placement, cost_model, rate_s)
@@ -224,6 +233,8 @@ def joint_problem(
             index_of = {_placement_key(c.placement): k for k, c in enumerate(options)}
             counts = [0] * len(options)
             for index in group:
+                if deadline is not None:
+                    deadline.check("adding the warm start's placements to the candidates")
                 warm = warm_of[batch.sequences[index].id]
                 p = _core.make_placement(
                     sequence.id,
@@ -252,7 +263,7 @@ def joint_problem(
     )
 
 
-def _warm_start(problem: JointProblem) -> list[list[int]] | None:
+def _warm_start(problem: JointProblem, deadline: _Deadline | None = None) -> list[list[int]] | None:
     """Longest group first, one sequence at a time onto its least-loaded candidate among the
     single-rank ones (or the first multi-rank one that fits): counts per group and candidate for
     HiGHS's first incumbent; None when memory blocks it."""
@@ -264,6 +275,8 @@ def _warm_start(problem: JointProblem) -> list[list[int]] | None:
     )
     for g in order:
         for _ in problem.groups[g]:
+            if deadline is not None:  # each sequence scans every rank's candidate
+                deadline.check("placing the MILP's first incumbent")
             best, best_load = None, math.inf
             for k, cand in enumerate(problem.candidates[g]):
                 fits = all(
@@ -294,9 +307,12 @@ def solve_joint(
     *,
     time_limit_s: float = 10.0,
     seed: int = 0,
+    deadline: _Deadline | None = None,
 ) -> JointResult:
-    """Solves the MILP with HiGHS (one thread) and prices the chosen plan exactly."""
+    """Solves the MILP with HiGHS (one thread) and prices the chosen plan exactly. `deadline`
+    (plan_joint's) also bounds building the model, which takes seconds at thousands of ranks."""
     start = time.perf_counter()
+    deadline = deadline or _Deadline(start, time_limit_s)
     num_ranks = problem.num_ranks
     free_bytes = problem.free_bytes
     num_groups = len(problem.groups)
@@ -318,6 +334,7 @@ def solve_joint(
 
     starts, rows, values = [0], [], []
     for g, options in enumerate(problem.candidates):
+        deadline.check("building the MILP's rows")
         for cand in options:
             rows.append(g)
             values.append(1.0)
@@ -364,11 +381,12 @@ def solve_joint(
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("threads", 1)
     highs.setOptionValue("random_seed", int(seed) % (1 << 31))
-    highs.setOptionValue("time_limit", float(time_limit_s))
     highs.setOptionValue("mip_rel_gap", 1e-6)
     highs.setOptionValue("mip_abs_gap", 1e-9)
     highs.passModel(lp)
-    warm = problem.warm_counts if problem.warm_counts is not None else _warm_start(problem)
+    warm = problem.warm_counts
+    if warm is None:
+        warm = _warm_start(problem, deadline)
     if warm is not None:
         z = np.zeros(num_z + 1)
         loads = np.zeros(num_ranks)
@@ -384,14 +402,16 @@ def solve_joint(
         solution.col_value = z
         solution.value_valid = True
         highs.setSolution(solution)
+    deadline.check("starting the solve")
+    highs.setOptionValue("time_limit", max(1e-3, deadline.remaining_s()))
     highs.run()
 
     status = highs.getModelStatus()
     info = highs.getInfo()
     if info.primal_solution_status != 2:  # no feasible point found within the limit
         raise TimeoutError(
-            f"joint MILP found no plan within {time_limit_s:g} s: "
-            f"{highs.modelStatusToString(status)}; raise the time limit"
+            f"joint MILP found no plan within {deadline.time_limit_s:g} s: "
+            f"{highs.modelStatusToString(status)}; {_TOO_LARGE}"
         )
     z = np.rint(np.asarray(highs.getSolution().col_value[:num_z])).astype(int)
     placements: list[_core.Placement | None] = [None] * len(batch.sequences)
@@ -482,7 +502,7 @@ def plan_joint(
         deadline=deadline,
     )
     deadline.check("building candidates (all done, none left for the solve)")
-    result = solve_joint(batch, cost_model, problem, time_limit_s=deadline.remaining_s(), seed=seed)
+    result = solve_joint(batch, cost_model, problem, seed=seed, deadline=deadline)
     result.plan.plan_ms = (time.perf_counter() - start) * 1e3
     if skip_warm_start:
         result.plan.note += " warm_start=skipped"

@@ -23,13 +23,12 @@ ModelSpec is too: `resolve_model` is the one place that turns any of them into a
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 from zellige import _core
 from zellige._core import ModelSpec
-from zellige._files import read_input
-from zellige._json import INT64_MAX, INT64_MIN, shown
+from zellige._files import MAX_TOML_BYTES, read_input
+from zellige._json import INT64_MAX, INT64_MIN, parse_json, parse_toml, shown
 
 # key -> type; every key of a spec file is a ModelSpec field
 _FIELDS: dict[str, type] = {
@@ -90,14 +89,18 @@ def load_model_spec(path: str | Path) -> ModelSpec:
     path = Path(path)
     if path.suffix not in SPEC_SUFFIXES:
         raise ValueError(f"{path}: a model spec file must end in .toml or .json")
-    try:  # capped, as every input file (zellige._files)
-        text = read_input(path)
+    try:  # capped as run files are (zellige._files.MAX_TOML_BYTES): a spec is a dozen keys
+        text = read_input(path, MAX_TOML_BYTES, "model spec")
     except ValueError as error:
         raise ValueError(f"cannot read model spec {error}") from None
-    try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not valid {path.suffix[1:].upper()}: {error}") from None
+    # both parsers refuse deep nesting and strings that are not text in one line
+    if path.suffix == ".toml":
+        data = parse_toml(text, str(path))
+    else:
+        try:
+            data = parse_json(text, "JSON")
+        except ValueError as error:
+            raise ValueError(f"{path}: not valid {error}") from None
     return model_spec_from_dict(data, str(path))
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from zellige import _core
+from zellige._json import output_line
 from zellige.api import JOINT, CompareRow, compare_setup
 from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
 
@@ -98,12 +99,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cluster = setup.cost_model.cluster
     source = f"{setup.workload} (seed {setup.seed})" if setup.workload else args.batch
-    print(
+    header = (
         f"{source}: {len(setup.batch.sequences)} sequences, "
         f"{_core.total_tokens(setup.batch):,} tokens, {setup.model_name} on "
         f"{cluster.num_ranks()} GPUs ({cluster.num_nodes} x {cluster.gpus_per_node}, "
         f"{setup.links}); lower bound {rows[0].lower_bound_s:.4f} s"
     )
-    for line in format_table(rows):
-        print(line)
+    for line in [header, *format_table(rows)]:
+        print(output_line(line))
     return 0

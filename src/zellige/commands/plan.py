@@ -7,6 +7,7 @@ from collections import Counter
 
 from zellige import _core
 from zellige._files import check_outputs
+from zellige._json import output_line
 from zellige.api import JOINT, Setup, lower_bound, run_planner
 from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
 from zellige.model_spec import model_spec_to_dict
@@ -82,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     setup = setup_from_args(args)
     plan = run_planner(setup, args.planner, setup.seed)
     for line in summary(setup, plan):
-        print(line)
+        print(output_line(line))
     if args.out:
         save_plan(plan, args.out, context=plan_context(setup))
-        print(f"wrote {args.out}")
+        print(output_line(f"wrote {args.out}"))
     return 0

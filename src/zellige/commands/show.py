@@ -8,7 +8,7 @@ from collections import defaultdict
 
 from zellige import _core
 from zellige._files import check_outputs, write_output
-from zellige._json import require_int, require_str
+from zellige._json import output_line, require_int, require_str
 from zellige.api import Setup, lower_bound, make_setup, require_finite
 from zellige.commands._args import SEED_MAX, int_in
 from zellige.commands._inputs import add_cluster_arguments, model_from_args
@@ -169,20 +169,28 @@ def draw_png(setup: Setup, plan: _core.Plan, path: str) -> None:
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     segments = _core.simulate(setup.batch, plan, setup.cost_model)
-    bars: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    # one collection of rectangles per phase: an artist per rank rescales the axes each time,
+    # which grows with the square of the ranks
+    boxes: dict[str, list[list[tuple[float, float]]]] = defaultdict(list)
     for segment in segments:
-        bars[segment.rank, segment.phase].append((segment.start_s, segment.end_s - segment.start_s))
+        x0, x1, y0, y1 = segment.start_s, segment.end_s, segment.rank - 0.4, segment.rank + 0.4
+        boxes[segment.phase].append([(x0, y0), (x0, y1), (x1, y1), (x1, y0)])
     makespan_s = max(segment.end_s for segment in segments)
     lower_bound_s = lower_bound(setup)
     height_in = min(40.0, 1.5 + 0.22 * plan.num_ranks)
     fig, ax = plt.subplots(figsize=(12, height_in))
-    for (rank, phase), spans in bars.items():
-        ax.broken_barh(
-            spans, (rank - 0.4, 0.8), facecolors=PHASES[phase][1], edgecolor="white", linewidth=0.3
+    for phase, rectangles in boxes.items():
+        ax.add_collection(
+            PolyCollection(
+                rectangles, facecolors=PHASES[phase][1], edgecolor="white", linewidth=0.3
+            ),
+            autolim=False,
         )
+    ax.set_xlim(0.0, max(makespan_s, lower_bound_s) * 1.02)
     # Sequence ids on the attention blocks wide enough to hold them (a few ranks' worth of text).
     if plan.num_ranks <= 64:
         labels = {p.sequence_id: placement_label(p) for p in plan.placements}
@@ -211,7 +219,7 @@ def draw_png(setup: Setup, plan: _core.Plan, path: str) -> None:
         f"{plan.planner} on {plan.num_ranks} GPUs: {source}, {setup.model_name}; "
         f"makespan {makespan_s:.4f} s, lower bound {lower_bound_s:.4f} s"
     )
-    present = {phase for _, phase in bars}  # no legend entry for a phase that is not drawn
+    present = set(boxes)  # no legend entry for a phase that is not drawn
     handles = [
         Patch(color=color, label=PNG_LABELS[phase])
         for phase, (_, color) in PHASES.items()
@@ -243,8 +251,8 @@ def run(args: argparse.Namespace) -> int:
     setup = setup_for_plan(args, plan, context)
     _core.validate_plan(plan, setup.batch, plan.num_ranks, setup.cost_model.model.num_heads)
     for line in text_picture(setup, plan):
-        print(line)
+        print(output_line(line))
     if args.png:
         draw_png(setup, plan, args.png)
-        print(f"wrote {args.png}")
+        print(output_line(f"wrote {args.png}"))
     return 0

@@ -17,6 +17,7 @@ import sys
 
 import torch.distributed as dist
 
+from zellige.cli import printable  # one line: escapes shown, at most 400 characters
 from zellige.runtime import end_rank_process
 from zellige.train.config import (
     CONFIGS,
@@ -35,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line from rank 0, not a usage block from every rank."""
 
     def error(self, message: str):
-        say(f"{PROG}: error: {message}")
+        say(f"{PROG}: error: {printable(message)}")
         sys.exit(2)
 
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             file_values["model"] = args.model
         config = resolve_config(args.config, file_values, overrides, args.config_file or "")
     except ValueError as error:
-        say(f"{PROG}: error: {error}")
+        say(f"{PROG}: error: {printable(str(error))}")
         return 2
     try:
         train(
@@ -117,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             wandb_project=args.wandb,
         )
     except ValueError as error:
-        say(f"{PROG}: error: {error}")
+        say(f"{PROG}: error: {printable(str(error))}")
         return 2
     except TrainingFailed as failure:
         if failure.report:
-            print(f"{PROG}: error: {failure}", file=sys.stderr, flush=True)
+            print(f"{PROG}: error: {printable(str(failure))}", file=sys.stderr, flush=True)
         return 1
     finally:
         if dist.is_initialized():

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zellige._core import MAX_GPUS
+from zellige._json import read_toml
 from zellige.model import DiTConfig, model_preset
 
 H200_BF16_DENSE_FLOPS_PER_S = 989e12  # NVIDIA's dense bf16 tensor-core peak for the H200 SXM
@@ -279,6 +281,42 @@ FIELD_HELP = {
 }
 _DTYPES = ("float64", "float32", "bfloat16")
 
+# Limits of a run's values (docs/formats.md, "Limits", lists them with the core's): counts stay
+# far inside int64 and float32, and a model that cannot be built in seconds is refused up front.
+MAX_STEPS = 1 << 30
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MIN_TIMEOUT_S = 1.0  # the process group's rendezvous itself needs about this long
+MAX_LOADER_WORKERS = 64
+# a step's batch is drawn for data_ranks loader ranks and spread over the run's ranks: a resumed
+# run may hold a few saving ranks' data each, not thousands (16,384 on one rank: out of memory)
+MAX_DATA_RANKS_PER_RANK = 8
+MAX_LEARNING_RATE = 1e30
+# AdamW's first step moves a weight by up to learning_rate / (1 - beta1): a float32 scalar
+MAX_FIRST_STEP_SIZE = 1e37
+MAX_GRAD_CLIP_NORM = 1e30
+MAX_WEIGHT_DECAY = 1e3
+MAX_PEAK_FLOPS_PER_S = 1e18  # the profile's ceiling on rates
+# [model] table: field -> (low, high), inclusive
+MODEL_INT_LIMITS: dict[str, tuple[int, int]] = {
+    "width": (1, 1 << 16),
+    "num_layers": (1, 1 << 10),
+    "num_heads": (1, 1 << 10),
+    "ffn_width": (1, 1 << 18),
+    "text_tokens": (0, 1 << 20),
+    "text_dim": (1, 1 << 16),
+    "latent_channels": (1, 1 << 10),
+    "patch_t": (1, 64),
+    "patch_hw": (1, 64),
+    "freq_dim": (2, 1 << 16),
+    "num_double_layers": (0, 1 << 10),
+}
+MODEL_FLOAT_LIMITS: dict[str, tuple[float, float]] = {
+    "eps": (1e-30, 1.0),  # > 0: the norms divide by sqrt(mean + eps)
+    "rope_theta": (2.0, 1e12),  # > 1: frequencies theta^(-k/n) must differ between channels
+}
+# parameters, gradients and AdamW's two moments in float32
+TRAIN_BYTES_PER_PARAM = 16
+
 
 def field_types() -> dict[str, str]:
     """Each overridable field's annotation as written ("int", "float | None", ...)."""
@@ -289,16 +327,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     """The keys of a TOML run file: `config` (the named config it starts from), `model` (a preset
     name, or a table with `preset` and DiTConfig fields to replace) and any TrainConfig field.
     Raises ValueError with one line for a missing or malformed file or an unknown key."""
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise ValueError(f"{path}: cannot read ({error.strerror or error})") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a UTF-8 text file") from None
-    try:
-        values = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise ValueError(f"{path}: not valid TOML ({error})") from None
+    values = read_toml(path)  # size-capped, depth-limited; one-line errors
     allowed = ["config", "model", *FIELD_HELP]
     for key in values:
         if key not in allowed:
@@ -330,28 +359,154 @@ def resolve_config(
 
 def validate_config(config: TrainConfig) -> None:
     """Raises ValueError naming the first field whose value cannot train."""
+    if not isinstance(config.model, DiTConfig):
+        raise ValueError("model must be a model preset or a [model] table")
+    validate_model(config.model)
     checks = [
         ("steps", config.steps >= 1, "at least 1"),
+        ("steps", config.steps <= MAX_STEPS, f"at most {MAX_STEPS:,}"),
         ("seed", 0 <= config.seed < 2**32, "in [0, 2**32)"),
         ("device", config.device in ("cpu", "cuda"), "cpu or cuda"),
         ("backend", config.backend in ("gloo", "nccl"), "gloo or nccl"),
         ("backend", config.backend != "nccl" or config.device == "cuda", "gloo on device cpu"),
         ("dtype", config.dtype in _DTYPES, " or ".join(_DTYPES)),
         ("gpus_per_node", config.gpus_per_node >= 1, "at least 1"),
+        ("gpus_per_node", config.gpus_per_node <= MAX_GPUS, f"at most {MAX_GPUS:,}"),
         ("learning_rate", _finite(config.learning_rate) and config.learning_rate > 0, "> 0"),
+        (
+            "learning_rate",
+            config.learning_rate <= MAX_LEARNING_RATE,
+            f"at most {MAX_LEARNING_RATE:g}",
+        ),
         ("betas", all(_finite(b) and 0 <= b < 1 for b in config.betas), "two numbers in [0, 1)"),
+        (
+            "learning_rate",
+            config.learning_rate / (1 - config.betas[0]) <= MAX_FIRST_STEP_SIZE,
+            f"such that learning_rate / (1 - betas[0]) is at most {MAX_FIRST_STEP_SIZE:g} (AdamW's "
+            "first step size, a float32)",
+        ),
         ("weight_decay", _finite(config.weight_decay) and config.weight_decay >= 0, ">= 0"),
+        ("weight_decay", config.weight_decay <= MAX_WEIGHT_DECAY, f"at most {MAX_WEIGHT_DECAY:g}"),
         ("warmup_steps", config.warmup_steps >= 0, ">= 0"),
+        ("warmup_steps", config.warmup_steps <= MAX_STEPS, f"at most {MAX_STEPS:,}"),
         ("grad_clip_norm", _finite(config.grad_clip_norm) and config.grad_clip_norm > 0, "> 0"),
+        (
+            "grad_clip_norm",
+            config.grad_clip_norm <= MAX_GRAD_CLIP_NORM,
+            f"at most {MAX_GRAD_CLIP_NORM:g}",
+        ),
         ("checkpoint_every", config.checkpoint_every >= 0, ">= 0"),
+        ("checkpoint_every", config.checkpoint_every <= MAX_STEPS, f"at most {MAX_STEPS:,}"),
         ("loader_workers", config.loader_workers >= 0, ">= 0"),
+        (
+            "loader_workers",
+            config.loader_workers <= MAX_LOADER_WORKERS,
+            f"at most {MAX_LOADER_WORKERS}",
+        ),
         ("peak_flops_per_s", config.peak_flops_per_s is None or config.peak_flops_per_s > 0, "> 0"),
+        (
+            "peak_flops_per_s",
+            config.peak_flops_per_s is None or config.peak_flops_per_s <= MAX_PEAK_FLOPS_PER_S,
+            f"at most {MAX_PEAK_FLOPS_PER_S:g}",
+        ),
         ("data_ranks", config.data_ranks is None or config.data_ranks >= 1, "at least 1"),
+        (
+            "data_ranks",
+            config.data_ranks is None or config.data_ranks <= MAX_GPUS,
+            f"at most {MAX_GPUS:,} (the GPU limit)",
+        ),
         ("timeout_s", _finite(config.timeout_s) and config.timeout_s > 0, "> 0 seconds"),
+        (
+            "timeout_s",
+            MIN_TIMEOUT_S <= config.timeout_s <= MAX_TIMEOUT_S,
+            f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] seconds",
+        ),
     ]
     for key, ok, allowed in checks:
         if not ok:
             raise ValueError(f"{key} must be {allowed}, got {_short(getattr(config, key))}")
+    if config.device == "cpu":
+        _check_fits_host_memory(config)
+
+
+def check_world(config: TrainConfig, num_ranks: int) -> None:
+    """The world size (torchrun's ranks) suits the config: the cost model's nodes hold
+    gpus_per_node ranks each (fewer ranks than that: one node)."""
+    if num_ranks > MAX_GPUS:
+        raise ValueError(f"{num_ranks:,} ranks: at most {MAX_GPUS:,} (the GPU limit)")
+    check_data_ranks(config.data_ranks, num_ranks, "data_ranks")
+    per_node = min(config.gpus_per_node, num_ranks)
+    if num_ranks % per_node:
+        raise ValueError(
+            f"gpus_per_node {config.gpus_per_node} does not divide the {num_ranks} ranks of this "
+            "run (torchrun --nproc-per-node x nodes): pass --gpus-per-node with a divisor of "
+            f"{num_ranks}"
+        )
+
+
+def check_data_ranks(data_ranks: int | None, num_ranks: int, what: str) -> None:
+    """ValueError when each of the run's ranks would hold more than MAX_DATA_RANKS_PER_RANK
+    loader ranks' data per step."""
+    if data_ranks is not None and data_ranks > MAX_DATA_RANKS_PER_RANK * num_ranks:
+        raise ValueError(
+            f"{what} {data_ranks:,}: each step's batch is drawn for that many loader ranks, at "
+            f"most {MAX_DATA_RANKS_PER_RANK} per rank of this run's {num_ranks}; run on at least "
+            f"{-(-data_ranks // MAX_DATA_RANKS_PER_RANK):,} ranks"
+        )
+
+
+def validate_model(model: DiTConfig) -> None:
+    """Raises ValueError naming the first model field outside MODEL_*_LIMITS or inconsistent
+    with another (the model's own checks follow in DiTConfig)."""
+    for key in (*MODEL_INT_LIMITS, *MODEL_FLOAT_LIMITS):
+        _check_model_value(key, getattr(model, key))
+    if model.freq_dim % 2:
+        raise ValueError(
+            f"model.freq_dim must be even (sine and cosine halves), got {model.freq_dim}"
+        )
+    if model.width % model.num_heads:
+        raise ValueError(
+            f"model.width {model.width} is not a multiple of model.num_heads {model.num_heads}"
+        )
+    if not 0 <= model.num_double_layers <= model.num_layers:
+        raise ValueError(
+            f"model.num_double_layers {model.num_double_layers} must be in [0, num_layers "
+            f"{model.num_layers}]"
+        )
+
+
+def _check_model_value(key: str, value: Any) -> None:
+    if key in MODEL_INT_LIMITS:
+        low, high = MODEL_INT_LIMITS[key]
+        if type(value) is not int or not low <= value <= high:
+            raise ValueError(
+                f"model.{key} must be an integer in [{low}, {high:,}], got {_short(value)}"
+            )
+    elif key in MODEL_FLOAT_LIMITS:
+        low, high = MODEL_FLOAT_LIMITS[key]
+        if not (isinstance(value, int | float) and _finite(value) and low <= value <= high):
+            raise ValueError(
+                f"model.{key} must be a number in [{low:g}, {high:g}], got {_short(value)}"
+            )
+
+
+def _check_fits_host_memory(config: TrainConfig) -> None:
+    """On CPU every rank builds the whole model: refuse one whose training state cannot fit the
+    machine's memory, before memory grows for minutes."""
+    try:
+        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    from zellige.data.loader import param_count  # torch and the model: only where needed
+
+    params = param_count(config.model)
+    need_bytes = params * TRAIN_BYTES_PER_PARAM
+    if need_bytes > host_bytes:
+        raise ValueError(
+            f"model {config.model.name}: {params:,} parameters need about "
+            f"{need_bytes / 2**30:,.0f} GiB to train, more than this machine's "
+            f"{host_bytes / 2**30:,.0f} GiB"
+        )
 
 
 def _short(value: Any) -> str:
@@ -380,7 +535,11 @@ def _model_from(value: Any, source: str) -> DiTConfig:
             )
         overrides[key] = _typed(f"model.{key}", fields[key], item, source)
     try:
-        return model_preset(value["preset"], **overrides)
+        for key, item in overrides.items():  # before DiTConfig's own checks divide by them
+            _check_model_value(key, item)
+        model = model_preset(value["preset"], **overrides)
+        validate_model(model)
+        return model
     except (TypeError, ValueError) as error:
         raise ValueError(f"{source}: model: {error}") from None
 

@@ -30,11 +30,15 @@ from zellige.runtime import EngineConfig, engine_runs_ragged
 from zellige.runtime.collector import QuietCollector
 from zellige.train.checkpoint import (
     CheckpointInfo,
+    check_out_dir,
+    check_resumable,
     find_checkpoint,
     load_checkpoint,
+    lock_out_dir,
+    run_fields,
     save_checkpoint,
 )
-from zellige.train.config import TrainConfig, validate_config
+from zellige.train.config import TrainConfig, check_world, validate_config
 from zellige.train.metrics import (
     MetricsSinks,
     StepEnd,
@@ -95,6 +99,7 @@ def preflight(
     """Every check that needs no process group, so bad input fails in seconds, before training,
     the same way on every rank. Raises ValueError with one line; creates out_dir."""
     validate_config(config)
+    check_world(config, num_ranks)
     if config.device == "cuda":
         _require_cuda(config)
     _check_planning(config, num_ranks)
@@ -115,6 +120,7 @@ def preflight(
                 raise ValueError(f"{flag} {path}: {parent} is not a writable directory")
     if metrics_path is not None and Path(metrics_path).is_dir():
         raise ValueError(f"--metrics {metrics_path}: is a directory")
+    check_out_dir(out_dir, **{"--metrics": metrics_path, "--tensorboard": tensorboard_dir})
     if tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ValueError(
             "--tensorboard needs the tensorboard package (pip install tensorboard; the train "
@@ -144,6 +150,7 @@ def preflight(
             f"data_ranks {config.data_ranks} differs from the checkpoint's {info.data_ranks}: "
             "the resumed run would see other batches (leave data_ranks unset)"
         )
+    check_resumable(info, config, num_ranks)
     return RunStart(first_step=info.step, checkpoint=info, data_ranks=info.data_ranks)
 
 
@@ -270,6 +277,7 @@ def train(
         return []
     device = setup_distributed(config)
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    out_lock = lock_out_dir(out_dir)  # one run writes --out at a time
     timer = StepTimer(device)
     model = build_model(config, device, timer)
     optimizer = make_optimizer(config, model, device)
@@ -393,6 +401,7 @@ def train(
                         scheduler,
                         data_ranks=start.data_ranks,
                         model_config=config.model,
+                        run=run_fields(config),
                     )
                 except RuntimeError as error:
                     raise watch.failure(done, error) from None
@@ -406,6 +415,7 @@ def train(
         sinks.close()
         watch.close()
         collector.close()
+        out_lock.close()
         if model.lone_weights is not None:
             model.lone_weights.close()
     if rank == 0 and progress:
