@@ -1,13 +1,25 @@
-// Local-search moves of whole anchors (issue 15, item 2): an anchor of the busiest rank moved to
-// an aligned window of any degree, and two anchors put together on the union of their ranks.
-//
-// Internal to zellige.cc: it includes this file once, inside its anonymous namespace after
-// ZelligePlanner's definition, so these are ZelligePlanner's own members (the planner keeps its
-// state private to that file). Both moves run only where the cheaper moves found nothing (the
-// busiest rank is at a local optimum of move / swap / re-mould / promote) and, like them, must
-// lower the busiest rank's time without raising any rank they touch above it. Also here: the
-// starts of aligned bags and of node configurations, and the equal-makespan memory steps.
-#pragma once
+// Local-search moves of whole anchors: an anchor of the busiest rank moved to an aligned window of
+// any degree, and two anchors put together on the union of their ranks. Both run only where the
+// cheaper moves (zellige_search.cc) found nothing (the busiest rank is at a local optimum of move /
+// swap / re-mould / promote) and, like them, must lower the busiest rank's time without raising
+// any rank they touch above it. Also here: the starts of aligned bags and of node configurations,
+// and the equal-makespan memory steps.
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "node_configurations.h"
+#include "rank_loads.h"
+#include "zellige_planner.h"
+
+namespace zellige::planners::zellige_detail {
 
 // The `count` nodes whose ranks' summed time is least, then the nodes of `anchor`'s ranks.
 void ZelligePlanner::window_nodes(const Solution& s, const AnchorPlacement& anchor, int count,
@@ -345,18 +357,18 @@ bool ZelligePlanner::bag_start(bool busiest_only, int32_t max_run, Plan* plan) {
   return true;
 }
 
-// A starting point from the configuration view of a run of equal long sequences (issue 15, item
-// 2d; what the best known plans of many equal long videos look like: one node holding a window of
-// eight, another two of four and some pairs). Nodes are identical, so for a cap T on any window's
-// load, node_configurations.h chooses exactly which windows one node holds, how many sequences of
-// the run each carries and how many nodes take each configuration, for the least rank-seconds
-// (shape_at's estimates on aligned windows). Every cap where the run's window loads change (count
-// x a degree's time, up to `upper_s`) is tried; the best estimate of the whole plan (the busiest
-// window, the mean load with the rest of the batch, the longest other sequence) is built. The rest
-// go whole, longest first, to the least-loaded rank with the memory (or, too large for a rank, to
-// the least-loaded aligned window of the smallest degree that fits). The run: the equal lengths
-// with the most estimated work among those of at least two sequences of kBagItemFraction of the
-// mean load per rank. False when there is none, or the exact solve would cost more than
+// A starting point from the configuration view of a run of equal long sequences (what the best
+// known plans of many equal long videos look like: one node holding a window of eight, another two
+// of four and some pairs). Nodes are identical, so for a cap T on any window's load,
+// node_configurations.h chooses exactly which windows one node holds, how many sequences of the run
+// each carries and how many nodes take each configuration, for the least rank-seconds (shape_at's
+// estimates on aligned windows). Every cap where the run's window loads change (count x a degree's
+// time, up to `upper_s`) is tried; the best estimate of the whole plan (the busiest window, the
+// mean load with the rest of the batch, the longest other sequence) is built. The rest go whole,
+// longest first, to the least-loaded rank with the memory (or, too large for a rank, to the
+// least-loaded aligned window of the smallest degree that fits). The run: the equal lengths with
+// the most estimated work among those of at least two sequences of kBagItemFraction of the mean
+// load per rank. False when there is none, or the exact solve would cost more than
 // kConfigurationWork steps.
 bool ZelligePlanner::configuration_start(double upper_s, Plan* plan) {
   int32_t run_key = -1;
@@ -515,16 +527,16 @@ bool ZelligePlanner::configuration_start(double upper_s, Plan* plan) {
   return true;
 }
 
-// An equal-makespan step (issue 15, item 2c), taken when no move lowers the busiest rank: a whole
-// sequence of the rank holding the most bytes moves to one of the kMemoryPartners ranks holding
-// the least, where it raises no rank's time above the makespan and lowers the larger of the two
-// ranks' bytes. The makespan stays (or falls), the secondary objective falls: the ranks' bytes,
-// sorted from the fullest down, compared lexicographically; so these steps cannot cycle among
-// themselves, and local_search caps them at kMemorySteps. Why memory: the search sizes memory as
-// if every layer were recomputed whole but times selective checkpointing; evaluate() recomputes
-// attention too on ranks whose kept activations do not fit, so on memory-tight batches the
-// fullest rank's bytes cost exact time that the search does not see (and item 6 prefers the lower
-// peak among plans of about the same makespan).
+// An equal-makespan step taken when no move lowers the busiest rank: a whole sequence of the rank
+// holding the most bytes moves to one of the kMemoryPartners ranks holding the least, where it
+// raises no rank's time above the makespan and lowers the larger of the two ranks' bytes. The
+// makespan stays (or falls), the secondary objective falls: the ranks' bytes, sorted from the
+// fullest down, compared lexicographically; so these steps cannot cycle among themselves, and
+// local_search caps them at kMemorySteps. Why memory: the search sizes memory as if every layer
+// were recomputed whole but times selective checkpointing; evaluate() recomputes attention too on
+// ranks whose kept activations do not fit, so on memory-tight batches the fullest rank's bytes cost
+// exact time that the search does not see (and the final comparison prefers the lower peak among
+// plans of about the same makespan).
 bool ZelligePlanner::try_lower_memory(Solution* s) {
   const int64_t fullest =
       std::max_element(s->memory_bytes.begin(), s->memory_bytes.end()) - s->memory_bytes.begin();
@@ -562,3 +574,6 @@ bool ZelligePlanner::try_lower_memory(Solution* s) {
   add_filler(s, best_sequence, best_rank);
   return true;
 }
+
+
+}  // namespace zellige::planners::zellige_detail
