@@ -225,6 +225,9 @@ class MegatronDcp {
   std::vector<double> work_of_lengths_s_;
   size_t work_slots_ = 0;
   std::vector<int64_t> memory_degree_;  // per lengths index; 0: not computed yet
+  // micro_batch's: per lengths index, the micro-batch (its stamp) that refused those lengths.
+  std::vector<int64_t> refused_stamp_;
+  int64_t micro_batch_stamp_ = 0;
   // Per lengths index, its share alone on one rank (the rank left unset); and schedule's scratch.
   std::vector<std::optional<RankShare>> local_share_;
   std::vector<RankShare> placed_;
@@ -313,8 +316,17 @@ std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
   const double cap_s = (1.0 + kCapSlack) * work_s(tallest, first_degree) *
                        static_cast<double>(first_degree) * max_tokens / tallest_tokens;
 
+  // A sequence that no group takes and none can open for is refused by the rest of this
+  // micro-batch too, and so is every later one of its lengths (loads and the makespan only grow,
+  // free ranks only shrink): those go to the leftovers unpriced, so that thousands of equal
+  // sequences cost O(1) each per micro-batch (same groups).
+  ++micro_batch_stamp_;
   for (size_t k = 1; k < pending.size(); ++k) {
     const int64_t i = pending[k];
+    if (refused_stamp_[length_key_[i]] == micro_batch_stamp_) {
+      leftovers->push_back(i);
+      continue;
+    }
     const double tokens = tokens_[i];
     double best_s = std::numeric_limits<double>::infinity();
     int64_t best_group = -1, best_new = 0;
@@ -348,6 +360,7 @@ std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
       if (degree == num_ranks_) break;
     }
     if (best_group < 0 && best_new == 0) {
+      refused_stamp_[length_key_[i]] = micro_batch_stamp_;
       leftovers->push_back(i);
       continue;
     }
@@ -417,7 +430,12 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
   Placement placement;  // reused: the plan is built for the best knob only (run)
   std::vector<int64_t> pending = by_length;
   for (bool first = true; !pending.empty(); first = false) {
-    if (!first) sort_by_length(&pending);
+    // Leftovers keep pending's order: already sorted unless a later fit test refused some.
+    if (!first && !std::is_sorted(pending.begin(), pending.end(), [&](int64_t a, int64_t b) {
+          return tokens_[a] > tokens_[b];
+        })) {
+      sort_by_length(&pending);
+    }
     std::vector<int64_t> leftovers;
     const std::vector<Group> groups = micro_batch(pending, max_tokens, &leftovers);
     int64_t num_placed = 0;
@@ -487,6 +505,7 @@ Plan MegatronDcp::run() {
     tokens_[i] = static_cast<double>(sequence.num_tokens);
   }
   memory_degree_.assign(key_of_lengths.size(), 0);
+  refused_stamp_.assign(key_of_lengths.size(), 0);
   local_share_.assign(key_of_lengths.size(), std::nullopt);
   work_slots_ = static_cast<size_t>(63 - __builtin_clzll(static_cast<uint64_t>(num_ranks_))) + 2;
   work_of_lengths_s_.assign(key_of_lengths.size() * work_slots_,
