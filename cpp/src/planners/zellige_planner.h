@@ -414,13 +414,17 @@ class ZelligePlanner {
     }
     return slot;
   }
-  // cost_model_.shares, through the evaluation cache for placements of at most a node (local
-  // search prices the same small shapes over and over; same values), directly for wider ones,
-  // whose cache entries would list degree^2 attention calls.
+  // cost_model_.shares, memoised (local search prices the same shapes over and over; same
+  // values): through the evaluation cache for placements of at most a node; by node pattern for
+  // wider ones (wide_shares), whose cache entries would list degree^2 attention calls.
   std::vector<RankShare> small_shares(const Sequence& sequence, const Placement& placement) {
     return placement.degree() <= gpus_per_node_ ? cost_model_.shares(sequence, placement, cache_)
-                                                : cost_model_.shares(sequence, placement);
+                                                : wide_shares(sequence, placement);
   }
+  // A wide placement's shares from the shares of the first placement priced with the same
+  // lengths, shape and node pattern (which positions share a node: all that shares read of the
+  // ranks), moved to its ranks.
+  std::vector<RankShare> wide_shares(const Sequence& sequence, const Placement& placement);
   double time_with(const Solution& s, int64_t rank, int64_t delta_tokens,
                    double delta_other_s) const {
     return linear_s(s.tokens[rank] + delta_tokens) + s.other_s[rank] + delta_other_s;
@@ -559,6 +563,18 @@ class ZelligePlanner {
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
   std::vector<RankShare> best_shares_;
+  // wide_shares's memo: key (tokens, text tokens, strategy, Ulysses degree, then per position
+  // its node's first position), and how many shares it holds (bounded).
+  struct KeyHash {
+    size_t operator()(const std::vector<int64_t>& key) const {
+      uint64_t hash = 0xcbf29ce484222325ull;
+      for (int64_t value : key) hash = (hash ^ static_cast<uint64_t>(value)) * 0x100000001b3ull;
+      return static_cast<size_t>(hash);
+    }
+  };
+  std::unordered_map<std::vector<int64_t>, std::vector<RankShare>, KeyHash> wide_shares_;
+  int64_t wide_shares_held_ = 0;
+  std::vector<int64_t> wide_key_, node_first_position_;  // node_first_position_: -1 between calls
   // zellige_moves.cc's scratch and budget.
   std::vector<double> node_load_s_;
   std::vector<int64_t> window_nodes_;

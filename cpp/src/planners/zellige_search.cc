@@ -15,6 +15,38 @@
 
 namespace zellige::planners::zellige_detail {
 
+// At most this many shares are kept by wide_shares (a few hundred MB at 4096 ranks' patterns).
+constexpr int64_t kWideSharesHeld = int64_t{1} << 22;
+
+std::vector<RankShare> ZelligePlanner::wide_shares(const Sequence& sequence,
+                                                   const Placement& placement) {
+  const size_t degree = placement.ranks.size();
+  wide_key_.assign({sequence.num_tokens, sequence.text_tokens,
+                    static_cast<int64_t>(placement.strategy), placement.ulysses_degree});
+  // Position k's node as the first position on that node: the same for rank sets whose
+  // positions share nodes alike, whichever nodes they are.
+  if (node_first_position_.empty()) node_first_position_.assign(num_nodes_, -1);
+  for (size_t k = 0; k < degree; ++k) {
+    int64_t& first = node_first_position_[node_of(placement.ranks[k])];
+    if (first < 0) first = static_cast<int64_t>(k);
+    wide_key_.push_back(first);
+  }
+  for (int64_t rank : placement.ranks) node_first_position_[node_of(rank)] = -1;
+  const auto found = wide_shares_.find(wide_key_);
+  if (found != wide_shares_.end()) {
+    std::vector<RankShare> shares = found->second;
+    assert(shares.size() == degree);
+    for (size_t k = 0; k < degree; ++k) shares[k].rank = placement.ranks[k];
+    return shares;
+  }
+  std::vector<RankShare> shares = cost_model_.shares(sequence, placement);
+  if (wide_shares_held_ + static_cast<int64_t>(degree) <= kWideSharesHeld) {
+    wide_shares_held_ += static_cast<int64_t>(degree);
+    wide_shares_.emplace(wide_key_, shares);
+  }
+  return shares;
+}
+
 // The `count` least-loaded ranks (by time, then id), skipping ranks marked in `excluded`.
 void ZelligePlanner::least_loaded(const Solution& s, int count, const std::vector<char>* excluded,
                                   std::vector<int64_t>* ranks) const {
