@@ -231,8 +231,11 @@ def held_out_batch(family: str, num_gpus: int, seed: int) -> zellige.Batch:
         images = min(cap - clips, rng.randint(num_gpus, 4 * num_gpus))
         sequences = [(65536, 512)] * clips + [(256, 512)] * images
     elif family == "uniform-1k-100k":
-        count = min(cap, rng.randint(num_gpus, 3 * num_gpus))
-        sequences = [(rng.randint(1000, 100000), 512) for _ in range(count)]
+        # Up to 60k-100k tokens per GPU (wan-14b on an H200 holds about 100k-140k).
+        budget, total = rng.uniform(60000, 100000) * num_gpus, 0
+        while len(sequences) < cap and total < budget:
+            sequences.append((rng.randint(1000, 100000), 512))
+            total += sequences[-1][0]
     elif family == "mmdit-text-dropout":
         count = min(cap, rng.randint(2 * num_gpus, 4 * num_gpus))
         buckets = [1024, 2304, 4096]
@@ -244,13 +247,15 @@ def held_out_batch(family: str, num_gpus: int, seed: int) -> zellige.Batch:
         count = min(cap, sum(rng.randint(100, 150) for _ in range(num_gpus)))
         sequences = [(rng.choice([64, 144, 256]), 512) for _ in range(count)]
     elif family == "few-long-videos":
-        count = rng.randint(max(1, num_gpus // 4), max(1, num_gpus - 1))
+        count = rng.randint(max(1, num_gpus // 4), max(1, num_gpus // 2))
         sequences = [(rng.randint(100000, 300000), 512) for _ in range(count)]
     elif family == "split-8-ways":
         # wan-14b on an H200: 600k-780k tokens fit on 8 ranks, not on 4.
         sequences = [(rng.randint(600_000, 780_000), 512)]
-        others = rng.randint(num_gpus, 2 * num_gpus)
-        sequences += [(rng.randint(4000, 60000), 512) for _ in range(others)]
+        budget, total = rng.uniform(10000, 40000) * num_gpus, 0  # tokens of the others
+        while len(sequences) < cap and total < budget:
+            sequences.append((rng.randint(4000, 60000), 512))
+            total += sequences[-1][0]
     else:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(HELD_OUT_FAMILIES)}")
     batch = zellige.Batch()
