@@ -26,8 +26,6 @@ void ZelligePlanner::prepare() {
   local_tokens_.resize(num_sequences_);
   local_other_s_.resize(num_sequences_);
   local_memory_bytes_.resize(num_sequences_);
-  local_keep_bytes_.resize(num_sequences_);
-  local_recompute_s_.resize(num_sequences_);
   local_estimate_s_.resize(num_sequences_);
   // Shares depend on the lengths only, and bucketed batches repeat them a lot.
   shape_key_.resize(num_sequences_);
@@ -49,8 +47,6 @@ void ZelligePlanner::prepare() {
       local_tokens_[i] = local_tokens_[first];
       local_other_s_[i] = local_other_s_[first];
       local_memory_bytes_[i] = local_memory_bytes_[first];
-      local_keep_bytes_[i] = local_keep_bytes_[first];
-      local_recompute_s_[i] = local_recompute_s_[first];
       local_estimate_s_[i] = local_estimate_s_[first];
       continue;
     }
@@ -60,8 +56,6 @@ void ZelligePlanner::prepare() {
     local_other_s_[i] = share.attention_s + share.exchange_s;
     assert(local_other_s_[i] >= 0);  // times_only_grow relies on it
     local_memory_bytes_[i] = share.memory_bytes;
-    local_keep_bytes_[i] = keep_bytes_of(share);
-    local_recompute_s_[i] = recompute_of(share);
     local_estimate_s_[i] = estimate_s(share);
   }
   mean_load_s_ = 0;
@@ -78,8 +72,6 @@ void ZelligePlanner::prepare() {
   delta_tokens_.assign(num_ranks_, 0);
   delta_other_s_.assign(num_ranks_, 0.0);
   delta_memory_bytes_.assign(num_ranks_, 0.0);
-  delta_keep_bytes_.assign(num_ranks_, 0.0);
-  delta_recompute_s_.assign(num_ranks_, 0.0);
 
   // Attention can run faster in shorter blocks, so a long sequence may cost fewer rank-seconds
   // sharded than whole: its most efficient degree (within a node) makes it an anchor. The degree
@@ -117,15 +109,8 @@ void ZelligePlanner::prepare() {
   ordered_.resize(num_sequences_);
   for (int64_t k = 0; k < num_sequences_; ++k) {
     const int32_t i = order_[k];
-    ordered_[k] = {i,
-                   shape_key_[i],
-                   local_tokens_[i],
-                   local_other_s_[i],
-                   local_memory_bytes_[i],
-                   local_estimate_s_[i],
-                   local_keep_bytes_[i],
-                   local_recompute_s_[i],
-                   efficient_degree_[i] == 1};
+    ordered_[k] = {i, shape_key_[i], local_tokens_[i], local_other_s_[i], local_memory_bytes_[i],
+                   local_estimate_s_[i], efficient_degree_[i] == 1};
   }
 }
 
@@ -346,20 +331,16 @@ bool ZelligePlanner::place_anchor_within(int32_t sequence, double share_s, doubl
 
 void ZelligePlanner::add_filler(Solution* s, int32_t sequence, int64_t rank) const {
   add_filler(s, sequence, rank, local_tokens_[sequence], local_other_s_[sequence],
-             local_memory_bytes_[sequence], local_keep_bytes_[sequence],
-             local_recompute_s_[sequence]);
+             local_memory_bytes_[sequence]);
 }
 
 void ZelligePlanner::add_filler(Solution* s, int32_t sequence, int64_t rank, int64_t tokens,
-                                double other_s, double memory_bytes, double keep_bytes,
-                                double recompute_s) const {
+                                double other_s, double memory_bytes) const {
   s->filler_rank[sequence] = static_cast<int32_t>(rank);
   s->rank_fillers[rank].push_back(sequence);
   s->tokens[rank] += tokens;
   s->other_s[rank] += other_s;
   s->memory_bytes[rank] += memory_bytes;
-  s->keep_bytes[rank] += keep_bytes;
-  s->recompute_s[rank] += recompute_s;
   refresh_time(s, rank);
 }
 
@@ -370,8 +351,6 @@ void ZelligePlanner::remove_filler(Solution* s, int32_t sequence) const {
   s->tokens[rank] -= local_tokens_[sequence];
   s->other_s[rank] -= local_other_s_[sequence];
   s->memory_bytes[rank] -= local_memory_bytes_[sequence];
-  s->keep_bytes[rank] -= local_keep_bytes_[sequence];
-  s->recompute_s[rank] -= local_recompute_s_[sequence];
   refresh_time(s, rank);
 }
 
@@ -381,8 +360,6 @@ void ZelligePlanner::add_anchor_shares(Solution* s, int32_t slot) const {
     s->tokens[share.rank] += share.tokens;
     s->other_s[share.rank] += share.attention_s + share.exchange_s;
     s->memory_bytes[share.rank] += share.memory_bytes;
-    s->keep_bytes[share.rank] += keep_bytes_of(share);
-    s->recompute_s[share.rank] += recompute_of(share);
     s->rank_anchors[share.rank].push_back(slot);
     refresh_time(s, share.rank);
   }
@@ -393,8 +370,6 @@ void ZelligePlanner::remove_anchor_shares(Solution* s, int32_t slot) const {
     s->tokens[share.rank] -= share.tokens;
     s->other_s[share.rank] -= share.attention_s + share.exchange_s;
     s->memory_bytes[share.rank] -= share.memory_bytes;
-    s->keep_bytes[share.rank] -= keep_bytes_of(share);
-    s->recompute_s[share.rank] -= recompute_of(share);
     erase_value(&s->rank_anchors[share.rank], slot);
     refresh_time(s, share.rank);
   }
@@ -511,8 +486,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
         rank = open_ranks_.first_at_most(cut_s, rank + 1);
         if (rank < 0) break;
         if (s->memory_bytes[rank] + bytes <= free_bytes_ &&
-            time_with(*s, rank, tokens, other_s, bytes, item.keep_bytes, item.recompute_s) <=
-                target_s) {
+            time_with(*s, rank, tokens, other_s) <= target_s) {
           chosen = rank;
           break;
         }
@@ -543,7 +517,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
       open_ranks_.reset(s->time_s);
       continue;
     }
-    add_filler(s, sequence, chosen, tokens, other_s, bytes, item.keep_bytes, item.recompute_s);
+    add_filler(s, sequence, chosen, tokens, other_s, bytes);
     open_ranks_.update(chosen, s->time_s[chosen]);
     if (s->time_s[chosen] > stop_above_s && times_only_grow()) {
       s->makespan_s = s->time_s[chosen];  // a lower bound of the finished construction's
@@ -629,8 +603,7 @@ bool ZelligePlanner::split_filler(int32_t sequence, double estimate_s, double ta
       const RankShare& share = choice.shares[k];
       const int64_t rank = candidate_ranks_[k];
       within = s->memory_bytes[rank] + share.memory_bytes <= free_bytes_ &&
-               time_with(*s, rank, share.tokens, share.attention_s + share.exchange_s,
-                         share.memory_bytes, keep_bytes_of(share), recompute_of(share)) <= target_s;
+               time_with(*s, rank, share.tokens, share.attention_s + share.exchange_s) <= target_s;
     }
     if (!within) continue;
     add_anchor(sequence, degree, candidate_ranks_, s);

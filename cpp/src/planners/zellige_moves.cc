@@ -561,8 +561,7 @@ bool ZelligePlanner::try_lower_memory(Solution* s) {
       if (rank == fullest) continue;
       const double score_bytes = std::max(left_bytes, s->memory_bytes[rank] + bytes);
       if (score_bytes >= best_bytes || s->memory_bytes[rank] + bytes > free_bytes_) continue;
-      if (time_with(*s, rank, local_tokens_[sequence], local_other_s_[sequence], bytes,
-                    local_keep_bytes_[sequence], local_recompute_s_[sequence]) > makespan_s) {
+      if (time_with(*s, rank, local_tokens_[sequence], local_other_s_[sequence]) > makespan_s) {
         continue;
       }
       best_bytes = score_bytes;

@@ -189,9 +189,6 @@ struct Solution {
   std::vector<int64_t> tokens;
   std::vector<double> other_s;  // attention + exchange
   std::vector<double> memory_bytes;
-  // What keeping every layer's checkpoint would add to memory_bytes (sized for a full recompute),
-  // and the attention recompute that a full recompute of every layer adds (recompute_penalty_s).
-  std::vector<double> keep_bytes, recompute_s;
   std::vector<double> time_s;
   std::vector<int32_t> filler_rank;      // per sequence index; -1 for anchors
   std::vector<int32_t> anchor_slot;      // per sequence index; -1 for fillers
@@ -211,8 +208,6 @@ struct Solution {
     tokens.assign(num_ranks, 0);
     other_s.assign(num_ranks, 0.0);
     memory_bytes.assign(num_ranks, 0.0);
-    keep_bytes.assign(num_ranks, 0.0);
-    recompute_s.assign(num_ranks, 0.0);
     time_s.assign(num_ranks, 0.0);
     filler_rank.assign(num_sequences, -1);
     anchor_slot.assign(num_sequences, -1);
@@ -430,41 +425,12 @@ class ZelligePlanner {
   // lengths, shape and node pattern (which positions share a node: all that shares read of the
   // ranks), moved to its ranks.
   std::vector<RankShare> wide_shares(const Sequence& sequence, const Placement& placement);
-  // A rank's time after a change of its totals: the per-token layers, attention and exchanges,
-  // and the attention recompute its memory forces (recompute_penalty_s).
-  double time_with(const Solution& s, int64_t rank, int64_t delta_tokens, double delta_other_s,
-                   double delta_bytes, double delta_keep_bytes, double delta_recompute_s) const {
-    return linear_s(s.tokens[rank] + delta_tokens) + s.other_s[rank] + delta_other_s +
-           recompute_penalty_s(s.memory_bytes[rank] + delta_bytes,
-                               s.keep_bytes[rank] + delta_keep_bytes,
-                               s.recompute_s[rank] + delta_recompute_s);
+  double time_with(const Solution& s, int64_t rank, int64_t delta_tokens,
+                   double delta_other_s) const {
+    return linear_s(s.tokens[rank] + delta_tokens) + s.other_s[rank] + delta_other_s;
   }
   void refresh_time(Solution* s, int64_t rank) const {
-    s->time_s[rank] = linear_s(s->tokens[rank]) + s->other_s[rank] +
-                      recompute_penalty_s(s->memory_bytes[rank], s->keep_bytes[rank],
-                                          s->recompute_s[rank]);
-  }
-  // evaluate() checkpoints every layer, and where keeping every layer's checkpoint does not fit,
-  // recomputes the attention of the fewest layers whose freed checkpoints make it fit: that
-  // share of `recompute_s`, with the layers' bytes spread evenly (0 where it all fits). Without
-  // it the search saw memory-tight ranks as cheap and lost its best plans to exact pricing.
-  double recompute_penalty_s(double memory_bytes, double keep_bytes, double recompute_s) const {
-    if (recompute_s <= 0) return 0.0;
-    const double over_bytes = memory_bytes + keep_bytes - free_bytes_;
-    if (over_bytes <= 0) return 0.0;
-    if (keep_bytes <= 0) return recompute_s;
-    const double layers = static_cast<double>(cost_model_.model().num_layers);
-    return recompute_s * std::min(1.0, std::ceil(layers * over_bytes / keep_bytes) / layers);
-  }
-  // A share's part of Solution::keep_bytes and Solution::recompute_s (0 without checkpointing).
-  double keep_bytes_of(const RankShare& share) const {
-    if (!cost_model_.options().activation_checkpointing) return 0.0;
-    return static_cast<double>(cost_model_.model().num_layers) *
-           std::max(0.0, share.layer_checkpoint_bytes - share.layer_input_bytes);
-  }
-  double recompute_of(const RankShare& share) const {
-    if (!cost_model_.options().activation_checkpointing) return 0.0;
-    return share.attention_recompute_s + share.attention_recompute_exchange_s;
+    s->time_s[rank] = linear_s(s->tokens[rank]) + s->other_s[rank];
   }
   double estimate_s(const RankShare& share) const {
     return rate_s_per_token_ * static_cast<double>(share.tokens) + share.attention_s +
@@ -508,7 +474,7 @@ class ZelligePlanner {
   // The same with the sequence's local share given (the sweep reads it from ordered_, in order,
   // rather than from the per-sequence vectors at random).
   void add_filler(Solution* s, int32_t sequence, int64_t rank, int64_t tokens, double other_s,
-                  double memory_bytes, double keep_bytes, double recompute_s) const;
+                  double memory_bytes) const;
   void remove_filler(Solution* s, int32_t sequence) const;
   void add_anchor_shares(Solution* s, int32_t slot) const;
   void remove_anchor_shares(Solution* s, int32_t slot) const;
@@ -555,7 +521,6 @@ class ZelligePlanner {
   double free_bytes_ = 0;                      // memory capacity minus the fixed bytes, per rank
   std::vector<int64_t> local_tokens_;
   std::vector<double> local_other_s_, local_memory_bytes_, local_estimate_s_;
-  std::vector<double> local_keep_bytes_, local_recompute_s_;  // keep_bytes_of, recompute_of
   std::vector<int32_t> order_;             // sequence indices by local estimate, longest first
   // What the construction's two passes read of each sequence, in order_'s order: one sequential
   // array rather than a random access into each per-sequence vector (tens of thousands of them).
@@ -563,7 +528,7 @@ class ZelligePlanner {
     int32_t sequence = 0;
     int32_t shape_key = 0;
     int64_t tokens = 0;
-    double other_s = 0, memory_bytes = 0, estimate_s = 0, keep_bytes = 0, recompute_s = 0;
+    double other_s = 0, memory_bytes = 0, estimate_s = 0;
     bool efficient_whole = true;  // efficient_degree_ == 1
   };
   std::vector<Ordered> ordered_;
@@ -596,7 +561,7 @@ class ZelligePlanner {
   std::vector<double> rank_seconds_;
   std::vector<char> member_;
   std::vector<int64_t> delta_tokens_;
-  std::vector<double> delta_other_s_, delta_memory_bytes_, delta_keep_bytes_, delta_recompute_s_;
+  std::vector<double> delta_other_s_, delta_memory_bytes_;
   std::vector<RankShare> best_shares_;
   // wide_shares's memo: key (tokens, text tokens, strategy, Ulysses degree, then per position
   // its node's first position), and how many shares it holds (bounded).

@@ -79,16 +79,11 @@ bool ZelligePlanner::try_move(Solution* s, int64_t busiest) {
   for (int32_t sequence : s->rank_fillers[busiest]) {
     const int64_t tokens = local_tokens_[sequence];
     const double other_s = local_other_s_[sequence];
-    const double bytes = local_memory_bytes_[sequence];
-    const double keep_bytes = local_keep_bytes_[sequence];
-    const double recompute_s = local_recompute_s_[sequence];
-    const double left_s =
-        time_with(*s, busiest, -tokens, -other_s, -bytes, -keep_bytes, -recompute_s);
+    const double left_s = time_with(*s, busiest, -tokens, -other_s);
     if (left_s >= best_s) continue;
     for (int64_t rank : low_ranks_) {
-      if (s->memory_bytes[rank] + bytes > free_bytes_) continue;
-      const double score_s = std::max(
-          left_s, time_with(*s, rank, tokens, other_s, bytes, keep_bytes, recompute_s));
+      if (s->memory_bytes[rank] + local_memory_bytes_[sequence] > free_bytes_) continue;
+      const double score_s = std::max(left_s, time_with(*s, rank, tokens, other_s));
       if (score_s < best_s) {
         best_s = score_s;
         best_sequence = sequence;
@@ -136,13 +131,8 @@ bool ZelligePlanner::try_swap(Solution* s, int64_t busiest) {
             s->memory_bytes[rank] - delta_bytes > free_bytes_) {
           continue;
         }
-        const double delta_keep_bytes = local_keep_bytes_[in] - local_keep_bytes_[out];
-        const double delta_recompute_s = local_recompute_s_[in] - local_recompute_s_[out];
-        const double score_s =
-            std::max(time_with(*s, busiest, delta_tokens, delta_other_s, delta_bytes,
-                               delta_keep_bytes, delta_recompute_s),
-                     time_with(*s, rank, -delta_tokens, -delta_other_s, -delta_bytes,
-                               -delta_keep_bytes, -delta_recompute_s));
+        const double score_s = std::max(time_with(*s, busiest, delta_tokens, delta_other_s),
+                                        time_with(*s, rank, -delta_tokens, -delta_other_s));
         if (score_s < best_s) {
           best_s = score_s;
           best_out = out;
@@ -167,15 +157,12 @@ double ZelligePlanner::price_change(const Solution& s, const std::vector<RankSha
   touched_.clear();
   auto touch = [&](const RankShare& share, double sign) {
     if (delta_tokens_[share.rank] == 0 && delta_other_s_[share.rank] == 0 &&
-        delta_memory_bytes_[share.rank] == 0 && delta_keep_bytes_[share.rank] == 0 &&
-        delta_recompute_s_[share.rank] == 0) {
+        delta_memory_bytes_[share.rank] == 0) {
       touched_.push_back(share.rank);
     }
     delta_tokens_[share.rank] += static_cast<int64_t>(sign) * share.tokens;
     delta_other_s_[share.rank] += sign * (share.attention_s + share.exchange_s);
     delta_memory_bytes_[share.rank] += sign * share.memory_bytes;
-    delta_keep_bytes_[share.rank] += sign * keep_bytes_of(share);
-    delta_recompute_s_[share.rank] += sign * recompute_of(share);
   };
   for (const RankShare& share : old_shares) touch(share, -1);
   for (const RankShare& share : new_shares) touch(share, +1);
@@ -187,16 +174,12 @@ double ZelligePlanner::price_change(const Solution& s, const std::vector<RankSha
       score_s = kInf;
       break;
     }
-    score_s = std::max(score_s, time_with(s, rank, delta_tokens_[rank], delta_other_s_[rank],
-                                          delta_memory_bytes_[rank], delta_keep_bytes_[rank],
-                                          delta_recompute_s_[rank]));
+    score_s = std::max(score_s, time_with(s, rank, delta_tokens_[rank], delta_other_s_[rank]));
   }
   for (int64_t rank : touched_) {
     delta_tokens_[rank] = 0;
     delta_other_s_[rank] = 0;
     delta_memory_bytes_[rank] = 0;
-    delta_keep_bytes_[rank] = 0;
-    delta_recompute_s_[rank] = 0;
   }
   return score_s;
 }
@@ -304,12 +287,6 @@ bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
     old_shares[0].attention_s = local_other_s_[sequence];
     old_shares[0].exchange_s = 0;
     old_shares[0].memory_bytes = local_memory_bytes_[sequence];
-    // keep_bytes_of and recompute_of read these: the filler's local values.
-    old_shares[0].layer_checkpoint_bytes =
-        local_keep_bytes_[sequence] / static_cast<double>(cost_model_.model().num_layers);
-    old_shares[0].layer_input_bytes = 0;
-    old_shares[0].attention_recompute_s = local_recompute_s_[sequence];
-    old_shares[0].attention_recompute_exchange_s = 0;
     const int64_t max_degree = std::min<int64_t>(kMaxSplitDegree, num_ranks_);
     for (int64_t degree = 2; degree <= max_degree; ++degree) {
       const ShapeChoice& choice = shape_at(sequence, degree);
