@@ -55,6 +55,7 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
   for (int32_t slot : s->rank_anchors[busiest]) {
     const AnchorPlacement& anchor = s->anchors[slot];
     window_nodes(*s, anchor, kWindowNodes, &window_nodes_);
+    prepare_relocation(*s, anchor);
     const int64_t max_degree =
         std::min(num_ranks_, std::max(2 * anchor.shape.degree, 2 * gpus_per_node_));
     for (int64_t degree = 2; degree <= max_degree;
@@ -62,23 +63,24 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
       const ShapeChoice& choice = shape_at(anchor.sequence, degree);
       if (!choice.feasible) continue;
       auto consider = [&](int64_t first_rank) {
-        candidate_shares_ = choice.shares;
-        candidate_ranks_.resize(degree);
-        for (int64_t k = 0; k < degree; ++k) {
-          candidate_ranks_[k] = first_rank + k;
-          candidate_shares_[k].rank = first_rank + k;
+        if (choice.shape.strategy == anchor.shape.strategy &&
+            choice.shape.ulysses_degree == anchor.shape.ulysses_degree &&
+            static_cast<int64_t>(anchor.ranks.size()) == degree) {
+          int64_t k = 0;
+          while (k < degree && anchor.ranks[k] == first_rank + k) ++k;
+          if (k == degree) return;  // the anchor as it is
         }
-        if (candidate_ranks_ == anchor.ranks && choice.shape.strategy == anchor.shape.strategy &&
-            choice.shape.ulysses_degree == anchor.shape.ulysses_degree) {
-          return;
-        }
-        const double score_s = price_change(*s, anchor.shares, candidate_shares_, best_s);
+        const double score_s = relocation_price(*s, anchor, choice.shares, first_rank, best_s);
         if (score_s < best_s) {
           best_s = score_s;
           best_slot = slot;
           best_degree = degree;
-          best_ranks_ = candidate_ranks_;
-          best_shares_ = candidate_shares_;
+          best_shares_ = choice.shares;
+          best_ranks_.resize(degree);
+          for (int64_t k = 0; k < degree; ++k) {
+            best_ranks_[k] = first_rank + k;
+            best_shares_[k].rank = first_rank + k;
+          }
         }
       };
       for (int64_t node : window_nodes_) {
@@ -93,6 +95,7 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
         }
       }
     }
+    finish_relocation(anchor);
   }
   if (best_slot < 0) return false;
   --relocations_left_;
@@ -103,6 +106,67 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
   anchor.shares = best_shares_;
   add_anchor_shares(s, best_slot);
   return true;
+}
+
+void ZelligePlanner::prepare_relocation(const Solution& s, const AnchorPlacement& anchor) {
+  if (old_position_.empty()) old_position_.assign(num_ranks_, -1);
+  vacated_s_.clear();
+  for (size_t k = 0; k < anchor.shares.size(); ++k) {
+    const RankShare& share = anchor.shares[k];
+    old_position_[share.rank] = static_cast<int32_t>(k);
+    // As price_change sums a rank's deltas: from zero, the old share subtracted.
+    const int64_t delta_tokens = 0 - share.tokens;
+    const double delta_other_s = 0.0 - (share.attention_s + share.exchange_s);
+    vacated_s_.push_back({share.rank, time_with(s, share.rank, delta_tokens, delta_other_s)});
+  }
+  std::sort(vacated_s_.begin(), vacated_s_.end());
+  const size_t count = vacated_s_.size();
+  vacated_prefix_max_s_.assign(count + 1, 0.0);
+  vacated_suffix_max_s_.assign(count + 1, 0.0);
+  for (size_t k = 0; k < count; ++k) {
+    vacated_prefix_max_s_[k + 1] = std::max(vacated_prefix_max_s_[k], vacated_s_[k].second);
+  }
+  for (size_t k = count; k-- > 0;) {
+    vacated_suffix_max_s_[k] = std::max(vacated_suffix_max_s_[k + 1], vacated_s_[k].second);
+  }
+}
+
+void ZelligePlanner::finish_relocation(const AnchorPlacement& anchor) {
+  for (const RankShare& share : anchor.shares) old_position_[share.rank] = -1;
+}
+
+double ZelligePlanner::relocation_price(const Solution& s, const AnchorPlacement& anchor,
+                                        const std::vector<RankShare>& new_shares,
+                                        int64_t first_rank, double above_s) {
+  // The anchor's ranks outside the window only lose its share: the most loaded of them, from
+  // the maxima left and right of the window (ranks by id).
+  const int64_t end_rank = first_rank + static_cast<int64_t>(new_shares.size());
+  const auto below = std::lower_bound(vacated_s_.begin(), vacated_s_.end(),
+                                      std::pair<int64_t, double>{first_rank, -kInf});
+  const auto above = std::lower_bound(vacated_s_.begin(), vacated_s_.end(),
+                                      std::pair<int64_t, double>{end_rank, -kInf});
+  double score_s = std::max(vacated_prefix_max_s_[below - vacated_s_.begin()],
+                            vacated_suffix_max_s_[above - vacated_s_.begin()]);
+  for (size_t k = 0; k < new_shares.size(); ++k) {
+    if (score_s >= above_s) return score_s;
+    const RankShare& share = new_shares[k];
+    const int64_t rank = first_rank + static_cast<int64_t>(k);
+    const int32_t position = old_position_[rank];
+    int64_t delta_tokens = 0;
+    double delta_other_s = 0, delta_bytes = 0;
+    if (position >= 0) {
+      const RankShare& old = anchor.shares[position];
+      delta_tokens -= old.tokens;
+      delta_other_s += -1.0 * (old.attention_s + old.exchange_s);
+      delta_bytes += -1.0 * old.memory_bytes;
+    }
+    delta_tokens += share.tokens;
+    delta_other_s += share.attention_s + share.exchange_s;
+    delta_bytes += share.memory_bytes;
+    if (delta_bytes > 0 && s.memory_bytes[rank] + delta_bytes > free_bytes_) return kInf;
+    score_s = std::max(score_s, time_with(s, rank, delta_tokens, delta_other_s));
+  }
+  return score_s;
 }
 
 // An anchor of the busiest rank and another anchor, both put on the union of their rank sets in

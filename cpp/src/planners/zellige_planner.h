@@ -579,6 +579,21 @@ class ZelligePlanner {
   std::vector<double> node_load_s_;
   std::vector<int64_t> window_nodes_;
   std::vector<int32_t> partner_slots_;
+  // try_relocate's pricing of one anchor's windows (relocation_price): per rank, the position of
+  // its share in the anchor (-1: none); the anchor's ranks by id with their time without it, and
+  // the running maxima of those times from the left and from the right.
+  std::vector<int32_t> old_position_;
+  std::vector<std::pair<int64_t, double>> vacated_s_;
+  std::vector<double> vacated_prefix_max_s_, vacated_suffix_max_s_;
+  void prepare_relocation(const Solution& s, const AnchorPlacement& anchor);
+  void finish_relocation(const AnchorPlacement& anchor);
+  // price_change(s, anchor.shares, new_shares, above_s)'s decision for `new_shares` (canonical:
+  // their ranks are not read) moved to the consecutive ranks from `first_rank`: the same value
+  // below `above_s`, and a value at or above it otherwise; O(1) for the anchor's ranks outside
+  // the window.
+  double relocation_price(const Solution& s, const AnchorPlacement& anchor,
+                          const std::vector<RankShare>& new_shares, int64_t first_rank,
+                          double above_s);
   std::vector<RankShare> candidate_shares_, pair_old_, pair_new_, best_pair_shares_;
   int64_t relocations_left_ = 0;
   std::vector<int32_t> bag_items_;
