@@ -21,9 +21,9 @@
 
 namespace zellige::planners::zellige_detail {
 
-// The `count` nodes whose ranks' summed time is least, then the nodes of `anchor`'s ranks.
-void ZelligePlanner::window_nodes(const Solution& s, const AnchorPlacement& anchor, int count,
-                                  std::vector<int64_t>* nodes) {
+// The `count` nodes whose ranks' summed time is least (ties: lower node first), in that order.
+void ZelligePlanner::least_loaded_nodes(const Solution& s, int count,
+                                        std::vector<int64_t>* nodes) {
   node_load_s_.assign(num_nodes_, 0.0);
   for (int64_t rank = 0; rank < num_ranks_; ++rank) node_load_s_[node_of(rank)] += s.time_s[rank];
   nodes->resize(num_nodes_);
@@ -33,6 +33,12 @@ void ZelligePlanner::window_nodes(const Solution& s, const AnchorPlacement& anch
     return node_load_s_[a] < node_load_s_[b] || (node_load_s_[a] == node_load_s_[b] && a < b);
   });
   nodes->resize(kept);
+}
+
+// `least` (least_loaded_nodes), then the nodes of `anchor`'s ranks.
+void ZelligePlanner::window_nodes(const std::vector<int64_t>& least, const AnchorPlacement& anchor,
+                                  std::vector<int64_t>* nodes) const {
+  nodes->assign(least.begin(), least.end());
   for (int64_t rank : anchor.ranks) {
     if (std::find(nodes->begin(), nodes->end(), node_of(rank)) == nodes->end()) {
       nodes->push_back(node_of(rank));
@@ -52,9 +58,11 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
   double best_s = bound_s;
   int32_t best_slot = -1;
   int64_t best_degree = 0;
+  // The node loads do not change while the anchors of the busiest rank are tried: once per call.
+  least_loaded_nodes(*s, kWindowNodes, &least_nodes_);
   for (int32_t slot : s->rank_anchors[busiest]) {
     const AnchorPlacement& anchor = s->anchors[slot];
-    window_nodes(*s, anchor, kWindowNodes, &window_nodes_);
+    window_nodes(least_nodes_, anchor, &window_nodes_);
     prepare_relocation(*s, anchor);
     const int64_t max_degree =
         std::min(num_ranks_, std::max(2 * anchor.shape.degree, 2 * gpus_per_node_));

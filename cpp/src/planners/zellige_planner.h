@@ -490,8 +490,9 @@ class ZelligePlanner {
   bool try_remould(Solution* s, int64_t busiest);
   bool try_promote(Solution* s, int64_t busiest);
   // zellige_moves.cc
-  void window_nodes(const Solution& s, const AnchorPlacement& anchor, int count,
-                    std::vector<int64_t>* nodes);
+  void least_loaded_nodes(const Solution& s, int count, std::vector<int64_t>* nodes);
+  void window_nodes(const std::vector<int64_t>& least, const AnchorPlacement& anchor,
+                    std::vector<int64_t>* nodes) const;
   bool try_relocate(Solution* s, int64_t busiest);
   bool try_pair(Solution* s, int64_t busiest);
   bool try_lower_memory(Solution* s);
@@ -577,7 +578,7 @@ class ZelligePlanner {
   std::vector<int64_t> wide_key_, node_first_position_;  // node_first_position_: -1 between calls
   // zellige_moves.cc's scratch and budget.
   std::vector<double> node_load_s_;
-  std::vector<int64_t> window_nodes_;
+  std::vector<int64_t> window_nodes_, least_nodes_;
   std::vector<int32_t> partner_slots_;
   // try_relocate's pricing of one anchor's windows (relocation_price): per rank, the position of
   // its share in the anchor (-1: none); the anchor's ranks by id with their time without it, and
