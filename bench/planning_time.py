@@ -318,7 +318,8 @@ def held_out_table(gpu_counts: list[int], seeds: int, families: list[str]) -> st
 def provenance() -> str:
     lines = [
         "",
-        f"machine: {machine()} (shared with other jobs: compare CPU times)",
+        f"machine: {machine()} (shared with other jobs: thread CPU times, which preemption does "
+        "not inflate, still vary by about 30% from run to run with the load)",
         f"versions: zellige {zellige.__version__}, python {platform.python_version()}, "
         f"{platform.system()} {platform.release()}",
         f"commit: {git_commit()}",
