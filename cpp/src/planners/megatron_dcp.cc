@@ -515,9 +515,9 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
               buffer.begin() + static_cast<std::ptrdiff_t>(begin));
     const size_t refits_at = buffer.size();
     buffer.insert(buffer.end(), refits.begin(), refits.end());
-    sorted = std::is_sorted(
-        buffer.begin() + static_cast<std::ptrdiff_t>(std::max(begin, refits_at > 0 ? refits_at - 1 : 0)),
-        buffer.end(), [&](int64_t a, int64_t b) { return tokens_[a] > tokens_[b]; });
+    const size_t check_from = std::max(begin, refits_at > 0 ? refits_at - 1 : 0);
+    sorted = std::is_sorted(buffer.begin() + static_cast<std::ptrdiff_t>(check_from), buffer.end(),
+                            [&](int64_t a, int64_t b) { return tokens_[a] > tokens_[b]; });
     if (begin > buffer.size() / 2) {  // drop the placed prefix once it is most of the buffer
       buffer.erase(buffer.begin(), buffer.begin() + static_cast<std::ptrdiff_t>(begin));
       begin = 0;
