@@ -234,15 +234,43 @@ Plan ZelligePlanner::run() {
   // win and need not be priced exactly.
   price_finalists(first_baseline_start);
   int64_t priced = 0;
+  // Baselines often agree (dp-cost, static-cp:1 and megatron-dcp on many short sequences): a
+  // plan equal to one priced already (same floor, same placements) takes its cost.
+  auto same_placements = [](const Plan& a, const Plan& b) {
+    if (a.num_ranks != b.num_ranks || a.placements.size() != b.placements.size()) return false;
+    for (size_t k = 0; k < a.placements.size(); ++k) {
+      const Placement& x = a.placements[k];
+      const Placement& y = b.placements[k];
+      if (x.sequence_id != y.sequence_id || x.strategy != y.strategy || x.ranks != y.ranks ||
+          x.ulysses_degree != y.ulysses_degree || x.ring_degree != y.ring_degree) {
+        return false;
+      }
+    }
+    return true;
+  };
+  const size_t first_seed_finalist = finalists.size();
+  std::vector<double> seed_floors_s;  // per finalist from first_seed_finalist on
   for (Seed& seed : seeds) {
     if (seed.floor_s > best_s * (1 + kMemoryTieBreak)) break;  // seeds are in floor order
     Finalist finalist{seed.name, std::move(seed.plan), {}};
-    finalist.cost = cost_model_.evaluate(batch_, finalist.plan, cache_);
-    ++priced;
+    const Finalist* twin = nullptr;
+    for (size_t k = first_seed_finalist; k < finalists.size() && twin == nullptr; ++k) {
+      if (seed_floors_s[k - first_seed_finalist] == seed.floor_s &&
+          same_placements(finalists[k].plan, finalist.plan)) {
+        twin = &finalists[k];
+      }
+    }
+    if (twin != nullptr) {
+      finalist.cost = twin->cost;
+    } else {
+      finalist.cost = cost_model_.evaluate(batch_, finalist.plan, cache_);
+      ++priced;
+    }
     if (!finalist.cost.fits) continue;
     best_s = std::min(best_s, finalist.cost.makespan_s);
     best_baseline_s = std::min(best_baseline_s, finalist.cost.makespan_s);
     finalists.push_back(std::move(finalist));
+    seed_floors_s.push_back(seed.floor_s);
   }
   if (!std::isfinite(best_s)) {
     throw PlanMemoryError(memory_error.empty()
