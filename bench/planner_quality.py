@@ -4,7 +4,9 @@ Per workload family and GPU count (16, 32; 8 per node, built-in H200 profile; NV
 links at 32 GPUs for two families), `--seeds` seeded batches. Families: four recipes
 (opensora2-stage2, wan-stage2, wan-stage3, knapformer-joint) and two synthetic shapes that broke
 the planner before (issue 15): many-equal-long (many sequences of one long length plus medium and
-short ones) and few-huge (a few 150k-300k-token videos next to 40k-200k ones). Each batch is
+short ones) and few-huge (a few 150k-300k-token videos next to 40k-200k ones); and, when named in
+`--families`, the held-out families of planning_time.py (HELD_OUT_FAMILIES) at 8 and 16 GPUs,
+where the joint MILP is the reference. Each batch is
 planned by zellige and by every baseline (`zellige.covered_baselines` plus the historical list),
 priced by the cost model. The joint MILP (HiGHS, one thread, `--joint-time-limit` s, warm-started
 from zellige) runs on the first `--joint-seeds` seeds; the best known plan of a batch is the
@@ -33,11 +35,14 @@ from pathlib import Path
 
 import zellige
 from _provenance import git_commit, machine, write_report
+from planning_time import HELD_OUT_FAMILIES, held_out_batch
 from zellige import _core, joint
 
 RECIPES = ["opensora2-stage2", "wan-stage2", "wan-stage3", "knapformer-joint"]
 SYNTHETIC = {"many-equal-long": "wan-14b", "few-huge": "wan-14b"}
 GPU_COUNTS = [16, 32]
+# The held-out families (planning_time.py) at the small sizes where the joint MILP is a reference.
+HELD_OUT_GPU_COUNTS = [8, 16]
 GPUS_PER_NODE = 8
 PCIE_FAMILIES = ["opensora2-stage2", "many-equal-long"]
 
@@ -113,6 +118,8 @@ def priced(planner: str, batch, cost_model, seed: int) -> tuple[float, float]:
 def run_config(config: Config, seeds: int, joint_seeds: int, joint_time_limit_s: float) -> None:
     if config.family in SYNTHETIC:
         model = SYNTHETIC[config.family]
+    elif config.family in HELD_OUT_FAMILIES:
+        model = HELD_OUT_FAMILIES[config.family]
     else:
         recipe = zellige.load_recipe(config.family)
         model = recipe.model
@@ -120,6 +127,8 @@ def run_config(config: Config, seeds: int, joint_seeds: int, joint_time_limit_s:
     for seed in range(seeds):
         if config.family in SYNTHETIC:
             batch = synthetic_batch(config.family, config.num_gpus, seed)
+        elif config.family in HELD_OUT_FAMILIES:
+            batch = held_out_batch(config.family, config.num_gpus, seed)
         else:
             batch = zellige.generate(recipe, config.num_gpus, seed)
         config.sequences.append(len(batch.sequences))
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     configs = []
     for family in args.families.split(","):
-        for num_gpus in GPU_COUNTS:
+        for num_gpus in HELD_OUT_GPU_COUNTS if family in HELD_OUT_FAMILIES else GPU_COUNTS:
             config = Config(family=family, num_gpus=num_gpus)
             run_config(config, args.seeds, args.joint_seeds, args.joint_time_limit)
             configs.append(config)

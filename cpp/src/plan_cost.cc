@@ -556,24 +556,35 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
       return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f,
                              rank.tokens);
     };
+    // The first count in [first, last) whose peak fits, else `last`. A peak that cannot grow
+    // with the count (each layer it covers keeps no more bytes) is bisected, else scanned.
+    const auto fewest_fitting = [&](int64_t first, int64_t last, bool monotone, auto&& peak_of) {
+      if (!monotone) {
+        for (int64_t count = first; count < last; ++count) {
+          if (peak_of(count) <= capacity) return count;
+        }
+        return last;
+      }
+      int64_t low = first, high = last;  // the answer lies in [low, high]
+      while (low < high) {
+        const int64_t middle = low + (high - low) / 2;
+        if (peak_of(middle) <= capacity) {
+          high = middle;
+        } else {
+          low = middle + 1;
+        }
+      }
+      return low;
+    };
     int64_t k = options_.activation_checkpointing ? num_layers : 0, f = 0;
     if (options_.activation_checkpointing) {
       if (options_.adaptive_checkpointing) {
-        for (int64_t fewer = 0; fewer < num_layers; ++fewer) {
-          if (peak(fewer, 0) <= capacity) {
-            k = fewer;
-            break;
-          }
-        }
+        k = fewest_fitting(0, num_layers, checkpoint[i] <= activation[i],
+                           [&](int64_t fewer) { return peak(fewer, 0); });
       }
       if (k == num_layers && peak(k, 0) > capacity) {
-        f = num_layers;
-        for (int64_t full = 1; full < num_layers; ++full) {
-          if (peak(k, full) <= capacity) {
-            f = full;
-            break;
-          }
-        }
+        f = fewest_fitting(1, num_layers, input[i] <= checkpoint[i],
+                           [&](int64_t full) { return peak(k, full); });
       }
     }
     rank.checkpointed_layers = k;

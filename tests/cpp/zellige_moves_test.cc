@@ -1,4 +1,4 @@
-// zellige's whole-anchor moves (cpp/src/planners/zellige_moves.h): an anchor moved to an aligned
+// zellige's whole-anchor moves (cpp/src/planners/zellige_moves.cc): an anchor moved to an aligned
 // window of another degree, two anchors put on the union of their ranks. Checked through the
 // local search alone (planners::zellige_search) from chosen and from random starting plans,
 // against the brute-force optimum on tiny clusters.

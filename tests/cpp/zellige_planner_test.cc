@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <time.h>
+
 #include "test_util.h"
 #include "zellige/planners.h"
 
@@ -284,6 +286,34 @@ TEST(CandidatePlacements, NodeAlignedWindowsEveryStrategyAndCapped) {
   }
   EXPECT_EQ(local, 16);
   EXPECT_EQ(pairs, 2 * 7);
+}
+
+// Thousands of equal sequences are interchangeable: planning them (the baselines zellige builds
+// included) must cost about linearly in their count. 4x the sequences within 8x the thread CPU
+// time (a step quadratic in them would take 16x). Best of three per size, so that a preempted
+// run does not count.
+double thread_cpu_s() {
+  timespec now{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+}
+
+TEST(ZelligePlanner, EqualSequencesPlanInTimeAboutLinearInTheirCount) {
+  const CostModel cost_model(model_preset("tiny"), seeded_profile(), make_cluster(8, 8));
+  auto best_cpu_s = [&](int64_t count) {
+    const Batch batch = batch_of(std::vector<int64_t>(count, 256), 8);
+    double best_s = 1e9;
+    for (int repeat = 0; repeat < 3; ++repeat) {
+      const double start_s = thread_cpu_s();
+      const Plan plan = make_plan("zellige", batch, cost_model, PlannerOptions{});
+      best_s = std::min(best_s, thread_cpu_s() - start_s);
+      EXPECT_EQ(plan.placements.size(), static_cast<size_t>(count));
+    }
+    return best_s;
+  };
+  const double small_s = best_cpu_s(4096);
+  const double large_s = best_cpu_s(16384);
+  EXPECT_LT(large_s, 8 * small_s) << "4096 sequences: " << small_s << " s, 16384: " << large_s;
 }
 
 }  // namespace

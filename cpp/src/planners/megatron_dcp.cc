@@ -33,6 +33,7 @@
 #include <numeric>
 #include <optional>
 #include <set>
+#include <span>
 #include <unordered_map>
 #include <utility>
 
@@ -185,9 +186,10 @@ class MegatronDcp {
       return tokens_[a] > tokens_[b];
     });
   }
-  // One micro-batch over `pending` (longest first): its groups; the rest goes to `leftovers`.
-  std::vector<Group> micro_batch(const std::vector<int64_t>& pending, double max_tokens,
-                                 std::vector<int64_t>* leftovers);
+  // One micro-batch over `pending` (longest first): its groups; the rest goes to `leftovers`,
+  // then pending[*tail_begin...] (left to the caller, not copied: it is refused as a whole).
+  std::vector<Group> micro_batch(std::span<const int64_t> pending, double max_tokens,
+                                 std::vector<int64_t>* leftovers, size_t* tail_begin);
   bool fill_empty_ranks(std::vector<Group>& groups);
   // The whole schedule under knob M; nullopt when a micro-batch places nothing within memory.
   // Per sequence, the group it runs in: (first rank, size).
@@ -225,6 +227,12 @@ class MegatronDcp {
   std::vector<double> work_of_lengths_s_;
   size_t work_slots_ = 0;
   std::vector<int64_t> memory_degree_;  // per lengths index; 0: not computed yet
+  // micro_batch's: per lengths index, the micro-batch (its stamp) that refused those lengths.
+  std::vector<int64_t> refused_stamp_;
+  int64_t micro_batch_stamp_ = 0;
+  // schedule's: per lengths index, its sequences not yet placed; and how many indices have some.
+  std::vector<int64_t> unplaced_;
+  int64_t unplaced_keys_ = 0;
   // Per lengths index, its share alone on one rank (the rank left unset); and schedule's scratch.
   std::vector<std::optional<RankShare>> local_share_;
   std::vector<RankShare> placed_;
@@ -276,8 +284,9 @@ int64_t MegatronDcp::needed_degree(int64_t i, double max_tokens) {
   return std::min(degree, num_ranks_);  // beyond the largest power of two: the whole group
 }
 
-std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
-                                            double max_tokens, std::vector<int64_t>* leftovers) {
+std::vector<Group> MegatronDcp::micro_batch(std::span<const int64_t> pending, double max_tokens,
+                                            std::vector<int64_t>* leftovers, size_t* tail_begin) {
+  *tail_begin = pending.size();
   std::vector<Group> groups;
   // By group size's slot (degree_slot): a vector, not a map, for the lookups per sequence.
   std::vector<std::optional<GroupTree>> trees(work_slots_);
@@ -313,8 +322,18 @@ std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
   const double cap_s = (1.0 + kCapSlack) * work_s(tallest, first_degree) *
                        static_cast<double>(first_degree) * max_tokens / tallest_tokens;
 
+  // A sequence that no group takes and none can open for is refused by the rest of this
+  // micro-batch too, and so is every later one of its lengths (loads and the makespan only grow,
+  // free ranks only shrink): those go to the leftovers unpriced, so that thousands of equal
+  // sequences cost O(1) each per micro-batch (same groups).
+  ++micro_batch_stamp_;
+  int64_t refused_keys = 0;
   for (size_t k = 1; k < pending.size(); ++k) {
     const int64_t i = pending[k];
+    if (refused_stamp_[length_key_[i]] == micro_batch_stamp_) {
+      leftovers->push_back(i);
+      continue;
+    }
     const double tokens = tokens_[i];
     double best_s = std::numeric_limits<double>::infinity();
     int64_t best_group = -1, best_new = 0;
@@ -348,7 +367,13 @@ std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
       if (degree == num_ranks_) break;
     }
     if (best_group < 0 && best_new == 0) {
+      refused_stamp_[length_key_[i]] = micro_batch_stamp_;
       leftovers->push_back(i);
+      // Every lengths still unplaced refused: the rest of pending is refused as a whole.
+      if (++refused_keys == unplaced_keys_) {
+        *tail_begin = k + 1;
+        break;
+      }
       continue;
     }
     const int64_t g = best_group >= 0 ? best_group : open(best_new);
@@ -359,6 +384,7 @@ std::vector<Group> MegatronDcp::micro_batch(const std::vector<int64_t>& pending,
     // One group of all ranks, packed longest first while every rank keeps <= M tokens.
     groups.assign(1, Group{num_ranks_, 0, 0.0, 0.0, {}, 0});
     leftovers->clear();
+    *tail_begin = pending.size();
     for (int64_t i : pending) {
       const double share = static_cast<double>(batch_.sequences[i].num_tokens) /
                            static_cast<double>(num_ranks_);
@@ -415,11 +441,25 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
   planners::RankLoads loads(cost_model_);  // totals only: shares() prices
   Layout layout(batch_.sequences.size());
   Placement placement;  // reused: the plan is built for the best knob only (run)
-  std::vector<int64_t> pending = by_length;
-  for (bool first = true; !pending.empty(); first = false) {
-    if (!first) sort_by_length(&pending);
-    std::vector<int64_t> leftovers;
-    const std::vector<Group> groups = micro_batch(pending, max_tokens, &leftovers);
+  // Pending is buffer[begin...]: a micro-batch's leftovers are written just before the tail it
+  // refused as a whole, so that the tail is not copied (thousands of equal sequences cost O(1)
+  // per micro-batch, not O(pending)).
+  std::vector<int64_t> buffer = by_length;
+  size_t begin = 0;
+  unplaced_.assign(memory_degree_.size(), 0);
+  unplaced_keys_ = 0;
+  for (int64_t i : buffer) unplaced_keys_ += unplaced_[length_key_[i]]++ == 0 ? 1 : 0;
+  std::vector<int64_t> leftovers, refits;
+  for (bool sorted = true; begin < buffer.size();) {
+    if (!sorted) {
+      std::stable_sort(buffer.begin() + static_cast<std::ptrdiff_t>(begin), buffer.end(),
+                       [&](int64_t a, int64_t b) { return tokens_[a] > tokens_[b]; });
+    }
+    const std::span<const int64_t> pending(buffer.data() + begin, buffer.size() - begin);
+    leftovers.clear();
+    refits.clear();
+    size_t tail_begin = 0;
+    const std::vector<Group> groups = micro_batch(pending, max_tokens, &leftovers, &tail_begin);
     int64_t num_placed = 0;
     for (const Group& group : groups) {
       for (int64_t i : group.samples) {
@@ -453,7 +493,7 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
         }
         const std::vector<RankShare>& placed = placed_;
         if (!loads.fits(placed)) {  // the union holds every micro-batch: try a later one
-          leftovers.push_back(i);
+          refits.push_back(i);
           continue;
         }
         loads.add(placed);
@@ -462,10 +502,26 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
         }
         layout[i] = {group.first_rank, group.size};
         ++num_placed;
+        if (--unplaced_[length_key_[i]] == 0) --unplaced_keys_;
       }
     }
     if (num_placed == 0) return std::nullopt;
-    pending = std::move(leftovers);
+    // The next pending: the leftovers, the tail, then the sequences that did not fit. The first
+    // two keep pending's order (longest first); only the last can break it.
+    const size_t tail_at = begin + tail_begin;
+    assert(leftovers.size() <= tail_begin);
+    begin = tail_at - leftovers.size();
+    std::copy(leftovers.begin(), leftovers.end(),
+              buffer.begin() + static_cast<std::ptrdiff_t>(begin));
+    const size_t refits_at = buffer.size();
+    buffer.insert(buffer.end(), refits.begin(), refits.end());
+    const size_t check_from = std::max(begin, refits_at > 0 ? refits_at - 1 : 0);
+    sorted = std::is_sorted(buffer.begin() + static_cast<std::ptrdiff_t>(check_from), buffer.end(),
+                            [&](int64_t a, int64_t b) { return tokens_[a] > tokens_[b]; });
+    if (begin > buffer.size() / 2) {  // drop the placed prefix once it is most of the buffer
+      buffer.erase(buffer.begin(), buffer.begin() + static_cast<std::ptrdiff_t>(begin));
+      begin = 0;
+    }
   }
   *rank_time_s = 0;
   for (int64_t rank = 0; rank < num_ranks_; ++rank) {
@@ -487,6 +543,7 @@ Plan MegatronDcp::run() {
     tokens_[i] = static_cast<double>(sequence.num_tokens);
   }
   memory_degree_.assign(key_of_lengths.size(), 0);
+  refused_stamp_.assign(key_of_lengths.size(), 0);
   local_share_.assign(key_of_lengths.size(), std::nullopt);
   work_slots_ = static_cast<size_t>(63 - __builtin_clzll(static_cast<uint64_t>(num_ranks_))) + 2;
   work_of_lengths_s_.assign(key_of_lengths.size() * work_slots_,

@@ -27,7 +27,7 @@ Plan megatron_dcp(const Batch& batch, const CostModel& cost_model, EvaluationCac
 Plan zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptions& options,
              EvaluationCache* cache);
 // zellige's local search alone from `start` (a plan of the batch within memory), for tests of its
-// moves; `whole_anchor_moves` false leaves out those of zellige_moves.h.
+// moves; `whole_anchor_moves` false leaves out those of zellige_moves.cc.
 Plan zellige_search(const Batch& batch, const CostModel& cost_model, const Plan& start,
                     bool whole_anchor_moves);
 // predict (planners.h) with the caller's cache.

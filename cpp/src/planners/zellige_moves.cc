@@ -1,17 +1,29 @@
-// Local-search moves of whole anchors (issue 15, item 2): an anchor of the busiest rank moved to
-// an aligned window of any degree, and two anchors put together on the union of their ranks.
-//
-// Internal to zellige.cc: it includes this file once, inside its anonymous namespace after
-// ZelligePlanner's definition, so these are ZelligePlanner's own members (the planner keeps its
-// state private to that file). Both moves run only where the cheaper moves found nothing (the
-// busiest rank is at a local optimum of move / swap / re-mould / promote) and, like them, must
-// lower the busiest rank's time without raising any rank they touch above it. Also here: the
-// starts of aligned bags and of node configurations, and the equal-makespan memory steps.
-#pragma once
+// Local-search moves of whole anchors: an anchor of the busiest rank moved to an aligned window of
+// any degree, and two anchors put together on the union of their ranks. Both run only where the
+// cheaper moves (zellige_search.cc) found nothing (the busiest rank is at a local optimum of move /
+// swap / re-mould / promote) and, like them, must lower the busiest rank's time without raising
+// any rank they touch above it. Also here: the starts of aligned bags and of node configurations,
+// and the equal-makespan memory steps.
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
-// The `count` nodes whose ranks' summed time is least, then the nodes of `anchor`'s ranks.
-void ZelligePlanner::window_nodes(const Solution& s, const AnchorPlacement& anchor, int count,
-                                  std::vector<int64_t>* nodes) {
+#include "node_configurations.h"
+#include "rank_loads.h"
+#include "zellige_planner.h"
+
+namespace zellige::planners::zellige_detail {
+
+// The `count` nodes whose ranks' summed time is least (ties: lower node first), in that order.
+void ZelligePlanner::least_loaded_nodes(const Solution& s, int count,
+                                        std::vector<int64_t>* nodes) {
   node_load_s_.assign(num_nodes_, 0.0);
   for (int64_t rank = 0; rank < num_ranks_; ++rank) node_load_s_[node_of(rank)] += s.time_s[rank];
   nodes->resize(num_nodes_);
@@ -21,6 +33,12 @@ void ZelligePlanner::window_nodes(const Solution& s, const AnchorPlacement& anch
     return node_load_s_[a] < node_load_s_[b] || (node_load_s_[a] == node_load_s_[b] && a < b);
   });
   nodes->resize(kept);
+}
+
+// `least` (least_loaded_nodes), then the nodes of `anchor`'s ranks.
+void ZelligePlanner::window_nodes(const std::vector<int64_t>& least, const AnchorPlacement& anchor,
+                                  std::vector<int64_t>* nodes) const {
+  nodes->assign(least.begin(), least.end());
   for (int64_t rank : anchor.ranks) {
     if (std::find(nodes->begin(), nodes->end(), node_of(rank)) == nodes->end()) {
       nodes->push_back(node_of(rank));
@@ -40,9 +58,12 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
   double best_s = bound_s;
   int32_t best_slot = -1;
   int64_t best_degree = 0;
+  // The node loads do not change while the anchors of the busiest rank are tried: once per call.
+  least_loaded_nodes(*s, kWindowNodes, &least_nodes_);
   for (int32_t slot : s->rank_anchors[busiest]) {
     const AnchorPlacement& anchor = s->anchors[slot];
-    window_nodes(*s, anchor, kWindowNodes, &window_nodes_);
+    window_nodes(least_nodes_, anchor, &window_nodes_);
+    prepare_relocation(*s, anchor);
     const int64_t max_degree =
         std::min(num_ranks_, std::max(2 * anchor.shape.degree, 2 * gpus_per_node_));
     for (int64_t degree = 2; degree <= max_degree;
@@ -50,23 +71,24 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
       const ShapeChoice& choice = shape_at(anchor.sequence, degree);
       if (!choice.feasible) continue;
       auto consider = [&](int64_t first_rank) {
-        candidate_shares_ = choice.shares;
-        candidate_ranks_.resize(degree);
-        for (int64_t k = 0; k < degree; ++k) {
-          candidate_ranks_[k] = first_rank + k;
-          candidate_shares_[k].rank = first_rank + k;
+        if (choice.shape.strategy == anchor.shape.strategy &&
+            choice.shape.ulysses_degree == anchor.shape.ulysses_degree &&
+            static_cast<int64_t>(anchor.ranks.size()) == degree) {
+          int64_t k = 0;
+          while (k < degree && anchor.ranks[k] == first_rank + k) ++k;
+          if (k == degree) return;  // the anchor as it is
         }
-        if (candidate_ranks_ == anchor.ranks && choice.shape.strategy == anchor.shape.strategy &&
-            choice.shape.ulysses_degree == anchor.shape.ulysses_degree) {
-          return;
-        }
-        const double score_s = price_change(*s, anchor.shares, candidate_shares_, best_s);
+        const double score_s = relocation_price(*s, anchor, choice.shares, first_rank, best_s);
         if (score_s < best_s) {
           best_s = score_s;
           best_slot = slot;
           best_degree = degree;
-          best_ranks_ = candidate_ranks_;
-          best_shares_ = candidate_shares_;
+          best_shares_ = choice.shares;
+          best_ranks_.resize(degree);
+          for (int64_t k = 0; k < degree; ++k) {
+            best_ranks_[k] = first_rank + k;
+            best_shares_[k].rank = first_rank + k;
+          }
         }
       };
       for (int64_t node : window_nodes_) {
@@ -81,6 +103,7 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
         }
       }
     }
+    finish_relocation(anchor);
   }
   if (best_slot < 0) return false;
   --relocations_left_;
@@ -91,6 +114,67 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
   anchor.shares = best_shares_;
   add_anchor_shares(s, best_slot);
   return true;
+}
+
+void ZelligePlanner::prepare_relocation(const Solution& s, const AnchorPlacement& anchor) {
+  if (old_position_.empty()) old_position_.assign(num_ranks_, -1);
+  vacated_s_.clear();
+  for (size_t k = 0; k < anchor.shares.size(); ++k) {
+    const RankShare& share = anchor.shares[k];
+    old_position_[share.rank] = static_cast<int32_t>(k);
+    // As price_change sums a rank's deltas: from zero, the old share subtracted.
+    const int64_t delta_tokens = 0 - share.tokens;
+    const double delta_other_s = 0.0 - (share.attention_s + share.exchange_s);
+    vacated_s_.push_back({share.rank, time_with(s, share.rank, delta_tokens, delta_other_s)});
+  }
+  std::sort(vacated_s_.begin(), vacated_s_.end());
+  const size_t count = vacated_s_.size();
+  vacated_prefix_max_s_.assign(count + 1, 0.0);
+  vacated_suffix_max_s_.assign(count + 1, 0.0);
+  for (size_t k = 0; k < count; ++k) {
+    vacated_prefix_max_s_[k + 1] = std::max(vacated_prefix_max_s_[k], vacated_s_[k].second);
+  }
+  for (size_t k = count; k-- > 0;) {
+    vacated_suffix_max_s_[k] = std::max(vacated_suffix_max_s_[k + 1], vacated_s_[k].second);
+  }
+}
+
+void ZelligePlanner::finish_relocation(const AnchorPlacement& anchor) {
+  for (const RankShare& share : anchor.shares) old_position_[share.rank] = -1;
+}
+
+double ZelligePlanner::relocation_price(const Solution& s, const AnchorPlacement& anchor,
+                                        const std::vector<RankShare>& new_shares,
+                                        int64_t first_rank, double above_s) {
+  // The anchor's ranks outside the window only lose its share: the most loaded of them, from
+  // the maxima left and right of the window (ranks by id).
+  const int64_t end_rank = first_rank + static_cast<int64_t>(new_shares.size());
+  const auto below = std::lower_bound(vacated_s_.begin(), vacated_s_.end(),
+                                      std::pair<int64_t, double>{first_rank, -kInf});
+  const auto above = std::lower_bound(vacated_s_.begin(), vacated_s_.end(),
+                                      std::pair<int64_t, double>{end_rank, -kInf});
+  double score_s = std::max(vacated_prefix_max_s_[below - vacated_s_.begin()],
+                            vacated_suffix_max_s_[above - vacated_s_.begin()]);
+  for (size_t k = 0; k < new_shares.size(); ++k) {
+    if (score_s >= above_s) return score_s;
+    const RankShare& share = new_shares[k];
+    const int64_t rank = first_rank + static_cast<int64_t>(k);
+    const int32_t position = old_position_[rank];
+    int64_t delta_tokens = 0;
+    double delta_other_s = 0, delta_bytes = 0;
+    if (position >= 0) {
+      const RankShare& old = anchor.shares[position];
+      delta_tokens -= old.tokens;
+      delta_other_s += -1.0 * (old.attention_s + old.exchange_s);
+      delta_bytes += -1.0 * old.memory_bytes;
+    }
+    delta_tokens += share.tokens;
+    delta_other_s += share.attention_s + share.exchange_s;
+    delta_bytes += share.memory_bytes;
+    if (delta_bytes > 0 && s.memory_bytes[rank] + delta_bytes > free_bytes_) return kInf;
+    score_s = std::max(score_s, time_with(s, rank, delta_tokens, delta_other_s));
+  }
+  return score_s;
 }
 
 // An anchor of the busiest rank and another anchor, both put on the union of their rank sets in
@@ -345,18 +429,18 @@ bool ZelligePlanner::bag_start(bool busiest_only, int32_t max_run, Plan* plan) {
   return true;
 }
 
-// A starting point from the configuration view of a run of equal long sequences (issue 15, item
-// 2d; what the best known plans of many equal long videos look like: one node holding a window of
-// eight, another two of four and some pairs). Nodes are identical, so for a cap T on any window's
-// load, node_configurations.h chooses exactly which windows one node holds, how many sequences of
-// the run each carries and how many nodes take each configuration, for the least rank-seconds
-// (shape_at's estimates on aligned windows). Every cap where the run's window loads change (count
-// x a degree's time, up to `upper_s`) is tried; the best estimate of the whole plan (the busiest
-// window, the mean load with the rest of the batch, the longest other sequence) is built. The rest
-// go whole, longest first, to the least-loaded rank with the memory (or, too large for a rank, to
-// the least-loaded aligned window of the smallest degree that fits). The run: the equal lengths
-// with the most estimated work among those of at least two sequences of kBagItemFraction of the
-// mean load per rank. False when there is none, or the exact solve would cost more than
+// A starting point from the configuration view of a run of equal long sequences (what the best
+// known plans of many equal long videos look like: one node holding a window of eight, another two
+// of four and some pairs). Nodes are identical, so for a cap T on any window's load,
+// node_configurations.h chooses exactly which windows one node holds, how many sequences of the run
+// each carries and how many nodes take each configuration, for the least rank-seconds (shape_at's
+// estimates on aligned windows). Every cap where the run's window loads change (count x a degree's
+// time, up to `upper_s`) is tried; the best estimate of the whole plan (the busiest window, the
+// mean load with the rest of the batch, the longest other sequence) is built. The rest go whole,
+// longest first, to the least-loaded rank with the memory (or, too large for a rank, to the
+// least-loaded aligned window of the smallest degree that fits). The run: the equal lengths with
+// the most estimated work among those of at least two sequences of kBagItemFraction of the mean
+// load per rank. False when there is none, or the exact solve would cost more than
 // kConfigurationWork steps.
 bool ZelligePlanner::configuration_start(double upper_s, Plan* plan) {
   int32_t run_key = -1;
@@ -515,16 +599,16 @@ bool ZelligePlanner::configuration_start(double upper_s, Plan* plan) {
   return true;
 }
 
-// An equal-makespan step (issue 15, item 2c), taken when no move lowers the busiest rank: a whole
-// sequence of the rank holding the most bytes moves to one of the kMemoryPartners ranks holding
-// the least, where it raises no rank's time above the makespan and lowers the larger of the two
-// ranks' bytes. The makespan stays (or falls), the secondary objective falls: the ranks' bytes,
-// sorted from the fullest down, compared lexicographically; so these steps cannot cycle among
-// themselves, and local_search caps them at kMemorySteps. Why memory: the search sizes memory as
-// if every layer were recomputed whole but times selective checkpointing; evaluate() recomputes
-// attention too on ranks whose kept activations do not fit, so on memory-tight batches the
-// fullest rank's bytes cost exact time that the search does not see (and item 6 prefers the lower
-// peak among plans of about the same makespan).
+// An equal-makespan step taken when no move lowers the busiest rank: a whole sequence of the rank
+// holding the most bytes moves to one of the kMemoryPartners ranks holding the least, where it
+// raises no rank's time above the makespan and lowers the larger of the two ranks' bytes. The
+// makespan stays (or falls), the secondary objective falls: the ranks' bytes, sorted from the
+// fullest down, compared lexicographically; so these steps cannot cycle among themselves, and
+// local_search caps them at kMemorySteps. Why memory: the search sizes memory as if every layer
+// were recomputed whole but times selective checkpointing; evaluate() recomputes attention too on
+// ranks whose kept activations do not fit, so on memory-tight batches the fullest rank's bytes cost
+// exact time that the search does not see (and the final comparison prefers the lower peak among
+// plans of about the same makespan).
 bool ZelligePlanner::try_lower_memory(Solution* s) {
   const int64_t fullest =
       std::max_element(s->memory_bytes.begin(), s->memory_bytes.end()) - s->memory_bytes.begin();
@@ -562,3 +646,6 @@ bool ZelligePlanner::try_lower_memory(Solution* s) {
   add_filler(s, best_sequence, best_rank);
   return true;
 }
+
+
+}  // namespace zellige::planners::zellige_detail
