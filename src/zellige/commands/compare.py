@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from zellige import _core
 from zellige.api import JOINT, CompareRow, compare_setup
-from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
+from zellige.commands._inputs import (
+    add_batch_arguments,
+    add_cluster_arguments,
+    add_global_batch_argument,
+    global_setup_from_args,
+    setup_from_args,
+)
+from zellige.global_batch import compare_global, compare_lines
 
 GIB = 1 << 30
 JSON_FIELDS = (
@@ -32,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"zellige); forms: {', '.join([*_core.planner_names(), JOINT])}",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    add_global_batch_argument(parser)
 
 
 def row_to_dict(row: CompareRow) -> dict:
@@ -86,6 +95,8 @@ def format_table(rows: list[CompareRow]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.global_batch is not None:
+        return run_global(args)
     setup = setup_from_args(args)
     planners = None
     if args.planners is not None:
@@ -105,5 +116,27 @@ def run(args: argparse.Namespace) -> int:
         f"{setup.links}); lower bound {rows[0].lower_bound_s:.4f} s"
     )
     for line in format_table(rows):
+        print(line)
+    return 0
+
+
+def run_global(args: argparse.Namespace) -> int:
+    """--global-batch: every global-batch planner (or --planners) on one global batch."""
+    setup = global_setup_from_args(args)
+    planners = None
+    if args.planners is not None:
+        planners = [name.strip() for name in args.planners.split(",") if name.strip()]
+    options = _core.GlobalBatchOptions(seed=setup.seed)
+    rows = compare_global(setup.batch, setup.cost_model, planners, options)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(row) for row in rows], indent=1, allow_nan=False))
+        return 0
+    cluster = setup.cost_model.cluster
+    print(
+        f"global batch: {len(setup.batch.sequences)} sequences, "
+        f"{_core.total_tokens(setup.batch):,} tokens, {setup.model_name} on "
+        f"{cluster.num_ranks()} GPUs ({cluster.num_nodes} x {cluster.gpus_per_node})"
+    )
+    for line in compare_lines(rows):
         print(line)
     return 0
