@@ -26,8 +26,6 @@ namespace zellige {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-// Each retry of a cut that did not fit shrinks the micro-batch budget by this factor.
-constexpr double kBudgetShrink = 0.8;
 
 using Cut = std::vector<std::vector<int64_t>>;  // micro-batches of indices into the batch
 
@@ -110,49 +108,72 @@ double step_time_s(const GlobalPlan& plan, double overhead_s) {
   return total_s;
 }
 
-// Each micro-batch of `cut` placed by the fastest of `inner` that fits it; nullopt when one fits
-// under none.
+// The fastest plan of `inner` that fits `micro_batch`; false when none fits.
+bool place_one(const std::vector<std::string>& inner, MicroBatch* micro_batch,
+               const CostModel& cost_model, const PlannerOptions& planner_options) {
+  double best_s = kInf;
+  for (const std::string& name : inner) {
+    try {
+      Plan plan = make_plan(name, micro_batch->batch, cost_model, planner_options);
+      if (plan.predicted.makespan_s < best_s) {
+        best_s = plan.predicted.makespan_s;
+        micro_batch->plan = std::move(plan);
+      }
+    } catch (const PlanMemoryError&) {
+    }
+  }
+  return best_s < kInf;
+}
+
+// `part` in two, in its order, at half its memory (each half non-empty).
+std::pair<std::vector<int64_t>, std::vector<int64_t>> halves(
+    const std::vector<int64_t>& part, const std::vector<SequenceCost>& costs) {
+  double total_bytes = 0;
+  for (const int64_t index : part) total_bytes += costs[index].memory_bytes;
+  size_t split = 1;
+  double front_bytes = costs[part[0]].memory_bytes;
+  while (split + 1 < part.size() && front_bytes + costs[part[split]].memory_bytes <= total_bytes / 2) {
+    front_bytes += costs[part[split++]].memory_bytes;
+  }
+  return {std::vector<int64_t>(part.begin(), part.begin() + split),
+          std::vector<int64_t>(part.begin() + split, part.end())};
+}
+
+// Each micro-batch of `cut` placed by the fastest of `inner` that fits it. With `costs`, one
+// that fits under none is split in two and each half placed in its stead (the cut's memory
+// estimate need only be near); without, or for a single sequence, nullopt.
 std::optional<GlobalPlan> place_cut(const std::vector<std::string>& inner, const Batch& batch,
-                                    const Cut& cut, const CostModel& cost_model,
-                                    const GlobalBatchOptions& options) {
+                                    Cut cut, const CostModel& cost_model,
+                                    const GlobalBatchOptions& options,
+                                    const std::vector<SequenceCost>* costs = nullptr) {
   PlannerOptions planner_options;
   planner_options.seed = options.seed;
   planner_options.time_limit_s = options.time_limit_s;
   GlobalPlan result;
-  for (const std::vector<int64_t>& indices : cut) {
-    MicroBatch micro_batch{sub_batch(batch, indices), {}};
-    double best_s = kInf;
-    for (const std::string& name : inner) {
-      try {
-        Plan plan = make_plan(name, micro_batch.batch, cost_model, planner_options);
-        if (plan.predicted.makespan_s < best_s) {
-          best_s = plan.predicted.makespan_s;
-          micro_batch.plan = std::move(plan);
-        }
-      } catch (const PlanMemoryError&) {
-      }
+  for (size_t k = 0; k < cut.size();) {
+    MicroBatch micro_batch{sub_batch(batch, cut[k]), {}};
+    if (place_one(inner, &micro_batch, cost_model, planner_options)) {
+      result.micro_batches.push_back(std::move(micro_batch));
+      ++k;
+      continue;
     }
-    if (best_s == kInf) return std::nullopt;
-    result.micro_batches.push_back(std::move(micro_batch));
+    if (costs == nullptr || cut[k].size() == 1) return std::nullopt;
+    auto [front, back] = halves(cut[k], *costs);
+    cut[k] = std::move(front);
+    cut.insert(cut.begin() + static_cast<std::ptrdiff_t>(k) + 1, std::move(back));
   }
   result.step_time_s = step_time_s(result, options.micro_batch_overhead_s);
   return result;
 }
 
-// `order` cut by memory, the budget shrinking until every micro-batch fits (at worst one
-// sequence each); nullopt when even that does not fit under `inner`.
+// `order` cut by memory, refined where a micro-batch does not fit.
 std::optional<GlobalPlan> place_in_order(const std::vector<std::string>& inner, const Batch& batch,
                                          const std::vector<int64_t>& order,
                                          const std::vector<SequenceCost>& costs,
                                          const CostModel& cost_model,
                                          const GlobalBatchOptions& options) {
-  for (double budget_bytes = micro_batch_budget_bytes(cost_model);; budget_bytes *= kBudgetShrink) {
-    const Cut cut = cut_in_order(order, costs, budget_bytes);
-    if (std::optional<GlobalPlan> plan = place_cut(inner, batch, cut, cost_model, options)) {
-      return plan;
-    }
-    if (cut.size() == order.size()) return std::nullopt;
-  }
+  const Cut cut = cut_in_order(order, costs, micro_batch_budget_bytes(cost_model));
+  return place_cut(inner, batch, cut, cost_model, options, &costs);
 }
 
 std::vector<int64_t> loader_order(const Batch& batch) {
@@ -246,21 +267,24 @@ std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& ba
       if (size > 1) inner.push_back("static-cp:" + std::to_string(size));
     }
     const std::vector<int64_t> heaviest_first = order_by(batch, work_s);
-    const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
-    for (double budget_bytes = micro_batch_budget_bytes(cost_model);;
-         budget_bytes *= kBudgetShrink) {
-      const int64_t count = std::clamp<int64_t>(
-          static_cast<int64_t>(std::ceil(total_bytes / budget_bytes)), 1, num_sequences);
-      const Cut cut = spread(heaviest_first, costs, count, budget_bytes);
-      plan = place_cut(inner, batch, cut, cost_model, options);
-      if (plan || count == num_sequences) break;
-    }
+    const int64_t count = std::clamp<int64_t>(
+        static_cast<int64_t>(std::ceil(total_bytes / micro_batch_budget_bytes(cost_model))), 1,
+        static_cast<int64_t>(batch.sequences.size()));
+    const Cut cut = spread(heaviest_first, costs, count, micro_batch_budget_bytes(cost_model));
+    plan = place_cut(inner, batch, cut, cost_model, options, &costs);
     if (plan) plan->chosen = "wlb-llm";
   } else {
     throw std::invalid_argument("unknown global-batch planner '" + name + "'");
   }
   if (plan) plan->planner = name;
   return plan;
+}
+
+// The same micro-batches in one order, to tell cuts apart.
+Cut canonical(Cut cut) {
+  for (std::vector<int64_t>& part : cut) std::sort(part.begin(), part.end());
+  std::sort(cut.begin(), cut.end());
+  return cut;
 }
 
 Cut cut_of(const GlobalPlan& plan, const Batch& batch) {
@@ -289,30 +313,36 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
   const std::vector<int64_t> heaviest_first = order_by(batch, work_s);
   std::optional<GlobalPlan> best;
   auto consider = [&](std::optional<GlobalPlan> plan, const std::string& chosen) {
-    if (!plan) return false;
+    if (!plan) return;
     plan->chosen = chosen;
     if (!best || plan->step_time_s < best->step_time_s) best = std::move(plan);
-    return true;
   };
 
-  // Stage one and two for the least micro-batch count the estimate allows and a few more; the
-  // alternative that keeps the heaviest together (their bottlenecks then share one micro-batch).
+  // Stage one and two for the least micro-batch count the estimate allows and up to
+  // extra_micro_batches more, stopping once a count is slower than the one before (more
+  // micro-batches repeat the per-micro-batch costs and balance fewer sequences each); beside
+  // each, the alternative that keeps the heaviest together (their bottlenecks then share one
+  // micro-batch).
   const int64_t least_count = std::clamp<int64_t>(
       static_cast<int64_t>(std::ceil(total_bytes / budget_bytes)), 1, num_sequences);
-  int64_t last_count = std::min(num_sequences, least_count + options.extra_micro_batches);
+  const int64_t last_count = std::min(num_sequences, least_count + options.extra_micro_batches);
   std::set<Cut> tried;
+  double previous_s = kInf;
   for (int64_t count = least_count; count <= last_count; ++count) {
-    Cut spread_cut = spread(heaviest_first, costs, count, budget_bytes);
     const double grouped_budget_bytes = std::min(budget_bytes, total_bytes / count);
-    Cut grouped_cut = cut_in_order(heaviest_first, costs, grouped_budget_bytes);
-    bool placed = false;
-    for (auto& [cut, name] : {std::pair{&spread_cut, "zellige:spread"},
-                              std::pair{&grouped_cut, "zellige:grouped"}}) {
-      if (!tried.insert(*cut).second) continue;
-      placed |= consider(place_cut({"zellige"}, batch, *cut, cost_model, options), name);
+    const std::pair<Cut, std::string> candidates[] = {
+        {spread(heaviest_first, costs, count, budget_bytes), "zellige:spread"},
+        {cut_in_order(heaviest_first, costs, grouped_budget_bytes), "zellige:grouped"}};
+    double count_s = kInf;
+    for (const auto& [cut, name] : candidates) {
+      if (!tried.insert(canonical(cut)).second) continue;
+      std::optional<GlobalPlan> plan =
+          place_cut({"zellige"}, batch, cut, cost_model, options, &costs);
+      if (plan) count_s = std::min(count_s, plan->step_time_s);
+      consider(std::move(plan), name);
     }
-    // Nothing fitted yet: the estimate was short, so the range moves on.
-    if (!best && !placed && last_count < num_sequences) ++last_count;
+    if (count_s > previous_s) break;
+    previous_s = std::min(previous_s, count_s);
   }
 
   // The baselines: kept where one wins (the never-worse promise), and the best one's cut placed
@@ -328,8 +358,9 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
       consider(std::move(plan), chosen);
     }
   }
-  if (best_baseline) {
-    consider(place_cut({"zellige"}, batch, cut_of(*best_baseline, batch), cost_model, options),
+  if (best_baseline && tried.insert(canonical(cut_of(*best_baseline, batch))).second) {
+    consider(place_cut({"zellige"}, batch, cut_of(*best_baseline, batch), cost_model, options,
+                       &costs),
              "zellige:" + best_baseline->planner);
   }
   if (!best) {
