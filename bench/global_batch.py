@@ -12,6 +12,8 @@ baseline's step time over zellige's; the video-heavy recipes' geomean is the iss
 
     PYTHONPATH=src python bench/global_batch.py [--gpus 32,256,1024] [--multiples 2,4,8,16]
         [--max-sequences 20000] [--out FILE]
+
+--multiples may differ per GPU count: "32:2,4,8,16/256:2,4/1024:2".
 """
 
 from __future__ import annotations
@@ -216,9 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     print_header(provenance)
     cases: list[Case] = []
     skipped = []
+    multiples_at = {}
+    for part in args.multiples.split("/"):
+        gpus, _, multiples = part.rpartition(":")
+        multiples_at[int(gpus) if gpus else None] = [int(x) for x in multiples.split(",")]
     for num_gpus in (int(x) for x in args.gpus.split(",")):
+        multiples = multiples_at.get(num_gpus, multiples_at.get(None, []))
         for workload in args.workloads.split(","):
-            for multiple in (int(x) for x in args.multiples.split(",")):
+            for multiple in multiples:
                 case = run_case(workload, num_gpus, multiple, args.max_sequences)
                 if case is None:
                     skipped.append(f"{workload} {num_gpus} GPUs x{multiple}")
