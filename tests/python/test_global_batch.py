@@ -181,3 +181,20 @@ def test_cli_plan_and_compare_a_global_batch(tmp_path):
     assert all(ours <= row["step_time_s"] for row in rows.values() if row["error"] is None)
     result = zellige_cli("plan", *common[:4], "--global-batch", "lots", "--planner", "zellige")
     assert result.returncode != 0 and "global batch size" in result.stderr
+
+
+def test_cli_global_batch_from_a_batch_file(tmp_path):
+    path = tmp_path / "global.json"
+    zellige.save_batch(batch_of([30000, 28000, 9000, 5000, 2000, 40000]), path)
+    common = ["--batch", str(path), "--model", "wan-1.3b", "--gpus", "4", "--gpu-memory-gib", "24"]
+    result = zellige_cli("plan", *common, "--global-batch", "all", "--planner", "zellige")
+    assert result.returncode == 0, result.stderr
+    assert "global batch: 6 sequences" in result.stdout
+    result = zellige_cli("plan", *common, "--global-batch", "3", "--planner", "wlb-llm")
+    assert result.returncode == 0, result.stderr
+    assert "global batch: 3 sequences" in result.stdout
+    result = zellige_cli("plan", *common, "--global-batch", "10", "--planner", "zellige")
+    assert result.returncode != 0 and "below 10 samples" in result.stderr
+    workload = ["--workload", "wan-stage2", "--gpus", "8", "--global-batch", "all"]
+    result = zellige_cli("compare", *workload)
+    assert result.returncode != 0 and "takes a --batch file" in result.stderr
