@@ -21,7 +21,8 @@ struct GlobalBatchOptions {
   // global batch, so it is the same for every K and left out). The launch floor is priced inside
   // each makespan already.
   double micro_batch_overhead_s = 0.0;
-  // zellige tries the least micro-batch count its memory estimate allows and this many more.
+  // zellige tries the least micro-batch count its memory estimate allows, this many more, and
+  // 1.5 and 2 times the least.
   int64_t extra_micro_batches = 2;
 };
 
