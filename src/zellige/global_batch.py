@@ -13,9 +13,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from zellige import _core
-from zellige.plan_io import plan_to_dict
+from zellige._json import (
+    parse_json,
+    reject_unknown,
+    require_int,
+    require_list,
+    require_number,
+    require_object,
+    require_str,
+)
+from zellige.plan_io import plan_from_dict, plan_to_dict
 from zellige.workload import generate, load_recipe
 
 _TOKEN_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
@@ -115,7 +125,61 @@ def global_plan_to_dict(plan: _core.GlobalPlan) -> dict:
 
 
 def global_plan_to_json(plan: _core.GlobalPlan, indent: int | None = None) -> str:
-    return json.dumps(global_plan_to_dict(plan), indent=indent)
+    return json.dumps(global_plan_to_dict(plan), indent=indent, allow_nan=False)
+
+
+_GLOBAL_PLAN_FIELDS = ("planner", "chosen", "step_time_s", "plan_ms", "micro_batches")
+_MICRO_BATCH_FIELDS = ("sequence_ids", "plan")
+
+
+def global_plan_from_dict(data: Any, batch: _core.Batch) -> _core.GlobalPlan:
+    """The GlobalPlan of `batch` that global_plan_to_dict wrote. Raises ValueError when the
+    micro-batches do not hold each sequence of the batch exactly once or a plan does not match
+    its micro-batch."""
+    data = require_object(data, "global plan")
+    reject_unknown(data, _GLOBAL_PLAN_FIELDS, "global plan")
+    by_id = {sequence.id: sequence for sequence in batch.sequences}
+    seen: set[int] = set()
+    micro_batches = []
+    for index, raw in enumerate(require_list(data, "micro_batches", "global plan")):
+        where = f"micro-batch {index}"
+        raw = require_object(raw, where)
+        reject_unknown(raw, _MICRO_BATCH_FIELDS, where)
+        sequences = []
+        for seq_id in require_list(raw, "sequence_ids", where):
+            seq_id = require_int({"id": seq_id}, "id", where)
+            if seq_id not in by_id:
+                raise ValueError(f"{where}: sequence {seq_id} is not in the batch")
+            if seq_id in seen:
+                raise ValueError(f"{where}: sequence {seq_id} is in more than one micro-batch")
+            seen.add(seq_id)
+            sequences.append(by_id[seq_id])
+        micro_batch = _core.MicroBatch(batch=_core.Batch(), plan=plan_from_dict(raw.get("plan")))
+        micro_batch.batch.sequences = sequences
+        _core.validate_plan(micro_batch.plan, micro_batch.batch, micro_batch.plan.num_ranks, 0)
+        micro_batches.append(micro_batch)
+    missing = sorted(set(by_id) - seen)
+    if missing:
+        raise ValueError(f"global plan: sequence {missing[0]} is in no micro-batch")
+    plan = _core.GlobalPlan(
+        planner=require_str(data, "planner", "global plan"),
+        chosen=require_str(data, "chosen", "global plan", ""),
+        step_time_s=require_number(data, "step_time_s", "global plan"),
+        plan_ms=require_number(data, "plan_ms", "global plan", 0.0),
+    )
+    plan.micro_batches = micro_batches
+    return plan
+
+
+def global_plan_from_json(
+    text: str, batch: _core.Batch, source: str = "global plan"
+) -> _core.GlobalPlan:
+    """global_plan_from_dict of JSON text; errors are ValueErrors prefixed with `source`."""
+    data = parse_json(text, source)
+    try:
+        return global_plan_from_dict(data, batch)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 def micro_batch_tokens(micro_batch: _core.MicroBatch) -> int:

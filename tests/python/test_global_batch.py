@@ -116,6 +116,25 @@ def test_deterministic_and_json():
     assert json.loads(text)["step_time_s"] == first.step_time_s
     ids = [i for mb in json.loads(text)["micro_batches"] for i in mb["sequence_ids"]]
     assert sorted(ids) == [0, 1, 2, 3, 4]
+    loaded = zellige.global_plan_from_json(text, batch)
+    assert zellige.global_plan_to_dict(loaded) == zellige.global_plan_to_dict(first)
+
+
+def test_json_refuses_a_plan_that_does_not_cover_the_batch():
+    cost_model = tight_cost_model("wan-1.3b", 24000)
+    batch = batch_of([30000, 6000, 12000, 40000])
+    data = zellige.global_plan_to_dict(zellige.plan_global_batch("zellige", batch, cost_model))
+    assert len(data["micro_batches"]) > 1
+    twice = json.loads(json.dumps(data))
+    twice["micro_batches"][1]["sequence_ids"].append(twice["micro_batches"][0]["sequence_ids"][0])
+    with pytest.raises(ValueError, match="more than one micro-batch"):
+        zellige.global_plan_from_dict(twice, batch)
+    dropped = json.loads(json.dumps(data))
+    del dropped["micro_batches"][0]
+    with pytest.raises(ValueError, match="in no micro-batch"):
+        zellige.global_plan_from_dict(dropped, batch)
+    with pytest.raises(ValueError, match="global plan"):
+        zellige.global_plan_from_json("[]", batch)
 
 
 @pytest.mark.parametrize(
