@@ -5,8 +5,8 @@
 // holds in total over its ranks, up to exchange buffers) and its work the time it takes alone on
 // one rank; a micro-batch's memory budget is every rank's room above the fixed bytes. Both are
 // estimates for cutting only: every micro-batch is then placed by make_plan, which prices it
-// with the exact cost model and refuses a plan beyond memory, so a cut that does not fit is
-// retried with smaller micro-batches.
+// with the exact cost model and refuses a plan beyond memory; a micro-batch that does not fit is
+// split in two.
 #include "zellige/global_batch.h"
 
 #include <algorithm>
@@ -49,6 +49,15 @@ std::vector<SequenceCost> sequence_costs(const Batch& batch, const CostModel& co
 double micro_batch_budget_bytes(const CostModel& cost_model) {
   const double room_bytes = cost_model.memory_capacity_bytes() - cost_model.fixed_bytes();
   return static_cast<double>(cost_model.cluster().num_ranks()) * std::max(room_bytes, 0.0);
+}
+
+// The fewest micro-batches whose budgets hold `total_bytes`, between 1 and `num_sequences`.
+int64_t least_micro_batches(double total_bytes, double budget_bytes, int64_t num_sequences) {
+  if (!(budget_bytes > 0)) return num_sequences;
+  const double count = std::ceil(total_bytes / budget_bytes);
+  return count >= static_cast<double>(num_sequences)
+             ? num_sequences
+             : std::max<int64_t>(1, static_cast<int64_t>(count));
 }
 
 // `order` cut into consecutive micro-batches of at most `budget_bytes` each (a sequence above the
@@ -255,7 +264,7 @@ std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& ba
     plan = best_variant(sizes, batch, loader_order(batch), costs, cost_model, options);
   } else if (name == "wlb-llm") {
     // Variable-length packing: the fewest micro-batches the memory allows, balanced by work;
-    // inside each, whole sequences by cost, or the smallest static CP group that fits.
+    // inside each, whole sequences by cost or a static CP group, whichever is fastest there.
     std::vector<double> work_s;
     double total_bytes = 0;
     for (const SequenceCost& cost : costs) {
@@ -267,9 +276,8 @@ std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& ba
       if (size > 1) inner.push_back("static-cp:" + std::to_string(size));
     }
     const std::vector<int64_t> heaviest_first = order_by(batch, work_s);
-    const int64_t count = std::clamp<int64_t>(
-        static_cast<int64_t>(std::ceil(total_bytes / micro_batch_budget_bytes(cost_model))), 1,
-        static_cast<int64_t>(batch.sequences.size()));
+    const int64_t count = least_micro_batches(total_bytes, micro_batch_budget_bytes(cost_model),
+                                              static_cast<int64_t>(batch.sequences.size()));
     const Cut cut = spread(heaviest_first, costs, count, micro_batch_budget_bytes(cost_model));
     plan = place_cut(inner, batch, cut, cost_model, options, &costs);
     if (plan) plan->chosen = "wlb-llm";
@@ -323,8 +331,7 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
   // planner shard or recompute more; emptier ones balance fewer sequences each); beside each,
   // the alternative that keeps the heaviest together (their bottlenecks then share one
   // micro-batch).
-  const int64_t least_count = std::clamp<int64_t>(
-      static_cast<int64_t>(std::ceil(total_bytes / budget_bytes)), 1, num_sequences);
+  const int64_t least_count = least_micro_batches(total_bytes, budget_bytes, num_sequences);
   std::set<int64_t> counts = {(3 * least_count + 1) / 2, 2 * least_count};
   for (int64_t extra = 0; extra <= options.extra_micro_batches; ++extra) {
     counts.insert(least_count + extra);
