@@ -226,7 +226,7 @@ def compare_global(
     options: _core.GlobalBatchOptions | None = None,
 ) -> list[GlobalCompareRow]:
     """Every global-batch planner (default: the baselines, then zellige) on one global batch."""
-    names = planners or [*_core.global_batch_baseline_names(), "zellige"]
+    names = [*_core.global_batch_baseline_names(), "zellige"] if planners is None else planners
     known = _core.global_batch_planner_names()
     for name in names:
         if name not in known:

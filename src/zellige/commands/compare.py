@@ -126,6 +126,8 @@ def run_global(args: argparse.Namespace) -> int:
     planners = None
     if args.planners is not None:
         planners = [name.strip() for name in args.planners.split(",") if name.strip()]
+        if not planners:
+            raise ValueError("--planners lists no planner")
     options = _core.GlobalBatchOptions(seed=setup.seed)
     rows = compare_global(setup.batch, setup.cost_model, planners, options)
     if args.json:
