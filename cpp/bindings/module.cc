@@ -12,6 +12,7 @@ void init_cost_model(nb::module_& m);
 void init_planners(nb::module_& m);
 void init_simulator(nb::module_& m);
 void init_plan_compiler(nb::module_& m);
+void init_global_batch(nb::module_& m);
 
 NB_MODULE(_core, m) {
   m.doc() = "Zellige planning core (C++20): workload, cost model, planners, plan compiler";
@@ -24,4 +25,5 @@ NB_MODULE(_core, m) {
   init_planners(m);
   init_simulator(m);
   init_plan_compiler(m);
+  init_global_batch(m);
 }

@@ -1727,3 +1727,119 @@ def group_segments(q_row_offset: _Sequence[int], k_row_offset: _Sequence[int], q
     """
     Segments grouped by shape (q_len, k_len, num_heads) into dense calls, largest first; empty segments dropped. The one grouping engine of every attention.
     """
+
+class GlobalBatchOptions:
+    def __init__(self, **kwargs) -> None:
+        """
+        Keyword constructor: every field is optional and named as the attribute.
+        """
+
+    @property
+    def seed(self) -> int: ...
+
+    @seed.setter
+    def seed(self, arg: int, /) -> None: ...
+
+    @property
+    def time_limit_s(self) -> float: ...
+
+    @time_limit_s.setter
+    def time_limit_s(self, arg: float, /) -> None: ...
+
+    @property
+    def micro_batch_overhead_s(self) -> float: ...
+
+    @micro_batch_overhead_s.setter
+    def micro_batch_overhead_s(self, arg: float, /) -> None: ...
+
+    @property
+    def extra_micro_batches(self) -> int: ...
+
+    @extra_micro_batches.setter
+    def extra_micro_batches(self, arg: int, /) -> None: ...
+
+    def __repr__(self) -> str: ...
+
+    def __eq__(self, arg: object, /) -> object: ...
+
+    __hash__: None = None
+
+class MicroBatch:
+    def __init__(self, **kwargs) -> None:
+        """
+        Keyword constructor: every field is optional and named as the attribute.
+        """
+
+    @property
+    def batch(self) -> Batch: ...
+
+    @batch.setter
+    def batch(self, arg: Batch, /) -> None: ...
+
+    @property
+    def plan(self) -> Plan: ...
+
+    @plan.setter
+    def plan(self, arg: Plan, /) -> None: ...
+
+    def __repr__(self) -> str: ...
+
+    def __eq__(self, arg: object, /) -> object: ...
+
+    __hash__: None = None
+
+class GlobalPlan:
+    def __init__(self, **kwargs) -> None:
+        """
+        Keyword constructor: every field is optional and named as the attribute.
+        """
+
+    @property
+    def planner(self) -> str: ...
+
+    @planner.setter
+    def planner(self, arg: str, /) -> None: ...
+
+    @property
+    def chosen(self) -> str: ...
+
+    @chosen.setter
+    def chosen(self, arg: str, /) -> None: ...
+
+    @property
+    def micro_batches(self) -> list[MicroBatch]: ...
+
+    @micro_batches.setter
+    def micro_batches(self, arg: _Sequence[MicroBatch], /) -> None: ...
+
+    @property
+    def step_time_s(self) -> float: ...
+
+    @step_time_s.setter
+    def step_time_s(self, arg: float, /) -> None: ...
+
+    @property
+    def plan_ms(self) -> float: ...
+
+    @plan_ms.setter
+    def plan_ms(self, arg: float, /) -> None: ...
+
+    def __repr__(self) -> str: ...
+
+    def __eq__(self, arg: object, /) -> object: ...
+
+    __hash__: None = None
+
+def plan_global_batch(planner: str, batch: Batch, cost_model: CostModel, options: GlobalBatchOptions = ...) -> GlobalPlan:
+    """
+    Cut one optimizer step's batch into micro-batches and place each; names: zellige, megatron-dcp, knapformer, static-cp, wlb-llm (docs/global-batch.md).
+    """
+
+def global_batch_planner_names() -> list[str]: ...
+
+def global_batch_baseline_names() -> list[str]: ...
+
+def place_micro_batches(planner: str, batch: Batch, micro_batch_ids: _Sequence[_Sequence[int]], cost_model: CostModel, options: GlobalBatchOptions = ...) -> GlobalPlan:
+    """
+    Place the given micro-batches (lists of sequence ids) with a make_plan planner.
+    """

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from zellige import _core
 from zellige.api import Setup, make_setup
 from zellige.commands._args import MAX_GPUS, SEED_MAX, int_in
 from zellige.costs import default_gpus_per_node
+from zellige.global_batch import draw_global_batch, parse_global_batch_size, take_global_batch
 from zellige.model_spec import load_model_spec
 from zellige.workload import load_batch, recipe_names
 
@@ -109,3 +111,28 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
         links=links,
         gpu_memory_gib=getattr(args, "gpu_memory_gib", None),
     )
+
+
+def add_global_batch_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--global-batch",
+        metavar="SIZE",
+        help="plan one optimizer step cut into micro-batches: a sample count (1024) or a token "
+        "budget with k, M or B (50M), drawn from --workload over consecutive seeds or taken "
+        "from the start of --batch; 'all' takes the whole --batch file (docs/global-batch.md)",
+    )
+
+
+def global_setup_from_args(args: argparse.Namespace) -> Setup:
+    """setup_from_args with the batch replaced by the --global-batch the flags describe."""
+    setup = setup_from_args(args)
+    if args.global_batch.strip() == "all":
+        if setup.workload is not None:
+            raise ValueError("--global-batch all takes a --batch file; give a size for a workload")
+        return setup
+    size = parse_global_batch_size(args.global_batch)
+    if setup.workload is not None:
+        batch = draw_global_batch(setup.workload, args.gpus, size, setup.seed)
+    else:
+        batch = take_global_batch(list(setup.batch.sequences), size)
+    return dataclasses.replace(setup, batch=batch)

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from zellige import _core
 from zellige._json import output_line
 from zellige.api import JOINT, CompareRow, compare_setup
-from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
+from zellige.commands._inputs import (
+    add_batch_arguments,
+    add_cluster_arguments,
+    add_global_batch_argument,
+    global_setup_from_args,
+    setup_from_args,
+)
+from zellige.global_batch import compare_global, compare_lines
 
 GIB = 1 << 30
 JSON_FIELDS = (
@@ -33,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"zellige); forms: {', '.join([*_core.planner_names(), JOINT])}",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    add_global_batch_argument(parser)
 
 
 def row_to_dict(row: CompareRow) -> dict:
@@ -87,6 +96,8 @@ def format_table(rows: list[CompareRow]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.global_batch is not None:
+        return run_global(args)
     setup = setup_from_args(args)
     planners = None
     if args.planners is not None:
@@ -107,4 +118,28 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in [header, *format_table(rows)]:
         print(output_line(line))
+    return 0
+
+
+def run_global(args: argparse.Namespace) -> int:
+    """--global-batch: every global-batch planner (or --planners) on one global batch."""
+    setup = global_setup_from_args(args)
+    planners = None
+    if args.planners is not None:
+        planners = [name.strip() for name in args.planners.split(",") if name.strip()]
+        if not planners:
+            raise ValueError("--planners lists no planner")
+    options = _core.GlobalBatchOptions(seed=setup.seed)
+    rows = compare_global(setup.batch, setup.cost_model, planners, options)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(row) for row in rows], indent=1, allow_nan=False))
+        return 0
+    cluster = setup.cost_model.cluster
+    print(
+        f"global batch: {len(setup.batch.sequences)} sequences, "
+        f"{_core.total_tokens(setup.batch):,} tokens, {setup.model_name} on "
+        f"{cluster.num_ranks()} GPUs ({cluster.num_nodes} x {cluster.gpus_per_node})"
+    )
+    for line in compare_lines(rows):
+        print(line)
     return 0

@@ -6,10 +6,17 @@ import argparse
 from collections import Counter
 
 from zellige import _core
-from zellige._files import check_outputs
+from zellige._files import check_outputs, write_output
 from zellige._json import output_line
 from zellige.api import JOINT, Setup, lower_bound, run_planner
-from zellige.commands._inputs import add_batch_arguments, add_cluster_arguments, setup_from_args
+from zellige.commands._inputs import (
+    add_batch_arguments,
+    add_cluster_arguments,
+    add_global_batch_argument,
+    global_setup_from_args,
+    setup_from_args,
+)
+from zellige.global_batch import global_plan_lines, global_plan_to_json
 from zellige.model_spec import model_spec_to_dict
 from zellige.plan_io import save_plan
 from zellige.workload import batch_fingerprint, batch_to_dict
@@ -24,8 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--planner",
         required=True,
         metavar="P",
-        help=f"one of: {', '.join([*_core.planner_names(), JOINT])}",
+        help=f"one of: {', '.join([*_core.planner_names(), JOINT])}; with --global-batch one "
+        f"of: {', '.join(_core.global_batch_planner_names())}",
     )
+    add_global_batch_argument(parser)
     parser.add_argument(
         "--out",
         metavar="FILE",
@@ -80,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         {"--out": args.out},
         {"--batch": args.batch, "--profile": args.profile, "--model-spec": args.model_spec},
     )
+    if args.global_batch is not None:
+        return run_global(args)
     setup = setup_from_args(args)
     plan = run_planner(setup, args.planner, setup.seed)
     for line in summary(setup, plan):
@@ -87,4 +98,25 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         save_plan(plan, args.out, context=plan_context(setup))
         print(output_line(f"wrote {args.out}"))
+    return 0
+
+
+def run_global(args: argparse.Namespace) -> int:
+    """--global-batch: the step's micro-batches, each placed, printed one a line; --out writes
+    the global plan's JSON (zellige.global_batch.global_plan_to_dict)."""
+    setup = global_setup_from_args(args)
+    options = _core.GlobalBatchOptions(seed=setup.seed)
+    plan = _core.plan_global_batch(args.planner, setup.batch, setup.cost_model, options)
+    cluster = setup.cost_model.cluster
+    source = f"workload {setup.workload} (seeds from {setup.seed})" if setup.workload else "batch"
+    print(
+        f"global batch: {len(setup.batch.sequences)} sequences, "
+        f"{_core.total_tokens(setup.batch):,} tokens of {source} on {cluster.num_ranks()} GPUs, "
+        f"{setup.model_name}"
+    )
+    for line in global_plan_lines(plan):
+        print(line)
+    if args.out:
+        write_output(args.out, global_plan_to_json(plan, indent=1) + "\n")
+        print(f"wrote {args.out}")
     return 0

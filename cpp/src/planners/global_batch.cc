@@ -1,0 +1,461 @@
+// Global-batch planning (docs/global-batch.md): cut one optimizer step's sequences into
+// micro-batches and place each micro-batch with a one-step planner.
+//
+// A sequence's memory demand is its activations alone on one rank (the least any placement
+// holds in total over its ranks, up to exchange buffers) and its work the time it takes alone on
+// one rank; a micro-batch's memory budget is every rank's room above the fixed bytes. Both are
+// estimates for cutting only: every micro-batch is then placed by make_plan, which prices it
+// with the exact cost model and refuses a plan beyond memory; a micro-batch that does not fit is
+// split in two.
+#include "zellige/global_batch.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <unordered_map>
+#include <utility>
+
+#include "rank_loads.h"
+
+namespace zellige {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+using Cut = std::vector<std::vector<int64_t>>;  // micro-batches of indices into the batch
+
+struct SequenceCost {
+  double memory_bytes = 0;
+  double work_s = 0;
+};
+
+std::vector<SequenceCost> sequence_costs(const Batch& batch, const CostModel& cost_model) {
+  std::vector<SequenceCost> costs;
+  costs.reserve(batch.sequences.size());
+  for (const Sequence& sequence : batch.sequences) {
+    const Placement local = make_placement(sequence.id, Strategy::kLocal, {0});
+    const std::vector<RankShare> shares = cost_model.shares(sequence, local);
+    costs.push_back({planners::placement_memory_bytes(shares),
+                     planners::placement_time_s(cost_model, shares)});
+  }
+  return costs;
+}
+
+double micro_batch_budget_bytes(const CostModel& cost_model) {
+  const double room_bytes = cost_model.memory_capacity_bytes() - cost_model.fixed_bytes();
+  return static_cast<double>(cost_model.cluster().num_ranks()) * std::max(room_bytes, 0.0);
+}
+
+// The fewest micro-batches whose budgets hold `total_bytes`, between 1 and `num_sequences`.
+int64_t least_micro_batches(double total_bytes, double budget_bytes, int64_t num_sequences) {
+  if (!(budget_bytes > 0)) return num_sequences;
+  const double count = std::ceil(total_bytes / budget_bytes);
+  return count >= static_cast<double>(num_sequences)
+             ? num_sequences
+             : std::max<int64_t>(1, static_cast<int64_t>(count));
+}
+
+// `order` cut into consecutive micro-batches of at most `budget_bytes` each (a sequence above the
+// budget alone in its own).
+Cut cut_in_order(const std::vector<int64_t>& order, const std::vector<SequenceCost>& costs,
+                 double budget_bytes) {
+  Cut cut;
+  double used_bytes = kInf;
+  for (const int64_t index : order) {
+    if (used_bytes + costs[index].memory_bytes > budget_bytes) {
+      cut.emplace_back();
+      used_bytes = 0;
+    }
+    cut.back().push_back(index);
+    used_bytes += costs[index].memory_bytes;
+  }
+  return cut;
+}
+
+// The two stages over micro-batches: sequences heaviest first, each to the micro-batch of least
+// work among those with memory left for it (else the one of least memory), so the K heaviest
+// open one micro-batch each and the rest fill around them.
+Cut spread(const std::vector<int64_t>& heaviest_first, const std::vector<SequenceCost>& costs,
+           int64_t num_micro_batches, double budget_bytes) {
+  Cut cut(num_micro_batches);
+  std::vector<double> work_s(num_micro_batches, 0.0), memory_bytes(num_micro_batches, 0.0);
+  for (const int64_t index : heaviest_first) {
+    int64_t best = -1;
+    for (int64_t k = 0; k < num_micro_batches; ++k) {
+      if (memory_bytes[k] + costs[index].memory_bytes > budget_bytes) continue;
+      if (best < 0 || work_s[k] < work_s[best]) best = k;
+    }
+    if (best < 0) {
+      best = std::min_element(memory_bytes.begin(), memory_bytes.end()) - memory_bytes.begin();
+    }
+    cut[best].push_back(index);
+    work_s[best] += costs[index].work_s;
+    memory_bytes[best] += costs[index].memory_bytes;
+  }
+  std::erase_if(cut, [](const std::vector<int64_t>& part) { return part.empty(); });
+  return cut;
+}
+
+Batch sub_batch(const Batch& batch, std::vector<int64_t> indices) {
+  std::sort(indices.begin(), indices.end());  // the global batch's order
+  Batch part;
+  part.sequences.reserve(indices.size());
+  for (const int64_t index : indices) part.sequences.push_back(batch.sequences[index]);
+  return part;
+}
+
+double step_time_s(const GlobalPlan& plan, double overhead_s) {
+  double total_s = 0;
+  for (const MicroBatch& micro_batch : plan.micro_batches) {
+    total_s += micro_batch.plan.predicted.makespan_s + overhead_s;
+  }
+  return total_s;
+}
+
+// The fastest plan of `inner` that fits `micro_batch`; false when none fits.
+bool place_one(const std::vector<std::string>& inner, MicroBatch* micro_batch,
+               const CostModel& cost_model, const PlannerOptions& planner_options) {
+  double best_s = kInf;
+  for (const std::string& name : inner) {
+    try {
+      Plan plan = make_plan(name, micro_batch->batch, cost_model, planner_options);
+      if (plan.predicted.makespan_s < best_s) {
+        best_s = plan.predicted.makespan_s;
+        micro_batch->plan = std::move(plan);
+      }
+    } catch (const PlanMemoryError&) {
+    }
+  }
+  return best_s < kInf;
+}
+
+// `part` in two, in its order, at half its memory (each half non-empty).
+std::pair<std::vector<int64_t>, std::vector<int64_t>> halves(
+    const std::vector<int64_t>& part, const std::vector<SequenceCost>& costs) {
+  double total_bytes = 0;
+  for (const int64_t index : part) total_bytes += costs[index].memory_bytes;
+  size_t split = 1;
+  double front_bytes = costs[part[0]].memory_bytes;
+  while (split + 1 < part.size() && front_bytes + costs[part[split]].memory_bytes <= total_bytes / 2) {
+    front_bytes += costs[part[split++]].memory_bytes;
+  }
+  return {std::vector<int64_t>(part.begin(), part.begin() + split),
+          std::vector<int64_t>(part.begin() + split, part.end())};
+}
+
+// Each micro-batch of `cut` placed by the fastest of `inner` that fits it. With `costs`, one
+// that fits under none is split in two and each half placed in its stead (the cut's memory
+// estimate need only be near); without, or for a single sequence, nullopt.
+std::optional<GlobalPlan> place_cut(const std::vector<std::string>& inner, const Batch& batch,
+                                    Cut cut, const CostModel& cost_model,
+                                    const GlobalBatchOptions& options,
+                                    const std::vector<SequenceCost>* costs = nullptr) {
+  PlannerOptions planner_options;
+  planner_options.seed = options.seed;
+  planner_options.time_limit_s = options.time_limit_s;
+  GlobalPlan result;
+  for (size_t k = 0; k < cut.size();) {
+    MicroBatch micro_batch{sub_batch(batch, cut[k]), {}};
+    if (place_one(inner, &micro_batch, cost_model, planner_options)) {
+      result.micro_batches.push_back(std::move(micro_batch));
+      ++k;
+      continue;
+    }
+    if (costs == nullptr || cut[k].size() == 1) return std::nullopt;
+    auto [front, back] = halves(cut[k], *costs);
+    cut[k] = std::move(front);
+    cut.insert(cut.begin() + static_cast<std::ptrdiff_t>(k) + 1, std::move(back));
+  }
+  result.step_time_s = step_time_s(result, options.micro_batch_overhead_s);
+  return result;
+}
+
+// `order` cut by memory, refined where a micro-batch does not fit.
+std::optional<GlobalPlan> place_in_order(const std::vector<std::string>& inner, const Batch& batch,
+                                         const std::vector<int64_t>& order,
+                                         const std::vector<SequenceCost>& costs,
+                                         const CostModel& cost_model,
+                                         const GlobalBatchOptions& options) {
+  const Cut cut = cut_in_order(order, costs, micro_batch_budget_bytes(cost_model));
+  return place_cut(inner, batch, cut, cost_model, options, &costs);
+}
+
+std::vector<int64_t> loader_order(const Batch& batch) {
+  std::vector<int64_t> order(batch.sequences.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return batch.sequences[a].source_rank < batch.sequences[b].source_rank;
+  });
+  return order;
+}
+
+std::vector<int64_t> order_by(const Batch& batch, const std::vector<double>& key) {
+  std::vector<int64_t> order(batch.sequences.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return key[a] > key[b]; });
+  return order;
+}
+
+// Group sizes a static layout may use: powers of two up to a node that divide the GPU count.
+std::vector<int64_t> static_group_sizes(const CostModel& cost_model) {
+  const int64_t num_ranks = cost_model.cluster().num_ranks();
+  std::vector<int64_t> sizes;
+  for (int64_t size = 1; size <= std::min<int64_t>(num_ranks, 8); size *= 2) {
+    if (num_ranks % size == 0) sizes.push_back(size);
+  }
+  return sizes;
+}
+
+// The best of several whole-run variants (a bag spec, a group size), each with its own cut.
+std::optional<GlobalPlan> best_variant(const std::vector<std::string>& variants,
+                                       const Batch& batch, const std::vector<int64_t>& order,
+                                       const std::vector<SequenceCost>& costs,
+                                       const CostModel& cost_model,
+                                       const GlobalBatchOptions& options) {
+  std::optional<GlobalPlan> best;
+  for (const std::string& variant : variants) {
+    std::optional<GlobalPlan> plan;
+    try {
+      plan = place_in_order({variant}, batch, order, costs, cost_model, options);
+    } catch (const std::invalid_argument&) {
+      continue;  // a spec the model's heads do not allow
+    }
+    if (plan && (!best || plan->step_time_s < best->step_time_s)) {
+      plan->chosen = variant;
+      best = std::move(plan);
+    }
+  }
+  return best;
+}
+
+std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& batch,
+                                        const std::vector<SequenceCost>& costs,
+                                        const CostModel& cost_model,
+                                        const GlobalBatchOptions& options) {
+  const int64_t num_ranks = cost_model.cluster().num_ranks();
+  std::optional<GlobalPlan> plan;
+  if (name == "megatron-dcp") {
+    std::vector<double> tokens;
+    for (const Sequence& sequence : batch.sequences) {
+      tokens.push_back(static_cast<double>(sequence.num_tokens));
+    }
+    plan = place_in_order({"megatron-dcp"}, batch, order_by(batch, tokens), costs, cost_model,
+                          options);
+    if (plan) plan->chosen = "megatron-dcp";
+  } else if (name == "knapformer") {
+    std::vector<std::string> specs;
+    for (const int64_t size : static_group_sizes(cost_model)) {
+      if (cost_model.model().num_heads % size != 0) continue;
+      specs.push_back("knapformer:g" + std::to_string(size) + "n" +
+                      std::to_string(num_ranks / size));
+    }
+    plan = best_variant(specs, batch, loader_order(batch), costs, cost_model, options);
+  } else if (name == "static-cp") {
+    std::vector<std::string> sizes;
+    for (const int64_t size : static_group_sizes(cost_model)) {
+      sizes.push_back("static-cp:" + std::to_string(size));
+    }
+    plan = best_variant(sizes, batch, loader_order(batch), costs, cost_model, options);
+  } else if (name == "wlb-llm") {
+    // Variable-length packing: the fewest micro-batches the memory allows, balanced by work;
+    // inside each, whole sequences by cost or a static CP group, whichever is fastest there.
+    std::vector<double> work_s;
+    double total_bytes = 0;
+    for (const SequenceCost& cost : costs) {
+      work_s.push_back(cost.work_s);
+      total_bytes += cost.memory_bytes;
+    }
+    std::vector<std::string> inner = {"dp-cost"};
+    for (const int64_t size : static_group_sizes(cost_model)) {
+      if (size > 1) inner.push_back("static-cp:" + std::to_string(size));
+    }
+    const std::vector<int64_t> heaviest_first = order_by(batch, work_s);
+    const int64_t count = least_micro_batches(total_bytes, micro_batch_budget_bytes(cost_model),
+                                              static_cast<int64_t>(batch.sequences.size()));
+    const Cut cut = spread(heaviest_first, costs, count, micro_batch_budget_bytes(cost_model));
+    plan = place_cut(inner, batch, cut, cost_model, options, &costs);
+    if (plan) plan->chosen = "wlb-llm";
+  } else {
+    throw std::invalid_argument("unknown global-batch planner '" + name + "'");
+  }
+  if (plan) plan->planner = name;
+  return plan;
+}
+
+// The same micro-batches in one order, to tell cuts apart.
+Cut canonical(Cut cut) {
+  for (std::vector<int64_t>& part : cut) std::sort(part.begin(), part.end());
+  std::sort(cut.begin(), cut.end());
+  return cut;
+}
+
+Cut cut_of(const GlobalPlan& plan, const Batch& batch) {
+  std::unordered_map<int64_t, int64_t> index;
+  for (size_t i = 0; i < batch.sequences.size(); ++i) index[batch.sequences[i].id] = i;
+  Cut cut;
+  for (const MicroBatch& micro_batch : plan.micro_batches) {
+    cut.emplace_back();
+    for (const Sequence& sequence : micro_batch.batch.sequences) {
+      cut.back().push_back(index.at(sequence.id));
+    }
+  }
+  return cut;
+}
+
+GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCost>& costs,
+                               const CostModel& cost_model, const GlobalBatchOptions& options) {
+  const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
+  const double budget_bytes = micro_batch_budget_bytes(cost_model);
+  std::vector<double> work_s;
+  double total_bytes = 0;
+  for (const SequenceCost& cost : costs) {
+    work_s.push_back(cost.work_s);
+    total_bytes += cost.memory_bytes;
+  }
+  const std::vector<int64_t> heaviest_first = order_by(batch, work_s);
+  std::optional<GlobalPlan> best;
+  auto consider = [&](std::optional<GlobalPlan> plan, const std::string& chosen) {
+    if (!plan) return;
+    plan->chosen = chosen;
+    if (!best || plan->step_time_s < best->step_time_s) best = std::move(plan);
+  };
+
+  // Stage one and two for several micro-batch counts: the least the estimate allows and up to
+  // extra_micro_batches more, and 1.5 and 2 times the least (fuller micro-batches make the
+  // planner shard or recompute more; emptier ones balance fewer sequences each); beside each,
+  // the alternative that keeps the heaviest together (their bottlenecks then share one
+  // micro-batch).
+  const int64_t least_count = least_micro_batches(total_bytes, budget_bytes, num_sequences);
+  std::set<int64_t> counts = {(3 * least_count + 1) / 2, 2 * least_count};
+  for (int64_t extra = 0; extra <= options.extra_micro_batches; ++extra) {
+    counts.insert(least_count + extra);
+  }
+  std::set<Cut> tried;
+  for (const int64_t count : counts) {
+    if (count > num_sequences) break;
+    const double grouped_budget_bytes = std::min(budget_bytes, total_bytes / count);
+    const std::pair<Cut, std::string> candidates[] = {
+        {spread(heaviest_first, costs, count, budget_bytes), "zellige:spread"},
+        {cut_in_order(heaviest_first, costs, grouped_budget_bytes), "zellige:grouped"}};
+    for (const auto& [cut, name] : candidates) {
+      if (!tried.insert(canonical(cut)).second) continue;
+      consider(place_cut({"zellige"}, batch, cut, cost_model, options, &costs), name);
+    }
+  }
+
+  // The baselines: kept where one wins (the never-worse promise), and the best one's cut placed
+  // by zellige, which is never slower than megatron-dcp, knapformer or static-cp on a micro-batch.
+  std::optional<GlobalPlan> best_baseline;
+  for (const std::string& name : global_batch_baseline_names()) {
+    std::optional<GlobalPlan> plan = plan_baseline(name, batch, costs, cost_model, options);
+    if (plan && (!best_baseline || plan->step_time_s < best_baseline->step_time_s)) {
+      best_baseline = plan;
+    }
+    if (plan) {
+      const std::string chosen = name + "=" + plan->chosen;
+      consider(std::move(plan), chosen);
+    }
+  }
+  if (best_baseline && tried.insert(canonical(cut_of(*best_baseline, batch))).second) {
+    consider(place_cut({"zellige"}, batch, cut_of(*best_baseline, batch), cost_model, options,
+                       &costs),
+             "zellige:" + best_baseline->planner);
+  }
+  if (!best) {
+    throw PlanMemoryError("no cut of the global batch into micro-batches fits in memory");
+  }
+  return *std::move(best);
+}
+
+}  // namespace
+
+std::vector<std::string> global_batch_planner_names() {
+  return {"zellige", "megatron-dcp", "knapformer", "static-cp", "wlb-llm"};
+}
+
+std::vector<std::string> global_batch_baseline_names() {
+  return {"megatron-dcp", "knapformer", "static-cp", "wlb-llm"};
+}
+
+GlobalPlan plan_global_batch(const std::string& planner, const Batch& batch,
+                             const CostModel& cost_model, const GlobalBatchOptions& options) {
+  const std::vector<std::string> names = global_batch_planner_names();
+  if (std::find(names.begin(), names.end(), planner) == names.end()) {
+    std::string allowed;
+    for (const std::string& name : names) allowed += (allowed.empty() ? "" : ", ") + name;
+    throw std::invalid_argument("unknown global-batch planner '" + planner +
+                                "'; allowed: " + allowed);
+  }
+  if (options.extra_micro_batches < 0) {
+    throw std::invalid_argument("extra_micro_batches must be >= 0");
+  }
+  if (!(options.micro_batch_overhead_s >= 0)) {
+    throw std::invalid_argument("micro_batch_overhead_s must be >= 0");
+  }
+  validate_batch(batch, cost_model.cluster().num_ranks());
+  check_sequences_fit(batch, cost_model);
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<SequenceCost> costs = sequence_costs(batch, cost_model);
+  GlobalPlan plan;
+  if (planner == "zellige") {
+    plan = plan_zellige_global(batch, costs, cost_model, options);
+  } else {
+    std::optional<GlobalPlan> baseline = plan_baseline(planner, batch, costs, cost_model, options);
+    if (!baseline) {
+      throw PlanMemoryError("global-batch planner '" + planner +
+                            "' fits no micro-batch cut of this batch in memory");
+    }
+    plan = *std::move(baseline);
+  }
+  plan.planner = planner;
+  plan.plan_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return plan;
+}
+
+GlobalPlan place_micro_batches(const std::string& planner, const Batch& batch,
+                               const std::vector<std::vector<int64_t>>& micro_batch_ids,
+                               const CostModel& cost_model, const GlobalBatchOptions& options) {
+  std::unordered_map<int64_t, int64_t> index;
+  for (size_t i = 0; i < batch.sequences.size(); ++i) index[batch.sequences[i].id] = i;
+  std::vector<bool> seen(batch.sequences.size(), false);
+  Cut cut;
+  for (const std::vector<int64_t>& ids : micro_batch_ids) {
+    if (ids.empty()) throw std::invalid_argument("a micro-batch is empty");
+    cut.emplace_back();
+    for (const int64_t id : ids) {
+      const auto found = index.find(id);
+      if (found == index.end()) {
+        throw std::invalid_argument("micro-batch names sequence " + std::to_string(id) +
+                                    ", which the batch does not hold");
+      }
+      if (seen[found->second]) {
+        throw std::invalid_argument("sequence " + std::to_string(id) +
+                                    " is in more than one micro-batch");
+      }
+      seen[found->second] = true;
+      cut.back().push_back(found->second);
+    }
+  }
+  const auto missing = std::find(seen.begin(), seen.end(), false);
+  if (missing != seen.end()) {
+    throw std::invalid_argument("sequence " +
+                                std::to_string(batch.sequences[missing - seen.begin()].id) +
+                                " is in no micro-batch");
+  }
+  std::optional<GlobalPlan> plan = place_cut({planner}, batch, cut, cost_model, options);
+  if (!plan) {
+    throw PlanMemoryError("a micro-batch does not fit in memory under '" + planner + "'");
+  }
+  plan->planner = planner;
+  plan->chosen = planner;
+  return *std::move(plan);
+}
+
+}  // namespace zellige

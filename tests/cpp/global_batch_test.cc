@@ -1,0 +1,189 @@
+// The global-batch planner against its oracle: on tiny global batches that need 2-3
+// micro-batches, every assignment of the sequences to at most 3 micro-batches, each placed by
+// zellige; and against every global-batch baseline. Every plan holds each sequence exactly once
+// and every micro-batch fits in memory.
+#include "zellige/global_batch.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+#include "zellige/planners.h"
+
+namespace zellige {
+namespace {
+
+using test_util::seeded_profile;
+
+// How much slower than the best brute-force assignment the planner may be: it tries a handful
+// of cuts, the oracle every one.
+constexpr double kOracleTolerance = 0.02;
+
+// 4 GPUs whose room above the training state holds `tokens_per_rank` tokens of one local
+// sequence each, so a global batch of a few long sequences needs several micro-batches.
+CostModel tight_cost_model(const std::string& model, int64_t tokens_per_rank) {
+  const Cluster roomy = make_cluster(4, 4);
+  const CostModel probe(model_preset(model), seeded_profile(), roomy);
+  const Sequence sequence = sequence_from_tokens(0, "video", tokens_per_rank, 0, 0);
+  double bytes = 0;
+  for (const RankShare& share :
+       probe.shares(sequence, make_placement(0, Strategy::kLocal, {0}))) {
+    bytes = std::max(bytes, share.memory_bytes);
+  }
+  Cluster cluster = roomy;
+  cluster.gpu_memory_bytes =
+      static_cast<int64_t>((probe.fixed_bytes() + bytes) / (1 - probe.options().memory_headroom));
+  return CostModel(model_preset(model), seeded_profile(), cluster);
+}
+
+Batch random_global_batch(int64_t num_sequences, std::mt19937_64& random) {
+  Batch batch;
+  for (int64_t i = 0; i < num_sequences; ++i) {
+    // Heavy-tailed: mostly short clips, now and then a long one.
+    const bool long_one = random() % 3 == 0;
+    const int64_t tokens = long_one ? 20000 + static_cast<int64_t>(random() % 40000)
+                                    : 1024 + static_cast<int64_t>(random() % 12000);
+    batch.sequences.push_back(sequence_from_tokens(i, "video", tokens, 0, i % 4));
+  }
+  return batch;
+}
+
+// Every assignment of the batch to at most `max_micro_batches` micro-batches (restricted growth
+// strings, so each partition once), placed by zellige; the least step time of those that fit.
+double brute_force_step_s(const Batch& batch, const CostModel& cost_model,
+                          int64_t max_micro_batches) {
+  const int64_t n = static_cast<int64_t>(batch.sequences.size());
+  std::vector<int64_t> label(n, 0);
+  double best_s = std::numeric_limits<double>::infinity();
+  while (true) {
+    const int64_t parts = *std::max_element(label.begin(), label.end()) + 1;
+    std::vector<std::vector<int64_t>> ids(parts);
+    for (int64_t i = 0; i < n; ++i) ids[label[i]].push_back(batch.sequences[i].id);
+    try {
+      best_s = std::min(best_s, place_micro_batches("zellige", batch, ids, cost_model).step_time_s);
+    } catch (const PlanMemoryError&) {
+    }
+    // Next restricted growth string: label[i] <= 1 + max(label[0..i-1]), < max_micro_batches.
+    int64_t i = n - 1;
+    for (; i > 0; --i) {
+      const int64_t prefix_max = *std::max_element(label.begin(), label.begin() + i);
+      if (label[i] <= prefix_max && label[i] + 1 < max_micro_batches) break;
+    }
+    if (i == 0) break;
+    ++label[i];
+    std::fill(label.begin() + i + 1, label.end(), 0);
+  }
+  return best_s;
+}
+
+void expect_valid(const GlobalPlan& plan, const Batch& batch, const CostModel& cost_model) {
+  std::multiset<int64_t> ids;
+  double total_s = 0;
+  for (const MicroBatch& micro_batch : plan.micro_batches) {
+    ASSERT_FALSE(micro_batch.batch.sequences.empty());
+    ASSERT_EQ(micro_batch.plan.placements.size(), micro_batch.batch.sequences.size());
+    for (const Sequence& sequence : micro_batch.batch.sequences) ids.insert(sequence.id);
+    const PlanCost cost = cost_model.evaluate(micro_batch.batch, micro_batch.plan);
+    EXPECT_TRUE(cost.fits);
+    EXPECT_DOUBLE_EQ(cost.makespan_s, micro_batch.plan.predicted.makespan_s);
+    total_s += cost.makespan_s;
+  }
+  std::multiset<int64_t> expected;
+  for (const Sequence& sequence : batch.sequences) expected.insert(sequence.id);
+  EXPECT_EQ(ids, expected);
+  EXPECT_NEAR(plan.step_time_s, total_s, 1e-12 * total_s);
+}
+
+TEST(GlobalBatch, NoWorseThanBruteForceAndEveryBaseline) {
+  std::mt19937_64 random(30);
+  int cases = 0, multi_micro_batch = 0;
+  double worst_ratio = 0;
+  for (const std::string model : {"wan-1.3b", "mmdit-11b"}) {
+    for (int seed = 0; seed < 8; ++seed) {
+      const CostModel cost_model = tight_cost_model(model, 24000);
+      const Batch batch = random_global_batch(5 + seed % 3, random);
+      const std::string where = model + " seed " + std::to_string(seed);
+      const GlobalPlan plan = plan_global_batch("zellige", batch, cost_model);
+      expect_valid(plan, batch, cost_model);
+      const double oracle_s = brute_force_step_s(batch, cost_model, 3);
+      ASSERT_LT(oracle_s, std::numeric_limits<double>::infinity()) << where;
+      EXPECT_LE(plan.step_time_s, oracle_s * (1 + kOracleTolerance)) << where;
+      worst_ratio = std::max(worst_ratio, plan.step_time_s / oracle_s);
+      for (const std::string& baseline : global_batch_baseline_names()) {
+        try {
+          const GlobalPlan other = plan_global_batch(baseline, batch, cost_model);
+          expect_valid(other, batch, cost_model);
+          EXPECT_LE(plan.step_time_s, other.step_time_s) << where << " " << baseline;
+        } catch (const PlanMemoryError&) {
+        }
+      }
+      ++cases;
+      multi_micro_batch += plan.micro_batches.size() > 1;
+    }
+  }
+  std::printf("%d global batches, %d of them cut, worst step time / brute force %.4f\n", cases,
+              multi_micro_batch, worst_ratio);
+  EXPECT_GE(multi_micro_batch, cases / 2);  // the batches do exceed memory
+}
+
+TEST(GlobalBatch, DeterministicForASeed) {
+  std::mt19937_64 random(7);
+  const CostModel cost_model = tight_cost_model("wan-1.3b", 24000);
+  const Batch batch = random_global_batch(7, random);
+  GlobalBatchOptions options;
+  options.seed = 3;
+  const GlobalPlan first = plan_global_batch("zellige", batch, cost_model, options);
+  const GlobalPlan second = plan_global_batch("zellige", batch, cost_model, options);
+  EXPECT_EQ(first.chosen, second.chosen);
+  EXPECT_EQ(first.step_time_s, second.step_time_s);
+  ASSERT_EQ(first.micro_batches.size(), second.micro_batches.size());
+  for (size_t k = 0; k < first.micro_batches.size(); ++k) {
+    const auto& a = first.micro_batches[k];
+    const auto& b = second.micro_batches[k];
+    ASSERT_EQ(a.plan.placements.size(), b.plan.placements.size());
+    for (size_t i = 0; i < a.plan.placements.size(); ++i) {
+      EXPECT_EQ(a.plan.placements[i].sequence_id, b.plan.placements[i].sequence_id);
+      EXPECT_EQ(a.plan.placements[i].ranks, b.plan.placements[i].ranks);
+      EXPECT_EQ(a.plan.placements[i].strategy, b.plan.placements[i].strategy);
+    }
+  }
+}
+
+TEST(GlobalBatch, OverheadPerMicroBatchCounts) {
+  std::mt19937_64 random(11);
+  const CostModel cost_model = tight_cost_model("wan-1.3b", 24000);
+  const Batch batch = random_global_batch(6, random);
+  GlobalBatchOptions options;
+  options.micro_batch_overhead_s = 0.5;
+  const GlobalPlan plan = plan_global_batch("zellige", batch, cost_model, options);
+  double makespans_s = 0;
+  for (const MicroBatch& micro_batch : plan.micro_batches) {
+    makespans_s += micro_batch.plan.predicted.makespan_s;
+  }
+  EXPECT_NEAR(plan.step_time_s,
+              makespans_s + 0.5 * static_cast<double>(plan.micro_batches.size()), 1e-9);
+}
+
+TEST(GlobalBatch, RejectsBadInput) {
+  const CostModel cost_model = tight_cost_model("wan-1.3b", 24000);
+  const Batch batch = test_util::batch_of({4096, 8192});
+  EXPECT_THROW(plan_global_batch("nope", batch, cost_model), std::invalid_argument);
+  EXPECT_THROW(place_micro_batches("zellige", batch, {{0}}, cost_model), std::invalid_argument);
+  EXPECT_THROW(place_micro_batches("zellige", batch, {{0, 1}, {1}}, cost_model),
+               std::invalid_argument);
+  EXPECT_THROW(place_micro_batches("zellige", batch, {{0, 1, 5}}, cost_model),
+               std::invalid_argument);
+  GlobalBatchOptions options;
+  options.micro_batch_overhead_s = -1;
+  EXPECT_THROW(plan_global_batch("zellige", batch, cost_model, options), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace zellige
