@@ -1,4 +1,4 @@
-// The configuration view of a run of equal sequences (issue 15, item 2d): which windows of one
+// The configuration view of a run of equal sequences: which windows of one
 // node carry how many of them, and how many nodes take each configuration. Private to the
 // planners (zellige's configuration start, zellige_moves.cc); declared here for its oracle test.
 #pragma once

@@ -250,8 +250,8 @@ def check_in_step(
     the ratio of the per-token layers' GEMM time in a step to the profile's, and per length that
     of attention. The ratios are reported, not applied: behind the timing's GEMM queue they came
     out 0.92-1.01 on the H200, within the noise of a difference of two step times (attention is
-    a third of a 16k-token step), and scaling the tables by that noise misled the planners (run 4
-    of bench/results/profile_h200_202611.md). A ratio far from 1 fails the run."""
+    a third of a 16k-token step), and scaling the tables by that noise misled the planners
+    (bench/results/profile_h200_202611.md). A ratio far from 1 fails the run."""
     from zellige.costs import make_cost_model
     from zellige.profile import profile_from_dict
 
@@ -793,7 +793,7 @@ def profile_time_into(
     `call_tables`, the attention call tables, the stream count the engine runs on this device
     and the overlap its streams give (attention_calls.measure_stream_overlap). Those last two
     time many distinct call shapes (on an H200 the stream probe and the per-head tables alone
-    took over two minutes, bench/results/mmdit_h200_202612.md run 8). Memory rows, exchange
+    took over two minutes, bench/results/mmdit_h200_202612.md). Memory rows, exchange
     and layout rows stay as in `base`. `save`, if given, gets the profile after each part, so a
     run cut short keeps what it measured (--details only comes with a finished run).
     `launch_only`: the launch rows alone (the host's issue speed, which moves from one process

@@ -541,7 +541,7 @@ def train_step(
         alloc_retries = allocator_stat(device, "num_alloc_retries")
         reserved = allocator_stat(device, "reserved_bytes.all.peak")
         # the loss and norm go to the host behind the step's work (no wait here); their device
-        # tensors are freed now, as they were when a step returned
+        # tensors are freed now, not held to the next step
         values = torch.stack(
             [local_loss.detach().double(), full_tensor(grad_norm).detach().double()]
         )

@@ -92,8 +92,8 @@ class CopyingAdamW(torch.optim.AdamW):
         self._update = adamw_chunk_
         if compiled:
             backend = "inductor" if compiled is True else compiled
-            # the update is memory-bound (28 bytes a parameter at about 4.05 TB/s on an H200,
-            # run 13): the launch configuration is what is left to tune
+            # the update is memory-bound (28 bytes a parameter at about 4.05 TB/s on an H200):
+            # the launch configuration is what is left to tune
             options = (
                 {"max_autotune_pointwise": True, "coordinate_descent_tuning": True}
                 if tuned and backend == "inductor"
