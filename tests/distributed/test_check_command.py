@@ -15,6 +15,7 @@ def test_check_passes_for_a_planned_workload(capsys) -> None:
     assert "strategies ulysses" in out and "scaled down" in out
     assert "cross-attention" in out and "cross.dk" in out
     assert "hand-built" not in out  # --only-plan: the plan alone, though it uses no ring
+    assert "u is float64's unit roundoff (1.1e-16)" in out  # the bound says what u is
     assert out.strip().endswith("PASS")
 
 

@@ -190,7 +190,13 @@ def run(args: argparse.Namespace) -> int:
     # torch loads only when the command runs (the CLI imports every command to build its help).
     import torch
 
-    from zellige.runtime.verify import BOUND_FACTOR, ROUNDOFF_FACTOR, CheckConfig, spawn_check
+    from zellige.runtime.verify import (
+        BOUND_FACTOR,
+        ROUNDOFF_FACTOR,
+        CheckConfig,
+        spawn_check,
+        unit_roundoff,
+    )
 
     if args.nproc <= 0:
         raise ValueError(f"--nproc must be positive, got {args.nproc}")
@@ -274,7 +280,9 @@ def run(args: argparse.Namespace) -> int:
     results = spawn_check(run_batch, checks, args.nproc)
     print(
         f"  {num_heads} heads x {args.head_dim}, {dtype}, {kind}; "
-        f"bound = {BOUND_FACTOR:g} x reference rounding + {ROUNDOFF_FACTOR:g} u"
+        f"bound = {BOUND_FACTOR:g} x reference rounding + {ROUNDOFF_FACTOR:g} u, where the "
+        "reference rounding is how far single-process attention moves when its keys are "
+        f"reordered and u is {dtype}'s unit roundoff ({unit_roundoff(getattr(torch, dtype)):.1e})"
     )
     for label, (plan_checked, plan_cfg), result in zip(labels, checks, results, strict=True):
         strategies_checked = sorted({_core.strategy_name(p) for p in plan_checked.placements})

@@ -47,6 +47,11 @@ BOUND_FACTOR = 8.0
 ROUNDOFF_FACTOR = 4.0
 
 
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u: the largest relative error of rounding one number to `dtype` (half its epsilon)."""
+    return torch.finfo(dtype).eps / 2
+
+
 @dataclass(kw_only=True, slots=True)
 class CheckConfig:
     """joint_attention: each sequence attends over [text, visual] (MMDiT); otherwise
@@ -124,7 +129,7 @@ class _Errors:
     def result(self, dtype: torch.dtype) -> dict[str, tuple[float, float, float]]:
         dist.all_reduce(self.values, op=dist.ReduceOp.MAX)
         n = len(self.names)
-        roundoff = torch.finfo(dtype).eps / 2
+        roundoff = unit_roundoff(dtype)
         out = {}
         for i, name in enumerate(self.names):
             scale = max(self.values[2 * n + i].item(), 1e-300)
