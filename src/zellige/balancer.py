@@ -29,7 +29,6 @@ Layouts, formats and the flow of a step: docs/architecture.md, docs/formats.md, 
 from __future__ import annotations
 
 import functools
-import hashlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -179,7 +178,7 @@ class _RankReport:
 
     error: str | None
     step_index: int
-    config: str  # digest of what every rank must agree on
+    config: dict[str, object]  # what every rank must agree on, by field (_agreed_fields)
     sizes: list[tuple[int, int, int, int]]  # (t, h, w, text_tokens) per sample
     schema: Schema | None
 
@@ -310,11 +309,12 @@ class Balancer:
         self._scheduled = 0  # steps scheduled so far (the next one's index)
         self._started = 0  # steps started so far
         self._lock = threading.Lock()
-        self._config = hashlib.sha256(
-            repr(
-                (model_spec_to_dict(self.spec), pipeline.planner_name, self.seed, self.num_ranks)
-            ).encode()
-        ).hexdigest()[:16]
+        self._config = {
+            **{f"model.{key}": value for key, value in model_spec_to_dict(self.spec).items()},
+            "planner": pipeline.planner_name,
+            "seed": self.seed,
+            "world size": self.num_ranks,
+        }
 
     @property
     def joint_attention(self) -> bool:
@@ -452,25 +452,43 @@ def _agreement_error(reports: list[_RankReport]) -> str | None:
     for report in reports:
         if report.error:
             return report.error
-    if len({r.config for r in reports}) > 1:
-        by_rank = ", ".join(f"rank {i}: {r.config}" for i, r in enumerate(reports))
-        return (
-            "ranks built different Balancers (model, planner, seed or world size differ; "
-            f"config digests {by_rank})"
-        )
+    first = reports[0].config
+    for rank, report in enumerate(reports[1:], start=1):
+        differ = [
+            key
+            for key in first.keys() | report.config.keys()
+            if report.config.get(key) != first.get(key)
+        ]
+        if differ:
+            key = min(differ)
+            return (
+                f"ranks built different Balancers: {key} is {cut(repr(first.get(key)))} on rank 0 "
+                f"and {cut(repr(report.config.get(key)))} on rank {rank}"
+            )
     if not any(r.sizes for r in reports):
         return "no rank has a sample for this step: skip it on every rank, or give samples"
     if len({r.step_index for r in reports}) > 1:
         by_rank = ", ".join(f"rank {i}: {r.step_index}" for i, r in enumerate(reports))
         return f"ranks are at different steps ({by_rank}): every rank schedules every step"
-    schemas = {repr(r.schema) for r in reports if r.schema is not None}
-    if len(schemas) > 1:
-        ranks = [(i, r.schema) for i, r in enumerate(reports) if r.schema is not None]
-        return (
-            f"ranks' samples carry different tensors: rank {ranks[0][0]} {ranks[0][1]}, "
-            f"rank {ranks[-1][0]} {ranks[-1][1]}"
-        )
+    with_schema = [(rank, r.schema) for rank, r in enumerate(reports) if r.schema is not None]
+    first_rank, first_schema = with_schema[0] if with_schema else (0, None)
+    for rank, schema in with_schema[1:]:
+        for kind in ("tokens", "text", "values"):
+            for name in sorted(first_schema[kind].keys() | schema[kind].keys()):
+                if first_schema[kind].get(name) != schema[kind].get(name):
+                    return (
+                        f"ranks' samples carry different tensors: {kind}[{name!r}] is "
+                        f"{_layout(first_schema[kind].get(name))} on rank {first_rank} and "
+                        f"{_layout(schema[kind].get(name))} on rank {rank}"
+                    )
     return None
+
+
+def _layout(field: tuple[tuple[int, ...], str] | None) -> str:
+    if field is None:
+        return "missing"
+    shape, dtype = field
+    return f"{dtype.removeprefix('torch.')} with trailing shape {list(shape)}"
 
 
 class BalancedStep:

@@ -163,6 +163,13 @@ def _contract_cases(rank: int, world: int, report: dict) -> None:
     errors["started out of order"] = _expect_error(
         lambda: (second if rank == world - 1 else first).start()
     )
+    other_dtype = draw_samples(0, 0)  # rank 0's draw: never empty
+    if rank == 1:
+        for sample in other_dtype:
+            sample.tokens["noisy"] = sample.tokens["noisy"].double()
+    errors["different dtypes"] = _expect_error(
+        lambda: zellige.Balancer("tiny", plan_ahead=False).step(other_dtype)
+    )
     bad = draw_samples(0, 0)
     if rank == 1:
         bad[0].tokens["noisy"] = bad[0].tokens["noisy"][:-1]
@@ -312,7 +319,8 @@ def test_routing_and_loss_normalisation(report) -> None:
 @pytest.mark.parametrize(
     "kind,needle",
     [
-        ("different balancers", "ranks built different Balancers"),
+        ("different balancers", "ranks built different Balancers: seed is 0 on rank 0 and 1 on"),
+        ("different dtypes", "tokens['noisy'] is float32 with trailing shape"),
         ("different steps", "ranks are at different steps"),
         ("started out of order", "is the next one"),
         ("bad sample", "rank 1: sample 0: tokens['noisy'] has shape"),
