@@ -125,7 +125,7 @@ def test_the_step_dataset_prices_as_its_engine_runs():
             model=model_preset("tiny-cpu"), recipe="wan-stage2", planner="dp-cost", rank=0,
             num_ranks=1, gpus_per_node=1, seed=0, attention_ragged=attention_ragged,
         )  # fmt: skip
-        return dataset._planning_state()[1].profile
+        return dataset.pipeline().cost_model.profile
 
     assert profile_of(None).attention_ragged is False  # as the profile says
     assert profile_of(True).attention_ragged is True
