@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One-command setup on a fresh Debian machine: GoogleTest, a virtual environment in .venv with the
 # CPU build of PyTorch, and zellige itself (C++ core built by scikit-build-core + nanobind).
-# Each step says what it does and how long it took: 9.5 minutes in all on two cores that other
-# builds were loading, 7.5 of them in step 5 (README, Set up). The C++ is compiled once, in
-# build/core, for both the package and the GoogleTest suite; scripts/test.sh rebuilds that tree
-# incrementally.
+# Each step says what it does and how long it took: on two cores, 2 minutes in all (downloads
+# cached) to 9.5 minutes under other builds' load, most of it compiling in step 5 (README, Set
+# up). The C++ is compiled once, in build/core, for both the package and the GoogleTest suite;
+# scripts/test.sh rebuilds that tree incrementally.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
