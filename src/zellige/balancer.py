@@ -216,7 +216,8 @@ class Balancer:
         device: where the step's tables and routed tensors live.
         group: the process group (default: the world); it must be initialised.
         gpus_per_node: GPUs per node (default 8, or the world when smaller).
-        profile: a hardware profile (path or HardwareProfile; default: the built-in H200 one).
+        profile: a hardware profile (path, built-in name or HardwareProfile; default: on a GPU
+            the built-in profile of its kind, by its name; elsewhere the H200 one).
         links: the link class between GPUs of a node, "nvlink" or "pcie".
         activation_checkpointing: whether training recomputes activations (memory model).
         seed: the planners' seed (step k plans with seed + k).
