@@ -49,8 +49,10 @@ def test_joint_at_4096_gpus_stops_at_its_time_limit_in_one_line():
 
 
 def test_compare_json_gives_a_timed_out_joint_an_error_row():
+    # 4096 GPUs: the joint reference's warm start alone outlasts its 10 s limit on any machine
+    # this runs on (at 1024 GPUs a quiet machine finishes it and returns the incumbent)
     result = zellige(
-        "compare", "--workload", "wan-stage3", "--gpus", 1024, "--planners", "joint,zellige",
+        "compare", "--workload", "wan-stage3", "--gpus", 4096, "--planners", "joint,zellige",
         "--json",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
