@@ -619,6 +619,12 @@ class BalancedStep:
     def join(self, visual_TD: Tensor, text_TD: Tensor) -> Tensor:
         """Joint models: the held joint token list [T, ...] from its visual [T_vis, ...] and text
         [T_txt, ...] parts (the order attention expects). Differentiable."""
+        if not self.joint_attention and text_TD.shape[0] != self.text_index.shape[0]:
+            raise ValueError(
+                f"join got {text_TD.shape[0]} text rows, but the model spec says "
+                "joint_attention = false (text attended by cross-attention: no text tokens are "
+                "held); set joint_attention = true for a model whose text joins self-attention"
+            )
         out = visual_TD.new_empty((visual_TD.shape[0] + text_TD.shape[0], *visual_TD.shape[1:]))
         out = out.index_copy(0, self.visual_index, visual_TD)
         return out.index_copy(0, self.text_index, text_TD)

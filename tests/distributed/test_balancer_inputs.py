@@ -84,6 +84,11 @@ def _worker(rank: int, port: int, queue) -> None:
         # the good samples still plan and train after the refusals
         step = zellige.Balancer("tiny", plan_ahead=False).step(_good(rank))
         report["good"] = (step.inputs().tokens["x"].shape[1], 0.0)
+        try:  # "tiny" is a cross-attention model: a text part for join is refused by name
+            step.join(torch.zeros(step.visual_index.shape[0], 2), torch.zeros(3, 2))
+            report["join text"] = (None, 0.0)
+        except ValueError as error:
+            report["join text"] = (str(error), 0.0)
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         report["exception"] = traceback.format_exc()
     reports = [None] * WORLD
@@ -126,3 +131,9 @@ def test_a_seed_outside_the_limits_is_refused_by_the_constructor(reports, seed) 
 
 def test_good_samples_still_step(reports) -> None:
     assert [report["good"][0] for report in reports] == [2, 2]
+
+
+def test_join_refuses_text_the_spec_does_not_expect(reports) -> None:
+    for report in reports:
+        message, _ = report["join text"]
+        assert message is not None and "joint_attention = false" in message, message
