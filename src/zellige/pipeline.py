@@ -5,7 +5,7 @@
           cost model        compiler                 tensors, engine     exchange
 
 `StepPipeline` is built once from a ModelSpec, a CostModel, a planner (a name, a function or a
-fixed Plan) and a seed. plan() and compile() are pure (no torch, no process group), so a loader
+fixed Plan) and a seed. plan() and compile() are pure (C++, no GPU, no process group), so a loader
 worker runs them one step ahead; load() and route() are the runtime's and run in the training
 process. The loader worker (zellige.data), the public Balancer (and through it zellige.train)
 and the CLI's plan/compare (zellige.api) all use it; `make_step_plan` is the one function that
