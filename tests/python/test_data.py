@@ -127,4 +127,6 @@ def test_spawned_loader_worker_exits_without_nanobind_leak_reports(tmp_path) -> 
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "2"
-    assert "leaked" not in result.stderr, result.stderr
+    # nanobind's reports ("nanobind: leaked N instances!", types, functions); Python's
+    # multiprocessing may warn of a leaked semaphore of its own now and then, unrelated
+    assert "nanobind: leaked" not in result.stderr, result.stderr
