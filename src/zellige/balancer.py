@@ -42,10 +42,9 @@ from torch import Tensor
 
 from zellige import _core, runtime
 from zellige._json import cut
-from zellige.costs import device_memory_bytes, make_cost_model
+from zellige.costs import device_memory_bytes, make_cost_model, planning_device
 from zellige.model_spec import model_spec_to_dict, resolve_model
 from zellige.pipeline import JOINT, PreparedStep, StepPipeline, StepRecord
-from zellige.profile import builtin_profile_for_device
 from zellige.runtime.ops import StepOps
 
 if TYPE_CHECKING:
@@ -254,10 +253,9 @@ class Balancer:
         spec = resolve_model(model)
         device = torch.device(device)
         if device.type == "cuda":
-            if profile is None:
-                profile = builtin_profile_for_device(torch.cuda.get_device_name(device))[0]
-            if gpu_memory_bytes is None:
-                gpu_memory_bytes = device_memory_bytes(device)
+            usable = device_memory_bytes(device) if gpu_memory_bytes is None else gpu_memory_bytes
+            name = torch.cuda.get_device_name(device)
+            profile, gpu_memory_bytes, _ = planning_device(profile, name, usable)
         cost_model = make_cost_model(
             spec,
             dist.get_world_size(group),

@@ -12,7 +12,7 @@ from zellige._core import (
     make_cluster,
 )
 from zellige.model_spec import resolve_model
-from zellige.profile import load_profile
+from zellige.profile import builtin_profile_for_device, load_profile
 
 MIN_GPU_MEMORY_BYTES = 2**30  # 1 GiB: below it no model of the presets plans
 MAX_GPU_MEMORY_BYTES = 2**50  # 1 PiB
@@ -83,3 +83,29 @@ def device_memory_bytes(device) -> int:
 
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)
     return min(total_bytes, free_bytes + torch.cuda.memory_reserved(device))
+
+
+def planning_device(
+    profile: str | Path | HardwareProfile | None, device_name: str | None, usable_bytes: int | None
+) -> tuple[str | Path | HardwareProfile | None, int | None, list[str]]:
+    """The profile a run plans with, each GPU's memory its plans must fit, and the lines that
+    say so, for a run on a GPU named `device_name` of which this process can use `usable_bytes`
+    (None, None: on CPU, the profile's own device). Without a profile, the built-in one of this
+    GPU's kind; the memory is always the running GPU's, so a plan made with a larger GPU's
+    profile never runs on a smaller one."""
+    if device_name is None:
+        return profile, None, []
+    notes = []
+    if profile is None:
+        profile, unknown = builtin_profile_for_device(device_name)
+        notes.append(
+            unknown or f"cost model: the built-in {profile} profile, for this {device_name}"
+        )
+    loaded = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    profile_bytes = loaded.device_memory_bytes
+    if profile_bytes and usable_bytes < profile_bytes:
+        notes.append(
+            f"memory: plans fit the {usable_bytes / 2**30:.1f} GiB this process can use of "
+            f"this GPU (the profile's device has {profile_bytes / 2**30:.1f} GiB)"
+        )
+    return profile, usable_bytes, notes

@@ -68,7 +68,7 @@ def test_cli_plans_for_the_gpu_memory_given(tmp_path) -> None:
 
 def test_training_on_a_smaller_gpu_plans_for_its_memory() -> None:
     """A run on an H100 with the H200 profile given: its plans fit the H100's usable memory."""
-    from zellige.train.loop import planning_device
+    from zellige.costs import planning_device
 
     usable = 78 * GIB
     profile, memory, notes = planning_device("h200", "NVIDIA H100 80GB HBM3", usable)
@@ -81,7 +81,7 @@ def test_training_on_a_smaller_gpu_plans_for_its_memory() -> None:
 
 
 def test_training_picks_the_builtin_profile_of_its_gpu() -> None:
-    from zellige.train.loop import planning_device
+    from zellige.costs import planning_device
 
     whole = 81559 * 2**20  # all of the H100's memory, as its profile records it
     profile, memory, notes = planning_device(None, "NVIDIA H100 80GB HBM3", whole)

@@ -20,12 +20,12 @@ from tqdm import tqdm
 
 import zellige
 from zellige.balancer import Balancer
-from zellige.costs import device_memory_bytes
+from zellige.costs import device_memory_bytes, planning_device
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
 from zellige.model import MMDiT, ModelNumerics, VideoDiT, fused
 from zellige.model import build_model as reference_model
 from zellige.pipeline import JOINT, StepRecord, make_step_plan
-from zellige.profile import builtin_profile_for_device, priced_as_engine_runs
+from zellige.profile import priced_as_engine_runs
 from zellige.runtime import EngineConfig, engine_runs_ragged
 from zellige.runtime.collector import QuietCollector
 from zellige.train.checkpoint import (
@@ -577,31 +577,6 @@ def train_step(
 
 def _seed_of(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint32)[0])
-
-
-def planning_device(
-    profile: str | None, device_name: str | None, usable_bytes: int | None
-) -> tuple[str | None, int | None, list[str]]:
-    """The profile a run plans with, each GPU's memory its plans must fit, and the lines that
-    say so, for a run on a GPU named `device_name` of which this process can use `usable_bytes`
-    (None, None: on CPU, the profile's own device). Without a profile, the built-in one of this
-    GPU's kind; the memory is always the running GPU's, so a plan made with a larger GPU's
-    profile never runs on a smaller one."""
-    if device_name is None:
-        return profile, None, []
-    notes = []
-    if profile is None:
-        profile, unknown = builtin_profile_for_device(device_name)
-        notes.append(
-            unknown or f"cost model: the built-in {profile} profile, for this {device_name}"
-        )
-    profile_bytes = zellige.load_profile(profile).device_memory_bytes
-    if profile_bytes and usable_bytes < profile_bytes:
-        notes.append(
-            f"memory: plans fit the {usable_bytes / 2**30:.1f} GiB this process can use of "
-            f"this GPU (the profile's device has {profile_bytes / 2**30:.1f} GiB)"
-        )
-    return profile, usable_bytes, notes
 
 
 def _check_first_step_fits(dataset: StepDataset, step: int) -> None:
