@@ -10,6 +10,8 @@ import os
 import sys
 from typing import NoReturn
 
+from zellige._json import printable as escaped
+
 # subcommand -> (module under zellige.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan", "place one step's batch on the GPUs with one planner and write the plan"),
@@ -32,9 +34,9 @@ MESSAGE_CHARACTERS = 400  # an error message longer than this is cut (it may ech
 
 def printable(text: str, limit: int = MESSAGE_CHARACTERS) -> str:
     """One line of `text` safe for a terminal: whitespace runs become one space, other control
-    characters (terminal escapes) are shown escaped, and the middle of an overlong text is cut."""
-    text = " ".join(text.split())
-    text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    characters (terminal escapes) and lone surrogates are shown escaped (_json.printable), and
+    the middle of an overlong text is cut."""
+    text = escaped(" ".join(text.split()))
     if len(text) > limit:
         cut = len(text) - limit + 60
         text = f"{text[: limit - 60]} ...[{cut:,} characters cut]... {text[-40:]}"
