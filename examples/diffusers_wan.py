@@ -11,7 +11,7 @@ The default plan is made by hand so that every step has a sequence under ring an
 Ulysses (the planner would keep such small sequences whole); --planner takes any planner name.
 --check trains the same steps in one process with the unmodified model (its own forward and
 attention, float64) and fails unless every step's loss and every parameter's gradient agree to
-1e-12 relative.
+TOLERANCE (float32 rounding: Wan computes parts of every block in float32, see there).
 """
 
 from __future__ import annotations
@@ -39,9 +39,14 @@ CONFIG = dict(  # a tiny Wan: 4 heads of 12 (RoPE: 4 t, 4 h, 4 w), 2 blocks
     ffn_dim=64,
     num_layers=2,
     rope_max_seq_len=32,
-    cross_attn_norm=False,  # see --cross-attn-norm
 )
-TOLERANCE = 1e-12  # relative
+# relative. Wan rounds to float32 inside, whatever the model's dtype: its residual stream, norms
+# (FP32LayerNorm) and modulation are cast with .float(). Two float64 runs that differ in the last
+# bits (another summation order: packed tokens, ring and Ulysses merges) round some values to
+# neighbouring float32 numbers, so loss and gradients agree to float32 rounding (unit roundoff
+# 6e-8; measured up to 1.2e-7 over 2 steps), not to float64's. examples/diffusers_flux.py, whose
+# model keeps float64 where it matters, checks to 1e-12.
+TOLERANCE = 1e-6
 
 
 def build_model(seed: int) -> WanTransformer3DModel:
@@ -138,11 +143,7 @@ def reference(steps: int, num_ranks: int, seed: int = 0) -> tuple[list[float], l
         loss = torch.zeros((), dtype=torch.float64)
         for s in samples:
             latents = _unpatch_input(s.tokens["patches"], s.grid_thw)
-            # the timestep per token (the model's Wan 2.2 form): the packed forward embeds the
-            # timestep per token too, so both round the modulation's gradient to float32 per
-            # token (Wan casts its modulation to float32; the per-sample form rounds the sum)
-            timestep = s.values["timestep"].expand(1, s.num_tokens)
-            out = model(latents[None], timestep, s.text["text"][None]).sample
+            out = model(latents[None], s.values["timestep"][None], s.text["text"][None]).sample
             target = zd.unpatchify(s.tokens["target"], s.grid_thw, PATCH)
             error = (out[0] - target).square().sum() / (s.tokens["target"].shape[1])
             loss = loss + error / total_tokens
