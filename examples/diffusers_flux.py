@@ -42,9 +42,12 @@ F64 = torch.float64
 TOLERANCE = 1e-12  # relative; float64 runs agree to ~1e-15
 
 
-def build_model(seed: int) -> FluxTransformer2DModel:
+def build_model(seed: int, checkpointing: bool = False) -> FluxTransformer2DModel:
     torch.manual_seed(seed)  # every rank (and the reference) starts from the same weights
-    return FluxTransformer2DModel(**CONFIG).double()
+    model = FluxTransformer2DModel(**CONFIG).double()
+    if checkpointing:  # blocks recomputed in the backward (the packed forward follows the flag)
+        model.enable_gradient_checkpointing()
+    return model
 
 
 # ---------------------------------------------------------------- the user's data
@@ -104,9 +107,11 @@ def ring_and_ulysses(batch: zellige.Batch, cost_model: zellige.CostModel) -> zel
 
 
 # ---------------------------------------------------------------- Zellige in the training loop
-def train(steps: int, planner, seed: int = 0) -> tuple[list[float], list[dict], set[str]]:
+def train(
+    steps: int, planner, seed: int = 0, checkpointing: bool = False
+) -> tuple[list[float], list[dict], set[str]]:
     """Trains `steps` steps on this process group: (losses, gradients per step, strategies)."""
-    model = build_model(seed)
+    model = build_model(seed, checkpointing)
     packed = zd.pack(model)  # Zellige's attention processors; the model's own code and weights
     optimizer = torch.optim.SGD(packed.parameters(), lr=0.5)
     balancer = zellige.Balancer(zd.model_spec(model, text_tokens=6), planner=planner, seed=seed)
@@ -189,9 +194,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--planner", default=None, help="a planner name (default: by hand)")
     parser.add_argument("--check", action="store_true", help="compare with one process")
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute blocks in the backward"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    losses, gradients, strategies = train(args.steps, args.planner or ring_and_ulysses)
+    losses, gradients, strategies = train(
+        args.steps, args.planner or ring_and_ulysses, checkpointing=args.gradient_checkpointing
+    )
     failure = None
     if dist.get_rank() == 0:
         print(f"losses {' '.join(f'{x:.12f}' for x in losses)} ({', '.join(sorted(strategies))})")

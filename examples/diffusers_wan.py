@@ -49,9 +49,12 @@ CONFIG = dict(  # a tiny Wan: 4 heads of 12 (RoPE: 4 t, 4 h, 4 w), 2 blocks
 TOLERANCE = 1e-6
 
 
-def build_model(seed: int) -> WanTransformer3DModel:
+def build_model(seed: int, checkpointing: bool = False) -> WanTransformer3DModel:
     torch.manual_seed(seed)  # every rank (and the reference) starts from the same weights
-    return WanTransformer3DModel(**CONFIG).double()
+    model = WanTransformer3DModel(**CONFIG).double()
+    if checkpointing:  # blocks recomputed in the backward (the packed forward follows the flag)
+        model.enable_gradient_checkpointing()
+    return model
 
 
 # ---------------------------------------------------------------- the user's data
@@ -63,10 +66,13 @@ def draw_samples(rank: int, step: int, seed: int = 0) -> list[zellige.Sample]:
     def randint(low: int, high: int) -> int:
         return int(torch.randint(low, high + 1, (), generator=gen))
 
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
     samples = []
     for _ in range(randint(2 if rank == 0 else 1, 3)):
         frames, height, width = randint(1, 3), 2 * randint(1, 3), 2 * randint(1, 4)
-        x0, noise = (torch.randn(4, frames, height, width, generator=gen, dtype=torch.float64) for _ in range(2))
+        x0, noise = randn(4, frames, height, width), randn(4, frames, height, width)
         sigma = torch.rand((), generator=gen, dtype=torch.float64)
         text_tokens = randint(1, 6)
         samples.append(
@@ -77,7 +83,7 @@ def draw_samples(rank: int, step: int, seed: int = 0) -> list[zellige.Sample]:
                     "patches": zd.patchify((1 - sigma) * x0 + sigma * noise, PATCH),
                     "target": zd.patchify(noise - x0, PATCH, channels_last=True),
                 },
-                text={"text": torch.randn(text_tokens, CONFIG["text_dim"], generator=gen, dtype=torch.float64)},
+                text={"text": randn(text_tokens, CONFIG["text_dim"])},
                 values={"timestep": sigma * 1000},
             )
         )
@@ -107,9 +113,11 @@ def ring_and_ulysses(batch: zellige.Batch, cost_model: zellige.CostModel) -> zel
 
 
 # ---------------------------------------------------------------- Zellige in the training loop
-def train(steps: int, planner, seed: int = 0) -> tuple[list[float], list[dict], set[str]]:
+def train(
+    steps: int, planner, seed: int = 0, checkpointing: bool = False
+) -> tuple[list[float], list[dict], set[str]]:
     """Trains `steps` steps on this process group: (losses, gradients per step, strategies)."""
-    model = build_model(seed)
+    model = build_model(seed, checkpointing)
     packed = zd.pack(model)  # Zellige's attention processors; the model's own code and weights
     optimizer = torch.optim.SGD(packed.parameters(), lr=0.5)
     balancer = zellige.Balancer(zd.model_spec(model, text_tokens=6), planner=planner, seed=seed)
@@ -182,9 +190,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--planner", default=None, help="a planner name (default: by hand)")
     parser.add_argument("--check", action="store_true", help="compare with one process")
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute blocks in the backward"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    losses, gradients, strategies = train(args.steps, args.planner or ring_and_ulysses)
+    losses, gradients, strategies = train(
+        args.steps, args.planner or ring_and_ulysses, checkpointing=args.gradient_checkpointing
+    )
     failure = None
     if dist.get_rank() == 0:
         print(f"losses {' '.join(f'{x:.12f}' for x in losses)} ({', '.join(sorted(strategies))})")

@@ -165,9 +165,7 @@ class PackedFlux(PackedTransformer):
         empty = x_T1D[:, :0]  # the single blocks' text part: the joint list holds the text
         for block in model.single_transformer_blocks:
             if checkpointed:
-                _, x_T1D = model._gradient_checkpointing_func(
-                    block, x_T1D, empty, temb_TD, rotary
-                )
+                _, x_T1D = model._gradient_checkpointing_func(block, x_T1D, empty, temb_TD, rotary)
             else:
                 _, x_T1D = block(x_T1D, empty, temb_TD, rotary)
 
