@@ -18,6 +18,12 @@ PackedFlux; docs/diffusers.md.
 
 from __future__ import annotations
 
+try:
+    from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+except ImportError as error:  # an optional extra
+    raise ImportError(
+        "zellige.integrations.diffusers needs diffusers: pip install 'zellige[diffusers]'"
+    ) from error
 from torch import nn
 
 from zellige import _core
@@ -37,20 +43,19 @@ __all__ = [
     "unpatchify",
 ]
 
-SUPPORTED: dict[str, type[PackedTransformer]] = {
-    "WanTransformer3DModel": PackedWan,
-    "FluxTransformer2DModel": PackedFlux,
+SUPPORTED: dict[type, type[PackedTransformer]] = {
+    WanTransformer3DModel: PackedWan,
+    FluxTransformer2DModel: PackedFlux,
 }
 
 
 def _packed_class(model: nn.Module) -> type[PackedTransformer]:
-    name = type(model).__name__
-    packed = SUPPORTED.get(name)
-    # by exact class: a subclass may change the forward this integration follows
-    if packed is None or type(model).__module__.split(".")[0] != "diffusers":
+    packed = SUPPORTED.get(type(model))  # exactly: a subclass may change the forward followed
+    if packed is None:
+        kind = type(model)
         raise ValueError(
-            f"{type(model).__module__}.{name} is not supported (supported: diffusers' "
-            f"{', '.join(SUPPORTED)})"
+            f"{kind.__module__}.{kind.__name__} is not supported (supported: diffusers' "
+            f"{', '.join(cls.__name__ for cls in SUPPORTED)})"
         )
     return packed
 
