@@ -66,7 +66,7 @@ class _FluxZelligeProcessor:
             query = step.join(query, encoder_query)
             key = step.join(key, encoder_key)
             value = step.join(value, encoder_value)
-        if image_rotary_emb is not None:
+        if image_rotary_emb is not None and query.shape[0] > 0:  # (its reshape needs a row)
             query = apply_rotary_emb(query[None], image_rotary_emb, sequence_dim=1)[0]
             key = apply_rotary_emb(key[None], image_rotary_emb, sequence_dim=1)[0]
         out_TND = step.attention(query, key, value)
