@@ -97,6 +97,19 @@ def test_toml_tables_set_each_section() -> None:
         resolve_config("tiny-cpu", {"optimizer": {"learning_rate": "x"}}, {}, "run.toml")
 
 
+def test_example_run_files_resolve() -> None:
+    """Each TOML run file under examples/ loads and resolves to a valid config."""
+    from pathlib import Path
+
+    from zellige.train.config import load_config_file, resolve_config
+
+    paths = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+    assert paths
+    for path in paths:
+        config = resolve_config(None, load_config_file(path), {}, str(path))
+        assert config.name in CONFIGS
+
+
 def test_step_timer_counts_forward_and_backward_of_a_region() -> None:
     timer = StepTimer(torch.device("cpu"))
 
