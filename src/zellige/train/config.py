@@ -212,6 +212,10 @@ SECTION_OF: dict[str, str] = {key: "" for key in RUN_FIELDS} | {
 }
 
 
+# A named config composes a model of the registry (zellige.model.MODELS, by model_preset), a
+# recipe and a cluster: H200 nodes (_on_h200s) or two CPU cores (tiny_cpu).
+
+
 def _on_h200s(name: str, dit: DiTConfig, recipe: str) -> TrainConfig:
     """A run on H200s: bf16 with NCCL, MFU against the H200's peak, 100 warm-up steps."""
     return TrainConfig(
