@@ -1,6 +1,9 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+
+#include <tuple>
 
 #include "bind_util.h"
 #include "zellige/cost_model.h"
@@ -23,6 +26,23 @@ void init_cost_model(nb::module_& m) {
                               "state_bytes_per_param", "gradient_bytes_per_param",
                               "memory_headroom", "adaptive_checkpointing",
                               "weights_kept_to_backward", "optimizer_copy_bytes_per_param"});
+  // Pickled whole (every field, in declaration order), so a DataLoader worker receives the
+  // options a run chose as one value.
+  using OptionsState = std::tuple<bool, int64_t, double, double, double, bool, bool, double>;
+  options
+      .def("__getstate__",
+           [](const CostOptions& o) {
+             return OptionsState(o.activation_checkpointing, o.bytes_per_element,
+                                 o.state_bytes_per_param, o.memory_headroom,
+                                 o.gradient_bytes_per_param, o.adaptive_checkpointing,
+                                 o.weights_kept_to_backward, o.optimizer_copy_bytes_per_param);
+           })
+      .def("__setstate__", [](CostOptions& o, const OptionsState& state) {
+        new (&o) CostOptions();
+        std::tie(o.activation_checkpointing, o.bytes_per_element, o.state_bytes_per_param,
+                 o.memory_headroom, o.gradient_bytes_per_param, o.adaptive_checkpointing,
+                 o.weights_kept_to_backward, o.optimizer_copy_bytes_per_param) = state;
+      });
 
   nb::class_<RankShare> share(m, "RankShare", "What one placement costs one of its ranks.");
   share.def_rw("rank", &RankShare::rank)

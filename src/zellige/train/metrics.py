@@ -105,7 +105,7 @@ def finish_step(config: TrainConfig, ended: StepEnd, device: torch.device) -> di
         "loss": loss,
         "tokens_per_s": data.total_tokens / slowest_step_s,
         "plan_ms": record.plan_ms,
-        "mfu": _mfu(data.train_flops, slowest_step_s, num_ranks, config.peak_flops_per_s),
+        "mfu": _mfu(data.train_flops, slowest_step_s, num_ranks, config.metrics.peak_flops_per_s),
         "step_s": slowest_step_s,
         "tokens": data.total_tokens,
         "train_flops": data.train_flops,
@@ -130,7 +130,7 @@ def finish_step(config: TrainConfig, ended: StepEnd, device: torch.device) -> di
         "alloc_retries": ended.alloc_retries,
         "reserved_gib": ended.reserved_gib,
         "lr": ended.lr,
-        "planner": config.planner,
+        "planner": config.parallelism.planner,
     }
 
 
