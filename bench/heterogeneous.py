@@ -86,7 +86,9 @@ def run_one(workload: str, num_gpus: int, seed: int, name: str, spec: ClusterFil
     setup = make_setup(workload, num_gpus, gpus_per_node=GPUS_PER_NODE, seed=seed)
     homogeneous = setup.cost_model
     cluster = spec.to_cluster(homogeneous.model, homogeneous.profile)
-    cost_model = _core.CostModel(homogeneous.model, homogeneous.profile, cluster, homogeneous.options)
+    cost_model = _core.CostModel(
+        homogeneous.model, homogeneous.profile, cluster, homogeneous.options
+    )
     batch = setup.batch
     best_name, best_s = "none", math.inf
     zellige_s, zellige_ms = math.inf, math.nan

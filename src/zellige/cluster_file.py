@@ -35,8 +35,17 @@ from pathlib import Path
 
 from zellige import _core
 from zellige._files import MAX_TOML_BYTES, read_input
-from zellige._json import parse_json, parse_toml, reject_unknown, require_int, require_list
-from zellige._json import require_number, require_object, require_str, shown
+from zellige._json import (
+    parse_json,
+    parse_toml,
+    reject_unknown,
+    require_int,
+    require_list,
+    require_number,
+    require_object,
+    require_str,
+    shown,
+)
 from zellige.costs import MAX_GPU_MEMORY_BYTES, MIN_GPU_MEMORY_BYTES
 from zellige.profile import BUILTIN_PROFILES, load_profile
 
@@ -112,7 +121,9 @@ class ClusterFile:
             speeds += [speed] * ranks
             memory_bytes += [gpu_bytes] * ranks
         if self.rank_speeds is not None:
-            speeds = [speed * factor for speed, factor in zip(speeds, self.rank_speeds, strict=True)]
+            speeds = [
+                speed * factor for speed, factor in zip(speeds, self.rank_speeds, strict=True)
+            ]
         if self.rank_memory_gib is not None:
             memory_bytes = [round(gib * 2**30) for gib in self.rank_memory_gib]
         for rank, gpu_bytes in enumerate(memory_bytes):

@@ -10,8 +10,12 @@ from zellige.api import Setup
 from zellige.cluster_file import ClusterFile, read_cluster_file
 
 # Flags the cluster file replaces: its nodes give the GPU count, node size, memory and links.
-_REPLACED = (("gpus", "--gpus"), ("gpus_per_node", "--gpus-per-node"),
-             ("gpu_memory_gib", "--gpu-memory-gib"), ("links", "--links"))
+_REPLACED = (
+    ("gpus", "--gpus"),
+    ("gpus_per_node", "--gpus-per-node"),
+    ("gpu_memory_gib", "--gpu-memory-gib"),
+    ("links", "--links"),
+)
 
 
 def add_cluster_file_argument(parser: argparse.ArgumentParser) -> None:
