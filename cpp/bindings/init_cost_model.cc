@@ -109,6 +109,9 @@ void init_cost_model(nb::module_& m) {
           },
           nb::arg("rank") = nb::none(),
           "Usable bytes of `rank`; without one, the bytes every rank has (the smallest rank's).")
+      .def("homogeneous_view", &CostModel::homogeneous_view,
+           "This cost model with every rank alike (no speeds, the smallest rank memory): what "
+           "the speed-blind baselines plan with.")
       .def("rank_time_s", &CostModel::rank_time_s, nb::arg("tokens"), nb::arg("attention_s"),
            nb::arg("exchange_s"))
       .def("evaluate", nb::overload_cast<const Batch&, const Plan&>(&CostModel::evaluate, nb::const_), nb::arg("batch"), nb::arg("plan"))

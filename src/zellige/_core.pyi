@@ -1371,6 +1371,11 @@ class CostModel:
         Usable bytes of `rank`; without one, the bytes every rank has (the smallest rank's).
         """
 
+    def homogeneous_view(self) -> CostModel:
+        """
+        This cost model with every rank alike (no speeds, the smallest rank memory): what the speed-blind baselines plan with.
+        """
+
     def rank_time_s(self, tokens: int, attention_s: float, exchange_s: float) -> float: ...
 
     def evaluate(self, batch: Batch, plan: Plan) -> PlanCost: ...
