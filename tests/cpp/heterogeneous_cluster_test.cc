@@ -267,11 +267,15 @@ Batch random_unlike_batch(int family, int64_t num_gpus, std::mt19937_64& random)
       for (int64_t i = 0, n = uniform(num_gpus / 4 + 1, num_gpus); i < n; ++i) {
         add("video", uniform(20000, 90000));
       }
-      for (int64_t i = 0, n = uniform(0, 3 * num_gpus); i < n; ++i) add("image", uniform(256, 4096));
+      for (int64_t i = 0, n = uniform(0, 3 * num_gpus); i < n; ++i) {
+        add("image", uniform(256, 4096));
+      }
       break;
     case 1:  // a few huge videos
       for (int64_t i = 0, n = uniform(1, 4); i < n; ++i) add("video", uniform(120000, 250000));
-      for (int64_t i = 0, n = uniform(0, num_gpus / 2); i < n; ++i) add("video", uniform(8000, 60000));
+      for (int64_t i = 0, n = uniform(0, num_gpus / 2); i < n; ++i) {
+        add("video", uniform(8000, 60000));
+      }
       break;
     case 2:  // many short sequences
       for (int64_t i = 0, n = uniform(3 * num_gpus, 6 * num_gpus); i < n; ++i) {

@@ -223,7 +223,8 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
     double busiest_s = 0;
     for (size_t k = 0; k < ranks->size(); ++k) {
       const int64_t rank = (*ranks)[k];
-      busiest_s = std::max(busiest_s, s.time_s[rank] + at_speed(rank, estimate_s(choice.shares[k])));
+      busiest_s =
+          std::max(busiest_s, s.time_s[rank] + at_speed(rank, estimate_s(choice.shares[k])));
     }
     return busiest_s;
   };
