@@ -96,6 +96,14 @@ class TrainConfig:
     # resumed run takes the checkpoint's, so the data stream does not change with the world size)
     data_ranks: int | None = None
     timeout_s: float = 600.0  # a collective that waits longer fails the run (a stuck rank)
+    # --- feedback options ---
+    # plans use per-rank speed factors measured in training (zellige.train.speeds): each rank's
+    # moving average of measured over predicted time
+    adapt_speeds: bool = False
+    # the first step (1-based) whose times are measured: earlier ones compile and warm caches
+    adapt_speeds_start_step: int = 3
+    # weight of the newest step in each rank's moving average, in (0, 1] (1: the last step only)
+    speed_smoothing: float = 0.5
 
 
 def tiny_cpu() -> TrainConfig:
@@ -278,6 +286,10 @@ FIELD_HELP = {
     "peak_flops_per_s": "a device's peak FLOP/s, for MFU",
     "data_ranks": "loader ranks each step's batch is drawn for (default: the world size)",
     "timeout_s": "seconds a collective may wait for the other ranks before the run fails",
+    # --- feedback options ---
+    "adapt_speeds": "plan with per-rank speed factors measured in training",
+    "adapt_speeds_start_step": "first step (1-based) whose times the speed factors measure",
+    "speed_smoothing": "weight of the newest step in each rank's measured speed, in (0, 1]",
 }
 _DTYPES = ("float64", "float32", "bfloat16")
 
@@ -420,6 +432,18 @@ def validate_config(config: TrainConfig) -> None:
             "timeout_s",
             MIN_TIMEOUT_S <= config.timeout_s <= MAX_TIMEOUT_S,
             f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] seconds",
+        ),
+        # --- feedback options ---
+        ("adapt_speeds_start_step", config.adapt_speeds_start_step >= 1, "at least 1"),
+        (
+            "adapt_speeds_start_step",
+            config.adapt_speeds_start_step <= MAX_STEPS,
+            f"at most {MAX_STEPS:,}",
+        ),
+        (
+            "speed_smoothing",
+            _finite(config.speed_smoothing) and 0 < config.speed_smoothing <= 1,
+            "in (0, 1]",
         ),
     ]
     for key, ok, allowed in checks:

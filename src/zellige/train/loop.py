@@ -43,6 +43,7 @@ from zellige.train.metrics import (
     MetricsSinks,
     StepEnd,
     allocator_stat,
+    busy_seconds,
     finish_step,
     peak_gib,
     step_line,
@@ -61,6 +62,7 @@ from zellige.train.optimizer_builder import (
     weights_kept_to_backward,
 )
 from zellige.train.parallelize import parallelize, set_checkpointed_blocks
+from zellige.train.speeds import SlowRank, SpeedEstimate
 from zellige.train.step import StepInput, assemble_step
 from zellige.train.timing import StepTimer
 from zellige.train.watchdog import RankWatch, TrainingFailed
@@ -335,8 +337,17 @@ def train(
     )
     _check_first_step_fits(dataset, first_step)
     num_steps = config.steps - first_step
+    # measured on every run (logged); plans use it with adapt_speeds (train/speeds.py)
+    speeds = SpeedEstimate(
+        num_ranks, smoothing=config.speed_smoothing, start_step=config.adapt_speeds_start_step
+    )
     loader = make_loader(
-        dataset, first_step, num_steps, config.loader_workers, cuda=device.type == "cuda"
+        dataset,
+        first_step,
+        num_steps,
+        config.loader_workers,
+        cuda=device.type == "cuda",
+        speed_factors=speeds.speed_factors if config.adapt_speeds else None,
     )
     sinks = MetricsSinks(
         config,
@@ -364,6 +375,7 @@ def train(
         dataset.pipeline(), device=device, plan_ahead=False, engine=engine
     )
     ahead = StepsAhead(iter(loader), config, device, balancer)
+    slow = SlowRank.from_env(num_ranks)  # test-only
     collector = QuietCollector(enabled=config.freeze_gc)
     pending = None  # a late step's StepEnd, finished by the next step
     try:
@@ -376,7 +388,7 @@ def train(
             try:
                 records, pending = train_step(
                     config, model, optimizer, scheduler, timer, device, ahead, step, watch,
-                    pending, late,
+                    pending, late, speeds=speeds, slow=slow,
                 )  # fmt: skip
             except TrainingFailed:
                 raise
@@ -483,7 +495,20 @@ def forward_backward_step(
 
 
 def train_step(
-    config, model, optimizer, scheduler, timer, device, ahead, step, watch, before, late
+    config,
+    model,
+    optimizer,
+    scheduler,
+    timer,
+    device,
+    ahead,
+    step,
+    watch,
+    before,
+    late,
+    *,
+    speeds: SpeedEstimate | None = None,
+    slow: SlowRank | None = None,
 ) -> tuple[list[dict], StepEnd | None]:
     """One optimizer step. Returns the metrics records finished in it (gathered: the same on
     every rank) and, when `late`, this step's StepEnd, which the next call finishes (as
@@ -491,7 +516,8 @@ def train_step(
     host never waits for the device between steps, and a non-finite loss or gradient norm still
     stops the run before the next update is applied. Not late: the step ends with a full sync
     and returns its own record. `ahead` (StepsAhead) holds the step's inputs; the next step's
-    are made after this step's optimizer step is issued."""
+    are made after this step's optimizer step is issued. `speeds` takes in each finished step's
+    measured times; `slow` (a test hook) slows a rank."""
     rank = dist.get_rank()
     watch.at_step(step + 1)
     # torch's generators follow (seed, step, rank): a resumed run continues them on any number
@@ -517,6 +543,10 @@ def train_step(
         # every host sync until the next step's inputs are made (the step's end waits)
         torch.cuda.set_sync_debug_mode("warn")
     local_loss = forward_backward_step(config, model, step_input, data.total_tokens, timer)
+    injected_s = 0.0
+    if slow is not None:  # the test hook: a sleep that stands for a slower device's work
+        injected_s = slow.delay_s(rank, busy_seconds(timer.seconds()), data.forecast)
+        time.sleep(injected_s)
     # the step's peak split by phase (the cost model's is the larger of the two)
     peak_backward_gib = peak_gib(device, reset=True)
     records = []
@@ -524,7 +554,7 @@ def train_step(
         # the previous step's values: the device passed them long ago (this step's forward and
         # backward are queued behind them); a non-finite one raises before this step's update
         with record_function("zellige.step.previous_metrics"):
-            records.append(finish_step(config, before, device))
+            records.append(finish_step(config, before, device, speeds))
     with record_function("zellige.step.optimizer"):
         grad_norm = clip_and_step(model, optimizer, config.grad_clip_norm, config.clip_in_optimizer)
         scheduler.step()
@@ -567,11 +597,12 @@ def train_step(
             alloc_retries=alloc_retries,
             reserved_gib=None if reserved is None else reserved / 2**30,
             lr=scheduler.get_last_lr()[0],
+            injected_s=injected_s,
         )
         if late:
             return records, ended
         _synchronize(device)
-        records.append(finish_step(config, ended, device))
+        records.append(finish_step(config, ended, device, speeds))
     return records, None
 
 
