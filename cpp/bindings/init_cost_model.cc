@@ -1,4 +1,5 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -95,7 +96,19 @@ void init_cost_model(nb::module_& m) {
           nb::arg("layer_input_bytes") = 0.0, nb::arg("full_layers") = 0,
           nb::arg("held_tokens") = 0)
       .def("linear_recompute_s", &CostModel::linear_recompute_s, nb::arg("tokens"))
-      .def("memory_capacity_bytes", &CostModel::memory_capacity_bytes)
+      .def(
+          "memory_capacity_bytes",
+          [](const CostModel& self, std::optional<int64_t> rank) {
+            if (!rank) return self.memory_capacity_bytes();
+            if (*rank < 0 || *rank >= self.cluster().num_ranks()) {
+              throw nb::index_error(("rank " + std::to_string(*rank) + " outside [0, " +
+                                     std::to_string(self.cluster().num_ranks()) + ")")
+                                        .c_str());
+            }
+            return self.memory_capacity_bytes(*rank);
+          },
+          nb::arg("rank") = nb::none(),
+          "Usable bytes of `rank`; without one, the bytes every rank has (the smallest rank's).")
       .def("rank_time_s", &CostModel::rank_time_s, nb::arg("tokens"), nb::arg("attention_s"),
            nb::arg("exchange_s"))
       .def("evaluate", nb::overload_cast<const Batch&, const Plan&>(&CostModel::evaluate, nb::const_), nb::arg("batch"), nb::arg("plan"))
