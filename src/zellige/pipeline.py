@@ -56,13 +56,32 @@ def with_speed_factors(
 ) -> _core.CostModel:
     """`cost_model` on a cluster whose rank speeds are its own times `speed_factors` (one per
     rank: measured feedback, zellige.train.speeds); the model, profile and options unchanged."""
-    cluster = cost_model.cluster  # a copy
+    cluster = _copy_cluster(cost_model.cluster)  # the property is the cost model's own
     num_ranks = cluster.num_ranks()
     if len(speed_factors) != num_ranks:
         raise ValueError(f"{len(speed_factors)} speed factors for a cluster of {num_ranks} ranks")
     base = list(cluster.rank_speeds) or [1.0] * num_ranks
     cluster.rank_speeds = [float(b) * float(f) for b, f in zip(base, speed_factors, strict=True)]
     return _core.CostModel(cost_model.model, cost_model.profile, cluster, cost_model.options)
+
+
+_CLUSTER_FIELDS = (
+    "num_nodes",
+    "gpus_per_node",
+    "gpu_memory_bytes",
+    "intra_node_bytes_per_s",
+    "inter_node_bytes_per_s",
+    "intra_node_latency_s",
+    "inter_node_latency_s",
+    "rank_speeds",
+    "rank_memory_bytes",
+)
+
+
+def _copy_cluster(cluster: _core.Cluster) -> _core.Cluster:
+    copy = _core.Cluster(**{name: getattr(cluster, name) for name in _CLUSTER_FIELDS})
+    assert copy == cluster, "a Cluster field is missing from _CLUSTER_FIELDS"
+    return copy
 
 
 def make_step_plan(

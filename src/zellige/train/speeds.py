@@ -128,8 +128,7 @@ def _factors(ratios: Sequence[float | None]) -> tuple[float, ...] | None:
         return None
     mean = sum(known) / len(known)
     return tuple(
-        1.0 if s is None else min(MAX_SPEED_FACTOR, max(MIN_SPEED_FACTOR, s / mean))
-        for s in speeds
+        1.0 if s is None else min(MAX_SPEED_FACTOR, max(MIN_SPEED_FACTOR, s / mean)) for s in speeds
     )
 
 
