@@ -20,10 +20,10 @@ from zellige.train.config import tiny_cpu
 TIMEOUT_S = 240
 NUM_RANKS = 3
 SLOW_RANK, SLOW_FACTOR = 1, 3.0
-STEPS = 12
+STEPS = 10
 # each rank sleeps this long per step at its share of the fixed plan (the test hook's emulated
 # device): long against the tiny model's CPU time, so the times follow the plan as a GPU's do
-EMULATED_STEP_S = 0.25
+EMULATED_STEP_S = 0.3
 
 
 def _emulation_scale() -> float:
@@ -84,10 +84,11 @@ def test_feedback_balances_a_slow_rank_and_keeps_the_loss(tmp_path):
     # with it, plans use the factors once the first measurement reaches the planner (the
     # loader's prefetch depth and the late metrics later), and balance from then on
     imbalance = [r["measured_imbalance"] for r in adapted]
-    assert max(imbalance[9:]) < 1.15, imbalance
+    assert max(imbalance[7:]) < 1.15, imbalance  # steps 8 to 10
     factors = adapted[-1]["speed_factors"]
     others = [f for rank, f in enumerate(factors) if rank != SLOW_RANK]
-    assert factors[SLOW_RANK] / (sum(others) / len(others)) < 1.2 / SLOW_FACTOR, factors
+    # about 1 / SLOW_FACTOR of the others'; the CPU time of the model is not slowed
+    assert factors[SLOW_RANK] / (sum(others) / len(others)) < 1.35 / SLOW_FACTOR, factors
     assert adapted[-1]["planned_imbalance"] < 1.15
 
     # placement does not change the loss (float64: summation order only)
