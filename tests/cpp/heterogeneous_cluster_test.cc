@@ -189,5 +189,157 @@ TEST(HeterogeneousCluster, BaselinesPlanAsOnTheHomogeneousView) {
   }
 }
 
+// The lower bound on unlike ranks stays below the brute-force optimum (every plan of a tiny batch
+// on 4 ranks of different speeds and memory, priced by evaluate), and zellige stays above it.
+TEST(HeterogeneousCluster, LowerBoundNeverAboveBruteForceOptimum) {
+  std::mt19937_64 random(131);
+  const ModelSpec tiny = model_preset("tiny");
+  int compared = 0;
+  for (int trial = 0; trial < 16; ++trial) {
+    Cluster cluster = make_cluster(4, trial % 2 == 0 ? 2 : 4);
+    cluster.intra_node_bytes_per_s = trial % 3 == 0 ? 1e8 : 1e10;
+    cluster.inter_node_bytes_per_s = cluster.intra_node_bytes_per_s / 10;
+    cluster.gpu_memory_bytes = int64_t{4000} << 20;
+    for (int64_t rank = 0; rank < 4; ++rank) {
+      cluster.rank_speeds.push_back(0.5 + 0.25 * static_cast<double>(random() % 5));  // 0.5..1.5
+      // every other trial: some ranks with less memory, so long sequences must avoid them
+      cluster.rank_memory_bytes.push_back(trial % 2 && random() % 2 ? int64_t{3300} << 20
+                                                                    : int64_t{4000} << 20);
+    }
+    const CostModel cost_model(tiny, seeded_profile(), cluster,
+                               CostOptions{trial % 4 != 1, 2, 18.0, 0.05});
+    Batch batch;
+    const int64_t num_sequences = 1 + static_cast<int64_t>(random() % 3);
+    for (int64_t i = 0; i < num_sequences; ++i) {
+      const int64_t tokens = int64_t{1} << (3 + random() % 15);  // 8 .. 131072
+      batch.sequences.push_back(
+          sequence_from_tokens(i, "video", tokens + static_cast<int64_t>(random() % 7), 8, i % 4));
+    }
+    const double bound = makespan_lower_bound(batch, cost_model);
+    const double optimum = test_util::brute_force_makespan(batch, cost_model);
+    EXPECT_TRUE(std::isfinite(bound));
+    if (!std::isfinite(optimum)) continue;
+    ++compared;
+    EXPECT_GT(bound, 0);
+    EXPECT_LE(bound, optimum * (1 + 1e-12)) << "trial " << trial;
+    const Plan plan = make_plan("zellige", batch, cost_model);
+    EXPECT_GE(plan.predicted.makespan_s, optimum * (1 - 1e-12)) << "trial " << trial;
+  }
+  EXPECT_GE(compared, 10);
+}
+
+// Unlike clusters of the benchmark's kinds: half the nodes faster with more memory (H100 next to
+// H200), or one node throttled.
+Cluster unlike_cluster(int64_t num_gpus, int kind, std::mt19937_64& random) {
+  Cluster cluster = make_cluster(num_gpus, 8);
+  const int64_t num_nodes = cluster.num_nodes;
+  cluster.rank_speeds.assign(num_gpus, 1.0);
+  cluster.rank_memory_bytes.assign(num_gpus, cluster.gpu_memory_bytes);
+  if (kind == 0) {
+    const double fast = 1.2 + 0.1 * static_cast<double>(random() % 4);
+    for (int64_t rank = 0; rank < num_gpus; ++rank) {
+      if (cluster.node_of(rank) % 2 == 1) {
+        cluster.rank_speeds[rank] = fast;
+      } else {
+        cluster.rank_memory_bytes[rank] = int64_t{80} << 30;
+      }
+    }
+  } else {
+    const int64_t slow_node = static_cast<int64_t>(random() % static_cast<uint64_t>(num_nodes));
+    for (int64_t rank = slow_node * 8; rank < slow_node * 8 + 8; ++rank) {
+      cluster.rank_speeds[rank] = 0.7;
+    }
+  }
+  return cluster;
+}
+
+Batch random_unlike_batch(int family, int64_t num_gpus, std::mt19937_64& random) {
+  auto uniform = [&](int64_t low, int64_t high) {
+    return low + static_cast<int64_t>(random() % static_cast<uint64_t>(high - low + 1));
+  };
+  Batch batch;
+  auto add = [&](const char* kind, int64_t tokens) {
+    const int64_t id = static_cast<int64_t>(batch.sequences.size());
+    batch.sequences.push_back(sequence_from_tokens(id, kind, tokens, 512, id % num_gpus));
+  };
+  switch (family) {
+    case 0:  // long and short videos with images
+      for (int64_t i = 0, n = uniform(num_gpus / 4 + 1, num_gpus); i < n; ++i) {
+        add("video", uniform(20000, 90000));
+      }
+      for (int64_t i = 0, n = uniform(0, 3 * num_gpus); i < n; ++i) add("image", uniform(256, 4096));
+      break;
+    case 1:  // a few huge videos
+      for (int64_t i = 0, n = uniform(1, 4); i < n; ++i) add("video", uniform(120000, 250000));
+      for (int64_t i = 0, n = uniform(0, num_gpus / 2); i < n; ++i) add("video", uniform(8000, 60000));
+      break;
+    case 2:  // many short sequences
+      for (int64_t i = 0, n = uniform(3 * num_gpus, 6 * num_gpus); i < n; ++i) {
+        add(i % 3 ? "image" : "video", uniform(256, 16000));
+      }
+      break;
+    default:  // heavy tail
+      for (int64_t i = 0, n = uniform(num_gpus, 3 * num_gpus); i < n; ++i) {
+        const double u = std::uniform_real_distribution<double>(1e-3, 1.0)(random);
+        add("video", std::min<int64_t>(250000, static_cast<int64_t>(512 / std::pow(u, 1.3))));
+      }
+      break;
+  }
+  return batch;
+}
+
+// zellige's promise on unlike ranks: never slower than a covered baseline (each planning as on
+// the homogeneous cluster, priced on the real one), never below the lower bound, and no rank
+// above its own memory.
+TEST(HeterogeneousCluster, ZelligeNeverWorseThanEveryBaselineAndNoRankOverItsMemory) {
+  std::mt19937_64 random(2031);
+  int batches = 0, strictly_better = 0;
+  for (int64_t num_gpus : {16, 32}) {
+    for (int kind = 0; kind < 2; ++kind) {
+      for (int family = 0; family < 4; ++family) {
+        for (int seed = 0; seed < 3; ++seed) {
+          const std::string model = seed % 2 ? "wan-14b" : "mmdit-11b";
+          const Cluster cluster = unlike_cluster(num_gpus, kind, random);
+          const CostModel cost_model(model_preset(model), seeded_profile(), cluster);
+          const Batch batch = random_unlike_batch(family, num_gpus, random);
+          const std::string where = model + " " + std::to_string(num_gpus) + " GPUs kind " +
+                                    std::to_string(kind) + " family " + std::to_string(family) +
+                                    " seed " + std::to_string(seed);
+          ++batches;
+          double ours_s = std::numeric_limits<double>::infinity();
+          try {
+            const Plan plan = make_plan("zellige", batch, cost_model);
+            ours_s = plan.predicted.makespan_s;
+            for (int64_t rank = 0; rank < num_gpus; ++rank) {
+              EXPECT_LE(plan.predicted.rank_peak_bytes[rank],
+                        cost_model.memory_capacity_bytes(rank))
+                  << "rank " << rank << " on " << where;
+            }
+          } catch (const PlanMemoryError&) {
+          }
+          const double bound_s = makespan_lower_bound(batch, cost_model);
+          if (std::isfinite(ours_s)) EXPECT_GE(ours_s, bound_s * (1 - 1e-12)) << where;
+          double best_baseline_s = std::numeric_limits<double>::infinity();
+          for (const std::string& name : covered_baselines(batch, cost_model)) {
+            double theirs_s = std::numeric_limits<double>::infinity();
+            try {
+              theirs_s = make_plan(name, batch, cost_model).predicted.makespan_s;
+            } catch (const PlanMemoryError&) {
+              continue;
+            }
+            EXPECT_GE(theirs_s, bound_s * (1 - 1e-12)) << name << " on " << where;
+            EXPECT_LE(ours_s, theirs_s) << name << " beats zellige on " << where;
+            best_baseline_s = std::min(best_baseline_s, theirs_s);
+          }
+          if (ours_s < best_baseline_s * (1 - 1e-6)) ++strictly_better;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(batches, 48);
+  // Speed awareness must show: zellige beats every speed-blind baseline on most of them.
+  EXPECT_GT(strictly_better, batches / 2) << strictly_better << " of " << batches;
+}
+
 }  // namespace
 }  // namespace zellige

@@ -448,6 +448,11 @@ class CostModel {
 // summed over all shares (as fractions of T) is at most the rank count; a Lagrangian relaxation
 // of that constraint next to the capacity one raises the bound where sequences must take whole
 // ranks.
+// Unlike ranks (Cluster::rank_speeds, rank_memory_bytes): the same in nominal seconds (speed 1)
+// of a makespan M = T x the fastest speed, with total speed / fastest speed ranks in the capacity
+// term (a rank of speed v runs v x T nominal seconds in T), every bottleneck on the fastest rank,
+// and a shape fitting if it fits the largest rank memory; the whole-share part is left out
+// (its bins are equal). The bound is M / fastest.
 double makespan_lower_bound(const Batch& batch, const CostModel& cost_model);
 
 }  // namespace zellige
