@@ -225,3 +225,54 @@ def test_config_fields_of_the_feedback():
     ):
         with pytest.raises(ValueError, match=key):
             resolve_config("tiny-cpu", {}, {key: value}, "")
+
+
+def _cluster_file(tmp_path, slow_speed: float = 0.5):
+    path = tmp_path / "cluster.toml"
+    path.write_text(
+        "gpus_per_node = 1\n"
+        '[[nodes]]\nprofile = "h200"\n'
+        f'[[nodes]]\nprofile = "h200"\nspeed = {slow_speed}\n'
+    )
+    return path
+
+
+def test_cluster_file_prices_each_rank_and_factors_multiply_its_speeds(tmp_path):
+    path = _cluster_file(tmp_path)
+    config = tiny_cpu()
+    dataset = StepDataset(
+        model=config.model,
+        recipe="tiny",
+        planner="zellige",
+        rank=0,
+        num_ranks=2,
+        gpus_per_node=8,  # the file's node size wins
+        seed=0,
+        activation_checkpointing=False,
+        cluster=str(path),
+    )
+    pipeline = dataset.pipeline()
+    assert pipeline.cost_model.cluster.rank_speeds == [1.0, 0.5]
+    assert pipeline.cost_model.cluster.gpus_per_node == 1
+    assert with_speed_factors(pipeline.cost_model, [0.5, 2.0]).cluster.rank_speeds == [0.5, 1.0]
+    assert pipeline.cost_model.cluster.rank_speeds == [1.0, 0.5]  # its own cluster unchanged
+    data = dataset[0]
+    # the forecast is at the file's speeds: the slow rank's time is its nominal time doubled
+    batch = dataset.batch(0)
+    plan = pipeline.plan(batch, seed=None)
+    ranks = pipeline.cost_model.evaluate(batch, plan).ranks
+    assert data.forecast.rank_time_s == pytest.approx([r.time_s for r in ranks], rel=1e-12)
+
+
+def test_train_refuses_a_cluster_file_of_another_size(tmp_path):
+    from zellige.train.loop import preflight
+
+    path = _cluster_file(tmp_path)
+    config = resolve_config("tiny-cpu", {}, {"cluster": str(path)}, "")
+    assert preflight(config, num_ranks=2).first_step == 0
+    with pytest.raises(ValueError, match="its nodes hold 2 GPUs, this run has 4 ranks"):
+        preflight(config, num_ranks=4)
+    (tmp_path / "bad.toml").write_text('gpus_per_node = 1\n[[nodes]]\nprofile = "nope"\n')
+    bad = resolve_config("tiny-cpu", {}, {"cluster": str(tmp_path / "bad.toml")}, "")
+    with pytest.raises(ValueError, match="nodes\\[0\\]"):
+        preflight(bad, num_ranks=1)

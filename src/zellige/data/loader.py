@@ -21,6 +21,7 @@ from torch import Tensor
 
 import zellige
 from zellige import _core
+from zellige.cluster_file import read_cluster_file
 from zellige.data.synthetic import SyntheticLatents
 from zellige.model import DiTConfig
 from zellige.pipeline import PreparedStep, StepForecast, StepPipeline, StepRecord
@@ -38,6 +39,13 @@ TINY_RECIPE = {
         {"kind": "video", "frames": 33, "height": 64, "width": 128, "share": 0.3},
     ],
 }
+
+
+def on_cluster_file(cost_model: _core.CostModel, path: str) -> _core.CostModel:
+    """`cost_model` on the cluster file's ranks: each at its node's speed (relative to the cost
+    model's profile) and memory, which replaces the cost model's GPU memory."""
+    cluster = read_cluster_file(path).to_cluster(cost_model.model, cost_model.profile)
+    return _core.CostModel(cost_model.model, cost_model.profile, cluster, cost_model.options)
 
 
 def load_training_recipe(name: str) -> _core.Recipe:
@@ -155,6 +163,7 @@ class StepDataset(torch.utils.data.Dataset):
         data_ranks: int | None = None,
         attention_ragged: bool | None = None,
         gpu_memory_bytes: int | None = None,
+        cluster: str | None = None,
     ) -> None:
         self.model = model
         self.recipe_name = recipe
@@ -178,6 +187,10 @@ class StepDataset(torch.utils.data.Dataset):
         self.attention_ragged = attention_ragged
         # each GPU's memory the plans must fit (the training device's; None: the profile's)
         self.gpu_memory_bytes = gpu_memory_bytes
+        # a cluster file: each rank priced at its node's speed and memory (zellige.cluster_file)
+        self.cluster = cluster
+        if cluster is not None:
+            self.gpus_per_node = read_cluster_file(cluster).gpus_per_node
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
@@ -210,6 +223,8 @@ class StepDataset(torch.utils.data.Dataset):
                 optimizer_copy_bytes_per_param=self.optimizer_copy_bytes_per_param,
                 gpu_memory_bytes=self.gpu_memory_bytes,
             )
+            if self.cluster is not None:
+                cost_model = on_cluster_file(cost_model, self.cluster)
             planner = self.planner
             if self.fixed_plan is not None:
                 planner = zellige.plan_from_dict(self.fixed_plan)

@@ -97,6 +97,9 @@ class TrainConfig:
     data_ranks: int | None = None
     timeout_s: float = 600.0  # a collective that waits longer fails the run (a stuck rank)
     # --- feedback options ---
+    # a cluster file (docs/formats.md: nodes, their devices' profiles, memory and speeds) that
+    # the cost model prices each rank with, in place of gpus_per_node alike ranks; None: alike
+    cluster: str | None = None
     # plans use per-rank speed factors measured in training (zellige.train.speeds): each rank's
     # moving average of measured over predicted time
     adapt_speeds: bool = False
@@ -287,6 +290,7 @@ FIELD_HELP = {
     "data_ranks": "loader ranks each step's batch is drawn for (default: the world size)",
     "timeout_s": "seconds a collective may wait for the other ranks before the run fails",
     # --- feedback options ---
+    "cluster": "cluster file of unlike nodes (TOML/JSON, docs/formats.md) the plans price",
     "adapt_speeds": "plan with per-rank speed factors measured in training",
     "adapt_speeds_start_step": "first step (1-based) whose times the speed factors measure",
     "speed_smoothing": "weight of the newest step in each rank's measured speed, in (0, 1]",

@@ -20,8 +20,10 @@ from tqdm import tqdm
 
 import zellige
 from zellige.balancer import Balancer
+from zellige.cluster_file import read_cluster_file
 from zellige.costs import device_memory_bytes, planning_device
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
+from zellige.data.loader import on_cluster_file
 from zellige.model import MMDiT, ModelNumerics, VideoDiT, fused
 from zellige.model import build_model as reference_model
 from zellige.pipeline import JOINT, StepRecord, make_step_plan
@@ -101,6 +103,15 @@ def preflight(
     """Every check that needs no process group, so bad input fails in seconds, before training,
     the same way on every rank. Raises ValueError with one line; creates out_dir."""
     validate_config(config)
+    if config.cluster is not None:
+        cluster_file = read_cluster_file(config.cluster)
+        if cluster_file.num_ranks != num_ranks:
+            raise ValueError(
+                f"--cluster {config.cluster}: its nodes hold {cluster_file.num_ranks} GPUs, this "
+                f"run has {num_ranks} ranks (torchrun --nproc-per-node x nodes)"
+            )
+        # the file's nodes give the node size
+        config = dataclasses.replace(config, gpus_per_node=cluster_file.gpus_per_node)
     check_world(config, num_ranks)
     if config.device == "cuda":
         _require_cuda(config)
@@ -170,6 +181,8 @@ def _check_planning(config: TrainConfig, num_ranks: int) -> None:
         {"id": r, "num_tokens": 1, "text_tokens": 0, "source_rank": r} for r in range(num_ranks)
     ]
     batch = zellige.batch_from_dict({"sequences": sequences}, num_ranks=num_ranks)
+    if config.cluster is not None:  # its profiles load and its ranks' memory is in range
+        cost_model = on_cluster_file(cost_model, config.cluster)
     make_step_plan(config.planner, batch, cost_model, seed=0)
 
 
@@ -324,6 +337,7 @@ def train(
         num_ranks=num_ranks,
         data_ranks=start.data_ranks,
         gpus_per_node=config.gpus_per_node,
+        cluster=config.cluster,
         seed=config.seed,
         profile=profile,
         gpu_memory_bytes=gpu_memory_bytes,
