@@ -18,6 +18,7 @@ import pytest
 SLOW_MODULES: set[str] = {
     "tests/distributed/test_diffusers_examples.py",
     "tests/distributed/test_no_host_sync.py",
+    "tests/distributed/test_speed_feedback.py",
     "tests/distributed/test_train_faults.py",
     "tests/distributed/test_train_late_metrics.py",
     "tests/distributed/test_train_one_rank.py",

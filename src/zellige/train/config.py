@@ -78,6 +78,16 @@ class ParallelismSection:
     # parallelize.LoneRankWeights; measured faster on one H200), or FSDP2 as on more ranks
     fsdp_on_one_rank: bool = False
     timeout_s: float = 600.0  # a collective that waits longer fails the run (a stuck rank)
+    # a cluster file (docs/formats.md: nodes, their devices' profiles, memory and speeds) that
+    # the cost model prices each rank with, in place of gpus_per_node alike ranks; None: alike
+    cluster: str | None = None
+    # plans use per-rank speed factors measured in training (zellige.train.speeds): each rank's
+    # moving average of measured over predicted time
+    adapt_speeds: bool = False
+    # the first step (1-based) whose times are measured: earlier ones compile and warm caches
+    adapt_speeds_start_step: int = 3
+    # weight of the newest step in each rank's moving average, in (0, 1] (1: the last step only)
+    speed_smoothing: float = 0.5
 
 
 @dataclass(kw_only=True, slots=True)
@@ -393,6 +403,11 @@ FIELD_HELP = {
     "peak_flops_per_s": "a device's peak FLOP/s, for MFU",
     "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",
     "metrics_one_step_late": "read a step's metrics during the next step (no sync between steps)",
+    # [parallelism] measured speeds and unlike ranks
+    "cluster": "cluster file of unlike nodes (TOML/JSON, docs/formats.md) the plans price",
+    "adapt_speeds": "plan with per-rank speed factors measured in training",
+    "adapt_speeds_start_step": "first step (1-based) whose times the speed factors measure",
+    "speed_smoothing": "weight of the newest step in each rank's measured speed, in (0, 1]",
 }
 _DTYPES = ("float64", "float32", "bfloat16")
 
@@ -604,6 +619,17 @@ def validate_config(config: TrainConfig) -> None:
             "timeout_s",
             MIN_TIMEOUT_S <= parallelism.timeout_s <= MAX_TIMEOUT_S,
             f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] seconds",
+        ),
+        ("adapt_speeds_start_step", parallelism.adapt_speeds_start_step >= 1, "at least 1"),
+        (
+            "adapt_speeds_start_step",
+            parallelism.adapt_speeds_start_step <= MAX_STEPS,
+            f"at most {MAX_STEPS:,}",
+        ),
+        (
+            "speed_smoothing",
+            _finite(parallelism.speed_smoothing) and 0 < parallelism.speed_smoothing <= 1,
+            "in (0, 1]",
         ),
     ]
     for key, ok, allowed in checks:

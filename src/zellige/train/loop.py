@@ -20,8 +20,10 @@ from tqdm import tqdm
 
 import zellige
 from zellige.balancer import Balancer
+from zellige.cluster_file import read_cluster_file
 from zellige.costs import device_memory_bytes, planning_device
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
+from zellige.data.loader import on_cluster_file
 from zellige.model import MMDiT, ModelNumerics, VideoDiT, fused
 from zellige.model import build_model as reference_model
 from zellige.pipeline import JOINT, StepRecord, make_step_plan
@@ -43,6 +45,7 @@ from zellige.train.metrics import (
     MetricsSinks,
     StepEnd,
     allocator_stat,
+    busy_seconds,
     finish_step,
     peak_gib,
     step_line,
@@ -59,6 +62,7 @@ from zellige.train.optimizer_builder import (
     weights_kept_to_backward,
 )
 from zellige.train.parallelize import parallelize, set_checkpointed_blocks
+from zellige.train.speeds import SlowRank, SpeedEstimate
 from zellige.train.step import StepInput, assemble_step
 from zellige.train.timing import StepTimer
 from zellige.train.watchdog import RankWatch, TrainingFailed
@@ -97,6 +101,15 @@ def preflight(
     """Every check that needs no process group, so bad input fails in seconds, before training,
     the same way on every rank. Raises ValueError with one line; creates out_dir."""
     validate_config(config)
+    if config.parallelism.cluster is not None:
+        cluster_file = read_cluster_file(config.parallelism.cluster)
+        if cluster_file.num_ranks != num_ranks:
+            raise ValueError(
+                f"--cluster {config.parallelism.cluster}: its nodes hold {cluster_file.num_ranks} GPUs, this "
+                f"run has {num_ranks} ranks (torchrun --nproc-per-node x nodes)"
+            )
+        # the file's nodes give the node size
+        config = config.with_fields(gpus_per_node=cluster_file.gpus_per_node)
     check_world(config, num_ranks)
     if config.parallelism.device == "cuda":
         _require_cuda(config)
@@ -173,6 +186,8 @@ def _check_planning(config: TrainConfig, num_ranks: int) -> None:
         {"id": r, "num_tokens": 1, "text_tokens": 0, "source_rank": r} for r in range(num_ranks)
     ]
     batch = zellige.batch_from_dict({"sequences": sequences}, num_ranks=num_ranks)
+    if config.parallelism.cluster is not None:  # its profiles load and its ranks' memory is in range
+        cost_model = on_cluster_file(cost_model, config.parallelism.cluster)
     make_step_plan(config.parallelism.planner, batch, cost_model, seed=0)
 
 
@@ -328,6 +343,7 @@ def train(
         num_ranks=num_ranks,
         data_ranks=start.data_ranks,
         gpus_per_node=config.parallelism.gpus_per_node,
+        cluster=config.parallelism.cluster,
         seed=config.seed,
         profile=profile,
         gpu_memory_bytes=gpu_memory_bytes,
@@ -342,8 +358,18 @@ def train(
     )
     _check_first_step_fits(dataset, first_step)
     num_steps = config.steps - first_step
+    # measured on every run (logged); plans use it with adapt_speeds (train/speeds.py)
+    speeds = SpeedEstimate(
+        num_ranks, smoothing=config.parallelism.speed_smoothing,
+        start_step=config.parallelism.adapt_speeds_start_step,
+    )
     loader = make_loader(
-        dataset, first_step, num_steps, config.data.loader_workers, cuda=device.type == "cuda"
+        dataset,
+        first_step,
+        num_steps,
+        config.data.loader_workers,
+        cuda=device.type == "cuda",
+        speed_factors=speeds.speed_factors if config.parallelism.adapt_speeds else None,
     )
     sinks = MetricsSinks(
         config,
@@ -371,6 +397,7 @@ def train(
         dataset.pipeline(), device=device, plan_ahead=False, engine=engine
     )
     ahead = StepsAhead(iter(loader), config, device, balancer)
+    slow = SlowRank.from_env(num_ranks)  # test-only
     collector = QuietCollector(enabled=config.freeze_gc)
     pending = None  # a late step's StepEnd, finished by the next step
     try:
@@ -386,7 +413,7 @@ def train(
             try:
                 records, pending = train_step(
                     config, model, optimizer, scheduler, timer, device, ahead, step, watch,
-                    pending, late,
+                    pending, late, speeds=speeds, slow=slow,
                 )  # fmt: skip
             except TrainingFailed:
                 raise
@@ -495,7 +522,20 @@ def forward_backward_step(
 
 
 def train_step(
-    config, model, optimizer, scheduler, timer, device, ahead, step, watch, before, late
+    config,
+    model,
+    optimizer,
+    scheduler,
+    timer,
+    device,
+    ahead,
+    step,
+    watch,
+    before,
+    late,
+    *,
+    speeds: SpeedEstimate | None = None,
+    slow: SlowRank | None = None,
 ) -> tuple[list[dict], StepEnd | None]:
     """One optimizer step. Returns the metrics records finished in it (gathered: the same on
     every rank) and, when `late`, this step's StepEnd, which the next call finishes (as
@@ -503,7 +543,8 @@ def train_step(
     host never waits for the device between steps, and a non-finite loss or gradient norm still
     stops the run before the next update is applied. Not late: the step ends with a full sync
     and returns its own record. `ahead` (StepsAhead) holds the step's inputs; the next step's
-    are made after this step's optimizer step is issued."""
+    are made after this step's optimizer step is issued. `speeds` takes in each finished step's
+    measured times; `slow` (a test hook) slows a rank."""
     rank = dist.get_rank()
     watch.at_step(step + 1)
     # torch's generators follow (seed, step, rank): a resumed run continues them on any number
@@ -529,6 +570,10 @@ def train_step(
         # every host sync until the next step's inputs are made (the step's end waits)
         torch.cuda.set_sync_debug_mode("warn")
     local_loss = forward_backward_step(config, model, step_input, data.total_tokens, timer)
+    injected_s = 0.0
+    if slow is not None:  # the test hook: a sleep that stands for a slower device's work
+        injected_s = slow.delay_s(rank, busy_seconds(timer.seconds()), data.forecast)
+        time.sleep(injected_s)
     # the step's peak split by phase (the cost model's is the larger of the two)
     peak_backward_gib = peak_gib(device, reset=True)
     records = []
@@ -536,7 +581,7 @@ def train_step(
         # the previous step's values: the device passed them long ago (this step's forward and
         # backward are queued behind them); a non-finite one raises before this step's update
         with record_function("zellige.step.previous_metrics"):
-            records.append(finish_step(config, before, device))
+            records.append(finish_step(config, before, device, speeds))
     with record_function("zellige.step.optimizer"):
         grad_norm = clip_and_step(
             model, optimizer, config.optimizer.grad_clip_norm, config.optimizer.clip_in_optimizer
@@ -581,11 +626,12 @@ def train_step(
             alloc_retries=alloc_retries,
             reserved_gib=None if reserved is None else reserved / 2**30,
             lr=scheduler.get_last_lr()[0],
+            injected_s=injected_s,
         )
         if late:
             return records, ended
         _synchronize(device)
-        records.append(finish_step(config, ended, device))
+        records.append(finish_step(config, ended, device, speeds))
     return records, None
 
 
