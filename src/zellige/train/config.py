@@ -13,6 +13,7 @@ from typing import Any
 
 from zellige._core import MAX_GPUS
 from zellige._json import read_toml
+from zellige.global_batch import GlobalBatchSize, parse_global_batch_size
 from zellige.model import DiTConfig, model_preset
 
 H200_BF16_DENSE_FLOPS_PER_S = 989e12  # NVIDIA's dense bf16 tensor-core peak for the H200 SXM
@@ -96,6 +97,11 @@ class TrainConfig:
     # resumed run takes the checkpoint's, so the data stream does not change with the world size)
     data_ranks: int | None = None
     timeout_s: float = 600.0  # a collective that waits longer fails the run (a stuck rank)
+    # --- gbruntime options ---
+    # each optimizer step trains a global batch of this size ("1024" samples, "50M" tokens) as
+    # the micro-batches `planner` (a global-batch planner) cuts it into, with gradient
+    # accumulation (docs/global-batch.md); None: one planned batch per step, as drawn
+    global_batch: str | None = None
 
 
 def tiny_cpu() -> TrainConfig:
@@ -278,6 +284,9 @@ FIELD_HELP = {
     "peak_flops_per_s": "a device's peak FLOP/s, for MFU",
     "data_ranks": "loader ranks each step's batch is drawn for (default: the world size)",
     "timeout_s": "seconds a collective may wait for the other ranks before the run fails",
+    # --- gbruntime options ---
+    "global_batch": "samples (1024) or latent tokens (50M) per optimizer step, run as planned "
+    "micro-batches with gradient accumulation",
 }
 _DTYPES = ("float64", "float32", "bfloat16")
 
@@ -425,8 +434,19 @@ def validate_config(config: TrainConfig) -> None:
     for key, ok, allowed in checks:
         if not ok:
             raise ValueError(f"{key} must be {allowed}, got {_short(getattr(config, key))}")
+    global_batch_size(config)
     if config.device == "cpu":
         _check_fits_host_memory(config)
+
+
+def global_batch_size(config: TrainConfig) -> GlobalBatchSize | None:
+    """config.global_batch parsed (None without one); ValueError naming the field otherwise."""
+    if config.global_batch is None:
+        return None
+    try:
+        return parse_global_batch_size(config.global_batch)
+    except ValueError as error:
+        raise ValueError(f"global_batch: {error}") from None
 
 
 def check_world(config: TrainConfig, num_ranks: int) -> None:

@@ -131,6 +131,7 @@ def finish_step(config: TrainConfig, ended: StepEnd, device: torch.device) -> di
         "reserved_gib": ended.reserved_gib,
         "lr": ended.lr,
         "planner": config.planner,
+        "micro_batches": record.num_micro_batches,  # a global batch's (1: one batch per step)
     }
 
 

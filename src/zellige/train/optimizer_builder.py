@@ -31,9 +31,11 @@ def uses_copying_optimizer(config: TrainConfig) -> bool:
 
 
 def keeps_compute_dtype_gradients(config: TrainConfig) -> bool:
-    """config.compute_dtype_gradients, None resolved: wherever the copying optimizer runs."""
+    """config.compute_dtype_gradients, None resolved: wherever the copying optimizer runs,
+    except with a global batch, whose micro-batches' gradients add up in the masters'."""
     chosen = config.compute_dtype_gradients
-    return uses_copying_optimizer(config) and (chosen is None or chosen)
+    default = config.global_batch is None
+    return uses_copying_optimizer(config) and (default if chosen is None else chosen)
 
 
 def make_optimizer(config: TrainConfig, model, device: torch.device) -> torch.optim.Optimizer:
