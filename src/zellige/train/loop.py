@@ -695,8 +695,8 @@ def _micro_batch_note(config: TrainConfig, record: dict) -> str:
     if config.global_batch is None:
         return ""
     return (
-        f" micro-batches {record['micro_batches']} step {record['step_s']:.3f} s "
-        f"(predicted {record['predicted_makespan_s']:.3f} s)"
+        f" micro-batches {record['micro_batches']} step {record['step_s']:.4g} s "
+        f"(predicted {record['predicted_makespan_s']:.4g} s)"
     )
 
 
