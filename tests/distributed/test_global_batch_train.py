@@ -13,6 +13,10 @@ import pytest
 import torch
 from test_train import RELATIVE_BOUND, _max_relative_error, _torchrun, _train
 
+import zellige
+from zellige import _core
+from zellige.data import GlobalStepData, StepDataset
+from zellige.global_batch import global_plan_to_dict, parse_global_batch_size
 from zellige.train.config import tiny_cpu
 from zellige.train.loop import preflight
 
@@ -62,6 +66,83 @@ def test_train_with_a_global_batch(tmp_path: Path) -> None:
         assert record["predicted_makespan_s"] > 0
         assert record["loss"] > 0 and record["grad_norm"] > 0
     assert json.dumps(records)  # JSON-ready, as written
+
+
+def test_resume_replays_the_global_batches(tmp_path: Path) -> None:
+    """A run saved after 2 of 3 steps and resumed trains the third global batch as the run
+    without a stop does (its draw follows the run's seed and the step)."""
+    common = ["--dtype", "float64", "--global-batch", "600", "--loader-workers", "0"]
+    straight = _train(2, tmp_path, "straight", "--steps", "3", *common)
+    out = tmp_path / "ckpt"
+    _train(2, tmp_path, "first", "--steps", "2", "--out", str(out), *common)
+    resumed = _train(2, tmp_path, "resumed", "--steps", "3", "--resume", str(out), *common)
+    assert [r["step"] for r in resumed] == [3]
+    assert resumed[0]["tokens"] == straight[2]["tokens"]
+    assert resumed[0]["loss"] == straight[2]["loss"]
+
+
+def _global_datasets(num_ranks: int, **options) -> list[StepDataset]:
+    config = tiny_cpu()
+    return [
+        StepDataset(
+            model=config.model,
+            recipe="tiny",
+            planner="zellige",
+            rank=rank,
+            num_ranks=num_ranks,
+            gpus_per_node=num_ranks,
+            seed=3,
+            activation_checkpointing=False,
+            **options,
+        )
+        for rank in range(num_ranks)
+    ]
+
+
+def test_the_loader_hands_each_sample_to_one_micro_batch() -> None:
+    """A global batch cut into 3 micro-batches: each of the batch's samples is in one of them,
+    each rank's micro-batches hold its own samples' rows, each divides by the global count, and
+    the record sums the micro-batches' predictions."""
+    size = parse_global_batch_size("12")
+    (probe,) = _global_datasets(1, global_batch=size)
+    batch = probe.batch(0)
+    sequences = zellige.batch_to_dict(batch)["sequences"]
+    for sequence in sequences:
+        sequence["source_rank"] = sequence["id"] % 2
+    batch = zellige.batch_from_dict({"sequences": sequences}, num_ranks=2)
+    ids = [s.id for s in batch.sequences]
+    cut = [ids[k::3] for k in range(3)]
+    cost_model = _global_datasets(2)[0].pipeline().cost_model
+    fixed = global_plan_to_dict(_core.place_micro_batches("zellige", batch, cut, cost_model))
+    items = [
+        d[0] for d in _global_datasets(2, sequences=sequences, global_plan=fixed, global_batch=size)
+    ]
+    total_tokens = sum(s.num_tokens for s in batch.sequences)
+    for rank, item in enumerate(items):
+        assert isinstance(item, GlobalStepData)
+        assert item.num_sequences == len(ids) and item.total_tokens == total_tokens
+        assert [m.num_sequences for m in item.micro_batches] == [len(c) for c in cut]
+        own = sum(s.num_tokens for s in batch.sequences if s.source_rank == rank)
+        assert sum(m.source_noisy_TC.shape[0] for m in item.micro_batches) == own
+        for micro in item.micro_batches:
+            assert micro.total_tokens == total_tokens  # the loss normaliser: the global batch's
+            assert micro.error is None
+            assert micro.source_noisy_TC.shape[0] == micro.program.visual_route.num_source
+        record = item.record
+        assert record.num_micro_batches == 3
+        assert record.makespan_s == pytest.approx(
+            sum(m.record.makespan_s for m in item.micro_batches)
+        )
+        assert record.rank_peak_bytes == tuple(
+            max(peaks)
+            for peaks in zip(*(m.record.rank_peak_bytes for m in item.micro_batches), strict=True)
+        )
+    assert items[0].train_flops == pytest.approx(
+        sum(
+            zellige.train_flops(probe.pipeline().spec, s.num_tokens, s.text_tokens)
+            for s in batch.sequences
+        )
+    )
 
 
 def test_default_records_one_micro_batch(tmp_path: Path) -> None:
