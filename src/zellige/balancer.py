@@ -15,6 +15,16 @@ and the loss normalisation that makes loss and gradients those of data paralleli
         loss = step.loss((v_TC - held.tokens["target"]).square().mean(-1))
         (loss * step.num_ranks).backward()          # DDP / FSDP average gradients over ranks
 
+A global batch (one optimizer step's samples, more than the GPUs hold at once) runs as planned
+micro-batches with gradient accumulation (docs/global-batch.md, "Training with micro-batches"):
+
+    for samples in loader:                          # this rank's share of the global batch
+        for step in balancer.global_step(samples):  # its micro-batches, in order
+            ...                                     # as above: inputs, model, step.loss
+            model.set_requires_gradient_sync(step.is_last)   # FSDP2: reduce in the last only
+            (loss * step.num_ranks).backward()      # step.loss divides by the GLOBAL batch's
+        optimizer.step()                            # counts: the gradients add up to its own
+
 One step ahead: `pending = balancer.schedule(samples)` gathers the sizes now and plans in a
 background thread; `pending.start()` (the next iteration) waits for the plan and loads it. A loop
 whose loader worker already knows every rank's sizes (zellige.train's) plans and compiles there
@@ -31,7 +41,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +56,14 @@ from zellige import _core, runtime
 from zellige._json import cut
 from zellige.costs import device_memory_bytes, make_cost_model, planning_device
 from zellige.model_spec import model_spec_to_dict, resolve_model
-from zellige.pipeline import JOINT, PreparedStep, StepPipeline, StepRecord
+from zellige.pipeline import (
+    JOINT,
+    GlobalStepRecord,
+    PreparedGlobalStep,
+    PreparedStep,
+    StepPipeline,
+    StepRecord,
+)
 from zellige.runtime.ops import StepOps
 
 if TYPE_CHECKING:
@@ -227,6 +244,9 @@ class Balancer:
             the run; default: EngineConfig.from_env() (the documented overrides).
         gpu_memory_bytes: each GPU's memory the plans must fit; default: on a CUDA device, what
             this process can use of it (costs.device_memory_bytes), else the profile's device's.
+        global_planner: the global-batch planner of global_step()
+            (`zellige.global_batch_planner_names()`: "zellige", "megatron-dcp", "knapformer",
+            "static-cp", "wlb-llm").
 
     Example:
         >>> balancer = zellige.Balancer("my_dit.toml", planner="zellige", device="cuda")
@@ -248,6 +268,7 @@ class Balancer:
         plan_ahead: bool = True,
         engine: runtime.EngineConfig | None = None,
         gpu_memory_bytes: int | None = None,
+        global_planner: str = "zellige",
     ) -> None:
         _require_process_group()
         if type(seed) is not int or not 0 <= seed <= _MAX_SEED:
@@ -267,7 +288,8 @@ class Balancer:
             activation_checkpointing=activation_checkpointing,
             gpu_memory_bytes=gpu_memory_bytes,
         )
-        pipeline = StepPipeline(spec, cost_model, planner, seed=seed)  # checks the name
+        # checks the names
+        pipeline = StepPipeline(spec, cost_model, planner, seed=seed, global_planner=global_planner)
         if planner == JOINT:  # time-limited: ranks could stop at different incumbents
             raise ValueError("the joint MILP reference is for comparisons, not training")
         self._setup(pipeline, device, group, plan_ahead, engine)
@@ -314,6 +336,7 @@ class Balancer:
         self._config = {
             **{f"model.{key}": value for key, value in model_spec_to_dict(self.spec).items()},
             "planner": pipeline.planner_name,
+            "global planner": _global_planner_name(pipeline),
             "seed": self.seed,
             "world size": self.num_ranks,
         }
@@ -353,6 +376,48 @@ class Balancer:
         calls it) and plans the step, in the background when plan_ahead. Start pending steps in
         the order they were scheduled. Raises the same ValueError on every rank when a rank's
         samples are malformed or the ranks disagree (different Balancers, different steps)."""
+        index, batch, schema = self._gather(samples)
+        factors = self._speed_factors
+        if self._executor is not None:
+            future = self._executor.submit(self._plan_and_compile, batch, index, factors)
+        else:
+            future = Future()
+            try:
+                future.set_result(self._plan_and_compile(batch, index, factors))
+            except Exception as exc:  # noqa: BLE001 - raised by start(), on every rank
+                future.set_exception(exc)
+        return PendingStep(self, index, samples, batch, schema, future)
+
+    def global_step(self, samples: list[Sample]) -> GlobalStep:
+        """One optimizer step over a global batch: every rank's samples are gathered (one
+        all_gather_object, as schedule()), cut into micro-batches and each placed by the
+        global-batch planner (every rank alike, now). Iterate the returned GlobalStep for its
+        micro-batches in order: each is loaded as it is reached and is a BalancedStep whose
+        loss() divides by the whole global batch's token (or sample) count, so the gradients of
+        the micro-batches' backwards add up to the global batch's. Every rank iterates every
+        micro-batch. Raises the same ValueError on every rank as schedule() does, and
+        PlanMemoryError when a sample fits no placement."""
+        index, batch, schema = self._gather(samples)
+        plan = self.pipeline.plan_global(
+            batch, seed=self.seed + index, speed_factors=self._speed_factors
+        )
+        first = sum(
+            1 for s in batch.sequences if s.source_rank < self.rank
+        )  # ids are in rank order
+        return GlobalStep(self, index, list(samples), first, batch, schema, plan)
+
+    def start_global(self, prepared: PreparedGlobalStep) -> Iterator[BalancedStep]:
+        """The micro-batches of a global batch planned and compiled ahead
+        (StepPipeline.prepare_global in a loader worker), each loaded as it is reached, as
+        start() loads a step; their loss() divides by the whole global batch's counts."""
+        count = len(prepared.micro_batches)
+        for position, micro in enumerate(prepared.micro_batches):
+            step = self.start(micro)
+            step._in_global_batch(prepared.num_tokens, prepared.num_samples, position, count)
+            yield step
+
+    def _gather(self, samples: list[Sample]) -> tuple[int, _core.Batch, Schema | None]:
+        """The step's index, the batch of every rank's samples and their tensors' schema."""
         error, sizes = None, []
         try:
             schema = _check_samples(samples)
@@ -374,18 +439,8 @@ class Balancer:
         error = _agreement_error(reports)
         if error is not None:  # every rank holds the same reports: all raise it, none waits
             raise ValueError(error)
-        batch = self._batch(reports)
-        factors = self._speed_factors
-        if self._executor is not None:
-            future = self._executor.submit(self._plan_and_compile, batch, index, factors)
-        else:
-            future = Future()
-            try:
-                future.set_result(self._plan_and_compile(batch, index, factors))
-            except Exception as exc:  # noqa: BLE001 - raised by start(), on every rank
-                future.set_exception(exc)
         schema = next((r.schema for r in reports if r.schema is not None), None)
-        return PendingStep(self, index, samples, batch, schema, future)
+        return index, self._batch(reports), schema
 
     def _batch(self, reports: list[_RankReport]) -> _core.Batch:
         batch = _core.Batch()
@@ -470,6 +525,66 @@ class Balancer:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def _global_planner_name(pipeline: StepPipeline) -> str:
+    planner = pipeline.global_planner
+    return planner if isinstance(planner, str) else planner.planner
+
+
+class GlobalStep:
+    """One optimizer step's global batch, planned: iterate it for its micro-batches in order
+    (each a BalancedStep, loaded when reached; every rank iterates all of them).
+
+    plan: the GlobalPlan (micro-batches, their plans, the predicted step time); record: its
+    typed record; batch: the whole global batch; num_micro_batches."""
+
+    def __init__(self, balancer, index, samples, first, batch, schema, plan) -> None:
+        self._balancer = balancer
+        self.index = index
+        self.batch = batch
+        self.plan: _core.GlobalPlan = plan
+        self.record = GlobalStepRecord.from_plan(plan)
+        self.num_micro_batches = len(plan.micro_batches)
+        self._samples = samples
+        self._first = first  # the global id of this rank's first sample
+        self._schema = schema
+
+    def __len__(self) -> int:
+        return self.num_micro_batches
+
+    def __iter__(self) -> Iterator[BalancedStep]:
+        balancer = self._balancer
+        num_tokens = sum(s.num_tokens for s in self.batch.sequences)
+        for position, micro in enumerate(self.plan.micro_batches):
+            error = program = None
+            try:
+                program = balancer.pipeline.compile(micro.batch, micro.plan, balancer.rank)
+            except ValueError as exc:  # raised by load_step on every rank
+                error = f"rank {balancer.rank}: micro-batch {position}: {exc}"
+            loaded = balancer.pipeline.load(
+                program, balancer.device, balancer.group, error=error, engine=balancer.engine
+            )
+            mine = [  # this rank's samples of the micro-batch, in its order (the routes')
+                self._samples[s.id - self._first]
+                for s in micro.batch.sequences
+                if s.source_rank == balancer.rank
+            ]
+            step = BalancedStep(
+                balancer,
+                index=self.index,
+                samples=mine,
+                schema=self._schema,
+                batch=micro.batch,
+                plan=micro.plan,
+                record=StepRecord.from_plan(micro.plan),
+                sequence_num_tokens=tuple(s.num_tokens for s in micro.batch.sequences),
+                step=loaded,
+            )
+            step._in_global_batch(
+                num_tokens, len(self.batch.sequences), position, self.num_micro_batches
+            )
+            yield step
 
 
 def _require_process_group() -> None:
@@ -569,8 +684,25 @@ class BalancedStep:
         self.ops = StepOps(step)
         self.attention = self.ops.attention
         self.cross_attention = None if self.joint_attention else self.ops.cross_attention
+        # loss() divides by these: the step's, or a micro-batch's whole global batch's
         self.num_global_tokens = sum(sequence_num_tokens)
         self.num_global_samples = len(sequence_num_tokens)
+        self.micro_batch = 0  # its position among its global batch's micro-batches
+        self.num_micro_batches = 1
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this is its optimizer step's last micro-batch (the one whose backward
+        reduces the gradients: FSDP2's set_requires_gradient_sync, DDP outside no_sync)."""
+        return self.micro_batch == self.num_micro_batches - 1
+
+    def _in_global_batch(
+        self, num_tokens: int, num_samples: int, micro_batch: int, num_micro_batches: int
+    ) -> None:
+        self.num_global_tokens = num_tokens
+        self.num_global_samples = num_samples
+        self.micro_batch = micro_batch
+        self.num_micro_batches = num_micro_batches
 
     # The per-chunk tables come from the program's host arrays when first used (a loop that
     # routes and normalises on its own never builds them; none reads the device back).
@@ -680,7 +812,9 @@ class BalancedStep:
         gradients over ranks: backpropagate `loss * step.num_ranks`.
 
         per="token": the mean over every visual token of the batch (tokens weigh alike);
-        per="sample": the mean over samples of each sample's mean over its tokens."""
+        per="sample": the mean over samples of each sample's mean over its tokens.
+        A micro-batch of a global batch (global_step) divides by the whole global batch's
+        counts: summed over its micro-batches and ranks it is the global batch's loss."""
         if loss_T.shape[0] != self.visual_index.shape[0]:
             raise ValueError(
                 f"loss expects one value per held visual token ({self.visual_index.shape[0]}), "

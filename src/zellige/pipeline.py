@@ -14,6 +14,11 @@ decides which planner runs.
 What a consumer needs from a plan besides the program (checkpointed layers, predicted times and
 peaks, plan_ms) travels as a `StepRecord` (frozen, picklable), never as a plan dict; a step
 planned and compiled ahead crosses processes as a `PreparedStep`.
+
+A global batch (one optimizer step's samples, run as several micro-batches with gradient
+accumulation; docs/global-batch.md) is an input of the same pipeline: plan_global() cuts it into
+micro-batches and places each (a GlobalPlan), and each micro-batch is compiled, loaded and routed
+as a step of its own; prepare_global() hands them over as one `PreparedGlobalStep`.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ if TYPE_CHECKING:
     Planner = str | PlanFn | _core.Plan
 
 JOINT = "joint"  # the MILP reference, in Python (zellige.joint); every other name is make_plan's
+
+if TYPE_CHECKING:
+    # a global-batch planner name (zellige.global_batch_planner_names()) or a fixed GlobalPlan
+    # that every step uses (tests that need a particular cut into micro-batches)
+    GlobalPlanner = str | _core.GlobalPlan
 
 
 def check_planner_name(planner: str) -> None:
@@ -112,6 +122,37 @@ def make_step_plan(
     return _core.make_plan(planner, batch, cost_model, _core.PlannerOptions(seed=seed))
 
 
+def check_global_planner_name(planner: str) -> None:
+    """Raises ValueError for a name no global-batch planner answers to."""
+    names = _core.global_batch_planner_names()
+    if planner not in names:
+        raise ValueError(f"unknown global-batch planner '{planner}' (allowed: {', '.join(names)})")
+
+
+def make_global_plan(
+    planner: GlobalPlanner, batch: _core.Batch, cost_model: _core.CostModel, *, seed: int
+) -> _core.GlobalPlan:
+    """The global batch's micro-batches and their plans: the one place that decides which
+    global-batch planner runs. A fixed GlobalPlan keeps its cut; each micro-batch is placed again
+    by its plan's placements and predicted here, so every step's prediction is its own."""
+    if isinstance(planner, _core.GlobalPlan):
+        ids = [[s.id for s in micro.batch.sequences] for micro in planner.micro_batches]
+        if sorted(i for cut in ids for i in cut) != sorted(s.id for s in batch.sequences):
+            raise ValueError("the fixed global plan does not hold this global batch's sequences")
+        by_id = {s.id: s for s in batch.sequences}
+        plan = _core.GlobalPlan(planner=planner.planner, chosen=planner.chosen, plan_ms=0.0)
+        micro_batches = []
+        for micro, cut in zip(planner.micro_batches, ids, strict=True):
+            micro_batch = _core.Batch()
+            micro_batch.sequences = [by_id[i] for i in cut]
+            placed = make_step_plan(micro.plan, micro_batch, cost_model, seed=seed)
+            micro_batches.append(_core.MicroBatch(batch=micro_batch, plan=placed))
+        plan.micro_batches = micro_batches
+        plan.step_time_s = sum(m.plan.predicted.makespan_s for m in micro_batches)
+        return plan
+    return _core.plan_global_batch(planner, batch, cost_model, _core.GlobalBatchOptions(seed=seed))
+
+
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """What a step's consumer needs from its plan, typed (picklable: it crosses from a loader
@@ -149,6 +190,10 @@ class StepRecord:
         """The slowest rank's predicted time over the mean rank's."""
         return max(self.rank_time_s) / (sum(self.rank_time_s) / len(self.rank_time_s))
 
+    @property
+    def num_micro_batches(self) -> int:
+        return 1
+
     def checkpointed_blocks(self, rank: int) -> tuple[int, int]:
         """(blocks `rank` checkpoints, of those the ones that recompute in full) this step."""
         count = self.rank_checkpointed_layers[rank]
@@ -185,6 +230,77 @@ class StepForecast:
             rank_layers_s=tuple(float(r.linear_s) for r in ranks),
         )
 
+    @classmethod
+    def summed(cls, forecasts: Sequence[StepForecast]) -> StepForecast:
+        """Micro-batches' forecasts as one optimizer step's: each rank's times added (the
+        micro-batches of one step are planned with the same factors)."""
+        return cls(
+            rank_speed_factors=forecasts[0].rank_speed_factors,
+            rank_time_s=tuple(map(sum, zip(*(f.rank_time_s for f in forecasts), strict=True))),
+            rank_layers_s=tuple(map(sum, zip(*(f.rank_layers_s for f in forecasts), strict=True))),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalStepRecord:
+    """A global batch's plan, typed: per micro-batch its StepRecord, and the step's prediction.
+    It answers what a StepRecord answers about the whole optimizer step, so the trainer's
+    metrics read either: makespan_s is the predicted step time (the micro-batches' makespans
+    plus their fixed costs), a rank's time is its sum over the micro-batches and its peak the
+    largest of theirs."""
+
+    planner: str
+    chosen: str
+    plan_ms: float
+    step_time_s: float
+    micro_batches: tuple[StepRecord, ...]
+
+    @classmethod
+    def from_plan(cls, plan: _core.GlobalPlan) -> GlobalStepRecord:
+        return cls(
+            planner=plan.planner,
+            chosen=plan.chosen,
+            plan_ms=float(plan.plan_ms),
+            step_time_s=float(plan.step_time_s),
+            micro_batches=tuple(StepRecord.from_plan(m.plan) for m in plan.micro_batches),
+        )
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.micro_batches[0].num_ranks
+
+    @property
+    def makespan_s(self) -> float:
+        return self.step_time_s
+
+    @property
+    def rank_time_s(self) -> tuple[float, ...]:
+        return tuple(
+            sum(times) for times in zip(*(m.rank_time_s for m in self.micro_batches), strict=True)
+        )
+
+    @property
+    def rank_peak_bytes(self) -> tuple[float, ...]:
+        return tuple(
+            max(peaks)
+            for peaks in zip(*(m.rank_peak_bytes for m in self.micro_batches), strict=True)
+        )
+
+    @property
+    def planned_imbalance(self) -> float:
+        """The slowest rank's predicted time over the mean rank's, summed over micro-batches."""
+        rank_time_s = self.rank_time_s
+        return max(rank_time_s) / (sum(rank_time_s) / len(rank_time_s))
+
+    def checkpointed_blocks(self, rank: int) -> tuple[int, int]:
+        """The most blocks `rank` checkpoints in any micro-batch (each sets its own)."""
+        counts = [m.checkpointed_blocks(rank) for m in self.micro_batches]
+        return max(c for c, _ in counts), max(f for _, f in counts)
+
 
 @dataclass(kw_only=True, slots=True)
 class PreparedStep:
@@ -201,6 +317,20 @@ class PreparedStep:
     error: str | None
     record: StepRecord
     sequence_num_tokens: tuple[int, ...]
+
+
+@dataclass(kw_only=True, slots=True)
+class PreparedGlobalStep:
+    """One rank's global batch planned and compiled ahead: one PreparedStep per micro-batch, in
+    the order they run, and the normalisers of the whole global batch (a micro-batch's loss is
+    divided by them, so the accumulated gradient is the global batch's)."""
+
+    index: int  # the optimizer step's index
+    rank: int
+    micro_batches: tuple[PreparedStep, ...]
+    record: GlobalStepRecord
+    num_tokens: int  # visual tokens of the whole global batch
+    num_samples: int  # sequences of the whole global batch
 
 
 class StepPipeline:
@@ -221,12 +351,16 @@ class StepPipeline:
         planner: Planner = "zellige",
         *,
         seed: int = 0,
+        global_planner: GlobalPlanner = "zellige",
     ) -> None:
         if isinstance(planner, str):
             check_planner_name(planner)  # a typo fails here, not at the first step
+        if isinstance(global_planner, str):
+            check_global_planner_name(global_planner)
         self.spec = spec
         self.cost_model = cost_model
         self.planner = planner
+        self.global_planner = global_planner  # what plan_global() runs
         self.seed = seed
         self._sped_cost_model: tuple[tuple[float, ...], _core.CostModel] | None = None
 
@@ -265,6 +399,21 @@ class StepPipeline:
             self._sped_cost_model = (factors, with_speed_factors(self.cost_model, factors))
         return self._sped_cost_model[1]
 
+    def plan_global(
+        self,
+        batch: _core.Batch,
+        *,
+        seed: int | None = None,
+        speed_factors: Sequence[float] | None = None,
+    ) -> _core.GlobalPlan:
+        """A global batch cut into micro-batches, each placed (`seed`: default the pipeline's),
+        with rank r at speed_factors[r] times its cluster speed (None: the cluster's own).
+        Raises PlanMemoryError when a sequence fits no placement."""
+        cost_model = self.cost_model if not speed_factors else self._sped(speed_factors)
+        return make_global_plan(
+            self.global_planner, batch, cost_model, seed=self.seed if seed is None else seed
+        )
+
     def compile(self, batch: _core.Batch, plan: _core.Plan, rank: int) -> _core.StepProgram:
         """`rank`'s StepProgram (C++ plan compiler). Raises ValueError when the plan does not
         match the batch or the model's heads."""
@@ -300,6 +449,43 @@ class StepPipeline:
             error=error,
             record=StepRecord.from_plan(plan),
             sequence_num_tokens=tuple(s.num_tokens for s in batch.sequences),
+        )
+
+    def prepare_global(
+        self, batch: _core.Batch, rank: int, *, index: int, seed: int | None = None
+    ) -> PreparedGlobalStep:
+        """plan_global + compile of each micro-batch of optimizer step `index` for `rank`."""
+        plan = self.plan_global(batch, seed=seed)
+        return self.prepare_micro_batches(batch, plan, rank, index=index)
+
+    def prepare_micro_batches(
+        self, batch: _core.Batch, plan: _core.GlobalPlan, rank: int, *, index: int
+    ) -> PreparedGlobalStep:
+        """Each micro-batch of `plan` compiled for `rank` (as prepare() compiles a step)."""
+        micro_batches = []
+        for micro in plan.micro_batches:
+            program, error = None, None
+            try:
+                program = self.compile(micro.batch, micro.plan, rank)
+            except ValueError as exc:
+                error = str(exc)
+            micro_batches.append(
+                PreparedStep(
+                    index=index,
+                    rank=rank,
+                    program=program,
+                    error=error,
+                    record=StepRecord.from_plan(micro.plan),
+                    sequence_num_tokens=tuple(s.num_tokens for s in micro.batch.sequences),
+                )
+            )
+        return PreparedGlobalStep(
+            index=index,
+            rank=rank,
+            micro_batches=tuple(micro_batches),
+            record=GlobalStepRecord.from_plan(plan),
+            num_tokens=sum(s.num_tokens for s in batch.sequences),
+            num_samples=len(batch.sequences),
         )
 
     @staticmethod

@@ -2,6 +2,7 @@
 
 from zellige.data.loader import (
     TINY_RECIPE,
+    GlobalStepData,
     StepData,
     StepDataset,
     load_training_recipe,
@@ -12,6 +13,7 @@ from zellige.data.synthetic import SequenceSample, SyntheticLatents, grid_positi
 
 __all__ = [
     "TINY_RECIPE",
+    "GlobalStepData",
     "SequenceSample",
     "StepData",
     "StepDataset",

@@ -6,6 +6,10 @@ compiles its own step program (the step pipeline's plan() and compile(), zellige
 the main process trains on the previous step; the PreparedStep crosses to the training process
 as is (the program pickles through its C++ binary form, the plan's record is a dataclass). Only
 the tensors of the sequences this rank loads (source_rank == rank) are materialised here.
+
+With a global batch (docs/global-batch.md) an item is a `GlobalStepData`: the worker draws the
+whole optimizer step's samples, plans its micro-batches (StepPipeline.prepare_global) while the
+previous global batch trains, and hands over one StepData per micro-batch, in the order they run.
 """
 
 from __future__ import annotations
@@ -23,8 +27,15 @@ import zellige
 from zellige import _core
 from zellige.cluster_file import read_cluster_file
 from zellige.data.synthetic import SyntheticLatents
+from zellige.global_batch import GlobalBatchSize, draw_global_batch, global_plan_from_dict
 from zellige.model import DiTConfig
-from zellige.pipeline import PreparedStep, StepForecast, StepPipeline, StepRecord
+from zellige.pipeline import (
+    GlobalStepRecord,
+    PreparedStep,
+    StepForecast,
+    StepPipeline,
+    StepRecord,
+)
 from zellige.profile import priced_as_engine_runs
 
 # A mix of 64x64 images (16 tokens each) and short 64x96 / 64x128 clips (120 and 288 tokens):
@@ -124,6 +135,29 @@ class StepData:
         return replace(self, **pinned)
 
 
+@dataclass(kw_only=True, slots=True)
+class GlobalStepData:
+    """One rank's global batch for one optimizer step (picklable): a StepData per micro-batch,
+    in the order they run. Each micro-batch's total_tokens is the whole global batch's (its loss
+    normaliser), so the micro-batches' gradients add up to the global batch's."""
+
+    step: int
+    rank: int
+    micro_batches: tuple[StepData, ...]
+    record: GlobalStepRecord
+    num_sequences: int
+    total_tokens: int  # over all ranks and micro-batches: the loss normaliser
+    train_flops: float  # forward + backward FLOPs of the whole global batch (for MFU)
+
+    @property
+    def forecast(self) -> StepForecast:
+        """The optimizer step's forecast: each rank's times summed over the micro-batches."""
+        return StepForecast.summed([m.forecast for m in self.micro_batches])
+
+    def pin_memory(self) -> GlobalStepData:
+        return replace(self, micro_batches=tuple(m.pin_memory() for m in self.micro_batches))
+
+
 def _release_planning_state(dataset_ref: weakref.ref) -> None:
     dataset = dataset_ref()
     if dataset is not None:
@@ -140,6 +174,13 @@ class StepDataset(torch.utils.data.Dataset):
     robin by the num_ranks ranks. `plan` (a Plan JSON object) replaces the planner, for tests
     that need a particular placement. pipeline() builds the StepPipeline that plans and compiles
     each step (in the process that calls it; the dataset pickles without it).
+
+    `global_batch`: each item is a GlobalStepData, the optimizer step's global batch of that size
+    drawn from the recipe (draw_global_batch, for `data_ranks` loader ranks; with `sequences`,
+    those are the global batch) cut into micro-batches by `planner`, a global-batch planner
+    (zellige.global_batch_planner_names()). `global_plan` (a global plan JSON object of the
+    `sequences`, global_plan_to_dict's form) replaces that planner, for tests that need a
+    particular cut.
     """
 
     def __init__(
@@ -164,7 +205,11 @@ class StepDataset(torch.utils.data.Dataset):
         attention_ragged: bool | None = None,
         gpu_memory_bytes: int | None = None,
         cluster: str | None = None,
+        global_batch: GlobalBatchSize | None = None,
+        global_plan: dict | None = None,
     ) -> None:
+        if global_plan is not None and sequences is None:
+            raise ValueError("a fixed global plan needs the fixed sequences it cuts")
         self.model = model
         self.recipe_name = recipe
         self.planner = planner
@@ -191,6 +236,9 @@ class StepDataset(torch.utils.data.Dataset):
         self.cluster = cluster
         if cluster is not None:
             self.gpus_per_node = read_cluster_file(cluster).gpus_per_node
+        self.fixed_global_plan = global_plan
+        # a global batch per item (GlobalStepData) instead of one step's batch
+        self.global_batch = global_batch
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
@@ -228,7 +276,17 @@ class StepDataset(torch.utils.data.Dataset):
             planner = self.planner
             if self.fixed_plan is not None:
                 planner = zellige.plan_from_dict(self.fixed_plan)
-            pipeline = StepPipeline(spec, cost_model, planner, seed=self.seed)
+            if self.uses_global_batch:
+                # the planner names the global-batch planner; a micro-batch is placed by it
+                global_planner = planner
+                if self.fixed_global_plan is not None:
+                    fixed = self._fixed_batch()
+                    global_planner = global_plan_from_dict(self.fixed_global_plan, fixed)
+                pipeline = StepPipeline(
+                    spec, cost_model, seed=self.seed, global_planner=global_planner
+                )
+            else:
+                pipeline = StepPipeline(spec, cost_model, planner, seed=self.seed)
             recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
             latents = SyntheticLatents(
                 token_channels=self.model.token_channels,
@@ -242,11 +300,24 @@ class StepDataset(torch.utils.data.Dataset):
             atexit.register(_release_planning_state, weakref.ref(self))
         return self._state
 
+    @property
+    def uses_global_batch(self) -> bool:
+        return self.global_batch is not None or self.fixed_global_plan is not None
+
+    def _fixed_batch(self) -> _core.Batch:
+        return zellige.batch_from_dict({"sequences": self.sequences}, num_ranks=self.num_ranks)
+
     def batch(self, step: int) -> _core.Batch:
+        """Step `step`'s batch (with a global batch: the whole global batch)."""
         _, recipe, _ = self._planning_state()
         if self.sequences is not None:
-            return zellige.batch_from_dict({"sequences": self.sequences}, num_ranks=self.num_ranks)
-        batch = zellige.generate_batch(recipe, self.data_ranks, _step_seed(self.seed, step))
+            return self._fixed_batch()
+        if self.uses_global_batch:
+            batch = draw_global_batch(
+                recipe, self.data_ranks, self.global_batch, seed=_step_seed(self.seed, step)
+            )
+        else:
+            batch = zellige.generate_batch(recipe, self.data_ranks, _step_seed(self.seed, step))
         if self.data_ranks == self.num_ranks:
             return batch
         data = zellige.batch_to_dict(batch)
@@ -257,20 +328,62 @@ class StepDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 2**62
 
-    def plan(self, step: int) -> _core.Plan:
-        """Step `step`'s plan, as the loader makes it for that step (every rank alike)."""
-        return self.pipeline().plan(self.batch(step), seed=_step_seed(self.seed, step))
+    def plan(self, step: int) -> _core.Plan | _core.GlobalPlan:
+        """Step `step`'s plan (with a global batch its GlobalPlan), as the loader makes it for
+        that step (every rank alike)."""
+        pipeline, seed = self.pipeline(), _step_seed(self.seed, step)
+        if self.uses_global_batch:
+            return pipeline.plan_global(self.batch(step), seed=seed)
+        return pipeline.plan(self.batch(step), seed=seed)
 
-    def __getitem__(self, index: int | StepRequest) -> StepData:
+    def __getitem__(self, index: int | StepRequest) -> StepData | GlobalStepData:
         request = index if isinstance(index, StepRequest) else StepRequest(step=index)
-        step = request.step
-        pipeline, _, latents = self._planning_state()
-        spec = pipeline.spec
+        step, factors = request.step, request.speed_factors
+        pipeline = self.pipeline()
         batch = self.batch(step)
         seed = _step_seed(self.seed, step)
-        plan = pipeline.plan(batch, seed=seed, speed_factors=request.speed_factors)
-        prepared = pipeline.prepare(batch, self.rank, index=step, plan=plan)
+        total_tokens = zellige.total_tokens(batch)
+        if not self.uses_global_batch:
+            plan = pipeline.plan(batch, seed=seed, speed_factors=factors)
+            prepared = pipeline.prepare(batch, self.rank, index=step, plan=plan)
+            forecast = StepForecast.from_plan(pipeline.cost_model, batch, plan, factors)
+            return self._step_data(step, batch, prepared, forecast, total_tokens)
+        plan = pipeline.plan_global(batch, seed=seed, speed_factors=factors)
+        prepared = pipeline.prepare_micro_batches(batch, plan, self.rank, index=step)
+        micro_batches = tuple(
+            self._step_data(
+                step,
+                micro.batch,
+                micro_prepared,
+                StepForecast.from_plan(pipeline.cost_model, micro.batch, micro.plan, factors),
+                total_tokens,
+            )
+            for micro, micro_prepared in zip(
+                plan.micro_batches, prepared.micro_batches, strict=True
+            )
+        )
+        return GlobalStepData(
+            step=step,
+            rank=self.rank,
+            micro_batches=micro_batches,
+            record=prepared.record,
+            num_sequences=len(batch.sequences),
+            total_tokens=total_tokens,
+            train_flops=sum(m.train_flops for m in micro_batches),
+        )
 
+    def _step_data(
+        self,
+        step: int,
+        batch: _core.Batch,
+        prepared: PreparedStep,
+        forecast: StepForecast,
+        total_tokens: int,
+    ) -> StepData:
+        """This rank's tensors of `batch` (a step's, or a micro-batch's) beside its prepared
+        program and its plan's forecast; `total_tokens` is the loss normaliser."""
+        pipeline, _, latents = self._planning_state()
+        spec = pipeline.spec
         noisy, velocity, timestep, text, text_timestep, text_tokens = [], [], [], [], [], []
         for sequence in batch.sequences:
             if sequence.source_rank != self.rank:
@@ -292,11 +405,9 @@ class StepDataset(torch.utils.data.Dataset):
             step=step,
             rank=self.rank,
             prepared=prepared,
-            forecast=StepForecast.from_plan(
-                pipeline.cost_model, batch, plan, request.speed_factors
-            ),
+            forecast=forecast,
             num_sequences=len(batch.sequences),
-            total_tokens=zellige.total_tokens(batch),
+            total_tokens=total_tokens,
             train_flops=float(
                 sum(zellige.train_flops(spec, s.num_tokens, s.text_tokens) for s in batch.sequences)
             ),

@@ -15,6 +15,7 @@ from typing import Any
 
 from zellige._core import MAX_GPUS
 from zellige._json import read_toml
+from zellige.global_batch import GlobalBatchSize, parse_global_batch_size
 from zellige.model import DiTConfig, model_preset
 from zellige.model.config import with_layers
 
@@ -54,6 +55,10 @@ class DataSection:
     # loader ranks each step's batch is drawn for; None: the world size of the first run (a
     # resumed run takes the checkpoint's, so the data stream does not change with the world size)
     data_ranks: int | None = None
+    # each optimizer step trains a global batch of this size ("1024" samples, "50M" tokens) as
+    # the micro-batches the planner (a global-batch planner) cuts it into, with gradient
+    # accumulation (docs/global-batch.md); None: one planned batch per step, as drawn
+    global_batch: str | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -193,8 +198,10 @@ class TrainConfig:
                 optimizer,
                 fused_optimizer=_chosen(optimizer.fused_optimizer, cuda),
                 copying_optimizer=copying,
-                # only the copying optimizer reads the compute dtype's gradients
-                compute_dtype_gradients=copying and optimizer.compute_dtype_gradients is not False,
+                # only the copying optimizer reads the compute dtype's gradients, and not a
+                # global batch's by default: its micro-batches' gradients add up in the masters'
+                compute_dtype_gradients=copying
+                and _chosen(optimizer.compute_dtype_gradients, self.data.global_batch is None),
             ),
         )
 
@@ -408,6 +415,9 @@ FIELD_HELP = {
     "adapt_speeds": "plan with per-rank speed factors measured in training",
     "adapt_speeds_start_step": "first step (1-based) whose times the speed factors measure",
     "speed_smoothing": "weight of the newest step in each rank's measured speed, in (0, 1]",
+    # [data] global batch
+    "global_batch": "samples (1024) or latent tokens (50M) per optimizer step, run as planned "
+    "micro-batches with gradient accumulation",
 }
 _DTYPES = ("float64", "float32", "bfloat16")
 
@@ -636,8 +646,19 @@ def validate_config(config: TrainConfig) -> None:
         if not ok:
             value = _short(_value_of(config, key))
             raise ValueError(f"{field_label(key)} must be {allowed}, got {value}")
+    global_batch_size(config)
     if parallelism.device == "cpu":
         _check_fits_host_memory(config)
+
+
+def global_batch_size(config: TrainConfig) -> GlobalBatchSize | None:
+    """config.global_batch parsed (None without one); ValueError naming the field otherwise."""
+    if config.data.global_batch is None:
+        return None
+    try:
+        return parse_global_batch_size(config.data.global_batch)
+    except ValueError as error:
+        raise ValueError(f"global_batch: {error}") from None
 
 
 def check_world(config: TrainConfig, num_ranks: int) -> None:

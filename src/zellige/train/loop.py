@@ -22,14 +22,28 @@ import zellige
 from zellige.balancer import Balancer
 from zellige.cluster_file import read_cluster_file
 from zellige.costs import device_memory_bytes, planning_device
-from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
+from zellige.data import (
+    GlobalStepData,
+    StepDataset,
+    load_training_recipe,
+    make_loader,
+    model_spec,
+)
 from zellige.data.loader import on_cluster_file
 from zellige.model import MMDiT, ModelNumerics, VideoDiT, fused
 from zellige.model import build_model as reference_model
-from zellige.pipeline import JOINT, StepRecord, make_step_plan
+from zellige.pipeline import (
+    JOINT,
+    GlobalStepRecord,
+    StepRecord,
+    check_global_planner_name,
+    make_global_plan,
+    make_step_plan,
+)
 from zellige.profile import priced_as_engine_runs
 from zellige.runtime import EngineConfig, engine_runs_ragged
 from zellige.runtime.collector import QuietCollector
+from zellige.train.accumulation import accumulate
 from zellige.train.checkpoint import (
     CheckpointInfo,
     check_out_dir,
@@ -40,7 +54,7 @@ from zellige.train.checkpoint import (
     run_fields,
     save_checkpoint,
 )
-from zellige.train.config import TrainConfig, check_world, validate_config
+from zellige.train.config import TrainConfig, check_world, global_batch_size, validate_config
 from zellige.train.metrics import (
     MetricsSinks,
     StepEnd,
@@ -105,8 +119,9 @@ def preflight(
         cluster_file = read_cluster_file(config.parallelism.cluster)
         if cluster_file.num_ranks != num_ranks:
             raise ValueError(
-                f"--cluster {config.parallelism.cluster}: its nodes hold {cluster_file.num_ranks} GPUs, this "
-                f"run has {num_ranks} ranks (torchrun --nproc-per-node x nodes)"
+                f"--cluster {config.parallelism.cluster}: its nodes hold "
+                f"{cluster_file.num_ranks} GPUs, this run has {num_ranks} ranks "
+                "(torchrun --nproc-per-node x nodes)"
             )
         # the file's nodes give the node size
         config = config.with_fields(gpus_per_node=cluster_file.gpus_per_node)
@@ -186,9 +201,24 @@ def _check_planning(config: TrainConfig, num_ranks: int) -> None:
         {"id": r, "num_tokens": 1, "text_tokens": 0, "source_rank": r} for r in range(num_ranks)
     ]
     batch = zellige.batch_from_dict({"sequences": sequences}, num_ranks=num_ranks)
-    if config.parallelism.cluster is not None:  # its profiles load and its ranks' memory is in range
+    if config.parallelism.cluster is not None:  # its profiles load, its ranks' memory is in range
         cost_model = on_cluster_file(cost_model, config.parallelism.cluster)
-    make_step_plan(config.parallelism.planner, batch, cost_model, seed=0)
+    planner = config.parallelism.planner
+    if config.data.global_batch is None:
+        make_step_plan(planner, batch, cost_model, seed=0)
+        return
+    # with a global batch the planner cuts it into micro-batches (a global-batch planner)
+    check_global_planner_name(planner)
+    if (
+        config.optimizer.compute_dtype_gradients
+        and num_ranks == 1
+        and not config.parallelism.fsdp_on_one_rank
+    ):
+        raise ValueError(
+            "compute_dtype_gradients hands one backward's gradients to the optimizer as they "
+            "are: a global batch's micro-batches add theirs up (leave it unset)"
+        )
+    make_global_plan(planner, batch, cost_model, seed=0)
 
 
 def _require_cuda(config: TrainConfig) -> None:
@@ -273,11 +303,14 @@ def train(
     tensorboard_dir: str | Path | None = None,
     wandb_project: str | None = None,
     sequences: list[dict] | None = None,
+    global_plan: dict | None = None,
     progress: bool = True,
 ) -> list[dict]:
     """Runs config.steps steps (counting the resumed ones); returns each step's metrics (the same
-    on every rank). `sequences` fixes every step's batch (tests). Bad input raises ValueError
-    before training; a non-finite loss or a stuck rank raises TrainingFailed."""
+    on every rank). `sequences` fixes every step's batch (tests); with a global batch,
+    `global_plan` (global_plan_to_dict's form) fixes its cut into micro-batches (tests). Bad
+    input raises ValueError before training; a non-finite loss or a stuck rank raises
+    TrainingFailed."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     start = preflight(
         config,
@@ -355,12 +388,15 @@ def train(
         optimizer_copy_bytes_per_param=optimizer_copy_bytes_per_param(config, num_ranks),
         sequences=sequences,
         attention_ragged=attention_ragged,
+        global_batch=global_batch_size(config),
+        global_plan=global_plan,
     )
     _check_first_step_fits(dataset, first_step)
     num_steps = config.steps - first_step
     # measured on every run (logged); plans use it with adapt_speeds (train/speeds.py)
     speeds = SpeedEstimate(
-        num_ranks, smoothing=config.parallelism.speed_smoothing,
+        num_ranks,
+        smoothing=config.parallelism.speed_smoothing,
         start_step=config.parallelism.adapt_speeds_start_step,
     )
     loader = make_loader(
@@ -426,7 +462,7 @@ def train(
                 sinks.write(record)
                 if rank == 0 and progress:
                     bar.update(1)
-                    bar.write(step_line(record, config.steps))
+                    bar.write(step_line(record, config.steps) + _micro_batch_note(config, record))
             if saving:
                 saved_at = time.perf_counter()
                 try:
@@ -483,15 +519,20 @@ class StepsAhead:
             wait_start = time.perf_counter()
             data = next(self._loader_iter)
             wait_s = time.perf_counter() - wait_start
-            joint = self._config.model.dit.joint_attention  # MMDiT: text joins attention
-            assemble = assemble_joint_step if joint else assemble_step
-            with record_function("zellige.step.setup"):
-                inputs = assemble(
-                    data, self._config.model.dit.num_heads, self._device, self._balancer
-                )
+            # a global batch: its first micro-batch's inputs (the others are made as it trains)
+            first = data.micro_batches[0] if isinstance(data, GlobalStepData) else data
+            inputs = self.assemble(first)
             self._ready = (step, data, inputs, wait_s)
         except Exception as error:  # noqa: BLE001 (raised again by take, in its own step)
             self._ready = (step, error)
+
+    def assemble(self, data):
+        """One step's (or micro-batch's) inputs on the device: its program loaded by the
+        Balancer and the loader's tensors routed."""
+        dit = self._config.model.dit
+        assemble = assemble_joint_step if dit.joint_attention else assemble_step  # MMDiT: joint
+        with record_function("zellige.step.setup"):
+            return assemble(data, dit.num_heads, self._device, self._balancer)
 
     def take(self, step: int):
         """(data, inputs, seconds waited for the loader) of step `step`."""
@@ -564,12 +605,25 @@ def train_step(
     start = before.end if before is not None else time_mark(device)
     timer.reset()
     checkpointed, full_recompute = _checkpointed_blocks(data.record, rank)
-    set_checkpointed_blocks(model, checkpointed, full_recompute)
     sync_check = config.metrics.sync_debug and device.type == "cuda"
     if sync_check:
         # every host sync until the next step's inputs are made (the step's end waits)
         torch.cuda.set_sync_debug_mode("warn")
-    local_loss = forward_backward_step(config, model, step_input, data.total_tokens, timer)
+    if isinstance(data, GlobalStepData):
+        # gradient accumulation over the planned micro-batches (train/accumulation.py)
+        local_loss = accumulate(
+            model,
+            data.micro_batches,
+            step_input,
+            rank=rank,
+            assemble=ahead.assemble,
+            forward_backward=lambda micro_input, micro: forward_backward_step(
+                config, model, micro_input, micro.total_tokens, timer
+            ),
+        )
+    else:
+        set_checkpointed_blocks(model, checkpointed, full_recompute)
+        local_loss = forward_backward_step(config, model, step_input, data.total_tokens, timer)
     injected_s = 0.0
     if slow is not None:  # the test hook: a sleep that stands for a slower device's work
         injected_s = slow.delay_s(rank, busy_seconds(timer.seconds()), data.forecast)
@@ -693,11 +747,22 @@ def step_loss(
     return squared_error_sum(velocity_TC, step_input.velocity_TC) / total_tokens
 
 
-def _checkpointed_blocks(record: StepRecord, rank: int) -> tuple[int, int]:
+def _checkpointed_blocks(record: StepRecord | GlobalStepRecord, rank: int) -> tuple[int, int]:
     """How many of the first blocks this rank checkpoints this step, and how many of those
     recompute in full, attention included: the cost model's choice (all blocks or none without
-    adaptive checkpointing; full recompute where the kept attention outputs do not fit)."""
+    adaptive checkpointing; full recompute where the kept attention outputs do not fit). A
+    global batch's micro-batches each set their own; this is the most of any of them."""
     return record.checkpointed_blocks(rank)
+
+
+def _micro_batch_note(config: TrainConfig, record: dict) -> str:
+    """With a global batch, the step line's tail: micro-batches, measured and predicted time."""
+    if config.data.global_batch is None:
+        return ""
+    return (
+        f" micro-batches {record['micro_batches']} step {record['step_s']:.4g} s "
+        f"(predicted {record['predicted_makespan_s']:.4g} s)"
+    )
 
 
 def _synchronize(device: torch.device) -> None:

@@ -148,6 +148,7 @@ def finish_step(
         "lr": ended.lr,
         "planner": config.parallelism.planner,
         **_speed_fields(data.forecast.rank_speed_factors, times, speeds),
+        "micro_batches": record.num_micro_batches,  # a global batch's (1: one batch per step)
     }
 
 
