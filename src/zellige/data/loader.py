@@ -20,6 +20,7 @@ from torch import Tensor
 
 import zellige
 from zellige import _core
+from zellige.data.latents import LatentDataError, LatentSource, open_latent_dataset
 from zellige.data.synthetic import SyntheticLatents
 from zellige.model import DiTConfig
 from zellige.pipeline import PreparedStep, StepPipeline, StepRecord
@@ -127,7 +128,10 @@ class StepDataset(torch.utils.data.Dataset):
     otherwise each step's batch comes from the recipe with seed (seed, step), drawn for
     `data_ranks` loader ranks (default num_ranks). A run resumed on another number of ranks keeps
     its data_ranks, so its steps see the same batches; their sequences are then loaded round
-    robin by the num_ranks ranks. `plan` (a Plan JSON object) replaces the planner, for tests
+    robin by the num_ranks ranks. `data_dir`: a latent dataset (zellige.data.latents) gives each
+    step's batch and latents instead of the recipe and the synthetic latents; a sample that
+    cannot be read becomes the step's error, raised on every rank together (never skipped).
+    `plan` (a Plan JSON object) replaces the planner, for tests
     that need a particular placement. pipeline() builds the StepPipeline that plans and compiles
     each step (in the process that calls it; the dataset pickles without it).
     """
@@ -153,6 +157,7 @@ class StepDataset(torch.utils.data.Dataset):
         data_ranks: int | None = None,
         attention_ragged: bool | None = None,
         gpu_memory_bytes: int | None = None,
+        data_dir: str | None = None,
     ) -> None:
         self.model = model
         self.recipe_name = recipe
@@ -176,6 +181,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.attention_ragged = attention_ragged
         # each GPU's memory the plans must fit (the training device's; None: the profile's)
         self.gpu_memory_bytes = gpu_memory_bytes
+        self.data_dir = data_dir
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
@@ -212,12 +218,22 @@ class StepDataset(torch.utils.data.Dataset):
             if self.fixed_plan is not None:
                 planner = zellige.plan_from_dict(self.fixed_plan)
             pipeline = StepPipeline(spec, cost_model, planner, seed=self.seed)
-            recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
-            latents = SyntheticLatents(
-                token_channels=self.model.token_channels,
-                text_dim=self.model.text_dim,
-                seed=self.seed,
-            )
+            recipe, latents = None, None
+            if self.data_dir is not None:
+                latents = LatentSource(
+                    open_latent_dataset(self.data_dir),
+                    self.model,
+                    seed=self.seed,
+                    data_ranks=self.data_ranks,
+                )
+            elif self.sequences is None:
+                recipe = load_training_recipe(self.recipe_name)
+            if latents is None:
+                latents = SyntheticLatents(
+                    token_channels=self.model.token_channels,
+                    text_dim=self.model.text_dim,
+                    seed=self.seed,
+                )
             self._state = (pipeline, recipe, latents)
             # A DataLoader worker keeps its dataset in a torch module global until interpreter
             # teardown, where nanobind reports the core objects still alive as leaks: drop them
@@ -226,10 +242,13 @@ class StepDataset(torch.utils.data.Dataset):
         return self._state
 
     def batch(self, step: int) -> _core.Batch:
-        _, recipe, _ = self._planning_state()
+        _, recipe, latents = self._planning_state()
         if self.sequences is not None:
             return zellige.batch_from_dict({"sequences": self.sequences}, num_ranks=self.num_ranks)
-        batch = zellige.generate_batch(recipe, self.data_ranks, _step_seed(self.seed, step))
+        if recipe is None:
+            batch = latents.batch(step)
+        else:
+            batch = zellige.generate_batch(recipe, self.data_ranks, _step_seed(self.seed, step))
         if self.data_ranks == self.num_ranks:
             return batch
         data = zellige.batch_to_dict(batch)
@@ -254,12 +273,17 @@ class StepDataset(torch.utils.data.Dataset):
         for sequence in batch.sequences:
             if sequence.source_rank != self.rank:
                 continue
-            sample = latents.sample(
-                step=step,
-                sequence_id=sequence.id,
-                grid_thw=(sequence.grid_t, sequence.grid_h, sequence.grid_w),
-                text_tokens=sequence.text_tokens,
-            )
+            try:
+                sample = latents.sample(
+                    step=step,
+                    sequence_id=sequence.id,
+                    grid_thw=(sequence.grid_t, sequence.grid_h, sequence.grid_w),
+                    text_tokens=sequence.text_tokens,
+                )
+            except LatentDataError as error:  # every rank raises it with the step (load)
+                prepared = replace(prepared, error=f"rank {self.rank}: {error}")
+                noisy, velocity, timestep, text, text_timestep, text_tokens = [], [], [], [], [], []
+                break
             noisy.append(sample.noisy_LC)
             velocity.append(sample.velocity_LC)
             timestep.append(torch.full((sequence.num_tokens,), sample.timestep))

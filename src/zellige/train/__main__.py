@@ -1,6 +1,9 @@
 """torchrun --nproc-per-node N -m zellige.train --config NAME [--config-file RUN.toml] [--steps K]
-[...any config field as --field-name VALUE] [--metrics FILE.jsonl] [--tensorboard DIR]
-[--wandb PROJECT] [--out DIR] [--resume DIR]
+[...any config field as --field-name VALUE] [--data DIR] [--metrics FILE.jsonl]
+[--tensorboard DIR] [--wandb PROJECT] [--out DIR] [--resume DIR]
+
+`zellige train --nproc N ...` (zellige.commands.train) checks the same arguments and starts
+these processes itself.
 
 Bad input is one line `zellige.train: error: ...` (from rank 0 only) and exit status 2, before
 any training; a run that fails while training (a non-finite loss, a stuck rank) says so in one
@@ -67,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--wandb", metavar="PROJECT", help="log to Weights & Biases (if installed)")
     parser.add_argument("--out", metavar="DIR", help="checkpoint directory")
     parser.add_argument("--resume", metavar="DIR", help="resume from this checkpoint directory")
+    # --- dataset options ---
+    parser.add_argument("--data", dest="data_dir", metavar="DIR", help="same as --data-dir")
     return parser
 
 

@@ -96,6 +96,10 @@ class TrainConfig:
     # resumed run takes the checkpoint's, so the data stream does not change with the world size)
     data_ranks: int | None = None
     timeout_s: float = 600.0  # a collective that waits longer fails the run (a stuck rank)
+    # --- dataset options ---
+    # a latent dataset directory (zellige encode) the steps' batches and latents come from; None:
+    # the recipe's synthetic latents
+    data_dir: str | None = None
 
 
 def tiny_cpu() -> TrainConfig:
@@ -278,6 +282,8 @@ FIELD_HELP = {
     "peak_flops_per_s": "a device's peak FLOP/s, for MFU",
     "data_ranks": "loader ranks each step's batch is drawn for (default: the world size)",
     "timeout_s": "seconds a collective may wait for the other ranks before the run fails",
+    # --- dataset options ---
+    "data_dir": "latent dataset directory (zellige encode; default: the recipe's synthetic data)",
 }
 _DTYPES = ("float64", "float32", "bfloat16")
 

@@ -22,6 +22,7 @@ import zellige
 from zellige.balancer import Balancer
 from zellige.costs import device_memory_bytes, planning_device
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
+from zellige.data.latents import open_latent_dataset
 from zellige.model import MMDiT, ModelNumerics, VideoDiT, fused
 from zellige.model import build_model as reference_model
 from zellige.pipeline import JOINT, StepRecord, make_step_plan
@@ -103,6 +104,8 @@ def preflight(
     if config.device == "cuda":
         _require_cuda(config)
     _check_planning(config, num_ranks)
+    if config.data_dir is not None:  # manifest, shards present, channels and text width
+        open_latent_dataset(config.data_dir).check_model(config.model)
     if out_dir is not None:
         out = Path(out_dir)
         if out.exists() and not out.is_dir():
@@ -332,6 +335,7 @@ def train(
         optimizer_copy_bytes_per_param=optimizer_copy_bytes_per_param(config, num_ranks),
         sequences=sequences,
         attention_ragged=attention_ragged,
+        data_dir=config.data_dir,
     )
     _check_first_step_fits(dataset, first_step)
     num_steps = config.steps - first_step
