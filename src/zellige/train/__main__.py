@@ -25,6 +25,7 @@ from zellige.runtime import end_rank_process
 from zellige.train.config import (
     CONFIGS,
     FIELD_HELP,
+    TrainConfig,
     field_types,
     load_config_file,
     resolve_config,
@@ -36,11 +37,11 @@ PROG = "zellige.train"
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line from rank 0, not a usage block from every rank."""
+    """argparse whose errors are ValueErrors (one line from rank 0, not a usage block from
+    every rank)."""
 
     def error(self, message: str):
-        say(f"{PROG}: error: {printable(message)}")
-        sys.exit(2)
+        raise ValueError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,17 +100,24 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    die_with_launcher()
+def parse_run(argv: list[str] | None) -> tuple[argparse.Namespace, TrainConfig]:
+    """The arguments and the validated config they give; ValueError (one line) for a bad one.
+    The launcher (zellige train) checks a run's arguments with it before starting processes."""
     args = _parser().parse_args(argv)
     overrides = {
         key: getattr(args, key) for key in FIELD_HELP if getattr(args, key, None) is not None
     }
+    file_values = load_config_file(args.config_file) if args.config_file else {}
+    if args.model is not None:
+        file_values["model"] = args.model
+    config = resolve_config(args.config, file_values, overrides, args.config_file or "")
+    return args, config
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     try:
-        file_values = load_config_file(args.config_file) if args.config_file else {}
-        if args.model is not None:
-            file_values["model"] = args.model
-        config = resolve_config(args.config, file_values, overrides, args.config_file or "")
+        args, config = parse_run(argv)
     except ValueError as error:
         say(f"{PROG}: error: {printable(str(error))}")
         return 2
