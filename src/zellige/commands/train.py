@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
     # one thread per rank, as torchrun sets it, without its banner; the user's value wins
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    for name in ("elastic", "run", "launcher"):  # torchrun's own reports
+        logging.getLogger(f"torch.distributed.{name}").setLevel(logging.CRITICAL)
     launch_args = torchrun.parse_args([*_torchrun_argv(args), *train_argv])
     try:
         torchrun.run(launch_args)
@@ -116,7 +116,8 @@ def _report(failures: dict[int, Any]) -> int:
     for rank, failure in sorted(failed.items()):
         code = failure.exitcode
         if code < 0:
-            print(f"zellige train: rank {rank} was killed by {_signal_name(-code)}", file=sys.stderr)
+            name = _signal_name(-code)
+            print(f"zellige train: rank {rank} was killed by {name}", file=sys.stderr)
             code = 128 - code
         elif code not in _TRAINER_STATUSES:
             print(f"zellige train: rank {rank} exited with status {code}", file=sys.stderr)

@@ -224,7 +224,8 @@ def write_latent_dataset(
         pending.clear()
 
     for number, raw in enumerate(samples):
-        where = f"sample {number}" + (f" ({raw.pixels})" if not isinstance(raw.pixels, Tensor) else "")
+        from_file = not isinstance(raw.pixels, Tensor)
+        where = f"sample {number}" + (f" ({raw.pixels})" if from_file else "")
         try:
             pixels = raw.pixels if isinstance(raw.pixels, Tensor) else read_media(raw.pixels)
             latents = encode_pixels(vae, pixels, video_vae).to(store).contiguous()

@@ -88,7 +88,8 @@ def patchify(latents_CTHW: Tensor, patch_t: int, patch_hw: int) -> Tensor:
     c, t, h, w = latents_CTHW.shape
     pt, p = patch_t, patch_hw
     grid = latents_CTHW.reshape(c, t // pt, pt, h // p, p, w // p, p)
-    return grid.permute(1, 3, 5, 0, 2, 4, 6).reshape((t // pt) * (h // p) * (w // p), c * pt * p * p)
+    num_tokens = (t // pt) * (h // p) * (w // p)
+    return grid.permute(1, 3, 5, 0, 2, 4, 6).reshape(num_tokens, c * pt * p * p)
 
 
 def token_grid(grid_thw: tuple[int, int, int], patch_t: int, patch_hw: int) -> tuple[int, int, int]:
@@ -198,7 +199,7 @@ class LatentDataset:
                     "SHA-256 (the file is corrupt or was replaced)"
                 )
 
-    # --- sampling --------------------------------------------------------------------------------
+    # --- sampling ---------------------------------------------------------------------------------
 
     def micro_batch(self, step: int, loader_rank: int, *, data_ranks: int, seed: int) -> list[int]:
         """The sample indices loader rank `loader_rank` of `data_ranks` draws at `step`."""
@@ -280,7 +281,7 @@ class LatentDataset:
             )
         return samples
 
-    # --- reading ---------------------------------------------------------------------------------
+    # --- reading ----------------------------------------------------------------------------------
 
     def read(self, index: int) -> tuple[Tensor, Tensor]:
         """Sample `index`'s latents [C, t, h, w] and text [L, E] as stored, digest checked."""
@@ -440,7 +441,7 @@ def _is_sha256(value: Any) -> bool:
     )
 
 
-# --- the trainer's sample source -------------------------------------------------------------------
+# --- the trainer's sample source ------------------------------------------------------------------
 
 
 class LatentSource:
