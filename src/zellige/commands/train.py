@@ -21,19 +21,19 @@ _MAX_NPROC = 1024
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.allow_abbrev = False  # a trainer flag must never pass for a prefix of these
-    parser.epilog = (
-        "Every other argument goes to zellige.train (python -m zellige.train --help lists them), "
-        "e.g. zellige train --nproc 2 --config tiny-cpu --steps 20 --data latents/. Under the "
-        "hood: torchrun --nproc-per-node N -m zellige.train ..."
+    parser.usage = "%(prog)s [--nproc N] [multi-node flags below] ARGUMENTS (zellige.train's)"
+    parser.add_argument(
+        "--nproc",
+        type=int_in(1, _MAX_NPROC),
+        default=1,
+        metavar="N",
+        help="processes (ranks) on this node (1)",
     )
     parser.add_argument(
-        "--nproc", type=int_in(1, _MAX_NPROC), default=1, help="processes (ranks) on this node"
+        "--nnodes", type=int_in(1, 1 << 16), default=1, metavar="N", help="nodes (torchrun's)"
     )
     parser.add_argument(
-        "--nnodes", type=int_in(1, 1 << 16), default=1, help="nodes of the run (torchrun's)"
-    )
-    parser.add_argument(
-        "--node-rank", type=int_in(0, 1 << 16), default=0, help="this node's rank (torchrun's)"
+        "--node-rank", type=int_in(0, 1 << 16), default=0, metavar="R", help="this node's rank"
     )
     parser.add_argument("--master-addr", metavar="HOST", help="rank 0's node (torchrun's)")
     parser.add_argument(
