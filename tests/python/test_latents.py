@@ -418,6 +418,10 @@ def test_launcher_checks_the_run_before_starting_processes(tmp_path, capsys, wri
         capsys, ["train", "--nproc", "2", "--config", "tiny-cpu", "--data", str(tmp_path / "none")]
     )
     assert line.endswith("none: not a directory")
+    line = _one_error_line(
+        capsys, ["train", "--nproc", "2", "--nnodes", "2", "--config", "tiny-cpu"]
+    )
+    assert "--nnodes 2: pass --master-addr" in line
     # other commands still refuse arguments they do not know
     line = _one_error_line(capsys, ["encode", "x", "--models", "a:b", "--out", "o", "--steps", "2"])
     assert line.startswith("zellige: error: unrecognized arguments: --steps 2")

@@ -89,6 +89,13 @@ def check_run(train_argv: list[str], num_ranks: int, nproc: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     train_argv = list(getattr(args, "passed", []))
+    if args.nnodes > 1 and args.master_addr is None and args.rdzv_endpoint is None:
+        raise ValueError(
+            f"--nnodes {args.nnodes}: pass --master-addr (and --master-port) of node rank 0, or "
+            "--rdzv-endpoint, so the nodes can meet"
+        )
+    if args.node_rank >= args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
     if not check_run(train_argv, args.nproc * args.nnodes, args.nproc):
         return 0
     import torch.distributed.run as torchrun

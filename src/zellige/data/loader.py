@@ -218,21 +218,19 @@ class StepDataset(torch.utils.data.Dataset):
             if self.fixed_plan is not None:
                 planner = zellige.plan_from_dict(self.fixed_plan)
             pipeline = StepPipeline(spec, cost_model, planner, seed=self.seed)
-            recipe, latents = None, None
-            if self.data_dir is not None:
+            recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
+            latents = SyntheticLatents(
+                token_channels=self.model.token_channels,
+                text_dim=self.model.text_dim,
+                seed=self.seed,
+            )
+            if self.data_dir is not None:  # the dataset's batches and latents, not the recipe's
+                recipe = None
                 latents = LatentSource(
                     open_latent_dataset(self.data_dir),
                     self.model,
                     seed=self.seed,
                     data_ranks=self.data_ranks,
-                )
-            elif self.sequences is None:
-                recipe = load_training_recipe(self.recipe_name)
-            if latents is None:
-                latents = SyntheticLatents(
-                    token_channels=self.model.token_channels,
-                    text_dim=self.model.text_dim,
-                    seed=self.seed,
                 )
             self._state = (pipeline, recipe, latents)
             # A DataLoader worker keeps its dataset in a torch module global until interpreter
