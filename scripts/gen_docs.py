@@ -89,6 +89,21 @@ API_SECTIONS: list[tuple[str, str, list[str]]] = [
         ],
     ),
     (
+        "Latent datasets",
+        "Pre-computed latents and text embeddings on disk (docs/formats.md, Latent dataset): "
+        "written through your VAE and text encoder, read by zellige.train --data and by your "
+        "loader for the Balancer; a damaged or missing shard raises LatentDataError.",
+        [
+            "zellige.data.encode.write_latent_dataset",
+            "zellige.data.encode.RawSample",
+            "zellige.data.encode.media_samples",
+            "zellige.data.latents.open_latent_dataset",
+            "zellige.data.latents.LatentDataset",
+            "zellige.data.latents.LatentDataError",
+            "zellige.data.latents.patchify",
+        ],
+    ),
+    (
         "Step pipeline",
         "The one path of a step: plan() -> compile() -> load() -> route(). The loader worker, the "
         "Balancer, the reference trainer and zellige.plan / compare all go through it; plan and "

@@ -22,6 +22,7 @@ SLOW_MODULES: set[str] = {
     "tests/distributed/test_train_faults.py",
     "tests/distributed/test_train_late_metrics.py",
     "tests/distributed/test_train_one_rank.py",
+    "tests/distributed/test_train_latents.py",
 }
 
 # Module -> its slow tests: a function's name marks all its parametrisations, `name[id]` one.

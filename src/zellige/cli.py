@@ -26,6 +26,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "validate_profile",
         "MAPE of predicted rank time and peak memory against ranks run on this GPU",
     ),
+    "encode": (
+        "encode",
+        "encode images and clips with your VAE and text encoder into a latent dataset",
+    ),
+    "train": (
+        "train",
+        "check a training run, then start its ranks (torchrun underneath): zellige.train",
+    ),
 }
 
 
@@ -68,10 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"zellige.commands.{module_name}")
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     try:
-        args = parser.parse_args(argv)
+        args, passed = parser.parse_known_args(argv)
+        module = importlib.import_module(f"zellige.commands.{COMMANDS[args.command][0]}")
+        # a command with PASS_THROUGH hands the arguments it does not know to another program
+        if passed and not getattr(module, "PASS_THROUGH", False):
+            parser.error(f"unrecognized arguments: {' '.join(passed)}")
+        args.passed = passed
     except SystemExit as exit_request:  # --help, or a usage error argparse has already printed
         return 0 if exit_request.code is None else int(exit_request.code)
-    module = importlib.import_module(f"zellige.commands.{COMMANDS[args.command][0]}")
     try:
         return module.run(args)
     except BrokenPipeError:

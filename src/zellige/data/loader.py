@@ -26,6 +26,7 @@ from torch import Tensor
 import zellige
 from zellige import _core
 from zellige.cluster_file import read_cluster_file
+from zellige.data.latents import LatentDataError, LatentSource, open_latent_dataset
 from zellige.data.synthetic import SyntheticLatents
 from zellige.global_batch import GlobalBatchSize, draw_global_batch, global_plan_from_dict
 from zellige.model import DiTConfig
@@ -171,7 +172,10 @@ class StepDataset(torch.utils.data.Dataset):
     otherwise each step's batch comes from the recipe with seed (seed, step), drawn for
     `data_ranks` loader ranks (default num_ranks). A run resumed on another number of ranks keeps
     its data_ranks, so its steps see the same batches; their sequences are then loaded round
-    robin by the num_ranks ranks. `plan` (a Plan JSON object) replaces the planner, for tests
+    robin by the num_ranks ranks. `data_dir`: a latent dataset (zellige.data.latents) gives each
+    step's batch and latents instead of the recipe and the synthetic latents; a sample that
+    cannot be read becomes the step's error, raised on every rank together (never skipped).
+    `plan` (a Plan JSON object) replaces the planner, for tests
     that need a particular placement. pipeline() builds the StepPipeline that plans and compiles
     each step (in the process that calls it; the dataset pickles without it).
 
@@ -207,6 +211,7 @@ class StepDataset(torch.utils.data.Dataset):
         cluster: str | None = None,
         global_batch: GlobalBatchSize | None = None,
         global_plan: dict | None = None,
+        data_dir: str | None = None,
     ) -> None:
         if global_plan is not None and sequences is None:
             raise ValueError("a fixed global plan needs the fixed sequences it cuts")
@@ -239,6 +244,13 @@ class StepDataset(torch.utils.data.Dataset):
         self.fixed_global_plan = global_plan
         # a global batch per item (GlobalStepData) instead of one step's batch
         self.global_batch = global_batch
+        # a latent dataset (zellige encode) the batches and latents come from; None: the recipe's
+        self.data_dir = data_dir
+        if data_dir is not None and self.uses_global_batch:
+            raise ValueError(
+                "a global batch from a latent dataset is not supported: a latent dataset gives "
+                "one step's batch at a time (drop global_batch or data_dir)"
+            )
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
@@ -293,6 +305,14 @@ class StepDataset(torch.utils.data.Dataset):
                 text_dim=self.model.text_dim,
                 seed=self.seed,
             )
+            if self.data_dir is not None:  # the dataset's batches and latents, not the recipe's
+                recipe = None
+                latents = LatentSource(
+                    open_latent_dataset(self.data_dir),
+                    self.model,
+                    seed=self.seed,
+                    data_ranks=self.data_ranks,
+                )
             self._state = (pipeline, recipe, latents)
             # A DataLoader worker keeps its dataset in a torch module global until interpreter
             # teardown, where nanobind reports the core objects still alive as leaks: drop them
@@ -309,10 +329,12 @@ class StepDataset(torch.utils.data.Dataset):
 
     def batch(self, step: int) -> _core.Batch:
         """Step `step`'s batch (with a global batch: the whole global batch)."""
-        _, recipe, _ = self._planning_state()
+        _, recipe, latents = self._planning_state()
         if self.sequences is not None:
             return self._fixed_batch()
-        if self.uses_global_batch:
+        if recipe is None:
+            batch = latents.batch(step)
+        elif self.uses_global_batch:
             batch = draw_global_batch(
                 recipe, self.data_ranks, self.global_batch, seed=_step_seed(self.seed, step)
             )
@@ -388,12 +410,17 @@ class StepDataset(torch.utils.data.Dataset):
         for sequence in batch.sequences:
             if sequence.source_rank != self.rank:
                 continue
-            sample = latents.sample(
-                step=step,
-                sequence_id=sequence.id,
-                grid_thw=(sequence.grid_t, sequence.grid_h, sequence.grid_w),
-                text_tokens=sequence.text_tokens,
-            )
+            try:
+                sample = latents.sample(
+                    step=step,
+                    sequence_id=sequence.id,
+                    grid_thw=(sequence.grid_t, sequence.grid_h, sequence.grid_w),
+                    text_tokens=sequence.text_tokens,
+                )
+            except LatentDataError as error:  # every rank raises it with the step (load)
+                prepared = replace(prepared, error=f"rank {self.rank}: {error}")
+                noisy, velocity, timestep, text, text_timestep, text_tokens = [], [], [], [], [], []
+                break
             noisy.append(sample.noisy_LC)
             velocity.append(sample.velocity_LC)
             timestep.append(torch.full((sequence.num_tokens,), sample.timestep))

@@ -1,6 +1,9 @@
 """torchrun --nproc-per-node N -m zellige.train --config NAME [--config-file RUN.toml] [--steps K]
-[...any config field as --field-name VALUE] [--metrics FILE.jsonl] [--tensorboard DIR]
-[--wandb PROJECT] [--out DIR] [--resume DIR]
+[...any config field as --field-name VALUE] [--data DIR] [--metrics FILE.jsonl]
+[--tensorboard DIR] [--wandb PROJECT] [--out DIR] [--resume DIR]
+
+`zellige train --nproc N ...` (zellige.commands.train) checks the same arguments and starts
+these processes itself.
 
 Bad input is one line `zellige.train: error: ...` (from rank 0 only) and exit status 2, before
 any training; a run that fails while training (a non-finite loss, a stuck rank) says so in one
@@ -24,6 +27,7 @@ from zellige.train.config import (
     FIELD_HELP,
     SECTION_OF,
     SECTIONS,
+    TrainConfig,
     field_types,
     load_config_file,
     resolve_config,
@@ -35,11 +39,11 @@ PROG = "zellige.train"
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line from rank 0, not a usage block from every rank."""
+    """argparse whose errors are ValueErrors (one line from rank 0, not a usage block from
+    every rank)."""
 
     def error(self, message: str):
-        say(f"{PROG}: error: {printable(message)}")
-        sys.exit(2)
+        raise ValueError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--wandb", metavar="PROJECT", help="log to Weights & Biases (if installed)")
     parser.add_argument("--out", metavar="DIR", help="checkpoint directory")
     parser.add_argument("--resume", metavar="DIR", help="resume from this checkpoint directory")
+    # --- dataset options ---
+    parser.add_argument("--data", dest="data_dir", metavar="DIR", help="same as --data-dir")
     return parser
 
 
@@ -101,19 +107,26 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    die_with_launcher()
+def parse_run(argv: list[str] | None) -> tuple[argparse.Namespace, TrainConfig]:
+    """The arguments and the validated config they give; ValueError (one line) for a bad one.
+    The launcher (zellige train) checks a run's arguments with it before starting processes."""
     args = _parser().parse_args(argv)
     overrides = {
         key: getattr(args, key) for key in FIELD_HELP if getattr(args, key, None) is not None
     }
+    file_values = load_config_file(args.config_file) if args.config_file else {}
+    if args.model is not None:  # the preset; the file's [model] fields still apply
+        table = file_values.get("model")
+        table = dict(table) if isinstance(table, dict) else {}
+        file_values["model"] = table | {"preset": args.model}
+    config = resolve_config(args.config, file_values, overrides, args.config_file or "")
+    return args, config
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     try:
-        file_values = load_config_file(args.config_file) if args.config_file else {}
-        if args.model is not None:  # the preset; the file's [model] fields still apply
-            table = file_values.get("model")
-            table = dict(table) if isinstance(table, dict) else {}
-            file_values["model"] = table | {"preset": args.model}
-        config = resolve_config(args.config, file_values, overrides, args.config_file or "")
+        args, config = parse_run(argv)
     except ValueError as error:
         say(f"{PROG}: error: {printable(str(error))}")
         return 2

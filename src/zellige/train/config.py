@@ -59,6 +59,9 @@ class DataSection:
     # the micro-batches the planner (a global-batch planner) cuts it into, with gradient
     # accumulation (docs/global-batch.md); None: one planned batch per step, as drawn
     global_batch: str | None = None
+    # a latent dataset directory (zellige encode) the steps' batches and latents come from; None:
+    # the recipe's synthetic latents
+    data_dir: str | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -418,6 +421,7 @@ FIELD_HELP = {
     # [data] global batch
     "global_batch": "samples (1024) or latent tokens (50M) per optimizer step, run as planned "
     "micro-batches with gradient accumulation",
+    "data_dir": "latent dataset directory (zellige encode; default: the recipe's synthetic data)",
 }
 _DTYPES = ("float64", "float32", "bfloat16")
 
@@ -647,6 +651,11 @@ def validate_config(config: TrainConfig) -> None:
             value = _short(_value_of(config, key))
             raise ValueError(f"{field_label(key)} must be {allowed}, got {value}")
     global_batch_size(config)
+    if data.global_batch is not None and data.data_dir is not None:
+        raise ValueError(
+            "global_batch with data_dir is not supported: a latent dataset gives one step's "
+            "batch at a time (drop one of them)"
+        )
     if parallelism.device == "cpu":
         _check_fits_host_memory(config)
 

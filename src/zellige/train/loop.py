@@ -29,6 +29,7 @@ from zellige.data import (
     make_loader,
     model_spec,
 )
+from zellige.data.latents import open_latent_dataset
 from zellige.data.loader import on_cluster_file
 from zellige.model import MMDiT, ModelNumerics, VideoDiT, fused
 from zellige.model import build_model as reference_model
@@ -129,6 +130,8 @@ def preflight(
     if config.parallelism.device == "cuda":
         _require_cuda(config)
     _check_planning(config, num_ranks)
+    if config.data.data_dir is not None:  # manifest, shards present, channels and text width
+        open_latent_dataset(config.data.data_dir).check_model(config.model.dit)
     if out_dir is not None:
         out = Path(out_dir)
         if out.exists() and not out.is_dir():
@@ -390,6 +393,7 @@ def train(
         attention_ragged=attention_ragged,
         global_batch=global_batch_size(config),
         global_plan=global_plan,
+        data_dir=config.data.data_dir,
     )
     _check_first_step_fits(dataset, first_step)
     num_steps = config.steps - first_step
