@@ -397,6 +397,9 @@ def main() -> int:
     parser.add_argument("--profile", help="hardware profile JSON the plans use (default: built-in)")
     parser.add_argument("--trace", help="directory: profile one more step of each run (see above)")
     args = parser.parse_args()
+    # the trainer's allocator setting (expandable segments unless PYTORCH_CUDA_ALLOC_CONF is
+    # set), before the header's device query initialises CUDA
+    zellige.train.loop.default_allocator_settings()
     provenance = header("train_throughput.py")
     print_header(provenance)
 

@@ -26,7 +26,7 @@ from zellige.train.config import (
     load_config_file,
     resolve_config,
 )
-from zellige.train.loop import say, train
+from zellige.train.loop import default_allocator_settings, say, train
 from zellige.train.watchdog import TrainingFailed
 
 PROG = "zellige.train"
@@ -95,6 +95,7 @@ def die_with_launcher() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    default_allocator_settings()  # before anything initialises CUDA
     die_with_launcher()
     args = _parser().parse_args(argv)
     overrides = {
