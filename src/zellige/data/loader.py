@@ -129,7 +129,8 @@ class StepDataset(torch.utils.data.Dataset):
     its data_ranks, so its steps see the same batches; their sequences are then loaded round
     robin by the num_ranks ranks. `plan` (a Plan JSON object) replaces the planner, for tests
     that need a particular placement. pipeline() builds the StepPipeline that plans and compiles
-    each step (in the process that calls it; the dataset pickles without it).
+    each step (in the process that calls it; the dataset pickles without it). text_dtype: the
+    dtype of the text rows (SyntheticLatents.source_tensors).
     """
 
     def __init__(
@@ -153,6 +154,7 @@ class StepDataset(torch.utils.data.Dataset):
         data_ranks: int | None = None,
         attention_ragged: bool | None = None,
         gpu_memory_bytes: int | None = None,
+        text_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.model = model
         self.recipe_name = recipe
@@ -176,6 +178,9 @@ class StepDataset(torch.utils.data.Dataset):
         self.attention_ragged = attention_ragged
         # each GPU's memory the plans must fit (the training device's; None: the profile's)
         self.gpu_memory_bytes = gpu_memory_bytes
+        # the text rows' dtype: the model's compute dtype where it casts text to that first
+        # (half the bytes to share, pin and copy; the same values after the model's cast)
+        self.text_dtype = text_dtype
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
@@ -250,23 +255,11 @@ class StepDataset(torch.utils.data.Dataset):
         batch = self.batch(step)
         prepared = pipeline.prepare(batch, self.rank, index=step, seed=_step_seed(self.seed, step))
 
-        noisy, velocity, timestep, text, text_timestep, text_tokens = [], [], [], [], [], []
-        for sequence in batch.sequences:
-            if sequence.source_rank != self.rank:
-                continue
-            sample = latents.sample(
-                step=step,
-                sequence_id=sequence.id,
-                grid_thw=(sequence.grid_t, sequence.grid_h, sequence.grid_w),
-                text_tokens=sequence.text_tokens,
-            )
-            noisy.append(sample.noisy_LC)
-            velocity.append(sample.velocity_LC)
-            timestep.append(torch.full((sequence.num_tokens,), sample.timestep))
-            text.append(sample.text_XE)
-            text_timestep.append(torch.full((sequence.text_tokens,), sample.timestep))
-            text_tokens.append(sequence.text_tokens)
-        channels, text_dim = self.model.token_channels, self.model.text_dim
+        source = latents.source_tensors(
+            step=step,
+            sequences=[s for s in batch.sequences if s.source_rank == self.rank],
+            text_dtype=self.text_dtype,
+        )
         return StepData(
             step=step,
             rank=self.rank,
@@ -276,12 +269,12 @@ class StepDataset(torch.utils.data.Dataset):
             train_flops=float(
                 sum(zellige.train_flops(spec, s.num_tokens, s.text_tokens) for s in batch.sequences)
             ),
-            source_noisy_TC=_cat(noisy, (0, channels)),
-            source_velocity_TC=_cat(velocity, (0, channels)),
-            source_timestep_T=_cat(timestep, (0,)),
-            source_text_XE=_cat(text, (0, text_dim)),
-            source_text_timestep_X=_cat(text_timestep, (0,)),
-            source_text_tokens=text_tokens,
+            source_noisy_TC=source.noisy_TC,
+            source_velocity_TC=source.velocity_TC,
+            source_timestep_T=source.timestep_T,
+            source_text_XE=source.text_XE,
+            source_text_timestep_X=source.text_timestep_X,
+            source_text_tokens=source.text_tokens,
         )
 
 
@@ -305,7 +298,3 @@ def make_loader(
 
 def _step_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, step]).generate_state(1, np.uint32)[0])
-
-
-def _cat(tensors: list[Tensor], empty_shape: tuple[int, ...]) -> Tensor:
-    return torch.cat(tensors) if tensors else torch.zeros(empty_shape)

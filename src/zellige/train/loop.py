@@ -349,6 +349,8 @@ def train(
         optimizer_copy_bytes_per_param=optimizer_copy_bytes_per_param(config, num_ranks),
         sequences=sequences,
         attention_ragged=attention_ragged,
+        # a bf16 model casts the text to bf16 before its first use: the loader sends it so
+        text_dtype=torch.bfloat16 if config.dtype == "bfloat16" else torch.float32,
     )
     _check_first_step_fits(dataset, first_step)
     num_steps = config.steps - first_step
