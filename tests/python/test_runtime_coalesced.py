@@ -149,21 +149,27 @@ def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
 
 def test_auto_runs_ragged_only_for_tables_of_short_segments(monkeypatch) -> None:
     """The automatic policy: one ragged call for a table of RAGGED_MIN_CALLS or more calls whose
-    segments are all at most RAGGED_MAX_SEGMENT_TOKENS tokens; "ragged" asked for explicitly
-    runs it whatever the lengths. The math oracle stands in for a trusted kernel."""
+    segments are all at most RAGGED_MAX_SEGMENT_TOKENS tokens, a table of one dense call (equal
+    lengths: its dense plan would be built anew for each new shape) included; "ragged" asked for
+    explicitly runs it whatever the lengths. The math oracle stands in for a trusted kernel."""
     from zellige import _core
     from zellige.runtime import backends
 
-    assert backends.RAGGED_MIN_CALLS == _core.RAGGED_MIN_CALLS  # the cost model's values
+    assert backends.RAGGED_MIN_CALLS == _core.RAGGED_MIN_CALLS == 1  # the cost model's values
     assert backends.RAGGED_MAX_SEGMENT_TOKENS == _core.RAGGED_MAX_SEGMENT_TOKENS
     monkeypatch.setattr(backends, "AUTO_RAGGED_KERNELS", ("math",))
     q = torch.randn(2 * 10, 4, dtype=torch.float64)
     table = SegmentTable.build([0, 6], [0, 6], [3, 7], [3, 7], [2, 2])  # 2 calls, longest 7
     one_call = SegmentTable.build([0, 6], [0, 6], [3, 3], [3, 3], [2, 2])
+    empty = SegmentTable.build([], [], [], [], [])
     assert backends._ragged_choice(table, q, q, "math", "auto") is not None
-    assert backends._ragged_choice(one_call, q, q, "math", "auto") is None
+    assert one_call.num_calls == 1
+    assert backends._ragged_choice(one_call, q, q, "math", "auto") is not None
+    assert backends._ragged_choice(empty, q, q, "math", "auto") is None
+    assert backends._ragged_choice(one_call, q, q, "math", "groups") is None
     monkeypatch.setattr(backends, "RAGGED_MAX_SEGMENT_TOKENS", 6)
     assert backends._ragged_choice(table, q, q, "math", "auto") is None
+    assert backends._ragged_choice(one_call, q, q, "math", "auto") is not None  # longest 3
     assert backends._ragged_choice(table, q, q, "math", "ragged") is not None
 
 

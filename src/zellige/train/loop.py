@@ -27,6 +27,7 @@ from zellige.model import build_model as reference_model
 from zellige.pipeline import JOINT, StepRecord, make_step_plan
 from zellige.profile import priced_as_engine_runs
 from zellige.runtime import EngineConfig, engine_runs_ragged
+from zellige.runtime.backends import prepare_step_tables
 from zellige.runtime.collector import QuietCollector
 from zellige.train.checkpoint import (
     CheckpointInfo,
@@ -60,7 +61,7 @@ from zellige.train.optimizer_builder import (
     uses_copying_optimizer,
     weights_kept_to_backward,
 )
-from zellige.train.parallelize import parallelize, set_checkpointed_blocks
+from zellige.train.parallelize import DTYPES, parallelize, set_checkpointed_blocks
 from zellige.train.step import StepInput, assemble_step
 from zellige.train.timing import StepTimer
 from zellige.train.watchdog import RankWatch, TrainingFailed
@@ -469,6 +470,11 @@ class StepsAhead:
             assemble = assemble_joint_step if joint else assemble_step
             with record_function("zellige.step.setup"):
                 inputs = assemble(data, self._config.model.num_heads, self._device, self._balancer)
+                # the attention tables' choices now, with the cuDNN graphs a new shape bucket
+                # needs (host work), while the device still runs the previous step
+                prepare_step_tables(
+                    inputs.step, DTYPES[self._config.dtype], self._config.model.head_dim
+                )
             self._ready = (step, data, inputs, wait_s)
         except Exception as error:  # noqa: BLE001 (raised again by take, in its own step)
             self._ready = (step, error)
