@@ -80,7 +80,7 @@ import zellige.train.loop
 from _provenance import git_commit, header, print_header
 from step_trace import summarise_trace
 from zellige.profile import load_profile
-from zellige.runtime import ragged
+from zellige.runtime import backends, ragged
 from zellige.train.config import get_config
 from zellige.train.loop import train
 
@@ -173,6 +173,10 @@ def summarise(
                     "gc_full_before_s",
                     "compile_events",
                     "ragged_graphs",
+                    "ragged_graph_build_s",
+                    "ragged_graphs_refused",
+                    "ragged_checks_failed",
+                    "dense_shapes",
                 )
                 if k in r
             }
@@ -334,7 +338,9 @@ def printing_steps(label: str, ends: dict):
     the graphs torch.compile captured or compiled in it, and the full collections between this
     step and the previous one (the loop's own, after a step that compiled). The same numbers go
     into the step's record (gc_full, gc_full_s, gc_s, compile_events, gc_full_before_s), with
-    the cuDNN graphs the ragged attention kernel built in it (ragged_graphs).
+    the cuDNN graphs the ragged attention kernel built in it (ragged_graphs, with their host
+    seconds, the shape buckets cuDNN refused and the kernels that failed their check) and the
+    dense attention call shapes new to the process (dense_shapes: cuDNN plans one per shape).
     `ends` gets, per step (1-based), a mark queued after each step's call returns: a CUDA event
     (behind the step's work where it is still running, so device time, idle time included) or
     the host's clock on CPU; device_wall_s between two of them is the run's time over those
@@ -348,7 +354,8 @@ def printing_steps(label: str, ends: dict):
 
     def printed(*args):
         before = pauses.totals()
-        compiles, graphs = zellige.runtime.collector.compile_events(), ragged.graphs_built()
+        compiles, graphs = zellige.runtime.collector.compile_events(), ragged.graph_counts()
+        dense_shapes = backends.dense_shapes_seen()
         records, pending = run_step(*args)
         ends[args[7] + 1] = loop.time_mark(args[5])
         after = pauses.totals()
@@ -358,7 +365,10 @@ def printing_steps(label: str, ends: dict):
             "gc_s": after[3] - before[3],
             "gc_full_before_s": before[1] - last_end[0][1],
             "compile_events": zellige.runtime.collector.compile_events() - compiles,
-            "ragged_graphs": ragged.graphs_built() - graphs,
+            # the graphs and shapes of the step's own tables and of the next step's, which
+            # the loop prepares at this step's end (loop.StepsAhead)
+            **_graph_fields(ragged.graph_counts() - graphs),
+            "dense_shapes": backends.dense_shapes_seen() - dense_shapes,
         }
         last_end[0] = after
         for record in records:
@@ -370,7 +380,10 @@ def printing_steps(label: str, ends: dict):
                 f"allocator retries {record['alloc_retries']}, full GC {record['gc_full']} "
                 f"({record['gc_full_s']:.3f} s; all GC {record['gc_s']:.3f} s; before the step "
                 f"{record['gc_full_before_s']:.3f} s), compile events {record['compile_events']}, "
-                f"ragged attention graphs built {record['ragged_graphs']}",
+                f"ragged attention graphs built {record['ragged_graphs']} "
+                f"({1e3 * record['ragged_graph_build_s']:.0f} ms; refused "
+                f"{record['ragged_graphs_refused']}), new dense attention shapes "
+                f"{record['dense_shapes']}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -383,6 +396,15 @@ def printing_steps(label: str, ends: dict):
     finally:
         loop.train_step = run_step
         gc.callbacks.remove(pauses)
+
+
+def _graph_fields(counts: ragged.GraphCounts) -> dict:
+    return {
+        "ragged_graphs": counts.built,
+        "ragged_graph_build_s": counts.build_s,
+        "ragged_graphs_refused": counts.refused,
+        "ragged_checks_failed": counts.failed_checks,
+    }
 
 
 def main() -> int:
