@@ -50,8 +50,11 @@ both are left out of the means; its Chrome trace (DIR/trace_CONFIG_RECIPE.json.g
 summary of where the step's time goes outside the blocks (DIR/trace_CONFIG_RECIPE.txt,
 bench/step_trace.py; printed too).
 ":groups-attention" runs the attention tables as dense calls per length group (merge policy
-"groups"), where the default runs a table of many lengths as one ragged cuDNN call if the cuDNN
-frontend is installed (zellige.runtime.ragged); the run's planner prices it so too.
+"groups"), where the default runs a table of segments of at most 16,384 tokens as one ragged cuDNN
+call if the cuDNN frontend is installed (zellige.runtime.ragged); the run's planner prices it so
+too. ":ragged-attention" runs every table as one ragged call, long segments included (merge
+policy "ragged"; priced as the default). ":static-ragged-graphs" has the ragged kernel build
+static cuDNN graphs instead of dynamic-shape ones over a kernel cache.
 MMDiT configs (mmdit11b-width-h200, hunyuan13b-width-h200) run the same way, e.g.
 --runs mmdit11b-width-h200:opensora2-stage2; their cross-attention share is 0 (text joins the
 self-attention, counted as attention) and their FLOPs count text tokens as attended tokens.
@@ -109,6 +112,8 @@ VARIANTS = {
     "untuned-update": {"tune_optimizer_kernels": False},
     # the attention engine's merge policy, not a config field (entered around the run)
     "groups-attention": {},
+    "ragged-attention": {},
+    "static-ragged-graphs": {},
 }
 
 
@@ -456,10 +461,17 @@ def main() -> int:
                     if sync_check:
                         stack.enter_context(marking_steps(caught, step_marks))
                     stack.enter_context(printing_steps(run, ends))
-                    if "groups-attention" in variants:
-                        stack.enter_context(
-                            mock.patch.dict(os.environ, {"ZELLIGE_ATTENTION_MERGE": "groups"})
-                        )
+                    for variant, merge in (
+                        ("groups-attention", "groups"),
+                        ("ragged-attention", "ragged"),
+                    ):
+                        if variant in variants:
+                            stack.enter_context(
+                                mock.patch.dict(os.environ, {"ZELLIGE_ATTENTION_MERGE": merge})
+                            )
+                    if "static-ragged-graphs" in variants:
+                        ragged.set_dynamic_shape_graphs(False)
+                        stack.callback(ragged.set_dynamic_shape_graphs, True)
                     if args.trace:
                         Path(args.trace).mkdir(parents=True, exist_ok=True)
                         label = "_".join([name, recipe, *variants])

@@ -432,6 +432,17 @@ def _agrees_with_math(kernel: RaggedKernel, device, dtype, head_dim: int) -> boo
 
 _verified: dict[tuple, RaggedKernel | None] = {}
 _made: list[RaggedKernel] = []  # every kernel ragged_kernel_for made, checked or refused
+_failed_checks = [0]  # kernels ragged_kernel_for made that failed the check
+_dynamic_shape_graphs = [True]
+
+
+def set_dynamic_shape_graphs(enabled: bool) -> None:
+    """Whether the cuDNN frontend kernels made from now on build dynamic-shape graphs over a
+    kernel cache (default True; see the module docstring). Forgets the kernels made so far: the
+    next use makes and checks a new one. For measurements (bench/train_throughput.py
+    :static-ragged-graphs)."""
+    _dynamic_shape_graphs[0] = enabled
+    _verified.clear()
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,12 +467,11 @@ class GraphCounts:
 def graph_counts() -> GraphCounts:
     """The counts over every ragged kernel this process made, the ones refused by their check
     included (their graphs were built too)."""
-    kernels = [k for k in _made if k is not None]
     return GraphCounts(
-        built=sum(getattr(k, "graphs_built", 0) for k in kernels),
-        build_s=sum(getattr(k, "graph_build_s", 0.0) for k in kernels),
-        refused=sum(getattr(k, "graphs_refused", 0) for k in kernels),
-        failed_checks=sum(1 for k in kernels if not any(k is v for v in _verified.values())),
+        built=sum(getattr(k, "graphs_built", 0) for k in _made),
+        build_s=sum(getattr(k, "graph_build_s", 0.0) for k in _made),
+        refused=sum(getattr(k, "graphs_refused", 0) for k in _made),
+        failed_checks=_failed_checks[0],
     )
 
 
@@ -487,7 +497,7 @@ def ragged_kernel_for(
     if key not in _verified:
         _verified[key] = None
         # dynamic-shape graphs first; static ones where those fail the check
-        for dynamic_shapes in (True, False):
+        for dynamic_shapes in (True, False) if _dynamic_shape_graphs[0] else (False,):
             try:
                 kernel = CudnnFrontendRaggedKernel(dynamic_shapes=dynamic_shapes)
             except (ImportError, OSError, RuntimeError):
@@ -496,4 +506,5 @@ def ragged_kernel_for(
             if _agrees_with_math(kernel, device, dtype, head_dim):
                 _verified[key] = kernel
                 break
+            _failed_checks[0] += 1
     return _verified[key]
