@@ -50,8 +50,11 @@ both are left out of the means; its Chrome trace (DIR/trace_CONFIG_RECIPE.json.g
 summary of where the step's time goes outside the blocks (DIR/trace_CONFIG_RECIPE.txt,
 bench/step_trace.py; printed too).
 ":groups-attention" runs the attention tables as dense calls per length group (merge policy
-"groups"), where the default runs a table of many lengths as one ragged cuDNN call if the cuDNN
-frontend is installed (zellige.runtime.ragged); the run's planner prices it so too.
+"groups"), where the default runs a table of segments of at most 16,384 tokens as one ragged cuDNN
+call if the cuDNN frontend is installed (zellige.runtime.ragged); the run's planner prices it so
+too. ":ragged-attention" runs every table as one ragged call, long segments included (merge
+policy "ragged"; priced as the default). ":static-ragged-graphs" has the ragged kernel build
+static cuDNN graphs instead of dynamic-shape ones over a kernel cache.
 MMDiT configs (mmdit11b-width-h200, hunyuan13b-width-h200) run the same way, e.g.
 --runs mmdit11b-width-h200:opensora2-stage2; their cross-attention share is 0 (text joins the
 self-attention, counted as attention) and their FLOPs count text tokens as attended tokens.
@@ -79,7 +82,7 @@ import zellige.train.loop
 from _provenance import git_commit, header, print_header
 from step_trace import summarise_trace
 from zellige.profile import load_profile
-from zellige.runtime import ragged
+from zellige.runtime import backends, ragged
 from zellige.train.config import get_config
 from zellige.train.loop import train
 
@@ -108,6 +111,8 @@ VARIANTS = {
     "untuned-update": {"tune_optimizer_kernels": False},
     # the attention engine's merge policy, not a config field (entered around the run)
     "groups-attention": {},
+    "ragged-attention": {},
+    "static-ragged-graphs": {},
 }
 
 
@@ -172,6 +177,10 @@ def summarise(
                     "gc_full_before_s",
                     "compile_events",
                     "ragged_graphs",
+                    "ragged_graph_build_s",
+                    "ragged_graphs_refused",
+                    "ragged_checks_failed",
+                    "dense_shapes",
                 )
                 if k in r
             }
@@ -333,7 +342,9 @@ def printing_steps(label: str, ends: dict):
     the graphs torch.compile captured or compiled in it, and the full collections between this
     step and the previous one (the loop's own, after a step that compiled). The same numbers go
     into the step's record (gc_full, gc_full_s, gc_s, compile_events, gc_full_before_s), with
-    the cuDNN graphs the ragged attention kernel built in it (ragged_graphs).
+    the cuDNN graphs the ragged attention kernel built in it (ragged_graphs, with their host
+    seconds, the shape buckets cuDNN refused and the kernels that failed their check) and the
+    dense attention call shapes new to the process (dense_shapes: cuDNN plans one per shape).
     `ends` gets, per step (1-based), a mark queued after each step's call returns: a CUDA event
     (behind the step's work where it is still running, so device time, idle time included) or
     the host's clock on CPU; device_wall_s between two of them is the run's time over those
@@ -347,7 +358,8 @@ def printing_steps(label: str, ends: dict):
 
     def printed(*args):
         before = pauses.totals()
-        compiles, graphs = zellige.runtime.collector.compile_events(), ragged.graphs_built()
+        compiles, graphs = zellige.runtime.collector.compile_events(), ragged.graph_counts()
+        dense_shapes = backends.dense_shapes_seen()
         records, pending = run_step(*args)
         ends[args[7] + 1] = loop.time_mark(args[5])
         after = pauses.totals()
@@ -357,7 +369,10 @@ def printing_steps(label: str, ends: dict):
             "gc_s": after[3] - before[3],
             "gc_full_before_s": before[1] - last_end[0][1],
             "compile_events": zellige.runtime.collector.compile_events() - compiles,
-            "ragged_graphs": ragged.graphs_built() - graphs,
+            # the graphs and shapes of the step's own tables and of the next step's, which
+            # the loop prepares at this step's end (loop.StepsAhead)
+            **_graph_fields(ragged.graph_counts() - graphs),
+            "dense_shapes": backends.dense_shapes_seen() - dense_shapes,
         }
         last_end[0] = after
         for record in records:
@@ -369,7 +384,10 @@ def printing_steps(label: str, ends: dict):
                 f"allocator retries {record['alloc_retries']}, full GC {record['gc_full']} "
                 f"({record['gc_full_s']:.3f} s; all GC {record['gc_s']:.3f} s; before the step "
                 f"{record['gc_full_before_s']:.3f} s), compile events {record['compile_events']}, "
-                f"ragged attention graphs built {record['ragged_graphs']}",
+                f"ragged attention graphs built {record['ragged_graphs']} "
+                f"({1e3 * record['ragged_graph_build_s']:.0f} ms; refused "
+                f"{record['ragged_graphs_refused']}), new dense attention shapes "
+                f"{record['dense_shapes']}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -384,6 +402,15 @@ def printing_steps(label: str, ends: dict):
         gc.callbacks.remove(pauses)
 
 
+def _graph_fields(counts: ragged.GraphCounts) -> dict:
+    return {
+        "ragged_graphs": counts.built,
+        "ragged_graph_build_s": counts.build_s,
+        "ragged_graphs_refused": counts.refused,
+        "ragged_checks_failed": counts.failed_checks,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", default=DEFAULT_RUNS, help="CONFIG:RECIPE pairs, comma-separated")
@@ -396,6 +423,9 @@ def main() -> int:
     parser.add_argument("--profile", help="hardware profile JSON the plans use (default: built-in)")
     parser.add_argument("--trace", help="directory: profile one more step of each run (see above)")
     args = parser.parse_args()
+    # the trainer's allocator setting (expandable segments unless PYTORCH_CUDA_ALLOC_CONF is
+    # set), before the header's device query initialises CUDA
+    zellige.train.loop.default_allocator_settings()
     provenance = header("train_throughput.py")
     print_header(provenance)
 
@@ -429,10 +459,17 @@ def main() -> int:
                     if sync_check:
                         stack.enter_context(marking_steps(caught, step_marks))
                     stack.enter_context(printing_steps(run, ends))
-                    if "groups-attention" in variants:
-                        stack.enter_context(
-                            mock.patch.dict(os.environ, {"ZELLIGE_ATTENTION_MERGE": "groups"})
-                        )
+                    for variant, merge in (
+                        ("groups-attention", "groups"),
+                        ("ragged-attention", "ragged"),
+                    ):
+                        if variant in variants:
+                            stack.enter_context(
+                                mock.patch.dict(os.environ, {"ZELLIGE_ATTENTION_MERGE": merge})
+                            )
+                    if "static-ragged-graphs" in variants:
+                        ragged.set_dynamic_shape_graphs(False)
+                        stack.callback(ragged.set_dynamic_shape_graphs, True)
                     if args.trace:
                         Path(args.trace).mkdir(parents=True, exist_ok=True)
                         label = "_".join([name, recipe, *variants])

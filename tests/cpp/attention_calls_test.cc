@@ -196,7 +196,8 @@ TEST(AttentionCalls, RaggedTablesRunAtThePerHeadTablesAsOneCallEach) {
   EXPECT_NEAR(ragged_cost.ranks[0].attention_s + ragged_cost.ranks[0].call_s,
               plain_cost.ranks[0].attention_s, 1e-9 * plain_cost.ranks[0].attention_s);
   EXPECT_LT(ragged_cost.ranks[0].time_s, cost.ranks[0].time_s);
-  // A rank of one call per table runs dense calls: priced bit for bit as without ragged calls.
+  // A rank whose tables hold a sequence over kRaggedMaxSegmentTokens runs dense calls: priced
+  // bit for bit as without ragged calls.
   EXPECT_EQ(ragged_cost.ranks[1].time_s, cost.ranks[1].time_s);
   EXPECT_EQ(ragged_cost.ranks[1].call_s, cost.ranks[1].call_s);
   EXPECT_EQ(ragged_cost.ranks[1].launch_floor_s, cost.ranks[1].launch_floor_s);
@@ -204,6 +205,36 @@ TEST(AttentionCalls, RaggedTablesRunAtThePerHeadTablesAsOneCallEach) {
   EXPECT_LE(makespan_lower_bound(batch, ragged_model), ragged_cost.makespan_s);
   EvaluationCache cache;
   EXPECT_LE(ragged_model.makespan_floor(batch, plan, cache), ragged_cost.makespan_s);
+}
+
+TEST(AttentionCalls, ATableOfOneDenseCallOfShortSegmentsIsOneRaggedCall) {
+  // Rank 0: three sequences of one length (a micro-batch of one bucket: each table is one dense
+  // call); rank 1: one sequence alone. Both run each table as one ragged call, which gives back
+  // the excess the shares priced (none is left for a lone segment's dense call to save).
+  const HardwareProfile dense = with_launch(call_profile(), 5e-3, 1e-3);
+  const CostModel model = wan14b(dense);
+  const CostModel ragged_model = wan14b(ragged(dense));
+  const CostModel plain = wan14b(with_launch(seeded_profile(), 5e-3, 1e-3));  // no call tables
+  EXPECT_EQ(kRaggedMinCalls, 1);
+  Batch batch = test_util::batch_of({3000, 3000, 3000, 4000}, 512);
+  Plan plan;
+  plan.num_ranks = 8;
+  for (int64_t i = 0; i < 4; ++i) {
+    plan.placements.push_back(make_placement(i, Strategy::kLocal, {i < 3 ? 0 : 1}));
+  }
+  const PlanCost cost = model.evaluate(batch, plan);
+  const PlanCost ragged_cost = ragged_model.evaluate(batch, plan);
+  const PlanCost plain_cost = plain.evaluate(batch, plan);
+  for (int64_t rank : {0, 1}) {
+    EXPECT_EQ(cost.ranks[rank].attention_calls, 2) << rank;
+    EXPECT_EQ(ragged_cost.ranks[rank].attention_calls, 2) << rank;
+    EXPECT_LT(ragged_cost.ranks[rank].call_s, 0) << rank;
+    EXPECT_NEAR(ragged_cost.ranks[rank].attention_s + ragged_cost.ranks[rank].call_s,
+                plain_cost.ranks[rank].attention_s, 1e-9 * plain_cost.ranks[rank].attention_s)
+        << rank;
+  }
+  EXPECT_EQ(cost.ranks[1].call_s, 0);  // one segment per table: its own call, nothing merged
+  EXPECT_LE(makespan_lower_bound(batch, ragged_model), ragged_cost.makespan_s);
 }
 
 TEST(AttentionCalls, RaggedTablesNeedOneHeadCountAndRingStepsStayCalls) {

@@ -67,6 +67,54 @@ def test_program_text_route_delivers_each_sequence_text_to_its_chunks(planner: s
             assert (text_XE[offsets[c] : offsets[c] + count] == sequences[index].id).all()
 
 
+@pytest.mark.parametrize("text_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_step_tensors_are_the_samples_concatenated(text_dtype: torch.dtype) -> None:
+    """The dataset's tensors are each of its sequences' sample() in batch order, bit for bit
+    (the text rows in text_dtype are the float32 rows rounded to it, as a bf16 model's own
+    cast of them gives); the class text rows it keeps do not leak between sequences."""
+    dataset = StepDataset(
+        model=CONFIG, recipe="tiny", planner="dp-cost", rank=0, num_ranks=1, gpus_per_node=1,
+        seed=4, text_dtype=text_dtype,
+    )  # fmt: skip
+    latents = SyntheticLatents(
+        token_channels=CONFIG.token_channels, text_dim=CONFIG.text_dim, seed=4
+    )
+    counts = []
+    for step in (1, 2, 3, 4, 5, 2):
+        data = dataset[step]
+        mine = [s for s in dataset.batch(step).sequences if s.source_rank == 0]
+        counts.append(len(mine))
+        samples = [
+            latents.sample(
+                step=step, sequence_id=s.id, grid_thw=(s.grid_t, s.grid_h, s.grid_w),
+                text_tokens=s.text_tokens,
+            )
+            for s in mine
+        ]  # fmt: skip
+        want = {
+            "source_noisy_TC": torch.cat([a.noisy_LC for a in samples]),
+            "source_velocity_TC": torch.cat([a.velocity_LC for a in samples]),
+            "source_timestep_T": torch.cat(
+                [
+                    torch.full((s.num_tokens,), a.timestep)
+                    for s, a in zip(mine, samples, strict=True)
+                ]
+            ),
+            "source_text_XE": torch.cat([a.text_XE for a in samples]).to(text_dtype),
+            "source_text_timestep_X": torch.cat(
+                [
+                    torch.full((s.text_tokens,), a.timestep)
+                    for s, a in zip(mine, samples, strict=True)
+                ]
+            ),
+        }
+        for name, tensor in want.items():
+            got = getattr(data, name)
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+        assert data.source_text_tokens == [s.text_tokens for s in mine]
+    assert max(counts) >= 3
+
+
 def test_step_dataset_materialises_only_this_ranks_sequences() -> None:
     dataset = StepDataset(
         model=CONFIG,

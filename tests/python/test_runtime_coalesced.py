@@ -149,21 +149,27 @@ def test_ragged_merge_equals_grouped_calls(heads: int) -> None:
 
 def test_auto_runs_ragged_only_for_tables_of_short_segments(monkeypatch) -> None:
     """The automatic policy: one ragged call for a table of RAGGED_MIN_CALLS or more calls whose
-    segments are all at most RAGGED_MAX_SEGMENT_TOKENS tokens; "ragged" asked for explicitly
-    runs it whatever the lengths. The math oracle stands in for a trusted kernel."""
+    segments are all at most RAGGED_MAX_SEGMENT_TOKENS tokens, a table of one dense call (equal
+    lengths: its dense plan would be built anew for each new shape) included; "ragged" asked for
+    explicitly runs it whatever the lengths. The math oracle stands in for a trusted kernel."""
     from zellige import _core
     from zellige.runtime import backends
 
-    assert backends.RAGGED_MIN_CALLS == _core.RAGGED_MIN_CALLS  # the cost model's values
+    assert backends.RAGGED_MIN_CALLS == _core.RAGGED_MIN_CALLS == 1  # the cost model's values
     assert backends.RAGGED_MAX_SEGMENT_TOKENS == _core.RAGGED_MAX_SEGMENT_TOKENS
     monkeypatch.setattr(backends, "AUTO_RAGGED_KERNELS", ("math",))
     q = torch.randn(2 * 10, 4, dtype=torch.float64)
     table = SegmentTable.build([0, 6], [0, 6], [3, 7], [3, 7], [2, 2])  # 2 calls, longest 7
     one_call = SegmentTable.build([0, 6], [0, 6], [3, 3], [3, 3], [2, 2])
+    empty = SegmentTable.build([], [], [], [], [])
     assert backends._ragged_choice(table, q, q, "math", "auto") is not None
-    assert backends._ragged_choice(one_call, q, q, "math", "auto") is None
+    assert one_call.num_calls == 1
+    assert backends._ragged_choice(one_call, q, q, "math", "auto") is not None
+    assert backends._ragged_choice(empty, q, q, "math", "auto") is None
+    assert backends._ragged_choice(one_call, q, q, "math", "groups") is None
     monkeypatch.setattr(backends, "RAGGED_MAX_SEGMENT_TOKENS", 6)
     assert backends._ragged_choice(table, q, q, "math", "auto") is None
+    assert backends._ragged_choice(one_call, q, q, "math", "auto") is not None  # longest 3
     assert backends._ragged_choice(table, q, q, "math", "ragged") is not None
 
 
@@ -244,3 +250,59 @@ def test_ragged_layout_rejects_bad_segments_and_buckets_round_up() -> None:
     assert [R._bucket_length(v) for v in lengths] == [128, 128, 128, 256, 1152, 9216, 18432, 81920]
     for tokens in range(1, 200_000, 997):  # at most 12.5% (or one 128-token tile) above
         assert tokens <= R._bucket_length(tokens) <= max(tokens * 1.125, tokens + 127)
+
+
+def test_cudnn_ragged_graphs_fall_back_to_static_ones(monkeypatch) -> None:
+    """The cuDNN frontend kernel builds dynamic-shape graphs first; where cuDNN refuses one it
+    builds static graphs from then on, and where a dynamic-shape kernel fails the check against
+    the math kernel a static one is made and checked. graph_counts() counts builds, their time
+    and the failed check. A stand-in `cudnn` module and builder replace the GPU."""
+    import sys
+    import types
+
+    from zellige.runtime import ragged as R
+
+    monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
+    monkeypatch.setattr(R, "_verified", {})
+    monkeypatch.setattr(R, "_made", [])
+    monkeypatch.setattr(R, "_failed_checks", [0])
+    builds = []
+
+    class Stand(R.CudnnFrontendRaggedKernel):
+        def _build(self, backward, dtype, n, head_dim, shape, totals, scale, device, dynamic):
+            builds.append(dynamic)
+            if dynamic:
+                raise RuntimeError("dynamic shapes not supported here")
+            return object(), {}
+
+    kernel = Stand()
+    args = (torch.bfloat16, 2, 8, (8, 128, 128), None, 0.5, torch.device("cpu"))
+    first = kernel._graph(False, *args)
+    assert builds == [True, False] and not kernel.dynamic_shapes
+    assert kernel._graph(False, *args) is first and builds == [True, False]  # cached
+    kernel._graph(True, *args)
+    assert builds == [True, False, False] and kernel.graphs_built == 2
+
+    checked = []
+
+    def check(candidate, device, dtype, head_dim):
+        checked.append(candidate.dynamic_shapes)
+        return not candidate.dynamic_shapes  # the dynamic-shape kernel computes wrong results
+
+    monkeypatch.setattr(R, "_agrees_with_math", check)
+    monkeypatch.setattr(R, "CudnnFrontendRaggedKernel", Stand)
+    before = R.graph_counts()
+    chosen = R.ragged_kernel_for(torch.device("cuda", 0), torch.bfloat16, 8)
+    assert checked == [True, False] and chosen is not None and not chosen.dynamic_shapes
+    assert R.ragged_kernel_for(torch.device("cuda", 0), torch.bfloat16, 8) is chosen
+    assert (R.graph_counts() - before).failed_checks == 1
+    R.set_dynamic_shape_graphs(False)
+    try:
+        again = R.ragged_kernel_for(torch.device("cuda", 0), torch.bfloat16, 8)
+        assert again is not chosen and checked == [True, False, False]
+    finally:
+        R.set_dynamic_shape_graphs(True)
+    assert R.graph_counts().failed_checks == 1
+    R._made.append(kernel)  # graph_counts() sums what every kernel made did
+    counts = R.graph_counts()
+    assert counts.built == 2 and counts.build_s >= 0 and counts.refused == 0

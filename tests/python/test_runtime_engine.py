@@ -146,3 +146,76 @@ def test_a_step_runs_its_engine_over_its_transport(merge: str, monkeypatch) -> N
     assert transport.calls == 2  # the route there and back
     assert len(ragged_calls) == (1 if merge == "ragged" else 0)
     torch.testing.assert_close(o, _whole_attention(x, lengths), rtol=0, atol=1e-13)
+
+
+def _equal_lengths_step(engine: EngineConfig, joint: bool):
+    """One rank holding three sequences of one length (a micro-batch of one bucket), with text
+    joining attention where `joint`: its local table is one dense call."""
+    batch = _core.Batch()
+    batch.sequences = [sequence_from_tokens(i, "video", 12, 3 if joint else 0, 0) for i in range(3)]
+    plan = _core.Plan(planner="hand", num_ranks=1)
+    plan.placements = [make_placement(s.id, Strategy.local, [0]) for s in batch.sequences]
+    return prepare_step(
+        batch, plan, 2, "cpu", rank=0, engine=engine, transport=_Loopback(),
+        joint_attention=joint,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("joint", [False, True], ids=["self", "joint"])
+def test_a_table_of_one_dense_call_runs_ragged_under_auto(joint: bool, monkeypatch) -> None:
+    """Merge "auto" runs a step's table of equal lengths (one dense call, which cuDNN would plan
+    anew for every new shape) as one ragged call where a trusted ragged kernel exists, as the
+    cost model prices it (RAGGED_MIN_CALLS); the math oracle stands in for the cuDNN frontend.
+    Outputs are single-process attention's."""
+    from zellige.runtime import backends
+
+    monkeypatch.setattr(backends, "AUTO_RAGGED_KERNELS", ("math",))
+    step = _equal_lengths_step(EngineConfig(merge="auto", backend="math"), joint)
+    assert step.local_table.num_calls == 1
+    lengths = [15 if joint else 12] * 3
+    gen = torch.Generator().manual_seed(1)
+    held = torch.randn(sum(lengths), 2, 4, generator=gen, dtype=torch.float64)
+    o = attention_fn(step, backend="math")(held, held, held)
+    chosen = [
+        v for v in step.local_table.merged.values() if isinstance(v, backends.AttentionBackend)
+    ]
+    assert len(chosen) == 1 and isinstance(chosen[0], RaggedBackend)
+    # the held order groups each sequence's tokens: attention per sequence, as one process
+    order = torch.argsort(torch.from_numpy(step.program.token_chunk_index), stable=True)
+    want = torch.empty_like(held)
+    want[order] = _whole_attention(held[order], lengths)
+    torch.testing.assert_close(o, want, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("merge", ["auto", "groups"])
+def test_prepared_step_tables_are_the_first_layers_choice(merge: str, monkeypatch) -> None:
+    """prepare_step_tables makes (and builds: the ragged kernel's prepare) the choice the first
+    layer's attention would, so that layer finds it and makes none; the results are unchanged."""
+    from zellige.runtime import backends
+    from zellige.runtime.ragged import MathRaggedKernel
+
+    monkeypatch.setattr(backends, "AUTO_RAGGED_KERNELS", ("math",))
+    prepared = []
+    prepare = MathRaggedKernel.prepare
+
+    def counted(self, *args):
+        prepared.append(1)
+        return prepare(self, *args)
+
+    monkeypatch.setattr(MathRaggedKernel, "prepare", counted)
+    step, lengths, x = _one_rank(EngineConfig(merge=merge, backend="math"), _Loopback())
+    backends.prepare_step_tables(step, torch.float64, 4, backend="math")
+
+    def choices() -> dict:
+        merged = step.local_table.merged
+        return {k: v for k, v in merged.items() if isinstance(v, backends.AttentionBackend)}
+
+    made = choices()
+    assert len(prepared) == (1 if merge == "auto" else 0)
+    kind = RaggedBackend if merge == "auto" else DenseBackend
+    assert [type(v) for v in made.values()] == [kind]
+    held = route(x, step)
+    o = reverse_route(attention_fn(step, backend="math")(held, held, held), step)
+    assert choices() == made  # found, not made again
+    assert len(prepared) == (1 if merge == "auto" else 0)
+    torch.testing.assert_close(o, _whole_attention(x, lengths), rtol=0, atol=1e-13)

@@ -485,3 +485,27 @@ def test_a_kept_copy_does_not_keep_the_model_alive() -> None:
     gc.collect()
     assert kept.dtype == torch.bfloat16
     assert model() is None and master() is None
+
+
+def test_the_trainer_defaults_to_expandable_segments_unless_the_user_set_the_allocator() -> None:
+    """PYTORCH_CUDA_ALLOC_CONF gets expandable segments where it is unset; any value the user
+    set, an empty one included, stays; the trainer's entry point and the throughput bench set
+    it before CUDA initialises."""
+    from pathlib import Path
+
+    import zellige.train.__main__ as entry
+    from zellige.train.loop import DEFAULT_CUDA_ALLOC_CONF, default_allocator_settings
+
+    environ: dict[str, str] = {}
+    default_allocator_settings(environ)
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert DEFAULT_CUDA_ALLOC_CONF == "expandable_segments:True"
+    for user_value in ("", "backend:native", "expandable_segments:False"):
+        environ = {"PYTORCH_CUDA_ALLOC_CONF": user_value}
+        default_allocator_settings(environ)
+        assert environ == {"PYTORCH_CUDA_ALLOC_CONF": user_value}
+    main_source = Path(entry.__file__).read_text()
+    assert "default_allocator_settings()" in main_source.split("def main(")[1].split("\n\n")[0]
+    bench = Path(__file__).resolve().parents[2] / "bench" / "train_throughput.py"
+    bench_main = bench.read_text().split("def main(")[1]
+    assert bench_main.index("default_allocator_settings()") < bench_main.index("header(")

@@ -95,8 +95,11 @@ struct RankCost {
 
 // The least number of dense calls of a table that the engine runs as one ragged call where the
 // profile says it does (attention_ragged): the one value, read by runtime/coalesced.py through
-// zellige._core.RAGGED_MIN_CALLS.
-inline constexpr int64_t kRaggedMinCalls = 2;
+// zellige._core.RAGGED_MIN_CALLS. One: a table of equal short segments (a micro-batch of one
+// bucket) runs ragged too, since the dense call builds a cuDNN plan for every new shape (37-39 ms
+// a pass on one H100, and recipes' lengths vary with aspect ratio) where the ragged call's
+// graphs are cached per shape bucket.
+inline constexpr int64_t kRaggedMinCalls = 1;
 // ... and whose segments are all at most this many query and key tokens: a table holding a
 // longer one runs its dense calls (with the key split and streams), which were 3-6% faster than
 // the ragged call on the packs of a few long sequences on one H200, the ragged call 13-15%

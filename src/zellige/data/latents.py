@@ -40,8 +40,10 @@ from torch import Tensor
 from zellige import _core
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from zellige.balancer import Sample
-    from zellige.data.synthetic import SequenceSample
+    from zellige.data.synthetic import SequenceSample, SourceTensors
     from zellige.model import DiTConfig
 
 FORMAT = "zellige-latents"
@@ -455,6 +457,7 @@ class LatentSource:
     ) -> None:
         self.dataset = dataset
         self.patch = (model.patch_t, model.patch_hw)
+        self.token_channels, self.text_dim = model.token_channels, model.text_dim
         self.seed = seed
         self.data_ranks = data_ranks
         self._drawn: tuple[int, list[tuple[int, int]]] | None = None  # a step's samples
@@ -488,6 +491,41 @@ class LatentSource:
             positions_L3=grid_positions(*grid_thw),
             timestep=timestep,
             text_XE=text.float(),
+        )
+
+    def source_tensors(
+        self, *, step: int, sequences: Sequence, text_dtype: torch.dtype = torch.float32
+    ) -> SourceTensors:
+        """The samples of `sequences` at `step`, concatenated in order (the form of
+        SyntheticLatents.source_tensors), the text rows in `text_dtype`. Raises LatentDataError
+        for a missing or corrupt shard."""
+        from zellige.data.synthetic import SourceTensors
+
+        samples = [
+            self.sample(
+                step=step,
+                sequence_id=s.id,
+                grid_thw=(s.grid_t, s.grid_h, s.grid_w),
+                text_tokens=s.text_tokens,
+            )
+            for s in sequences
+        ]
+
+        def cat(parts: list[Tensor], width: int, dtype: torch.dtype = torch.float32) -> Tensor:
+            return torch.cat(parts).to(dtype) if parts else torch.empty(0, width, dtype=dtype)
+
+        def repeated(counts: list[int]) -> Tensor:
+            times = torch.tensor([x.timestep for x in samples], dtype=torch.float32)
+            return torch.repeat_interleave(times, torch.tensor(counts, dtype=torch.int64))
+
+        text_tokens = [s.text_tokens for s in sequences]
+        return SourceTensors(
+            noisy_TC=cat([x.noisy_LC for x in samples], self.token_channels),
+            velocity_TC=cat([x.velocity_LC for x in samples], self.token_channels),
+            timestep_T=repeated([s.num_tokens for s in sequences]),
+            text_XE=cat([x.text_XE for x in samples], self.text_dim, text_dtype),
+            text_timestep_X=repeated(text_tokens),
+            text_tokens=text_tokens,
         )
 
 

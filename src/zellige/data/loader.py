@@ -27,7 +27,7 @@ import zellige
 from zellige import _core
 from zellige.cluster_file import read_cluster_file
 from zellige.data.latents import LatentDataError, LatentSource, open_latent_dataset
-from zellige.data.synthetic import SyntheticLatents
+from zellige.data.synthetic import SourceTensors, SyntheticLatents
 from zellige.global_batch import GlobalBatchSize, draw_global_batch, global_plan_from_dict
 from zellige.model import DiTConfig
 from zellige.pipeline import (
@@ -185,6 +185,8 @@ class StepDataset(torch.utils.data.Dataset):
     (zellige.global_batch_planner_names()). `global_plan` (a global plan JSON object of the
     `sequences`, global_plan_to_dict's form) replaces that planner, for tests that need a
     particular cut.
+
+    text_dtype: the dtype of the text rows (SyntheticLatents.source_tensors).
     """
 
     def __init__(
@@ -212,6 +214,7 @@ class StepDataset(torch.utils.data.Dataset):
         global_batch: GlobalBatchSize | None = None,
         global_plan: dict | None = None,
         data_dir: str | None = None,
+        text_dtype: torch.dtype = torch.float32,
     ) -> None:
         if global_plan is not None and sequences is None:
             raise ValueError("a fixed global plan needs the fixed sequences it cuts")
@@ -251,6 +254,9 @@ class StepDataset(torch.utils.data.Dataset):
                 "a global batch from a latent dataset is not supported: a latent dataset gives "
                 "one step's batch at a time (drop global_batch or data_dir)"
             )
+        # the text rows' dtype: the model's compute dtype where it casts text to that first
+        # (half the bytes to share, pin and copy; the same values after the model's cast)
+        self.text_dtype = text_dtype
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
@@ -406,28 +412,19 @@ class StepDataset(torch.utils.data.Dataset):
         program and its plan's forecast; `total_tokens` is the loss normaliser."""
         pipeline, _, latents = self._planning_state()
         spec = pipeline.spec
-        noisy, velocity, timestep, text, text_timestep, text_tokens = [], [], [], [], [], []
-        for sequence in batch.sequences:
-            if sequence.source_rank != self.rank:
-                continue
-            try:
-                sample = latents.sample(
-                    step=step,
-                    sequence_id=sequence.id,
-                    grid_thw=(sequence.grid_t, sequence.grid_h, sequence.grid_w),
-                    text_tokens=sequence.text_tokens,
-                )
-            except LatentDataError as error:  # every rank raises it with the step (load)
-                prepared = replace(prepared, error=f"rank {self.rank}: {error}")
-                noisy, velocity, timestep, text, text_timestep, text_tokens = [], [], [], [], [], []
-                break
-            noisy.append(sample.noisy_LC)
-            velocity.append(sample.velocity_LC)
-            timestep.append(torch.full((sequence.num_tokens,), sample.timestep))
-            text.append(sample.text_XE)
-            text_timestep.append(torch.full((sequence.text_tokens,), sample.timestep))
-            text_tokens.append(sequence.text_tokens)
         channels, text_dim = self.model.token_channels, self.model.text_dim
+        mine = [s for s in batch.sequences if s.source_rank == self.rank]
+        try:
+            source = latents.source_tensors(step=step, sequences=mine, text_dtype=self.text_dtype)
+        except LatentDataError as error:  # every rank raises it with the step (load)
+            prepared = replace(prepared, error=f"rank {self.rank}: {error}")
+            source = SourceTensors(
+                noisy_TC=torch.empty(0, channels),
+                velocity_TC=torch.empty(0, channels),
+                timestep_T=torch.empty(0),
+                text_XE=torch.empty(0, text_dim, dtype=self.text_dtype),
+                text_timestep_X=torch.empty(0),
+            )
         return StepData(
             step=step,
             rank=self.rank,
@@ -438,12 +435,12 @@ class StepDataset(torch.utils.data.Dataset):
             train_flops=float(
                 sum(zellige.train_flops(spec, s.num_tokens, s.text_tokens) for s in batch.sequences)
             ),
-            source_noisy_TC=_cat(noisy, (0, channels)),
-            source_velocity_TC=_cat(velocity, (0, channels)),
-            source_timestep_T=_cat(timestep, (0,)),
-            source_text_XE=_cat(text, (0, text_dim)),
-            source_text_timestep_X=_cat(text_timestep, (0,)),
-            source_text_tokens=text_tokens,
+            source_noisy_TC=source.noisy_TC,
+            source_velocity_TC=source.velocity_TC,
+            source_timestep_T=source.timestep_T,
+            source_text_XE=source.text_XE,
+            source_text_timestep_X=source.text_timestep_X,
+            source_text_tokens=source.text_tokens,
         )
 
 
@@ -507,7 +504,3 @@ def make_loader(
 
 def _step_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, step]).generate_state(1, np.uint32)[0])
-
-
-def _cat(tensors: list[Tensor], empty_shape: tuple[int, ...]) -> Tensor:
-    return torch.cat(tensors) if tensors else torch.zeros(empty_shape)

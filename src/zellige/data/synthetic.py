@@ -8,11 +8,17 @@ works (quickly for the class mean, slowly for the waves).
 
 Everything about a sequence (class, clean latents, noise, flow time) comes from a generator
 seeded by (seed, step, sequence id): the same numbers whichever rank loads it or holds it.
+
+A rank's tensors for one step (`source_tensors`) are written into one buffer per kind: a step of
+45 sequences carries 23,040 text rows of 4,096 features (377 MB in float32), so each sequence's
+text is a copy of its class's rows (made once per class) into its place, with no per-sequence
+tensors to concatenate, and in the model's compute dtype where the model casts text to it first.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +48,18 @@ def grid_positions(grid_t: int, grid_h: int, grid_w: int) -> Tensor:
     return torch.stack((index // (grid_h * grid_w), (index // grid_w) % grid_h, index % grid_w), 1)
 
 
+@dataclass(kw_only=True, slots=True)
+class SourceTensors:
+    """One rank's loaded sequences for a step, concatenated in the order given."""
+
+    noisy_TC: Tensor
+    velocity_TC: Tensor
+    timestep_T: Tensor  # each sequence's flow time, repeated per token (float32)
+    text_XE: Tensor
+    text_timestep_X: Tensor  # each sequence's flow time, repeated per text row (float32)
+    text_tokens: list[int] = field(default_factory=list)  # per sequence
+
+
 class SyntheticLatents:
     def __init__(self, *, token_channels: int, text_dim: int, seed: int) -> None:
         self.token_channels = token_channels
@@ -59,12 +77,76 @@ class SyntheticLatents:
         self.amplitude_KWC = amplitude_scale * torch.randn(
             NUM_CLASSES, NUM_WAVES, token_channels, generator=tables
         )
+        # per (class, dtype): the class's text rows, as many as asked for so far
+        self._text_rows: dict[tuple[int, torch.dtype], Tensor] = {}
 
     def sample(
         self, *, step: int, sequence_id: int, grid_thw: tuple[int, int, int], text_tokens: int
     ) -> SequenceSample:
-        if text_tokens > MAX_TEXT_TOKENS:
-            raise ValueError(f"text_tokens {text_tokens} above the supported {MAX_TEXT_TOKENS}")
+        _check_text_tokens(text_tokens)
+        label, sample = self._latents(step, sequence_id, grid_thw)
+        sample.text_XE = self.class_text_KE[label] + self.text_position_XE[:text_tokens]
+        return sample
+
+    def source_tensors(
+        self,
+        *,
+        step: int,
+        sequences: Sequence,
+        text_dtype: torch.dtype = torch.float32,
+    ) -> SourceTensors:
+        """The samples of `sequences` (each with id, num_tokens, text_tokens, grid_t/h/w) at
+        `step`, concatenated: what sample() gives each, the text rows in `text_dtype` (its
+        rounding of the float32 rows: pass the model's compute dtype only where the model
+        casts text to it before using it)."""
+        for sequence in sequences:
+            _check_text_tokens(sequence.text_tokens)
+        num_tokens = [s.num_tokens for s in sequences]
+        text_tokens = [s.text_tokens for s in sequences]
+        channels, text_dim = self.token_channels, self.class_text_KE.shape[1]
+        noisy_TC = torch.empty(sum(num_tokens), channels)
+        velocity_TC = torch.empty(sum(num_tokens), channels)
+        text_XE = torch.empty(sum(text_tokens), text_dim, dtype=text_dtype)
+        timesteps = []
+        token, row = 0, 0
+        for sequence in sequences:
+            grid_thw = (sequence.grid_t, sequence.grid_h, sequence.grid_w)
+            label, sample = self._latents(step, sequence.id, grid_thw)
+            end = token + sequence.num_tokens
+            noisy_TC[token:end] = sample.noisy_LC
+            velocity_TC[token:end] = sample.velocity_LC
+            token = end
+            text_XE[row : row + sequence.text_tokens] = self._class_text(
+                label, sequence.text_tokens, text_dtype
+            )
+            row += sequence.text_tokens
+            timesteps.append(sample.timestep)
+        timesteps_S = torch.tensor(timesteps, dtype=torch.float32)
+
+        def repeated(counts: list[int]) -> Tensor:
+            return torch.repeat_interleave(timesteps_S, torch.tensor(counts, dtype=torch.int64))
+
+        return SourceTensors(
+            noisy_TC=noisy_TC,
+            velocity_TC=velocity_TC,
+            timestep_T=repeated(num_tokens),
+            text_XE=text_XE,
+            text_timestep_X=repeated(text_tokens),
+            text_tokens=text_tokens,
+        )
+
+    def _class_text(self, label: int, text_tokens: int, dtype: torch.dtype) -> Tensor:
+        """The first text_tokens text rows of class `label` in `dtype` (sample()'s values)."""
+        rows = self._text_rows.get((label, dtype))
+        if rows is None or rows.shape[0] < text_tokens:
+            rows = self.class_text_KE[label] + self.text_position_XE[:text_tokens]
+            self._text_rows[label, dtype] = rows = rows.to(dtype)
+        return rows[:text_tokens]
+
+    def _latents(
+        self, step: int, sequence_id: int, grid_thw: tuple[int, int, int]
+    ) -> tuple[int, SequenceSample]:
+        """The sequence's class and its sample without text (text_XE left empty)."""
         generator = torch.Generator().manual_seed(_mix(self.seed, step, sequence_id))
         label = int(torch.randint(NUM_CLASSES, (1,), generator=generator))
         # logit-normal flow time, as in SD3-style rectified-flow training
@@ -77,14 +159,18 @@ class SyntheticLatents:
         clean_LC = self.class_mean_KC[label] + waves_LW @ self.amplitude_KWC[label]
         clean_LC += NOISE_STD * torch.randn(num_tokens, self.token_channels, generator=generator)
         noise_LC = torch.randn(num_tokens, self.token_channels, generator=generator)
-        text_XE = self.class_text_KE[label] + self.text_position_XE[:text_tokens]
-        return SequenceSample(
+        return label, SequenceSample(
             noisy_LC=(1 - timestep) * clean_LC + timestep * noise_LC,
             velocity_LC=noise_LC - clean_LC,
             positions_L3=positions_L3,
             timestep=timestep,
-            text_XE=text_XE,
+            text_XE=self.class_text_KE[:0, :0],
         )
+
+
+def _check_text_tokens(text_tokens: int) -> None:
+    if text_tokens > MAX_TEXT_TOKENS:
+        raise ValueError(f"text_tokens {text_tokens} above the supported {MAX_TEXT_TOKENS}")
 
 
 def _mix(*values: int) -> int:

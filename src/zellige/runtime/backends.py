@@ -9,7 +9,7 @@ A table (runtime/coalesced.py SegmentTable) runs on one of three backends:
 
 `choose_backend` is the decision, from the run's EngineConfig; `engine_runs_ragged` is the same
 decision asked for the planner (zellige.profile.priced_as_engine_runs: the cost model then prices
-a table of several short sequences as the ragged call the engine runs). `coalesced_attention` is
+a table of short sequences as the ragged call the engine runs). `coalesced_attention` is
 the differentiable entry over one table; distributed attention (runtime/attention.py) runs its
 step's tables through the same backends.
 
@@ -18,8 +18,12 @@ at most RAGGED_MAX_SEGMENT_TOKENS query and key tokens as one ragged call, with 
 trusted for automatic use (AUTO_RAGGED_KERNELS). On one H200 (cuDNN 9.19) the cuDNN frontend's
 ragged call ran the packs of only short sequences (opensora2-stage1) 13-15% faster forward and
 2-3% backward than the groups, in a tenth of their host time, and the packs with a long sequence
-3-6% slower (bench/results/attention_engine_h200_202612.md). The cost model prices the
-same rule (cost_model.h), so both constants come from there.
+3-6% slower (bench/results/attention_engine_h200_202612.md). RAGGED_MIN_CALLS is 1: a table
+of one dense call (a micro-batch of one bucket: equal lengths) runs ragged too, because the dense
+cuDNN call builds an execution plan for every new (count, q_len, k_len) on the host (37-39 ms a
+pass on one H100, a new shape nearly every step of opensora2-stage1, whose lengths vary with
+aspect ratio and frames) where the ragged call's graphs serve a shape bucket. The cost model
+prices the same rule (cost_model.h), so both constants come from there.
 """
 
 from __future__ import annotations
@@ -54,6 +58,14 @@ RAGGED_MIN_CALLS = _core.RAGGED_MIN_CALLS
 RAGGED_MAX_SEGMENT_TOKENS = _core.RAGGED_MAX_SEGMENT_TOKENS
 AUTO_RAGGED_KERNELS: tuple[str, ...] = ("cudnn-fe",)
 RAGGED_MAX_ELEMENTS = 2**31 - 1  # cuDNN's ragged offsets are int32 element counts
+# every dense call shape (kernel, dtype, count, heads, q_len, k_len) a CUDA table was given in
+# this process: a new one makes cuDNN build an execution plan on the host (tens of ms)
+_dense_shapes: set[tuple] = set()
+
+
+def dense_shapes_seen() -> int:
+    """Distinct dense call shapes this process's CUDA tables have run (or were prepared to)."""
+    return len(_dense_shapes)
 
 
 class AttentionBackend:
@@ -409,9 +421,51 @@ def _choose_backend(
     if key_split > 0 and not key_split_ok(kernel, device, dtype, head_dim):
         key_split = 0
     kind = PaddedBackend if table.padded else DenseBackend
+    _note_dense_shapes(table, kernel, device, dtype)
     return kind(
         table, kernel, scale, streams=streams, overlap_copies=overlap_copies, key_split=key_split
     )
+
+
+def _note_dense_shapes(
+    table: SegmentTable, kernel: Kernel, device: torch.device, dtype: torch.dtype
+) -> None:
+    if device.type == "cuda":
+        _dense_shapes.update(
+            (kernel.name, dtype, g.count, g.num_heads, g.q_len, g.k_len)
+            for g in (*table.padded, *table.groups)
+        )
+
+
+def prepare_step_tables(
+    step, dtype: torch.dtype, head_dim: int, backend: str | None = None
+) -> None:
+    """Makes now the choices distributed_attention and cross_attention (runtime/attention.py)
+    make at the first layer of `step` for q / k / v rows of `dtype` and `head_dim`, with what
+    they need built: a ragged call's cuDNN graphs of a new shape bucket (tens of ms on the host).
+    The trainer calls it while the device still runs the previous step, so that host work
+    overlaps the device's instead of leaving it idle inside the first layer's attention.
+    Launches no kernel and allocates one row per table. backend: as distributed_attention's."""
+    device, n = step.device, step.num_heads
+
+    def rows(count: int) -> Tensor:
+        return torch.empty((1, head_dim), dtype=dtype, device=device).expand(count, head_dim)
+
+    kernel = step_kernel(step.engine, device, dtype, head_dim, backend)
+    scale = default_scale(head_dim)
+    held = rows(step.num_held_tokens * n)
+    tables = [(step.local_table, held)]
+    if step.world_has_exchange:
+        tables.append((step.exchange_table, rows(step.exchange_recv_index.numel())))
+    for table, q_rows in tables:
+        if table.groups or table.padded:
+            choose_backend(
+                table, q_rows, q_rows, step.engine, scale=scale, backend=backend, kernel=kernel,
+                plain_groups=True,
+            )  # fmt: skip
+    cross = step.routes.get("cross_text") if not step.joint_attention else None
+    if cross is not None and step.cross_table.groups:
+        choose_backend(step.cross_table, held, rows(cross.num_held * n), step.engine)
 
 
 def step_kernel(

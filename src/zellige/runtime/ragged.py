@@ -14,11 +14,18 @@ pack with no gather or scatter copies. Its graphs are built once per shape bucke
 and longest lengths rounded up: `_bucket`, `_bucket_length`) and cached; each kernel is checked
 against the math oracle (one sequence at a time) on an uneven layout with a gap, reversed keys
 and a sequence of over 1k tokens before first use (`ragged_kernel_for`).
+
+A new bucket's graph took 73-90 ms a pass to build on one H200 (a new dense cuDNN shape 37-39 ms
+on one H100), mostly its kernel's; graphs are built as cuDNN "dynamic shape" graphs sharing a
+kernel cache (one per device and pass), so a later bucket of the same topology reuses the
+compiled kernel. Where this cuDNN refuses that, or its kernel fails the check, the kernel builds
+static graphs as before (`dynamic_shapes`).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -149,12 +156,18 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
     # cuDNN graphs kept per process (each holds its execution plan); oldest dropped first
     max_graphs = 256
 
-    def __init__(self) -> None:
+    def __init__(self, dynamic_shapes: bool = True) -> None:
         import cudnn  # noqa: F401  (ImportError: the package is not installed)
 
+        # build dynamic-shape graphs over a kernel cache (see the module docstring); False
+        # after cuDNN refused one
+        self.dynamic_shapes = dynamic_shapes
         self._graphs: dict[tuple, tuple] = {}
         self.graphs_built = 0  # cuDNN graphs built so far (tens of ms each: a new shape bucket)
+        self.graph_build_s = 0.0  # host seconds those builds took
+        self.graphs_refused = 0  # shape buckets cuDNN refused (their tables run dense calls)
         self._handles: dict[int, int] = {}
+        self._kernel_caches: dict[tuple, object] = {}  # (device index, backward) -> cache
         self._refused: dict[tuple, bool] = {}  # prepare's answer per shape bucket
 
     # -- device tensors of a layout --------------------------------------------------------
@@ -206,16 +219,51 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
         if key in self._graphs:
             self._graphs[key] = self._graphs.pop(key)  # most recently used last
             return self._graphs[key]
+        start = time.perf_counter()
+        if self.dynamic_shapes:
+            try:
+                built = self._build(
+                    backward, dtype, n, head_dim, shape, totals, scale, device, True
+                )
+            except Exception:  # this cuDNN refuses a dynamic-shape graph: static ones from now on
+                self.dynamic_shapes = False
+        if not self.dynamic_shapes:
+            built = self._build(backward, dtype, n, head_dim, shape, totals, scale, device, False)
+        self.graphs_built += 1
+        self.graph_build_s += time.perf_counter() - start
+        self._graphs[key] = built
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.pop(next(iter(self._graphs)))
+        return self._graphs[key]
+
+    def _kernel_cache(self, device: torch.device, backward: bool):
+        import cudnn
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if (index, backward) not in self._kernel_caches:
+            with torch.cuda.device(index):
+                self._kernel_caches[index, backward] = cudnn.create_kernel_cache()
+        return self._kernel_caches[index, backward]
+
+    def _build(self, backward, dtype, n, head_dim, shape, totals, scale, device, dynamic: bool):
+        """A built graph and its tensors (graph, {name: tensor}); raises where cuDNN refuses."""
         import cudnn
 
         io_type = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[
             dtype
         ]
+        options = {}
+        if dynamic:
+            options = {
+                "is_dynamic_shape_enabled": True,
+                "kernel_cache": self._kernel_cache(device, backward),
+            }
         graph = cudnn.pygraph(
             io_data_type=io_type,
             intermediate_data_type=cudnn.data_type.FLOAT,
             compute_data_type=cudnn.data_type.FLOAT,
             handle=self._handle(device),
+            **options,
         )
         count, s_q, s_k = shape
 
@@ -268,11 +316,7 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         graph.check_support()
         graph.build_plans()
-        self.graphs_built += 1
-        self._graphs[key] = (graph, t)
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.pop(next(iter(self._graphs)))
-        return self._graphs[key]
+        return graph, t
 
     def _graph_for(self, backward: bool, q: Tensor, k: Tensor, layout: RaggedLayout, scale):
         device, head_dim, n = q.device, q.shape[-1], layout.num_heads
@@ -302,6 +346,7 @@ class CudnnFrontendRaggedKernel(RaggedKernel):
                 self._refused[key] = False
             except Exception:  # cuDNN's refusal (its errors derive from Exception)
                 self._refused[key] = True
+                self.graphs_refused += 1
         return not self._refused[key]
 
     def _run(self, backward: bool, buffers: dict, layout: RaggedLayout, scale: float) -> None:
@@ -386,12 +431,54 @@ def _agrees_with_math(kernel: RaggedKernel, device, dtype, head_dim: int) -> boo
 
 
 _verified: dict[tuple, RaggedKernel | None] = {}
+_made: list[RaggedKernel] = []  # every kernel ragged_kernel_for made, checked or refused
+_failed_checks = [0]  # kernels ragged_kernel_for made that failed the check
+_dynamic_shape_graphs = [True]
+
+
+def set_dynamic_shape_graphs(enabled: bool) -> None:
+    """Whether the cuDNN frontend kernels made from now on build dynamic-shape graphs over a
+    kernel cache (default True; see the module docstring). Forgets the kernels made so far: the
+    next use makes and checks a new one. For measurements (bench/train_throughput.py
+    :static-ragged-graphs)."""
+    _dynamic_shape_graphs[0] = enabled
+    _verified.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class GraphCounts:
+    """What the ragged kernels of this process did to their graphs so far (differences of two
+    readings are one step's)."""
+
+    built: int = 0  # graphs built (a new shape bucket, forward or backward)
+    build_s: float = 0.0  # host seconds those builds took
+    refused: int = 0  # shape buckets cuDNN refused: their tables ran dense calls
+    failed_checks: int = 0  # kernels that failed the check against the math kernel
+
+    def __sub__(self, other: GraphCounts) -> GraphCounts:
+        return GraphCounts(
+            built=self.built - other.built,
+            build_s=self.build_s - other.build_s,
+            refused=self.refused - other.refused,
+            failed_checks=self.failed_checks - other.failed_checks,
+        )
+
+
+def graph_counts() -> GraphCounts:
+    """The counts over every ragged kernel this process made, the ones refused by their check
+    included (their graphs were built too)."""
+    return GraphCounts(
+        built=sum(getattr(k, "graphs_built", 0) for k in _made),
+        build_s=sum(getattr(k, "graph_build_s", 0.0) for k in _made),
+        refused=sum(getattr(k, "graphs_refused", 0) for k in _made),
+        failed_checks=_failed_checks[0],
+    )
 
 
 def graphs_built() -> int:
-    """cuDNN graphs the checked ragged kernels of this process have built (a training loop's
-    steps after the first few should build none: their shapes fall into cached buckets)."""
-    return sum(getattr(kernel, "graphs_built", 0) for kernel in _verified.values())
+    """cuDNN graphs the ragged kernels of this process have built (a training loop's steps
+    after the first few should build none: their shapes fall into cached buckets)."""
+    return graph_counts().built
 
 
 def ragged_kernel_for(
@@ -409,10 +496,15 @@ def ragged_kernel_for(
     key = (device.type, dtype, head_dim)
     if key not in _verified:
         _verified[key] = None
-        try:
-            kernel = CudnnFrontendRaggedKernel()
-        except (ImportError, OSError, RuntimeError):
-            kernel = None
-        if kernel is not None and _agrees_with_math(kernel, device, dtype, head_dim):
-            _verified[key] = kernel
+        # dynamic-shape graphs first; static ones where those fail the check
+        for dynamic_shapes in (True, False) if _dynamic_shape_graphs[0] else (False,):
+            try:
+                kernel = CudnnFrontendRaggedKernel(dynamic_shapes=dynamic_shapes)
+            except (ImportError, OSError, RuntimeError):
+                break
+            _made.append(kernel)
+            if _agrees_with_math(kernel, device, dtype, head_dim):
+                _verified[key] = kernel
+                break
+            _failed_checks[0] += 1
     return _verified[key]

@@ -32,7 +32,7 @@ from zellige.train.config import (
     load_config_file,
     resolve_config,
 )
-from zellige.train.loop import say, train
+from zellige.train.loop import default_allocator_settings, say, train
 from zellige.train.watchdog import TrainingFailed
 
 PROG = "zellige.train"
@@ -124,6 +124,7 @@ def parse_run(argv: list[str] | None) -> tuple[argparse.Namespace, TrainConfig]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    default_allocator_settings()  # before anything initialises CUDA
     die_with_launcher()
     try:
         args, config = parse_run(argv)

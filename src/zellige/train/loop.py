@@ -43,6 +43,7 @@ from zellige.pipeline import (
 )
 from zellige.profile import priced_as_engine_runs
 from zellige.runtime import EngineConfig, engine_runs_ragged
+from zellige.runtime.backends import prepare_step_tables
 from zellige.runtime.collector import QuietCollector
 from zellige.train.accumulation import accumulate
 from zellige.train.checkpoint import (
@@ -76,11 +77,26 @@ from zellige.train.optimizer_builder import (
     optimizer_copy_bytes_per_param,
     weights_kept_to_backward,
 )
-from zellige.train.parallelize import parallelize, set_checkpointed_blocks
+from zellige.train.parallelize import DTYPES, parallelize, set_checkpointed_blocks
 from zellige.train.speeds import SlowRank, SpeedEstimate
 from zellige.train.step import StepInput, assemble_step
 from zellige.train.timing import StepTimer
 from zellige.train.watchdog import RankWatch, TrainingFailed
+
+# The CUDA caching allocator's setting a run gets unless PYTORCH_CUDA_ALLOC_CONF is set: a step's
+# lengths change every step and fixed segments fragment (opensora2-stage2 on an H100 80GB ran out
+# of memory with 62.7 GiB allocated and 12.3 GiB reserved but unusable); expandable segments
+# grow one mapping in place.
+DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def default_allocator_settings(environ: dict | None = None) -> None:
+    """Sets PYTORCH_CUDA_ALLOC_CONF to DEFAULT_CUDA_ALLOC_CONF where the user did not set it
+    (an empty value counts as set). The allocator reads it once, when CUDA initialises: call
+    this first (the trainer's entry point and train() do; train() leaves an initialised CUDA
+    as it is)."""
+    environ = os.environ if environ is None else environ
+    environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", DEFAULT_CUDA_ALLOC_CONF)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -315,6 +331,8 @@ def train(
     input raises ValueError before training; a non-finite loss or a stuck rank raises
     TrainingFailed."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if not torch.cuda.is_initialized():
+        default_allocator_settings()
     start = preflight(
         config,
         num_ranks=world_size,
@@ -394,6 +412,8 @@ def train(
         global_batch=global_batch_size(config),
         global_plan=global_plan,
         data_dir=config.data.data_dir,
+        # a bf16 model casts the text to bf16 before its first use: the loader sends it so
+        text_dtype=torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32,
     )
     _check_first_step_fits(dataset, first_step)
     num_steps = config.steps - first_step
@@ -536,7 +556,11 @@ class StepsAhead:
         dit = self._config.model.dit
         assemble = assemble_joint_step if dit.joint_attention else assemble_step  # MMDiT: joint
         with record_function("zellige.step.setup"):
-            return assemble(data, dit.num_heads, self._device, self._balancer)
+            inputs = assemble(data, dit.num_heads, self._device, self._balancer)
+            # the attention tables' choices now, with the cuDNN graphs a new shape bucket
+            # needs (host work), while the device still runs the previous step
+            prepare_step_tables(inputs.step, DTYPES[self._config.model.dtype], dit.head_dim)
+            return inputs
 
     def take(self, step: int):
         """(data, inputs, seconds waited for the loader) of step `step`."""
