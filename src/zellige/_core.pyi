@@ -1113,6 +1113,10 @@ class CostOptions:
 
     __hash__: None = None
 
+    def __getstate__(self) -> tuple[bool, int, float, float, float, bool, bool, float]: ...
+
+    def __setstate__(self, arg: tuple[bool, int, float, float, float, bool, bool, float], /) -> None: ...
+
 class RankShare:
     """What one placement costs one of its ranks."""
 
@@ -1384,7 +1388,7 @@ class CostModel:
 
     def __repr__(self) -> str: ...
 
-RAGGED_MIN_CALLS: int = 2
+RAGGED_MIN_CALLS: int = 1
 
 RAGGED_MAX_SEGMENT_TOKENS: int = 16384
 
