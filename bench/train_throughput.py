@@ -257,16 +257,16 @@ def tracing_step(step: int, path: Path):
     loop = zellige.train.loop
     run_step = loop.train_step
 
-    def traced(*args):
+    def traced(*args, **options):
         config, device, index = args[0], args[5], args[7]
         if index + 1 != step:
-            return run_step(*args)
+            return run_step(*args, **options)
         print(f"step {step}: profiling", file=sys.stderr, flush=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as profiler:
-            records, pending = run_step(*args)
+            records, pending = run_step(*args, **options)
             # a late step's work is still queued: the trace waits for it (the next step then
             # starts on an idle device; it is not measured)
             if device.type == "cuda":
@@ -356,11 +356,11 @@ def printing_steps(label: str, ends: dict):
 
     issued = {}  # step -> its call's counts, until its record is made (a late step's: next call)
 
-    def printed(*args):
+    def printed(*args, **options):
         before = pauses.totals()
         compiles, graphs = zellige.runtime.collector.compile_events(), ragged.graph_counts()
         dense_shapes = backends.dense_shapes_seen()
-        records, pending = run_step(*args)
+        records, pending = run_step(*args, **options)
         ends[args[7] + 1] = loop.time_mark(args[5])
         after = pauses.totals()
         issued[args[7] + 1] = {
