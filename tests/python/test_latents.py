@@ -432,8 +432,7 @@ def test_trainer_refuses_a_dataset_of_another_latent_width(tmp_path, written) ->
     from zellige.train.config import get_config
     from zellige.train.loop import preflight
 
-    config = dataclasses.replace(
-        get_config("tiny-cpu"),
+    config = get_config("tiny-cpu").with_fields(
         model=dataclasses.replace(TINY, latent_channels=8),
         data_dir=str(written["path"]),
     )

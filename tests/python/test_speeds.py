@@ -159,7 +159,7 @@ def test_sampler_reads_the_speed_factors_when_each_step_is_drawn():
 def _dataset(num_ranks: int) -> StepDataset:
     config = tiny_cpu()
     return StepDataset(
-        model=config.model,
+        model=config.model.dit,
         recipe="tiny",
         planner="zellige",
         rank=0,
@@ -245,7 +245,7 @@ def test_cluster_file_prices_each_rank_and_factors_multiply_its_speeds(tmp_path)
     path = _cluster_file(tmp_path)
     config = tiny_cpu()
     dataset = StepDataset(
-        model=config.model,
+        model=config.model.dit,
         recipe="tiny",
         planner="zellige",
         rank=0,
