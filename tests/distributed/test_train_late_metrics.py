@@ -23,6 +23,11 @@ TIMED = {
     "cross_attention_s_max",
     "data_wait_s_max",
     "measured_imbalance",
+    # measured per-rank times and the speed estimates made from them
+    "rank_busy_s",
+    "speed_estimate",
+    "speed_estimate_layers",
+    "speed_estimate_attention",
 }
 
 
