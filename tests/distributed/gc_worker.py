@@ -36,9 +36,9 @@ def run(freeze_gc: bool) -> dict:
         steps[-1]["traversed"] = len(gc.get_objects())  # the generations a full GC walks
         return step_loss(*args)
 
-    def counted_step(*args):
+    def counted_step(*args, **kwargs):
         steps.append({"compile_events": -compile_events()})
-        records, pending = run_step(*args)
+        records, pending = run_step(*args, **kwargs)
         steps[-1]["compile_events"] += compile_events()
         for record in records:  # a late step's record comes from the next step's call
             steps[record["step"] - 1]["sequences"] = record["sequences"]
