@@ -113,8 +113,11 @@ def family_candidates(family: str, num_ranks: int) -> list[str]:
 def first_step_makespan_s(config, num_ranks: int, planner: str) -> float:
     """The makespan the cost model predicts for `planner` on step 1's batch, made exactly as the
     training loop's loader makes it (same batch, cost model and planner seed)."""
+    from zellige import CostOptions
     from zellige.data import StepDataset
 
+    options = CostOptions()
+    options.activation_checkpointing = config.parallelism.activation_checkpointing
     dataset = StepDataset(
         model=config.model.dit,
         recipe=config.data.recipe,
@@ -124,7 +127,7 @@ def first_step_makespan_s(config, num_ranks: int, planner: str) -> float:
         gpus_per_node=config.parallelism.gpus_per_node,
         seed=config.seed,
         profile=config.parallelism.profile,
-        activation_checkpointing=config.parallelism.activation_checkpointing,
+        cost_options=options,
     )
     return dataset[0].record.makespan_s
 

@@ -80,7 +80,7 @@ def main() -> None:
             peak_model = (
                 cost
                 if args.with_gradients
-                else harness_peak_model(reduced, plan.num_ranks, profile, True)
+                else harness_peak_model(reduced, plan.num_ranks, profile, cost.options)
             )
             peak_bytes = peak_model.evaluate(batch, plan).ranks[rank["rank"]].peak_bytes
             row["predicted"][label] = (predicted_rank_s(rank_cost, copy_s), peak_bytes)

@@ -32,6 +32,7 @@ API_SECTIONS: list[tuple[str, str, list[str]]] = [
         'The built-in profiles are named "h200" (the default) and "h100".',
         [
             "zellige.costs.make_cost_model",
+            "zellige.costs.set_gradient_bytes",
             "zellige.profile.load_profile",
             "zellige.profile.builtin_profile_for_device",
             "zellige.profile.save_profile",

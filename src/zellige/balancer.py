@@ -237,7 +237,8 @@ class Balancer:
         profile: a hardware profile (path, built-in name or HardwareProfile; default: on a GPU
             the built-in profile of its kind, by its name; elsewhere the H200 one).
         links: the link class between GPUs of a node, "nvlink" or "pcie".
-        activation_checkpointing: whether training recomputes activations (memory model).
+        cost_options: what training holds and recomputes, which the plans' memory must fit
+            (a CostOptions, e.g. with activation_checkpointing off; default: its defaults).
         seed: the planners' seed (step k plans with seed + k).
         plan_ahead: plan in a background thread, so that `schedule()` returns at once.
         engine: how the attention engine runs (zellige.runtime.EngineConfig), chosen once for
@@ -263,7 +264,7 @@ class Balancer:
         gpus_per_node: int | None = None,
         profile: str | Path | _core.HardwareProfile | None = None,
         links: str = "nvlink",
-        activation_checkpointing: bool = True,
+        cost_options: _core.CostOptions | None = None,
         seed: int = 0,
         plan_ahead: bool = True,
         engine: runtime.EngineConfig | None = None,
@@ -285,7 +286,7 @@ class Balancer:
             gpus_per_node,
             profile,
             links,
-            activation_checkpointing=activation_checkpointing,
+            options=cost_options,
             gpu_memory_bytes=gpu_memory_bytes,
         )
         # checks the names

@@ -29,26 +29,32 @@ def make_cost_model(
     gpus_per_node: int | None = None,
     profile: str | Path | HardwareProfile | None = None,
     links: str = "nvlink",
-    activation_checkpointing: bool = True,
-    adaptive_checkpointing: bool = False,
-    weights_kept_to_backward: bool = False,
-    gradient_bytes_per_param: float = 4.0,
-    optimizer_copy_bytes_per_param: float = 0.0,
+    options: CostOptions | None = None,
     gpu_memory_bytes: int | None = None,
 ) -> CostModel:
     """A CostModel for `gpus` GPUs of `gpus_per_node` each (default: 8, or `gpus` when fewer).
     `profile` is a profile JSON path, a HardwareProfile, or None for the built-in H200 profile.
     `model` is a preset name, a model spec file or a ModelSpec (zellige.resolve_model).
-    adaptive_checkpointing: each rank checkpoints only the layers its memory needs (the plan's
-    predicted rank_checkpointed_layers). weights_kept_to_backward: training keeps each block's
-    gathered weights from its forward to its backward (zellige.train on one rank).
-    gradient_bytes_per_param: what a parameter's gradient holds (4: fp32; 2: training that
-    keeps the backward's bf16 gradients), part of the 16 bytes of state a parameter.
-    optimizer_copy_bytes_per_param: what the optimizer step writes beside the state (2: one
-    rank's copying AdamW makes the next forward's bf16 weights while the gradients are held).
+    options: what training holds and recomputes (a CostOptions, used as given; None: its
+    defaults, every layer checkpointed and fp32 gradients). Its fields: activation_checkpointing;
+    adaptive_checkpointing (each rank checkpoints only the layers its memory needs, the plan's
+    predicted rank_checkpointed_layers); weights_kept_to_backward (training keeps each block's
+    gathered weights from its forward to its backward, zellige.train on one rank);
+    gradient_bytes_per_param (what a parameter's gradient holds, part of state_bytes_per_param:
+    set it with zellige.costs.set_gradient_bytes); optimizer_copy_bytes_per_param (what the
+    optimizer step writes beside the state: 2 where one rank's copying AdamW makes the next
+    forward's bf16 weights while the gradients are held). zellige.train makes its run's options
+    with zellige.train.optimizer_builder.cost_options.
     gpu_memory_bytes: each GPU's memory, which the plans' peaks must fit (less the cost
     options' headroom); None: the profile's device_memory_bytes, or 140 GiB where it has none.
-    Raises ValueError for an unknown model or link class, a bad cluster shape or profile."""
+    Raises ValueError for an unknown model or link class, a bad cluster shape or profile, or
+    options out of range.
+
+    Example:
+        >>> options = zellige.CostOptions()
+        >>> options.activation_checkpointing = False
+        >>> cost_model = zellige.make_cost_model("wan-14b", gpus=16, options=options)
+    """
     spec = resolve_model(model)
     if gpus_per_node is None:
         gpus_per_node = default_gpus_per_node(gpus)
@@ -64,14 +70,21 @@ def make_cost_model(
             f"{MAX_GPU_MEMORY_BYTES / 2**30:g} GiB, got {gpu_memory_bytes / 2**30:g} GiB"
         )
     cluster.gpu_memory_bytes = gpu_memory_bytes
-    options = CostOptions()
-    options.activation_checkpointing = activation_checkpointing
-    options.adaptive_checkpointing = adaptive_checkpointing
-    options.weights_kept_to_backward = weights_kept_to_backward
+    return CostModel(spec, hardware, cluster, CostOptions() if options is None else options)
+
+
+def set_gradient_bytes(options: CostOptions, gradient_bytes_per_param: float) -> None:
+    """Sets what a parameter's gradient holds in `options` (4: fp32; 2: training that keeps the
+    backward's bf16 gradients; 0: none priced). The gradient is part of state_bytes_per_param,
+    which moves with it, so the rest of the state (fp32 master weights and Adam's moments, 12
+    bytes by default) stays as it was.
+
+    Example:
+        >>> options = zellige.CostOptions()
+        >>> zellige.costs.set_gradient_bytes(options, 2.0)  # state_bytes_per_param 16 -> 14
+    """
     options.state_bytes_per_param += gradient_bytes_per_param - options.gradient_bytes_per_param
     options.gradient_bytes_per_param = gradient_bytes_per_param
-    options.optimizer_copy_bytes_per_param = optimizer_copy_bytes_per_param
-    return CostModel(spec, hardware, cluster, options)
 
 
 def device_memory_bytes(device) -> int:

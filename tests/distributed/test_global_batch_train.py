@@ -82,6 +82,8 @@ def test_resume_replays_the_global_batches(tmp_path: Path) -> None:
 
 def _global_datasets(num_ranks: int, **options) -> list[StepDataset]:
     config = tiny_cpu()
+    no_checkpointing = _core.CostOptions()
+    no_checkpointing.activation_checkpointing = False
     return [
         StepDataset(
             model=config.model.dit,
@@ -91,7 +93,7 @@ def _global_datasets(num_ranks: int, **options) -> list[StepDataset]:
             num_ranks=num_ranks,
             gpus_per_node=num_ranks,
             seed=3,
-            activation_checkpointing=False,
+            cost_options=no_checkpointing,
             **options,
         )
         for rank in range(num_ranks)

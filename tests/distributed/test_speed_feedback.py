@@ -16,6 +16,7 @@ from speed_feedback_worker import SEQUENCES
 
 from zellige.data import StepDataset
 from zellige.train.config import tiny_cpu
+from zellige.train.optimizer_builder import cost_options
 
 TIMEOUT_S = 240
 NUM_RANKS = 3
@@ -38,9 +39,7 @@ def _emulation_scale() -> float:
         num_ranks=NUM_RANKS,
         gpus_per_node=NUM_RANKS,
         seed=config.seed,
-        activation_checkpointing=config.parallelism.activation_checkpointing,
-        adaptive_checkpointing=config.parallelism.activation_checkpointing
-        and config.parallelism.adaptive_checkpointing,
+        cost_options=cost_options(config, NUM_RANKS),
         sequences=SEQUENCES,
     )
     batch = dataset.batch(0)

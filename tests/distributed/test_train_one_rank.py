@@ -20,7 +20,7 @@ import torch
 from test_train import _torchrun, _train
 
 from zellige.train.config import DataSection, ModelSection, TrainConfig
-from zellige.train.optimizer_builder import weights_kept_to_backward
+from zellige.train.optimizer_builder import cost_options
 
 
 def _runs(tmp_path: Path, dtype: str, *variants: str, ranks: int = 1) -> dict:
@@ -150,6 +150,9 @@ def test_the_cost_model_prices_kept_weights_where_training_keeps_them() -> None:
     def config(**fields) -> TrainConfig:
         sections = dict(model=ModelSection(dit=None), data=DataSection(recipe="tiny"))
         return TrainConfig(name="t", **sections).with_fields(**fields)
+
+    def weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:
+        return cost_options(config, num_ranks).weights_kept_to_backward
 
     assert weights_kept_to_backward(config(), 1)  # no FSDP on one rank
     assert not weights_kept_to_backward(config(), 2)

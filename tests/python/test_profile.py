@@ -147,7 +147,9 @@ def test_make_cost_model_from_names():
     assert cost_model.cluster.num_ranks() == 16 and cost_model.cluster.gpus_per_node == 8
     assert cost_model.model.name == "wan-14b"
     assert cost_model.options.activation_checkpointing
-    small = zellige.make_cost_model("tiny", gpus=4, activation_checkpointing=False)
+    no_checkpointing = zellige.CostOptions()
+    no_checkpointing.activation_checkpointing = False
+    small = zellige.make_cost_model("tiny", gpus=4, options=no_checkpointing)
     assert small.cluster.gpus_per_node == 4 and not small.options.activation_checkpointing
     analytic = zellige.analytic_profile("a", 1e15, 1e15, 1e13)
     assert zellige.make_cost_model(profile=analytic).profile == analytic

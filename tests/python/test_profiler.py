@@ -259,7 +259,7 @@ def test_harness_peak_model_leaves_the_gradients_out():
     spec = model_spec("mmdit-11b", 3)
     profile = _core.analytic_profile("t", 700e12, 550e12, 4.2e12)
     training = make_cost_model(spec, gpus=8, profile=profile)
-    harness = harness_peak_model(spec, 8, profile, True)
+    harness = harness_peak_model(spec, 8, profile, _core.CostOptions())
     assert harness.gradient_bytes() == 0
     assert harness.fixed_bytes() == pytest.approx(
         training.fixed_bytes() - training.gradient_bytes()
@@ -802,7 +802,7 @@ def test_validate_runs_a_rank_with_the_full_recompute_its_cost_chose(memory):
         cluster.gpu_memory_bytes = int((peak_bytes - 1) / (1 - cost_model.options.memory_headroom))
         cost_model = _core.CostModel(spec, cost_model.profile, cluster, cost_model.options)
     cost = cost_model.evaluate(batch, plan)
-    peak_model = harness_peak_model(spec, 1, cost_model.profile, True)
+    peak_model = harness_peak_model(spec, 1, cost_model.profile, cost_model.options)
     expected_full = cost.ranks[0].full_recompute_layers
     assert (expected_full > 0) == (memory == "tight")
     device = torch.device("cpu")

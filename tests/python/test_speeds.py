@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from zellige import CostOptions
 from zellige.data import StepDataset, make_loader
 from zellige.data.loader import StepRequest, _StepRequests
 from zellige.pipeline import StepForecast, with_speed_factors
@@ -156,6 +157,12 @@ def test_sampler_reads_the_speed_factors_when_each_step_is_drawn():
     assert list(_StepRequests(0, 2, None)) == [StepRequest(0), StepRequest(1)]
 
 
+def _no_checkpointing() -> CostOptions:
+    options = CostOptions()
+    options.activation_checkpointing = False
+    return options
+
+
 def _dataset(num_ranks: int) -> StepDataset:
     config = tiny_cpu()
     return StepDataset(
@@ -166,7 +173,7 @@ def _dataset(num_ranks: int) -> StepDataset:
         num_ranks=num_ranks,
         gpus_per_node=num_ranks,
         seed=0,
-        activation_checkpointing=False,
+        cost_options=_no_checkpointing(),
     )
 
 
@@ -252,7 +259,7 @@ def test_cluster_file_prices_each_rank_and_factors_multiply_its_speeds(tmp_path)
         num_ranks=2,
         gpus_per_node=8,  # the file's node size wins
         seed=0,
-        activation_checkpointing=False,
+        cost_options=_no_checkpointing(),
         cluster=str(path),
     )
     pipeline = dataset.pipeline()

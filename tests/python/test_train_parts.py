@@ -194,9 +194,10 @@ def test_checkpointed_blocks_follow_the_plan() -> None:
     batch = zellige.batch_from_dict({"sequences": sequences}, num_ranks=2)
 
     def record_of(checkpointing: bool, adaptive: bool) -> StepRecord:
-        cost_model = zellige.make_cost_model(
-            spec, 2, 2, activation_checkpointing=checkpointing, adaptive_checkpointing=adaptive
-        )
+        options = zellige.CostOptions()
+        options.activation_checkpointing = checkpointing
+        options.adaptive_checkpointing = adaptive
+        cost_model = zellige.make_cost_model(spec, 2, 2, options=options)
         return StepRecord.from_plan(make_step_plan("dp-cost", batch, cost_model, seed=0))
 
     for rank in range(2):
@@ -361,7 +362,11 @@ def test_kept_bf16_gradients_are_priced_at_two_bytes() -> None:
     reads the backward's bf16 ones (one rank), 4 otherwise; the other 12 bytes of state stay."""
 
     import zellige
-    from zellige.train.optimizer_builder import gradient_bytes_per_param
+    from zellige.costs import set_gradient_bytes
+    from zellige.train.optimizer_builder import cost_options
+
+    def gradient_bytes_per_param(config, num_ranks: int) -> float:
+        return cost_options(config, num_ranks).gradient_bytes_per_param
 
     config = get_config("wan14b-width-h200")  # on CUDA: the copying optimizer by default
     assert gradient_bytes_per_param(config, 1) == 2.0
@@ -372,10 +377,11 @@ def test_kept_bf16_gradients_are_priced_at_two_bytes() -> None:
     float32 = config.with_fields(dtype="float32")  # no copies to write: torch's AdamW
     assert not float32.resolved(1).optimizer.copying_optimizer
     assert gradient_bytes_per_param(float32, 1) == 4.0
-    fp32, bf16 = (
-        zellige.make_cost_model("wan-14b", 1, profile=None, gradient_bytes_per_param=g)
-        for g in (4.0, 2.0)
-    )
+    options = {g: zellige.CostOptions() for g in (4.0, 2.0)}
+    for g, chosen in options.items():
+        set_gradient_bytes(chosen, g)
+    assert options[2.0].state_bytes_per_param == 14.0  # the other 12 bytes stay
+    fp32, bf16 = (zellige.make_cost_model("wan-14b", 1, options=options[g]) for g in (4.0, 2.0))
     params = fp32.gradient_bytes() / 4
     assert bf16.gradient_bytes() == pytest.approx(2 * params)
     assert fp32.fixed_bytes() - bf16.fixed_bytes() == pytest.approx(2 * params)
@@ -387,7 +393,11 @@ def test_copying_optimizer_step_is_priced_with_its_copies() -> None:
     the state), which is the peak of a step of few tokens; nowhere else does it write copies."""
 
     import zellige
-    from zellige.train.optimizer_builder import optimizer_copy_bytes_per_param
+    from zellige.costs import set_gradient_bytes
+    from zellige.train.optimizer_builder import cost_options
+
+    def optimizer_copy_bytes_per_param(config, num_ranks: int) -> float:
+        return cost_options(config, num_ranks).optimizer_copy_bytes_per_param
 
     config = get_config("wan14b-width-h200")  # on CUDA: the copying optimizer by default
     assert optimizer_copy_bytes_per_param(config, 1) == 2.0
@@ -395,19 +405,23 @@ def test_copying_optimizer_step_is_priced_with_its_copies() -> None:
     for changes in ({"copying_optimizer": False}, {"fsdp_on_one_rank": True}):
         assert optimizer_copy_bytes_per_param(config.with_fields(**changes), 1) == 0.0
     assert optimizer_copy_bytes_per_param(get_config("tiny-cpu"), 1) == 0.0
+
+    def one_rank_options(copy_bytes: float) -> zellige.CostOptions:
+        options = zellige.CostOptions()
+        set_gradient_bytes(options, 2.0)
+        options.optimizer_copy_bytes_per_param = copy_bytes
+        options.weights_kept_to_backward = True
+        return options
+
     plain, copying = (
-        zellige.make_cost_model(
-            "wan-1.3b", 1, profile=None, gradient_bytes_per_param=2.0,
-            optimizer_copy_bytes_per_param=c, weights_kept_to_backward=True,
-        )
-        for c in (0.0, 2.0)
-    )  # fmt: skip
+        zellige.make_cost_model("wan-1.3b", 1, options=one_rank_options(c)) for c in (0.0, 2.0)
+    )
     params = plain.gradient_bytes() / 2
     no_tokens = (0.0, 0.0, 0.0, 0)
     assert copying.rank_peak_bytes(*no_tokens) - plain.rank_peak_bytes(*no_tokens) > params
     assert copying.rank_peak_bytes(*no_tokens) > 16 * params  # state (14) + copies (2)
     with pytest.raises(ValueError, match="optimizer_copy_bytes_per_param"):
-        zellige.make_cost_model("wan-1.3b", 1, profile=None, optimizer_copy_bytes_per_param=-1)
+        zellige.make_cost_model("wan-1.3b", 1, options=one_rank_options(-1.0))
 
 
 FREED_COPIES_SCRIPT = """

@@ -177,7 +177,9 @@ class StepDataset(torch.utils.data.Dataset):
     cannot be read becomes the step's error, raised on every rank together (never skipped).
     `plan` (a Plan JSON object) replaces the planner, for tests
     that need a particular placement. pipeline() builds the StepPipeline that plans and compiles
-    each step (in the process that calls it; the dataset pickles without it).
+    each step (in the process that calls it; the dataset pickles without it) with a cost model
+    of `cost_options` (a CostOptions, zellige.train.optimizer_builder.cost_options for a
+    training run; None: its defaults).
 
     `global_batch`: each item is a GlobalStepData, the optimizer step's global batch of that size
     drawn from the recipe (draw_global_batch, for `data_ranks` loader ranks; with `sequences`,
@@ -200,11 +202,7 @@ class StepDataset(torch.utils.data.Dataset):
         gpus_per_node: int,
         seed: int,
         profile: str | None = None,
-        activation_checkpointing: bool = True,
-        adaptive_checkpointing: bool = False,
-        weights_kept_to_backward: bool = False,
-        gradient_bytes_per_param: float = 4.0,
-        optimizer_copy_bytes_per_param: float = 0.0,
+        cost_options: _core.CostOptions | None = None,
         sequences: list[dict] | None = None,
         plan: dict | None = None,
         data_ranks: int | None = None,
@@ -226,11 +224,8 @@ class StepDataset(torch.utils.data.Dataset):
         self.gpus_per_node = min(gpus_per_node, num_ranks)
         self.seed = seed
         self.profile = profile
-        self.activation_checkpointing = activation_checkpointing
-        self.adaptive_checkpointing = adaptive_checkpointing
-        self.weights_kept_to_backward = weights_kept_to_backward
-        self.gradient_bytes_per_param = gradient_bytes_per_param
-        self.optimizer_copy_bytes_per_param = optimizer_copy_bytes_per_param
+        # what training holds and recomputes (pickles whole to a worker); None: the defaults
+        self.cost_options = cost_options
         self.sequences = sequences
         self.fixed_plan = plan
         self.data_ranks = data_ranks or num_ranks
@@ -282,11 +277,7 @@ class StepDataset(torch.utils.data.Dataset):
                 self.num_ranks,
                 self.gpus_per_node,
                 profile,
-                activation_checkpointing=self.activation_checkpointing,
-                adaptive_checkpointing=self.adaptive_checkpointing,
-                weights_kept_to_backward=self.weights_kept_to_backward,
-                gradient_bytes_per_param=self.gradient_bytes_per_param,
-                optimizer_copy_bytes_per_param=self.optimizer_copy_bytes_per_param,
+                options=self.cost_options,
                 gpu_memory_bytes=self.gpu_memory_bytes,
             )
             if self.cluster is not None:

@@ -23,6 +23,7 @@ the whole peak and of its step part (peak minus the modelled shard) are reported
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import itertools
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from zellige import _core
-from zellige.costs import make_cost_model
+from zellige.costs import make_cost_model, set_gradient_bytes
 from zellige.plan_io import plan_from_json, plan_to_json
 from zellige.profile import load_profile, priced_as_engine_runs
 from zellige.profiler import fit, rank_work
@@ -105,6 +106,13 @@ class ValidationOptions:
     contiguous_kernel_inputs: bool = False  # see EngineConfig.contiguous_kernel_inputs
     results_jsonl: str | None = None  # append each rank's result as it is measured
     compiled: bool = False  # the per-token regions compiled (the command sets fused.kernels)
+
+    def cost_options(self) -> _core.CostOptions:
+        """The cost model's options for the harness's training step: its checkpointing, the
+        rest the defaults (fp32 gradients, weights gathered again for the backward)."""
+        options = _core.CostOptions()
+        options.activation_checkpointing = self.activation_checkpointing
+        return options
 
 
 @dataclass(kw_only=True, slots=True)
@@ -201,26 +209,19 @@ def harness_peak_model(
     spec: _core.ModelSpec,
     gpus: int,
     profile: _core.HardwareProfile,
-    activation_checkpointing: bool,
+    cost_options: _core.CostOptions,
 ) -> _core.CostModel:
-    """The cost model that predicts the peak the harness measures (rank_peak_bytes). Its FSDP
-    blocks keep their sharded gradients from one step to the next and they are taken out of the
-    measured peak with the weights, so the measured peak holds no weight gradient: the
-    gradients that training's backward adds layer by layer (1/gpus of each layer's, see
+    """The cost model that predicts the peak the harness measures (rank_peak_bytes), for the
+    cost options of its training step (ValidationOptions.cost_options). Its FSDP blocks keep
+    their sharded gradients from one step to the next and they are taken out of the measured
+    peak with the weights, so the measured peak holds no weight gradient: the gradients that
+    training's backward adds layer by layer (1/gpus of each layer's, see
     CostModel.rank_peak_bytes) are left out of this prediction too (gradient bytes 0, the FSDP
     state without them). The modelled shard put into the measured peak is this model's state.
     Only the peak comes from it; time does not depend on these options."""
-    cost_model = make_cost_model(
-        spec, gpus=gpus, profile=profile, activation_checkpointing=activation_checkpointing
-    )
-    options = _core.CostOptions()
-    for name in ("activation_checkpointing", "bytes_per_element", "memory_headroom"):
-        setattr(options, name, getattr(cost_model.options, name))
-    options.state_bytes_per_param = (
-        cost_model.options.state_bytes_per_param - cost_model.options.gradient_bytes_per_param
-    )
-    options.gradient_bytes_per_param = 0.0
-    return _core.CostModel(spec, profile, cost_model.cluster, options)
+    options = copy.copy(cost_options)
+    set_gradient_bytes(options, 0.0)
+    return make_cost_model(spec, gpus=gpus, profile=profile, options=options)
 
 
 def predicted_busy_s(rank_cost: _core.RankCost, copy_s: float) -> float:
@@ -363,10 +364,7 @@ def draw_plans(options: ValidationOptions, profile: _core.HardwareProfile, skipp
         else:
             batch = _core.generate_batch(load_recipe(recipe_name), num_gpus, seed)
         cost_model = make_cost_model(
-            full_spec,
-            gpus=num_gpus,
-            profile=profile,
-            activation_checkpointing=options.activation_checkpointing,
+            full_spec, gpus=num_gpus, profile=profile, options=options.cost_options()
         )
         name = f"{recipe_name}/{num_gpus}/{planner}/{seed}"
         index += 1
@@ -806,15 +804,10 @@ def validate(
                 progress(notes[-1])
                 break
             cost_model = make_cost_model(
-                spec,
-                gpus=plan.num_ranks,
-                profile=profile,
-                activation_checkpointing=options.activation_checkpointing,
+                spec, gpus=plan.num_ranks, profile=profile, options=options.cost_options()
             )
             cost = cost_model.evaluate(batch, plan)
-            peak_model = harness_peak_model(
-                spec, plan.num_ranks, profile, options.activation_checkpointing
-            )
+            peak_model = harness_peak_model(spec, plan.num_ranks, profile, options.cost_options())
             peak_cost = peak_model.evaluate(batch, plan)
             for rank in chosen_ranks(cost, options.ranks_per_plan):
                 result = measure_rank(

@@ -71,11 +71,9 @@ from zellige.train.metrics import (
 from zellige.train.mmdit_step import assemble_joint_step, joint_step_loss
 from zellige.train.optimizer_builder import (
     clip_and_step,
+    cost_options,
     full_tensor,
-    gradient_bytes_per_param,
     make_optimizer,
-    optimizer_copy_bytes_per_param,
-    weights_kept_to_backward,
 )
 from zellige.train.parallelize import DTYPES, parallelize, set_checkpointed_blocks
 from zellige.train.speeds import SlowRank, SpeedEstimate
@@ -401,12 +399,7 @@ def train(
         seed=config.seed,
         profile=profile,
         gpu_memory_bytes=gpu_memory_bytes,
-        activation_checkpointing=config.parallelism.activation_checkpointing,
-        adaptive_checkpointing=config.parallelism.activation_checkpointing
-        and config.parallelism.adaptive_checkpointing,
-        weights_kept_to_backward=weights_kept_to_backward(config, num_ranks),
-        gradient_bytes_per_param=gradient_bytes_per_param(config, num_ranks),
-        optimizer_copy_bytes_per_param=optimizer_copy_bytes_per_param(config, num_ranks),
+        cost_options=cost_options(config, num_ranks),
         sequences=sequences,
         attention_ragged=attention_ragged,
         global_batch=global_batch_size(config),

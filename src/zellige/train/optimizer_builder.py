@@ -1,11 +1,14 @@
 """The optimizer and the choices around it: which AdamW (torch's fused one, or CopyingAdamW
 where one rank's update also writes the next forward's weight copies), what its gradients and
-copies cost in memory (the cost model prices them), and the clipped step."""
+copies cost in memory (the run's cost options: the cost model prices them), and the clipped
+step."""
 
 from __future__ import annotations
 
 import torch
 
+from zellige._core import CostOptions
+from zellige.costs import set_gradient_bytes
 from zellige.train.config import TrainConfig
 from zellige.train.optimizer import CopyingAdamW
 
@@ -39,32 +42,47 @@ def make_optimizer(config: TrainConfig, model, device: torch.device) -> torch.op
     return torch.optim.AdamW(model.parameters(), fused=chosen.fused_optimizer, **options)
 
 
-# The cost model's prices of what training holds, for a config resolved or not: each resolves
-# it for num_ranks first (TrainConfig.resolved), as the run does.
-
-
-def gradient_bytes_per_param(config: TrainConfig, num_ranks: int) -> float:
-    """Bytes a parameter's gradient holds in training (the cost model prices them): fp32, or
-    bf16 where the copying optimizer reads the backward's bf16 gradients (one rank)."""
+def cost_options(config: TrainConfig, num_ranks: int) -> CostOptions:
+    """The cost model's options for this run: what training holds and recomputes, priced as
+    the trainer runs it on num_ranks ranks (`config` resolved for them first, as the run
+    does): the activation checkpointing (adaptive only where checkpointing is on), the
+    gathered weights kept from forward to backward, the gradients' bytes and the optimizer's
+    copies. The loader's workers receive it whole (it pickles)."""
     config = config.resolved(num_ranks)
+    parallelism = config.parallelism
+    options = CostOptions()
+    options.activation_checkpointing = parallelism.activation_checkpointing
+    options.adaptive_checkpointing = (
+        parallelism.activation_checkpointing and parallelism.adaptive_checkpointing
+    )
+    options.weights_kept_to_backward = _weights_kept_to_backward(config, num_ranks)
+    set_gradient_bytes(options, _gradient_bytes_per_param(config, num_ranks))
+    options.optimizer_copy_bytes_per_param = _optimizer_copy_bytes_per_param(config, num_ranks)
+    return options
+
+
+# What training holds, for a config resolved for num_ranks (TrainConfig.resolved)
+
+
+def _gradient_bytes_per_param(config: TrainConfig, num_ranks: int) -> float:
+    """Bytes a parameter's gradient holds in training: fp32, or bf16 where the copying
+    optimizer reads the backward's bf16 gradients (one rank)."""
     lone = num_ranks == 1 and not config.parallelism.fsdp_on_one_rank
     kept = lone and config.optimizer.compute_dtype_gradients
     return 2.0 if kept and config.model.dtype == "bfloat16" else 4.0
 
 
-def optimizer_copy_bytes_per_param(config: TrainConfig, num_ranks: int) -> float:
-    """Bytes a parameter's copy takes that the optimizer step writes beside the state (the cost
-    model prices them): the copying optimizer's next-forward weights, one rank without FSDP."""
-    config = config.resolved(num_ranks)
+def _optimizer_copy_bytes_per_param(config: TrainConfig, num_ranks: int) -> float:
+    """Bytes a parameter's copy takes that the optimizer step writes beside the state: the
+    copying optimizer's next-forward weights, one rank without FSDP."""
     lone = num_ranks == 1 and not config.parallelism.fsdp_on_one_rank
     copying = config.optimizer.copying_optimizer
     return 2.0 if lone and copying and config.model.dtype == "bfloat16" else 0.0
 
 
-def weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:
-    """Whether the blocks' gathered weights live from their forward to their backward (the cost
-    model prices them): no FSDP on one rank, or FSDP2 without resharding after the forward."""
-    config = config.resolved(num_ranks)
+def _weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:
+    """Whether the blocks' gathered weights live from their forward to their backward: no FSDP
+    on one rank, or FSDP2 without resharding after the forward."""
     if num_ranks == 1 and not config.parallelism.fsdp_on_one_rank:
         return True
     return not config.parallelism.reshard_after_forward
