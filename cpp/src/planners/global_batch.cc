@@ -26,6 +26,14 @@ namespace zellige {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+// zellige's micro-batch counts, in quarters of the least count: 1.5, 2, 1.25, 2.5 and 3 times it.
+constexpr int64_t kCountQuartersOfLeast[] = {6, 8, 5, 10, 12};
+// zellige places at most about this many times the global batch's sequences over all its cuts,
+// fewer on large clusters, where one pass costs a few hundred milliseconds (and four still reach
+// the 1.5 times the least count that wins there often) ...
+int64_t placed_passes(int64_t num_ranks) { return num_ranks <= 64 ? 8 : 4; }
+// ... unless the batch holds at most this many: then every cut is tried.
+constexpr int64_t kSmallGlobalBatch = 256;
 
 using Cut = std::vector<std::vector<int64_t>>;  // micro-batches of indices into the batch
 
@@ -150,18 +158,26 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> halves(
 
 // Each micro-batch of `cut` placed by the fastest of `inner` that fits it. With `costs`, one
 // that fits under none is split in two and each half placed in its stead (the cut's memory
-// estimate need only be near); without, or for a single sequence, nullopt.
+// estimate need only be near); without, or for a single sequence, nullopt. Also nullopt once the
+// micro-batches placed so far reach `abandon_at_s` (the rest only add): the cut cannot beat a
+// plan of that step time. `placed_sequences`, if given, counts the sequences placed.
 std::optional<GlobalPlan> place_cut(const std::vector<std::string>& inner, const Batch& batch,
                                     Cut cut, const CostModel& cost_model,
                                     const GlobalBatchOptions& options,
-                                    const std::vector<SequenceCost>* costs = nullptr) {
+                                    const std::vector<SequenceCost>* costs = nullptr,
+                                    double abandon_at_s = kInf,
+                                    int64_t* placed_sequences = nullptr) {
   PlannerOptions planner_options;
   planner_options.seed = options.seed;
   planner_options.time_limit_s = options.time_limit_s;
   GlobalPlan result;
+  double partial_s = 0;
   for (size_t k = 0; k < cut.size();) {
+    if (partial_s >= abandon_at_s) return std::nullopt;
     MicroBatch micro_batch{sub_batch(batch, cut[k]), {}};
+    if (placed_sequences != nullptr) *placed_sequences += static_cast<int64_t>(cut[k].size());
     if (place_one(inner, &micro_batch, cost_model, planner_options)) {
+      partial_s += micro_batch.plan.predicted.makespan_s + options.micro_batch_overhead_s;
       result.micro_batches.push_back(std::move(micro_batch));
       ++k;
       continue;
@@ -308,6 +324,23 @@ Cut cut_of(const GlobalPlan& plan, const Batch& batch) {
   return cut;
 }
 
+// The micro-batch counts zellige tries, in the order it places them: multiples of the least its
+// memory estimate allows (micro-batches a third to two thirds full won most often: a full one
+// makes the planner shard or recompute more, and is slow to plan; an emptier one balances fewer
+// sequences), then the least and up to extra_micro_batches more, for a large per-micro-batch
+// overhead.
+std::vector<int64_t> micro_batch_counts(int64_t least_count, int64_t num_sequences,
+                                        int64_t extra_micro_batches) {
+  std::vector<int64_t> counts;
+  auto add = [&](int64_t count) {
+    count = std::min(count, num_sequences);
+    if (std::find(counts.begin(), counts.end(), count) == counts.end()) counts.push_back(count);
+  };
+  for (const int64_t quarters : kCountQuartersOfLeast) add((quarters * least_count + 3) / 4);
+  for (int64_t extra = extra_micro_batches; extra >= 0; --extra) add(least_count + extra);
+  return counts;
+}
+
 GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCost>& costs,
                                const CostModel& cost_model, const GlobalBatchOptions& options) {
   const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
@@ -326,27 +359,30 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
     if (!best || plan->step_time_s < best->step_time_s) best = std::move(plan);
   };
 
-  // Stage one and two for several micro-batch counts: the least the estimate allows and up to
-  // extra_micro_batches more, and 1.5 and 2 times the least (fuller micro-batches make the
-  // planner shard or recompute more; emptier ones balance fewer sequences each); beside each,
+  // Stage one and two for each count: the heaviest spread over the micro-batches, and beside it
   // the alternative that keeps the heaviest together (their bottlenecks then share one
-  // micro-batch).
+  // micro-batch). Each placed by zellige, abandoned once it cannot beat the best so far; past
+  // placed_passes times the batch's sequences no further cut is started (a small batch tries
+  // every one).
   const int64_t least_count = least_micro_batches(total_bytes, budget_bytes, num_sequences);
-  std::set<int64_t> counts = {(3 * least_count + 1) / 2, 2 * least_count};
-  for (int64_t extra = 0; extra <= options.extra_micro_batches; ++extra) {
-    counts.insert(least_count + extra);
-  }
+  const int64_t placement_budget =
+      num_sequences <= kSmallGlobalBatch ? std::numeric_limits<int64_t>::max()
+                                         : placed_passes(cost_model.cluster().num_ranks()) *
+                                               num_sequences;
+  int64_t placed_sequences = 0;
   std::set<Cut> tried;
-  for (const int64_t count : counts) {
-    if (count > num_sequences) break;
+  auto try_cut = [&](const Cut& cut, const std::string& name) {
+    if (best && placed_sequences >= placement_budget) return;
+    if (!tried.insert(canonical(cut)).second) return;
+    consider(place_cut({"zellige"}, batch, cut, cost_model, options, &costs,
+                       best ? best->step_time_s : kInf, &placed_sequences),
+             name);
+  };
+  for (const int64_t count :
+       micro_batch_counts(least_count, num_sequences, options.extra_micro_batches)) {
     const double grouped_budget_bytes = std::min(budget_bytes, total_bytes / count);
-    const std::pair<Cut, std::string> candidates[] = {
-        {spread(heaviest_first, costs, count, budget_bytes), "zellige:spread"},
-        {cut_in_order(heaviest_first, costs, grouped_budget_bytes), "zellige:grouped"}};
-    for (const auto& [cut, name] : candidates) {
-      if (!tried.insert(canonical(cut)).second) continue;
-      consider(place_cut({"zellige"}, batch, cut, cost_model, options, &costs), name);
-    }
+    try_cut(spread(heaviest_first, costs, count, budget_bytes), "zellige:spread");
+    try_cut(cut_in_order(heaviest_first, costs, grouped_budget_bytes), "zellige:grouped");
   }
 
   // The baselines: kept where one wins (the never-worse promise), and the best one's cut placed
@@ -362,11 +398,7 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
       consider(std::move(plan), chosen);
     }
   }
-  if (best_baseline && tried.insert(canonical(cut_of(*best_baseline, batch))).second) {
-    consider(place_cut({"zellige"}, batch, cut_of(*best_baseline, batch), cost_model, options,
-                       &costs),
-             "zellige:" + best_baseline->planner);
-  }
+  if (best_baseline) try_cut(cut_of(*best_baseline, batch), "zellige:" + best_baseline->planner);
   if (!best) {
     throw PlanMemoryError("no cut of the global batch into micro-batches fits in memory");
   }
