@@ -109,6 +109,25 @@ Cut spread(const std::vector<int64_t>& heaviest_first, const std::vector<Sequenc
   return cut;
 }
 
+// The heaviest kept together: `heaviest_first` cut in order into micro-batches of an equal share
+// of the memory, the remainder that rounding leaves merged into the last where it fits.
+Cut grouped(const std::vector<int64_t>& heaviest_first, const std::vector<SequenceCost>& costs,
+            int64_t num_micro_batches, double total_bytes, double budget_bytes) {
+  Cut cut = cut_in_order(heaviest_first, costs,
+                         std::min(budget_bytes, total_bytes / num_micro_batches));
+  if (static_cast<int64_t>(cut.size()) > num_micro_batches) {
+    double merged_bytes = 0;
+    for (const auto* part : {&cut[cut.size() - 2], &cut.back()}) {
+      for (const int64_t index : *part) merged_bytes += costs[index].memory_bytes;
+    }
+    if (merged_bytes <= budget_bytes) {
+      cut[cut.size() - 2].insert(cut[cut.size() - 2].end(), cut.back().begin(), cut.back().end());
+      cut.pop_back();
+    }
+  }
+  return cut;
+}
+
 Batch sub_batch(const Batch& batch, std::vector<int64_t> indices) {
   std::sort(indices.begin(), indices.end());  // the global batch's order
   Batch part;
@@ -380,9 +399,8 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
   };
   for (const int64_t count :
        micro_batch_counts(least_count, num_sequences, options.extra_micro_batches)) {
-    const double grouped_budget_bytes = std::min(budget_bytes, total_bytes / count);
     try_cut(spread(heaviest_first, costs, count, budget_bytes), "zellige:spread");
-    try_cut(cut_in_order(heaviest_first, costs, grouped_budget_bytes), "zellige:grouped");
+    try_cut(grouped(heaviest_first, costs, count, total_bytes, budget_bytes), "zellige:grouped");
   }
 
   // The baselines: kept where one wins (the never-worse promise), and the best one's cut placed
