@@ -116,15 +116,15 @@ def first_step_makespan_s(config, num_ranks: int, planner: str) -> float:
     from zellige.data import StepDataset
 
     dataset = StepDataset(
-        model=config.model,
-        recipe=config.recipe,
+        model=config.model.dit,
+        recipe=config.data.recipe,
         planner=planner,
         rank=0,
         num_ranks=num_ranks,
-        gpus_per_node=config.gpus_per_node,
+        gpus_per_node=config.parallelism.gpus_per_node,
         seed=config.seed,
-        profile=config.profile,
-        activation_checkpointing=config.activation_checkpointing,
+        profile=config.parallelism.profile,
+        activation_checkpointing=config.parallelism.activation_checkpointing,
     )
     return dataset[0].record.makespan_s
 
@@ -487,13 +487,14 @@ def main(argv: list[str] | None = None) -> int:
 
     config = get_config(args.config)
     if args.seed is not None:
-        config = dataclasses.replace(config, seed=args.seed)
-    num_ranks = args.nproc or (torch.cuda.device_count() if config.device == "cuda" else 4)
+        config = config.with_fields(seed=args.seed)
+    cuda = config.parallelism.device == "cuda"
+    num_ranks = args.nproc or (torch.cuda.device_count() if cuda else 4)
     num_steps = args.warmup + args.measured
     work_dir = Path(args.work_dir) / config.name
     work_dir.mkdir(parents=True, exist_ok=True)
     cpu_threads = None
-    if config.device == "cpu":
+    if config.parallelism.device == "cpu":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         cpu_threads = max(1, cores // num_ranks)
 
@@ -558,12 +559,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     summaries = [summarise(name, records, args.warmup) for name, records in histories.items()]
-    machine = machine_description(config.device, num_ranks)
+    machine = machine_description(config.parallelism.device, num_ranks)
+    backend = config.parallelism.backend
     stamp = (
-        f"{machine}; {versions(config.backend)}; commit {args.commit or git_commit()}; backend "
-        f"{config.backend}, {config.dtype}"
+        f"{machine}; {versions(backend)}; commit {args.commit or git_commit()}; backend "
+        f"{backend}, {config.model.dtype}"
     )
-    model = config.model
+    model = config.model.dit
     lines = [
         f"# End-to-end planner comparison: {config.name}, {num_ranks} ranks "
         f"({datetime.date.today():%Y-%m})",
@@ -574,11 +576,11 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         f"Machine: {stamp}.",
         f"Model {model.name}: width {model.width}, {model.num_layers} layers, {model.num_heads} "
-        f"heads; batches from recipe `{config.recipe}` with seed {config.seed} (the same batches "
-        f"for every planner); {args.warmup} warm-up + {args.measured} measured steps, means over "
-        f"steps {args.warmup + 1}..{num_steps}. Step time: the slowest rank's wall time of the "
-        "step; predicted: the plan's makespan from the cost model (hardware profile "
-        f"{config.profile or 'built-in H200'}); tokens/s over the measured steps.",
+        f"heads; batches from recipe `{config.data.recipe}` with seed {config.seed} (the same "
+        f"batches for every planner); {args.warmup} warm-up + {args.measured} measured steps, "
+        f"means over steps {args.warmup + 1}..{num_steps}. Step time: the slowest rank's wall "
+        "time of the step; predicted: the plan's makespan from the cost model (hardware profile "
+        f"{config.parallelism.profile or 'built-in H200'}); tokens/s over the measured steps.",
         "",
         "Command:",
         "",
@@ -624,8 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(histories) > 1:
         batch_problems = same_batches(histories)
         reference = "dp-cost" if "dp-cost" in histories else next(iter(histories))
-        tolerance = LOSS_TOLERANCE[config.dtype]
-        loss_text, agree = loss_lines(histories, reference, tolerance, config.dtype)
+        tolerance = LOSS_TOLERANCE[config.model.dtype]
+        loss_text, agree = loss_lines(histories, reference, tolerance, config.model.dtype)
         lines += ["## Losses of the same steps", ""]
         lines += [
             "Same batches in every run (token and sequence counts per step): "
@@ -635,8 +637,8 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ]
         agree = agree and not batch_problems
-    if config.device == "cuda":
-        targets = throughput_targets(summaries, config.recipe)
+    if config.parallelism.device == "cuda":
+        targets = throughput_targets(summaries, config.data.recipe)
         if targets:
             lines += ["## Targets", "", *targets, ""]
     if failures:

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import gzip
 import json
@@ -410,8 +409,7 @@ def main() -> int:
             return 2
         changes = {k: v for variant in variants for k, v in VARIANTS[variant].items()}
         sync_check = args.sync_check and index == 0
-        config = dataclasses.replace(
-            get_config(name),
+        config = get_config(name).with_fields(
             recipe=recipe,
             # traced: one step more, and one after it (a step makes the next one's inputs)
             steps=args.steps + (2 if args.trace else 0),
@@ -450,7 +448,8 @@ def main() -> int:
             torch.cuda.empty_cache()
         # the cost model reserves 3 GiB where the profile measured no reserve
         reserved_gib = (load_profile(args.profile).runtime_reserved_bytes or 3 * 2**30) / 2**30
-        row = summarise(name, recipe, history, args.warmup, config.peak_flops_per_s, reserved_gib)
+        peak = config.metrics.peak_flops_per_s
+        row = summarise(name, recipe, history, args.warmup, peak, reserved_gib)
         row["variants"] = variants
         if sync_check:
             row.update(sync_readout(caught, step_marks, args.warmup))

@@ -31,7 +31,7 @@ step 5 "zellige: compiling the C++ core, bindings and GoogleTest suite, installi
 # The build requirements are installed just above, so build without an isolated environment.
 # scripts/test.sh builds and installs with the same settings: keep the two in step.
 .venv/bin/python -m pip install -q --no-build-isolation -C build-dir=build/core \
-  -C cmake.define.ZELLIGE_BUILD_TESTS=ON ".[test,train,milp,plot,docs]"
+  -C cmake.define.ZELLIGE_BUILD_TESTS=ON ".[test,train,milp,plot,docs,diffusers]"
 printf '[setup done %3ds] commands are in .venv/bin (e.g. .venv/bin/zellige, .venv/bin/torchrun);\n' \
   $((SECONDS - START))
 echo "  or: source .venv/bin/activate"

@@ -16,7 +16,9 @@ import pytest
 
 # Modules (paths from the repository root) whose every test is slow.
 SLOW_MODULES: set[str] = {
+    "tests/distributed/test_diffusers_examples.py",
     "tests/distributed/test_no_host_sync.py",
+    "tests/distributed/test_speed_feedback.py",
     "tests/distributed/test_train_faults.py",
     "tests/distributed/test_train_late_metrics.py",
     "tests/distributed/test_train_one_rank.py",
@@ -52,6 +54,10 @@ SLOW_TESTS: dict[str, set[str]] = {
     },
     "tests/python/test_data.py": {
         "test_spawned_loader_worker_exits_without_nanobind_leak_reports",
+    },
+    "tests/python/test_diffusers_integration.py": {
+        "test_one_rank_matches_the_unmodified_model[checkpointed-flux]",
+        "test_one_rank_matches_the_unmodified_model[checkpointed-wan]",
     },
     "tests/python/test_joint.py": {
         "test_plan_joint_reports_gap_and_optimality",

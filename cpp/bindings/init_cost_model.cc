@@ -1,6 +1,10 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+
+#include <tuple>
 
 #include "bind_util.h"
 #include "zellige/cost_model.h"
@@ -23,6 +27,23 @@ void init_cost_model(nb::module_& m) {
                               "state_bytes_per_param", "gradient_bytes_per_param",
                               "memory_headroom", "adaptive_checkpointing",
                               "weights_kept_to_backward", "optimizer_copy_bytes_per_param"});
+  // Pickled whole (every field, in declaration order), so a DataLoader worker receives the
+  // options a run chose as one value.
+  using OptionsState = std::tuple<bool, int64_t, double, double, double, bool, bool, double>;
+  options
+      .def("__getstate__",
+           [](const CostOptions& o) {
+             return OptionsState(o.activation_checkpointing, o.bytes_per_element,
+                                 o.state_bytes_per_param, o.memory_headroom,
+                                 o.gradient_bytes_per_param, o.adaptive_checkpointing,
+                                 o.weights_kept_to_backward, o.optimizer_copy_bytes_per_param);
+           })
+      .def("__setstate__", [](CostOptions& o, const OptionsState& state) {
+        new (&o) CostOptions();
+        std::tie(o.activation_checkpointing, o.bytes_per_element, o.state_bytes_per_param,
+                 o.memory_headroom, o.gradient_bytes_per_param, o.adaptive_checkpointing,
+                 o.weights_kept_to_backward, o.optimizer_copy_bytes_per_param) = state;
+      });
 
   nb::class_<RankShare> share(m, "RankShare", "What one placement costs one of its ranks.");
   share.def_rw("rank", &RankShare::rank)
@@ -95,7 +116,22 @@ void init_cost_model(nb::module_& m) {
           nb::arg("layer_input_bytes") = 0.0, nb::arg("full_layers") = 0,
           nb::arg("held_tokens") = 0)
       .def("linear_recompute_s", &CostModel::linear_recompute_s, nb::arg("tokens"))
-      .def("memory_capacity_bytes", &CostModel::memory_capacity_bytes)
+      .def(
+          "memory_capacity_bytes",
+          [](const CostModel& self, std::optional<int64_t> rank) {
+            if (!rank) return self.memory_capacity_bytes();
+            if (*rank < 0 || *rank >= self.cluster().num_ranks()) {
+              throw nb::index_error(("rank " + std::to_string(*rank) + " outside [0, " +
+                                     std::to_string(self.cluster().num_ranks()) + ")")
+                                        .c_str());
+            }
+            return self.memory_capacity_bytes(*rank);
+          },
+          nb::arg("rank") = nb::none(),
+          "Usable bytes of `rank`; without one, the bytes every rank has (the smallest rank's).")
+      .def("homogeneous_view", &CostModel::homogeneous_view,
+           "This cost model with every rank alike (no speeds, the smallest rank memory): what "
+           "the speed-blind baselines plan with.")
       .def("rank_time_s", &CostModel::rank_time_s, nb::arg("tokens"), nb::arg("attention_s"),
            nb::arg("exchange_s"))
       .def("evaluate", nb::overload_cast<const Batch&, const Plan&>(&CostModel::evaluate, nb::const_), nb::arg("batch"), nb::arg("plan"))

@@ -97,6 +97,7 @@ CostModel::CostModel(ModelSpec model, HardwareProfile profile, Cluster cluster, 
       !(cluster_.intra_node_bytes_per_s > 0) || !(cluster_.inter_node_bytes_per_s > 0)) {
     throw std::invalid_argument("cost model: cluster needs ranks, GPU memory and link bandwidths");
   }
+  validate_cluster(cluster_);
   if (options_.bytes_per_element <= 0 || options_.state_bytes_per_param < 0 ||
       !(options_.gradient_bytes_per_param >= 0 &&
         options_.gradient_bytes_per_param <= options_.state_bytes_per_param) ||
@@ -676,8 +677,27 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
   return peak;
 }
 
+double CostModel::memory_capacity_bytes(int64_t rank) const {
+  return static_cast<double>(cluster_.memory_of(rank)) * (1.0 - options_.memory_headroom);
+}
+
 double CostModel::memory_capacity_bytes() const {
-  return static_cast<double>(cluster_.gpu_memory_bytes) * (1.0 - options_.memory_headroom);
+  return static_cast<double>(cluster_.min_memory_bytes()) * (1.0 - options_.memory_headroom);
+}
+
+double CostModel::max_memory_capacity_bytes() const {
+  int64_t most_bytes = cluster_.gpu_memory_bytes;
+  if (!cluster_.rank_memory_bytes.empty()) {
+    most_bytes = *std::max_element(cluster_.rank_memory_bytes.begin(),
+                                   cluster_.rank_memory_bytes.end());
+  }
+  return static_cast<double>(most_bytes) * (1.0 - options_.memory_headroom);
+}
+
+CostModel CostModel::homogeneous_view() const {
+  CostModel view = *this;  // nothing derived in the constructor reads speeds or memory
+  view.cluster_ = zellige::homogeneous_view(cluster_);
+  return view;
 }
 
 double CostModel::rank_time_s(int64_t tokens, double attention_s, double exchange_s) const {

@@ -80,7 +80,7 @@ struct LowerBoundSearch {
         num_ranks(model.cluster().num_ranks()),
         gpus_per_node(model.cluster().gpus_per_node),
         num_heads(model.model().num_heads),
-        capacity_bytes(model.memory_capacity_bytes()),
+        capacity_bytes(model.max_memory_capacity_bytes()),  // a shape may use the largest ranks
         min_per_token_s(model.min_linear_time_per_token_s()),
         layers(static_cast<double>(model.model().num_layers)),
         forward_envelope(model.profile().attention_forward_s_per_head,
@@ -505,7 +505,14 @@ double makespan_lower_bound(const Batch& batch, const CostModel& cost_model) {
       max_r = r;
     }
   }
-  const double num_ranks = static_cast<double>(search.num_ranks);
+  // Unlike ranks: everything below is in nominal seconds (the profile's device), of a makespan
+  // M = T x the fastest speed. A rank of speed v runs at most v x T = (v / fastest) x M nominal
+  // seconds in a plan of makespan T, so the cluster holds the rank-seconds of total speed /
+  // fastest ranks of makespan M, and every bottleneck and per-token cap holds at M as on the
+  // fastest rank. On like ranks: num_ranks, and M = T.
+  const Cluster& cluster = cost_model.cluster();
+  const double fastest = cluster.max_speed();
+  const double num_ranks = cluster.total_speed() / fastest;
   const double simple_s = std::max(max_bottleneck_s, total_rank_seconds / num_ranks);
 
   // Tighter: in a plan of makespan T every sequence takes a shape whose bottleneck is <= T, and
@@ -559,9 +566,11 @@ double makespan_lower_bound(const Batch& batch, const CostModel& cost_model) {
       (overflows(middle_s) ? low_s : high_s) = middle_s;
     }
   }
+  // The whole-share refinement below packs equal bins: like ranks only.
   if (search.num_ranks > kExclusiveShareRanks ||
-      static_cast<double>(counts.size()) * num_ranks > kExclusiveShareWork) {
-    return low_s;
+      static_cast<double>(counts.size()) * num_ranks > kExclusiveShareWork ||
+      cluster.heterogeneous()) {
+    return low_s / fastest;
   }
 
   // Whole shares: a rank of a plan of makespan T holds shares whose times sum to at most T, so

@@ -333,7 +333,8 @@ double CostModel::floor_of_totals(const std::vector<int64_t>& tokens,
   for (size_t rank = 0; rank < tokens.size(); ++rank) {
     const double linear_s = linear_time_s(tokens[rank]) -
                             (skips_recompute ? linear_recompute_s(tokens[rank]) : 0.0);
-    floor_s = std::max(floor_s, linear_s + other_s[rank]);
+    floor_s = std::max(floor_s, (linear_s + other_s[rank]) /
+                                    cluster_.speed_of(static_cast<int64_t>(rank)));
   }
   return floor_s;
 }
@@ -468,10 +469,10 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     std::vector<size_t> next(rank_begin.begin(), rank_begin.end() - 1);
     for (const RankCall& call : calls) by_rank[next[call.rank]++] = call;
   }
-  const double capacity = memory_capacity_bytes();
   std::vector<std::pair<int64_t, double>> streamed;  // a rank's cross-attention calls: work, s
   for (int64_t i = 0; i < num_ranks; ++i) {
     RankCost& rank = cost.ranks[i];
+    const double capacity = memory_capacity_bytes(i);
     rank.linear_s = linear_time_s(rank.tokens);
     const double layers = static_cast<double>(model_.num_layers);
     const auto first = by_rank.begin() + static_cast<std::ptrdiff_t>(rank_begin[i]);
@@ -620,11 +621,19 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
       rank.exchange_s +=
           full * attention_recompute_exchange[i] - skipped * recompute_exchange[i];
     }
+    // The one place a rank's speed enters: every term at once, so that they still add up.
+    const double speed = cluster_.speed_of(i);
+    if (speed != 1.0) {
+      for (double* seconds : {&rank.linear_s, &rank.attention_s, &rank.call_s, &rank.stream_s,
+                              &rank.exchange_s, &rank.launch_floor_s}) {
+        *seconds /= speed;
+      }
+    }
     rank.time_s = std::max(rank.linear_s + rank.attention_s + rank.call_s + rank.exchange_s,
                            rank.launch_floor_s);
     cost.makespan_s = std::max(cost.makespan_s, rank.time_s);
     cost.peak_bytes = std::max(cost.peak_bytes, rank.peak_bytes);
-    if (rank.peak_bytes > capacity) cost.fits = false;
+    if (rank.peak_bytes > memory_capacity_bytes(i)) cost.fits = false;
   }
   return cost;
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <unordered_map>
 #include <utility>
@@ -53,9 +54,9 @@ double parse_gamma(const std::string& planner, const std::string& text) {
 }
 
 // Parses `planner` into the policy call it names; throws before any planning for a bad name.
-std::function<Plan()> parse_planner(const std::string& planner, const Batch& batch,
-                                    const CostModel& cost_model, const PlannerOptions& options,
-                                    EvaluationCache* cache = nullptr) {
+std::function<Plan()> parse_policy(const std::string& planner, const Batch& batch,
+                                   const CostModel& cost_model, const PlannerOptions& options,
+                                   EvaluationCache* cache) {
   if (planner == "dp-tokens") return [&, cache] { return planners::dp_tokens(batch, cost_model, cache); };
   if (planner == "dp-cost") return [&, cache] { return planners::dp_cost(batch, cost_model, cache); };
   if (planner == "megatron-dcp") {
@@ -84,6 +85,20 @@ std::function<Plan()> parse_planner(const std::string& planner, const Batch& bat
     return [&, spec, gamma] { return plan_knapformer(batch, cost_model, spec, gamma); };
   }
   bad_name(planner, "unknown planner");
+}
+
+// parse_policy, with the baselines on the cluster's homogeneous view: they know nothing of rank
+// speeds and plan for the smallest rank memory (zellige plans on the cluster as it is). The
+// evaluation cache serves both: a placement's shares do not depend on speeds or capacities.
+std::function<Plan()> parse_planner(const std::string& planner, const Batch& batch,
+                                    const CostModel& cost_model, const PlannerOptions& options,
+                                    EvaluationCache* cache = nullptr) {
+  if (planner == "zellige" || !cost_model.cluster().heterogeneous()) {
+    return parse_policy(planner, batch, cost_model, options, cache);
+  }
+  auto view = std::make_shared<const CostModel>(cost_model.homogeneous_view());
+  std::function<Plan()> run = parse_policy(planner, batch, *view, options, cache);
+  return [view, run] { return run(); };
 }
 
 // The smallest per-rank memory over every placement shape of `sequence` on the lowest ranks
@@ -174,15 +189,18 @@ Plan run_policy(const std::string& planner, const Batch& batch, const CostModel&
 }  // namespace planners
 
 void check_sequences_fit(const Batch& batch, const CostModel& cost_model) {
-  const double capacity_bytes = cost_model.memory_capacity_bytes();
+  // Every rank holds the training state; a sequence needs room on the ranks it goes to, at best
+  // those with the most memory.
+  const double smallest_capacity_bytes = cost_model.memory_capacity_bytes();
+  const double capacity_bytes = cost_model.max_memory_capacity_bytes();
   // Said apart, since no placement helps: only more GPUs (a larger FSDP shard count) do.
-  if (cost_model.fixed_bytes() > capacity_bytes) {
+  if (cost_model.fixed_bytes() > smallest_capacity_bytes) {
     throw PlanMemoryError(
         "the training state of " + cost_model.model().name + " alone does not fit in memory on " +
         std::to_string(cost_model.cluster().num_ranks()) + " GPUs: weights, gradients, optimizer " +
         "state (FSDP over all ranks) and runtime reserve need " +
         planners::format_gib(cost_model.fixed_bytes()) + " per rank, " +
-        planners::format_gib(capacity_bytes) + " available; use more GPUs");
+        planners::format_gib(smallest_capacity_bytes) + " available; use more GPUs");
   }
   // Memory depends on the lengths only, and batches repeat them a lot.
   std::unordered_map<std::pair<int64_t, int64_t>, double, LengthsHash> best_bytes_of_lengths;
@@ -250,8 +268,8 @@ Plan make_plan(const std::string& planner, const Batch& batch, const CostModel& 
   if (planner != "zellige") planners::predict_with(plan, batch, cost_model, cache);
   // A plan never leaves here out of memory: knapformer has no memory term, and the others only
   // estimate memory additively while choosing.
-  const double capacity_bytes = cost_model.memory_capacity_bytes();
   for (int64_t rank = 0; rank < num_ranks; ++rank) {
+    const double capacity_bytes = cost_model.memory_capacity_bytes(rank);
     const double peak_bytes = plan.predicted.rank_peak_bytes[rank];
     if (peak_bytes > capacity_bytes) {
       const bool knapformer = planner.rfind("knapformer", 0) == 0;

@@ -537,15 +537,47 @@ class Cluster:
     @inter_node_latency_s.setter
     def inter_node_latency_s(self, arg: float, /) -> None: ...
 
+    @property
+    def rank_speeds(self) -> list[float]:
+        """Per rank: relative speed (1.0 = the profile's device); empty: all 1.0."""
+
+    @rank_speeds.setter
+    def rank_speeds(self, arg: _Sequence[float], /) -> None: ...
+
+    @property
+    def rank_memory_bytes(self) -> list[int]:
+        """Per rank: usable GPU memory; empty: all gpu_memory_bytes."""
+
+    @rank_memory_bytes.setter
+    def rank_memory_bytes(self, arg: _Sequence[int], /) -> None: ...
+
     def num_ranks(self) -> int: ...
 
     def node_of(self, rank: int) -> int: ...
+
+    def speed_of(self, rank: int) -> float: ...
+
+    def memory_of(self, rank: int) -> int: ...
+
+    def heterogeneous(self) -> bool: ...
+
+    def total_speed(self) -> float: ...
+
+    def validate(self) -> None:
+        """
+        Raise ValueError unless the per-rank lists are empty or one entry per rank, speeds positive and finite, memory positive.
+        """
 
     def __repr__(self) -> str: ...
 
     def __eq__(self, arg: object, /) -> object: ...
 
     __hash__: None = None
+
+def homogeneous_view(cluster: Cluster) -> Cluster:
+    """
+    The cluster with every rank alike (no speeds, the smallest rank memory): what a speed-unaware planner sees.
+    """
 
 MAX_GPUS: int = 16384
 
@@ -1334,7 +1366,15 @@ class CostModel:
 
     def linear_recompute_s(self, tokens: int) -> float: ...
 
-    def memory_capacity_bytes(self) -> float: ...
+    def memory_capacity_bytes(self, rank: int | None = None) -> float:
+        """
+        Usable bytes of `rank`; without one, the bytes every rank has (the smallest rank's).
+        """
+
+    def homogeneous_view(self) -> CostModel:
+        """
+        This cost model with every rank alike (no speeds, the smallest rank memory): what the speed-blind baselines plan with.
+        """
 
     def rank_time_s(self, tokens: int, attention_s: float, exchange_s: float) -> float: ...
 

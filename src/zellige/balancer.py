@@ -29,7 +29,9 @@ Layouts, formats and the flow of a step: docs/architecture.md, docs/formats.md, 
 from __future__ import annotations
 
 import functools
+import math
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,6 +310,7 @@ class Balancer:
         self._scheduled = 0  # steps scheduled so far (the next one's index)
         self._started = 0  # steps started so far
         self._lock = threading.Lock()
+        self._speed_factors: tuple[float, ...] | None = None
         self._config = {
             **{f"model.{key}": value for key, value in model_spec_to_dict(self.spec).items()},
             "planner": pipeline.planner_name,
@@ -318,6 +321,28 @@ class Balancer:
     @property
     def joint_attention(self) -> bool:
         return self.spec.joint_attention
+
+    def set_speed_factors(self, speed_factors: Sequence[float] | None) -> None:
+        """The steps scheduled from now on plan with rank r at its cluster speed times
+        speed_factors[r] (measured feedback, e.g. zellige.train.speeds.SpeedEstimate over
+        all-gathered step times: docs/training.md); None: the cluster's own speeds. Every rank
+        sets the same factors before the same schedule(), which checks it like the Balancer's
+        settings. ValueError unless one positive, finite number per rank."""
+        if speed_factors is not None:
+            factors = tuple(speed_factors)
+            if len(factors) != self.num_ranks or not all(
+                isinstance(f, int | float)
+                and not isinstance(f, bool)
+                and math.isfinite(f)
+                and f > 0
+                for f in factors
+            ):
+                raise ValueError(
+                    f"speed factors must be {self.num_ranks} positive finite numbers (one per "
+                    f"rank), got {cut(repr(factors))}"
+                )
+            speed_factors = tuple(float(f) for f in factors)
+        self._speed_factors = speed_factors
 
     def step(self, samples: list[Sample]) -> BalancedStep:
         """schedule(samples).start(): the step planned and loaded now."""
@@ -338,7 +363,7 @@ class Balancer:
         report = _RankReport(
             error=error,
             step_index=self._scheduled,
-            config=self._config,
+            config={**self._config, "speed factors": self._speed_factors},
             sizes=sizes,
             schema=schema,
         )
@@ -350,12 +375,13 @@ class Balancer:
         if error is not None:  # every rank holds the same reports: all raise it, none waits
             raise ValueError(error)
         batch = self._batch(reports)
+        factors = self._speed_factors
         if self._executor is not None:
-            future = self._executor.submit(self._plan_and_compile, batch, index)
+            future = self._executor.submit(self._plan_and_compile, batch, index, factors)
         else:
             future = Future()
             try:
-                future.set_result(self._plan_and_compile(batch, index))
+                future.set_result(self._plan_and_compile(batch, index, factors))
             except Exception as exc:  # noqa: BLE001 - raised by start(), on every rank
                 future.set_exception(exc)
         schema = next((r.schema for r in reports if r.schema is not None), None)
@@ -377,12 +403,17 @@ class Balancer:
         batch.sequences = sequences
         return batch
 
-    def make_plan(self, batch: _core.Batch, step_index: int = 0) -> _core.Plan:
+    def make_plan(
+        self,
+        batch: _core.Batch,
+        step_index: int = 0,
+        speed_factors: Sequence[float] | None = None,
+    ) -> _core.Plan:
         """The plan of one step's batch (what every rank computes alike)."""
-        return self.pipeline.plan(batch, seed=self.seed + step_index)
+        return self.pipeline.plan(batch, seed=self.seed + step_index, speed_factors=speed_factors)
 
-    def _plan_and_compile(self, batch: _core.Batch, index: int):
-        plan = self.make_plan(batch, index)
+    def _plan_and_compile(self, batch: _core.Batch, index: int, speed_factors=None):
+        plan = self.make_plan(batch, index, speed_factors)
         return plan, self.pipeline.compile(batch, plan, self.rank)
 
     def start(self, prepared: PreparedStep) -> BalancedStep:

@@ -18,7 +18,7 @@ planned and compiled ahead crosses processes as a `PreparedStep`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,39 @@ def check_planner_name(planner: str) -> None:
     if planner.split(":", 1)[0] not in {form.split(":", 1)[0] for form in forms}:
         allowed = ", ".join(forms)
         raise ValueError(f"unknown planner '{planner}' (allowed: {allowed})")
+
+
+def with_speed_factors(
+    cost_model: _core.CostModel, speed_factors: Sequence[float]
+) -> _core.CostModel:
+    """`cost_model` on a cluster whose rank speeds are its own times `speed_factors` (one per
+    rank: measured feedback, zellige.train.speeds); the model, profile and options unchanged."""
+    cluster = _copy_cluster(cost_model.cluster)  # the property is the cost model's own
+    num_ranks = cluster.num_ranks()
+    if len(speed_factors) != num_ranks:
+        raise ValueError(f"{len(speed_factors)} speed factors for a cluster of {num_ranks} ranks")
+    base = list(cluster.rank_speeds) or [1.0] * num_ranks
+    cluster.rank_speeds = [float(b) * float(f) for b, f in zip(base, speed_factors, strict=True)]
+    return _core.CostModel(cost_model.model, cost_model.profile, cluster, cost_model.options)
+
+
+_CLUSTER_FIELDS = (
+    "num_nodes",
+    "gpus_per_node",
+    "gpu_memory_bytes",
+    "intra_node_bytes_per_s",
+    "inter_node_bytes_per_s",
+    "intra_node_latency_s",
+    "inter_node_latency_s",
+    "rank_speeds",
+    "rank_memory_bytes",
+)
+
+
+def _copy_cluster(cluster: _core.Cluster) -> _core.Cluster:
+    copy = _core.Cluster(**{name: getattr(cluster, name) for name in _CLUSTER_FIELDS})
+    assert copy == cluster, "a Cluster field is missing from _CLUSTER_FIELDS"
+    return copy
 
 
 def make_step_plan(
@@ -122,6 +155,37 @@ class StepRecord:
         return count, min(count, self.rank_full_recompute_layers[rank])
 
 
+@dataclass(frozen=True, slots=True)
+class StepForecast:
+    """The speed factors a step's plan used (measured feedback, zellige.train.speeds) and the
+    cost model's per-rank times for the plan at the cluster's own speeds (nominal: without the
+    factors), which measured times compare with. Picklable: a loader worker makes it.
+
+    rank_speed_factors: the factors the plan used (empty: none).
+    rank_time_s: each rank's nominal time; rank_layers_s: its per-token layers' part (the rest
+    is attention and its exchanges)."""
+
+    rank_speed_factors: tuple[float, ...]
+    rank_time_s: tuple[float, ...]
+    rank_layers_s: tuple[float, ...]
+
+    @classmethod
+    def from_plan(
+        cls,
+        cost_model: _core.CostModel,
+        batch: _core.Batch,
+        plan: _core.Plan,
+        speed_factors: Sequence[float] | None = None,
+    ) -> StepForecast:
+        """`plan` priced by `cost_model` (the pipeline's, without the factors)."""
+        ranks = cost_model.evaluate(batch, plan).ranks
+        return cls(
+            rank_speed_factors=tuple(float(f) for f in speed_factors or ()),
+            rank_time_s=tuple(float(r.time_s) for r in ranks),
+            rank_layers_s=tuple(float(r.linear_s) for r in ranks),
+        )
+
+
 @dataclass(kw_only=True, slots=True)
 class PreparedStep:
     """One rank's step planned and compiled ahead (picklable: a loader worker makes it).
@@ -164,6 +228,7 @@ class StepPipeline:
         self.cost_model = cost_model
         self.planner = planner
         self.seed = seed
+        self._sped_cost_model: tuple[tuple[float, ...], _core.CostModel] | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -178,11 +243,27 @@ class StepPipeline:
             return planner.planner
         return getattr(planner, "__name__", "fn")
 
-    def plan(self, batch: _core.Batch, *, seed: int | None = None) -> _core.Plan:
-        """The batch's plan with its prediction (`seed`: the planner's; default the pipeline's)."""
+    def plan(
+        self,
+        batch: _core.Batch,
+        *,
+        seed: int | None = None,
+        speed_factors: Sequence[float] | None = None,
+    ) -> _core.Plan:
+        """The batch's plan with its prediction (`seed`: the planner's; default the pipeline's).
+        speed_factors: per rank, multiply the cluster's speeds for this plan (measured feedback;
+        every rank must pass the same ones for their plans to agree)."""
+        cost_model = self.cost_model if speed_factors is None else self._sped(speed_factors)
         return make_step_plan(
-            self.planner, batch, self.cost_model, seed=self.seed if seed is None else seed
+            self.planner, batch, cost_model, seed=self.seed if seed is None else seed
         )
+
+    def _sped(self, speed_factors: Sequence[float]) -> _core.CostModel:
+        """The cost model at `speed_factors`, kept while the next plans use the same ones."""
+        factors = tuple(float(f) for f in speed_factors)
+        if self._sped_cost_model is None or self._sped_cost_model[0] != factors:
+            self._sped_cost_model = (factors, with_speed_factors(self.cost_model, factors))
+        return self._sped_cost_model[1]
 
     def compile(self, batch: _core.Batch, plan: _core.Plan, rank: int) -> _core.StepProgram:
         """`rank`'s StepProgram (C++ plan compiler). Raises ValueError when the plan does not
@@ -194,11 +275,19 @@ class StepPipeline:
         )
 
     def prepare(
-        self, batch: _core.Batch, rank: int, *, index: int, seed: int | None = None
+        self,
+        batch: _core.Batch,
+        rank: int,
+        *,
+        index: int,
+        seed: int | None = None,
+        plan: _core.Plan | None = None,
     ) -> PreparedStep:
-        """plan + compile of step `index` for `rank`, ahead of the step; a plan that does not
-        compile becomes the PreparedStep's error (raised by load(), on every rank alike)."""
-        plan = self.plan(batch, seed=seed)
+        """plan + compile of step `index` for `rank`, ahead of the step (`plan`: one made
+        already, by plan()); a plan that does not compile becomes the PreparedStep's error
+        (raised by load(), on every rank alike)."""
+        if plan is None:
+            plan = self.plan(batch, seed=seed)
         program, error = None, None
         try:
             program = self.compile(batch, plan, rank)

@@ -9,7 +9,6 @@ usage: gc_worker.py OUT (a world of one)"""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import sys
@@ -24,8 +23,7 @@ STEPS = 5
 
 
 def run(freeze_gc: bool) -> dict:
-    config = dataclasses.replace(
-        get_config("tiny-cpu"),
+    config = get_config("tiny-cpu").with_fields(
         steps=STEPS,
         loader_workers=0,
         compile_elementwise=True,

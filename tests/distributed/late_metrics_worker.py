@@ -8,7 +8,6 @@ stop there, every rank alike, with nothing saved and no later optimizer step."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
@@ -23,8 +22,7 @@ CHECKPOINT_EVERY = 2  # saves after steps 2 and 4 (synchronized) and 5 (the last
 
 
 def run(out_dir: str, late: bool, nan_step: int | None) -> dict:
-    config = dataclasses.replace(
-        get_config("tiny-cpu"),
+    config = get_config("tiny-cpu").with_fields(
         steps=STEPS,
         loader_workers=0,
         dtype="float64",

@@ -8,7 +8,6 @@ usage: torchrun --nproc-per-node N mmdit_grad_worker.py OUT.pt BATCH PLANNER [PL
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 
@@ -46,7 +45,7 @@ HAND_PLANS = {"hand-ring": RING_PLAN, "hand-hybrid": HYBRID_PLAN}
 
 def make_model(config) -> MMDiT:
     torch.manual_seed(config.seed)
-    model = MMDiT(config.model)
+    model = MMDiT(config.model.dit)
     # the zero-initialised output layer would make every other gradient zero
     torch.nn.init.normal_(model.head.linear.weight, std=0.1)
     return model.to(torch.float64)
@@ -56,7 +55,9 @@ def reference(config, sequences) -> tuple[float, dict[str, torch.Tensor]]:
     """The whole batch on this process alone: no route, no exchange, no FSDP."""
     model = make_model(config)
     latents = SyntheticLatents(
-        token_channels=config.model.token_channels, text_dim=config.model.text_dim, seed=config.seed
+        token_channels=config.model.dit.token_channels,
+        text_dim=config.model.dit.text_dim,
+        seed=config.seed,
     )
     samples = [
         latents.sample(
@@ -89,7 +90,7 @@ def reference(config, sequences) -> tuple[float, dict[str, torch.Tensor]]:
 
 def main() -> None:
     out_path, batch_name, planners = sys.argv[1], sys.argv[2], sys.argv[3:]
-    config = dataclasses.replace(mmdit_tiny_cpu(), dtype="float64", activation_checkpointing=True)
+    config = mmdit_tiny_cpu().with_fields(dtype="float64", activation_checkpointing=True)
     sequences = BATCHES[batch_name]
     device = setup_distributed(config)
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
@@ -100,8 +101,8 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (num_ranks,))
         parallelize(model, mesh, dtype="float64", activation_checkpointing=True, timer=timer)
         dataset = StepDataset(
-            model=config.model,
-            recipe=config.recipe,
+            model=config.model.dit,
+            recipe=config.data.recipe,
             planner=planner if planner not in HAND_PLANS else "dp-cost",
             rank=rank,
             num_ranks=num_ranks,
@@ -111,7 +112,7 @@ def main() -> None:
             plan=HAND_PLANS.get(planner),
         )
         data = dataset[0]
-        step_input = assemble_joint_step(data, config.model.num_heads, device)
+        step_input = assemble_joint_step(data, config.model.dit.num_heads, device)
         loss = joint_step_loss(model, step_input, data.total_tokens, timer)
         (loss * num_ranks).backward()  # as the training loop: FSDP averages, we want the sum
         total = loss.detach().clone()

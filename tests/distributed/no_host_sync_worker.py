@@ -25,7 +25,6 @@ over a gloo group (runtime.layout._status_group), so it reads no device tensor.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import sys
 import traceback
@@ -172,8 +171,7 @@ def canary() -> None:
 def main() -> None:
     out_path, batch_name, planners = sys.argv[1], sys.argv[2], sys.argv[3:]
     configs = {
-        joint: dataclasses.replace(
-            mmdit_tiny_cpu() if joint else tiny_cpu(),
+        joint: (mmdit_tiny_cpu() if joint else tiny_cpu()).with_fields(
             dtype="float64",
             activation_checkpointing=True,
         )
@@ -194,8 +192,8 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (num_ranks,))
         parallelize(model, mesh, dtype="float64", activation_checkpointing=True, timer=timer)
         dataset = StepDataset(
-            model=config.model,
-            recipe=config.recipe,
+            model=config.model.dit,
+            recipe=config.data.recipe,
             planner="dp-cost" if planner == "canary" else planner,
             rank=rank,
             num_ranks=num_ranks,
@@ -209,7 +207,7 @@ def main() -> None:
         for step in range(2):
             data = dataset[step]
             with guarded() if step else contextlib.nullcontext() as guard:
-                step_input = assemble(data, config.model.num_heads, device)
+                step_input = assemble(data, config.model.dit.num_heads, device)
                 loss = loss_of(model, step_input, data.total_tokens, timer)
                 (loss * num_ranks).backward()
                 if step and planner == "canary":

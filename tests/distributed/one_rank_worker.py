@@ -7,7 +7,6 @@ overrides (bool and float values), e.g. fsdp=fsdp_on_one_rank:true."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
@@ -29,7 +28,7 @@ def _value(text: str):
 
 def run(dtype: str, changes: dict) -> dict:
     fields = {"steps": STEPS, "loader_workers": 0, "dtype": dtype, "grad_clip_norm": CLIP}
-    config = dataclasses.replace(get_config("tiny-cpu"), **(fields | changes))
+    config = get_config("tiny-cpu").with_fields(**(fields | changes))
     built = {}
     build_model = loop.build_model
 

@@ -52,8 +52,8 @@ def run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("run")
     config_file = root / "run.toml"
     config_file.write_text(
-        'config = "tiny-cpu"\nsteps = 50\ndtype = "float64"\nplanner = "dp-cost"\n'
-        '[model]\npreset = "tiny-cpu"\n'
+        'config = "tiny-cpu"\nsteps = 50\n[model]\npreset = "tiny-cpu"\ndtype = "float64"\n'
+        '[parallelism]\nplanner = "dp-cost"\n'
     )
     done = _train(
         "--config-file", str(config_file), "--steps", "2", "--checkpoint-every", "1",
@@ -228,7 +228,16 @@ def test_config_file_errors(capsys, tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text('config = "tiny-cpu"\nstpes = 3\n')
     line = _one_error(capsys, ["--config-file", str(path)])
-    assert f"{path}: unknown key 'stpes'; allowed: config, model, recipe" in line
+    assert f"{path}: unknown key 'stpes'; allowed: config, steps, seed, freeze_gc, model" in line
+    path.write_text('config = "tiny-cpu"\nlearning_rate = 1e-3\n')  # a key of a section
+    line = _one_error(capsys, ["--config-file", str(path)])
+    assert line.endswith(f"{path}: learning_rate is not a key there: use [optimizer] learning_rate")
+    path.write_text('config = "tiny-cpu"\n[data]\nplanner = "dp-cost"\n')
+    line = _one_error(capsys, ["--config-file", str(path)])
+    assert line.endswith(f"{path}: data.planner is not a key there: use [parallelism] planner")
+    path.write_text('config = "tiny-cpu"\n[optimizer]\nlr = 1e-3\n')
+    line = _one_error(capsys, ["--config-file", str(path)])
+    assert "unknown key 'optimizer.lr'; allowed: learning_rate, betas" in line
     path.write_text('config = "tiny-cpu"\nsteps = "3"\n')
     assert "steps must be an integer, got '3'" in _one_error(capsys, ["--config-file", str(path)])
     path.write_text("steps = [\n")

@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 from zellige.runtime import end_rank_process, verify
 from zellige.train.__main__ import main
+from zellige.train.config import SECTION_OF
 
 pytestmark = pytest.mark.slow
 
@@ -149,16 +150,18 @@ def run_files(draw) -> tuple[str, bool]:
         else:
             values[target] = junk
     values.setdefault("steps", 1)
-    lines = ['config = "tiny-cpu"']
-    for key, value in values.items():
+    # each field in its table (the run's own at the top); the model's sizes beside its preset
+    tables: dict[str, list[str]] = {"": ['config = "tiny-cpu"'], "model": ['preset = "tiny-cpu"']}
+    for key, value in [*values.items(), *((f"model.{k}", v) for k, v in model_values.items())]:
+        table, _, name = (
+            key.rpartition(".") if key.startswith("model.") else (SECTION_OF[key], "", key)
+        )
         text = toml_value(value)
         if text is not None:
-            lines.append(f"{key} = {text}")
-    lines += ["[model]", 'preset = "tiny-cpu"']
-    for key, value in model_values.items():
-        text = toml_value(value)
-        if text is not None:
-            lines.append(f"{key} = {text}")
+            tables.setdefault(table, []).append(f"{name} = {text}")
+    lines = tables.pop("")
+    for table, rows in tables.items():
+        lines += [f"[{table}]", *rows]
     return "\n".join(lines) + "\n", valid
 
 

@@ -117,7 +117,9 @@ def test_training_flags_outside_the_limits(capsys, tmp_path, argv, words) -> Non
 
 def test_a_first_adamw_step_past_float32_is_refused(capsys, tmp_path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text('config = "tiny-cpu"\nlearning_rate = 1e30\nbetas = [0.99999999, 0.999]\n')
+    path.write_text(
+        'config = "tiny-cpu"\n[optimizer]\nlearning_rate = 1e30\nbetas = [0.99999999, 0.999]\n'
+    )
     line = _one_error(capsys, ["--config-file", str(path), "--warmup-steps", "0"])
     assert "learning_rate must be such that learning_rate / (1 - betas[0]) is at most" in line
 
@@ -129,14 +131,14 @@ def test_terminal_escapes_in_a_recipe_are_escaped(capsys) -> None:
 
 def test_a_long_recipe_string_is_cut_in_the_message(capsys, tmp_path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text(f'config = "tiny-cpu"\nrecipe = "{"r" * 500_000}"\n')
+    path.write_text(f'config = "tiny-cpu"\n[data]\nrecipe = "{"r" * 500_000}"\n')
     line = _one_error(capsys, ["--config-file", str(path)])
     assert len(line) <= 450 and "characters cut" in line
 
 
 def test_a_recipe_string_past_the_toml_cap_is_refused(capsys, tmp_path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text(f'config = "tiny-cpu"\nrecipe = "{"r" * (2 << 20)}"\n')
+    path.write_text(f'config = "tiny-cpu"\n[data]\nrecipe = "{"r" * (2 << 20)}"\n')
     assert "larger than the 1 MiB limit" in _one_error(capsys, ["--config-file", str(path)])
 
 

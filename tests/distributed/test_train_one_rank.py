@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from test_train import _torchrun, _train
 
-from zellige.train.config import TrainConfig
+from zellige.train.config import DataSection, ModelSection, TrainConfig
 from zellige.train.optimizer_builder import weights_kept_to_backward
 
 
@@ -148,7 +148,8 @@ def test_clipping_in_the_fused_optimizer_on_sharded_gradients(tmp_path: Path) ->
 
 def test_the_cost_model_prices_kept_weights_where_training_keeps_them() -> None:
     def config(**fields) -> TrainConfig:
-        return TrainConfig(name="t", model=None, recipe="tiny", **fields)
+        sections = dict(model=ModelSection(dit=None), data=DataSection(recipe="tiny"))
+        return TrainConfig(name="t", **sections).with_fields(**fields)
 
     assert weights_kept_to_backward(config(), 1)  # no FSDP on one rank
     assert not weights_kept_to_backward(config(), 2)

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import zellige
 from zellige.data.synthetic import grid_positions
 from zellige.model import JointTokens, MMDiT, ModelNumerics, VideoDiT, build_model, model_preset
+from zellige.model.config import model_entry
 from zellige.model.mmdit import TEXT, VISUAL, StreamOrder, whole_sequence_attention
 
 CONFIG = model_preset("mmdit-tiny-cpu")
@@ -202,8 +203,8 @@ def test_block_parameters_match_model_spec() -> None:
         assert spec.joint_attention and spec.num_double_layers == config.num_double_layers
         everything = sum(p.numel() for p in model.parameters())
         assert spec.param_count == everything
-        # the planning core's preset of these sizes ("mmdit-tiny" for the CPU size)
-        preset = zellige.model_preset(name.replace("-tiny-cpu", "-tiny"))
+        # the planning core's preset of these sizes (the registry's entry names it)
+        preset = model_entry(name).spec
         assert (preset.width, preset.num_layers, preset.num_double_layers) == (
             config.width,
             config.num_layers,

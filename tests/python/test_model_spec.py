@@ -32,6 +32,41 @@ def test_a_preset_round_trips_through_a_spec_file(tmp_path, preset, suffix):
     assert resolve_model(str(path)) == spec
 
 
+@pytest.mark.parametrize("preset", zellige.model_preset_names())
+def test_every_core_preset_round_trips_through_its_registry_entry(preset):
+    """The model registry holds one entry per planning-core preset; its runnable model has the
+    preset's sizes (the spec the planner reads from the module has them too), the blocks of its
+    kind, and block weight matrices that are exactly the core's parameter count."""
+    import torch
+
+    from zellige.data import model_spec
+    from zellige.model import MMDiT, VideoDiT, build_model
+    from zellige.model.config import MODELS, model_entry, model_preset
+
+    entry = model_entry(preset)
+    assert [e.preset for e in MODELS].count(preset) == 1 and model_entry(entry.name) == entry
+    spec, dit = zellige.model_preset(preset), model_preset(entry.name)
+    assert dit == entry.dit_config() and dit.name == entry.name
+    sizes = ("width", "num_heads", "head_dim", "num_layers", "ffn_width", "text_tokens")
+    sizes += ("joint_attention", "num_double_layers")
+    back = model_spec(dit, num_params=spec.param_count)
+    assert {k: getattr(back, k) for k in sizes} == {k: getattr(spec, k) for k in sizes}
+    with torch.device("meta"):
+        model = build_model(dit)
+    assert isinstance(model, MMDiT if entry.block_kind == "mmdit" else VideoDiT)
+    linear = (m for m in model.blocks.modules() if isinstance(m, torch.nn.Linear))
+    assert sum(m.weight.numel() for m in linear) == spec.param_count
+
+
+def test_the_registry_names_every_model_once() -> None:
+    from zellige.model.config import MODELS, model_entry, model_preset_names
+
+    assert sorted(e.preset for e in MODELS) == sorted(zellige.model_preset_names())
+    assert model_preset_names() == [e.name for e in MODELS]
+    with pytest.raises(ValueError, match="unknown model preset 'wan-99b'; allowed: wan-1.3b"):
+        model_entry("wan-99b")
+
+
 def test_a_minimal_spec_file_derives_head_dim_and_parameters(tmp_path):
     path = tmp_path / "wan.toml"
     path.write_text(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -16,9 +17,97 @@ def test_every_named_config_builds_and_names_itself() -> None:
         config = get_config(name)
         assert config.name == name
         assert get_config(name.replace("-", "_")).name == name  # function names work too
-    assert get_config("wan14b-width-h200").model.width == get_config("wan14b-h200x8").model.width
+    width = get_config("wan14b-width-h200").model.dit.width
+    assert width == get_config("wan14b-h200x8").model.dit.width
     with pytest.raises(ValueError, match="allowed: tiny-cpu"):
         get_config("wan-99b")
+
+
+def test_named_configs_keep_their_values_in_sections() -> None:
+    """Every named config holds, field by field, the values the fixture lists by command-line
+    name (tests/fixtures/train_configs.json): sections moved the fields, not their values."""
+    import json
+    from pathlib import Path
+
+    from zellige.train.config import SECTION_OF, flat_fields
+
+    fixture = Path(__file__).parents[1] / "fixtures" / "train_configs.json"
+    expected = json.loads(fixture.read_text())
+    assert sorted(expected) == sorted(CONFIGS)
+    for name in CONFIGS:
+        config = get_config(name)
+        values = flat_fields(config)
+        values |= {"name": config.name, "model": dataclasses.asdict(values["model"])}
+        values["betas"] = list(values["betas"])
+        assert values == expected[name], name
+    assert sorted(SECTION_OF) == sorted(set(expected["tiny-cpu"]) - {"name", "model"})
+
+
+def test_resolved_makes_every_none_choice_for_the_device_and_world() -> None:
+    """resolved(num_ranks) leaves no None choice; each default is the documented one, a value
+    the user set is kept, and a resolved config resolves to itself."""
+    gpu = get_config("wan14b-width-h200")  # CUDA, bf16, every choice left at None
+    assert gpu.model.compile_elementwise is None and gpu.optimizer.copying_optimizer is None
+    one, two = gpu.resolved(1), gpu.resolved(2)
+    assert one.model.compile_elementwise is True and one.model.compile_outside is True
+    assert one.parallelism.reshard_after_forward is False and two.parallelism.reshard_after_forward
+    assert one.optimizer.fused_optimizer and one.optimizer.copying_optimizer
+    assert one.optimizer.compute_dtype_gradients
+    assert one.resolved(2) == one and two.resolved(2) == two
+    cpu = get_config("tiny-cpu").resolved(1)
+    assert not cpu.model.compile_elementwise and not cpu.model.compile_outside
+    assert not cpu.optimizer.fused_optimizer and not cpu.optimizer.copying_optimizer
+    assert not cpu.optimizer.compute_dtype_gradients  # only the copying optimizer reads them
+    chosen = gpu.with_fields(compile_elementwise=False, compile_outside=True, dtype="float32")
+    chosen = chosen.resolved(1)
+    assert not chosen.model.compile_elementwise and chosen.model.compile_outside
+    assert not chosen.optimizer.copying_optimizer  # float32: no copies to write
+    for config in (one, two, cpu, chosen):
+        for section in ("model", "parallelism", "optimizer"):
+            values = getattr(config, section)
+            for field in dataclasses.fields(values):
+                if field.type == "bool | None":
+                    assert getattr(values, field.name) in (True, False), field.name
+
+
+def test_toml_tables_set_each_section() -> None:
+    """A run file's tables replace their sections' fields, and the command line follows;
+    [model] without a preset changes the named config's model."""
+    from zellige.train.config import resolve_config
+
+    values = {
+        "config": "tiny-cpu",
+        "steps": 7,
+        "model": {"num_layers": 3, "dtype": "float64"},
+        "data": {"loader_workers": 0},
+        "parallelism": {"planner": "dp-cost"},
+        "optimizer": {"learning_rate": 1e-3, "betas": [0.5, 0.9]},
+        "checkpoint": {"checkpoint_every": 2},
+        "metrics": {"metrics_one_step_late": False},
+    }
+    config = resolve_config(None, values, {"learning_rate": 2e-3}, "run.toml")
+    assert config.steps == 7 and config.model.dtype == "float64"
+    assert config.model.dit == dataclasses.replace(get_config("tiny-cpu").model.dit, num_layers=3)
+    assert config.data.loader_workers == 0 and config.parallelism.planner == "dp-cost"
+    assert config.optimizer.learning_rate == 2e-3 and config.optimizer.betas == (0.5, 0.9)
+    assert config.checkpoint.checkpoint_every == 2 and not config.metrics.metrics_one_step_late
+    with pytest.raises(ValueError, match="unknown field 'lr'"):
+        config.with_fields(lr=1.0)
+    with pytest.raises(ValueError, match="optimizer.learning_rate must be a number"):
+        resolve_config("tiny-cpu", {"optimizer": {"learning_rate": "x"}}, {}, "run.toml")
+
+
+def test_example_run_files_resolve() -> None:
+    """Each TOML run file under examples/ loads and resolves to a valid config."""
+    from pathlib import Path
+
+    from zellige.train.config import load_config_file, resolve_config
+
+    paths = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+    assert paths
+    for path in paths:
+        config = resolve_config(None, load_config_file(path), {}, str(path))
+        assert config.name in CONFIGS
 
 
 def test_step_timer_counts_forward_and_backward_of_a_region() -> None:
@@ -96,8 +185,8 @@ def test_checkpointed_blocks_follow_the_plan() -> None:
     assert _checkpointed_blocks(fewer, 0) == (7, 7)  # never more than the checkpointed blocks
 
     config = get_config("wan1p3b-h200")
-    spec = model_spec(config.model)
-    layers = config.model.num_layers
+    spec = model_spec(config.model.dit)
+    layers = config.model.dit.num_layers
     sequences = [
         {"id": i, "num_tokens": 8190 if i < 2 else 1024, "text_tokens": 512, "source_rank": i % 2}
         for i in range(6)
@@ -197,7 +286,7 @@ def test_lone_rank_forward_takes_offered_copies_unless_a_master_changed() -> Non
     from zellige.model import build_model
     from zellige.train.parallelize import LoneRankWeights
 
-    model = build_model(get_config("tiny-cpu").model)
+    model = build_model(get_config("tiny-cpu").model.dit)
     lone = LoneRankWeights(model, torch.bfloat16)
     master = model.patch_embedding.weight
 
@@ -239,7 +328,7 @@ def test_lone_rank_kept_gradients_are_the_backwards_with_their_norm() -> None:
 
     def backward(keep: bool):
         torch.manual_seed(0)
-        model = build_model(get_config("tiny-cpu").model)
+        model = build_model(get_config("tiny-cpu").model.dit)
         lone = LoneRankWeights(model, torch.bfloat16, keep_gradients=keep)
         generator = torch.Generator().manual_seed(1)
         lone._before_forward(model, ())
@@ -270,19 +359,19 @@ def test_lone_rank_kept_gradients_are_the_backwards_with_their_norm() -> None:
 def test_kept_bf16_gradients_are_priced_at_two_bytes() -> None:
     """The cost model prices what training holds: 2-byte gradients where the copying optimizer
     reads the backward's bf16 ones (one rank), 4 otherwise; the other 12 bytes of state stay."""
-    import dataclasses
 
     import zellige
-    from zellige.train.optimizer_builder import gradient_bytes_per_param, uses_copying_optimizer
+    from zellige.train.optimizer_builder import gradient_bytes_per_param
 
     config = get_config("wan14b-width-h200")  # on CUDA: the copying optimizer by default
     assert gradient_bytes_per_param(config, 1) == 2.0
     assert gradient_bytes_per_param(config, 2) == 4.0  # FSDP2 reduces fp32 gradients
     for changes in ({"copying_optimizer": False}, {"compute_dtype_gradients": False}):
-        assert gradient_bytes_per_param(dataclasses.replace(config, **changes), 1) == 4.0
+        assert gradient_bytes_per_param(config.with_fields(**changes), 1) == 4.0
     assert gradient_bytes_per_param(get_config("tiny-cpu"), 1) == 4.0  # CPU: torch's AdamW
-    float32 = dataclasses.replace(config, dtype="float32")  # no copies to write: torch's AdamW
-    assert not uses_copying_optimizer(float32) and gradient_bytes_per_param(float32, 1) == 4.0
+    float32 = config.with_fields(dtype="float32")  # no copies to write: torch's AdamW
+    assert not float32.resolved(1).optimizer.copying_optimizer
+    assert gradient_bytes_per_param(float32, 1) == 4.0
     fp32, bf16 = (
         zellige.make_cost_model("wan-14b", 1, profile=None, gradient_bytes_per_param=g)
         for g in (4.0, 2.0)
@@ -296,7 +385,6 @@ def test_copying_optimizer_step_is_priced_with_its_copies() -> None:
     """One rank's copying AdamW writes the next forward's bf16 copy of every weight while the
     gradients are held: the cost model prices that optimizer step (2 bytes a parameter beside
     the state), which is the peak of a step of few tokens; nowhere else does it write copies."""
-    import dataclasses
 
     import zellige
     from zellige.train.optimizer_builder import optimizer_copy_bytes_per_param
@@ -305,7 +393,7 @@ def test_copying_optimizer_step_is_priced_with_its_copies() -> None:
     assert optimizer_copy_bytes_per_param(config, 1) == 2.0
     assert optimizer_copy_bytes_per_param(config, 2) == 0.0  # FSDP2: no copies to write
     for changes in ({"copying_optimizer": False}, {"fsdp_on_one_rank": True}):
-        assert optimizer_copy_bytes_per_param(dataclasses.replace(config, **changes), 1) == 0.0
+        assert optimizer_copy_bytes_per_param(config.with_fields(**changes), 1) == 0.0
     assert optimizer_copy_bytes_per_param(get_config("tiny-cpu"), 1) == 0.0
     plain, copying = (
         zellige.make_cost_model(
@@ -341,9 +429,7 @@ def spy_new(self):
     return new_copies(self)
 
 LoneRankWeights._before_forward, LoneRankWeights.new_copies = spy_before, spy_new
-config = dataclasses.replace(
-    get_config("tiny-cpu"), steps=2, dtype="bfloat16", copying_optimizer=True
-)
+config = get_config("tiny-cpu").with_fields(steps=2, dtype="bfloat16", copying_optimizer=True)
 with tempfile.TemporaryDirectory() as out:
     loop.train(config, out_dir=out, progress=False)
 print()  # a line of its own whatever training printed last
@@ -383,7 +469,7 @@ def test_a_kept_copy_does_not_keep_the_model_alive() -> None:
     from zellige.train.parallelize import LoneRankWeights
 
     def step():
-        model = build_model(get_config("tiny-cpu").model)
+        model = build_model(get_config("tiny-cpu").model.dit)
         lone = LoneRankWeights(model, torch.bfloat16, keep_gradients=True)
         model.lone_weights = lone  # as parallelize() sets it: a cycle, collectable
         lone._before_forward(model, ())

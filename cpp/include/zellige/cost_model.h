@@ -199,8 +199,16 @@ class CostModel {
   double fixed_bytes() const;
   // The part of fixed_bytes() that is the gradients (present only at the backward's end).
   double gradient_bytes() const;
-  // Usable bytes per rank: GPU memory x (1 - headroom).
+  // Usable bytes of `rank`: its GPU memory (Cluster::memory_of) x (1 - headroom).
+  double memory_capacity_bytes(int64_t rank) const;
+  // Usable bytes that every rank has: the smallest rank's (all ranks' on a homogeneous cluster).
   double memory_capacity_bytes() const;
+  // Usable bytes of the rank with the most memory.
+  double max_memory_capacity_bytes() const;
+  // This cost model on Cluster homogeneous_view(cluster()): every rank the profile's device with
+  // the smallest rank memory. What the speed-unaware baselines plan with; numbers of a placement
+  // (shares, exchanges) are the same, only rank speeds and capacities differ.
+  CostModel homogeneous_view() const;
 
   // Peak bytes of a rank over its step: the maximum over the backward's progress (layer j's
   // backward holds the kept activations of layers below j, its own full activations (recomputed
@@ -228,7 +236,8 @@ class CostModel {
   // activation checkpointing adds; 0 without it).
   double linear_recompute_s(int64_t tokens) const;
 
-  // A rank's time from its totals: linear_time_s(tokens) + attention_s + exchange_s.
+  // A rank's time from its totals: linear_time_s(tokens) + attention_s + exchange_s, on the
+  // profile's device (speed 1).
   double rank_time_s(int64_t tokens, double attention_s, double exchange_s) const;
 
   // Every rank's time and peak memory under `plan`, plus makespan, exchange bytes and fit.
@@ -243,6 +252,9 @@ class CostModel {
   // the floor only adds, so makespan_lower_bound stays a bound. Under profile.attention_ragged
   // a rank's table that the engine runs as one ragged call (HardwareProfile::attention_ragged)
   // pays no call's excess and no streams, and is one call in the launch floor.
+  // Unlike ranks: every term of a rank's time (launch floor and exchanges included) is divided
+  // by its speed (Cluster::speed_of), since a measured speed factor is the ratio of whole step
+  // times; each rank's peak is checked against its own memory_capacity_bytes(rank).
   PlanCost evaluate(const Batch& batch, const Plan& plan) const;
   // The same, memoised in `cache` (see EvaluationCache).
   PlanCost evaluate(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
@@ -250,13 +262,13 @@ class CostModel {
   // and the launch floor: every rank's additive time minus the whole call excess of its shares
   // (what grouping could give back at most), and under adaptive checkpointing minus every
   // layer's recompute (what skipping it could give back). Cheap, for planners that compare many
-  // plans. The
+  // plans. Each rank's floor is divided by its speed, as in evaluate. The
   // plan must be valid for the batch (not re-checked).
   double makespan_floor(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
   // What makespan_floor adds for `placement`, summed over its ranks, with the per-token layers
   // charged at min_floor_time_per_token_s(): a plan's floor is at least the sum of this over its
-  // placements divided by the rank count, whichever ranks they use (the shares depend on the
-  // ranks only through which share a node).
+  // placements divided by the total speed (the rank count on a homogeneous cluster), whichever
+  // ranks they use (the shares depend on the ranks only through which share a node).
   double floor_rank_seconds(const Sequence& sequence, const Placement& placement,
                             EvaluationCache& cache) const;
   // makespan_floor by parts, for planners that total ranks themselves (same values, bit for bit):
@@ -269,6 +281,7 @@ class CostModel {
   };
   void floor_terms(const Sequence& sequence, const Placement& placement, EvaluationCache& cache,
                    std::vector<FloorTerm>* terms) const;
+  // Per rank (index = rank): its floor divided by its speed; the largest.
   double floor_of_totals(const std::vector<int64_t>& tokens,
                          const std::vector<double>& other_s) const;
   // The smallest per-token time of the per-token layers as makespan_floor charges them (under
@@ -435,6 +448,11 @@ class CostModel {
 // summed over all shares (as fractions of T) is at most the rank count; a Lagrangian relaxation
 // of that constraint next to the capacity one raises the bound where sequences must take whole
 // ranks.
+// Unlike ranks (Cluster::rank_speeds, rank_memory_bytes): the same in nominal seconds (speed 1)
+// of a makespan M = T x the fastest speed, with total speed / fastest speed ranks in the capacity
+// term (a rank of speed v runs v x T nominal seconds in T), every bottleneck on the fastest rank,
+// and a shape fitting if it fits the largest rank memory; the whole-share part is left out
+// (its bins are equal). The bound is M / fastest.
 double makespan_lower_bound(const Batch& batch, const CostModel& cost_model);
 
 }  // namespace zellige

@@ -131,6 +131,24 @@ Plan ZelligePlanner::run() {
     }
   };
   if (std::isfinite(best.makespan_s)) search_from(&best, "sweep");
+  // Unlike ranks: also the plan made as if the ranks were alike, and a search from it at their
+  // speeds. The additive estimates leave out what evaluate adds on top (the launch floor of
+  // fillers split over rings, recompute where memory is tight), which a sweep aimed at uneven
+  // capacities can run into; this start keeps the result no worse than the speed-blind plan.
+  if (cost_model_.cluster().heterogeneous()) {
+    const CostModel view = cost_model_.homogeneous_view();
+    Plan blind;
+    try {
+      blind = ZelligePlanner(batch_, view, options_, cache_).run();
+    } catch (const PlanMemoryError&) {
+      blind.placements.clear();
+    }
+    if (!blind.placements.empty()) {
+      finalists.push_back({"speed-blind", blind, {}});
+      import_plan(blind, &current);
+      if (std::isfinite(current.makespan_s)) search_from(&current, "search:speed-blind");
+    }
+  }
   // A baseline start is searched only when its floor is below the sweep's searched makespan (an
   // additive one, close to the exact): otherwise it rarely ends better and costs a whole search.
   const double sweep_s = best.makespan_s;

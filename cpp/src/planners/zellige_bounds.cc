@@ -208,8 +208,9 @@ double ZelligePlanner::floor_bound(const std::string& baseline, bool* terms_nonn
       bound_s = std::max(bound_s, down_s / static_cast<double>(down_ranks));
     }
   }
+  // Every term bounds some rank's nominal floor; on unlike ranks that rank may be the fastest.
   // Summed in another order than makespan_floor's: keep clear of rounding.
-  return bound_s * (1 - 1e-9);
+  return bound_s / max_speed_ * (1 - 1e-9);
 }
 
 // KnapFormer's assignment, watched as it goes (knapformer_assign's stop; node-aligned bags): adds
@@ -231,10 +232,11 @@ bool ZelligePlanner::knapformer_floor_above(const planners::KnapformerBags& bags
   const double rate_s = cost_model_.min_floor_time_per_token_s();
   bool above = false;
   for (size_t k = 0; k < terms.size(); ++k) {
-    double& sum_s = partial_floor_s_[bags.first_rank[bag] + static_cast<int64_t>(k)];
+    const int64_t rank = bags.first_rank[bag] + static_cast<int64_t>(k);
+    double& sum_s = partial_floor_s_[rank];
     sum_s += rate_s * static_cast<double>(terms[k].tokens) + terms[k].added_s - terms[k].skipped_s;
     // Summed in another order than makespan_floor's: keep clear of rounding.
-    above = above || sum_s * (1 - 1e-9) > limit_s;
+    above = above || at_speed(rank, sum_s) * (1 - 1e-9) > limit_s;
   }
   return above;
 }

@@ -22,6 +22,17 @@ void ZelligePlanner::prepare() {
   const int64_t tokens_per_rank = std::max<int64_t>(1, total / num_ranks_);
   rate_s_per_token_ = linear_s(tokens_per_rank) / static_cast<double>(tokens_per_rank);
   free_bytes_ = cost_model_.memory_capacity_bytes() - cost_model_.fixed_bytes();
+  most_free_bytes_ = cost_model_.max_memory_capacity_bytes() - cost_model_.fixed_bytes();
+  const Cluster& cluster = cost_model_.cluster();
+  rank_free_bytes_.clear();
+  if (!cluster.rank_memory_bytes.empty()) {
+    for (int64_t rank = 0; rank < num_ranks_; ++rank) {
+      rank_free_bytes_.push_back(cost_model_.memory_capacity_bytes(rank) -
+                                 cost_model_.fixed_bytes());
+    }
+  }
+  speeds_ = cluster.rank_speeds;
+  max_speed_ = cluster.max_speed();
 
   local_tokens_.resize(num_sequences_);
   local_other_s_.resize(num_sequences_);
@@ -60,7 +71,7 @@ void ZelligePlanner::prepare() {
   }
   mean_load_s_ = 0;
   for (double estimate_s : local_estimate_s_) mean_load_s_ += estimate_s;
-  mean_load_s_ /= static_cast<double>(num_ranks_);
+  mean_load_s_ /= cost_model_.cluster().total_speed();  // the rank count on like ranks
   order_.resize(num_sequences_);
   std::iota(order_.begin(), order_.end(), 0);
   std::stable_sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
@@ -132,7 +143,7 @@ const ShapeChoice& ZelligePlanner::shape_at(int32_t sequence, int64_t degree) {
       memory_bytes = std::max(memory_bytes, share.memory_bytes);
       rank_seconds += estimate_s(share);
     }
-    if (memory_bytes > free_bytes_ || time_s >= choice.time_s) continue;
+    if (memory_bytes > most_free_bytes_ || time_s >= choice.time_s) continue;
     choice.feasible = true;
     choice.shape = shape;
     choice.time_s = time_s;
@@ -200,7 +211,7 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
     int64_t taken = 0;
     for (int64_t rank : node_ranks_by_time_[node]) {
       if (taken == count) break;
-      if (s.memory_bytes[rank] + memory_bytes > free_bytes_) continue;
+      if (s.memory_bytes[rank] + memory_bytes > free_bytes(rank)) continue;
       if (taken_ranks) taken_ranks->push_back(rank);
       last_time_s = s.time_s[rank];
       ++taken;
@@ -211,7 +222,9 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
   auto busiest_after = [&] {
     double busiest_s = 0;
     for (size_t k = 0; k < ranks->size(); ++k) {
-      busiest_s = std::max(busiest_s, s.time_s[(*ranks)[k]] + estimate_s(choice.shares[k]));
+      const int64_t rank = (*ranks)[k];
+      busiest_s =
+          std::max(busiest_s, s.time_s[rank] + at_speed(rank, estimate_s(choice.shares[k])));
     }
     return busiest_s;
   };
@@ -408,7 +421,7 @@ void ZelligePlanner::import_plan(const Plan& plan, Solution* s) {
   finish(s);
   // A plan that overflows a rank's memory is no start for the search (knapformer ignores memory).
   for (int64_t rank = 0; rank < num_ranks_; ++rank) {
-    if (s->memory_bytes[rank] > free_bytes_) s->makespan_s = kInf;
+    if (s->memory_bytes[rank] > free_bytes(rank)) s->makespan_s = kInf;
   }
 }
 
@@ -441,7 +454,8 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
 
   // Stage 1: anchors, longest first.
   for (const Ordered& item : ordered_) {
-    if (item.memory_bytes <= free_bytes_ && item.estimate_s <= target_s && item.efficient_whole) {
+    if (item.memory_bytes <= most_free_bytes_ && item.estimate_s <= target_s &&
+        item.efficient_whole) {
       continue;
     }
     const int32_t sequence = item.sequence;
@@ -465,7 +479,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
     int64_t chosen = -1;
     if (std::isfinite(target_s)) {
       // Estimates use the mean per-token rate; a few ranks below the cut are priced exactly.
-      const double cut_s = target_s - 0.98 * item.estimate_s;
+      const double cut_s = target_s - 0.98 * item.estimate_s / max_speed_;
       int64_t rank = -1;
       int tries = 0;
       // Ranks only get busier in stage 2: those where the previous filler of these lengths failed
@@ -485,7 +499,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
       for (; tries < 8; ++tries) {
         rank = open_ranks_.first_at_most(cut_s, rank + 1);
         if (rank < 0) break;
-        if (s->memory_bytes[rank] + bytes <= free_bytes_ &&
+        if (s->memory_bytes[rank] + bytes <= free_bytes(rank) &&
             time_with(*s, rank, tokens, other_s) <= target_s) {
           chosen = rank;
           break;
@@ -498,11 +512,11 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
     }
     if (chosen < 0) {
       chosen = open_ranks_.argmin();
-      if (s->memory_bytes[chosen] + bytes > free_bytes_) {
+      if (s->memory_bytes[chosen] + bytes > free_bytes(chosen)) {
         // Rare: the least-loaded rank is out of memory; scan for the least loaded that is not.
         chosen = -1;
         for (int64_t rank = 0; rank < num_ranks_; ++rank) {
-          if (s->memory_bytes[rank] + bytes <= free_bytes_ &&
+          if (s->memory_bytes[rank] + bytes <= free_bytes(rank) &&
               (chosen < 0 || s->time_s[rank] < s->time_s[chosen])) {
             chosen = rank;
           }
@@ -571,7 +585,7 @@ bool ZelligePlanner::split_filler(int32_t sequence, double estimate_s, double ta
   // Every degree's test below fails when even the least-loaded rank with the widest degree's
   // least share exceeds the target (its d-th rank is no less loaded, its share no smaller).
   if (s->time_s[least_loaded_rank] +
-          0.95 * estimate_s / static_cast<double>(max_degree) >
+          0.95 * estimate_s / static_cast<double>(max_degree) / max_speed_ >
       target_s) {
     return false;
   }
@@ -591,7 +605,7 @@ bool ZelligePlanner::split_filler(int32_t sequence, double estimate_s, double ta
   }
   for (int64_t degree = 2; degree <= max_degree; ++degree) {
     // A share is at least about 1/degree of the whole: skip pricing shapes that cannot fit.
-    const double least_share_s = 0.95 * estimate_s / static_cast<double>(degree);
+    const double least_share_s = 0.95 * estimate_s / static_cast<double>(degree) / max_speed_;
     if (node_times_s[degree - 1] + least_share_s > target_s) continue;
     const ShapeChoice& choice = shape_at(sequence, degree);
     if (!choice.feasible) continue;
@@ -602,7 +616,7 @@ bool ZelligePlanner::split_filler(int32_t sequence, double estimate_s, double ta
     for (int64_t k = 0; k < degree && within; ++k) {
       const RankShare& share = choice.shares[k];
       const int64_t rank = candidate_ranks_[k];
-      within = s->memory_bytes[rank] + share.memory_bytes <= free_bytes_ &&
+      within = s->memory_bytes[rank] + share.memory_bytes <= free_bytes(rank) &&
                time_with(*s, rank, share.tokens, share.attention_s + share.exchange_s) <= target_s;
     }
     if (!within) continue;

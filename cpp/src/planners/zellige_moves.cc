@@ -171,7 +171,7 @@ double ZelligePlanner::relocation_price(const Solution& s, const AnchorPlacement
     delta_tokens += share.tokens;
     delta_other_s += share.attention_s + share.exchange_s;
     delta_bytes += share.memory_bytes;
-    if (delta_bytes > 0 && s.memory_bytes[rank] + delta_bytes > free_bytes_) return kInf;
+    if (delta_bytes > 0 && s.memory_bytes[rank] + delta_bytes > free_bytes(rank)) return kInf;
     score_s = std::max(score_s, time_with(s, rank, delta_tokens, delta_other_s));
   }
   return score_s;
@@ -552,10 +552,10 @@ bool ZelligePlanner::configuration_start(double upper_s, Plan* plan) {
   // The rest, longest first.
   for (int32_t sequence : order_) {
     if (shape_key_[sequence] == run_key) continue;
-    if (local_memory_bytes_[sequence] <= free_bytes_) {
+    if (local_memory_bytes_[sequence] <= most_free_bytes_) {
       int64_t target = -1;
       for (int64_t rank = 0; rank < num_ranks_; ++rank) {
-        if (rank_bytes[rank] + local_memory_bytes_[sequence] > free_bytes_) continue;
+        if (rank_bytes[rank] + local_memory_bytes_[sequence] > free_bytes(rank)) continue;
         if (target < 0 || rank_load_s_[rank] < rank_load_s_[target]) target = rank;
       }
       if (target >= 0) {
@@ -581,7 +581,7 @@ bool ZelligePlanner::configuration_start(double upper_s, Plan* plan) {
         double end_s = 0;
         bool fits = true;
         for (int64_t j = 0; j < degree && fits; ++j) {
-          fits = rank_bytes[first + j] + choice.shares[j].memory_bytes <= free_bytes_;
+          fits = rank_bytes[first + j] + choice.shares[j].memory_bytes <= free_bytes(first + j);
           end_s = std::max(end_s, rank_load_s_[first + j] + estimate_s(choice.shares[j]));
         }
         if (fits && end_s < best_end_s) {
@@ -632,7 +632,7 @@ bool ZelligePlanner::try_lower_memory(Solution* s) {
     for (int64_t rank : memory_ranks_) {
       if (rank == fullest) continue;
       const double score_bytes = std::max(left_bytes, s->memory_bytes[rank] + bytes);
-      if (score_bytes >= best_bytes || s->memory_bytes[rank] + bytes > free_bytes_) continue;
+      if (score_bytes >= best_bytes || s->memory_bytes[rank] + bytes > free_bytes(rank)) continue;
       if (time_with(*s, rank, local_tokens_[sequence], local_other_s_[sequence]) > makespan_s) {
         continue;
       }

@@ -23,7 +23,9 @@
 // Rank time is additive over the sequences a rank holds except the per-token layers, which depend
 // on the rank's token total (CostModel::linear_time_s), so every rank keeps its totals and every
 // candidate move is priced from them. Memory is charged additively (sum of shares), as
-// CostModel::evaluate does.
+// CostModel::evaluate does. On a cluster of unlike ranks, a rank's time is its nominal time
+// divided by its speed (at_speed, in refresh_time and time_with, where every rank time is made)
+// and its memory is checked against its own capacity (free_bytes(rank)).
 //
 // Private to the planner: its state (Solution), its construction (zellige_construct.cc), the
 // floors that skip baselines (zellige_bounds.cc), local search (zellige_search.cc), the
@@ -427,10 +429,19 @@ class ZelligePlanner {
   std::vector<RankShare> wide_shares(const Sequence& sequence, const Placement& placement);
   double time_with(const Solution& s, int64_t rank, int64_t delta_tokens,
                    double delta_other_s) const {
-    return linear_s(s.tokens[rank] + delta_tokens) + s.other_s[rank] + delta_other_s;
+    return at_speed(rank, linear_s(s.tokens[rank] + delta_tokens) + s.other_s[rank] +
+                              delta_other_s);
   }
   void refresh_time(Solution* s, int64_t rank) const {
-    s->time_s[rank] = linear_s(s->tokens[rank]) + s->other_s[rank];
+    s->time_s[rank] = at_speed(rank, linear_s(s->tokens[rank]) + s->other_s[rank]);
+  }
+  // Seconds of `rank` for work of `nominal_s` on the profile's device (CostModel::evaluate).
+  double at_speed(int64_t rank, double nominal_s) const {
+    return speeds_.empty() ? nominal_s : nominal_s / speeds_[rank];
+  }
+  // Memory capacity minus the fixed bytes of `rank`.
+  double free_bytes(int64_t rank) const {
+    return rank_free_bytes_.empty() ? free_bytes_ : rank_free_bytes_[rank];
   }
   double estimate_s(const RankShare& share) const {
     return rate_s_per_token_ * static_cast<double>(share.tokens) + share.attention_s +
@@ -519,7 +530,12 @@ class ZelligePlanner {
   int times_only_grow_ = -1;                   // its memo: -1 not checked yet, 0 no, 1 yes
   int64_t total_tokens_ = 0;
   double rate_s_per_token_ = 0;                // per-token layers at the mean token count per rank
-  double free_bytes_ = 0;                      // memory capacity minus the fixed bytes, per rank
+  // Memory capacity minus the fixed bytes: of the rank with the least (what every rank has), of
+  // the one with the most, and per rank (empty: free_bytes_ on every rank).
+  double free_bytes_ = 0, most_free_bytes_ = 0;
+  std::vector<double> rank_free_bytes_;
+  std::vector<double> speeds_;  // per rank (empty: every rank 1, the homogeneous cluster)
+  double max_speed_ = 1;
   std::vector<int64_t> local_tokens_;
   std::vector<double> local_other_s_, local_memory_bytes_, local_estimate_s_;
   std::vector<int32_t> order_;             // sequence indices by local estimate, longest first

@@ -82,7 +82,7 @@ bool ZelligePlanner::try_move(Solution* s, int64_t busiest) {
     const double left_s = time_with(*s, busiest, -tokens, -other_s);
     if (left_s >= best_s) continue;
     for (int64_t rank : low_ranks_) {
-      if (s->memory_bytes[rank] + local_memory_bytes_[sequence] > free_bytes_) continue;
+      if (s->memory_bytes[rank] + local_memory_bytes_[sequence] > free_bytes(rank)) continue;
       const double score_s = std::max(left_s, time_with(*s, rank, tokens, other_s));
       if (score_s < best_s) {
         best_s = score_s;
@@ -127,8 +127,8 @@ bool ZelligePlanner::try_swap(Solution* s, int64_t busiest) {
         const int64_t delta_tokens = local_tokens_[in] - local_tokens_[out];
         const double delta_other_s = local_other_s_[in] - local_other_s_[out];
         const double delta_bytes = local_memory_bytes_[in] - local_memory_bytes_[out];
-        if (s->memory_bytes[busiest] + delta_bytes > free_bytes_ ||
-            s->memory_bytes[rank] - delta_bytes > free_bytes_) {
+        if (s->memory_bytes[busiest] + delta_bytes > free_bytes(busiest) ||
+            s->memory_bytes[rank] - delta_bytes > free_bytes(rank)) {
           continue;
         }
         const double score_s = std::max(time_with(*s, busiest, delta_tokens, delta_other_s),
@@ -170,7 +170,7 @@ double ZelligePlanner::price_change(const Solution& s, const std::vector<RankSha
   for (int64_t rank : touched_) {
     if (score_s >= above_s) break;
     if (delta_memory_bytes_[rank] > 0 &&
-        s.memory_bytes[rank] + delta_memory_bytes_[rank] > free_bytes_) {
+        s.memory_bytes[rank] + delta_memory_bytes_[rank] > free_bytes(rank)) {
       score_s = kInf;
       break;
     }

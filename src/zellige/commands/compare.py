@@ -9,6 +9,7 @@ import json
 from zellige import _core
 from zellige._json import output_line
 from zellige.api import JOINT, CompareRow, compare_setup
+from zellige.commands._cluster import add_cluster_file_argument, on_cluster, read_cluster_args
 from zellige.commands._inputs import (
     add_batch_arguments,
     add_cluster_arguments,
@@ -33,7 +34,8 @@ JSON_FIELDS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_batch_arguments(parser)
-    add_cluster_arguments(parser)
+    add_cluster_arguments(parser, gpus_required=False)  # or --cluster
+    add_cluster_file_argument(parser)
     parser.add_argument(
         "--planners",
         metavar="A,B,...",
@@ -98,7 +100,8 @@ def format_table(rows: list[CompareRow]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.global_batch is not None:
         return run_global(args)
-    setup = setup_from_args(args)
+    cluster_file = read_cluster_args(args)  # sets --gpus from the file first
+    setup = on_cluster(setup_from_args(args), cluster_file)
     planners = None
     if args.planners is not None:
         planners = [name.strip() for name in args.planners.split(",") if name.strip()]
@@ -123,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_global(args: argparse.Namespace) -> int:
     """--global-batch: every global-batch planner (or --planners) on one global batch."""
-    setup = global_setup_from_args(args)
+    cluster_file = read_cluster_args(args)  # sets --gpus from the file first
+    setup = on_cluster(global_setup_from_args(args), cluster_file)
     planners = None
     if args.planners is not None:
         planners = [name.strip() for name in args.planners.split(",") if name.strip()]

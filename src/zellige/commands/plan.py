@@ -9,6 +9,7 @@ from zellige import _core
 from zellige._files import check_outputs, write_output
 from zellige._json import output_line
 from zellige.api import JOINT, Setup, lower_bound, run_planner
+from zellige.commands._cluster import add_cluster_file_argument, on_cluster, read_cluster_args
 from zellige.commands._inputs import (
     add_batch_arguments,
     add_cluster_arguments,
@@ -26,7 +27,8 @@ GIB = 1 << 30
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_batch_arguments(parser)
-    add_cluster_arguments(parser)
+    add_cluster_arguments(parser, gpus_required=False)  # or --cluster
+    add_cluster_file_argument(parser)
     parser.add_argument(
         "--planner",
         required=True,
@@ -87,11 +89,17 @@ def summary(setup: Setup, plan: _core.Plan) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     check_outputs(
         {"--out": args.out},
-        {"--batch": args.batch, "--profile": args.profile, "--model-spec": args.model_spec},
+        {
+            "--batch": args.batch,
+            "--profile": args.profile,
+            "--model-spec": args.model_spec,
+            "--cluster": args.cluster,
+        },
     )
     if args.global_batch is not None:
         return run_global(args)
-    setup = setup_from_args(args)
+    cluster_file = read_cluster_args(args)  # sets --gpus from the file first
+    setup = on_cluster(setup_from_args(args), cluster_file)
     plan = run_planner(setup, args.planner, setup.seed)
     for line in summary(setup, plan):
         print(output_line(line))
@@ -104,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
 def run_global(args: argparse.Namespace) -> int:
     """--global-batch: the step's micro-batches, each placed, printed one a line; --out writes
     the global plan's JSON (zellige.global_batch.global_plan_to_dict)."""
-    setup = global_setup_from_args(args)
+    cluster_file = read_cluster_args(args)  # sets --gpus from the file first
+    setup = on_cluster(global_setup_from_args(args), cluster_file)
     options = _core.GlobalBatchOptions(seed=setup.seed)
     plan = _core.plan_global_batch(args.planner, setup.batch, setup.cost_model, options)
     cluster = setup.cost_model.cluster

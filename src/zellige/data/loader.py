@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -20,9 +21,10 @@ from torch import Tensor
 
 import zellige
 from zellige import _core
+from zellige.cluster_file import read_cluster_file
 from zellige.data.synthetic import SyntheticLatents
 from zellige.model import DiTConfig
-from zellige.pipeline import PreparedStep, StepPipeline, StepRecord
+from zellige.pipeline import PreparedStep, StepForecast, StepPipeline, StepRecord
 from zellige.profile import priced_as_engine_runs
 
 # A mix of 64x64 images (16 tokens each) and short 64x96 / 64x128 clips (120 and 288 tokens):
@@ -37,6 +39,13 @@ TINY_RECIPE = {
         {"kind": "video", "frames": 33, "height": 64, "width": 128, "share": 0.3},
     ],
 }
+
+
+def on_cluster_file(cost_model: _core.CostModel, path: str) -> _core.CostModel:
+    """`cost_model` on the cluster file's ranks: each at its node's speed (relative to the cost
+    model's profile) and memory, which replaces the cost model's GPU memory."""
+    cluster = read_cluster_file(path).to_cluster(cost_model.model, cost_model.profile)
+    return _core.CostModel(cost_model.model, cost_model.profile, cluster, cost_model.options)
 
 
 def load_training_recipe(name: str) -> _core.Recipe:
@@ -80,6 +89,7 @@ class StepData:
     step: int
     rank: int
     prepared: PreparedStep
+    forecast: StepForecast  # the speed factors the plan used and its nominal per-rank times
     num_sequences: int
     total_tokens: int  # over all ranks: the loss normaliser
     train_flops: float  # forward + backward FLOPs of the whole batch (for MFU)
@@ -153,6 +163,7 @@ class StepDataset(torch.utils.data.Dataset):
         data_ranks: int | None = None,
         attention_ragged: bool | None = None,
         gpu_memory_bytes: int | None = None,
+        cluster: str | None = None,
     ) -> None:
         self.model = model
         self.recipe_name = recipe
@@ -176,6 +187,10 @@ class StepDataset(torch.utils.data.Dataset):
         self.attention_ragged = attention_ragged
         # each GPU's memory the plans must fit (the training device's; None: the profile's)
         self.gpu_memory_bytes = gpu_memory_bytes
+        # a cluster file: each rank priced at its node's speed and memory (zellige.cluster_file)
+        self.cluster = cluster
+        if cluster is not None:
+            self.gpus_per_node = read_cluster_file(cluster).gpus_per_node
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
@@ -208,6 +223,8 @@ class StepDataset(torch.utils.data.Dataset):
                 optimizer_copy_bytes_per_param=self.optimizer_copy_bytes_per_param,
                 gpu_memory_bytes=self.gpu_memory_bytes,
             )
+            if self.cluster is not None:
+                cost_model = on_cluster_file(cost_model, self.cluster)
             planner = self.planner
             if self.fixed_plan is not None:
                 planner = zellige.plan_from_dict(self.fixed_plan)
@@ -244,11 +261,15 @@ class StepDataset(torch.utils.data.Dataset):
         """Step `step`'s plan, as the loader makes it for that step (every rank alike)."""
         return self.pipeline().plan(self.batch(step), seed=_step_seed(self.seed, step))
 
-    def __getitem__(self, step: int) -> StepData:
+    def __getitem__(self, index: int | StepRequest) -> StepData:
+        request = index if isinstance(index, StepRequest) else StepRequest(step=index)
+        step = request.step
         pipeline, _, latents = self._planning_state()
         spec = pipeline.spec
         batch = self.batch(step)
-        prepared = pipeline.prepare(batch, self.rank, index=step, seed=_step_seed(self.seed, step))
+        seed = _step_seed(self.seed, step)
+        plan = pipeline.plan(batch, seed=seed, speed_factors=request.speed_factors)
+        prepared = pipeline.prepare(batch, self.rank, index=step, plan=plan)
 
         noisy, velocity, timestep, text, text_timestep, text_tokens = [], [], [], [], [], []
         for sequence in batch.sequences:
@@ -271,6 +292,9 @@ class StepDataset(torch.utils.data.Dataset):
             step=step,
             rank=self.rank,
             prepared=prepared,
+            forecast=StepForecast.from_plan(
+                pipeline.cost_model, batch, plan, request.speed_factors
+            ),
             num_sequences=len(batch.sequences),
             total_tokens=zellige.total_tokens(batch),
             train_flops=float(
@@ -285,16 +309,56 @@ class StepDataset(torch.utils.data.Dataset):
         )
 
 
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """What the training process asks of the loader for one step: its index and the speed
+    factors its plan uses (None: the cluster's own speeds)."""
+
+    step: int
+    speed_factors: tuple[float, ...] | None = None
+
+
+class _StepRequests:
+    """The loader's sampler: one StepRequest per step, in order. The DataLoader draws a request
+    in the training process when it hands the step to a worker (its prefetch depth ahead of the
+    step that trains), so the request carries the speed factors `speed_factors()` returns then:
+    the channel from the training loop's measurements to the worker's planner."""
+
+    def __init__(
+        self,
+        first_step: int,
+        num_steps: int,
+        speed_factors: Callable[[], tuple[float, ...] | None] | None,
+    ) -> None:
+        self._steps = range(first_step, first_step + num_steps)
+        self._speed_factors = speed_factors
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def __iter__(self) -> Iterator[StepRequest]:
+        for step in self._steps:
+            factors = None if self._speed_factors is None else self._speed_factors()
+            yield StepRequest(step=step, speed_factors=factors)
+
+
 def make_loader(
-    dataset: StepDataset, first_step: int, num_steps: int, num_workers: int, cuda: bool
+    dataset: StepDataset,
+    first_step: int,
+    num_steps: int,
+    num_workers: int,
+    cuda: bool,
+    speed_factors: Callable[[], tuple[float, ...] | None] | None = None,
 ) -> torch.utils.data.DataLoader:
     """Steps first_step .. first_step + num_steps - 1 in order; with workers, step k + 1 (and
     k + 2) is generated and planned while step k trains. With CUDA the workers are spawned, not
-    forked: a fork of a process that has initialised CUDA must not touch it, and torch may."""
+    forked: a fork of a process that has initialised CUDA must not touch it, and torch may.
+    speed_factors: called in this process as each step is handed to the loader; what it returns
+    is the speed factors that step's plan uses (the same on every rank: their plans agree)."""
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=None,
-        sampler=range(first_step, first_step + num_steps),
+        sampler=_StepRequests(first_step, num_steps, speed_factors),
         num_workers=num_workers,
         prefetch_factor=2 if num_workers > 0 else None,
         persistent_workers=False,

@@ -1,4 +1,6 @@
-"""Model sizes: the public presets of shared/REFERENCE.md and a tiny size for CPU tests.
+"""Model sizes: the registry of models (MODELS: each pairs the planning core's preset, the one
+table of sizes, with what the runnable model adds), the DiTConfig of a runnable model, and the
+numerics its layers use.
 
 Legend for tensor names across zellige.model: T tokens on this rank, S sequences on this rank,
 X text tokens of those sequences (concatenated), N heads, H head dim, D model width, F FFN width,
@@ -83,68 +85,95 @@ class DiTConfig:
         return self.num_layers - self.num_double_layers if self.joint_attention else 0
 
 
-_PRESETS: dict[str, DiTConfig] = {
-    "wan-1.3b": DiTConfig(name="wan-1.3b", width=1536, num_layers=30, num_heads=12, ffn_width=8960),
-    "wan-14b": DiTConfig(name="wan-14b", width=5120, num_layers=40, num_heads=40, ffn_width=13824),
-    # Seconds per step on two CPU cores; head_dim 16 keeps all three RoPE axes non-trivial.
-    "tiny-cpu": DiTConfig(
-        name="tiny-cpu",
-        width=64,
-        num_layers=2,
-        num_heads=4,
-        ffn_width=128,
-        text_tokens=8,
-        text_dim=32,
-        latent_channels=4,
-        freq_dim=32,
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ModelEntry:
+    """One model of the registry: its planning shape, the planning core's preset `preset`
+    (cpp/src/model_spec.cc, the one table of sizes), and what building it runnable adds. Its
+    DiTConfig takes every size from that ModelSpec, so the two cannot disagree; block_kind
+    follows the spec's attention (cross-attention: VideoDiT blocks, joint: MMDiT blocks)."""
+
+    name: str  # the runnable model's name (zellige.model, zellige.train): "tiny-cpu"
+    preset: str  # the planning core's preset of its shape (--model of the CLI): "tiny"
+    # what only the runnable model reads: the text encoder's width E, the VAE's latent
+    # channels and the timestep embedding's width
+    text_dim: int = 4096  # umT5-XXL's width in Wan
+    latent_channels: int = 16
+    freq_dim: int = 256
+
+    @property
+    def spec(self):  # -> _core.ModelSpec
+        from zellige import _core  # the compiled core, loaded where an entry is first read
+
+        return _core.model_preset(self.preset)
+
+    @property
+    def block_kind(self) -> str:
+        """ "mmdit" (model/mmdit.py: text joins attention) or "video" (model/dit.py)."""
+        return "mmdit" if self.spec.joint_attention else "video"
+
+    def dit_config(self) -> DiTConfig:
+        """The runnable model at the preset's sizes, with this entry's extras."""
+        extras = dict(
+            text_dim=self.text_dim, latent_channels=self.latent_channels, freq_dim=self.freq_dim
+        )
+        return dit_from_spec(self.spec, name=self.name, **extras)
+
+
+def dit_from_spec(spec, *, name: str | None = None, **extras: int) -> DiTConfig:
+    """A runnable model with every size of the planning core's ModelSpec `spec` (a preset's or
+    a user's spec file's), named `name` (default: the spec's), and DiTConfig's runnable-only
+    fields (`extras`: text_dim, latent_channels, freq_dim, ...) as given or by default."""
+    return DiTConfig(
+        name=spec.name if name is None else name,
+        width=spec.width,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        ffn_width=spec.ffn_width,
+        text_tokens=spec.text_tokens,
+        joint_attention=spec.joint_attention,
+        num_double_layers=spec.num_double_layers,
+        **extras,
+    )
+
+
+# The registry: one entry per planning-core preset. Wan 2.1's cross-attention DiTs (1.3B, 14B)
+# and a CPU test size of them, seconds per step on two cores (head_dim 16 keeps all three RoPE
+# axes non-trivial); FLUX.1 / Open-Sora 2.0 and HunyuanVideo MMDiTs (16-channel latents with
+# 1x2x2 patches) and the CPU size as an MMDiT (two double-stream blocks, then one single).
+MODELS: tuple[ModelEntry, ...] = (
+    ModelEntry(name="wan-1.3b", preset="wan-1.3b"),
+    ModelEntry(name="wan-14b", preset="wan-14b"),
+    ModelEntry(name="tiny-cpu", preset="tiny", text_dim=32, latent_channels=4, freq_dim=32),
+    ModelEntry(name="mmdit-11b", preset="mmdit-11b"),
+    ModelEntry(name="hunyuan-13b", preset="hunyuan-13b"),
+    ModelEntry(
+        name="mmdit-tiny-cpu", preset="mmdit-tiny", text_dim=32, latent_channels=4, freq_dim=32
     ),
-    # MMDiT presets (model/mmdit.py), the shapes of the planning core's presets: FLUX.1 / Open-Sora
-    # 2.0 (19 double + 38 single blocks, T5-XXL text) and HunyuanVideo (20 + 40, 256 text tokens
-    # of a 4096-wide LLM encoder); 16-channel latents with 1x2x2 patches in both.
-    "mmdit-11b": DiTConfig(
-        name="mmdit-11b",
-        width=3072,
-        num_layers=57,
-        num_double_layers=19,
-        num_heads=24,
-        ffn_width=4 * 3072,
-        text_tokens=512,
-        joint_attention=True,
-    ),
-    "hunyuan-13b": DiTConfig(
-        name="hunyuan-13b",
-        width=3072,
-        num_layers=60,
-        num_double_layers=20,
-        num_heads=24,
-        ffn_width=4 * 3072,
-        text_tokens=256,
-        joint_attention=True,
-    ),
-    # tiny-cpu's sizes as an MMDiT: two double-stream blocks then one single-stream block
-    "mmdit-tiny-cpu": DiTConfig(
-        name="mmdit-tiny-cpu",
-        width=64,
-        num_layers=3,
-        num_double_layers=2,
-        num_heads=4,
-        ffn_width=128,
-        text_tokens=8,
-        text_dim=32,
-        latent_channels=4,
-        freq_dim=32,
-        joint_attention=True,
-    ),
-}
+)
+
+
+def model_entry(name: str) -> ModelEntry:
+    """The registry's entry of a model by its runnable name ("tiny-cpu") or its planning
+    core's preset name ("tiny"); ValueError listing both kinds of name."""
+    for entry in MODELS:
+        if name in (entry.name, entry.preset):
+            return entry
+    names = [entry.name for entry in MODELS]
+    presets = [entry.preset for entry in MODELS if entry.preset != entry.name]
+    raise ValueError(
+        f"unknown model preset {name!r}; allowed: {', '.join(names)} (or the planning core's "
+        f"names {', '.join(presets)})"
+    )
 
 
 def model_preset(name: str, **overrides: int) -> DiTConfig:
     """A preset by name, optionally with fields replaced (e.g. num_layers=4 for a width probe; an
     MMDiT then keeps its share of double-stream blocks (with_layers) unless num_double_layers is
     given too)."""
-    if name not in _PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(_PRESETS)}")
-    preset = _PRESETS[name]
+    if name not in model_preset_names():
+        allowed = ", ".join(model_preset_names())
+        raise ValueError(f"unknown model preset {name!r}; allowed: {allowed}")
+    preset = model_entry(name).dit_config()
     if "num_layers" in overrides and "num_double_layers" not in overrides:
         preset = with_layers(preset, overrides["num_layers"])
     return dataclasses.replace(preset, **overrides)
@@ -161,4 +190,5 @@ def with_layers(config: DiTConfig, num_layers: int) -> DiTConfig:
 
 
 def model_preset_names() -> list[str]:
-    return list(_PRESETS)
+    """The runnable models' names (model_preset's), one per registry entry."""
+    return [entry.name for entry in MODELS]

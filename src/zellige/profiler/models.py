@@ -1,4 +1,5 @@
-"""The bridge between the planning core's model presets and the runnable reference models."""
+"""What the profiler runs for a model: a core preset's runnable model from the registry
+(zellige.model.MODELS), or a user's ModelSpec at its sizes, and the blocks it measures."""
 
 from __future__ import annotations
 
@@ -9,24 +10,8 @@ import sys
 import torch
 
 from zellige import _core
-from zellige.model.config import DiTConfig, with_layers
-from zellige.model.config import model_preset as dit_preset
+from zellige.model.config import MODELS, DiTConfig, dit_from_spec, with_layers
 from zellige.model_spec import model_spec_to_dict
-
-# Core preset -> zellige.model preset of the same sizes (the core's "tiny" is the CPU test size).
-# Wan-style presets run VideoDiT blocks, the MMDiT presets (joint attention) MMDiT blocks.
-_RUNNABLE = {
-    "wan-1.3b": "wan-1.3b",
-    "wan-14b": "wan-14b",
-    "mmdit-11b": "mmdit-11b",
-    "hunyuan-13b": "hunyuan-13b",
-    "tiny": "tiny-cpu",
-    "mmdit-tiny": "mmdit-tiny-cpu",
-}
-
-
-def runnable_model_names() -> list[str]:
-    return list(_RUNNABLE)
 
 
 def model_name(model: str | _core.ModelSpec) -> str:
@@ -70,22 +55,15 @@ def dit_config(model: str | _core.ModelSpec, num_layers: int | None = None) -> D
     MMDiT blocks for joint attention). Cut to `num_layers` blocks (an MMDiT keeps its share of
     double-stream blocks: model.config.with_layers)."""
     if isinstance(model, _core.ModelSpec):
-        config = DiTConfig(
-            name=model.name,
-            width=model.width,
-            num_layers=model.num_layers,
-            num_heads=model.num_heads,
-            ffn_width=model.ffn_width,
-            text_tokens=model.text_tokens,
-            joint_attention=model.joint_attention,
-            num_double_layers=model.num_double_layers,
-        )
-    elif model not in _RUNNABLE:
-        raise ValueError(
-            f"model '{model}' has no runnable reference model (allowed: {', '.join(_RUNNABLE)})"
-        )
-    else:
-        config = dit_preset(_RUNNABLE[model])
+        config = dit_from_spec(model)
+    else:  # the registry's entry of this core preset (zellige.model.MODELS)
+        entry = next((entry for entry in MODELS if entry.preset == model), None)
+        if entry is None:
+            allowed = ", ".join(entry.preset for entry in MODELS)
+            raise ValueError(
+                f"model '{model}' has no runnable reference model (allowed: {allowed})"
+            )
+        config = entry.dit_config()
     return config if num_layers is None else with_layers(config, num_layers)
 
 

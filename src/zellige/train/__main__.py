@@ -22,6 +22,8 @@ from zellige.runtime import end_rank_process
 from zellige.train.config import (
     CONFIGS,
     FIELD_HELP,
+    SECTION_OF,
+    SECTIONS,
     field_types,
     load_config_file,
     resolve_config,
@@ -50,18 +52,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--config-file",
         metavar="RUN.toml",
-        help="TOML file of config fields (and config = NAME, model = PRESET or a [model] table)",
+        help="TOML file: config = NAME, steps/seed/freeze_gc, and a table per section "
+        "([model] [data] [parallelism] [optimizer] [checkpoint] [metrics]) of the fields below",
     )
     parser.add_argument("--model", metavar="PRESET", help="model preset (e.g. tiny-cpu)")
     types = field_types()
+    # one group per TOML table, so --help shows where each flag's key goes in a file
+    groups = {"": parser.add_argument_group("run (top of the TOML file)")}
+    groups |= {name: parser.add_argument_group(f"[{name}]") for name in SECTIONS}
     for key, help_text in FIELD_HELP.items():
         kind = types[key].removesuffix(" | None")
         flag = "--" + key.replace("_", "-")
+        group = groups[SECTION_OF[key]]
         if kind == "bool":
             action = argparse.BooleanOptionalAction
-            parser.add_argument(flag, dest=key, action=action, help=help_text)
+            group.add_argument(flag, dest=key, action=action, help=help_text)
         elif kind in ("int", "float", "str"):
-            parser.add_argument(flag, dest=key, type=_number(kind), help=help_text)
+            group.add_argument(flag, dest=key, type=_number(kind), help=help_text)
     parser.add_argument("--metrics", metavar="FILE", help="write one JSON object per step")
     parser.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard scalars here")
     parser.add_argument("--wandb", metavar="PROJECT", help="log to Weights & Biases (if installed)")
@@ -102,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         file_values = load_config_file(args.config_file) if args.config_file else {}
-        if args.model is not None:
-            file_values["model"] = args.model
+        if args.model is not None:  # the preset; the file's [model] fields still apply
+            table = file_values.get("model")
+            table = dict(table) if isinstance(table, dict) else {}
+            file_values["model"] = table | {"preset": args.model}
         config = resolve_config(args.config, file_values, overrides, args.config_file or "")
     except ValueError as error:
         say(f"{PROG}: error: {printable(str(error))}")

@@ -223,8 +223,14 @@ def _state_digest(body: dict) -> str:
 
 
 def run_fields(config: Any) -> dict:
-    """What a resumed run must share with the run that saved (TrainConfig's fields)."""
-    return {key: getattr(config, key) for key in _RUN_KEYS}
+    """What a resumed run must share with the run that saved, by the keys train_state.json
+    records them under (a TrainConfig's model.dtype, seed, data.recipe, parallelism.planner)."""
+    return {
+        "dtype": config.model.dtype,
+        "seed": config.seed,
+        "recipe": config.data.recipe,
+        "planner": config.parallelism.planner,
+    }
 
 
 def check_resumable(info: CheckpointInfo, config: Any, num_ranks: int) -> None:
@@ -233,8 +239,9 @@ def check_resumable(info: CheckpointInfo, config: Any, num_ranks: int) -> None:
     check_data_ranks(info.data_ranks, num_ranks, f"checkpoint {info.path}'s data_ranks")
     if info.run is None:  # a version 1 checkpoint did not record it
         return
+    mine_by_key = run_fields(config)
     for key, saved in info.run.items():
-        mine = getattr(config, key)
+        mine = mine_by_key[key]
         if mine != saved:
             raise ValueError(
                 f"checkpoint {info.path} was trained with {key} {printable(cut(repr(saved)))}, "

@@ -1,5 +1,7 @@
-"""Training configurations: typed, thin, built by named functions. A TOML file and the command
-line override their fields (resolve_config), as torchtitan's job files do."""
+"""Training configurations: typed, thin, built by named functions. A TrainConfig is a few run
+fields and one section per concern (model, data, parallelism, optimizer, checkpoint, metrics),
+as torchtitan's job config is. A TOML file's tables and then the command line override their
+fields (resolve_config); `resolved()` settles the fields whose default depends on the device."""
 
 from __future__ import annotations
 
@@ -7,34 +9,24 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zellige._core import MAX_GPUS
 from zellige._json import read_toml
 from zellige.model import DiTConfig, model_preset
+from zellige.model.config import with_layers
 
 H200_BF16_DENSE_FLOPS_PER_S = 989e12  # NVIDIA's dense bf16 tensor-core peak for the H200 SXM
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainConfig:
-    name: str
-    model: DiTConfig
-    recipe: str  # a recipe of shared/workloads/recipes.json, or "tiny" (zellige.data.TINY_RECIPE)
-    planner: str = "zellige"  # any name zellige.make_plan accepts
-    steps: int = 100
-    seed: int = 0
-    device: str = "cpu"  # "cpu" or "cuda"
-    backend: str = "gloo"  # "gloo" or "nccl"
+class ModelSection:
+    """The model's sizes and how it computes."""
+
+    dit: DiTConfig  # sizes: a zellige.model preset, optionally with fields replaced
     dtype: str = "float32"  # parameters and activations: "float64", "float32" or "bfloat16"
-    gpus_per_node: int = 8  # cluster shape the planner's cost model assumes
-    profile: str | None = None  # hardware profile JSON; None: the built-in H200 profile
-    activation_checkpointing: bool = True
-    # with activation_checkpointing: each rank checkpoints, per step, only the first blocks its
-    # predicted memory needs (the plan's rank_checkpointed_layers); False: every block
-    adaptive_checkpointing: bool = True
     # torch.compile the blocks' per-token layers (norms, modulation, RoPE, projections, FFN);
     # None: on CUDA only
     compile_elementwise: bool | None = None
@@ -51,6 +43,32 @@ class TrainConfig:
     # compiled region: no [T, 2, D] tensor in the forward (conditioning.gathered_pieces); False:
     # per_token's one-hot GEMM makes them
     gathered_head: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSection:
+    """Where each step's batch comes from."""
+
+    recipe: str  # a recipe of shared/workloads/recipes.json, or "tiny" (zellige.data.TINY_RECIPE)
+    loader_workers: int = 1  # processes that load data and plan ahead; 0: in the main process
+    # loader ranks each step's batch is drawn for; None: the world size of the first run (a
+    # resumed run takes the checkpoint's, so the data stream does not change with the world size)
+    data_ranks: int | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelismSection:
+    """How the step is placed on the ranks and what each rank keeps in memory."""
+
+    planner: str = "zellige"  # any name zellige.make_plan accepts
+    device: str = "cpu"  # "cpu" or "cuda"
+    backend: str = "gloo"  # "gloo" or "nccl"
+    gpus_per_node: int = 8  # cluster shape the planner's cost model assumes
+    profile: str | None = None  # hardware profile JSON; None: the built-in profile of the GPU
+    activation_checkpointing: bool = True
+    # with activation_checkpointing: each rank checkpoints, per step, only the first blocks its
+    # predicted memory needs (the plan's rank_checkpointed_layers); False: every block
+    adaptive_checkpointing: bool = True
     # FSDP2 frees each block's gathered bf16 weights after its forward and gathers them again
     # for its backward; None: only on more than one rank (a lone rank keeps them from its
     # forward to its backward: no second cast and copy of every weight; the cost model prices
@@ -59,6 +77,28 @@ class TrainConfig:
     # on a world of one: no FSDP (False: fp32 master weights, bf16 copies cast once per step,
     # parallelize.LoneRankWeights; measured faster on one H200), or FSDP2 as on more ranks
     fsdp_on_one_rank: bool = False
+    timeout_s: float = 600.0  # a collective that waits longer fails the run (a stuck rank)
+    # a cluster file (docs/formats.md: nodes, their devices' profiles, memory and speeds) that
+    # the cost model prices each rank with, in place of gpus_per_node alike ranks; None: alike
+    cluster: str | None = None
+    # plans use per-rank speed factors measured in training (zellige.train.speeds): each rank's
+    # moving average of measured over predicted time
+    adapt_speeds: bool = False
+    # the first step (1-based) whose times are measured: earlier ones compile and warm caches
+    adapt_speeds_start_step: int = 3
+    # weight of the newest step in each rank's moving average, in (0, 1] (1: the last step only)
+    speed_smoothing: float = 0.5
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerSection:
+    """AdamW, its schedule and clipping, and which implementation runs it."""
+
+    learning_rate: float = 1e-4  # peak, after the linear warm-up
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0  # steps of the learning rate's linear warm-up
+    grad_clip_norm: float = 1.0  # the gradients' global 2-norm is clipped to this
     # AdamW as one fused kernel over all parameters; None: on CUDA only
     fused_optimizer: bool | None = None
     # with a fused optimizer: the gradient clipping's scale is applied inside the optimizer's
@@ -75,104 +115,177 @@ class TrainConfig:
     # with the copying optimizer compiled by inductor: its kernels' launch configurations are
     # chosen by timing candidates on the device at compile time (CopyingAdamW tuned=True)
     tune_optimizer_kernels: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointSection:
+    """When the run saves under --out (the directory itself is a command-line flag)."""
+
+    checkpoint_every: int = 0  # steps between checkpoints; 0: at the end only
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsSection:
+    """What each step reports and how the loop waits for it."""
+
+    peak_flops_per_s: float | None = None  # per device, for MFU; None: MFU not reported
     sync_debug: bool = False  # CUDA: warn at each host sync from step start to optimizer step
     # a step's metrics (loss, grad norm, times) are read while the next step runs: the host
     # issues step N+1's forward and backward before it waits for step N's values, and checks them
-    # before N+1's optimizer step (loop._run_step); False: each step ends with a full sync
+    # before N+1's optimizer step (loop.train_step); False: each step ends with a full sync
     metrics_one_step_late: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    name: str
+    model: ModelSection
+    data: DataSection
+    steps: int = 100
+    seed: int = 0  # of the model's initialisation and of every step's data
     # Python's objects are collected and frozen at the start and after each step that compiled,
     # so a full garbage collection in a step walks only that step's objects, not torch.compile's
-    # (loop.QuietCollector); False: Python's automatic collections as they come
+    # (QuietCollector); False: Python's automatic collections as they come
     freeze_gc: bool = True
-    learning_rate: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    grad_clip_norm: float = 1.0
-    checkpoint_every: int = 0  # steps between checkpoints under --out; 0: at the end only
-    loader_workers: int = 1  # processes that load data and plan ahead; 0: in the main process
-    peak_flops_per_s: float | None = None  # per device, for MFU; None: MFU not reported
-    # loader ranks each step's batch is drawn for; None: the world size of the first run (a
-    # resumed run takes the checkpoint's, so the data stream does not change with the world size)
-    data_ranks: int | None = None
-    timeout_s: float = 600.0  # a collective that waits longer fails the run (a stuck rank)
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    def with_fields(self, **values: Any) -> TrainConfig:
+        """A copy with fields replaced by their command-line names (learning_rate=3e-3,
+        dtype="float64"), each in its section (SECTION_OF); `model` takes a DiTConfig."""
+        tops, sections = {}, {}
+        for key, value in values.items():
+            if key == "model" and isinstance(value, DiTConfig):
+                sections.setdefault("model", {})["dit"] = value
+                continue
+            section = SECTION_OF.get(key)
+            if section is None:
+                raise ValueError(f"unknown field {key!r}; allowed: {', '.join(SECTION_OF)}")
+            if section:
+                sections.setdefault(section, {})[key] = value
+            else:
+                tops[key] = value
+        for section, fields in sections.items():
+            tops[section] = dataclasses.replace(getattr(self, section), **fields)
+        return dataclasses.replace(self, **tops)
+
+    def resolved(self, num_ranks: int) -> TrainConfig:
+        """This config with every `None` choice made for its device and a world of num_ranks,
+        so the trainer reads bools: compile where CUDA runs (outside the blocks as inside),
+        reshard after the forward on more than one rank, AdamW fused on CUDA and copying on
+        CUDA in bf16, bf16 gradients wherever it copies. A resolved config resolves to itself."""
+        model, parallelism, optimizer = self.model, self.parallelism, self.optimizer
+        cuda = parallelism.device == "cuda"
+        elementwise = _chosen(model.compile_elementwise, cuda)
+        reshard = _chosen(parallelism.reshard_after_forward, num_ranks > 1)
+        copying = _chosen(optimizer.copying_optimizer, cuda and model.dtype == "bfloat16")
+        return dataclasses.replace(
+            self,
+            model=dataclasses.replace(
+                model,
+                compile_elementwise=elementwise,
+                compile_outside=_chosen(model.compile_outside, elementwise),
+            ),
+            parallelism=dataclasses.replace(parallelism, reshard_after_forward=reshard),
+            optimizer=dataclasses.replace(
+                optimizer,
+                fused_optimizer=_chosen(optimizer.fused_optimizer, cuda),
+                copying_optimizer=copying,
+                # only the copying optimizer reads the compute dtype's gradients
+                compute_dtype_gradients=copying and optimizer.compute_dtype_gradients is not False,
+            ),
+        )
+
+
+def _chosen(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
+
+
+# Each section's class, in the order of the TOML file and --help
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "parallelism": ParallelismSection,
+    "optimizer": OptimizerSection,
+    "checkpoint": CheckpointSection,
+    "metrics": MetricsSection,
+}
+RUN_FIELDS = ("steps", "seed", "freeze_gc")  # TrainConfig's own settable fields
+# Each settable field's name (its command-line flag, --learning-rate) -> its section ("": none)
+SECTION_OF: dict[str, str] = {key: "" for key in RUN_FIELDS} | {
+    f.name: section
+    for section, kind in SECTIONS.items()
+    for f in dataclasses.fields(kind)
+    if f.name != "dit"
+}
+
+
+# A named config composes a model of the registry (zellige.model.MODELS, by model_preset), a
+# recipe and a cluster: H200 nodes (_on_h200s) or two CPU cores (tiny_cpu).
+
+
+def _on_h200s(name: str, dit: DiTConfig, recipe: str) -> TrainConfig:
+    """A run on H200s: bf16 with NCCL, MFU against the H200's peak, 100 warm-up steps."""
+    return TrainConfig(
+        name=name,
+        model=ModelSection(dit=dit, dtype="bfloat16"),
+        data=DataSection(recipe=recipe),
+        parallelism=ParallelismSection(device="cuda", backend="nccl"),
+        optimizer=OptimizerSection(warmup_steps=100),
+        metrics=MetricsSection(peak_flops_per_s=H200_BF16_DENSE_FLOPS_PER_S),
+    )
 
 
 def tiny_cpu() -> TrainConfig:
     """Seconds per step on two CPU cores with gloo: CI and the README's first command."""
     return TrainConfig(
         name="tiny-cpu",
-        model=model_preset("tiny-cpu"),
-        recipe="tiny",
+        model=ModelSection(dit=model_preset("tiny-cpu")),
+        data=DataSection(recipe="tiny"),
         steps=50,
-        learning_rate=3e-3,
-        warmup_steps=5,
-        gpus_per_node=2,
-        activation_checkpointing=False,
+        parallelism=ParallelismSection(gpus_per_node=2, activation_checkpointing=False),
+        optimizer=OptimizerSection(learning_rate=3e-3, warmup_steps=5),
     )
 
 
 def wan1p3b_h200() -> TrainConfig:
     """Wan 1.3B on H200s with 480p images and 5 s 480p clips (wan-stage2), bf16, NCCL."""
-    return TrainConfig(
-        name="wan1p3b-h200",
-        model=model_preset("wan-1.3b"),
-        recipe="wan-stage2",
-        device="cuda",
-        backend="nccl",
-        dtype="bfloat16",
-        peak_flops_per_s=H200_BF16_DENSE_FLOPS_PER_S,
-        warmup_steps=100,
-    )
+    return _on_h200s("wan1p3b-h200", model_preset("wan-1.3b"), "wan-stage2")
 
 
 def wan14b_h200x8() -> TrainConfig:
     """Wan 14B on one node of 8 H200s with 720p images and 5 s 720p clips (wan-stage3)."""
-    return TrainConfig(
-        name="wan14b-h200x8",
-        model=model_preset("wan-14b"),
-        recipe="wan-stage3",
-        device="cuda",
-        backend="nccl",
-        dtype="bfloat16",
-        peak_flops_per_s=H200_BF16_DENSE_FLOPS_PER_S,
-        warmup_steps=100,
-    )
+    return _on_h200s("wan14b-h200x8", model_preset("wan-14b"), "wan-stage3")
 
 
 def wan14b_width_h200() -> TrainConfig:
     """Wan 14B's layer shapes with 4 of its 40 layers, so one H200 holds weights, optimizer state
     and activations of the wan-stage2 mix: per-layer throughput and MFU of the 14B width."""
-    return dataclasses.replace(
-        wan14b_h200x8(),
-        name="wan14b-width-h200",
-        model=model_preset("wan-14b", num_layers=4),
-        recipe="wan-stage2",
-    )
+    return _on_h200s("wan14b-width-h200", model_preset("wan-14b", num_layers=4), "wan-stage2")
 
 
-def _e2e_h200x8(name: str, model: DiTConfig, recipe: str) -> TrainConfig:
-    """The planner comparison of bench/e2e_compare.py on one node of 8 H200s: the whole step's
-    batch of the recipe (lengths spread about 300x), so placement decides the step time."""
-    return dataclasses.replace(wan14b_h200x8(), name=name, model=model, recipe=recipe)
+# The planner comparison of bench/e2e_compare.py on one node of 8 H200s: the whole step's batch
+# of the recipe (lengths spread about 300x), so placement decides the step time.
 
 
 def wan1p3b_opensora2_stage2_h200x8() -> TrainConfig:
     """Wan 1.3B on Open-Sora 2.0 stage-2 buckets (256px and 768px, 1-129 frames)."""
-    return _e2e_h200x8(
+    return _on_h200s(
         "wan1p3b-opensora2-stage2-h200x8", model_preset("wan-1.3b"), "opensora2-stage2"
     )
 
 
 def wan1p3b_wan_stage3_h200x8() -> TrainConfig:
     """Wan 1.3B on Wan stage-3 batches (720p images with 5 s 720p clips)."""
-    return _e2e_h200x8("wan1p3b-wan-stage3-h200x8", model_preset("wan-1.3b"), "wan-stage3")
+    return _on_h200s("wan1p3b-wan-stage3-h200x8", model_preset("wan-1.3b"), "wan-stage3")
 
 
 def wan14b_width_opensora2_stage2_h200x8() -> TrainConfig:
     """Wan 14B's layer shapes with 4 of its 40 layers (as wan14b-width-h200), so each planner's
     run of 23 steps takes minutes, on Open-Sora 2.0 stage-2 buckets."""
-    return _e2e_h200x8(
+    return _on_h200s(
         "wan14b-width-opensora2-stage2-h200x8",
         model_preset("wan-14b", num_layers=4),
         "opensora2-stage2",
@@ -181,16 +294,15 @@ def wan14b_width_opensora2_stage2_h200x8() -> TrainConfig:
 
 def wan14b_width_wan_stage3_h200x8() -> TrainConfig:
     """Wan 14B's layer shapes with 4 layers on Wan stage-3 batches."""
-    return _e2e_h200x8(
+    return _on_h200s(
         "wan14b-width-wan-stage3-h200x8", model_preset("wan-14b", num_layers=4), "wan-stage3"
     )
 
 
 def mmdit_tiny_cpu() -> TrainConfig:
     """tiny-cpu's run with the MMDiT (joint text-visual attention) at the same sizes."""
-    return dataclasses.replace(
-        tiny_cpu(), name="mmdit-tiny-cpu", model=model_preset("mmdit-tiny-cpu")
-    )
+    config = tiny_cpu().with_fields(model=model_preset("mmdit-tiny-cpu"))
+    return dataclasses.replace(config, name="mmdit-tiny-cpu")
 
 
 def _mmdit_width_h200(name: str, preset: str) -> TrainConfig:
@@ -198,12 +310,8 @@ def _mmdit_width_h200(name: str, preset: str) -> TrainConfig:
     the presets' 1:2 share), so one H200 holds weights, optimizer state and the activations of
     Open-Sora 2.0 stage-2 micro-batches (up to 129 frames at 768px): per-layer throughput and
     MFU of the width, next to wan14b-width-h200."""
-    return dataclasses.replace(
-        wan14b_h200x8(),
-        name=name,
-        model=model_preset(preset, num_layers=6, num_double_layers=2),
-        recipe="opensora2-stage2",
-    )
+    dit = model_preset(preset, num_layers=6, num_double_layers=2)
+    return _on_h200s(name, dit, "opensora2-stage2")
 
 
 def mmdit11b_width_h200() -> TrainConfig:
@@ -238,46 +346,68 @@ def get_config(name: str) -> TrainConfig:
     return CONFIGS[key]()
 
 
+def flat_fields(config: TrainConfig) -> dict[str, Any]:
+    """Every settable field by its command-line name (SECTION_OF), and `model`: the DiTConfig."""
+    values = {key: _value_of(config, key) for key in SECTION_OF}
+    return values | {"model": config.model.dit}
+
+
+def _value_of(config: TrainConfig, key: str) -> Any:
+    section = SECTION_OF[key]
+    return getattr(getattr(config, section) if section else config, key)
+
+
 # --- TOML files and command-line overrides -----------------------------------------------------
 
-# Each overridable field: (kind, help). The model is a preset name or a [model] table.
+# Each settable field's help, by its command-line name; its TOML key is the same in its section
 FIELD_HELP = {
-    "recipe": "workload recipe of the batches (a recipes.json name, or tiny)",
-    "planner": "zellige, dp-tokens, dp-cost, static-cp:C, knapformer:SPEC[:GAMMA], megatron-dcp",
     "steps": "total steps, resumed ones included (>= 1)",
     "seed": "seed of the model's initialisation and of every step's data (>= 0)",
-    "device": "cpu or cuda",
-    "backend": "gloo or nccl",
+    "freeze_gc": "freeze Python's objects after compiling steps (full GCs in steps stay short)",
+    # [model]
     "dtype": "float64, float32 or bfloat16",
-    "gpus_per_node": "cluster shape the planner's cost model assumes",
-    "profile": "hardware profile JSON for the cost model (default: the built-in H200 profile)",
-    "activation_checkpointing": "recompute each block in backward",
-    "adaptive_checkpointing": "checkpoint only the blocks each rank's predicted memory needs",
     "compile_elementwise": "torch.compile the blocks' per-token layers (default: on CUDA only)",
-    "reshard_after_forward": "free gathered weights after the forward (default: on >1 rank)",
-    "fsdp_on_one_rank": "FSDP2 also on one rank (default: fp32 masters, bf16 copies per step)",
     "compile_outside": "torch.compile RoPE tables, output head and loss (default: as the blocks)",
     "pad_sequence_rows": "pad the per-token modulation's one-hot GEMM to 8 sequences (aligned)",
     "split_modulation": "one one-hot GEMM per modulation piece (no stack in the backward)",
     "gathered_head": "the Wan output head gathers its shift and scale rows in its region",
-    "fused_optimizer": "AdamW as one fused kernel (default: on CUDA only)",
-    "clip_in_optimizer": "a fused optimizer applies the gradient clipping's scale itself",
-    "copying_optimizer": "one rank: AdamW writes the bf16 weight copies (default: CUDA bf16)",
-    "compute_dtype_gradients": "with the copying optimizer: it reads the bf16 gradients",
-    "tune_optimizer_kernels": "time launch configurations of the copying optimizer's kernels",
-    "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",
-    "metrics_one_step_late": "read a step's metrics during the next step (no sync between steps)",
-    "freeze_gc": "freeze Python's objects after compiling steps (full GCs in steps stay short)",
+    # [data]
+    "recipe": "workload recipe of the batches (a recipes.json name, or tiny)",
+    "loader_workers": "processes that generate and plan the next steps (0: none)",
+    "data_ranks": "loader ranks each step's batch is drawn for (default: the world size)",
+    # [parallelism]
+    "planner": "zellige, dp-tokens, dp-cost, static-cp:C, knapformer:SPEC[:GAMMA], megatron-dcp",
+    "device": "cpu or cuda",
+    "backend": "gloo or nccl",
+    "gpus_per_node": "cluster shape the planner's cost model assumes",
+    "profile": "hardware profile JSON for the cost model (default: the built-in H200 profile)",
+    "activation_checkpointing": "recompute each block in backward",
+    "adaptive_checkpointing": "checkpoint only the blocks each rank's predicted memory needs",
+    "reshard_after_forward": "free gathered weights after the forward (default: on >1 rank)",
+    "fsdp_on_one_rank": "FSDP2 also on one rank (default: fp32 masters, bf16 copies per step)",
+    "timeout_s": "seconds a collective may wait for the other ranks before the run fails",
+    # [optimizer]
     "learning_rate": "AdamW peak learning rate",
     "betas": "AdamW betas (TOML only: a list of two numbers)",
     "weight_decay": "AdamW weight decay",
     "warmup_steps": "linear warm-up steps of the learning rate",
     "grad_clip_norm": "clip the gradient norm to this",
+    "fused_optimizer": "AdamW as one fused kernel (default: on CUDA only)",
+    "clip_in_optimizer": "a fused optimizer applies the gradient clipping's scale itself",
+    "copying_optimizer": "one rank: AdamW writes the bf16 weight copies (default: CUDA bf16)",
+    "compute_dtype_gradients": "with the copying optimizer: it reads the bf16 gradients",
+    "tune_optimizer_kernels": "time launch configurations of the copying optimizer's kernels",
+    # [checkpoint]
     "checkpoint_every": "steps between checkpoints under --out (0: at the end only)",
-    "loader_workers": "processes that generate and plan the next steps (0: none)",
+    # [metrics]
     "peak_flops_per_s": "a device's peak FLOP/s, for MFU",
-    "data_ranks": "loader ranks each step's batch is drawn for (default: the world size)",
-    "timeout_s": "seconds a collective may wait for the other ranks before the run fails",
+    "sync_debug": "CUDA: warn at each host sync from step start to the optimizer step",
+    "metrics_one_step_late": "read a step's metrics during the next step (no sync between steps)",
+    # [parallelism] measured speeds and unlike ranks
+    "cluster": "cluster file of unlike nodes (TOML/JSON, docs/formats.md) the plans price",
+    "adapt_speeds": "plan with per-rank speed factors measured in training",
+    "adapt_speeds_start_step": "first step (1-based) whose times the speed factors measure",
+    "speed_smoothing": "weight of the newest step in each rank's measured speed, in (0, 1]",
 }
 _DTYPES = ("float64", "float32", "bfloat16")
 
@@ -316,116 +446,197 @@ MODEL_FLOAT_LIMITS: dict[str, tuple[float, float]] = {
 }
 # parameters, gradients and AdamW's two moments in float32
 TRAIN_BYTES_PER_PARAM = 16
+# the [model] table's DiTConfig fields (beside `preset` and ModelSection's own)
+_DIT_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(DiTConfig) if f.name != "name"}
 
 
 def field_types() -> dict[str, str]:
-    """Each overridable field's annotation as written ("int", "float | None", ...)."""
-    return {f.name: str(f.type) for f in dataclasses.fields(TrainConfig) if f.name in FIELD_HELP}
+    """Each settable field's annotation as written ("int", "float | None", ...), by its
+    command-line name."""
+    types = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
+    for kind in SECTIONS.values():
+        types |= {f.name: str(f.type) for f in dataclasses.fields(kind)}
+    return {key: types[key] for key in FIELD_HELP}
+
+
+def field_label(key: str) -> str:
+    """A settable field as its TOML file names it: optimizer.learning_rate, steps."""
+    section = SECTION_OF[key]
+    return f"{section}.{key}" if section else key
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """The keys of a TOML run file: `config` (the named config it starts from), `model` (a preset
-    name, or a table with `preset` and DiTConfig fields to replace) and any TrainConfig field.
-    Raises ValueError with one line for a missing or malformed file or an unknown key."""
+    """The keys of a TOML run file: `config` (the named config it starts from), the run's own
+    fields (steps, seed, freeze_gc) and a table per section whose keys are that section's
+    fields (`[optimizer] learning_rate = 3e-3`). `model` is a preset name or a table of
+    `preset` (optional: the named config's model), DiTConfig fields to replace and
+    ModelSection's fields. Raises ValueError with one line for a missing or malformed file, an
+    unknown key, or a key outside its section (naming the table it belongs in)."""
     values = read_toml(path)  # size-capped, depth-limited; one-line errors
-    allowed = ["config", "model", *FIELD_HELP]
-    for key in values:
-        if key not in allowed:
-            raise ValueError(f"{path}: unknown key {key!r}; allowed: {', '.join(allowed)}")
+    for key, value in values.items():
+        if key in SECTIONS:
+            if key == "model" and isinstance(value, str):
+                continue
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}: {key} must be a table ([{key}])")
+            allowed = _table_keys(key)
+            for inner in value:
+                if inner not in allowed:
+                    raise ValueError(f"{path}: {_misplaced(inner, key, allowed)}")
+        elif key not in ("config", *RUN_FIELDS):
+            raise ValueError(f"{path}: {_misplaced(key, '', ['config', *RUN_FIELDS, *SECTIONS])}")
     return values
+
+
+def _table_keys(section: str) -> list[str]:
+    fields = [f.name for f in dataclasses.fields(SECTIONS[section]) if f.name != "dit"]
+    return ["preset", *_DIT_FIELDS, *fields] if section == "model" else fields
+
+
+def _misplaced(key: str, table: str, allowed: list[str]) -> str:
+    """The one line for a key a table (or the file's top, table "") does not hold: where the
+    key belongs when it is a field of another place, else what this place allows."""
+    home = SECTION_OF.get(key)
+    where = f"{table}.{key}" if table else key
+    if home:
+        return f"{where} is not a key there: use [{home}] {key}"
+    if home == "":
+        return f"{where} is not a key there: set {key} at the top, before any table"
+    return f"unknown key {where!r}; allowed: {', '.join(allowed)}"
 
 
 def resolve_config(
     name: str | None, file_values: dict[str, Any], overrides: dict[str, Any], source: str
 ) -> TrainConfig:
     """The named config (command line first, then the file's `config`), with the file's values
-    and then the command line's replacing its fields; validated. `source` names the file in
-    errors."""
+    and then the command line's (by command-line name) replacing its fields; validated.
+    `source` names the file in errors."""
     name = name or file_values.get("config")
     if name is None:
         raise ValueError("no config: pass --config NAME or set config = NAME in --config-file")
     if not isinstance(name, str):
         raise ValueError(f"{source}: config must be a string (a config name)")
     config = get_config(name)
-    if "model" in file_values:
-        config = dataclasses.replace(config, model=_model_from(file_values["model"], source))
-    values = {k: v for k, v in file_values.items() if k not in ("config", "model")}
-    replaced = {key: _checked(key, value, source) for key, value in values.items()}
+    replaced = {}
+    for key, value in file_values.items():
+        if key == "model":
+            dit, options = _model_from(value, config.model.dit, source)
+            config = config.with_fields(model=dit)
+            replaced |= {k: _checked(k, v, source) for k, v in options.items()}
+        elif key in SECTIONS:
+            replaced |= {k: _checked(k, v, source) for k, v in value.items()}
+        elif key != "config":
+            replaced[key] = _checked(key, value, source)
     replaced |= {key: _checked(key, value, "command line") for key, value in overrides.items()}
-    config = dataclasses.replace(config, **replaced)
+    config = config.with_fields(**replaced)
     validate_config(config)
     return config
 
 
 def validate_config(config: TrainConfig) -> None:
     """Raises ValueError naming the first field whose value cannot train."""
-    if not isinstance(config.model, DiTConfig):
+    if not isinstance(config.model.dit, DiTConfig):
         raise ValueError("model must be a model preset or a [model] table")
-    validate_model(config.model)
+    validate_model(config.model.dit)
+    model, data, parallelism = config.model, config.data, config.parallelism
+    optimizer, metrics = config.optimizer, config.metrics
+    learning_rate, peak = optimizer.learning_rate, metrics.peak_flops_per_s
     checks = [
         ("steps", config.steps >= 1, "at least 1"),
         ("steps", config.steps <= MAX_STEPS, f"at most {MAX_STEPS:,}"),
         ("seed", 0 <= config.seed < 2**32, "in [0, 2**32)"),
-        ("device", config.device in ("cpu", "cuda"), "cpu or cuda"),
-        ("backend", config.backend in ("gloo", "nccl"), "gloo or nccl"),
-        ("backend", config.backend != "nccl" or config.device == "cuda", "gloo on device cpu"),
-        ("dtype", config.dtype in _DTYPES, " or ".join(_DTYPES)),
-        ("gpus_per_node", config.gpus_per_node >= 1, "at least 1"),
-        ("gpus_per_node", config.gpus_per_node <= MAX_GPUS, f"at most {MAX_GPUS:,}"),
-        ("learning_rate", _finite(config.learning_rate) and config.learning_rate > 0, "> 0"),
+        ("device", parallelism.device in ("cpu", "cuda"), "cpu or cuda"),
+        ("backend", parallelism.backend in ("gloo", "nccl"), "gloo or nccl"),
         (
-            "learning_rate",
-            config.learning_rate <= MAX_LEARNING_RATE,
-            f"at most {MAX_LEARNING_RATE:g}",
+            "backend",
+            parallelism.backend != "nccl" or parallelism.device == "cuda",
+            "gloo on device cpu",
         ),
-        ("betas", all(_finite(b) and 0 <= b < 1 for b in config.betas), "two numbers in [0, 1)"),
+        ("dtype", model.dtype in _DTYPES, " or ".join(_DTYPES)),
+        ("gpus_per_node", parallelism.gpus_per_node >= 1, "at least 1"),
+        ("gpus_per_node", parallelism.gpus_per_node <= MAX_GPUS, f"at most {MAX_GPUS:,}"),
+        ("learning_rate", _finite(learning_rate) and learning_rate > 0, "> 0"),
+        ("learning_rate", learning_rate <= MAX_LEARNING_RATE, f"at most {MAX_LEARNING_RATE:g}"),
+        (
+            "betas",
+            all(_finite(b) and 0 <= b < 1 for b in optimizer.betas),
+            "two numbers in [0, 1)",
+        ),
         (
             "learning_rate",
-            config.learning_rate / (1 - config.betas[0]) <= MAX_FIRST_STEP_SIZE,
+            learning_rate / (1 - optimizer.betas[0]) <= MAX_FIRST_STEP_SIZE,
             f"such that learning_rate / (1 - betas[0]) is at most {MAX_FIRST_STEP_SIZE:g} (AdamW's "
             "first step size, a float32)",
         ),
-        ("weight_decay", _finite(config.weight_decay) and config.weight_decay >= 0, ">= 0"),
-        ("weight_decay", config.weight_decay <= MAX_WEIGHT_DECAY, f"at most {MAX_WEIGHT_DECAY:g}"),
-        ("warmup_steps", config.warmup_steps >= 0, ">= 0"),
-        ("warmup_steps", config.warmup_steps <= MAX_STEPS, f"at most {MAX_STEPS:,}"),
-        ("grad_clip_norm", _finite(config.grad_clip_norm) and config.grad_clip_norm > 0, "> 0"),
+        ("weight_decay", _finite(optimizer.weight_decay) and optimizer.weight_decay >= 0, ">= 0"),
+        (
+            "weight_decay",
+            optimizer.weight_decay <= MAX_WEIGHT_DECAY,
+            f"at most {MAX_WEIGHT_DECAY:g}",
+        ),
+        ("warmup_steps", optimizer.warmup_steps >= 0, ">= 0"),
+        ("warmup_steps", optimizer.warmup_steps <= MAX_STEPS, f"at most {MAX_STEPS:,}"),
         (
             "grad_clip_norm",
-            config.grad_clip_norm <= MAX_GRAD_CLIP_NORM,
+            _finite(optimizer.grad_clip_norm) and optimizer.grad_clip_norm > 0,
+            "> 0",
+        ),
+        (
+            "grad_clip_norm",
+            optimizer.grad_clip_norm <= MAX_GRAD_CLIP_NORM,
             f"at most {MAX_GRAD_CLIP_NORM:g}",
         ),
-        ("checkpoint_every", config.checkpoint_every >= 0, ">= 0"),
-        ("checkpoint_every", config.checkpoint_every <= MAX_STEPS, f"at most {MAX_STEPS:,}"),
-        ("loader_workers", config.loader_workers >= 0, ">= 0"),
+        ("checkpoint_every", config.checkpoint.checkpoint_every >= 0, ">= 0"),
+        (
+            "checkpoint_every",
+            config.checkpoint.checkpoint_every <= MAX_STEPS,
+            f"at most {MAX_STEPS:,}",
+        ),
+        ("loader_workers", data.loader_workers >= 0, ">= 0"),
         (
             "loader_workers",
-            config.loader_workers <= MAX_LOADER_WORKERS,
+            data.loader_workers <= MAX_LOADER_WORKERS,
             f"at most {MAX_LOADER_WORKERS}",
         ),
-        ("peak_flops_per_s", config.peak_flops_per_s is None or config.peak_flops_per_s > 0, "> 0"),
+        ("peak_flops_per_s", peak is None or peak > 0, "> 0"),
         (
             "peak_flops_per_s",
-            config.peak_flops_per_s is None or config.peak_flops_per_s <= MAX_PEAK_FLOPS_PER_S,
+            peak is None or peak <= MAX_PEAK_FLOPS_PER_S,
             f"at most {MAX_PEAK_FLOPS_PER_S:g}",
         ),
-        ("data_ranks", config.data_ranks is None or config.data_ranks >= 1, "at least 1"),
+        ("data_ranks", data.data_ranks is None or data.data_ranks >= 1, "at least 1"),
         (
             "data_ranks",
-            config.data_ranks is None or config.data_ranks <= MAX_GPUS,
+            data.data_ranks is None or data.data_ranks <= MAX_GPUS,
             f"at most {MAX_GPUS:,} (the GPU limit)",
         ),
-        ("timeout_s", _finite(config.timeout_s) and config.timeout_s > 0, "> 0 seconds"),
         (
             "timeout_s",
-            MIN_TIMEOUT_S <= config.timeout_s <= MAX_TIMEOUT_S,
+            _finite(parallelism.timeout_s) and parallelism.timeout_s > 0,
+            "> 0 seconds",
+        ),
+        (
+            "timeout_s",
+            MIN_TIMEOUT_S <= parallelism.timeout_s <= MAX_TIMEOUT_S,
             f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] seconds",
+        ),
+        ("adapt_speeds_start_step", parallelism.adapt_speeds_start_step >= 1, "at least 1"),
+        (
+            "adapt_speeds_start_step",
+            parallelism.adapt_speeds_start_step <= MAX_STEPS,
+            f"at most {MAX_STEPS:,}",
+        ),
+        (
+            "speed_smoothing",
+            _finite(parallelism.speed_smoothing) and 0 < parallelism.speed_smoothing <= 1,
+            "in (0, 1]",
         ),
     ]
     for key, ok, allowed in checks:
         if not ok:
-            raise ValueError(f"{key} must be {allowed}, got {_short(getattr(config, key))}")
-    if config.device == "cpu":
+            value = _short(_value_of(config, key))
+            raise ValueError(f"{field_label(key)} must be {allowed}, got {value}")
+    if parallelism.device == "cpu":
         _check_fits_host_memory(config)
 
 
@@ -434,11 +645,12 @@ def check_world(config: TrainConfig, num_ranks: int) -> None:
     gpus_per_node ranks each (fewer ranks than that: one node)."""
     if num_ranks > MAX_GPUS:
         raise ValueError(f"{num_ranks:,} ranks: at most {MAX_GPUS:,} (the GPU limit)")
-    check_data_ranks(config.data_ranks, num_ranks, "data_ranks")
-    per_node = min(config.gpus_per_node, num_ranks)
+    check_data_ranks(config.data.data_ranks, num_ranks, "data_ranks")
+    gpus_per_node = config.parallelism.gpus_per_node
+    per_node = min(gpus_per_node, num_ranks)
     if num_ranks % per_node:
         raise ValueError(
-            f"gpus_per_node {config.gpus_per_node} does not divide the {num_ranks} ranks of this "
+            f"gpus_per_node {gpus_per_node} does not divide the {num_ranks} ranks of this "
             "run (torchrun --nproc-per-node x nodes): pass --gpus-per-node with a divisor of "
             f"{num_ranks}"
         )
@@ -499,11 +711,11 @@ def _check_fits_host_memory(config: TrainConfig) -> None:
         return
     from zellige.data.loader import param_count  # torch and the model: only where needed
 
-    params = param_count(config.model)
+    params = param_count(config.model.dit)
     need_bytes = params * TRAIN_BYTES_PER_PARAM
     if need_bytes > host_bytes:
         raise ValueError(
-            f"model {config.model.name}: {params:,} parameters need about "
+            f"model {config.model.dit.name}: {params:,} parameters need about "
             f"{need_bytes / 2**30:,.0f} GiB to train, more than this machine's "
             f"{host_bytes / 2**30:,.0f} GiB"
         )
@@ -519,33 +731,37 @@ def _finite(value: float) -> bool:
     return math.isfinite(value)
 
 
-def _model_from(value: Any, source: str) -> DiTConfig:
+def _model_from(value: Any, base: DiTConfig, source: str) -> tuple[DiTConfig, dict[str, Any]]:
+    """The [model] table (or preset name) as the model's sizes and its ModelSection fields:
+    `preset` (else `base`, the named config's) with the table's DiTConfig fields replaced."""
     if isinstance(value, str):
-        return model_preset(value)
-    if not isinstance(value, dict) or not isinstance(value.get("preset"), str):
-        raise ValueError(f"{source}: model must be a preset name or a table with preset = NAME")
-    fields = {f.name: str(f.type) for f in dataclasses.fields(DiTConfig) if f.name != "name"}
-    overrides = {}
-    for key, item in value.items():
-        if key == "preset":
-            continue
-        if key not in fields:
-            raise ValueError(
-                f"{source}: unknown key model.{key}; allowed: preset, {', '.join(fields)}"
-            )
-        overrides[key] = _typed(f"model.{key}", fields[key], item, source)
+        return model_preset(value), {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: model must be a preset name or a [model] table")
+    preset = value.get("preset")
+    if preset is not None and not isinstance(preset, str):
+        raise ValueError(f"{source}: model.preset must be a preset name, got {_short(preset)}")
+    sizes = {
+        key: _typed(f"model.{key}", _DIT_FIELDS[key], item, source)
+        for key, item in value.items()
+        if key in _DIT_FIELDS
+    }
+    options = {key: item for key, item in value.items() if key != "preset" and key not in sizes}
     try:
-        for key, item in overrides.items():  # before DiTConfig's own checks divide by them
+        for key, item in sizes.items():  # before DiTConfig's own checks divide by them
             _check_model_value(key, item)
-        model = model_preset(value["preset"], **overrides)
-        validate_model(model)
-        return model
+        dit = model_preset(preset) if preset is not None else base
+        if "num_layers" in sizes and "num_double_layers" not in sizes:
+            dit = with_layers(dit, sizes["num_layers"])  # an MMDiT keeps its share of double
+        dit = dataclasses.replace(dit, **sizes)
+        validate_model(dit)
+        return dit, options
     except (TypeError, ValueError) as error:
         raise ValueError(f"{source}: model: {error}") from None
 
 
 def _checked(key: str, value: Any, source: str) -> Any:
-    return _typed(key, field_types()[key], value, source)
+    return _typed(field_label(key), field_types()[key], value, source)
 
 
 def _typed(key: str, kind: str, value: Any, source: str) -> Any:

@@ -20,8 +20,10 @@ from tqdm import tqdm
 
 import zellige
 from zellige.balancer import Balancer
+from zellige.cluster_file import read_cluster_file
 from zellige.costs import device_memory_bytes, planning_device
 from zellige.data import StepDataset, load_training_recipe, make_loader, model_spec
+from zellige.data.loader import on_cluster_file
 from zellige.model import MMDiT, ModelNumerics, VideoDiT, fused
 from zellige.model import build_model as reference_model
 from zellige.pipeline import JOINT, StepRecord, make_step_plan
@@ -43,6 +45,7 @@ from zellige.train.metrics import (
     MetricsSinks,
     StepEnd,
     allocator_stat,
+    busy_seconds,
     finish_step,
     peak_gib,
     step_line,
@@ -54,13 +57,12 @@ from zellige.train.optimizer_builder import (
     clip_and_step,
     full_tensor,
     gradient_bytes_per_param,
-    keeps_compute_dtype_gradients,
     make_optimizer,
     optimizer_copy_bytes_per_param,
-    uses_copying_optimizer,
     weights_kept_to_backward,
 )
 from zellige.train.parallelize import parallelize, set_checkpointed_blocks
+from zellige.train.speeds import SlowRank, SpeedEstimate
 from zellige.train.step import StepInput, assemble_step
 from zellige.train.timing import StepTimer
 from zellige.train.watchdog import RankWatch, TrainingFailed
@@ -99,8 +101,17 @@ def preflight(
     """Every check that needs no process group, so bad input fails in seconds, before training,
     the same way on every rank. Raises ValueError with one line; creates out_dir."""
     validate_config(config)
+    if config.parallelism.cluster is not None:
+        cluster_file = read_cluster_file(config.parallelism.cluster)
+        if cluster_file.num_ranks != num_ranks:
+            raise ValueError(
+                f"--cluster {config.parallelism.cluster}: its nodes hold {cluster_file.num_ranks} GPUs, this "
+                f"run has {num_ranks} ranks (torchrun --nproc-per-node x nodes)"
+            )
+        # the file's nodes give the node size
+        config = config.with_fields(gpus_per_node=cluster_file.gpus_per_node)
     check_world(config, num_ranks)
-    if config.device == "cuda":
+    if config.parallelism.device == "cuda":
         _require_cuda(config)
     _check_planning(config, num_ranks)
     if out_dir is not None:
@@ -129,14 +140,16 @@ def preflight(
     if wandb_project is not None and importlib.util.find_spec("wandb") is None:
         raise ValueError("--wandb needs the wandb package (pip install wandb)")
     if resume_dir is None:
-        return RunStart(first_step=0, checkpoint=None, data_ranks=config.data_ranks or num_ranks)
+        return RunStart(
+            first_step=0, checkpoint=None, data_ranks=config.data.data_ranks or num_ranks
+        )
     info = find_checkpoint(resume_dir)
     if config.steps < info.step:
         raise ValueError(
             f"--steps {config.steps} is below the step of checkpoint {info.path} ({info.step}); "
             f"--steps counts all steps, resumed ones included: pass more than {info.step}"
         )
-    model = dataclasses.asdict(config.model)
+    model = dataclasses.asdict(config.model.dit)
     keys = sorted(model.keys() | info.model.keys())
     differ = [key for key in keys if model.get(key) != info.model.get(key)]
     if differ:
@@ -145,9 +158,9 @@ def preflight(
             f"checkpoint {info.path} holds another model: its {key} is "
             f"{info.model.get(key)!r}, this run's {model.get(key)!r}"
         )
-    if config.data_ranks is not None and config.data_ranks != info.data_ranks:
+    if config.data.data_ranks is not None and config.data.data_ranks != info.data_ranks:
         raise ValueError(
-            f"data_ranks {config.data_ranks} differs from the checkpoint's {info.data_ranks}: "
+            f"data_ranks {config.data.data_ranks} differs from the checkpoint's {info.data_ranks}: "
             "the resumed run would see other batches (leave data_ranks unset)"
         )
     check_resumable(info, config, num_ranks)
@@ -157,18 +170,25 @@ def preflight(
 def _check_planning(config: TrainConfig, num_ranks: int) -> None:
     """The recipe, profile and planner name resolve, and the planner accepts this cluster:
     planned here on a token per rank, not in a loader worker after the model is built."""
-    load_training_recipe(config.recipe)
-    if config.planner == JOINT:  # time-limited: ranks could stop at different incumbents
+    load_training_recipe(config.data.recipe)
+    if (
+        config.parallelism.planner == JOINT
+    ):  # time-limited: ranks could stop at different incumbents
         raise ValueError("the joint MILP reference is for comparisons, not training")
-    spec = model_spec(config.model)
+    spec = model_spec(config.model.dit)
     cost_model = zellige.make_cost_model(
-        spec, num_ranks, min(config.gpus_per_node, num_ranks), config.profile
+        spec,
+        num_ranks,
+        min(config.parallelism.gpus_per_node, num_ranks),
+        config.parallelism.profile,
     )
     sequences = [
         {"id": r, "num_tokens": 1, "text_tokens": 0, "source_rank": r} for r in range(num_ranks)
     ]
     batch = zellige.batch_from_dict({"sequences": sequences}, num_ranks=num_ranks)
-    make_step_plan(config.planner, batch, cost_model, seed=0)
+    if config.parallelism.cluster is not None:  # its profiles load and its ranks' memory is in range
+        cost_model = on_cluster_file(cost_model, config.parallelism.cluster)
+    make_step_plan(config.parallelism.planner, batch, cost_model, seed=0)
 
 
 def _require_cuda(config: TrainConfig) -> None:
@@ -190,8 +210,8 @@ def _require_cuda(config: TrainConfig) -> None:
 
 def setup_distributed(config: TrainConfig) -> torch.device:
     """Joins the process group torchrun describes (or a one-process group without torchrun).
-    A collective that waits more than config.timeout_s fails instead of hanging."""
-    if config.device == "cuda":
+    A collective that waits more than config.parallelism.timeout_s fails instead of hanging."""
+    if config.parallelism.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
@@ -202,42 +222,41 @@ def setup_distributed(config: TrainConfig) -> torch.device:
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         device_id = device if device.type == "cuda" else None
         dist.init_process_group(
-            backend=config.backend,
+            backend=config.parallelism.backend,
             device_id=device_id,
-            timeout=datetime.timedelta(seconds=config.timeout_s),
+            timeout=datetime.timedelta(seconds=config.parallelism.timeout_s),
         )
     return device
 
 
 def build_model(config: TrainConfig, device: torch.device, timer: StepTimer) -> VideoDiT | MMDiT:
-    """The sharded model. On CUDA it is built on the meta device and initialised after sharding
-    (no rank ever holds the whole model); on CPU built whole, identical on every rank."""
+    """The sharded model of a resolved config (TrainConfig.resolved). On CUDA it is built on the
+    meta device and initialised after sharding (no rank ever holds the whole model); on CPU
+    built whole, identical on every rank."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     numerics = ModelNumerics(
-        row_multiple=8 if config.pad_sequence_rows else 1,
-        split_pieces=config.split_modulation,
-        gathered_head=config.gathered_head,
+        row_multiple=8 if config.model.pad_sequence_rows else 1,
+        split_pieces=config.model.split_modulation,
+        gathered_head=config.model.gathered_head,
     )
     torch.manual_seed(config.seed)
     if device.type == "cuda":
         with torch.device("meta"):
-            model = reference_model(config.model, numerics)
+            model = reference_model(config.model.dit, numerics)
     else:
-        model = reference_model(config.model, numerics)
+        model = reference_model(config.model.dit, numerics)
     parallelize(
         model,
         mesh,
-        dtype=config.dtype,
-        activation_checkpointing=config.activation_checkpointing,
+        dtype=config.model.dtype,
+        activation_checkpointing=config.parallelism.activation_checkpointing,
         timer=timer,
-        compile_elementwise=device.type == "cuda"
-        if config.compile_elementwise is None
-        else config.compile_elementwise,
-        compile_outside=config.compile_outside,
-        reshard_after_forward=config.reshard_after_forward,
-        fsdp_on_one_rank=config.fsdp_on_one_rank,
-        copying_optimizer=uses_copying_optimizer(config),
-        compute_dtype_gradients=keeps_compute_dtype_gradients(config),
+        compile_elementwise=config.model.compile_elementwise,
+        compile_outside=config.model.compile_outside,
+        reshard_after_forward=config.parallelism.reshard_after_forward,
+        fsdp_on_one_rank=config.parallelism.fsdp_on_one_rank,
+        copying_optimizer=config.optimizer.copying_optimizer,
+        compute_dtype_gradients=config.optimizer.compute_dtype_gradients,
     )
     if device.type == "cuda":
         model.to_empty(device=device)
@@ -259,15 +278,17 @@ def train(
     """Runs config.steps steps (counting the resumed ones); returns each step's metrics (the same
     on every rank). `sequences` fixes every step's batch (tests). Bad input raises ValueError
     before training; a non-finite loss or a stuck rank raises TrainingFailed."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     start = preflight(
         config,
-        num_ranks=int(os.environ.get("WORLD_SIZE", "1")),
+        num_ranks=world_size,
         metrics_path=metrics_path,
         out_dir=out_dir,
         resume_dir=resume_dir,
         tensorboard_dir=tensorboard_dir,
         wandb_project=wandb_project,
     )
+    config = config.resolved(world_size)  # the None choices made: from here on, bools
     first_step = start.first_step
     if start.checkpoint is not None and first_step == config.steps:
         say(
@@ -281,7 +302,7 @@ def train(
     timer = StepTimer(device)
     model = build_model(config, device, timer)
     optimizer = make_optimizer(config, model, device)
-    warmup = max(config.warmup_steps, 1)
+    warmup = max(config.optimizer.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     if start.checkpoint is not None:
         info = start.checkpoint
@@ -297,7 +318,7 @@ def train(
         say(f"resumed from {info.path} at step {info.step}{resharded}")
     cuda = device.type == "cuda"
     profile, gpu_memory_bytes, notes = planning_device(
-        config.profile,
+        config.parallelism.profile,
         torch.cuda.get_device_name(device) if cuda else None,
         device_memory_bytes(device) if cuda else None,
     )
@@ -310,23 +331,25 @@ def train(
     # planner prices attention as this engine runs it (ragged calls or dense)
     engine = EngineConfig.from_env()
     attention_ragged = engine_runs_ragged(
-        device, getattr(torch, config.dtype), config.model.head_dim, engine
+        device, getattr(torch, config.model.dtype), config.model.dit.head_dim, engine
     )
     priced_as_engine_runs(zellige.load_profile(profile), attention_ragged, say)
 
     dataset = StepDataset(
-        model=config.model,
-        recipe=config.recipe,
-        planner=config.planner,
+        model=config.model.dit,
+        recipe=config.data.recipe,
+        planner=config.parallelism.planner,
         rank=rank,
         num_ranks=num_ranks,
         data_ranks=start.data_ranks,
-        gpus_per_node=config.gpus_per_node,
+        gpus_per_node=config.parallelism.gpus_per_node,
+        cluster=config.parallelism.cluster,
         seed=config.seed,
         profile=profile,
         gpu_memory_bytes=gpu_memory_bytes,
-        activation_checkpointing=config.activation_checkpointing,
-        adaptive_checkpointing=config.activation_checkpointing and config.adaptive_checkpointing,
+        activation_checkpointing=config.parallelism.activation_checkpointing,
+        adaptive_checkpointing=config.parallelism.activation_checkpointing
+        and config.parallelism.adaptive_checkpointing,
         weights_kept_to_backward=weights_kept_to_backward(config, num_ranks),
         gradient_bytes_per_param=gradient_bytes_per_param(config, num_ranks),
         optimizer_copy_bytes_per_param=optimizer_copy_bytes_per_param(config, num_ranks),
@@ -335,8 +358,18 @@ def train(
     )
     _check_first_step_fits(dataset, first_step)
     num_steps = config.steps - first_step
+    # measured on every run (logged); plans use it with adapt_speeds (train/speeds.py)
+    speeds = SpeedEstimate(
+        num_ranks, smoothing=config.parallelism.speed_smoothing,
+        start_step=config.parallelism.adapt_speeds_start_step,
+    )
     loader = make_loader(
-        dataset, first_step, num_steps, config.loader_workers, cuda=device.type == "cuda"
+        dataset,
+        first_step,
+        num_steps,
+        config.data.loader_workers,
+        cuda=device.type == "cuda",
+        speed_factors=speeds.speed_factors if config.parallelism.adapt_speeds else None,
     )
     sinks = MetricsSinks(
         config,
@@ -353,7 +386,7 @@ def train(
         file=sys.stderr,
         dynamic_ncols=True,
     )
-    watch = RankWatch(rank, num_ranks, config.timeout_s)
+    watch = RankWatch(rank, num_ranks, config.parallelism.timeout_s)
     last_saved = start.checkpoint.path if start.checkpoint is not None else None
     saved_now = None  # the newest checkpoint this run wrote
     history = []
@@ -364,19 +397,23 @@ def train(
         dataset.pipeline(), device=device, plan_ahead=False, engine=engine
     )
     ahead = StepsAhead(iter(loader), config, device, balancer)
+    slow = SlowRank.from_env(num_ranks)  # test-only
     collector = QuietCollector(enabled=config.freeze_gc)
     pending = None  # a late step's StepEnd, finished by the next step
     try:
         for step in range(first_step, config.steps):
             done = step + 1
-            due = config.checkpoint_every and done % config.checkpoint_every == 0
+            due = (
+                config.checkpoint.checkpoint_every
+                and done % config.checkpoint.checkpoint_every == 0
+            )
             saving = bool(out_dir) and (due or done == config.steps)
             # a step that saves, and the last one, end with a full sync (no step after them)
-            late = config.metrics_one_step_late and done < config.steps and not saving
+            late = config.metrics.metrics_one_step_late and done < config.steps and not saving
             try:
                 records, pending = train_step(
                     config, model, optimizer, scheduler, timer, device, ahead, step, watch,
-                    pending, late,
+                    pending, late, speeds=speeds, slow=slow,
                 )  # fmt: skip
             except TrainingFailed:
                 raise
@@ -400,7 +437,7 @@ def train(
                         optimizer,
                         scheduler,
                         data_ranks=start.data_ranks,
-                        model_config=config.model,
+                        model_config=config.model.dit,
                         run=run_fields(config),
                     )
                 except RuntimeError as error:
@@ -446,10 +483,12 @@ class StepsAhead:
             wait_start = time.perf_counter()
             data = next(self._loader_iter)
             wait_s = time.perf_counter() - wait_start
-            joint = self._config.model.joint_attention  # MMDiT: text joins attention
+            joint = self._config.model.dit.joint_attention  # MMDiT: text joins attention
             assemble = assemble_joint_step if joint else assemble_step
             with record_function("zellige.step.setup"):
-                inputs = assemble(data, self._config.model.num_heads, self._device, self._balancer)
+                inputs = assemble(
+                    data, self._config.model.dit.num_heads, self._device, self._balancer
+                )
             self._ready = (step, data, inputs, wait_s)
         except Exception as error:  # noqa: BLE001 (raised again by take, in its own step)
             self._ready = (step, error)
@@ -471,7 +510,7 @@ def forward_backward_step(
     (the gradients are in the model)."""
     # the phases are named for torch.profiler (bench/train_throughput.py --trace)
     with record_function("zellige.step.forward"):
-        loss_of = joint_step_loss if config.model.joint_attention else step_loss
+        loss_of = joint_step_loss if config.model.dit.joint_attention else step_loss
         local_loss = loss_of(model, step_input, total_tokens, timer)
     with record_function("zellige.step.backward"):
         # FSDP averages gradients over ranks: scaling by the rank count makes that their sum
@@ -483,7 +522,20 @@ def forward_backward_step(
 
 
 def train_step(
-    config, model, optimizer, scheduler, timer, device, ahead, step, watch, before, late
+    config,
+    model,
+    optimizer,
+    scheduler,
+    timer,
+    device,
+    ahead,
+    step,
+    watch,
+    before,
+    late,
+    *,
+    speeds: SpeedEstimate | None = None,
+    slow: SlowRank | None = None,
 ) -> tuple[list[dict], StepEnd | None]:
     """One optimizer step. Returns the metrics records finished in it (gathered: the same on
     every rank) and, when `late`, this step's StepEnd, which the next call finishes (as
@@ -491,7 +543,8 @@ def train_step(
     host never waits for the device between steps, and a non-finite loss or gradient norm still
     stops the run before the next update is applied. Not late: the step ends with a full sync
     and returns its own record. `ahead` (StepsAhead) holds the step's inputs; the next step's
-    are made after this step's optimizer step is issued."""
+    are made after this step's optimizer step is issued. `speeds` takes in each finished step's
+    measured times; `slow` (a test hook) slows a rank."""
     rank = dist.get_rank()
     watch.at_step(step + 1)
     # torch's generators follow (seed, step, rank): a resumed run continues them on any number
@@ -512,11 +565,15 @@ def train_step(
     timer.reset()
     checkpointed, full_recompute = _checkpointed_blocks(data.record, rank)
     set_checkpointed_blocks(model, checkpointed, full_recompute)
-    sync_check = config.sync_debug and device.type == "cuda"
+    sync_check = config.metrics.sync_debug and device.type == "cuda"
     if sync_check:
         # every host sync until the next step's inputs are made (the step's end waits)
         torch.cuda.set_sync_debug_mode("warn")
     local_loss = forward_backward_step(config, model, step_input, data.total_tokens, timer)
+    injected_s = 0.0
+    if slow is not None:  # the test hook: a sleep that stands for a slower device's work
+        injected_s = slow.delay_s(rank, busy_seconds(timer.seconds()), data.forecast)
+        time.sleep(injected_s)
     # the step's peak split by phase (the cost model's is the larger of the two)
     peak_backward_gib = peak_gib(device, reset=True)
     records = []
@@ -524,9 +581,11 @@ def train_step(
         # the previous step's values: the device passed them long ago (this step's forward and
         # backward are queued behind them); a non-finite one raises before this step's update
         with record_function("zellige.step.previous_metrics"):
-            records.append(finish_step(config, before, device))
+            records.append(finish_step(config, before, device, speeds))
     with record_function("zellige.step.optimizer"):
-        grad_norm = clip_and_step(model, optimizer, config.grad_clip_norm, config.clip_in_optimizer)
+        grad_norm = clip_and_step(
+            model, optimizer, config.optimizer.grad_clip_norm, config.optimizer.clip_in_optimizer
+        )
         scheduler.step()
     del step_input  # its tensors are free once the device is done with them
     if step + 1 < config.steps:
@@ -567,11 +626,12 @@ def train_step(
             alloc_retries=alloc_retries,
             reserved_gib=None if reserved is None else reserved / 2**30,
             lr=scheduler.get_last_lr()[0],
+            injected_s=injected_s,
         )
         if late:
             return records, ended
         _synchronize(device)
-        records.append(finish_step(config, ended, device))
+        records.append(finish_step(config, ended, device, speeds))
     return records, None
 
 

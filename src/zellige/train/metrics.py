@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from zellige.runtime import layout
 from zellige.train.config import TrainConfig
+from zellige.train.speeds import RankTimes, SpeedEstimate
 from zellige.train.timing import region_seconds
 from zellige.train.watchdog import TrainingFailed
 
@@ -44,6 +45,9 @@ class StepEnd:
     alloc_retries: int | None
     reserved_gib: float | None
     lr: float
+    # seconds the test hook slept in the step (train.speeds.SlowRank): counted as the rank's
+    # per-token work, as a slower device would spend them
+    injected_s: float = 0.0
 
 
 def time_mark(device: torch.device):
@@ -56,10 +60,16 @@ def time_mark(device: torch.device):
     return event
 
 
-def finish_step(config: TrainConfig, ended: StepEnd, device: torch.device) -> dict:
+def finish_step(
+    config: TrainConfig,
+    ended: StepEnd,
+    device: torch.device,
+    speeds: SpeedEstimate | None = None,
+) -> dict:
     """The metrics record of a step whose work is issued: waits for the device to pass the
     step's end, gathers the ranks' values (over host tensors: no device queue to wait for) and
-    raises TrainingFailed, on every rank alike, if the loss or gradient norm is not finite."""
+    raises TrainingFailed, on every rank alike, if the loss or gradient norm is not finite.
+    `speeds` takes in the step's gathered per-rank times (the same on every rank)."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     if device.type == "cuda":
         # the step's end, not the queue's: later work keeps running (polled, not synchronize():
@@ -71,7 +81,7 @@ def finish_step(config: TrainConfig, ended: StepEnd, device: torch.device) -> di
         step_s = ended.end - ended.start
     local_loss, grad_norm = ended.values.tolist()
     regions = region_seconds(ended.intervals)
-    busy_s = regions.get("block", 0.0) + regions.get("block.backward", 0.0)
+    busy_s = busy_seconds(regions) + ended.injected_s
     local = torch.tensor(
         [
             local_loss,
@@ -100,12 +110,18 @@ def finish_step(config: TrainConfig, ended: StepEnd, device: torch.device) -> di
     slowest_step_s = float(gathered[:, 4].max())
     record = data.record
     peak_backward_gib = ended.peak_backward_gib
+    attention_s = gathered[:, 2] + gathered[:, 3]
+    times = RankTimes(
+        layers_s=tuple((rank_busy - attention_s).tolist()), attention_s=tuple(attention_s.tolist())
+    )
+    if speeds is not None:
+        speeds.update(step + 1, data.forecast, times)
     return {
         "step": step + 1,
         "loss": loss,
         "tokens_per_s": data.total_tokens / slowest_step_s,
         "plan_ms": record.plan_ms,
-        "mfu": _mfu(data.train_flops, slowest_step_s, num_ranks, config.peak_flops_per_s),
+        "mfu": _mfu(data.train_flops, slowest_step_s, num_ranks, config.metrics.peak_flops_per_s),
         "step_s": slowest_step_s,
         "tokens": data.total_tokens,
         "train_flops": data.train_flops,
@@ -130,8 +146,34 @@ def finish_step(config: TrainConfig, ended: StepEnd, device: torch.device) -> di
         "alloc_retries": ended.alloc_retries,
         "reserved_gib": ended.reserved_gib,
         "lr": ended.lr,
-        "planner": config.planner,
+        "planner": config.parallelism.planner,
+        **_speed_fields(data.forecast.rank_speed_factors, times, speeds),
     }
+
+
+def busy_seconds(regions: dict[str, float]) -> float:
+    """A rank's own work in a step: its blocks' forward and backward (FSDP's collectives run
+    in hooks around them and do not count)."""
+    return regions.get("block", 0.0) + regions.get("block.backward", 0.0)
+
+
+def _speed_fields(
+    planned: tuple[float, ...], times: RankTimes, speeds: SpeedEstimate | None
+) -> dict:
+    """The speed factors the step's plan used (empty: none), each rank's measured busy seconds,
+    and the estimate after this step (lists: per rank; None before any measurement)."""
+    fields = {"speed_factors": list(planned), "rank_busy_s": list(times.busy_s)}
+    if speeds is not None:
+        for key, factors in (
+            ("speed_estimate", speeds.speed_factors()),
+            ("speed_estimate_layers", speeds.layers_speed_factors()),
+            ("speed_estimate_attention", speeds.attention_speed_factors()),
+        ):
+            fields[key] = None if factors is None else list(factors)
+    return fields
+
+
+_PER_RANK_SCALARS = ("speed_factors", "speed_estimate", "rank_busy_s")
 
 
 class MetricsSinks:
@@ -184,6 +226,13 @@ class MetricsSinks:
             key: value
             for key, value in record.items()
             if isinstance(value, int | float) and not isinstance(value, bool) and key != "step"
+        }
+        # per-rank lists (speed factors, busy seconds) as one scalar per rank: key/RANK
+        scalars |= {
+            f"{key}/{rank}": value
+            for key, values in record.items()
+            if isinstance(values, list) and key in _PER_RANK_SCALARS
+            for rank, value in enumerate(values)
         }
         if self._tensorboard:
             for key, value in scalars.items():
@@ -239,7 +288,15 @@ def step_line(record: dict, total_steps: int) -> str:
         f"tok/s {record['tokens_per_s']:,.0f} MFU {mfu} "
         f"imbalance planned {record['planned_imbalance']:.3f} "
         f"measured {record['measured_imbalance']:.3f} plan {record['plan_ms']:.2f} ms"
+        + _speeds_text(record.get("speed_factors"))
     )
+
+
+def _speeds_text(factors: list[float] | None) -> str:
+    """The range of the speed factors a step was planned with ("" without feedback)."""
+    if not factors:
+        return ""
+    return f" speeds {min(factors):.2f}-{max(factors):.2f}"
 
 
 def _mfu(flops: float, step_s: float, num_ranks: int, peak_flops_per_s: float | None):

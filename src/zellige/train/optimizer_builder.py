@@ -17,64 +17,57 @@ OPTIMIZER_BLOCKS_PER_CHUNK = 8
 
 def copies_in_optimizer(config: TrainConfig, model) -> bool:
     """Whether AdamW writes the weights' compute copies (one rank without FSDP, the update at
-    the step's end)."""
+    the step's end); `config` resolved (TrainConfig.resolved)."""
     lone = getattr(model, "lone_weights", None) is not None
-    return lone and uses_copying_optimizer(config)
-
-
-def uses_copying_optimizer(config: TrainConfig) -> bool:
-    """config.copying_optimizer, None resolved: on CUDA in bf16 (it applies on one rank without
-    FSDP; float32 or float64 training computes with the masters themselves, no copies)."""
-    chosen = config.copying_optimizer
-    default = config.device == "cuda" and config.dtype == "bfloat16"
-    return default if chosen is None else chosen
-
-
-def keeps_compute_dtype_gradients(config: TrainConfig) -> bool:
-    """config.compute_dtype_gradients, None resolved: wherever the copying optimizer runs."""
-    chosen = config.compute_dtype_gradients
-    return uses_copying_optimizer(config) and (chosen is None or chosen)
+    return lone and config.optimizer.copying_optimizer
 
 
 def make_optimizer(config: TrainConfig, model, device: torch.device) -> torch.optim.Optimizer:
     """torch's AdamW (fused on CUDA: one kernel over all parameters), or CopyingAdamW where it
-    writes the weights' copies (copies_in_optimizer; compiled where the blocks are)."""
-    options = dict(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
+    writes the weights' copies (copies_in_optimizer; compiled where the blocks are); `config`
+    resolved (TrainConfig.resolved)."""
+    chosen = config.optimizer
+    options = dict(lr=chosen.learning_rate, betas=chosen.betas, weight_decay=chosen.weight_decay)
     if copies_in_optimizer(config, model):
-        compiled = config.compile_elementwise
         return CopyingAdamW(
             model.parameters(),
             chunks=model.lone_weights.chunks(OPTIMIZER_BLOCKS_PER_CHUNK),
-            compiled=device.type == "cuda" if compiled is None else compiled,
-            tuned=config.tune_optimizer_kernels,
+            compiled=config.model.compile_elementwise,
+            tuned=chosen.tune_optimizer_kernels,
             **options,
         )
-    fused = device.type == "cuda" if config.fused_optimizer is None else config.fused_optimizer
-    return torch.optim.AdamW(model.parameters(), fused=fused, **options)
+    return torch.optim.AdamW(model.parameters(), fused=chosen.fused_optimizer, **options)
+
+
+# The cost model's prices of what training holds, for a config resolved or not: each resolves
+# it for num_ranks first (TrainConfig.resolved), as the run does.
 
 
 def gradient_bytes_per_param(config: TrainConfig, num_ranks: int) -> float:
     """Bytes a parameter's gradient holds in training (the cost model prices them): fp32, or
     bf16 where the copying optimizer reads the backward's bf16 gradients (one rank)."""
-    lone = num_ranks == 1 and not config.fsdp_on_one_rank
-    kept = lone and keeps_compute_dtype_gradients(config)
-    return 2.0 if kept and config.dtype == "bfloat16" else 4.0
+    config = config.resolved(num_ranks)
+    lone = num_ranks == 1 and not config.parallelism.fsdp_on_one_rank
+    kept = lone and config.optimizer.compute_dtype_gradients
+    return 2.0 if kept and config.model.dtype == "bfloat16" else 4.0
 
 
 def optimizer_copy_bytes_per_param(config: TrainConfig, num_ranks: int) -> float:
     """Bytes a parameter's copy takes that the optimizer step writes beside the state (the cost
     model prices them): the copying optimizer's next-forward weights, one rank without FSDP."""
-    lone = num_ranks == 1 and not config.fsdp_on_one_rank
-    return 2.0 if lone and uses_copying_optimizer(config) and config.dtype == "bfloat16" else 0.0
+    config = config.resolved(num_ranks)
+    lone = num_ranks == 1 and not config.parallelism.fsdp_on_one_rank
+    copying = config.optimizer.copying_optimizer
+    return 2.0 if lone and copying and config.model.dtype == "bfloat16" else 0.0
 
 
 def weights_kept_to_backward(config: TrainConfig, num_ranks: int) -> bool:
     """Whether the blocks' gathered weights live from their forward to their backward (the cost
     model prices them): no FSDP on one rank, or FSDP2 without resharding after the forward."""
-    if num_ranks == 1 and not config.fsdp_on_one_rank:
+    config = config.resolved(num_ranks)
+    if num_ranks == 1 and not config.parallelism.fsdp_on_one_rank:
         return True
-    reshard = config.reshard_after_forward
-    return not (num_ranks > 1 if reshard is None else reshard)
+    return not config.parallelism.reshard_after_forward
 
 
 def clip_and_step(model, optimizer, max_norm: float, in_optimizer: bool = True) -> torch.Tensor:
