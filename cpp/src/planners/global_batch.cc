@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -34,6 +35,12 @@ constexpr int64_t kCountQuartersOfLeast[] = {6, 8, 5, 10, 12};
 int64_t placed_passes(int64_t num_ranks) { return num_ranks <= 64 ? 8 : 4; }
 // ... unless the batch holds at most this many: then every cut is tried.
 constexpr int64_t kSmallGlobalBatch = 256;
+// A cut is abandoned once its bound exceeds the step time to beat by this fraction (the bound
+// and the step time sum the same makespans in different orders).
+constexpr double kBoundMargin = 1e-9;
+// Lower bounds of micro-batches are used from this many ranks on: on fewer, makespan_lower_bound
+// adds its whole-share refinement and costs more than the baselines it would cut short.
+constexpr int64_t kBoundedFromRanks = 128;
 
 using Cut = std::vector<std::vector<int64_t>>;  // micro-batches of indices into the batch
 
@@ -168,41 +175,84 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> halves(
   for (const int64_t index : part) total_bytes += costs[index].memory_bytes;
   size_t split = 1;
   double front_bytes = costs[part[0]].memory_bytes;
-  while (split + 1 < part.size() && front_bytes + costs[part[split]].memory_bytes <= total_bytes / 2) {
+  while (split + 1 < part.size() &&
+         front_bytes + costs[part[split]].memory_bytes <= total_bytes / 2) {
     front_bytes += costs[part[split++]].memory_bytes;
   }
   return {std::vector<int64_t>(part.begin(), part.begin() + split),
           std::vector<int64_t>(part.begin() + split, part.end())};
 }
 
+// makespan_lower_bound of micro-batches (index sets into the batch), memoised: the baselines'
+// variants share their cuts. A cut's micro-batches' bounds sum to at most its step time: each
+// makespan is at least its micro-batch's bound, and two halves of a micro-batch take at least
+// the bound of the whole (the bound's terms are sums and maxima over sequences; the global-batch
+// tests check that no plan's step is below the whole batch's bound).
+class PartBounds {
+ public:
+  PartBounds(const Batch& batch, const CostModel& cost_model)
+      : batch_(batch), cost_model_(cost_model) {}
+
+  double operator()(std::vector<int64_t> part) {
+    std::sort(part.begin(), part.end());
+    const auto known = bound_s_.find(part);
+    if (known != bound_s_.end()) return known->second;
+    const double bound_s = makespan_lower_bound(sub_batch(batch_, part), cost_model_);
+    bound_s_.emplace(std::move(part), bound_s);
+    return bound_s;
+  }
+
+ private:
+  const Batch& batch_;
+  const CostModel& cost_model_;
+  std::map<std::vector<int64_t>, double> bound_s_;
+};
+
 // Each micro-batch of `cut` placed by the fastest of `inner` that fits it. With `costs`, one
 // that fits under none is split in two and each half placed in its stead (the cut's memory
 // estimate need only be near); without, or for a single sequence, nullopt. Also nullopt once the
-// micro-batches placed so far reach `abandon_at_s` (the rest only add): the cut cannot beat a
-// plan of that step time. `placed_sequences`, if given, counts the sequences placed.
+// cut cannot beat a plan of step time `abandon_at_s`: the micro-batches placed so far reach it,
+// or, with `bounds`, they and the lower bounds of the rest do. `placed_sequences`, if given,
+// counts the sequences placed.
 std::optional<GlobalPlan> place_cut(const std::vector<std::string>& inner, const Batch& batch,
                                     Cut cut, const CostModel& cost_model,
                                     const GlobalBatchOptions& options,
                                     const std::vector<SequenceCost>* costs = nullptr,
                                     double abandon_at_s = kInf,
-                                    int64_t* placed_sequences = nullptr) {
+                                    int64_t* placed_sequences = nullptr,
+                                    PartBounds* bounds = nullptr) {
   PlannerOptions planner_options;
   planner_options.seed = options.seed;
   planner_options.time_limit_s = options.time_limit_s;
+  const bool bounded = bounds != nullptr && abandon_at_s < kInf;
+  double rest_bound_s = 0;  // the bounds of cut[k:] plus their overheads
+  if (bounded) {
+    for (const std::vector<int64_t>& part : cut) {
+      rest_bound_s += (*bounds)(part) + options.micro_batch_overhead_s;
+    }
+  }
   GlobalPlan result;
   double partial_s = 0;
   for (size_t k = 0; k < cut.size();) {
-    if (partial_s >= abandon_at_s) return std::nullopt;
+    if (partial_s + rest_bound_s > abandon_at_s * (1 + kBoundMargin) ||
+        partial_s >= abandon_at_s) {
+      return std::nullopt;
+    }
     MicroBatch micro_batch{sub_batch(batch, cut[k]), {}};
     if (placed_sequences != nullptr) *placed_sequences += static_cast<int64_t>(cut[k].size());
     if (place_one(inner, &micro_batch, cost_model, planner_options)) {
       partial_s += micro_batch.plan.predicted.makespan_s + options.micro_batch_overhead_s;
+      if (bounded) rest_bound_s -= (*bounds)(cut[k]) + options.micro_batch_overhead_s;
       result.micro_batches.push_back(std::move(micro_batch));
       ++k;
       continue;
     }
     if (costs == nullptr || cut[k].size() == 1) return std::nullopt;
     auto [front, back] = halves(cut[k], *costs);
+    if (bounded) {
+      rest_bound_s += (*bounds)(front) + (*bounds)(back) + options.micro_batch_overhead_s -
+                      (*bounds)(cut[k]);
+    }
     cut[k] = std::move(front);
     cut.insert(cut.begin() + static_cast<std::ptrdiff_t>(k) + 1, std::move(back));
   }
@@ -210,14 +260,16 @@ std::optional<GlobalPlan> place_cut(const std::vector<std::string>& inner, const
   return result;
 }
 
-// `order` cut by memory, refined where a micro-batch does not fit.
+// `order` cut by memory, refined where a micro-batch does not fit (nullopt past `abandon_at_s`,
+// as place_cut).
 std::optional<GlobalPlan> place_in_order(const std::vector<std::string>& inner, const Batch& batch,
                                          const std::vector<int64_t>& order,
                                          const std::vector<SequenceCost>& costs,
                                          const CostModel& cost_model,
-                                         const GlobalBatchOptions& options) {
+                                         const GlobalBatchOptions& options, double abandon_at_s,
+                                         PartBounds* bounds) {
   const Cut cut = cut_in_order(order, costs, micro_batch_budget_bytes(cost_model));
-  return place_cut(inner, batch, cut, cost_model, options, &costs);
+  return place_cut(inner, batch, cut, cost_model, options, &costs, abandon_at_s, nullptr, bounds);
 }
 
 std::vector<int64_t> loader_order(const Batch& batch) {
@@ -247,17 +299,22 @@ std::vector<int64_t> static_group_sizes(const CostModel& cost_model) {
   return sizes;
 }
 
-// The best of several whole-run variants (a bag spec, a group size), each with its own cut.
+// The best of several whole-run variants (a bag spec, a group size), each with its own cut. A
+// variant is abandoned once it cannot beat the best before it (the first of equals wins, as
+// without) or `abandon_at_s`.
 std::optional<GlobalPlan> best_variant(const std::vector<std::string>& variants,
                                        const Batch& batch, const std::vector<int64_t>& order,
                                        const std::vector<SequenceCost>& costs,
                                        const CostModel& cost_model,
-                                       const GlobalBatchOptions& options) {
+                                       const GlobalBatchOptions& options, double abandon_at_s,
+                                       PartBounds* bounds) {
   std::optional<GlobalPlan> best;
   for (const std::string& variant : variants) {
     std::optional<GlobalPlan> plan;
     try {
-      plan = place_in_order({variant}, batch, order, costs, cost_model, options);
+      plan = place_in_order({variant}, batch, order, costs, cost_model, options,
+                            best ? std::min(best->step_time_s, abandon_at_s) : abandon_at_s,
+                            bounds);
     } catch (const std::invalid_argument&) {
       continue;  // a spec the model's heads do not allow
     }
@@ -269,10 +326,14 @@ std::optional<GlobalPlan> best_variant(const std::vector<std::string>& variants,
   return best;
 }
 
+// The baseline's plan; nullopt when none fits in memory, or, given `abandon_at_s`, when it
+// cannot beat a plan of that step time.
 std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& batch,
                                         const std::vector<SequenceCost>& costs,
                                         const CostModel& cost_model,
-                                        const GlobalBatchOptions& options) {
+                                        const GlobalBatchOptions& options,
+                                        double abandon_at_s = kInf,
+                                        PartBounds* bounds = nullptr) {
   const int64_t num_ranks = cost_model.cluster().num_ranks();
   std::optional<GlobalPlan> plan;
   if (name == "megatron-dcp") {
@@ -281,7 +342,7 @@ std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& ba
       tokens.push_back(static_cast<double>(sequence.num_tokens));
     }
     plan = place_in_order({"megatron-dcp"}, batch, order_by(batch, tokens), costs, cost_model,
-                          options);
+                          options, abandon_at_s, bounds);
     if (plan) plan->chosen = "megatron-dcp";
   } else if (name == "knapformer") {
     std::vector<std::string> specs;
@@ -290,13 +351,15 @@ std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& ba
       specs.push_back("knapformer:g" + std::to_string(size) + "n" +
                       std::to_string(num_ranks / size));
     }
-    plan = best_variant(specs, batch, loader_order(batch), costs, cost_model, options);
+    plan = best_variant(specs, batch, loader_order(batch), costs, cost_model, options,
+                        abandon_at_s, bounds);
   } else if (name == "static-cp") {
     std::vector<std::string> sizes;
     for (const int64_t size : static_group_sizes(cost_model)) {
       sizes.push_back("static-cp:" + std::to_string(size));
     }
-    plan = best_variant(sizes, batch, loader_order(batch), costs, cost_model, options);
+    plan = best_variant(sizes, batch, loader_order(batch), costs, cost_model, options,
+                        abandon_at_s, bounds);
   } else if (name == "wlb-llm") {
     // Variable-length packing: the fewest micro-batches the memory allows, balanced by work;
     // inside each, whole sequences by cost or a static CP group, whichever is fastest there.
@@ -314,7 +377,8 @@ std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& ba
     const int64_t count = least_micro_batches(total_bytes, micro_batch_budget_bytes(cost_model),
                                               static_cast<int64_t>(batch.sequences.size()));
     const Cut cut = spread(heaviest_first, costs, count, micro_batch_budget_bytes(cost_model));
-    plan = place_cut(inner, batch, cut, cost_model, options, &costs);
+    plan = place_cut(inner, batch, cut, cost_model, options, &costs, abandon_at_s, nullptr,
+                     bounds);
     if (plan) plan->chosen = "wlb-llm";
   } else {
     throw std::invalid_argument("unknown global-batch planner '" + name + "'");
@@ -390,8 +454,11 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
                                                num_sequences;
   int64_t placed_sequences = 0;
   std::set<Cut> tried;
-  auto try_cut = [&](const Cut& cut, const std::string& name) {
-    if (best && placed_sequences >= placement_budget) return;
+  PartBounds bounds(batch, cost_model);
+  PartBounds* const baseline_bounds =
+      cost_model.cluster().num_ranks() >= kBoundedFromRanks ? &bounds : nullptr;
+  auto try_cut = [&](const Cut& cut, const std::string& name, bool within_budget) {
+    if (within_budget && best && placed_sequences >= placement_budget) return;
     if (!tried.insert(canonical(cut)).second) return;
     consider(place_cut({"zellige"}, batch, cut, cost_model, options, &costs,
                        best ? best->step_time_s : kInf, &placed_sequences),
@@ -399,15 +466,21 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
   };
   for (const int64_t count :
        micro_batch_counts(least_count, num_sequences, options.extra_micro_batches)) {
-    try_cut(spread(heaviest_first, costs, count, budget_bytes), "zellige:spread");
-    try_cut(grouped(heaviest_first, costs, count, total_bytes, budget_bytes), "zellige:grouped");
+    try_cut(spread(heaviest_first, costs, count, budget_bytes), "zellige:spread", true);
+    try_cut(grouped(heaviest_first, costs, count, total_bytes, budget_bytes), "zellige:grouped",
+            true);
   }
 
-  // The baselines: kept where one wins (the never-worse promise), and the best one's cut placed
-  // by zellige, which is never slower than megatron-dcp, knapformer or static-cp on a micro-batch.
+  // The baselines: one that wins is kept (the never-worse promise), and the best one's cut placed
+  // by zellige, which is never slower than megatron-dcp, knapformer or static-cp on a
+  // micro-batch. Past a small batch, each is abandoned once it cannot beat the best plan so far
+  // (the micro-batches it placed, and on large clusters the lower bounds of the rest, reach it).
+  const double baseline_abandon_at_s =
+      best && num_sequences > kSmallGlobalBatch ? best->step_time_s : kInf;
   std::optional<GlobalPlan> best_baseline;
   for (const std::string& name : global_batch_baseline_names()) {
-    std::optional<GlobalPlan> plan = plan_baseline(name, batch, costs, cost_model, options);
+    std::optional<GlobalPlan> plan = plan_baseline(name, batch, costs, cost_model, options,
+                                                   baseline_abandon_at_s, baseline_bounds);
     if (plan && (!best_baseline || plan->step_time_s < best_baseline->step_time_s)) {
       best_baseline = plan;
     }
@@ -416,7 +489,9 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
       consider(std::move(plan), chosen);
     }
   }
-  if (best_baseline) try_cut(cut_of(*best_baseline, batch), "zellige:" + best_baseline->planner);
+  if (best_baseline) {
+    try_cut(cut_of(*best_baseline, batch), "zellige:" + best_baseline->planner, false);
+  }
   if (!best) {
     throw PlanMemoryError("no cut of the global batch into micro-batches fits in memory");
   }
