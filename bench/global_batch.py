@@ -10,7 +10,9 @@ videos only, 40k to 400k), at 32, 256 and 1024 GPUs; a case over --max-sequences
 (listed in the report). The speed-up is the best baseline's step time over zellige's; the
 video-heavy recipes' geomean is the issue's target (>= 1.15x). The ceiling is the best baseline
 over the lower bound of the whole batch (makespan_lower_bound as if it ran at once: no cut into
-micro-batches beats it), the most any planner could gain. Planning times are thread CPU time.
+micro-batches beats it), the most any planner could gain. Planning times are thread CPU time;
+"one pass" is zellige placing the micro-batches it chose once (place_micro_batches), the least
+any global planner that places each micro-batch with zellige pays.
 
     PYTHONPATH=src python bench/global_batch.py [--gpus 32,256,1024] [--multiples 2,4,8,16]
         [--max-sequences 20000] [--out FILE]
@@ -52,6 +54,7 @@ class Case:
     lower_bound_s: float
     zellige_ms: float  # thread CPU time of the whole call, its baselines included
     baselines_ms: float  # thread CPU time of the four baselines' own calls
+    one_pass_ms: float  # thread CPU time of zellige placing its chosen micro-batches once
     chosen: str
 
     def best_baseline_s(self) -> float | None:
@@ -134,6 +137,17 @@ def global_batch(
     return batch
 
 
+def one_pass_cpu_ms(
+    plan: zellige.GlobalPlan, batch: zellige.Batch, cost_model: zellige.CostModel
+) -> float:
+    """Thread CPU ms of one zellige plan per micro-batch of `plan`'s cut: what any global planner
+    that places each micro-batch with zellige once pays at least."""
+    ids = [[sequence.id for sequence in mb.batch.sequences] for mb in plan.micro_batches]
+    start_s = time.thread_time()
+    zellige.place_micro_batches("zellige", batch, ids, cost_model)
+    return 1e3 * (time.thread_time() - start_s)
+
+
 def run_case(workload: str, num_gpus: int, multiple: int, max_sequences: int) -> Case | None:
     model = "wan-14b" if workload in MIXES else zellige.load_recipe(workload).model
     cost_model = zellige.make_cost_model(model, num_gpus)
@@ -142,7 +156,7 @@ def run_case(workload: str, num_gpus: int, multiple: int, max_sequences: int) ->
         return None
     step_s: dict[str, float | None] = {}
     micro_batches: dict[str, int | None] = {}
-    zellige_ms, baselines_ms, chosen = math.nan, 0.0, ""
+    zellige_ms, baselines_ms, one_pass_ms, chosen = math.nan, 0.0, math.nan, ""
     for name in [*zellige.global_batch_baseline_names(), "zellige"]:
         start_s = time.thread_time()
         try:
@@ -156,6 +170,7 @@ def run_case(workload: str, num_gpus: int, multiple: int, max_sequences: int) ->
         micro_batches[name] = len(plan.micro_batches)
         if name == "zellige":
             zellige_ms, chosen = elapsed_ms, plan.chosen
+            one_pass_ms = one_pass_cpu_ms(plan, batch, cost_model)
         else:
             baselines_ms += elapsed_ms
     return Case(
@@ -169,6 +184,7 @@ def run_case(workload: str, num_gpus: int, multiple: int, max_sequences: int) ->
         lower_bound_s=zellige.makespan_lower_bound(batch, cost_model),
         zellige_ms=zellige_ms,
         baselines_ms=baselines_ms,
+        one_pass_ms=one_pass_ms,
         chosen=chosen,
     )
 
@@ -186,6 +202,7 @@ def table(cases: list[Case]) -> list[str]:
         "ceiling",
         "zellige cpu ms",
         "baselines cpu ms",
+        "one pass cpu ms",
         "chosen",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -203,6 +220,7 @@ def table(cases: list[Case]) -> list[str]:
             f"{ceiling:.3f}" if ceiling else "-",
             f"{case.zellige_ms:.0f}",
             f"{case.baselines_ms:.0f}",
+            f"{case.one_pass_ms:.0f}",
             case.chosen,
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -232,11 +250,13 @@ def summary(cases: list[Case]) -> list[str]:
     at_1024 = [c for c in cases if c.num_gpus == 1024]
     if at_1024:
         ms = [c.zellige_ms for c in at_1024]
-        own_ms = [c.zellige_ms - c.baselines_ms for c in at_1024]
+        baselines_ms = [c.baselines_ms for c in at_1024]
         lines.append(
             f"zellige planning time at 1024 GPUs (thread CPU): median {statistics.median(ms):.0f}"
-            f" ms, max {max(ms):.0f} ms (target 100 ms); of which its own cuts (the call less the"
-            f" baselines' cost) median {statistics.median(own_ms):.0f} ms"
+            f" ms, max {max(ms):.0f} ms (target 100 ms); the four baselines' own calls together:"
+            f" median {statistics.median(baselines_ms):.0f} ms (zellige plans them too, each cut"
+            " short once it cannot win); one zellige plan per chosen micro-batch: median"
+            f" {statistics.median(c.one_pass_ms for c in at_1024):.0f} ms"
         )
     return lines
 
@@ -280,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         "profile) of each global-batch planner, with its micro-batch count K; speed-up = best "
         "baseline / zellige; ceiling = best baseline / lower bound of the whole batch (no planner "
         "can exceed it). Planning times are thread CPU time on a 2-core machine shared with other "
-        "engineers' builds and tests.",
+        "engineers' builds and tests; one pass = zellige placing the micro-batches it chose once "
+        "(the least a global planner that places each micro-batch with zellige pays).",
         "",
         *table(cases),
         "",
