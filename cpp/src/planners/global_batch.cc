@@ -39,8 +39,12 @@ constexpr int64_t kSmallGlobalBatch = 256;
 // and the step time sum the same makespans in different orders).
 constexpr double kBoundMargin = 1e-9;
 // Lower bounds of micro-batches are used from this many ranks on: on fewer, makespan_lower_bound
-// adds its whole-share refinement and costs more than the baselines it would cut short.
+// adds its whole-share refinement and costs more than the baselines it would cut short ...
 constexpr int64_t kBoundedFromRanks = 128;
+// ... and only while the batch holds at least this many sequences per distinct length: the
+// bound's cost grows with the distinct lengths, a placement's with the sequences (heavy-tailed
+// lengths made the bounds cost several times the placements they saved).
+constexpr int64_t kBoundedSequencesPerLength = 64;
 
 using Cut = std::vector<std::vector<int64_t>>;  // micro-batches of indices into the batch
 
@@ -256,6 +260,7 @@ std::optional<GlobalPlan> place_cut(const std::vector<std::string>& inner, const
     cut[k] = std::move(front);
     cut.insert(cut.begin() + static_cast<std::ptrdiff_t>(k) + 1, std::move(back));
   }
+  if (partial_s >= abandon_at_s) return std::nullopt;
   result.step_time_s = step_time_s(result, options.micro_batch_overhead_s);
   return result;
 }
@@ -455,8 +460,15 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
   int64_t placed_sequences = 0;
   std::set<Cut> tried;
   PartBounds bounds(batch, cost_model);
+  std::set<std::pair<int64_t, int64_t>> lengths;
+  for (const Sequence& sequence : batch.sequences) {
+    lengths.insert({sequence.num_tokens, sequence.text_tokens});
+  }
   PartBounds* const baseline_bounds =
-      cost_model.cluster().num_ranks() >= kBoundedFromRanks ? &bounds : nullptr;
+      cost_model.cluster().num_ranks() >= kBoundedFromRanks &&
+              num_sequences >= kBoundedSequencesPerLength * static_cast<int64_t>(lengths.size())
+          ? &bounds
+          : nullptr;
   auto try_cut = [&](const Cut& cut, const std::string& name, bool within_budget) {
     if (within_budget && best && placed_sequences >= placement_budget) return;
     if (!tried.insert(canonical(cut)).second) return;
