@@ -26,10 +26,11 @@ using test_util::seeded_profile;
 // of cuts, the oracle every one.
 constexpr double kOracleTolerance = 0.02;
 
-// 4 GPUs whose room above the training state holds `tokens_per_rank` tokens of one local
-// sequence each, so a global batch of a few long sequences needs several micro-batches.
-CostModel tight_cost_model(const std::string& model, int64_t tokens_per_rank) {
-  const Cluster roomy = make_cluster(4, 4);
+// GPUs whose room above the training state holds `tokens_per_rank` tokens of one local sequence
+// each, so a global batch of a few long sequences needs several micro-batches.
+CostModel tight_cost_model(const std::string& model, int64_t tokens_per_rank,
+                           int64_t num_ranks = 4) {
+  const Cluster roomy = make_cluster(num_ranks, std::min<int64_t>(num_ranks, 8));
   const CostModel probe(model_preset(model), seeded_profile(), roomy);
   const Sequence sequence = sequence_from_tokens(0, "video", tokens_per_rank, 0, 0);
   double bytes = 0;
@@ -43,14 +44,15 @@ CostModel tight_cost_model(const std::string& model, int64_t tokens_per_rank) {
   return CostModel(model_preset(model), seeded_profile(), cluster);
 }
 
-Batch random_global_batch(int64_t num_sequences, std::mt19937_64& random) {
+// Heavy-tailed: mostly short clips, one in `long_every` a long one.
+Batch random_global_batch(int64_t num_sequences, std::mt19937_64& random, int64_t long_every = 3,
+                          int64_t num_ranks = 4) {
   Batch batch;
   for (int64_t i = 0; i < num_sequences; ++i) {
-    // Heavy-tailed: mostly short clips, now and then a long one.
-    const bool long_one = random() % 3 == 0;
+    const bool long_one = static_cast<int64_t>(random() % long_every) == 0;
     const int64_t tokens = long_one ? 20000 + static_cast<int64_t>(random() % 40000)
                                     : 1024 + static_cast<int64_t>(random() % 12000);
-    batch.sequences.push_back(sequence_from_tokens(i, "video", tokens, 0, i % 4));
+    batch.sequences.push_back(sequence_from_tokens(i, "video", tokens, 0, i % num_ranks));
   }
   return batch;
 }
@@ -131,6 +133,82 @@ TEST(GlobalBatch, NoWorseThanBruteForceAndEveryBaseline) {
   std::printf("%d global batches, %d of them cut, worst step time / brute force %.4f\n", cases,
               multi_micro_batch, worst_ratio);
   EXPECT_GE(multi_micro_batch, cases / 2);  // the batches do exceed memory
+}
+
+// Larger global batches (past the size where zellige tries every cut, so its placement budget
+// and abandoned cuts are exercised, on 128 GPUs also the baselines cut short by the lower bounds
+// of their micro-batches): never slower than any baseline, every plan valid, and no step faster
+// than the lower bound of the whole batch, which no cut into micro-batches beats (a sum of
+// makespans is at least the rank-seconds over the ranks; benchmark's ceiling).
+TEST(GlobalBatch, NeverWorseThanEveryBaselineOnRandomGlobalBatches) {
+  std::mt19937_64 random(300);
+  int cut_cases = 0;
+  for (const std::string model : {"wan-1.3b", "mmdit-11b"}) {
+    for (const int64_t num_ranks : {8, 16, 128}) {
+      // On 128 GPUs, less memory each and more sequences, so that the batch still needs several
+      // micro-batches and every baseline fits.
+      const bool large = num_ranks > 16;
+      const CostModel cost_model = tight_cost_model(model, large ? 24000 : 48000, num_ranks);
+      for (int seed = 0; seed < 2; ++seed) {
+        const Batch batch =
+            random_global_batch((large ? 520 : 300) + 40 * seed, random, 6, num_ranks);
+        const std::string where =
+            model + " " + std::to_string(num_ranks) + " GPUs seed " + std::to_string(seed);
+        const GlobalPlan plan = plan_global_batch("zellige", batch, cost_model);
+        expect_valid(plan, batch, cost_model);
+        const double bound_s = makespan_lower_bound(batch, cost_model);
+        EXPECT_GE(plan.step_time_s, bound_s * (1 - 1e-12)) << where;
+        for (const std::string& baseline : global_batch_baseline_names()) {
+          try {
+            const GlobalPlan other = plan_global_batch(baseline, batch, cost_model);
+            expect_valid(other, batch, cost_model);
+            EXPECT_LE(plan.step_time_s, other.step_time_s) << where << " " << baseline;
+            EXPECT_GE(other.step_time_s, bound_s * (1 - 1e-12)) << where << " " << baseline;
+            // What zellige's abandoning of baselines rests on: a step is at least the sum of its
+            // micro-batches' bounds.
+            double bounds_s = 0;
+            for (const MicroBatch& micro_batch : other.micro_batches) {
+              bounds_s += makespan_lower_bound(micro_batch.batch, cost_model);
+            }
+            EXPECT_GE(other.step_time_s, bounds_s * (1 - 1e-12)) << where << " " << baseline;
+          } catch (const PlanMemoryError&) {
+          }
+        }
+        cut_cases += plan.micro_batches.size() > 1;
+      }
+    }
+  }
+  EXPECT_EQ(cut_cases, 12);  // every batch exceeds memory
+}
+
+// Nearly equal sequences on 128 GPUs, where a baseline's cut often beats zellige's own (its
+// micro-batch count, fewer than zellige tries first): zellige cuts each baseline short by the
+// lower bounds of its remaining micro-batches, so a bound above a true makespan would drop the
+// winner and break the promise here (a 5% overestimate does).
+TEST(GlobalBatch, NeverWorseWhereABaselineCutWinsOnALargeCluster) {
+  int baseline_cuts_chosen = 0;
+  for (const std::string model : {"wan-1.3b", "mmdit-11b"}) {
+    const CostModel cost_model = tight_cost_model(model, 12000, 128);
+    for (const int64_t tokens : {1024, 4096, 16384}) {
+      Batch batch;
+      for (int64_t i = 0; i < 600; ++i) {
+        batch.sequences.push_back(
+            sequence_from_tokens(i, "video", tokens + (i % 7) * 64, 0, i % 128));
+      }
+      const std::string where = model + " " + std::to_string(tokens) + " tokens";
+      const GlobalPlan plan = plan_global_batch("zellige", batch, cost_model);
+      expect_valid(plan, batch, cost_model);
+      for (const std::string& baseline : global_batch_baseline_names()) {
+        try {
+          const GlobalPlan other = plan_global_batch(baseline, batch, cost_model);
+          EXPECT_LE(plan.step_time_s, other.step_time_s) << where << " " << baseline;
+        } catch (const PlanMemoryError&) {
+        }
+      }
+      baseline_cuts_chosen += plan.chosen != "zellige:spread" && plan.chosen != "zellige:grouped";
+    }
+  }
+  EXPECT_GE(baseline_cuts_chosen, 2);  // the case this test is for does occur
 }
 
 TEST(GlobalBatch, DeterministicForASeed) {

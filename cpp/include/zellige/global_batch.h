@@ -21,8 +21,8 @@ struct GlobalBatchOptions {
   // global batch, so it is the same for every K and left out). The launch floor is priced inside
   // each makespan already.
   double micro_batch_overhead_s = 0.0;
-  // zellige tries the least micro-batch count its memory estimate allows, this many more, and
-  // 1.5 and 2 times the least.
+  // zellige tries 1.25 to 3 times the least micro-batch count its memory estimate allows, then
+  // the least and this many more (docs/planner.md, "Global batches").
   int64_t extra_micro_batches = 2;
 };
 

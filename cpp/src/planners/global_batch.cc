@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -26,6 +27,24 @@ namespace zellige {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+// zellige's micro-batch counts, in quarters of the least count: 1.5, 2, 1.25, 2.5 and 3 times it.
+constexpr int64_t kCountQuartersOfLeast[] = {6, 8, 5, 10, 12};
+// zellige places at most about this many times the global batch's sequences over all its cuts,
+// fewer on large clusters, where one pass costs a few hundred milliseconds (and four still reach
+// the 1.5 times the least count that wins there often) ...
+int64_t placed_passes(int64_t num_ranks) { return num_ranks <= 64 ? 8 : 4; }
+// ... unless the batch holds at most this many: then every cut is tried.
+constexpr int64_t kSmallGlobalBatch = 256;
+// A cut is abandoned once its bound exceeds the step time to beat by this fraction (the bound
+// and the step time sum the same makespans in different orders).
+constexpr double kBoundMargin = 1e-9;
+// Lower bounds of micro-batches are used from this many ranks on: on fewer, makespan_lower_bound
+// adds its whole-share refinement and costs more than the baselines it would cut short ...
+constexpr int64_t kBoundedFromRanks = 128;
+// ... and only while the batch holds at least this many sequences per distinct length: the
+// bound's cost grows with the distinct lengths, a placement's with the sequences (heavy-tailed
+// lengths made the bounds cost several times the placements they saved).
+constexpr int64_t kBoundedSequencesPerLength = 64;
 
 using Cut = std::vector<std::vector<int64_t>>;  // micro-batches of indices into the batch
 
@@ -101,6 +120,25 @@ Cut spread(const std::vector<int64_t>& heaviest_first, const std::vector<Sequenc
   return cut;
 }
 
+// The heaviest kept together: `heaviest_first` cut in order into micro-batches of an equal share
+// of the memory, the remainder that rounding leaves merged into the last where it fits.
+Cut grouped(const std::vector<int64_t>& heaviest_first, const std::vector<SequenceCost>& costs,
+            int64_t num_micro_batches, double total_bytes, double budget_bytes) {
+  Cut cut = cut_in_order(heaviest_first, costs,
+                         std::min(budget_bytes, total_bytes / num_micro_batches));
+  if (static_cast<int64_t>(cut.size()) > num_micro_batches) {
+    double merged_bytes = 0;
+    for (const auto* part : {&cut[cut.size() - 2], &cut.back()}) {
+      for (const int64_t index : *part) merged_bytes += costs[index].memory_bytes;
+    }
+    if (merged_bytes <= budget_bytes) {
+      cut[cut.size() - 2].insert(cut[cut.size() - 2].end(), cut.back().begin(), cut.back().end());
+      cut.pop_back();
+    }
+  }
+  return cut;
+}
+
 Batch sub_batch(const Batch& batch, std::vector<int64_t> indices) {
   std::sort(indices.begin(), indices.end());  // the global batch's order
   Batch part;
@@ -141,48 +179,102 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> halves(
   for (const int64_t index : part) total_bytes += costs[index].memory_bytes;
   size_t split = 1;
   double front_bytes = costs[part[0]].memory_bytes;
-  while (split + 1 < part.size() && front_bytes + costs[part[split]].memory_bytes <= total_bytes / 2) {
+  while (split + 1 < part.size() &&
+         front_bytes + costs[part[split]].memory_bytes <= total_bytes / 2) {
     front_bytes += costs[part[split++]].memory_bytes;
   }
   return {std::vector<int64_t>(part.begin(), part.begin() + split),
           std::vector<int64_t>(part.begin() + split, part.end())};
 }
 
+// makespan_lower_bound of micro-batches (index sets into the batch), memoised: the baselines'
+// variants share their cuts. A cut's micro-batches' bounds sum to at most its step time: each
+// makespan is at least its micro-batch's bound, and two halves of a micro-batch take at least
+// the bound of the whole (the bound's terms are sums and maxima over sequences; the global-batch
+// tests check that no plan's step is below the whole batch's bound).
+class PartBounds {
+ public:
+  PartBounds(const Batch& batch, const CostModel& cost_model)
+      : batch_(batch), cost_model_(cost_model) {}
+
+  double operator()(std::vector<int64_t> part) {
+    std::sort(part.begin(), part.end());
+    const auto known = bound_s_.find(part);
+    if (known != bound_s_.end()) return known->second;
+    const double bound_s = makespan_lower_bound(sub_batch(batch_, part), cost_model_);
+    bound_s_.emplace(std::move(part), bound_s);
+    return bound_s;
+  }
+
+ private:
+  const Batch& batch_;
+  const CostModel& cost_model_;
+  std::map<std::vector<int64_t>, double> bound_s_;
+};
+
 // Each micro-batch of `cut` placed by the fastest of `inner` that fits it. With `costs`, one
 // that fits under none is split in two and each half placed in its stead (the cut's memory
-// estimate need only be near); without, or for a single sequence, nullopt.
+// estimate need only be near); without, or for a single sequence, nullopt. Also nullopt once the
+// cut cannot beat a plan of step time `abandon_at_s`: the micro-batches placed so far reach it,
+// or, with `bounds`, they and the lower bounds of the rest do. `placed_sequences`, if given,
+// counts the sequences placed.
 std::optional<GlobalPlan> place_cut(const std::vector<std::string>& inner, const Batch& batch,
                                     Cut cut, const CostModel& cost_model,
                                     const GlobalBatchOptions& options,
-                                    const std::vector<SequenceCost>* costs = nullptr) {
+                                    const std::vector<SequenceCost>* costs = nullptr,
+                                    double abandon_at_s = kInf,
+                                    int64_t* placed_sequences = nullptr,
+                                    PartBounds* bounds = nullptr) {
   PlannerOptions planner_options;
   planner_options.seed = options.seed;
   planner_options.time_limit_s = options.time_limit_s;
+  const bool bounded = bounds != nullptr && abandon_at_s < kInf;
+  double rest_bound_s = 0;  // the bounds of cut[k:] plus their overheads
+  if (bounded) {
+    for (const std::vector<int64_t>& part : cut) {
+      rest_bound_s += (*bounds)(part) + options.micro_batch_overhead_s;
+    }
+  }
   GlobalPlan result;
+  double partial_s = 0;
   for (size_t k = 0; k < cut.size();) {
+    if (partial_s + rest_bound_s > abandon_at_s * (1 + kBoundMargin) ||
+        partial_s >= abandon_at_s) {
+      return std::nullopt;
+    }
     MicroBatch micro_batch{sub_batch(batch, cut[k]), {}};
+    if (placed_sequences != nullptr) *placed_sequences += static_cast<int64_t>(cut[k].size());
     if (place_one(inner, &micro_batch, cost_model, planner_options)) {
+      partial_s += micro_batch.plan.predicted.makespan_s + options.micro_batch_overhead_s;
+      if (bounded) rest_bound_s -= (*bounds)(cut[k]) + options.micro_batch_overhead_s;
       result.micro_batches.push_back(std::move(micro_batch));
       ++k;
       continue;
     }
     if (costs == nullptr || cut[k].size() == 1) return std::nullopt;
     auto [front, back] = halves(cut[k], *costs);
+    if (bounded) {
+      rest_bound_s += (*bounds)(front) + (*bounds)(back) + options.micro_batch_overhead_s -
+                      (*bounds)(cut[k]);
+    }
     cut[k] = std::move(front);
     cut.insert(cut.begin() + static_cast<std::ptrdiff_t>(k) + 1, std::move(back));
   }
+  if (partial_s >= abandon_at_s) return std::nullopt;
   result.step_time_s = step_time_s(result, options.micro_batch_overhead_s);
   return result;
 }
 
-// `order` cut by memory, refined where a micro-batch does not fit.
+// `order` cut by memory, refined where a micro-batch does not fit (nullopt past `abandon_at_s`,
+// as place_cut).
 std::optional<GlobalPlan> place_in_order(const std::vector<std::string>& inner, const Batch& batch,
                                          const std::vector<int64_t>& order,
                                          const std::vector<SequenceCost>& costs,
                                          const CostModel& cost_model,
-                                         const GlobalBatchOptions& options) {
+                                         const GlobalBatchOptions& options, double abandon_at_s,
+                                         PartBounds* bounds) {
   const Cut cut = cut_in_order(order, costs, micro_batch_budget_bytes(cost_model));
-  return place_cut(inner, batch, cut, cost_model, options, &costs);
+  return place_cut(inner, batch, cut, cost_model, options, &costs, abandon_at_s, nullptr, bounds);
 }
 
 std::vector<int64_t> loader_order(const Batch& batch) {
@@ -212,17 +304,22 @@ std::vector<int64_t> static_group_sizes(const CostModel& cost_model) {
   return sizes;
 }
 
-// The best of several whole-run variants (a bag spec, a group size), each with its own cut.
+// The best of several whole-run variants (a bag spec, a group size), each with its own cut. A
+// variant is abandoned once it cannot beat the best before it (the first of equals wins, as
+// without) or `abandon_at_s`.
 std::optional<GlobalPlan> best_variant(const std::vector<std::string>& variants,
                                        const Batch& batch, const std::vector<int64_t>& order,
                                        const std::vector<SequenceCost>& costs,
                                        const CostModel& cost_model,
-                                       const GlobalBatchOptions& options) {
+                                       const GlobalBatchOptions& options, double abandon_at_s,
+                                       PartBounds* bounds) {
   std::optional<GlobalPlan> best;
   for (const std::string& variant : variants) {
     std::optional<GlobalPlan> plan;
     try {
-      plan = place_in_order({variant}, batch, order, costs, cost_model, options);
+      plan = place_in_order({variant}, batch, order, costs, cost_model, options,
+                            best ? std::min(best->step_time_s, abandon_at_s) : abandon_at_s,
+                            bounds);
     } catch (const std::invalid_argument&) {
       continue;  // a spec the model's heads do not allow
     }
@@ -234,10 +331,14 @@ std::optional<GlobalPlan> best_variant(const std::vector<std::string>& variants,
   return best;
 }
 
+// The baseline's plan; nullopt when none fits in memory, or, given `abandon_at_s`, when it
+// cannot beat a plan of that step time.
 std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& batch,
                                         const std::vector<SequenceCost>& costs,
                                         const CostModel& cost_model,
-                                        const GlobalBatchOptions& options) {
+                                        const GlobalBatchOptions& options,
+                                        double abandon_at_s = kInf,
+                                        PartBounds* bounds = nullptr) {
   const int64_t num_ranks = cost_model.cluster().num_ranks();
   std::optional<GlobalPlan> plan;
   if (name == "megatron-dcp") {
@@ -246,7 +347,7 @@ std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& ba
       tokens.push_back(static_cast<double>(sequence.num_tokens));
     }
     plan = place_in_order({"megatron-dcp"}, batch, order_by(batch, tokens), costs, cost_model,
-                          options);
+                          options, abandon_at_s, bounds);
     if (plan) plan->chosen = "megatron-dcp";
   } else if (name == "knapformer") {
     std::vector<std::string> specs;
@@ -255,13 +356,15 @@ std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& ba
       specs.push_back("knapformer:g" + std::to_string(size) + "n" +
                       std::to_string(num_ranks / size));
     }
-    plan = best_variant(specs, batch, loader_order(batch), costs, cost_model, options);
+    plan = best_variant(specs, batch, loader_order(batch), costs, cost_model, options,
+                        abandon_at_s, bounds);
   } else if (name == "static-cp") {
     std::vector<std::string> sizes;
     for (const int64_t size : static_group_sizes(cost_model)) {
       sizes.push_back("static-cp:" + std::to_string(size));
     }
-    plan = best_variant(sizes, batch, loader_order(batch), costs, cost_model, options);
+    plan = best_variant(sizes, batch, loader_order(batch), costs, cost_model, options,
+                        abandon_at_s, bounds);
   } else if (name == "wlb-llm") {
     // Variable-length packing: the fewest micro-batches the memory allows, balanced by work;
     // inside each, whole sequences by cost or a static CP group, whichever is fastest there.
@@ -279,7 +382,8 @@ std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& ba
     const int64_t count = least_micro_batches(total_bytes, micro_batch_budget_bytes(cost_model),
                                               static_cast<int64_t>(batch.sequences.size()));
     const Cut cut = spread(heaviest_first, costs, count, micro_batch_budget_bytes(cost_model));
-    plan = place_cut(inner, batch, cut, cost_model, options, &costs);
+    plan = place_cut(inner, batch, cut, cost_model, options, &costs, abandon_at_s, nullptr,
+                     bounds);
     if (plan) plan->chosen = "wlb-llm";
   } else {
     throw std::invalid_argument("unknown global-batch planner '" + name + "'");
@@ -308,6 +412,23 @@ Cut cut_of(const GlobalPlan& plan, const Batch& batch) {
   return cut;
 }
 
+// The micro-batch counts zellige tries, in the order it places them: multiples of the least its
+// memory estimate allows (micro-batches a third to two thirds full won most often: a full one
+// makes the planner shard or recompute more, and is slow to plan; an emptier one balances fewer
+// sequences), then the least and up to extra_micro_batches more, for a large per-micro-batch
+// overhead.
+std::vector<int64_t> micro_batch_counts(int64_t least_count, int64_t num_sequences,
+                                        int64_t extra_micro_batches) {
+  std::vector<int64_t> counts;
+  auto add = [&](int64_t count) {
+    count = std::min(count, num_sequences);
+    if (std::find(counts.begin(), counts.end(), count) == counts.end()) counts.push_back(count);
+  };
+  for (const int64_t quarters : kCountQuartersOfLeast) add((quarters * least_count + 3) / 4);
+  for (int64_t extra = extra_micro_batches; extra >= 0; --extra) add(least_count + extra);
+  return counts;
+}
+
 GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCost>& costs,
                                const CostModel& cost_model, const GlobalBatchOptions& options) {
   const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
@@ -326,34 +447,52 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
     if (!best || plan->step_time_s < best->step_time_s) best = std::move(plan);
   };
 
-  // Stage one and two for several micro-batch counts: the least the estimate allows and up to
-  // extra_micro_batches more, and 1.5 and 2 times the least (fuller micro-batches make the
-  // planner shard or recompute more; emptier ones balance fewer sequences each); beside each,
+  // Stage one and two for each count: the heaviest spread over the micro-batches, and beside it
   // the alternative that keeps the heaviest together (their bottlenecks then share one
-  // micro-batch).
+  // micro-batch). Each placed by zellige, abandoned once it cannot beat the best so far; past
+  // placed_passes times the batch's sequences no further cut is started (a small batch tries
+  // every one).
   const int64_t least_count = least_micro_batches(total_bytes, budget_bytes, num_sequences);
-  std::set<int64_t> counts = {(3 * least_count + 1) / 2, 2 * least_count};
-  for (int64_t extra = 0; extra <= options.extra_micro_batches; ++extra) {
-    counts.insert(least_count + extra);
-  }
+  const int64_t placement_budget =
+      num_sequences <= kSmallGlobalBatch ? std::numeric_limits<int64_t>::max()
+                                         : placed_passes(cost_model.cluster().num_ranks()) *
+                                               num_sequences;
+  int64_t placed_sequences = 0;
   std::set<Cut> tried;
-  for (const int64_t count : counts) {
-    if (count > num_sequences) break;
-    const double grouped_budget_bytes = std::min(budget_bytes, total_bytes / count);
-    const std::pair<Cut, std::string> candidates[] = {
-        {spread(heaviest_first, costs, count, budget_bytes), "zellige:spread"},
-        {cut_in_order(heaviest_first, costs, grouped_budget_bytes), "zellige:grouped"}};
-    for (const auto& [cut, name] : candidates) {
-      if (!tried.insert(canonical(cut)).second) continue;
-      consider(place_cut({"zellige"}, batch, cut, cost_model, options, &costs), name);
-    }
+  PartBounds bounds(batch, cost_model);
+  std::set<std::pair<int64_t, int64_t>> lengths;
+  for (const Sequence& sequence : batch.sequences) {
+    lengths.insert({sequence.num_tokens, sequence.text_tokens});
+  }
+  PartBounds* const baseline_bounds =
+      cost_model.cluster().num_ranks() >= kBoundedFromRanks &&
+              num_sequences >= kBoundedSequencesPerLength * static_cast<int64_t>(lengths.size())
+          ? &bounds
+          : nullptr;
+  auto try_cut = [&](const Cut& cut, const std::string& name, bool within_budget) {
+    if (within_budget && best && placed_sequences >= placement_budget) return;
+    if (!tried.insert(canonical(cut)).second) return;
+    consider(place_cut({"zellige"}, batch, cut, cost_model, options, &costs,
+                       best ? best->step_time_s : kInf, &placed_sequences),
+             name);
+  };
+  for (const int64_t count :
+       micro_batch_counts(least_count, num_sequences, options.extra_micro_batches)) {
+    try_cut(spread(heaviest_first, costs, count, budget_bytes), "zellige:spread", true);
+    try_cut(grouped(heaviest_first, costs, count, total_bytes, budget_bytes), "zellige:grouped",
+            true);
   }
 
-  // The baselines: kept where one wins (the never-worse promise), and the best one's cut placed
-  // by zellige, which is never slower than megatron-dcp, knapformer or static-cp on a micro-batch.
+  // The baselines: one that wins is kept (the never-worse promise), and the best one's cut placed
+  // by zellige, which is never slower than megatron-dcp, knapformer or static-cp on a
+  // micro-batch. Past a small batch, each is abandoned once it cannot beat the best plan so far
+  // (the micro-batches it placed, and on large clusters the lower bounds of the rest, reach it).
+  const double baseline_abandon_at_s =
+      best && num_sequences > kSmallGlobalBatch ? best->step_time_s : kInf;
   std::optional<GlobalPlan> best_baseline;
   for (const std::string& name : global_batch_baseline_names()) {
-    std::optional<GlobalPlan> plan = plan_baseline(name, batch, costs, cost_model, options);
+    std::optional<GlobalPlan> plan = plan_baseline(name, batch, costs, cost_model, options,
+                                                   baseline_abandon_at_s, baseline_bounds);
     if (plan && (!best_baseline || plan->step_time_s < best_baseline->step_time_s)) {
       best_baseline = plan;
     }
@@ -362,10 +501,8 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
       consider(std::move(plan), chosen);
     }
   }
-  if (best_baseline && tried.insert(canonical(cut_of(*best_baseline, batch))).second) {
-    consider(place_cut({"zellige"}, batch, cut_of(*best_baseline, batch), cost_model, options,
-                       &costs),
-             "zellige:" + best_baseline->planner);
+  if (best_baseline) {
+    try_cut(cut_of(*best_baseline, batch), "zellige:" + best_baseline->planner, false);
   }
   if (!best) {
     throw PlanMemoryError("no cut of the global batch into micro-batches fits in memory");
