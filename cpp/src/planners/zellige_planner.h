@@ -295,6 +295,7 @@ class MinTree {
   }
   // The lowest index of the least value.
   int64_t argmin() const { return argmin_[1]; }
+  double value(int64_t index) const { return min_s_[leaves_ + index]; }
 
  private:
   static constexpr int64_t kArity = 4;
@@ -569,8 +570,11 @@ class ZelligePlanner {
   std::vector<double> split_times_s_;
   std::vector<int64_t> failed_ranks_;
   int64_t failed_last_rank_ = -1;
-  // Stage 1: per degree d, over nodes, the time of the node's d-th least-loaded rank.
+  // Stage 1: per degree d, over nodes, the time of the node's d-th least-loaded rank; per node,
+  // the most memory one of its ranks holds (both as of the node's last resort_node) and the
+  // least free memory of its ranks (fixed).
   std::vector<MinTree> node_trees_;
+  std::vector<double> node_most_bytes_, node_least_free_bytes_;
   std::vector<double> node_keys_s_;
   std::vector<int64_t> low_ranks_, candidate_ranks_, best_ranks_, touched_;
   std::vector<std::pair<double, int32_t>> partner_fillers_;
