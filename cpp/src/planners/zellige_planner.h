@@ -435,6 +435,10 @@ class ZelligePlanner {
   }
   void refresh_time(Solution* s, int64_t rank) const {
     s->time_s[rank] = at_speed(rank, linear_s(s->tokens[rank]) + s->other_s[rank]);
+    if (s == searched_) {
+      least_time_.update(rank, s->time_s[rank]);
+      most_time_.update(rank, -s->time_s[rank]);
+    }
   }
   // Seconds of `rank` for work of `nominal_s` on the profile's device (CostModel::evaluate).
   double at_speed(int64_t rank, double nominal_s) const {
@@ -562,6 +566,13 @@ class ZelligePlanner {
   std::vector<std::pair<double, int64_t>> node_keys_;  // stage 1's scan beyond a node
   std::vector<int64_t> full_node_ids_;                 // the whole nodes it takes
   MinTree open_ranks_;                                 // stage 2: rank times
+  // Local search: the solution it changes, and trees over its rank times and their negatives
+  // (kept by refresh_time), so that the busiest rank and the least-loaded ones cost O(log ranks)
+  // per step, not a pass over every rank.
+  const Solution* searched_ = nullptr;
+  mutable MinTree least_time_, most_time_;
+  std::vector<double> negated_s_;
+  mutable std::vector<int64_t> popped_ranks_;
   // Stage 2: the shape key of the last filler that fit none of the ranks it tried (-1: none),
   // those ranks, and the last rank its scan reached.
   int32_t failed_key_ = -1;
