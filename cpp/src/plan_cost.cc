@@ -165,29 +165,19 @@ EvaluationCache::Entry& CostModel::find_entry(const Sequence& sequence, const Pl
   std::vector<int64_t>& key = cache.key_;
   key.assign({sequence.num_tokens, sequence.text_tokens, placement.ulysses_degree,
               placement.ring_degree});
-  int64_t first_node = -1, next_label = 0;
-  int64_t last_node = -1, last_label = 0;  // the last node looked up in `labels`, its label
-  std::unordered_map<int64_t, int64_t> labels;
-  for (int64_t rank : placement.ranks) {
-    const int64_t node = cluster_.node_of(rank);
-    if (placement.ranks.size() <= 1 || node == first_node) {
-      key.push_back(0);
-      continue;
-    }
-    if (first_node < 0) {  // label 0, told apart without the map
-      first_node = node;
-      ++next_label;
-      key.push_back(0);
-      continue;
-    }
-    if (node != last_node) {  // ranks of one node usually come together: one lookup per run
-      const auto [it, inserted] = labels.try_emplace(node, next_label);
-      if (inserted) ++next_label;
-      last_node = node;
-      last_label = it->second;
-    }
-    key.push_back(last_label);
+  // Per node its label (-1: none yet), scratch that is all -1 between calls: a placement over a
+  // few ranks costs a few array reads, not a hash map built per call.
+  std::vector<int64_t>& labels = cache.node_labels_;
+  if (labels.size() < static_cast<size_t>(cluster_.num_nodes)) {
+    labels.assign(static_cast<size_t>(cluster_.num_nodes), -1);
   }
+  int64_t next_label = 0;
+  for (int64_t rank : placement.ranks) {
+    int64_t& label = labels[static_cast<size_t>(cluster_.node_of(rank))];
+    if (label < 0) label = next_label++;
+    key.push_back(label);
+  }
+  for (int64_t rank : placement.ranks) labels[static_cast<size_t>(cluster_.node_of(rank))] = -1;
   auto [it, is_new] = cache.entries_.try_emplace(key);
   *inserted = is_new;
   return it->second;

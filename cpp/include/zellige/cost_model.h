@@ -158,6 +158,7 @@ class EvaluationCache {
   // Single-rank placements by (tokens, text tokens): the common case, without building a key.
   std::unordered_map<std::pair<int64_t, int64_t>, Entry, LengthsHash> local_entries_;
   std::vector<int64_t> key_;  // scratch
+  std::vector<int64_t> node_labels_;  // find_entry's scratch: per node, -1 between calls
 };
 
 struct PlanCost {
