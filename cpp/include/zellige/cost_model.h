@@ -184,6 +184,11 @@ class CostModel {
   // Per-rank shares of `placement` (ranks in placement order). The placement must be valid for
   // the cluster (see validate_plan); this is the planners' hot path and does not re-check.
   std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement) const;
+  // The largest of s_per_token * tokens + attention_s + exchange_s over shares(sequence,
+  // placement), the same value, without listing the shares: a ring's positions take at most a
+  // few distinct shares (planners price rings over thousands of ranks for every length).
+  double busiest_share_s(const Sequence& sequence, const Placement& placement,
+                         double s_per_token) const;
   // The same, memoised in `cache` (see EvaluationCache).
   std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement,
                                 EvaluationCache& cache) const;
@@ -307,6 +312,12 @@ class CostModel {
   RankTerms rank_terms(const Shape& shape, int block_class, int next_block_class,
                        int64_t chunk_tokens, int64_t heads, bool ulysses_intra_node,
                        bool ring_intra_node) const;
+  // Calls visit(share, sent_bytes) for each position of `placement` in order (share.rank set),
+  // or, with `distinct_only`, for at least one position of each distinct share (see
+  // busiest_share_s), in O(1) per ring of one Ulysses rank rather than O(ranks).
+  template <typename Visit>
+  void visit_shares(const Sequence& sequence, const Placement& placement, bool distinct_only,
+                    Visit&& visit) const;
   std::vector<RankShare> shares_and_bytes(const Sequence& sequence, const Placement& placement,
                                           double* sent_bytes) const;
   EvaluationCache::Entry& cached_terms(const Sequence& sequence, const Placement& placement,
