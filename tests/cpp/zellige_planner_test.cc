@@ -316,5 +316,36 @@ TEST(ZelligePlanner, EqualSequencesPlanInTimeAboutLinearInTheirCount) {
   EXPECT_LT(large_s, 8 * small_s) << "4096 sequences: " << small_s << " s, 16384: " << large_s;
 }
 
+// Many short sequences of three lengths per rank: a rank's attention calls, one per length and
+// kind, set its launch floor, whatever the balance. Oracles: the batch's lower bound (which the
+// plan must reach, grouping each length on ranks of its own) and every covered baseline, priced
+// exactly (each mixes lengths on a rank and must be no faster).
+TEST(ZelligePlanner, ManyShortSequencesOfFewLengthsReachTheLowerBound) {
+  HardwareProfile profile = seeded_profile();
+  // Host launch times of the order of an H200's (src/zellige/profiles/h200.json).
+  profile.memory_models = {"wan-1.3b"};
+  profile.activation_bytes_per_token_layer = {0};  // 0: the model's own estimate
+  profile.checkpoint_bytes_per_token_layer = {0};
+  profile.launch_s_per_layer = {0.016};
+  profile.launch_s_per_attention_call = {6e-4};
+  profile.validate();
+  CostOptions options;
+  options.activation_checkpointing = true;
+  const CostModel cost_model(model_preset("wan-1.3b"), profile, make_cluster(64, 8), options);
+  std::mt19937 rng(7);
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < 64 * 16; ++i) lengths.push_back(std::vector<int64_t>{64, 144, 256}[rng() % 3]);
+  const Batch batch = batch_of(lengths, 512);
+  const Plan plan = make_plan("zellige", batch, cost_model, PlannerOptions{});
+  const double bound_s = makespan_lower_bound(batch, cost_model);
+  EXPECT_LE(plan.predicted.makespan_s, bound_s * (1 + 1e-12)) << plan.note;
+  EXPECT_GE(plan.predicted.makespan_s, bound_s * (1 - 1e-12));
+  for (const std::string& name : covered_baselines(batch, cost_model)) {
+    SCOPED_TRACE(name);
+    const Plan other = make_plan(name, batch, cost_model, PlannerOptions{});
+    EXPECT_LE(plan.predicted.makespan_s, other.predicted.makespan_s);
+  }
+}
+
 }  // namespace
 }  // namespace zellige

@@ -513,6 +513,7 @@ class ZelligePlanner {
   bool try_pair(Solution* s, int64_t busiest);
   bool try_lower_memory(Solution* s);
   bool bag_start(bool busiest_only, int32_t max_run, Plan* plan);
+  bool grouped_start(Plan* plan);
   bool configuration_start(double upper_s, Plan* plan);
   // The busiest time of the ranks a change touches (infinite when one runs out of memory), exact
   // below `above_s`; once it reaches `above_s`, any value at or above it (callers keep a change
