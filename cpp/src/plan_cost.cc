@@ -383,9 +383,19 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
                                 " ranks but the cluster has " + std::to_string(num_ranks));
   }
   validate_plan(plan, batch, num_ranks, model_.num_heads);
+  // Placements usually come in batch order (planners make them so): the k-th is then the k-th
+  // sequence's, and the id map is built only for a plan that is not.
   std::unordered_map<int64_t, const Sequence*> by_id;
-  by_id.reserve(batch.sequences.size());
-  for (const Sequence& sequence : batch.sequences) by_id[sequence.id] = &sequence;
+  const auto sequence_of = [&](size_t k, const Placement& placement) -> const Sequence& {
+    if (k < batch.sequences.size() && batch.sequences[k].id == placement.sequence_id) {
+      return batch.sequences[k];
+    }
+    if (by_id.empty()) {
+      by_id.reserve(batch.sequences.size());
+      for (const Sequence& sequence : batch.sequences) by_id[sequence.id] = &sequence;
+    }
+    return *by_id.at(placement.sequence_id);
+  };
 
   PlanCost cost;
   cost.ranks.assign(static_cast<size_t>(num_ranks), RankCost{});
@@ -408,6 +418,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
   // vector sorted once, not a map per rank). Ring steps' calls are only counted (a ring over r
   // ranks has r on each: r^2 in all).
   std::vector<RankCall> calls;
+  calls.reserve(2 * plan.placements.size());  // a local sequence's self- and cross-attention
   std::vector<int64_t> ring_step_calls(static_cast<size_t>(num_ranks), 0);
   auto add_share = [&](const RankShare& share, int64_t rank_index, int phase) {
     RankCost& rank = cost.ranks[rank_index];
@@ -424,9 +435,10 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     attention_recompute[rank_index] += share.attention_recompute_s;
     attention_recompute_exchange[rank_index] += share.attention_recompute_exchange_s;
   };
-  for (const Placement& placement : plan.placements) {
+  for (size_t index = 0; index < plan.placements.size(); ++index) {
+    const Placement& placement = plan.placements[index];
     double sent = 0;
-    const Sequence& sequence = *by_id.at(placement.sequence_id);
+    const Sequence& sequence = sequence_of(index, placement);
     if (cache != nullptr) {
       EvaluationCache::Entry& entry = cached_terms(sequence, placement, *cache);
       list_calls(sequence, placement, &entry);
