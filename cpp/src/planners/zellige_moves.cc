@@ -60,7 +60,7 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
   int64_t best_degree = 0;
   // The node loads do not change while the anchors of the busiest rank are tried: once per call.
   least_loaded_nodes(*s, kWindowNodes, &least_nodes_);
-  for (int32_t slot : s->rank_anchors[busiest]) {
+  for (int32_t slot : searched_anchors(*s, busiest)) {
     const AnchorPlacement& anchor = s->anchors[slot];
     window_nodes(least_nodes_, anchor, &window_nodes_);
     prepare_relocation(*s, anchor);

@@ -84,6 +84,11 @@ inline constexpr int64_t kMaxSplitDegree = 4;
 inline constexpr int kMovePartners = 3;
 inline constexpr int kSwapPartners = 6;
 inline constexpr int kRemouldPartners = 4;
+// Re-mould and relocation try at most this many anchors of the busiest rank, those with its
+// largest shares: a baseline start of small sequences in Ulysses bags holds hundreds of anchors
+// per rank, each priced in several shapes per step (16 lost 0.8% on a start of 41 anchors over
+// 32 ranks each, where the gain came from a small one).
+inline constexpr size_t kSearchAnchors = 64;
 inline constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tried for sharding
 // Whole-anchor moves (zellige_moves.cc): windows on this many least-loaded nodes (and the anchor's
 // own), this many partner anchors, and at most this many such moves per anchor of a search.
@@ -504,6 +509,8 @@ class ZelligePlanner {
   bool try_move(Solution* s, int64_t busiest);
   bool try_swap(Solution* s, int64_t busiest);
   bool try_remould(Solution* s, int64_t busiest);
+  // The anchor slots of `busiest` that re-mould and relocation try (kSearchAnchors).
+  const std::vector<int32_t>& searched_anchors(const Solution& s, int64_t busiest);
   bool try_promote(Solution* s, int64_t busiest);
   // zellige_moves.cc
   void least_loaded_nodes(const Solution& s, int count, std::vector<int64_t>* nodes);
@@ -591,6 +598,8 @@ class ZelligePlanner {
   std::vector<int64_t> low_ranks_, candidate_ranks_, best_ranks_, touched_;
   std::vector<std::pair<double, int32_t>> partner_fillers_;
   std::vector<int32_t> longest_fillers_;
+  std::vector<int32_t> searched_slots_;
+  std::vector<std::pair<double, int32_t>> anchor_shares_s_;
   std::vector<double> rank_seconds_;
   std::vector<char> member_;
   std::vector<int64_t> delta_tokens_;

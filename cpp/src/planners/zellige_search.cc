@@ -198,12 +198,28 @@ double ZelligePlanner::price_change(const Solution& s, const std::vector<RankSha
   return score_s;
 }
 
+const std::vector<int32_t>& ZelligePlanner::searched_anchors(const Solution& s, int64_t busiest) {
+  const std::vector<int32_t>& slots = s.rank_anchors[busiest];
+  if (slots.size() <= kSearchAnchors) return slots;
+  anchor_shares_s_.clear();
+  for (int32_t slot : slots) {
+    for (const RankShare& share : s.anchors[slot].shares) {
+      if (share.rank == busiest) anchor_shares_s_.push_back({-estimate_s(share), slot});
+    }
+  }
+  std::partial_sort(anchor_shares_s_.begin(), anchor_shares_s_.begin() + kSearchAnchors,
+                    anchor_shares_s_.end());
+  searched_slots_.clear();
+  for (size_t k = 0; k < kSearchAnchors; ++k) searched_slots_.push_back(anchor_shares_s_[k].second);
+  return searched_slots_;
+}
+
 bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
   const double bound_s = s->time_s[busiest] * (1 - kMinGain);
   double best_s = bound_s;
   int32_t best_slot = -1;
   Shape best_shape;
-  for (int32_t slot : s->rank_anchors[busiest]) {
+  for (int32_t slot : searched_anchors(*s, busiest)) {
     const AnchorPlacement& anchor = s->anchors[slot];
     const Sequence& sequence = batch_.sequences[anchor.sequence];
     const int64_t degree = anchor.shape.degree;
