@@ -15,7 +15,10 @@
 // one of its fillers, or, failing those, move a whole anchor to an aligned window or put two
 // anchors on the union of their ranks (zellige_moves.cc). Every covered baseline (planners.h) is
 // built too; the (up to four) most promising ones that fit are searched the same way, and so is
-// a start of aligned bags when a few long sequences dominate (zellige_moves.cc); the result is the
+// a start of aligned bags when a few long sequences dominate (zellige_moves.cc). Where the fastest
+// plan so far waits at its busiest rank's launch floor, a grouped start gives each length ranks of
+// its own (one call per kind on a rank), and a plan at the batch's lower bound ends the planning
+// there, no baseline built (none can be faster). The result is the
 // fastest of all these plans under the exact CostModel::evaluate (memoised), so never slower
 // than any covered baseline; within 0.5% of the fastest, the lowest peak memory wins
 // (docs/planner.md).
@@ -86,8 +89,8 @@ inline constexpr int kSwapPartners = 6;
 inline constexpr int kRemouldPartners = 4;
 // Re-mould and relocation try at most this many anchors of the busiest rank, those with its
 // largest shares: a baseline start of small sequences in Ulysses bags holds hundreds of anchors
-// per rank, each priced in several shapes per step (16 lost 0.8% on a start of 41 anchors over
-// 32 ranks each, where the gain came from a small one).
+// per rank, each priced in several shapes per step. Not fewer: a start of a few dozen rank-wide
+// anchors can gain from re-moulding a small one.
 inline constexpr size_t kSearchAnchors = 64;
 inline constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tried for sharding
 // Whole-anchor moves (zellige_moves.cc): windows on this many least-loaded nodes (and the anchor's
