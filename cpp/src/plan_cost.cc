@@ -273,11 +273,18 @@ void CostModel::list_calls(const Sequence& sequence, const Placement& placement,
   }
 }
 
-double CostModel::makespan_floor(const Batch& batch, const Plan& plan,
-                                 EvaluationCache& cache) const {
+double CostModel::makespan_floor(const Batch& batch, const Plan& plan, EvaluationCache& cache,
+                                 double* recompute_floor_s) const {
   const int64_t num_ranks = cluster_.num_ranks();
   std::vector<int64_t> tokens(static_cast<size_t>(num_ranks), 0);
   std::vector<double> other_s(static_cast<size_t>(num_ranks), 0.0);
+  // recompute_floor_s's per-rank sums, as evaluate keeps them.
+  const bool memory_terms = recompute_floor_s != nullptr && options_.activation_checkpointing;
+  const size_t memory_ranks = memory_terms ? static_cast<size_t>(num_ranks) : 0;
+  std::vector<std::array<double, 4>> bytes(memory_ranks, {0, 0, 0, 0});  // act., ckpt, in, buf
+  std::vector<std::array<double, 3>> phase_tokens(memory_ranks, {0, 0, 0});
+  std::vector<double> recompute_s(memory_ranks, 0.0), full_recompute_s(memory_ranks, 0.0);
+  bool world_exchange = false;
   std::unordered_map<int64_t, const Sequence*> by_id;
   const size_t num_sequences = batch.sequences.size();
   const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
@@ -298,9 +305,46 @@ double CostModel::makespan_floor(const Batch& batch, const Plan& plan,
       other_s[rank] += share.attention_s + share.exchange_s - entry.call_excess_s[k];
       // Adaptive checkpointing may skip every layer's recompute where memory allows.
       if (skips_recompute) other_s[rank] -= share.recompute_s + share.recompute_exchange_s;
+      if (!memory_terms) continue;
+      std::array<double, 4>& held = bytes[rank];
+      held[0] += share.layer_activation_bytes;
+      held[1] += share.layer_checkpoint_bytes;
+      held[2] += share.layer_input_bytes;
+      held[3] += share.buffer_bytes;
+      const int phase = placement.ring_degree > 1 ? 2 : placement.ulysses_degree > 1 ? 1 : 0;
+      phase_tokens[rank][phase] += static_cast<double>(share.tokens);
+      recompute_s[rank] += share.recompute_s + share.recompute_exchange_s;
+      full_recompute_s[rank] += share.attention_recompute_s + share.attention_recompute_exchange_s;
     }
+    world_exchange = world_exchange || placement.ulysses_degree > 1;
   }
-  return floor_of_totals(tokens, other_s);
+  const double floor_s = floor_of_totals(tokens, other_s);
+  if (recompute_floor_s == nullptr) return floor_s;
+  *recompute_floor_s = floor_s;
+  if (!memory_terms) return floor_s;
+  // Each rank's layers as evaluate picks them (time only grows with either count), then the
+  // recompute they cost beyond what the floor above charged.
+  std::vector<std::pair<int64_t, int64_t>> layers_of(static_cast<size_t>(num_ranks));
+  int64_t most_checkpointed = 0, most_full = 0;
+  for (int64_t i = 0; i < num_ranks; ++i) {
+    const std::array<double, 4>& held = bytes[i];
+    layers_of[i] =
+        rank_checkpointing(held[0], held[1], held[2], phase_buffer_bytes(held[3], phase_tokens[i]),
+                           tokens[i], memory_capacity_bytes(i));
+    most_checkpointed = std::max(most_checkpointed, layers_of[i].first);
+    most_full = std::max(most_full, layers_of[i].second);
+  }
+  const double layers = static_cast<double>(model_.num_layers);
+  for (int64_t i = 0; i < num_ranks; ++i) {
+    const auto [k, f] = world_exchange ? std::pair{most_checkpointed, most_full} : layers_of[i];
+    if (skips_recompute) {
+      other_s[i] +=
+          static_cast<double>(k) / layers * (linear_recompute_s(tokens[i]) + recompute_s[i]);
+    }
+    other_s[i] += static_cast<double>(f) / layers * full_recompute_s[i];
+  }
+  *recompute_floor_s = std::max(floor_s, floor_of_totals(tokens, other_s));
+  return floor_s;
 }
 
 void CostModel::floor_terms(const Sequence& sequence, const Placement& placement,
@@ -365,6 +409,63 @@ std::vector<RankShare> CostModel::shares(const Sequence& sequence, const Placeme
   std::vector<RankShare> result = cached_terms(sequence, placement, cache).shares;
   for (size_t k = 0; k < result.size(); ++k) result[k].rank = placement.ranks[k];
   return result;
+}
+
+// The shares' buffers hold attention_phase_bytes_ for every token; only the largest phase's
+// exist at once (the planners' additive sizing keeps them all: it errs above, never below).
+double CostModel::phase_buffer_bytes(double buffer_bytes,
+                                     const std::array<double, 3>& phase_tokens) const {
+  if (attention_phase_bytes_ <= 0) return buffer_bytes;
+  const double outside_largest = phase_tokens[0] + phase_tokens[1] + phase_tokens[2] -
+                                 std::max({phase_tokens[0], phase_tokens[1], phase_tokens[2]});
+  return std::max(0.0, buffer_bytes - attention_phase_bytes_ * outside_largest);
+}
+
+// Checkpoint every layer, none, or (adaptive) the fewest whose peak fits, keeping their attention
+// outputs; where even that does not fit, the fewest of them that recompute their attention too
+// (full recompute) so that it fits; a rank that fits nowhere recomputes all.
+std::pair<int64_t, int64_t> CostModel::rank_checkpointing(double activation_bytes,
+                                                          double checkpoint_bytes,
+                                                          double input_bytes, double buffer_bytes,
+                                                          int64_t tokens,
+                                                          double capacity_bytes) const {
+  const int64_t num_layers = model_.num_layers;
+  const auto peak = [&](int64_t k, int64_t f) {
+    return rank_peak_bytes(activation_bytes, checkpoint_bytes, input_bytes, buffer_bytes, k, f,
+                           tokens);
+  };
+  // The first count in [first, last) whose peak fits, else `last`. A peak that cannot grow
+  // with the count (each layer it covers keeps no more bytes) is bisected, else scanned.
+  const auto fewest_fitting = [&](int64_t first, int64_t last, bool monotone, auto&& peak_of) {
+    if (!monotone) {
+      for (int64_t count = first; count < last; ++count) {
+        if (peak_of(count) <= capacity_bytes) return count;
+      }
+      return last;
+    }
+    int64_t low = first, high = last;  // the answer lies in [low, high]
+    while (low < high) {
+      const int64_t middle = low + (high - low) / 2;
+      if (peak_of(middle) <= capacity_bytes) {
+        high = middle;
+      } else {
+        low = middle + 1;
+      }
+    }
+    return low;
+  };
+  int64_t k = options_.activation_checkpointing ? num_layers : 0, f = 0;
+  if (options_.activation_checkpointing) {
+    if (options_.adaptive_checkpointing) {
+      k = fewest_fitting(0, num_layers, checkpoint_bytes <= activation_bytes,
+                         [&](int64_t fewer) { return peak(fewer, 0); });
+    }
+    if (k == num_layers && peak(k, 0) > capacity_bytes) {
+      f = fewest_fitting(1, num_layers, input_bytes <= checkpoint_bytes,
+                         [&](int64_t full) { return peak(k, full); });
+    }
+  }
+  return {k, f};
 }
 
 PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
@@ -543,53 +644,9 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
           layers *
           (launch_s_per_layer_ + launch_s_per_call_ * static_cast<double>(rank.attention_calls));
     }
-    // Checkpoint every layer, none, or (adaptive) the fewest whose peak fits, keeping their
-    // attention outputs; where even that does not fit, the fewest of them that recompute their
-    // attention too (full recompute) so that it fits; a rank that fits nowhere recomputes all.
-    const int64_t num_layers = model_.num_layers;
-    // The shares' buffers hold attention_phase_bytes_ for every token; only the largest phase's
-    // exist at once (the planners' additive sizing keeps them all: it errs above, never below).
-    if (attention_phase_bytes_ > 0) {
-      const std::array<double, 3>& phases = phase_tokens[i];
-      const double outside_largest =
-          phases[0] + phases[1] + phases[2] - std::max({phases[0], phases[1], phases[2]});
-      buffer[i] = std::max(0.0, buffer[i] - attention_phase_bytes_ * outside_largest);
-    }
-    const auto peak = [&](int64_t k, int64_t f) {
-      return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f,
-                             rank.tokens);
-    };
-    // The first count in [first, last) whose peak fits, else `last`. A peak that cannot grow
-    // with the count (each layer it covers keeps no more bytes) is bisected, else scanned.
-    const auto fewest_fitting = [&](int64_t first, int64_t last, bool monotone, auto&& peak_of) {
-      if (!monotone) {
-        for (int64_t count = first; count < last; ++count) {
-          if (peak_of(count) <= capacity) return count;
-        }
-        return last;
-      }
-      int64_t low = first, high = last;  // the answer lies in [low, high]
-      while (low < high) {
-        const int64_t middle = low + (high - low) / 2;
-        if (peak_of(middle) <= capacity) {
-          high = middle;
-        } else {
-          low = middle + 1;
-        }
-      }
-      return low;
-    };
-    int64_t k = options_.activation_checkpointing ? num_layers : 0, f = 0;
-    if (options_.activation_checkpointing) {
-      if (options_.adaptive_checkpointing) {
-        k = fewest_fitting(0, num_layers, checkpoint[i] <= activation[i],
-                           [&](int64_t fewer) { return peak(fewer, 0); });
-      }
-      if (k == num_layers && peak(k, 0) > capacity) {
-        f = fewest_fitting(1, num_layers, input[i] <= checkpoint[i],
-                           [&](int64_t full) { return peak(k, full); });
-      }
-    }
+    buffer[i] = phase_buffer_bytes(buffer[i], phase_tokens[i]);
+    const auto [k, f] = rank_checkpointing(activation[i], checkpoint[i], input[i], buffer[i],
+                                           rank.tokens, capacity);
     rank.checkpointed_layers = k;
     rank.full_recompute_layers = f;
   }

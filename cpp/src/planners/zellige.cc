@@ -192,6 +192,7 @@ Plan ZelligePlanner::run() {
     std::string name;
     Plan plan;
     double floor_s = kInf;  // CostModel::makespan_floor: no plan's exact makespan is below it
+    double recompute_floor_s = kInf;  // the same with the recompute memory forces: tighter
   };
   const double skip_above_s = std::max(sweep_s, best_s * (1 + kMemoryTieBreak));
   std::vector<Seed> seeds;
@@ -235,7 +236,8 @@ Plan ZelligePlanner::run() {
         continue;
       }
       seed.plan = planners::knapformer_plan(batch_, cost_model_, spec, kCoveredKnapformerGamma, bags);
-      seed.floor_s = cost_model_.makespan_floor(batch_, seed.plan, cache_);
+      seed.floor_s =
+          cost_model_.makespan_floor(batch_, seed.plan, cache_, &seed.recompute_floor_s);
       seeds.push_back(std::move(seed));
       continue;
     }
@@ -244,7 +246,8 @@ Plan ZelligePlanner::run() {
     } catch (const PlanMemoryError&) {
       continue;  // the baseline has no plan within memory: nothing to be worse than
     }
-    seed.floor_s = cost_model_.makespan_floor(batch_, seed.plan, cache_);
+    seed.floor_s =
+        cost_model_.makespan_floor(batch_, seed.plan, cache_, &seed.recompute_floor_s);
     seeds.push_back(std::move(seed));
   }
   std::stable_sort(seeds.begin(), seeds.end(),
@@ -301,6 +304,9 @@ Plan ZelligePlanner::run() {
   std::vector<double> seed_floors_s;  // per finalist from first_seed_finalist on
   for (Seed& seed : seeds) {
     if (seed.floor_s > best_s * (1 + kMemoryTieBreak)) break;  // seeds are in floor order
+    // Neither faster nor within the tie-break window either, by the floor with the recompute
+    // that its ranks' memory forces (memory-tight batches, where the first floor is loose).
+    if (seed.recompute_floor_s > best_s * (1 + kMemoryTieBreak)) continue;
     Finalist finalist{seed.name, std::move(seed.plan), {}};
     const Finalist* twin = nullptr;
     for (size_t k = first_seed_finalist; k < finalists.size() && twin == nullptr; ++k) {
