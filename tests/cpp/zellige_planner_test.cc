@@ -333,8 +333,9 @@ TEST(ZelligePlanner, ManyShortSequencesOfFewLengthsReachTheLowerBound) {
   options.activation_checkpointing = true;
   const CostModel cost_model(model_preset("wan-1.3b"), profile, make_cluster(64, 8), options);
   std::mt19937 rng(7);
+  const int64_t image_tokens[] = {64, 144, 256};
   std::vector<int64_t> lengths;
-  for (int i = 0; i < 64 * 16; ++i) lengths.push_back(std::vector<int64_t>{64, 144, 256}[rng() % 3]);
+  for (int i = 0; i < 64 * 16; ++i) lengths.push_back(image_tokens[rng() % 3]);
   const Batch batch = batch_of(lengths, 512);
   const Plan plan = make_plan("zellige", batch, cost_model, PlannerOptions{});
   const double bound_s = makespan_lower_bound(batch, cost_model);
