@@ -92,6 +92,9 @@ inline constexpr int kRemouldPartners = 4;
 // per rank, each priced in several shapes per step. Not fewer: a start of a few dozen rank-wide
 // anchors can gain from re-moulding a small one.
 inline constexpr size_t kSearchAnchors = 64;
+// Up to this many ranks, least_loaded scans them: cheaper than taking a wide anchor's excluded
+// ranks off the tree one by one.
+inline constexpr int64_t kScanRanks = 256;
 inline constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tried for sharding
 // Whole-anchor moves (zellige_moves.cc): windows on this many least-loaded nodes (and the anchor's
 // own), this many partner anchors, and at most this many such moves per anchor of a search.

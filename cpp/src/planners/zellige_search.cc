@@ -51,7 +51,7 @@ std::vector<RankShare> ZelligePlanner::wide_shares(const Sequence& sequence,
 void ZelligePlanner::least_loaded(const Solution& s, int count, const std::vector<char>* excluded,
                                   std::vector<int64_t>* ranks) const {
   ranks->clear();
-  if (&s == searched_) {
+  if (&s == searched_ && num_ranks_ > kScanRanks) {
     // The least ranks one by one from the tree (each set aside at infinity, then restored): the
     // same ranks in the same (time, id) order as the scan below.
     popped_ranks_.clear();
