@@ -15,8 +15,9 @@ many images of one resolution plus one 200k-450k-token video; 256-token images a
 clips; lengths uniform in 1k-100k; MMDiT image buckets whose text varies 0-512 with caption
 dropout; 100-150 tiny images per GPU; fewer long videos than GPUs; one sequence that fits only
 split 8+ ways), up to 16k sequences, at 32, 1024 and 4096 GPUs: zellige's make_plan thread CPU
-time (median and max over seeds; targets 5 / 50 / 250 ms) and the best covered baseline over
-zellige.
+time (per batch the least of --repeats calls, so that a call slowed by the shared machine's
+load does not set the maximum; median and max over seeds; targets 5 / 50 / 250 ms) and the best
+covered baseline over zellige.
 
     PYTHONPATH=src python bench/planning_time.py [--gpus 8,32,128,1024] [--seeds 5]
         [--scale-gpus 4096,8192] [--few-huge-gpus 512,4096] [--held-out-gpus 32,1024,4096]
@@ -272,13 +273,14 @@ def held_out_batch(family: str, num_gpus: int, seed: int) -> zellige.Batch:
 HELD_OUT_TARGET_MS = {32: 5.0, 1024: 50.0, 4096: 250.0}
 
 
-def held_out_table(gpu_counts: list[int], seeds: int, families: list[str]) -> str:
-    """zellige on HELD_OUT_FAMILIES: make_plan thread CPU ms (median and max over seeds) against
-    the target, and the best covered baseline's makespan over zellige's (worst = min over seeds;
-    >= 1: zellige never worse)."""
+def held_out_table(gpu_counts: list[int], seeds: int, families: list[str], repeats: int) -> str:
+    """zellige on HELD_OUT_FAMILIES: make_plan thread CPU ms (per batch the least of `repeats`
+    calls; median and max over seeds) against the target, and the best covered baseline's
+    makespan over zellige's (worst = min over seeds; >= 1: zellige never worse)."""
     lines = [
-        f"zellige on held-out families ({seeds} seeds each): make_plan thread CPU ms and the best "
-        "covered baseline / zellige (modelled makespan)",
+        f"zellige on held-out families ({seeds} seeds each): make_plan thread CPU ms (per batch "
+        f"the least of {repeats} calls) and the best covered baseline / zellige (modelled "
+        "makespan)",
         "",
         "| family | model | GPUs | sequences (median) | cpu ms median | cpu ms max | target | "
         "baseline/zellige worst | geomean |",
@@ -293,9 +295,12 @@ def held_out_table(gpu_counts: list[int], seeds: int, families: list[str]) -> st
                 batch = held_out_batch(family, num_gpus, seed)
                 counts.append(len(batch.sequences))
                 options = zellige.PlannerOptions(seed=seed)
-                cpu_start = time.thread_time()
-                plan = zellige.make_plan("zellige", batch, cost_model, options)
-                cpu_ms.append((time.thread_time() - cpu_start) * 1e3)
+                least_ms = float("inf")
+                for _ in range(repeats):
+                    cpu_start = time.thread_time()
+                    plan = zellige.make_plan("zellige", batch, cost_model, options)
+                    least_ms = min(least_ms, (time.thread_time() - cpu_start) * 1e3)
+                cpu_ms.append(least_ms)
                 best_s = float("inf")
                 for name in zellige._core.covered_baselines(batch, cost_model):
                     try:
@@ -334,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", default="8,32,128,1024", help="comma-separated GPU counts")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--scale-gpus", default="4096,8192", help="'' to skip the scale table")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats per scale case")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="repeats per scale case and per held-out batch"
+    )
     parser.add_argument(
         "--few-huge-gpus",
         default="512,4096",
@@ -368,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.held_out_gpus:
         held_out_gpus = [int(n) for n in args.held_out_gpus.split(",")]
         families = args.held_out_families.split(",")
-        text += "\n\n" + held_out_table(held_out_gpus, args.held_out_seeds, families)
+        text += "\n\n" + held_out_table(held_out_gpus, args.held_out_seeds, families, args.repeats)
     text += "\n" + provenance()
     if args.out is not None:
         write_report(args.out, "Planning time", "planning_time.py", argv, text)

@@ -471,9 +471,9 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
   return terms;
 }
 
-std::vector<RankShare> CostModel::shares_and_bytes(const Sequence& sequence,
-                                                   const Placement& placement,
-                                                   double* sent_bytes) const {
+template <typename Visit>
+void CostModel::visit_shares(const Sequence& sequence, const Placement& placement,
+                             bool distinct_only, Visit&& visit) const {
   const int64_t unit_tokens = attended_tokens(model_, sequence.num_tokens, sequence.text_tokens);
   const int64_t u = placement.ulysses_degree;
   const int64_t r = placement.ring_degree;
@@ -484,9 +484,6 @@ std::vector<RankShare> CostModel::shares_and_bytes(const Sequence& sequence,
   if (r > 1) {
     for (int64_t k = 0; k < u; ++k) ring_intra[k] = same_node(cluster_, placement.ranks, k, u, r);
   }
-  std::vector<RankShare> result;
-  result.reserve(placement.ranks.size());
-  double sent = 0;
   // A rank's terms depend only on these few values, which take at most a handful of combinations
   // however many ranks there are: each is priced once, so a share costs O(1) and a placement over
   // d ranks O(d) copies instead of d full pricings (planners price degrees up to thousands).
@@ -497,7 +494,15 @@ std::vector<RankShare> CostModel::shares_and_bytes(const Sequence& sequence,
     bool operator==(const TermsKey&) const = default;
   };
   std::vector<std::pair<TermsKey, RankTerms>> priced;
-  for (int64_t j = 0; j < r; ++j) {
+  // Without Ulysses, ring position j's terms depend on j only through its block class and the
+  // next one's: the positions 0, nb - 1, nb and r - 1 (nb big blocks first) meet every pair.
+  const int64_t nb = shape.num_big_blocks;
+  const int64_t distinct_steps[] = {0, nb - 1, nb, r - 1};
+  const bool few_steps = distinct_only && u == 1;
+  const int64_t num_steps = few_steps ? 4 : r;
+  for (int64_t step = 0; step < num_steps; ++step) {
+    const int64_t j = few_steps ? distinct_steps[step] : step;
+    if (j < 0 || j >= r || (few_steps && step > 0 && j == distinct_steps[step - 1])) continue;
     const int block_class = j < shape.num_big_blocks ? 1 : 0;
     const int next_class = (j + 1) % r < shape.num_big_blocks ? 1 : 0;
     const int64_t block = shape.block_tokens(block_class);
@@ -530,15 +535,36 @@ std::vector<RankShare> CostModel::shares_and_bytes(const Sequence& sequence,
       share.layer_input_bytes = terms.layer_input_bytes;
       share.attention_recompute_s = terms.attention_recompute_s;
       share.attention_recompute_exchange_s = terms.attention_recompute_exchange_s;
-      result.push_back(share);
-      sent += terms.sent_bytes;
-      if (share.rank != sequence.source_rank) {
-        sent += 2.0 * kRouteBytesPerToken * static_cast<double>(chunk);
-      }
+      visit(share, terms.sent_bytes);
     }
   }
+}
+
+std::vector<RankShare> CostModel::shares_and_bytes(const Sequence& sequence,
+                                                   const Placement& placement,
+                                                   double* sent_bytes) const {
+  std::vector<RankShare> result;
+  result.reserve(placement.ranks.size());
+  double sent = 0;
+  visit_shares(sequence, placement, false, [&](const RankShare& share, double share_sent) {
+    result.push_back(share);
+    sent += share_sent;
+    if (share.rank != sequence.source_rank) {
+      sent += 2.0 * kRouteBytesPerToken * static_cast<double>(share.tokens);
+    }
+  });
   if (sent_bytes != nullptr) *sent_bytes = sent;
   return result;
+}
+
+double CostModel::busiest_share_s(const Sequence& sequence, const Placement& placement,
+                                  double s_per_token) const {
+  double busiest_s = 0;
+  visit_shares(sequence, placement, true, [&](const RankShare& share, double) {
+    busiest_s = std::max(busiest_s, static_cast<double>(share.tokens) * s_per_token +
+                                        share.attention_s + share.exchange_s);
+  });
+  return busiest_s;
 }
 
 std::vector<RankShare> CostModel::shares(const Sequence& sequence,

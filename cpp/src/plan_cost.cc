@@ -165,29 +165,19 @@ EvaluationCache::Entry& CostModel::find_entry(const Sequence& sequence, const Pl
   std::vector<int64_t>& key = cache.key_;
   key.assign({sequence.num_tokens, sequence.text_tokens, placement.ulysses_degree,
               placement.ring_degree});
-  int64_t first_node = -1, next_label = 0;
-  int64_t last_node = -1, last_label = 0;  // the last node looked up in `labels`, its label
-  std::unordered_map<int64_t, int64_t> labels;
-  for (int64_t rank : placement.ranks) {
-    const int64_t node = cluster_.node_of(rank);
-    if (placement.ranks.size() <= 1 || node == first_node) {
-      key.push_back(0);
-      continue;
-    }
-    if (first_node < 0) {  // label 0, told apart without the map
-      first_node = node;
-      ++next_label;
-      key.push_back(0);
-      continue;
-    }
-    if (node != last_node) {  // ranks of one node usually come together: one lookup per run
-      const auto [it, inserted] = labels.try_emplace(node, next_label);
-      if (inserted) ++next_label;
-      last_node = node;
-      last_label = it->second;
-    }
-    key.push_back(last_label);
+  // Per node its label (-1: none yet), scratch that is all -1 between calls: a placement over a
+  // few ranks costs a few array reads, not a hash map built per call.
+  std::vector<int64_t>& labels = cache.node_labels_;
+  if (labels.size() < static_cast<size_t>(cluster_.num_nodes)) {
+    labels.assign(static_cast<size_t>(cluster_.num_nodes), -1);
   }
+  int64_t next_label = 0;
+  for (int64_t rank : placement.ranks) {
+    int64_t& label = labels[static_cast<size_t>(cluster_.node_of(rank))];
+    if (label < 0) label = next_label++;
+    key.push_back(label);
+  }
+  for (int64_t rank : placement.ranks) labels[static_cast<size_t>(cluster_.node_of(rank))] = -1;
   auto [it, is_new] = cache.entries_.try_emplace(key);
   *inserted = is_new;
   return it->second;
@@ -283,11 +273,18 @@ void CostModel::list_calls(const Sequence& sequence, const Placement& placement,
   }
 }
 
-double CostModel::makespan_floor(const Batch& batch, const Plan& plan,
-                                 EvaluationCache& cache) const {
+double CostModel::makespan_floor(const Batch& batch, const Plan& plan, EvaluationCache& cache,
+                                 double* recompute_floor_s) const {
   const int64_t num_ranks = cluster_.num_ranks();
   std::vector<int64_t> tokens(static_cast<size_t>(num_ranks), 0);
   std::vector<double> other_s(static_cast<size_t>(num_ranks), 0.0);
+  // recompute_floor_s's per-rank sums, as evaluate keeps them.
+  const bool memory_terms = recompute_floor_s != nullptr && options_.activation_checkpointing;
+  const size_t memory_ranks = memory_terms ? static_cast<size_t>(num_ranks) : 0;
+  std::vector<std::array<double, 4>> bytes(memory_ranks, {0, 0, 0, 0});  // act., ckpt, in, buf
+  std::vector<std::array<double, 3>> phase_tokens(memory_ranks, {0, 0, 0});
+  std::vector<double> recompute_s(memory_ranks, 0.0), full_recompute_s(memory_ranks, 0.0);
+  bool world_exchange = false;
   std::unordered_map<int64_t, const Sequence*> by_id;
   const size_t num_sequences = batch.sequences.size();
   const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
@@ -308,9 +305,46 @@ double CostModel::makespan_floor(const Batch& batch, const Plan& plan,
       other_s[rank] += share.attention_s + share.exchange_s - entry.call_excess_s[k];
       // Adaptive checkpointing may skip every layer's recompute where memory allows.
       if (skips_recompute) other_s[rank] -= share.recompute_s + share.recompute_exchange_s;
+      if (!memory_terms) continue;
+      std::array<double, 4>& held = bytes[rank];
+      held[0] += share.layer_activation_bytes;
+      held[1] += share.layer_checkpoint_bytes;
+      held[2] += share.layer_input_bytes;
+      held[3] += share.buffer_bytes;
+      const int phase = placement.ring_degree > 1 ? 2 : placement.ulysses_degree > 1 ? 1 : 0;
+      phase_tokens[rank][phase] += static_cast<double>(share.tokens);
+      recompute_s[rank] += share.recompute_s + share.recompute_exchange_s;
+      full_recompute_s[rank] += share.attention_recompute_s + share.attention_recompute_exchange_s;
     }
+    world_exchange = world_exchange || placement.ulysses_degree > 1;
   }
-  return floor_of_totals(tokens, other_s);
+  const double floor_s = floor_of_totals(tokens, other_s);
+  if (recompute_floor_s == nullptr) return floor_s;
+  *recompute_floor_s = floor_s;
+  if (!memory_terms) return floor_s;
+  // Each rank's layers as evaluate picks them (time only grows with either count), then the
+  // recompute they cost beyond what the floor above charged.
+  std::vector<std::pair<int64_t, int64_t>> layers_of(static_cast<size_t>(num_ranks));
+  int64_t most_checkpointed = 0, most_full = 0;
+  for (int64_t i = 0; i < num_ranks; ++i) {
+    const std::array<double, 4>& held = bytes[i];
+    layers_of[i] =
+        rank_checkpointing(held[0], held[1], held[2], phase_buffer_bytes(held[3], phase_tokens[i]),
+                           tokens[i], memory_capacity_bytes(i));
+    most_checkpointed = std::max(most_checkpointed, layers_of[i].first);
+    most_full = std::max(most_full, layers_of[i].second);
+  }
+  const double layers = static_cast<double>(model_.num_layers);
+  for (int64_t i = 0; i < num_ranks; ++i) {
+    const auto [k, f] = world_exchange ? std::pair{most_checkpointed, most_full} : layers_of[i];
+    if (skips_recompute) {
+      other_s[i] +=
+          static_cast<double>(k) / layers * (linear_recompute_s(tokens[i]) + recompute_s[i]);
+    }
+    other_s[i] += static_cast<double>(f) / layers * full_recompute_s[i];
+  }
+  *recompute_floor_s = std::max(floor_s, floor_of_totals(tokens, other_s));
+  return floor_s;
 }
 
 void CostModel::floor_terms(const Sequence& sequence, const Placement& placement,
@@ -377,6 +411,63 @@ std::vector<RankShare> CostModel::shares(const Sequence& sequence, const Placeme
   return result;
 }
 
+// The shares' buffers hold attention_phase_bytes_ for every token; only the largest phase's
+// exist at once (the planners' additive sizing keeps them all: it errs above, never below).
+double CostModel::phase_buffer_bytes(double buffer_bytes,
+                                     const std::array<double, 3>& phase_tokens) const {
+  if (attention_phase_bytes_ <= 0) return buffer_bytes;
+  const double outside_largest = phase_tokens[0] + phase_tokens[1] + phase_tokens[2] -
+                                 std::max({phase_tokens[0], phase_tokens[1], phase_tokens[2]});
+  return std::max(0.0, buffer_bytes - attention_phase_bytes_ * outside_largest);
+}
+
+// Checkpoint every layer, none, or (adaptive) the fewest whose peak fits, keeping their attention
+// outputs; where even that does not fit, the fewest of them that recompute their attention too
+// (full recompute) so that it fits; a rank that fits nowhere recomputes all.
+std::pair<int64_t, int64_t> CostModel::rank_checkpointing(double activation_bytes,
+                                                          double checkpoint_bytes,
+                                                          double input_bytes, double buffer_bytes,
+                                                          int64_t tokens,
+                                                          double capacity_bytes) const {
+  const int64_t num_layers = model_.num_layers;
+  const auto peak = [&](int64_t k, int64_t f) {
+    return rank_peak_bytes(activation_bytes, checkpoint_bytes, input_bytes, buffer_bytes, k, f,
+                           tokens);
+  };
+  // The first count in [first, last) whose peak fits, else `last`. A peak that cannot grow
+  // with the count (each layer it covers keeps no more bytes) is bisected, else scanned.
+  const auto fewest_fitting = [&](int64_t first, int64_t last, bool monotone, auto&& peak_of) {
+    if (!monotone) {
+      for (int64_t count = first; count < last; ++count) {
+        if (peak_of(count) <= capacity_bytes) return count;
+      }
+      return last;
+    }
+    int64_t low = first, high = last;  // the answer lies in [low, high]
+    while (low < high) {
+      const int64_t middle = low + (high - low) / 2;
+      if (peak_of(middle) <= capacity_bytes) {
+        high = middle;
+      } else {
+        low = middle + 1;
+      }
+    }
+    return low;
+  };
+  int64_t k = options_.activation_checkpointing ? num_layers : 0, f = 0;
+  if (options_.activation_checkpointing) {
+    if (options_.adaptive_checkpointing) {
+      k = fewest_fitting(0, num_layers, checkpoint_bytes <= activation_bytes,
+                         [&](int64_t fewer) { return peak(fewer, 0); });
+    }
+    if (k == num_layers && peak(k, 0) > capacity_bytes) {
+      f = fewest_fitting(1, num_layers, input_bytes <= checkpoint_bytes,
+                         [&](int64_t full) { return peak(k, full); });
+    }
+  }
+  return {k, f};
+}
+
 PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan) const {
   return evaluate_impl(batch, plan, nullptr);
 }
@@ -393,9 +484,19 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
                                 " ranks but the cluster has " + std::to_string(num_ranks));
   }
   validate_plan(plan, batch, num_ranks, model_.num_heads);
+  // Placements usually come in batch order (planners make them so): the k-th is then the k-th
+  // sequence's, and the id map is built only for a plan that is not.
   std::unordered_map<int64_t, const Sequence*> by_id;
-  by_id.reserve(batch.sequences.size());
-  for (const Sequence& sequence : batch.sequences) by_id[sequence.id] = &sequence;
+  const auto sequence_of = [&](size_t k, const Placement& placement) -> const Sequence& {
+    if (k < batch.sequences.size() && batch.sequences[k].id == placement.sequence_id) {
+      return batch.sequences[k];
+    }
+    if (by_id.empty()) {
+      by_id.reserve(batch.sequences.size());
+      for (const Sequence& sequence : batch.sequences) by_id[sequence.id] = &sequence;
+    }
+    return *by_id.at(placement.sequence_id);
+  };
 
   PlanCost cost;
   cost.ranks.assign(static_cast<size_t>(num_ranks), RankCost{});
@@ -418,6 +519,7 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
   // vector sorted once, not a map per rank). Ring steps' calls are only counted (a ring over r
   // ranks has r on each: r^2 in all).
   std::vector<RankCall> calls;
+  calls.reserve(2 * plan.placements.size());  // a local sequence's self- and cross-attention
   std::vector<int64_t> ring_step_calls(static_cast<size_t>(num_ranks), 0);
   auto add_share = [&](const RankShare& share, int64_t rank_index, int phase) {
     RankCost& rank = cost.ranks[rank_index];
@@ -434,9 +536,10 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     attention_recompute[rank_index] += share.attention_recompute_s;
     attention_recompute_exchange[rank_index] += share.attention_recompute_exchange_s;
   };
-  for (const Placement& placement : plan.placements) {
+  for (size_t index = 0; index < plan.placements.size(); ++index) {
+    const Placement& placement = plan.placements[index];
     double sent = 0;
-    const Sequence& sequence = *by_id.at(placement.sequence_id);
+    const Sequence& sequence = sequence_of(index, placement);
     if (cache != nullptr) {
       EvaluationCache::Entry& entry = cached_terms(sequence, placement, *cache);
       list_calls(sequence, placement, &entry);
@@ -541,53 +644,9 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
           layers *
           (launch_s_per_layer_ + launch_s_per_call_ * static_cast<double>(rank.attention_calls));
     }
-    // Checkpoint every layer, none, or (adaptive) the fewest whose peak fits, keeping their
-    // attention outputs; where even that does not fit, the fewest of them that recompute their
-    // attention too (full recompute) so that it fits; a rank that fits nowhere recomputes all.
-    const int64_t num_layers = model_.num_layers;
-    // The shares' buffers hold attention_phase_bytes_ for every token; only the largest phase's
-    // exist at once (the planners' additive sizing keeps them all: it errs above, never below).
-    if (attention_phase_bytes_ > 0) {
-      const std::array<double, 3>& phases = phase_tokens[i];
-      const double outside_largest =
-          phases[0] + phases[1] + phases[2] - std::max({phases[0], phases[1], phases[2]});
-      buffer[i] = std::max(0.0, buffer[i] - attention_phase_bytes_ * outside_largest);
-    }
-    const auto peak = [&](int64_t k, int64_t f) {
-      return rank_peak_bytes(activation[i], checkpoint[i], input[i], buffer[i], k, f,
-                             rank.tokens);
-    };
-    // The first count in [first, last) whose peak fits, else `last`. A peak that cannot grow
-    // with the count (each layer it covers keeps no more bytes) is bisected, else scanned.
-    const auto fewest_fitting = [&](int64_t first, int64_t last, bool monotone, auto&& peak_of) {
-      if (!monotone) {
-        for (int64_t count = first; count < last; ++count) {
-          if (peak_of(count) <= capacity) return count;
-        }
-        return last;
-      }
-      int64_t low = first, high = last;  // the answer lies in [low, high]
-      while (low < high) {
-        const int64_t middle = low + (high - low) / 2;
-        if (peak_of(middle) <= capacity) {
-          high = middle;
-        } else {
-          low = middle + 1;
-        }
-      }
-      return low;
-    };
-    int64_t k = options_.activation_checkpointing ? num_layers : 0, f = 0;
-    if (options_.activation_checkpointing) {
-      if (options_.adaptive_checkpointing) {
-        k = fewest_fitting(0, num_layers, checkpoint[i] <= activation[i],
-                           [&](int64_t fewer) { return peak(fewer, 0); });
-      }
-      if (k == num_layers && peak(k, 0) > capacity) {
-        f = fewest_fitting(1, num_layers, input[i] <= checkpoint[i],
-                           [&](int64_t full) { return peak(k, full); });
-      }
-    }
+    buffer[i] = phase_buffer_bytes(buffer[i], phase_tokens[i]);
+    const auto [k, f] = rank_checkpointing(activation[i], checkpoint[i], input[i], buffer[i],
+                                           rank.tokens, capacity);
     rank.checkpointed_layers = k;
     rank.full_recompute_layers = f;
   }

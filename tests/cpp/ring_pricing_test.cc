@@ -139,5 +139,31 @@ TEST(RingPricing, AWideRingIsPricedInMemoryLinearInItsRanks) {
   EXPECT_GT(cost.makespan_s, 0);
 }
 
+// busiest_share_s visits a few positions of a ring instead of all of them: it must give the largest
+// estimate over every share that shares() lists, for rings whose blocks are all equal, mostly big
+// or mostly small, for one or two big blocks, within a node and across nodes, and for hybrids.
+TEST(RingPricing, TheBusiestShareIsTheLargestOfTheListedShares) {
+  const CostModel model = test_util::make_model("wan-14b", 64, 8);
+  const double s_per_token = 3e-6;
+  for (int64_t tokens : {4096, 4097, 4099, 65536, 65537, 65543, 100003}) {
+    for (int64_t text_tokens : {0, 512}) {
+      const Sequence sequence = sequence_from_tokens(0, "video", tokens, text_tokens, 0);
+      for (int64_t ulysses : {1, 2, 4}) {
+        for (int64_t ring : {2, 3, 7, 8, 12, 16}) {
+          SCOPED_TRACE(std::to_string(tokens) + " tokens, " + std::to_string(ulysses) + " x " +
+                       std::to_string(ring));
+          const Placement placement = ring_placement(0, ulysses, ring);
+          double expected_s = 0;
+          for (const RankShare& share : model.shares(sequence, placement)) {
+            expected_s = std::max(expected_s, static_cast<double>(share.tokens) * s_per_token +
+                                                  share.attention_s + share.exchange_s);
+          }
+          EXPECT_EQ(model.busiest_share_s(sequence, placement, s_per_token), expected_s);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace zellige

@@ -316,5 +316,52 @@ TEST(ZelligePlanner, EqualSequencesPlanInTimeAboutLinearInTheirCount) {
   EXPECT_LT(large_s, 8 * small_s) << "4096 sequences: " << small_s << " s, 16384: " << large_s;
 }
 
+// Many short sequences of three lengths per rank: a rank's attention calls, one per length and
+// kind, set its launch floor, whatever the balance. Oracles: the batch's lower bound (which the
+// plan must reach, grouping each length on ranks of its own) and every covered baseline, priced
+// exactly (each mixes lengths on a rank and must be no faster).
+// wan-1.3b under the seeded profile with host launch times of the order of an H200's
+// (src/zellige/profiles/h200.json): short sequences wait for their launches.
+CostModel launch_bound_model(int64_t gpus, int64_t gpus_per_node) {
+  HardwareProfile profile = seeded_profile();
+  profile.memory_models = {"wan-1.3b"};
+  profile.activation_bytes_per_token_layer = {0};  // 0: the model's own estimate
+  profile.checkpoint_bytes_per_token_layer = {0};
+  profile.launch_s_per_layer = {0.016};
+  profile.launch_s_per_attention_call = {6e-4};
+  profile.validate();
+  CostOptions options;
+  options.activation_checkpointing = true;
+  return CostModel(model_preset("wan-1.3b"), profile, make_cluster(gpus, gpus_per_node), options);
+}
+
+// Two lengths of short images on two ranks, launch-bound: the best plan puts each length on a
+// rank of its own (one call per kind there). Oracle: brute force over every placement.
+TEST(ZelligePlanner, ShortSequencesOfTwoLengthsMatchBruteForce) {
+  const CostModel cost_model = launch_bound_model(2, 2);
+  const Batch batch = batch_of({64, 256, 64, 256, 256, 64}, 512);
+  const Plan plan = make_plan("zellige", batch, cost_model, PlannerOptions{});
+  EXPECT_LE(plan.predicted.makespan_s, brute_force_makespan(batch, cost_model) * (1 + 1e-12))
+      << plan.note;
+}
+
+TEST(ZelligePlanner, ManyShortSequencesOfFewLengthsReachTheLowerBound) {
+  const CostModel cost_model = launch_bound_model(64, 8);
+  std::mt19937 rng(7);
+  const int64_t image_tokens[] = {64, 144, 256};
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < 64 * 16; ++i) lengths.push_back(image_tokens[rng() % 3]);
+  const Batch batch = batch_of(lengths, 512);
+  const Plan plan = make_plan("zellige", batch, cost_model, PlannerOptions{});
+  const double bound_s = makespan_lower_bound(batch, cost_model);
+  EXPECT_LE(plan.predicted.makespan_s, bound_s * (1 + 1e-12)) << plan.note;
+  EXPECT_GE(plan.predicted.makespan_s, bound_s * (1 - 1e-12));
+  for (const std::string& name : covered_baselines(batch, cost_model)) {
+    SCOPED_TRACE(name);
+    const Plan other = make_plan(name, batch, cost_model, PlannerOptions{});
+    EXPECT_LE(plan.predicted.makespan_s, other.predicted.makespan_s);
+  }
+}
+
 }  // namespace
 }  // namespace zellige

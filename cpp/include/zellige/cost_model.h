@@ -161,6 +161,7 @@ class EvaluationCache {
   // Single-rank placements by (tokens, text tokens): the common case, without building a key.
   std::unordered_map<std::pair<int64_t, int64_t>, Entry, LengthsHash> local_entries_;
   std::vector<int64_t> key_;  // scratch
+  std::vector<int64_t> node_labels_;  // find_entry's scratch: per node, -1 between calls
 };
 
 struct PlanCost {
@@ -186,6 +187,11 @@ class CostModel {
   // Per-rank shares of `placement` (ranks in placement order). The placement must be valid for
   // the cluster (see validate_plan); this is the planners' hot path and does not re-check.
   std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement) const;
+  // The largest of s_per_token * tokens + attention_s + exchange_s over shares(sequence,
+  // placement), the same value, without listing the shares: a ring's positions take at most a
+  // few distinct shares (planners price rings over thousands of ranks for every length).
+  double busiest_share_s(const Sequence& sequence, const Placement& placement,
+                         double s_per_token) const;
   // The same, memoised in `cache` (see EvaluationCache).
   std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement,
                                 EvaluationCache& cache) const;
@@ -267,7 +273,12 @@ class CostModel {
   // layer's recompute (what skipping it could give back). Cheap, for planners that compare many
   // plans. Each rank's floor is divided by its speed, as in evaluate. The
   // plan must be valid for the batch (not re-checked).
-  double makespan_floor(const Batch& batch, const Plan& plan, EvaluationCache& cache) const;
+  // With `recompute_floor_s`, also a tighter floor there: each rank charged the recompute its
+  // memory forces (the fewest checkpointed and fully recomputed layers that fit, as evaluate
+  // picks them, the most of any rank's on every rank where a Ulysses placement makes the
+  // recompute's exchange span the world).
+  double makespan_floor(const Batch& batch, const Plan& plan, EvaluationCache& cache,
+                        double* recompute_floor_s = nullptr) const;
   // What makespan_floor adds for `placement`, summed over its ranks, with the per-token layers
   // charged at min_floor_time_per_token_s(): a plan's floor is at least the sum of this over its
   // placements divided by the total speed (the rank count on a homogeneous cluster), whichever
@@ -309,6 +320,20 @@ class CostModel {
   RankTerms rank_terms(const Shape& shape, int block_class, int next_block_class,
                        int64_t chunk_tokens, int64_t heads, bool ulysses_intra_node,
                        bool ring_intra_node) const;
+  // Calls visit(share, sent_bytes) for each position of `placement` in order (share.rank set),
+  // or, with `distinct_only`, for at least one position of each distinct share (see
+  // busiest_share_s), in O(1) per ring of one Ulysses rank rather than O(ranks).
+  // A rank's backward buffers where only its largest attention phase's exist at once (tokens
+  // held per phase: local, Ulysses-exchanged, ring).
+  double phase_buffer_bytes(double buffer_bytes, const std::array<double, 3>& phase_tokens) const;
+  // (checkpointed layers, fully recomputed layers) of one rank, as evaluate picks them before
+  // the world-wide coupling.
+  std::pair<int64_t, int64_t> rank_checkpointing(double activation_bytes, double checkpoint_bytes,
+                                                 double input_bytes, double buffer_bytes,
+                                                 int64_t tokens, double capacity_bytes) const;
+  template <typename Visit>
+  void visit_shares(const Sequence& sequence, const Placement& placement, bool distinct_only,
+                    Visit&& visit) const;
   std::vector<RankShare> shares_and_bytes(const Sequence& sequence, const Placement& placement,
                                           double* sent_bytes) const;
   EvaluationCache::Entry& cached_terms(const Sequence& sequence, const Placement& placement,

@@ -248,12 +248,8 @@ double MegatronDcp::work_s(int64_t i, int64_t degree) {
   auto [it, inserted] =
       work_s_.try_emplace({sequence.num_tokens, sequence.text_tokens, degree}, 0.0);
   if (inserted) {
-    for (const RankShare& share :
-         shares(sequence, ring_placement(sequence.id, 0, degree))) {
-      const double time_s = static_cast<double>(share.tokens) * linear_s_per_token_ +
-                            share.attention_s + share.exchange_s;
-      it->second = std::max(it->second, time_s);
-    }
+    it->second = cost_model_.busiest_share_s(sequence, ring_placement(sequence.id, 0, degree),
+                                             linear_s_per_token_);
   }
   return work_of_lengths_s_[slot] = it->second;
 }

@@ -153,6 +153,34 @@ Plan ZelligePlanner::run() {
   // additive one, close to the exact): otherwise it rarely ends better and costs a whole search.
   const double sweep_s = best.makespan_s;
   price_finalists(0);
+  // Where the fastest plan so far is at its busiest rank's launch floor (many short sequences per
+  // rank, each length a call of its own), the grouped start (zellige_moves.cc) gives each length
+  // ranks of its own. A plan at the batch's lower bound cannot be beaten: then no baseline is
+  // built nor searched (nor the bag and configuration starts).
+  bool at_lower_bound = false;
+  {
+    const Finalist* fastest = nullptr;
+    for (const Finalist& finalist : finalists) {
+      if (finalist.cost.fits &&
+          (fastest == nullptr || finalist.cost.makespan_s < fastest->cost.makespan_s)) {
+        fastest = &finalist;
+      }
+    }
+    bool launch_bound = false;
+    if (fastest != nullptr) {
+      for (const RankCost& rank : fastest->cost.ranks) {
+        if (rank.time_s == fastest->cost.makespan_s && rank.launch_floor_s >= rank.time_s) {
+          launch_bound = true;
+        }
+      }
+    }
+    Plan grouped;
+    if (launch_bound && grouped_start(&grouped)) {
+      finalists.push_back({"grouped", std::move(grouped), {}});
+      price_finalists(finalists.size() - 1);
+      at_lower_bound = best_s <= makespan_lower_bound(batch_, cost_model_);
+    }
+  }
 
   // Every covered baseline's plan (planners.h, covered_baselines): the best kBaselineStarts of
   // them start local searches of their own, and all of them whose floor is within the memory
@@ -164,11 +192,14 @@ Plan ZelligePlanner::run() {
     std::string name;
     Plan plan;
     double floor_s = kInf;  // CostModel::makespan_floor: no plan's exact makespan is below it
+    double recompute_floor_s = kInf;  // the same with the recompute memory forces: tighter
   };
   const double skip_above_s = std::max(sweep_s, best_s * (1 + kMemoryTieBreak));
   std::vector<Seed> seeds;
   int64_t skipped = 0;
-  for (const std::string& name : covered_baselines(batch_, cost_model_)) {
+  const std::vector<std::string> baselines =
+      at_lower_bound ? std::vector<std::string>{} : covered_baselines(batch_, cost_model_);
+  for (const std::string& name : baselines) {
     bool terms_nonnegative = false;
     const double bound_s =
         std::isfinite(skip_above_s) ? floor_bound(name, &terms_nonnegative) : 0.0;
@@ -205,7 +236,8 @@ Plan ZelligePlanner::run() {
         continue;
       }
       seed.plan = planners::knapformer_plan(batch_, cost_model_, spec, kCoveredKnapformerGamma, bags);
-      seed.floor_s = cost_model_.makespan_floor(batch_, seed.plan, cache_);
+      seed.floor_s =
+          cost_model_.makespan_floor(batch_, seed.plan, cache_, &seed.recompute_floor_s);
       seeds.push_back(std::move(seed));
       continue;
     }
@@ -214,7 +246,8 @@ Plan ZelligePlanner::run() {
     } catch (const PlanMemoryError&) {
       continue;  // the baseline has no plan within memory: nothing to be worse than
     }
-    seed.floor_s = cost_model_.makespan_floor(batch_, seed.plan, cache_);
+    seed.floor_s =
+        cost_model_.makespan_floor(batch_, seed.plan, cache_, &seed.recompute_floor_s);
     seeds.push_back(std::move(seed));
   }
   std::stable_sort(seeds.begin(), seeds.end(),
@@ -231,6 +264,7 @@ Plan ZelligePlanner::run() {
     ++starts;
   }
   for (const bool busiest_only : {true, false}) {
+    if (at_lower_bound) break;
     for (const int32_t max_run : {int32_t{1}, kBagRun}) {
       Plan bags;
       if (!bag_start(busiest_only, max_run, &bags)) break;
@@ -240,7 +274,7 @@ Plan ZelligePlanner::run() {
   }
   {
     Plan configurations;
-    if (configuration_start(sweep_s, &configurations)) {
+    if (!at_lower_bound && configuration_start(sweep_s, &configurations)) {
       import_plan(configurations, &current);
       if (std::isfinite(current.makespan_s)) search_from(&current, "search:configurations");
     }
@@ -270,6 +304,9 @@ Plan ZelligePlanner::run() {
   std::vector<double> seed_floors_s;  // per finalist from first_seed_finalist on
   for (Seed& seed : seeds) {
     if (seed.floor_s > best_s * (1 + kMemoryTieBreak)) break;  // seeds are in floor order
+    // Neither faster nor within the tie-break window either, by the floor with the recompute
+    // that its ranks' memory forces (memory-tight batches, where the first floor is loose).
+    if (seed.recompute_floor_s > best_s * (1 + kMemoryTieBreak)) continue;
     Finalist finalist{seed.name, std::move(seed.plan), {}};
     const Finalist* twin = nullptr;
     for (size_t k = first_seed_finalist; k < finalists.size() && twin == nullptr; ++k) {

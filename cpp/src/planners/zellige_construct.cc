@@ -79,6 +79,11 @@ void ZelligePlanner::prepare() {
   });
   shape_cache_.assign(num_sequences_, {});
   node_ranks_by_time_.assign(num_nodes_, std::vector<int64_t>(gpus_per_node_));
+  node_least_free_bytes_.assign(num_nodes_, kInf);
+  for (int64_t rank = 0; rank < num_ranks_; ++rank) {
+    double& least_bytes = node_least_free_bytes_[node_of(rank)];
+    least_bytes = std::min(least_bytes, free_bytes(rank));
+  }
   member_.assign(num_ranks_, 0);
   delta_tokens_.assign(num_ranks_, 0);
   delta_other_s_.assign(num_ranks_, 0.0);
@@ -193,9 +198,12 @@ void ZelligePlanner::resort_node(const Solution& s, int64_t node) {
     }
     ranks[j] = rank;
   }
+  double most_bytes = 0;
   for (int64_t d = 1; d <= gpus_per_node_; ++d) {
     node_trees_[d - 1].update(node, s.time_s[ranks[d - 1]]);
+    most_bytes = std::max(most_bytes, s.memory_bytes[ranks[d - 1]]);
   }
+  node_most_bytes_[node] = most_bytes;
 }
 
 // The `degree` least-loaded ranks of one node (beyond a node: the least loaded whole nodes, then
@@ -217,6 +225,14 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
       ++taken;
     }
     return taken == count ? last_time_s : kInf;
+  };
+  // take_from_node's time without its ranks: where every rank of the node has the memory, the
+  // node tree's key for `count` (O(1), not a walk over the node's ranks for each of its nodes).
+  auto node_key = [&](int64_t node, int64_t count) {
+    if (node_most_bytes_[node] + memory_bytes <= node_least_free_bytes_[node]) {
+      return node_trees_[count - 1].value(node);
+    }
+    return take_from_node(node, count, nullptr);
   };
 
   auto busiest_after = [&] {
@@ -242,9 +258,7 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
   ranks->clear();
   node_keys_.clear();
   for (int64_t node = 0; node < num_nodes_; ++node) {
-    node_keys_.push_back({full_nodes > 0 ? take_from_node(node, gpus_per_node_, nullptr)
-                                         : take_from_node(node, partial, nullptr),
-                          node});
+    node_keys_.push_back({node_key(node, full_nodes > 0 ? gpus_per_node_ : partial), node});
   }
   if (full_nodes > 0) {
     // The full_nodes least (time, node) keys, in any order: ranks are sorted below, and the
@@ -267,7 +281,7 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
     for (size_t k = full_nodes; k < node_keys_.size(); ++k) {
       const int64_t node = node_keys_[k].second;
       const double time_s =
-          full_nodes > 0 ? take_from_node(node, partial, nullptr) : node_keys_[k].first;
+          full_nodes > 0 ? node_key(node, partial) : node_keys_[k].first;
       if (time_s < best_time_s || (time_s == best_time_s && node < best_node)) {
         best_time_s = time_s;
         best_node = node;
@@ -435,6 +449,7 @@ void ZelligePlanner::construct(double target_s, double share_fraction, Solution*
               node * gpus_per_node_);
   }
   node_keys_s_.assign(num_nodes_, 0.0);
+  node_most_bytes_.assign(num_nodes_, 0.0);
   split_pending_.assign(num_nodes_, 0);
   split_times_s_.resize(num_ranks_);
   node_trees_.resize(gpus_per_node_);

@@ -60,7 +60,7 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
   int64_t best_degree = 0;
   // The node loads do not change while the anchors of the busiest rank are tried: once per call.
   least_loaded_nodes(*s, kWindowNodes, &least_nodes_);
-  for (int32_t slot : s->rank_anchors[busiest]) {
+  for (int32_t slot : searched_anchors(*s, busiest)) {
     const AnchorPlacement& anchor = s->anchors[slot];
     window_nodes(least_nodes_, anchor, &window_nodes_);
     prepare_relocation(*s, anchor);
@@ -250,6 +250,72 @@ bool ZelligePlanner::try_pair(Solution* s, int64_t busiest) {
     anchor.ranks = best_ranks_;
     anchor.shares = *shares;
     add_anchor_shares(s, slot);
+  }
+  return true;
+}
+
+// The grouped start: every sequence whole, each distinct length on a block of ranks of its own
+// (ranks in proportion to its estimated load, largest remainders, at least one), its sequences
+// dealt round-robin over the block. A rank then holds one length: its attention runs as one call
+// per kind, where a balanced plan mixes every length on every rank and each is a call of its own
+// (the launch floor binds when a rank holds many short sequences). False when lengths outnumber
+// the ranks, ranks are unlike, or a rank would run out of memory.
+bool ZelligePlanner::grouped_start(Plan* plan) {
+  const int64_t num_keys = static_cast<int64_t>(shape_key_counts_.size());
+  if (num_keys == 0 || num_keys > num_ranks_ || !speeds_.empty() || !rank_free_bytes_.empty()) {
+    return false;
+  }
+  std::vector<double> load_s(num_keys), quota(num_keys);
+  std::vector<int64_t> block_ranks(num_keys), key_index(num_sequences_);
+  std::unordered_map<int32_t, int64_t> index_of_key;
+  for (int64_t k = 0; k < num_keys; ++k) {
+    const auto [first, count] = shape_key_counts_[k];
+    index_of_key[first] = k;
+    load_s[k] = local_estimate_s_[first] * static_cast<double>(count);
+  }
+  const double total_s = std::accumulate(load_s.begin(), load_s.end(), 0.0);
+  if (!(total_s > 0)) return false;
+  int64_t allotted = 0;
+  for (int64_t k = 0; k < num_keys; ++k) {
+    quota[k] = static_cast<double>(num_ranks_) * load_s[k] / total_s;
+    block_ranks[k] = std::max<int64_t>(1, static_cast<int64_t>(quota[k]));
+    allotted += block_ranks[k];
+  }
+  // Largest remainders up to the rank count, then back down from the most over its quota.
+  while (allotted < num_ranks_) {
+    int64_t best = 0;
+    for (int64_t k = 1; k < num_keys; ++k) {
+      if (quota[k] - block_ranks[k] > quota[best] - block_ranks[best]) best = k;
+    }
+    ++block_ranks[best];
+    ++allotted;
+  }
+  while (allotted > num_ranks_) {
+    int64_t best = -1;
+    for (int64_t k = 0; k < num_keys; ++k) {
+      if (block_ranks[k] > 1 &&
+          (best < 0 || block_ranks[k] - quota[k] > block_ranks[best] - quota[best])) {
+        best = k;
+      }
+    }
+    --block_ranks[best];
+    --allotted;
+  }
+  std::vector<int64_t> first_rank(num_keys), dealt(num_keys, 0);
+  for (int64_t k = 1; k < num_keys; ++k) first_rank[k] = first_rank[k - 1] + block_ranks[k - 1];
+  for (int64_t k = 0; k < num_keys; ++k) {
+    const auto [first, count] = shape_key_counts_[k];
+    const int64_t per_rank = (count + block_ranks[k] - 1) / block_ranks[k];
+    if (static_cast<double>(per_rank) * local_memory_bytes_[first] > free_bytes_) return false;
+  }
+  plan->num_ranks = num_ranks_;
+  plan->placements.clear();
+  plan->placements.reserve(num_sequences_);
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    const int64_t k = index_of_key.at(shape_key_[i]);
+    const int64_t rank = first_rank[k] + dealt[k]++ % block_ranks[k];
+    plan->placements.push_back(
+        make_placement(batch_.sequences[i].id, Strategy::kLocal, {rank}));
   }
   return true;
 }

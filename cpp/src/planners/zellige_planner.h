@@ -15,7 +15,10 @@
 // one of its fillers, or, failing those, move a whole anchor to an aligned window or put two
 // anchors on the union of their ranks (zellige_moves.cc). Every covered baseline (planners.h) is
 // built too; the (up to four) most promising ones that fit are searched the same way, and so is
-// a start of aligned bags when a few long sequences dominate (zellige_moves.cc); the result is the
+// a start of aligned bags when a few long sequences dominate (zellige_moves.cc). Where the fastest
+// plan so far waits at its busiest rank's launch floor, a grouped start gives each length ranks of
+// its own (one call per kind on a rank), and a plan at the batch's lower bound ends the planning
+// there, no baseline built (none can be faster). The result is the
 // fastest of all these plans under the exact CostModel::evaluate (memoised), so never slower
 // than any covered baseline; within 0.5% of the fastest, the lowest peak memory wins
 // (docs/planner.md).
@@ -84,6 +87,14 @@ inline constexpr int64_t kMaxSplitDegree = 4;
 inline constexpr int kMovePartners = 3;
 inline constexpr int kSwapPartners = 6;
 inline constexpr int kRemouldPartners = 4;
+// Re-mould and relocation try at most this many anchors of the busiest rank, those with its
+// largest shares: a baseline start of small sequences in Ulysses bags holds hundreds of anchors
+// per rank, each priced in several shapes per step. Not fewer: a start of a few dozen rank-wide
+// anchors can gain from re-moulding a small one.
+inline constexpr size_t kSearchAnchors = 64;
+// Up to this many ranks, least_loaded scans them: cheaper than taking a wide anchor's excluded
+// ranks off the tree one by one.
+inline constexpr int64_t kScanRanks = 256;
 inline constexpr size_t kPromoteFillers = 2;  // longest fillers of the busiest rank tried for sharding
 // Whole-anchor moves (zellige_moves.cc): windows on this many least-loaded nodes (and the anchor's
 // own), this many partner anchors, and at most this many such moves per anchor of a search.
@@ -295,6 +306,7 @@ class MinTree {
   }
   // The lowest index of the least value.
   int64_t argmin() const { return argmin_[1]; }
+  double value(int64_t index) const { return min_s_[leaves_ + index]; }
 
  private:
   static constexpr int64_t kArity = 4;
@@ -434,6 +446,10 @@ class ZelligePlanner {
   }
   void refresh_time(Solution* s, int64_t rank) const {
     s->time_s[rank] = at_speed(rank, linear_s(s->tokens[rank]) + s->other_s[rank]);
+    if (s == searched_) {
+      least_time_.update(rank, s->time_s[rank]);
+      most_time_.update(rank, -s->time_s[rank]);
+    }
   }
   // Seconds of `rank` for work of `nominal_s` on the profile's device (CostModel::evaluate).
   double at_speed(int64_t rank, double nominal_s) const {
@@ -499,6 +515,8 @@ class ZelligePlanner {
   bool try_move(Solution* s, int64_t busiest);
   bool try_swap(Solution* s, int64_t busiest);
   bool try_remould(Solution* s, int64_t busiest);
+  // The anchor slots of `busiest` that re-mould and relocation try (kSearchAnchors).
+  const std::vector<int32_t>& searched_anchors(const Solution& s, int64_t busiest);
   bool try_promote(Solution* s, int64_t busiest);
   // zellige_moves.cc
   void least_loaded_nodes(const Solution& s, int count, std::vector<int64_t>* nodes);
@@ -508,6 +526,7 @@ class ZelligePlanner {
   bool try_pair(Solution* s, int64_t busiest);
   bool try_lower_memory(Solution* s);
   bool bag_start(bool busiest_only, int32_t max_run, Plan* plan);
+  bool grouped_start(Plan* plan);
   bool configuration_start(double upper_s, Plan* plan);
   // The busiest time of the ranks a change touches (infinite when one runs out of memory), exact
   // below `above_s`; once it reaches `above_s`, any value at or above it (callers keep a change
@@ -561,6 +580,13 @@ class ZelligePlanner {
   std::vector<std::pair<double, int64_t>> node_keys_;  // stage 1's scan beyond a node
   std::vector<int64_t> full_node_ids_;                 // the whole nodes it takes
   MinTree open_ranks_;                                 // stage 2: rank times
+  // Local search: the solution it changes, and trees over its rank times and their negatives
+  // (kept by refresh_time), so that the busiest rank and the least-loaded ones cost O(log ranks)
+  // per step, not a pass over every rank.
+  const Solution* searched_ = nullptr;
+  mutable MinTree least_time_, most_time_;
+  std::vector<double> negated_s_;
+  mutable std::vector<int64_t> popped_ranks_;
   // Stage 2: the shape key of the last filler that fit none of the ranks it tried (-1: none),
   // those ranks, and the last rank its scan reached.
   int32_t failed_key_ = -1;
@@ -569,12 +595,17 @@ class ZelligePlanner {
   std::vector<double> split_times_s_;
   std::vector<int64_t> failed_ranks_;
   int64_t failed_last_rank_ = -1;
-  // Stage 1: per degree d, over nodes, the time of the node's d-th least-loaded rank.
+  // Stage 1: per degree d, over nodes, the time of the node's d-th least-loaded rank; per node,
+  // the most memory one of its ranks holds (both as of the node's last resort_node) and the
+  // least free memory of its ranks (fixed).
   std::vector<MinTree> node_trees_;
+  std::vector<double> node_most_bytes_, node_least_free_bytes_;
   std::vector<double> node_keys_s_;
   std::vector<int64_t> low_ranks_, candidate_ranks_, best_ranks_, touched_;
   std::vector<std::pair<double, int32_t>> partner_fillers_;
   std::vector<int32_t> longest_fillers_;
+  std::vector<int32_t> searched_slots_;
+  std::vector<std::pair<double, int32_t>> anchor_shares_s_;
   std::vector<double> rank_seconds_;
   std::vector<char> member_;
   std::vector<int64_t> delta_tokens_;

@@ -51,6 +51,20 @@ std::vector<RankShare> ZelligePlanner::wide_shares(const Sequence& sequence,
 void ZelligePlanner::least_loaded(const Solution& s, int count, const std::vector<char>* excluded,
                                   std::vector<int64_t>* ranks) const {
   ranks->clear();
+  if (&s == searched_ && num_ranks_ > kScanRanks) {
+    // The least ranks one by one from the tree (each set aside at infinity, then restored): the
+    // same ranks in the same (time, id) order as the scan below.
+    popped_ranks_.clear();
+    while (static_cast<int>(ranks->size()) < count) {
+      const int64_t rank = least_time_.argmin();
+      if (least_time_.value(rank) == kInf) break;
+      popped_ranks_.push_back(rank);
+      least_time_.update(rank, kInf);
+      if (!excluded || !(*excluded)[rank]) ranks->push_back(rank);
+    }
+    for (int64_t rank : popped_ranks_) least_time_.update(rank, s.time_s[rank]);
+    return;
+  }
   // Once `count` ranks are kept, a rank is a candidate only below the last kept one's time: most
   // ranks fail that first test, which is all they cost.
   bool full = false;
@@ -184,12 +198,28 @@ double ZelligePlanner::price_change(const Solution& s, const std::vector<RankSha
   return score_s;
 }
 
+const std::vector<int32_t>& ZelligePlanner::searched_anchors(const Solution& s, int64_t busiest) {
+  const std::vector<int32_t>& slots = s.rank_anchors[busiest];
+  if (slots.size() <= kSearchAnchors) return slots;
+  anchor_shares_s_.clear();
+  for (int32_t slot : slots) {
+    for (const RankShare& share : s.anchors[slot].shares) {
+      if (share.rank == busiest) anchor_shares_s_.push_back({-estimate_s(share), slot});
+    }
+  }
+  std::partial_sort(anchor_shares_s_.begin(), anchor_shares_s_.begin() + kSearchAnchors,
+                    anchor_shares_s_.end());
+  searched_slots_.clear();
+  for (size_t k = 0; k < kSearchAnchors; ++k) searched_slots_.push_back(anchor_shares_s_[k].second);
+  return searched_slots_;
+}
+
 bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
   const double bound_s = s->time_s[busiest] * (1 - kMinGain);
   double best_s = bound_s;
   int32_t best_slot = -1;
   Shape best_shape;
-  for (int32_t slot : s->rank_anchors[busiest]) {
+  for (int32_t slot : searched_anchors(*s, busiest)) {
     const AnchorPlacement& anchor = s->anchors[slot];
     const Sequence& sequence = batch_.sequences[anchor.sequence];
     const int64_t degree = anchor.shape.degree;
@@ -329,10 +359,14 @@ int64_t ZelligePlanner::local_search(Solution* s, Clock::time_point deadline) {
   int64_t step = 0;
   relocations_left_ = whole_anchor_moves_ ? kAnchorMovesPerAnchor * s->num_anchors : 0;
   int64_t memory_steps_left = whole_anchor_moves_ ? kMemorySteps : 0;
+  least_time_.reset(s->time_s);
+  negated_s_.resize(num_ranks_);
+  for (int64_t rank = 0; rank < num_ranks_; ++rank) negated_s_[rank] = -s->time_s[rank];
+  most_time_.reset(negated_s_);
+  searched_ = s;
   for (; step < max_steps; ++step) {
     if ((step & 15) == 15 && Clock::now() > deadline) break;
-    const int64_t busiest =
-        std::max_element(s->time_s.begin(), s->time_s.end()) - s->time_s.begin();
+    const int64_t busiest = most_time_.argmin();  // the lowest rank of the greatest time
     if (try_move(s, busiest) || try_swap(s, busiest) || try_remould(s, busiest) ||
         try_promote(s, busiest) || try_relocate(s, busiest) || try_pair(s, busiest)) {
       continue;
@@ -340,6 +374,7 @@ int64_t ZelligePlanner::local_search(Solution* s, Clock::time_point deadline) {
     if (memory_steps_left <= 0 || !try_lower_memory(s)) break;
     --memory_steps_left;
   }
+  searched_ = nullptr;
   finish(s);
   return step;
 }
