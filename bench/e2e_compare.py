@@ -113,11 +113,9 @@ def family_candidates(family: str, num_ranks: int) -> list[str]:
 def first_step_makespan_s(config, num_ranks: int, planner: str) -> float:
     """The makespan the cost model predicts for `planner` on step 1's batch, made exactly as the
     training loop's loader makes it (same batch, cost model and planner seed)."""
-    from zellige import CostOptions
     from zellige.data import StepDataset
+    from zellige.train.optimizer_builder import cost_options
 
-    options = CostOptions()
-    options.activation_checkpointing = config.parallelism.activation_checkpointing
     dataset = StepDataset(
         model=config.model.dit,
         recipe=config.data.recipe,
@@ -127,7 +125,7 @@ def first_step_makespan_s(config, num_ranks: int, planner: str) -> float:
         gpus_per_node=config.parallelism.gpus_per_node,
         seed=config.seed,
         profile=config.parallelism.profile,
-        cost_options=options,
+        cost_options=cost_options(config, num_ranks),
     )
     return dataset[0].record.makespan_s
 
