@@ -174,6 +174,17 @@ def test_resume_with_another_dtype_seed_or_planner_is_refused(
     assert f"was trained with {key} {saved_value}, this run's is" in line
 
 
+def test_resume_with_another_global_batch_is_refused(saved, capsys, tmp_path) -> None:
+    """The global batch size decides the batches drawn: a resumed run must keep it."""
+    ckpt = _copy(saved, tmp_path)
+    line = _one_error(capsys, [*BASE, "--steps", "3", "--resume", str(ckpt), "--global-batch", "8"])
+    assert "was trained with global_batch None, this run's is '8'" in line
+    _rewrite(ckpt / "step-2", lambda s: s["run"].update(global_batch="8"))
+    assert "was trained with global_batch '8', this run's is None" in _resume(capsys, ckpt)
+    _rewrite(ckpt / "step-2", lambda s: s["run"].update(global_batch=8))
+    assert "run.global_batch must be a string or null" in _resume(capsys, ckpt)
+
+
 def test_resume_with_another_recipe_is_refused(saved, capsys, tmp_path) -> None:
     ckpt = _copy(saved, tmp_path)
     _rewrite(ckpt / "step-2", lambda s: s["run"].update(recipe="wan-stage1"))

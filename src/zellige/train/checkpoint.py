@@ -59,6 +59,8 @@ MAX_STATE_BYTES = 16 << 20
 _CHUNK_BYTES = 8 << 20
 _STATE_KEYS = ("format", "version", "step", "num_ranks", "data_ranks", "model", "scheduler")
 _RUN_KEYS = ("dtype", "seed", "recipe", "planner")  # what a resumed run must share
+# ... and these, absent from checkpoints saved before they existed (read as None)
+_OPTIONAL_RUN_KEYS = ("global_batch",)
 _STEP_NAME = re.compile(r"step-[0-9]+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -172,11 +174,16 @@ def _checked_state(path: Path, state: Any) -> CheckpointInfo:
         raise ValueError(f"files lists no checksum of {(unlisted or [METADATA_FILE])[0]}")
     run = state.get("run")
     if run is not None:
-        if not isinstance(run, dict) or set(run) != set(_RUN_KEYS):
-            raise ValueError(f"run must hold exactly {', '.join(_RUN_KEYS)}")
+        if not isinstance(run, dict) or set(run) - set(_OPTIONAL_RUN_KEYS) != set(_RUN_KEYS):
+            raise ValueError(
+                f"run must hold exactly {', '.join(_RUN_KEYS)} (and optionally "
+                f"{', '.join(_OPTIONAL_RUN_KEYS)})"
+            )
         if not all(isinstance(run[key], str) for key in ("dtype", "recipe", "planner")):
             raise ValueError("run.dtype, run.recipe and run.planner must be strings")
         _int(run["seed"], 0, (1 << 32) - 1, "run.seed")
+        if not isinstance(run.get("global_batch"), str | None):
+            raise ValueError("run.global_batch must be a string or null")
     return CheckpointInfo(
         path=path,
         step=step,
@@ -224,12 +231,14 @@ def _state_digest(body: dict) -> str:
 
 def run_fields(config: Any) -> dict:
     """What a resumed run must share with the run that saved, by the keys train_state.json
-    records them under (a TrainConfig's model.dtype, seed, data.recipe, parallelism.planner)."""
+    records them under (a TrainConfig's model.dtype, seed, data.recipe, parallelism.planner and
+    data.global_batch: another global batch size would draw other batches)."""
     return {
         "dtype": config.model.dtype,
         "seed": config.seed,
         "recipe": config.data.recipe,
         "planner": config.parallelism.planner,
+        "global_batch": config.data.global_batch,
     }
 
 
@@ -239,9 +248,8 @@ def check_resumable(info: CheckpointInfo, config: Any, num_ranks: int) -> None:
     check_data_ranks(info.data_ranks, num_ranks, f"checkpoint {info.path}'s data_ranks")
     if info.run is None:  # a version 1 checkpoint did not record it
         return
-    mine_by_key = run_fields(config)
-    for key, saved in info.run.items():
-        mine = mine_by_key[key]
+    for key, mine in run_fields(config).items():
+        saved = info.run.get(key)  # an optional key a checkpoint did not record: None
         if mine != saved:
             raise ValueError(
                 f"checkpoint {info.path} was trained with {key} {printable(cut(repr(saved)))}, "
