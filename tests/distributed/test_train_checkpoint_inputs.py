@@ -185,6 +185,16 @@ def test_resume_with_another_global_batch_is_refused(saved, capsys, tmp_path) ->
     assert "run.global_batch must be a string or null" in _resume(capsys, ckpt)
 
 
+def test_resume_from_a_latent_dataset_without_it_is_refused(saved, capsys, tmp_path) -> None:
+    """A run that trained on a latent dataset (its manifest's digest recorded) resumes on it."""
+    ckpt = _copy(saved, tmp_path)
+    _rewrite(ckpt / "step-2", lambda s: s["run"].update(data="ab" * 32))
+    assert (
+        f"was trained on the latent dataset whose manifest has SHA-256 {'ab' * 8}..., this run on "
+        "the recipe's synthetic data: resume with the same --data"
+    ) in _resume(capsys, ckpt)
+
+
 def test_resume_with_another_recipe_is_refused(saved, capsys, tmp_path) -> None:
     ckpt = _copy(saved, tmp_path)
     _rewrite(ckpt / "step-2", lambda s: s["run"].update(recipe="wan-stage1"))

@@ -60,7 +60,7 @@ _CHUNK_BYTES = 8 << 20
 _STATE_KEYS = ("format", "version", "step", "num_ranks", "data_ranks", "model", "scheduler")
 _RUN_KEYS = ("dtype", "seed", "recipe", "planner")  # what a resumed run must share
 # ... and these, absent from checkpoints saved before they existed (read as None)
-_OPTIONAL_RUN_KEYS = ("global_batch",)
+_OPTIONAL_RUN_KEYS = ("global_batch", "data")
 _STEP_NAME = re.compile(r"step-[0-9]+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -182,8 +182,9 @@ def _checked_state(path: Path, state: Any) -> CheckpointInfo:
         if not all(isinstance(run[key], str) for key in ("dtype", "recipe", "planner")):
             raise ValueError("run.dtype, run.recipe and run.planner must be strings")
         _int(run["seed"], 0, (1 << 32) - 1, "run.seed")
-        if not isinstance(run.get("global_batch"), str | None):
-            raise ValueError("run.global_batch must be a string or null")
+        for key in _OPTIONAL_RUN_KEYS:
+            if not isinstance(run.get(key), str | None):
+                raise ValueError(f"run.{key} must be a string or null")
     return CheckpointInfo(
         path=path,
         step=step,
@@ -231,15 +232,25 @@ def _state_digest(body: dict) -> str:
 
 def run_fields(config: Any) -> dict:
     """What a resumed run must share with the run that saved, by the keys train_state.json
-    records them under (a TrainConfig's model.dtype, seed, data.recipe, parallelism.planner and
-    data.global_batch: another global batch size would draw other batches)."""
+    records them under (a TrainConfig's model.dtype, seed, data.recipe, parallelism.planner,
+    data.global_batch: another global batch size would draw other batches; and "data": the
+    SHA-256 of the latent dataset's manifest, None for the recipe's synthetic data, so another
+    dataset is refused wherever it lies)."""
+    data_dir = config.data.data_dir
     return {
         "dtype": config.model.dtype,
         "seed": config.seed,
         "recipe": config.data.recipe,
         "planner": config.parallelism.planner,
         "global_batch": config.data.global_batch,
+        "data": None if data_dir is None else _manifest_digest(Path(data_dir)),
     }
+
+
+def _manifest_digest(data_dir: Path) -> str:
+    from zellige.data.latents import MANIFEST, file_digest
+
+    return file_digest(data_dir / MANIFEST)
 
 
 def check_resumable(info: CheckpointInfo, config: Any, num_ranks: int) -> None:
@@ -250,12 +261,23 @@ def check_resumable(info: CheckpointInfo, config: Any, num_ranks: int) -> None:
         return
     for key, mine in run_fields(config).items():
         saved = info.run.get(key)  # an optional key a checkpoint did not record: None
+        if mine != saved and key == "data":
+            raise ValueError(
+                f"checkpoint {info.path} was trained on {_data_named(saved)}, this run on "
+                f"{_data_named(mine)}: resume with the same --data, or start a new --out"
+            )
         if mine != saved:
             raise ValueError(
                 f"checkpoint {info.path} was trained with {key} {printable(cut(repr(saved)))}, "
                 f"this run's is {printable(cut(repr(mine)))}: resume with the same {key}, or "
                 "start a new --out"
             )
+
+
+def _data_named(digest: str | None) -> str:
+    if digest is None:
+        return "the recipe's synthetic data"
+    return f"the latent dataset whose manifest has SHA-256 {printable(digest[:16])}..."
 
 
 def check_out_dir(out_dir: str | Path | None, **paths: str | Path | None) -> None:
