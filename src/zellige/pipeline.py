@@ -387,13 +387,16 @@ class StepPipeline:
         """The batch's plan with its prediction (`seed`: the planner's; default the pipeline's).
         speed_factors: per rank, multiply the cluster's speeds for this plan (measured feedback;
         every rank must pass the same ones for their plans to agree)."""
-        cost_model = self.cost_model if speed_factors is None else self._sped(speed_factors)
+        cost_model = self._cost_model_at(speed_factors)
         return make_step_plan(
             self.planner, batch, cost_model, seed=self.seed if seed is None else seed
         )
 
-    def _sped(self, speed_factors: Sequence[float]) -> _core.CostModel:
-        """The cost model at `speed_factors`, kept while the next plans use the same ones."""
+    def _cost_model_at(self, speed_factors: Sequence[float] | None) -> _core.CostModel:
+        """The cost model at `speed_factors` (None: the pipeline's own), kept while the next
+        plans use the same ones."""
+        if speed_factors is None:
+            return self.cost_model
         factors = tuple(float(f) for f in speed_factors)
         if self._sped_cost_model is None or self._sped_cost_model[0] != factors:
             self._sped_cost_model = (factors, with_speed_factors(self.cost_model, factors))
@@ -409,7 +412,7 @@ class StepPipeline:
         """A global batch cut into micro-batches, each placed (`seed`: default the pipeline's),
         with rank r at speed_factors[r] times its cluster speed (None: the cluster's own).
         Raises PlanMemoryError when a sequence fits no placement."""
-        cost_model = self.cost_model if not speed_factors else self._sped(speed_factors)
+        cost_model = self._cost_model_at(speed_factors)
         return make_global_plan(
             self.global_planner, batch, cost_model, seed=self.seed if seed is None else seed
         )

@@ -514,8 +514,9 @@ class LatentSource:
         def cat(parts: list[Tensor], width: int, dtype: torch.dtype = torch.float32) -> Tensor:
             return torch.cat(parts).to(dtype) if parts else torch.empty(0, width, dtype=dtype)
 
+        times = torch.tensor([x.timestep for x in samples], dtype=torch.float32)
+
         def repeated(counts: list[int]) -> Tensor:
-            times = torch.tensor([x.timestep for x in samples], dtype=torch.float32)
             return torch.repeat_interleave(times, torch.tensor(counts, dtype=torch.int64))
 
         text_tokens = [s.text_tokens for s in sequences]

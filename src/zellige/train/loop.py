@@ -441,6 +441,7 @@ def train(
     )
     watch = RankWatch(rank, num_ranks, config.parallelism.timeout_s)
     last_saved = start.checkpoint.path if start.checkpoint is not None else None
+    run = run_fields(config)  # what each checkpoint records (the data's digest read once)
     saved_now = None  # the newest checkpoint this run wrote
     history = []
     run_start = time.perf_counter()
@@ -491,7 +492,7 @@ def train(
                         scheduler,
                         data_ranks=start.data_ranks,
                         model_config=config.model.dit,
-                        run=run_fields(config),
+                        run=run,
                     )
                 except RuntimeError as error:
                     raise watch.failure(done, error) from None
