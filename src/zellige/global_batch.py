@@ -65,6 +65,16 @@ def parse_global_batch_size(text: str) -> GlobalBatchSize:
     return GlobalBatchSize(tokens=tokens)
 
 
+def check_global_batch_source(global_batch: bool, data_dir: str | None) -> None:
+    """ValueError when a global batch would come from a latent dataset (`data_dir`): a global
+    batch is drawn from a recipe, and a latent dataset gives one step's batch at a time."""
+    if global_batch and data_dir is not None:
+        raise ValueError(
+            "a global batch from a latent dataset is not supported: a latent dataset gives one "
+            "step's batch at a time (drop global_batch or data_dir)"
+        )
+
+
 def take_global_batch(sequences: list[_core.Sequence], size: GlobalBatchSize) -> _core.Batch:
     """The first sequences up to `size`: that many samples, or until the tokens reach the budget
     (the sequence that reaches it included). Ids are kept. Raises ValueError when too few."""

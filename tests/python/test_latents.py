@@ -483,3 +483,20 @@ def test_diffusers_vaes_are_normalised_as_their_configs_say(tmp_path) -> None:
             out=tmp_path / "kl-clip",
         )  # fmt: skip
     assert np.isclose(scale, 0.18215)
+
+
+def test_a_global_batch_from_a_latent_dataset_is_refused(tmp_path, written) -> None:
+    """The trainer's config check (before any process starts) and StepDataset refuse it alike."""
+    from zellige.global_batch import parse_global_batch_size
+    from zellige.train.config import get_config
+    from zellige.train.loop import preflight
+
+    message = "a global batch from a latent dataset is not supported"
+    config = get_config("tiny-cpu").with_fields(global_batch="8", data_dir=str(written["path"]))
+    with pytest.raises(ValueError, match=message):
+        preflight(config, num_ranks=1)
+    with pytest.raises(ValueError, match=message):
+        StepDataset(
+            model=TINY, recipe="tiny", planner="zellige", rank=0, num_ranks=1, gpus_per_node=1,
+            seed=SEED, data_dir=str(written["path"]), global_batch=parse_global_batch_size("8"),
+        )  # fmt: skip

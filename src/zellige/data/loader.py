@@ -28,7 +28,12 @@ from zellige import _core
 from zellige.cluster_file import read_cluster_file
 from zellige.data.latents import LatentDataError, LatentSource, open_latent_dataset
 from zellige.data.synthetic import SourceTensors, SyntheticLatents
-from zellige.global_batch import GlobalBatchSize, draw_global_batch, global_plan_from_dict
+from zellige.global_batch import (
+    GlobalBatchSize,
+    check_global_batch_source,
+    draw_global_batch,
+    global_plan_from_dict,
+)
 from zellige.model import DiTConfig
 from zellige.pipeline import (
     GlobalStepRecord,
@@ -244,11 +249,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.global_batch = global_batch
         # a latent dataset (zellige encode) the batches and latents come from; None: the recipe's
         self.data_dir = data_dir
-        if data_dir is not None and self.uses_global_batch:
-            raise ValueError(
-                "a global batch from a latent dataset is not supported: a latent dataset gives "
-                "one step's batch at a time (drop global_batch or data_dir)"
-            )
+        check_global_batch_source(self.uses_global_batch, data_dir)
         # the text rows' dtype: the model's compute dtype where it casts text to that first
         # (half the bytes to share, pin and copy; the same values after the model's cast)
         self.text_dtype = text_dtype

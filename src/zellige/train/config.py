@@ -15,7 +15,11 @@ from typing import Any
 
 from zellige._core import MAX_GPUS
 from zellige._json import read_toml
-from zellige.global_batch import GlobalBatchSize, parse_global_batch_size
+from zellige.global_batch import (
+    GlobalBatchSize,
+    check_global_batch_source,
+    parse_global_batch_size,
+)
 from zellige.model import DiTConfig, model_preset
 from zellige.model.config import with_layers
 
@@ -651,11 +655,7 @@ def validate_config(config: TrainConfig) -> None:
             value = _short(_value_of(config, key))
             raise ValueError(f"{field_label(key)} must be {allowed}, got {value}")
     global_batch_size(config)
-    if data.global_batch is not None and data.data_dir is not None:
-        raise ValueError(
-            "global_batch with data_dir is not supported: a latent dataset gives one step's "
-            "batch at a time (drop one of them)"
-        )
+    check_global_batch_source(data.global_batch is not None, data.data_dir)
     if parallelism.device == "cpu":
         _check_fits_host_memory(config)
 
