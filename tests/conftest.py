@@ -27,6 +27,9 @@ SLOW_MODULES: set[str] = {
 
 # Module -> its slow tests: a function's name marks all its parametrisations, `name[id]` one.
 SLOW_TESTS: dict[str, set[str]] = {
+    "tests/python/test_device_capacity.py": {
+        "test_a_step_that_fits_only_in_parts_runs_as_micro_batches",
+    },
     "tests/distributed/test_attention_distributed.py": {
         "test_ragged_tables_match_single_process_attention",
     },

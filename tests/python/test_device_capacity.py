@@ -117,3 +117,103 @@ except ValueError as error:
     lines = [line for line in result.stdout.splitlines() if line.startswith("refused:")]
     assert len(lines) == 1, result.stdout + result.stderr
     assert "does not fit in 0.9 GiB per GPU" in lines[0] and "more ranks" in lines[0]
+
+
+# Every GPU config the README lists, with the recipes its runs use: planned as training plans
+# on an H100 80GB (its built-in profile, the memory a process there can use).
+_H100_RUNS = [
+    ("wan1p3b-h200", None),
+    ("wan14b-h200x8", None),
+    ("wan14b-width-h200", None),
+    ("wan14b-width-h200", "wan-stage3"),
+    ("wan1p3b-opensora2-stage2-h200x8", None),
+    ("wan1p3b-wan-stage3-h200x8", None),
+    ("wan14b-width-opensora2-stage2-h200x8", None),
+    ("wan14b-width-wan-stage3-h200x8", None),
+    ("mmdit11b-width-h200", None),
+    ("mmdit11b-width-h200", "opensora2-stage1"),
+    ("hunyuan13b-width-h200", None),
+    ("hunyuan13b-width-h200", "opensora2-stage1"),
+]
+
+
+@pytest.mark.parametrize("name, recipe", _H100_RUNS)
+def test_every_gpu_config_plans_within_an_h100(name: str, recipe: str | None) -> None:
+    """The H200-sized configs on an H100: each of their first steps plans within the H100's
+    usable memory (more checkpointing or fewer tokens per rank where needed), never above it."""
+    from zellige.data import StepDataset
+    from zellige.train.config import get_config
+    from zellige.train.optimizer_builder import cost_options
+
+    config = get_config(name)
+    num_ranks = 8 if name.endswith("x8") else 1
+    usable = 78 * GIB  # an H100 80GB less the CUDA context and what other libraries hold
+    dataset = StepDataset(
+        model=config.model.dit,
+        recipe=recipe or config.data.recipe,
+        planner=config.parallelism.planner,
+        rank=0,
+        num_ranks=num_ranks,
+        gpus_per_node=8,
+        seed=1,
+        profile="h100",
+        gpu_memory_bytes=usable,
+        cost_options=cost_options(config, num_ranks),
+        attention_ragged=True,
+    )
+    capacity = dataset.pipeline().cost_model.memory_capacity_bytes()
+    assert capacity <= usable
+    for step in range(3):
+        plan = dataset.plan(step)
+        # a step that fits only in parts runs as micro-batches of its samples, each within it
+        plans = (
+            [m.plan for m in plan.micro_batches] if isinstance(plan, zellige.GlobalPlan) else [plan]
+        )
+        for part in plans:
+            assert max(part.predicted.rank_peak_bytes) <= capacity, (name, recipe, step)
+
+
+def test_a_step_that_fits_only_in_parts_runs_as_micro_batches(tmp_path) -> None:
+    """Four 4k-token sequences on one rank of a GPU with 1.015 GiB: the step does not fit at once
+    but micro-batches of its samples do. The run says so, trains them with gradient
+    accumulation, and its loss is the one of the same step on a GPU that holds it whole."""
+    import json
+    import subprocess
+    import sys
+
+    profile = zellige.profile.profile_to_dict(load_profile("h200"))
+    profile["device_memory_bytes"] = int(1.015 * GIB)
+    (tmp_path / "small.json").write_text(json.dumps(profile))
+    script = f"""
+import json, os, sys
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+from zellige.train.config import resolve_config
+from zellige.train.loop import train
+overrides = {{"steps": 1, "dtype": "float64", "loader_workers": 0}}
+if sys.argv[1] != "whole":
+    overrides["profile"] = sys.argv[1]
+config = resolve_config("tiny-cpu", {{}}, overrides, "")
+sequences = [
+    {{"id": i, "num_tokens": 2**12, "text_tokens": 8, "source_rank": 0}} for i in range(4)
+]
+records = train(config, sequences=sequences)
+print("records:", json.dumps([{{k: r[k] for k in ("loss", "micro_batches")}} for r in records]))
+"""
+
+    def run(profile_arg: str, port: str) -> tuple[list[dict], str]:
+        result = subprocess.run(
+            [sys.executable, "-c", script, profile_arg, port],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = [line for line in result.stdout.splitlines() if line.startswith("records:")]
+        assert len(lines) == 1, result.stdout + result.stderr
+        return json.loads(lines[0].removeprefix("records:")), result.stdout + result.stderr
+
+    parts, log = run(str(tmp_path / "small.json"), "29618")
+    whole, _ = run("whole", "29619")
+    count = parts[0]["micro_batches"]
+    assert count >= 2 and whole[0]["micro_batches"] == 1
+    assert f"runs as {count} micro-batches of its samples" in log
+    assert parts[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-12)

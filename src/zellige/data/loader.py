@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -194,6 +194,12 @@ class StepDataset(torch.utils.data.Dataset):
     particular cut.
 
     text_dtype: the dtype of the text rows (SyntheticLatents.source_tensors).
+
+    A step that fits the GPUs' memory only in parts is an item of micro-batches (GlobalStepData)
+    of its own samples, cut by the global-batch planner of `planner`'s name
+    (micro_batch_planner; gradient accumulation over them gives the same optimizer step), unless
+    `micro_batches_when_needed` is off or the planner has no global-batch form: then its plan
+    raises PlanMemoryError.
     """
 
     def __init__(
@@ -218,6 +224,7 @@ class StepDataset(torch.utils.data.Dataset):
         global_plan: dict | None = None,
         data_dir: str | None = None,
         text_dtype: torch.dtype = torch.float32,
+        micro_batches_when_needed: bool = True,
     ) -> None:
         if global_plan is not None and sequences is None:
             raise ValueError("a fixed global plan needs the fixed sequences it cuts")
@@ -253,6 +260,9 @@ class StepDataset(torch.utils.data.Dataset):
         # the text rows' dtype: the model's compute dtype where it casts text to that first
         # (half the bytes to share, pin and copy; the same values after the model's cast)
         self.text_dtype = text_dtype
+        # whether a step too large for the GPUs' memory at once may run as micro-batches (off
+        # where the optimizer cannot add micro-batches' gradients up)
+        self.micro_batches_when_needed = micro_batches_when_needed
         self.num_params = param_count(model)  # here, not in the worker: it builds a meta model
         self._state = None  # built lazily in the process that loads (nanobind objects)
 
@@ -296,7 +306,12 @@ class StepDataset(torch.utils.data.Dataset):
                     spec, cost_model, seed=self.seed, global_planner=global_planner
                 )
             else:
-                pipeline = StepPipeline(spec, cost_model, planner, seed=self.seed)
+                # a step that fits no placement at once runs as micro-batches of its own samples,
+                # cut by the global-batch planner of the same name where there is one
+                fallback = self.micro_batch_planner
+                pipeline = StepPipeline(
+                    spec, cost_model, planner, seed=self.seed, global_planner=fallback or "zellige"
+                )
             recipe = None if self.sequences is not None else load_training_recipe(self.recipe_name)
             latents = SyntheticLatents(
                 token_channels=self.model.token_channels,
@@ -321,6 +336,15 @@ class StepDataset(torch.utils.data.Dataset):
     @property
     def uses_global_batch(self) -> bool:
         return self.global_batch is not None or self.fixed_global_plan is not None
+
+    @property
+    def micro_batch_planner(self) -> str | None:
+        """The global-batch planner that cuts a step too large for the GPUs' memory at once into
+        micro-batches of its own samples (the step's planner's own name; None: the planner has
+        no global-batch form, and such a step is refused)."""
+        if not self.micro_batches_when_needed or self.uses_global_batch or self.fixed_plan:
+            return None
+        return self.planner if self.planner in _core.global_batch_planner_names() else None
 
     def _fixed_batch(self) -> _core.Batch:
         return zellige.batch_from_dict({"sequences": self.sequences}, num_ranks=self.num_ranks)
@@ -351,10 +375,26 @@ class StepDataset(torch.utils.data.Dataset):
     def plan(self, step: int) -> _core.Plan | _core.GlobalPlan:
         """Step `step`'s plan (with a global batch its GlobalPlan), as the loader makes it for
         that step (every rank alike)."""
-        pipeline, seed = self.pipeline(), _step_seed(self.seed, step)
+        return self._plan(self.pipeline(), self.batch(step), _step_seed(self.seed, step), None)
+
+    def _plan(
+        self,
+        pipeline: StepPipeline,
+        batch: _core.Batch,
+        seed: int,
+        factors: Sequence[float] | None,
+    ) -> _core.Plan | _core.GlobalPlan:
+        """The plan of a step's batch: a GlobalPlan with a global batch, or when the step fits
+        the GPUs' memory only as micro-batches (gradient accumulation over them gives the same
+        optimizer step); otherwise a Plan. Raises PlanMemoryError when neither fits."""
         if self.uses_global_batch:
-            return pipeline.plan_global(self.batch(step), seed=seed)
-        return pipeline.plan(self.batch(step), seed=seed)
+            return pipeline.plan_global(batch, seed=seed, speed_factors=factors)
+        try:
+            return pipeline.plan(batch, seed=seed, speed_factors=factors)
+        except _core.PlanMemoryError:
+            if self.micro_batch_planner is None:
+                raise
+            return pipeline.plan_global(batch, seed=seed, speed_factors=factors)
 
     def __getitem__(self, index: int | StepRequest) -> StepData | GlobalStepData:
         request = index if isinstance(index, StepRequest) else StepRequest(step=index)
@@ -363,12 +403,11 @@ class StepDataset(torch.utils.data.Dataset):
         batch = self.batch(step)
         seed = _step_seed(self.seed, step)
         total_tokens = zellige.total_tokens(batch)
-        if not self.uses_global_batch:
-            plan = pipeline.plan(batch, seed=seed, speed_factors=factors)
+        plan = self._plan(pipeline, batch, seed, factors)
+        if isinstance(plan, _core.Plan):
             prepared = pipeline.prepare(batch, self.rank, index=step, plan=plan)
             forecast = StepForecast.from_plan(pipeline.cost_model, batch, plan, factors)
             return self._step_data(step, batch, prepared, forecast, total_tokens)
-        plan = pipeline.plan_global(batch, seed=seed, speed_factors=factors)
         prepared = pipeline.prepare_micro_batches(batch, plan, self.rank, index=step)
         micro_batches = tuple(
             self._step_data(

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,16 +227,22 @@ def _check_planning(config: TrainConfig, num_ranks: int) -> None:
         return
     # with a global batch the planner cuts it into micro-batches (a global-batch planner)
     check_global_planner_name(planner)
-    if (
-        config.optimizer.compute_dtype_gradients
-        and num_ranks == 1
-        and not config.parallelism.fsdp_on_one_rank
-    ):
+    if not accumulates_gradients(config, num_ranks):
         raise ValueError(
             "compute_dtype_gradients hands one backward's gradients to the optimizer as they "
             "are: a global batch's micro-batches add theirs up (leave it unset)"
         )
     make_global_plan(planner, batch, cost_model, seed=0)
+
+
+def accumulates_gradients(config: TrainConfig, num_ranks: int) -> bool:
+    """Whether the optimizer can take micro-batches' gradients added up: not where it is handed
+    one backward's compute-dtype gradients as they are (one rank without FSDP)."""
+    return not (
+        config.optimizer.compute_dtype_gradients
+        and num_ranks == 1
+        and not config.parallelism.fsdp_on_one_rank
+    )
 
 
 def _require_cuda(config: TrainConfig) -> None:
@@ -407,8 +414,9 @@ def train(
         data_dir=config.data.data_dir,
         # a bf16 model casts the text to bf16 before its first use: the loader sends it so
         text_dtype=torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32,
+        micro_batches_when_needed=accumulates_gradients(config, num_ranks),
     )
-    _check_first_step_fits(dataset, first_step)
+    _check_first_step_fits(dataset, first_step, say)
     num_steps = config.steps - first_step
     # measured on every run (logged); plans use it with adapt_speeds (train/speeds.py)
     speeds = SpeedEstimate(
@@ -715,18 +723,29 @@ def _seed_of(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint32)[0])
 
 
-def _check_first_step_fits(dataset: StepDataset, step: int) -> None:
+def _check_first_step_fits(dataset: StepDataset, step: int, say: Callable[[str], None]) -> None:
     """The first step's plan, made once here before training starts: a batch that no placement
-    fits in the GPUs' memory stops the run with one line on every rank (all plan it alike)."""
+    fits in the GPUs' memory stops the run with one line on every rank (all plan it alike); one
+    that fits only as micro-batches of its samples says so (the run's steps then run so where
+    they need to)."""
+    capacity_gib = dataset.pipeline().cost_model.memory_capacity_bytes() / 2**30
     try:
-        dataset.plan(step)
+        plan = dataset.plan(step)
     except zellige.PlanMemoryError as error:
-        capacity_gib = dataset.pipeline().cost_model.memory_capacity_bytes() / 2**30
+        hint = ""
+        if dataset.micro_batch_planner is None and not dataset.uses_global_batch:
+            hint = ", cut steps into micro-batches (global_batch, docs/global-batch.md)"
         raise ValueError(
             f"step {step + 1} does not fit in {capacity_gib:.1f} GiB per GPU ({error}); train "
-            "on more ranks, keep activation checkpointing on, or use a recipe of smaller "
+            f"on more ranks, keep activation checkpointing on{hint}, or use a recipe of smaller "
             "buckets"
         ) from None
+    if isinstance(plan, zellige.GlobalPlan) and not dataset.uses_global_batch:
+        say(
+            f"memory: step {step + 1} does not fit in {capacity_gib:.1f} GiB per GPU at once; it "
+            f"runs as {len(plan.micro_batches)} micro-batches of its samples (gradient "
+            "accumulation: the same optimizer step), as does every step that needs it"
+        )
 
 
 def _profile_note(profile: str | None, device: torch.device) -> str | None:
@@ -779,7 +798,7 @@ def _checkpointed_blocks(record: StepRecord | GlobalStepRecord, rank: int) -> tu
 
 def _micro_batch_note(config: TrainConfig, record: dict) -> str:
     """With a global batch, the step line's tail: micro-batches, measured and predicted time."""
-    if config.data.global_batch is None:
+    if config.data.global_batch is None and record["micro_batches"] == 1:
         return ""
     return (
         f" micro-batches {record['micro_batches']} step {record['step_s']:.4g} s "
