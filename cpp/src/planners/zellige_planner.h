@@ -486,6 +486,8 @@ class ZelligePlanner {
   bool times_only_grow();
   double select_anchor_ranks(int32_t sequence, int64_t degree, const Solution& s,
                              std::vector<int64_t>* ranks);
+  int nodes_from_trees(int64_t full_nodes, int64_t partial, double memory_bytes,
+                       int64_t* best_node);
   // Records `sequence` as an anchor of its best shape of `degree` on `ranks` (shares added).
   void add_anchor(int32_t sequence, int64_t degree, const std::vector<int64_t>& ranks, Solution* s);
   // add_anchor, then the anchor stage's per-node orders of its ranks brought up to date.
@@ -579,6 +581,7 @@ class ZelligePlanner {
   std::vector<std::vector<int64_t>> node_ranks_by_time_;
   std::vector<std::pair<double, int64_t>> node_keys_;  // stage 1's scan beyond a node
   std::vector<int64_t> full_node_ids_;                 // the whole nodes it takes
+  std::vector<double> popped_keys_s_;                  // nodes_from_trees: tree values set aside
   MinTree open_ranks_;                                 // stage 2: rank times
   // Local search: the solution it changes, and trees over its rank times and their negatives
   // (kept by refresh_time), so that the busiest rank and the least-loaded ones cost O(log ranks)
