@@ -430,15 +430,24 @@ class ZelligePlanner {
   }
   // cost_model_.shares, memoised (local search prices the same shapes over and over; same
   // values): through the evaluation cache for placements of at most a node; by node pattern for
-  // wider ones (wide_shares), whose cache entries would list degree^2 attention calls.
-  std::vector<RankShare> small_shares(const Sequence& sequence, const Placement& placement) {
-    return placement.degree() <= gpus_per_node_ ? cost_model_.shares(sequence, placement, cache_)
-                                                : wide_shares(sequence, placement);
+  // wider ones (wide_shares), whose cache entries would list degree^2 attention calls. Position
+  // k is on placement.ranks[k]; the `rank` fields are not the placement's (a memo's shares, not
+  // copied: local search prices many candidates and keeps few). Valid until the next call.
+  const std::vector<RankShare>& small_shares(const Sequence& sequence,
+                                             const Placement& placement) {
+    if (placement.degree() > gpus_per_node_) return wide_shares(sequence, placement);
+    shares_scratch_ = cost_model_.shares(sequence, placement, cache_);
+    return shares_scratch_;
   }
-  // A wide placement's shares from the shares of the first placement priced with the same
-  // lengths, shape and node pattern (which positions share a node: all that shares read of the
-  // ranks), moved to its ranks.
-  std::vector<RankShare> wide_shares(const Sequence& sequence, const Placement& placement);
+  // A wide placement's shares: those of the first placement priced with the same lengths, shape
+  // and node pattern (which positions share a node: all that shares read of the ranks).
+  const std::vector<RankShare>& wide_shares(const Sequence& sequence, const Placement& placement);
+  // `shares` (small_shares's) with their ranks set to `ranks`, into `out`.
+  static void place_shares(const std::vector<RankShare>& shares, const std::vector<int64_t>& ranks,
+                           std::vector<RankShare>* out) {
+    *out = shares;
+    for (size_t k = 0; k < ranks.size(); ++k) (*out)[k].rank = ranks[k];
+  }
   double time_with(const Solution& s, int64_t rank, int64_t delta_tokens,
                    double delta_other_s) const {
     return at_speed(rank, linear_s(s.tokens[rank] + delta_tokens) + s.other_s[rank] +
@@ -533,8 +542,10 @@ class ZelligePlanner {
   // The busiest time of the ranks a change touches (infinite when one runs out of memory), exact
   // below `above_s`; once it reaches `above_s`, any value at or above it (callers keep a change
   // only when it is below their best).
+  // `new_ranks` (optional): the ranks of `new_shares` by position, in place of their own.
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
-                      const std::vector<RankShare>& new_shares, double above_s);
+                      const std::vector<RankShare>& new_shares, double above_s,
+                      const std::vector<int64_t>* new_ranks = nullptr);
 
   const Batch& batch_;
   const CostModel& cost_model_;
@@ -613,7 +624,7 @@ class ZelligePlanner {
   std::vector<char> member_;
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
-  std::vector<RankShare> best_shares_;
+  std::vector<RankShare> best_shares_, shares_scratch_;
   // wide_shares's memo: key (tokens, text tokens, strategy, Ulysses degree, then per position
   // its node's first position), and how many shares it holds (bounded).
   struct KeyHash {
