@@ -263,6 +263,7 @@ class MinTree {
   void update(int64_t rank, double time_s) {
     int64_t node = leaves_ + rank;
     const double old_s = min_s_[node];
+    if (time_s == old_s) return;  // stage 1 re-keys a node's unchanged ranks too (resort_node)
     min_s_[node] = time_s;
     if (time_s >= old_s) {
       // A value that grows changes only the ancestors whose least value was this rank's (a
