@@ -289,13 +289,21 @@ Plan ZelligePlanner::run() {
     searched_seeds.push_back(&seed);
     ++starts;
   }
+  // The bag starts often coincide (a run of one and of kBagRun, busiest only or not): one equal
+  // to a start searched already is not searched again.
+  std::vector<Plan> bag_starts;
   for (const bool busiest_only : {true, false}) {
     if (at_lower_bound) break;
     for (const int32_t max_run : {int32_t{1}, kBagRun}) {
       Plan bags;
       if (!bag_start(busiest_only, max_run, &bags)) break;
+      if (std::any_of(bag_starts.begin(), bag_starts.end(),
+                      [&](const Plan& other) { return same_placements(other, bags); })) {
+        continue;
+      }
       import_plan(bags, &current);
       if (std::isfinite(current.makespan_s)) search_from(&current, "search:bags");
+      bag_starts.push_back(std::move(bags));
     }
   }
   {
