@@ -429,16 +429,14 @@ class ZelligePlanner {
     }
     return slot;
   }
-  // cost_model_.shares, memoised (local search prices the same shapes over and over; same
-  // values): through the evaluation cache for placements of at most a node; by node pattern for
-  // wider ones (wide_shares), whose cache entries would list degree^2 attention calls. Position
-  // k is on placement.ranks[k]; the `rank` fields are not the placement's (a memo's shares, not
-  // copied: local search prices many candidates and keeps few). Valid until the next call.
+  // cost_model_.shares, memoised by node pattern (wide_shares): local search prices the same
+  // shapes over and over and keeps few of them, so not through the evaluation cache, whose
+  // entries also price every attention call (what evaluate reads; degree^2 of them beyond a
+  // node). Position k is on placement.ranks[k]; the `rank` fields are not the placement's (a
+  // memo's shares, not copied). Valid until the next call.
   const std::vector<RankShare>& small_shares(const Sequence& sequence,
                                              const Placement& placement) {
-    if (placement.degree() > gpus_per_node_) return wide_shares(sequence, placement);
-    shares_scratch_ = cost_model_.shares(sequence, placement, cache_);
-    return shares_scratch_;
+    return wide_shares(sequence, placement);
   }
   // A wide placement's shares: those of the first placement priced with the same lengths, shape
   // and node pattern (which positions share a node: all that shares read of the ranks).
