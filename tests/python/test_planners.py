@@ -180,3 +180,27 @@ def test_megatron_dcp_shards_long_videos_on_h200_memory(workload: str, gpus: int
             # Megatron's groups: powers of two or the whole cluster, on consecutive ranks.
             assert degree & (degree - 1) == 0 or degree == gpus
             assert placement.ranks == list(range(placement.ranks[0], placement.ranks[0] + degree))
+
+
+def test_zellige_wide_anchors_plan_in_time_about_linear_in_the_ranks() -> None:
+    """64k-token clips, one per four GPUs (wan-14b): stage 1 tries shapes beyond a node for each
+    clip. Sixteen times the ranks and clips must cost well under the square of that (a pass over
+    every node per clip and shape took about 34x; linear work about 14x)."""
+    import time
+
+    def least_cpu_s(gpus: int) -> float:
+        cost_model = zellige.make_cost_model("wan-14b", gpus)
+        batch = zellige.Batch()
+        batch.sequences = [
+            zellige.sequence_from_tokens(i, "video", 65536, 512, i % gpus) for i in range(gpus // 4)
+        ]
+        least_s = float("inf")
+        for _ in range(3):
+            start_s = time.thread_time()
+            plan = zellige.make_plan("zellige", batch, cost_model, zellige.PlannerOptions())
+            least_s = min(least_s, time.thread_time() - start_s)
+            assert len(plan.placements) == gpus // 4
+        return least_s
+
+    small_s, large_s = least_cpu_s(128), least_cpu_s(2048)
+    assert large_s < 24 * small_s, f"128 GPUs: {small_s:.4f} s, 2048: {large_s:.4f} s"

@@ -253,23 +253,57 @@ Plan ZelligePlanner::run() {
   std::stable_sort(seeds.begin(), seeds.end(),
                    [](const Seed& a, const Seed& b) { return a.floor_s < b.floor_s; });
 
-  // Local search from the most promising baseline plans that fit.
+  // Baselines often agree (dp-cost, static-cp:1 and megatron-dcp on many short sequences).
+  auto same_placements = [](const Plan& a, const Plan& b) {
+    if (a.num_ranks != b.num_ranks || a.placements.size() != b.placements.size()) return false;
+    for (size_t k = 0; k < a.placements.size(); ++k) {
+      const Placement& x = a.placements[k];
+      const Placement& y = b.placements[k];
+      if (x.sequence_id != y.sequence_id || x.strategy != y.strategy || x.ranks != y.ranks ||
+          x.ulysses_degree != y.ulysses_degree || x.ring_degree != y.ring_degree) {
+        return false;
+      }
+    }
+    return true;
+  };
+
+  // Local search from the most promising baseline plans that fit. A start equal to one searched
+  // already (same floor, same placements) would end where that search ended: it counts as a
+  // start but is not searched again.
   const size_t first_baseline_start = finalists.size();
   size_t starts = 0;
+  std::vector<const Seed*> searched_seeds;
   for (const Seed& seed : seeds) {
     if (starts == kBaselineStarts || seed.floor_s >= sweep_s) break;
+    bool twin = false;
+    for (const Seed* other : searched_seeds) {
+      twin = twin || (other->floor_s == seed.floor_s && same_placements(other->plan, seed.plan));
+    }
+    if (twin) {
+      ++starts;
+      continue;
+    }
     import_plan(seed.plan, &current);
     if (!std::isfinite(current.makespan_s)) continue;  // out of memory
     search_from(&current, "search:" + seed.name);
+    searched_seeds.push_back(&seed);
     ++starts;
   }
+  // The bag starts often coincide (a run of one and of kBagRun, busiest only or not): one equal
+  // to a start searched already is not searched again.
+  std::vector<Plan> bag_starts;
   for (const bool busiest_only : {true, false}) {
     if (at_lower_bound) break;
     for (const int32_t max_run : {int32_t{1}, kBagRun}) {
       Plan bags;
       if (!bag_start(busiest_only, max_run, &bags)) break;
+      if (std::any_of(bag_starts.begin(), bag_starts.end(),
+                      [&](const Plan& other) { return same_placements(other, bags); })) {
+        continue;
+      }
       import_plan(bags, &current);
       if (std::isfinite(current.makespan_s)) search_from(&current, "search:bags");
+      bag_starts.push_back(std::move(bags));
     }
   }
   {
@@ -286,20 +320,8 @@ Plan ZelligePlanner::run() {
   // win and need not be priced exactly.
   price_finalists(first_baseline_start);
   int64_t priced = 0;
-  // Baselines often agree (dp-cost, static-cp:1 and megatron-dcp on many short sequences): a
-  // plan equal to one priced already (same floor, same placements) takes its cost.
-  auto same_placements = [](const Plan& a, const Plan& b) {
-    if (a.num_ranks != b.num_ranks || a.placements.size() != b.placements.size()) return false;
-    for (size_t k = 0; k < a.placements.size(); ++k) {
-      const Placement& x = a.placements[k];
-      const Placement& y = b.placements[k];
-      if (x.sequence_id != y.sequence_id || x.strategy != y.strategy || x.ranks != y.ranks ||
-          x.ulysses_degree != y.ulysses_degree || x.ring_degree != y.ring_degree) {
-        return false;
-      }
-    }
-    return true;
-  };
+  // A plan equal to one priced already (same floor and placements; or a search's plan, which
+  // a search that found no move leaves as its start) takes its cost.
   const size_t first_seed_finalist = finalists.size();
   std::vector<double> seed_floors_s;  // per finalist from first_seed_finalist on
   for (Seed& seed : seeds) {
@@ -309,8 +331,10 @@ Plan ZelligePlanner::run() {
     if (seed.recompute_floor_s > best_s * (1 + kMemoryTieBreak)) continue;
     Finalist finalist{seed.name, std::move(seed.plan), {}};
     const Finalist* twin = nullptr;
-    for (size_t k = first_seed_finalist; k < finalists.size() && twin == nullptr; ++k) {
-      if (seed_floors_s[k - first_seed_finalist] == seed.floor_s &&
+    for (size_t k = first_baseline_start; k < finalists.size() && twin == nullptr; ++k) {
+      const bool same_floor =
+          k < first_seed_finalist || seed_floors_s[k - first_seed_finalist] == seed.floor_s;
+      if (same_floor && finalists[k].cost.fits &&
           same_placements(finalists[k].plan, finalist.plan)) {
         twin = &finalists[k];
       }

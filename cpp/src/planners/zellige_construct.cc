@@ -256,38 +256,46 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
   const int64_t partial = degree % gpus_per_node_;
   if (full_nodes > num_nodes_) return kInf;
   ranks->clear();
-  node_keys_.clear();
-  for (int64_t node = 0; node < num_nodes_; ++node) {
-    node_keys_.push_back({node_key(node, full_nodes > 0 ? gpus_per_node_ : partial), node});
-  }
-  if (full_nodes > 0) {
-    // The full_nodes least (time, node) keys, in any order: ranks are sorted below, and the
-    // partial node's choice (least time, then node) does not depend on the order of the rest.
-    std::nth_element(node_keys_.begin(), node_keys_.begin() + (full_nodes - 1), node_keys_.end());
-    if (node_keys_[full_nodes - 1].first == kInf) return kInf;
-    // Each of them has every rank within memory (a finite key): whole nodes, in node order.
+  int64_t best_node = -1;
+  const int found = full_nodes > 0 ? nodes_from_trees(full_nodes, partial, memory_bytes, &best_node)
+                                   : -1;
+  if (found == 0) return kInf;
+  if (found < 0) {
+    node_keys_.clear();
+    for (int64_t node = 0; node < num_nodes_; ++node) {
+      node_keys_.push_back({node_key(node, full_nodes > 0 ? gpus_per_node_ : partial), node});
+    }
     full_node_ids_.clear();
-    for (int64_t k = 0; k < full_nodes; ++k) full_node_ids_.push_back(node_keys_[k].second);
-    std::sort(full_node_ids_.begin(), full_node_ids_.end());
-    for (int64_t node : full_node_ids_) {
-      for (int64_t rank = node * gpus_per_node_; rank < (node + 1) * gpus_per_node_; ++rank) {
-        ranks->push_back(rank);
+    if (full_nodes > 0) {
+      // The full_nodes least (time, node) keys, in any order: ranks are sorted below, and the
+      // partial node's choice (least time, then node) does not depend on the order of the rest.
+      std::nth_element(node_keys_.begin(), node_keys_.begin() + (full_nodes - 1),
+                       node_keys_.end());
+      if (node_keys_[full_nodes - 1].first == kInf) return kInf;
+      // Each of them has every rank within memory (a finite key): whole nodes, in node order.
+      for (int64_t k = 0; k < full_nodes; ++k) full_node_ids_.push_back(node_keys_[k].second);
+    }
+    if (partial > 0) {
+      double best_time_s = kInf;
+      for (size_t k = full_nodes; k < node_keys_.size(); ++k) {
+        const int64_t node = node_keys_[k].second;
+        const double time_s =
+            full_nodes > 0 ? node_key(node, partial) : node_keys_[k].first;
+        if (time_s < best_time_s || (time_s == best_time_s && node < best_node)) {
+          best_time_s = time_s;
+          best_node = node;
+        }
       }
+      if (best_node < 0) return kInf;
+    }
+  }
+  std::sort(full_node_ids_.begin(), full_node_ids_.end());
+  for (int64_t node : full_node_ids_) {
+    for (int64_t rank = node * gpus_per_node_; rank < (node + 1) * gpus_per_node_; ++rank) {
+      ranks->push_back(rank);
     }
   }
   if (partial > 0) {
-    int64_t best_node = -1;
-    double best_time_s = kInf;
-    for (size_t k = full_nodes; k < node_keys_.size(); ++k) {
-      const int64_t node = node_keys_[k].second;
-      const double time_s =
-          full_nodes > 0 ? node_key(node, partial) : node_keys_[k].first;
-      if (time_s < best_time_s || (time_s == best_time_s && node < best_node)) {
-        best_time_s = time_s;
-        best_node = node;
-      }
-    }
-    if (best_node < 0) return kInf;
     const size_t partial_begin = ranks->size();
     take_from_node(best_node, partial, ranks);
     std::sort(ranks->begin() + partial_begin, ranks->end());
@@ -295,6 +303,56 @@ double ZelligePlanner::select_anchor_ranks(int32_t sequence, int64_t degree, con
   // Full nodes in node order, each in rank order (above), the partial node last: the canonical
   // pattern.
   return busiest_after();
+}
+
+// select_anchor_ranks beyond a node, from the node trees rather than a pass over every node for
+// each anchor and degree tried (thousands of clips over 4096 ranks): the `full_nodes` least
+// (key, node) pairs popped off the whole-node tree into full_node_ids_, then the partial node
+// (`best_node`) as the least of the others on its tree. The same choice as the scan while every
+// node that comes up has the memory on all its ranks: its key is then its tree value, and no
+// node's key is below its tree value (a node short of memory skips ranks). Returns 1 when found,
+// 0 when no such ranks exist, -1 when a node short of memory came up (the caller scans).
+int ZelligePlanner::nodes_from_trees(int64_t full_nodes, int64_t partial, double memory_bytes,
+                                     int64_t* best_node) {
+  auto has_memory = [&](int64_t node) {
+    return node_most_bytes_[node] + memory_bytes <= node_least_free_bytes_[node];
+  };
+  MinTree& full_tree = node_trees_[gpus_per_node_ - 1];
+  popped_keys_s_.clear();
+  full_node_ids_.clear();
+  int found = 1;
+  while (static_cast<int64_t>(full_node_ids_.size()) < full_nodes) {
+    const int64_t node = full_tree.argmin();
+    const double key_s = full_tree.value(node);
+    if (key_s == kInf || !has_memory(node)) {
+      found = key_s == kInf ? 0 : -1;
+      break;
+    }
+    full_node_ids_.push_back(node);
+    popped_keys_s_.push_back(key_s);
+    full_tree.update(node, kInf);
+  }
+  for (size_t k = 0; k < full_node_ids_.size(); ++k) {
+    full_tree.update(full_node_ids_[k], popped_keys_s_[k]);
+  }
+  if (found != 1 || partial == 0) return found;
+  MinTree& partial_tree = node_trees_[partial - 1];
+  popped_keys_s_.clear();
+  for (int64_t node : full_node_ids_) {
+    popped_keys_s_.push_back(partial_tree.value(node));
+    partial_tree.update(node, kInf);
+  }
+  *best_node = partial_tree.argmin();
+  if (partial_tree.value(*best_node) == kInf) {
+    found = 0;
+  } else if (!has_memory(*best_node)) {
+    found = -1;
+  }
+  for (size_t k = 0; k < full_node_ids_.size(); ++k) {
+    partial_tree.update(full_node_ids_[k], popped_keys_s_[k]);
+  }
+  if (found != 1) *best_node = -1;
+  return found;
 }
 
 void ZelligePlanner::add_anchor(int32_t sequence, int64_t degree, const std::vector<int64_t>& ranks,

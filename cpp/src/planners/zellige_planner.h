@@ -263,6 +263,7 @@ class MinTree {
   void update(int64_t rank, double time_s) {
     int64_t node = leaves_ + rank;
     const double old_s = min_s_[node];
+    if (time_s == old_s) return;  // stage 1 re-keys a node's unchanged ranks too (resort_node)
     min_s_[node] = time_s;
     if (time_s >= old_s) {
       // A value that grows changes only the ancestors whose least value was this rank's (a
@@ -428,17 +429,24 @@ class ZelligePlanner {
     }
     return slot;
   }
-  // cost_model_.shares, memoised (local search prices the same shapes over and over; same
-  // values): through the evaluation cache for placements of at most a node; by node pattern for
-  // wider ones (wide_shares), whose cache entries would list degree^2 attention calls.
-  std::vector<RankShare> small_shares(const Sequence& sequence, const Placement& placement) {
-    return placement.degree() <= gpus_per_node_ ? cost_model_.shares(sequence, placement, cache_)
-                                                : wide_shares(sequence, placement);
+  // cost_model_.shares, memoised by node pattern (wide_shares): local search prices the same
+  // shapes over and over and keeps few of them, so not through the evaluation cache, whose
+  // entries also price every attention call (what evaluate reads; degree^2 of them beyond a
+  // node). Position k is on placement.ranks[k]; the `rank` fields are not the placement's (a
+  // memo's shares, not copied). Valid until the next call.
+  const std::vector<RankShare>& small_shares(const Sequence& sequence,
+                                             const Placement& placement) {
+    return wide_shares(sequence, placement);
   }
-  // A wide placement's shares from the shares of the first placement priced with the same
-  // lengths, shape and node pattern (which positions share a node: all that shares read of the
-  // ranks), moved to its ranks.
-  std::vector<RankShare> wide_shares(const Sequence& sequence, const Placement& placement);
+  // A wide placement's shares: those of the first placement priced with the same lengths, shape
+  // and node pattern (which positions share a node: all that shares read of the ranks).
+  const std::vector<RankShare>& wide_shares(const Sequence& sequence, const Placement& placement);
+  // `shares` (small_shares's) with their ranks set to `ranks`, into `out`.
+  static void place_shares(const std::vector<RankShare>& shares, const std::vector<int64_t>& ranks,
+                           std::vector<RankShare>* out) {
+    *out = shares;
+    for (size_t k = 0; k < ranks.size(); ++k) (*out)[k].rank = ranks[k];
+  }
   double time_with(const Solution& s, int64_t rank, int64_t delta_tokens,
                    double delta_other_s) const {
     return at_speed(rank, linear_s(s.tokens[rank] + delta_tokens) + s.other_s[rank] +
@@ -486,6 +494,8 @@ class ZelligePlanner {
   bool times_only_grow();
   double select_anchor_ranks(int32_t sequence, int64_t degree, const Solution& s,
                              std::vector<int64_t>* ranks);
+  int nodes_from_trees(int64_t full_nodes, int64_t partial, double memory_bytes,
+                       int64_t* best_node);
   // Records `sequence` as an anchor of its best shape of `degree` on `ranks` (shares added).
   void add_anchor(int32_t sequence, int64_t degree, const std::vector<int64_t>& ranks, Solution* s);
   // add_anchor, then the anchor stage's per-node orders of its ranks brought up to date.
@@ -531,8 +541,10 @@ class ZelligePlanner {
   // The busiest time of the ranks a change touches (infinite when one runs out of memory), exact
   // below `above_s`; once it reaches `above_s`, any value at or above it (callers keep a change
   // only when it is below their best).
+  // `new_ranks` (optional): the ranks of `new_shares` by position, in place of their own.
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
-                      const std::vector<RankShare>& new_shares, double above_s);
+                      const std::vector<RankShare>& new_shares, double above_s,
+                      const std::vector<int64_t>* new_ranks = nullptr);
 
   const Batch& batch_;
   const CostModel& cost_model_;
@@ -579,6 +591,7 @@ class ZelligePlanner {
   std::vector<std::vector<int64_t>> node_ranks_by_time_;
   std::vector<std::pair<double, int64_t>> node_keys_;  // stage 1's scan beyond a node
   std::vector<int64_t> full_node_ids_;                 // the whole nodes it takes
+  std::vector<double> popped_keys_s_;                  // nodes_from_trees: tree values set aside
   MinTree open_ranks_;                                 // stage 2: rank times
   // Local search: the solution it changes, and trees over its rank times and their negatives
   // (kept by refresh_time), so that the busiest rank and the least-loaded ones cost O(log ranks)
@@ -610,7 +623,7 @@ class ZelligePlanner {
   std::vector<char> member_;
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
-  std::vector<RankShare> best_shares_;
+  std::vector<RankShare> best_shares_, shares_scratch_;
   // wide_shares's memo: key (tokens, text tokens, strategy, Ulysses degree, then per position
   // its node's first position), and how many shares it holds (bounded).
   struct KeyHash {

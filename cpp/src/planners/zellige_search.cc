@@ -18,8 +18,8 @@ namespace zellige::planners::zellige_detail {
 // At most this many shares are kept by wide_shares (a few hundred MB at 4096 ranks' patterns).
 constexpr int64_t kWideSharesHeld = int64_t{1} << 22;
 
-std::vector<RankShare> ZelligePlanner::wide_shares(const Sequence& sequence,
-                                                   const Placement& placement) {
+const std::vector<RankShare>& ZelligePlanner::wide_shares(const Sequence& sequence,
+                                                          const Placement& placement) {
   const size_t degree = placement.ranks.size();
   wide_key_.assign({sequence.num_tokens, sequence.text_tokens,
                     static_cast<int64_t>(placement.strategy), placement.ulysses_degree});
@@ -34,17 +34,16 @@ std::vector<RankShare> ZelligePlanner::wide_shares(const Sequence& sequence,
   for (int64_t rank : placement.ranks) node_first_position_[node_of(rank)] = -1;
   const auto found = wide_shares_.find(wide_key_);
   if (found != wide_shares_.end()) {
-    std::vector<RankShare> shares = found->second;
-    assert(shares.size() == degree);
-    for (size_t k = 0; k < degree; ++k) shares[k].rank = placement.ranks[k];
-    return shares;
+    assert(found->second.size() == degree);
+    return found->second;
   }
   std::vector<RankShare> shares = cost_model_.shares(sequence, placement);
   if (wide_shares_held_ + static_cast<int64_t>(degree) <= kWideSharesHeld) {
     wide_shares_held_ += static_cast<int64_t>(degree);
-    wide_shares_.emplace(wide_key_, shares);
+    return wide_shares_.emplace(wide_key_, std::move(shares)).first->second;
   }
-  return shares;
+  shares_scratch_ = std::move(shares);
+  return shares_scratch_;
 }
 
 // The `count` least-loaded ranks (by time, then id), skipping ranks marked in `excluded`.
@@ -167,19 +166,21 @@ bool ZelligePlanner::try_swap(Solution* s, int64_t busiest) {
 // The busiest time over the ranks that trading `old_shares` for `new_shares` touches, or infinity
 // when a rank would run out of memory; past `above_s`, the rest of the ranks are not priced.
 double ZelligePlanner::price_change(const Solution& s, const std::vector<RankShare>& old_shares,
-                                    const std::vector<RankShare>& new_shares, double above_s) {
+                                    const std::vector<RankShare>& new_shares, double above_s,
+                                    const std::vector<int64_t>* new_ranks) {
   touched_.clear();
-  auto touch = [&](const RankShare& share, double sign) {
-    if (delta_tokens_[share.rank] == 0 && delta_other_s_[share.rank] == 0 &&
-        delta_memory_bytes_[share.rank] == 0) {
-      touched_.push_back(share.rank);
+  auto touch = [&](const RankShare& share, int64_t rank, double sign) {
+    if (delta_tokens_[rank] == 0 && delta_other_s_[rank] == 0 && delta_memory_bytes_[rank] == 0) {
+      touched_.push_back(rank);
     }
-    delta_tokens_[share.rank] += static_cast<int64_t>(sign) * share.tokens;
-    delta_other_s_[share.rank] += sign * (share.attention_s + share.exchange_s);
-    delta_memory_bytes_[share.rank] += sign * share.memory_bytes;
+    delta_tokens_[rank] += static_cast<int64_t>(sign) * share.tokens;
+    delta_other_s_[rank] += sign * (share.attention_s + share.exchange_s);
+    delta_memory_bytes_[rank] += sign * share.memory_bytes;
   };
-  for (const RankShare& share : old_shares) touch(share, -1);
-  for (const RankShare& share : new_shares) touch(share, +1);
+  for (const RankShare& share : old_shares) touch(share, share.rank, -1);
+  for (size_t k = 0; k < new_shares.size(); ++k) {
+    touch(new_shares[k], new_ranks ? (*new_ranks)[k] : new_shares[k].rank, +1);
+  }
   double score_s = 0;
   for (int64_t rank : touched_) {
     if (score_s >= above_s) break;
@@ -224,15 +225,15 @@ bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
     const Sequence& sequence = batch_.sequences[anchor.sequence];
     const int64_t degree = anchor.shape.degree;
     auto consider = [&](const Shape& shape, const std::vector<int64_t>& ranks) {
-      std::vector<RankShare> shares =
+      const std::vector<RankShare>& shares =
           small_shares(sequence, to_placement(sequence.id, shape, ranks));
-      const double score_s = price_change(*s, anchor.shares, shares, best_s);
+      const double score_s = price_change(*s, anchor.shares, shares, best_s, &ranks);
       if (score_s < best_s) {
         best_s = score_s;
         best_slot = slot;
         best_shape = shape;
         best_ranks_ = ranks;
-        best_shares_ = std::move(shares);
+        place_shares(shares, ranks, &best_shares_);
       }
     };
     for (int64_t rank : anchor.ranks) member_[rank] = 1;
@@ -328,15 +329,15 @@ bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
         candidate_ranks_.assign(low_ranks_.begin(), low_ranks_.begin() + others);
         if (keep_busiest) candidate_ranks_.push_back(busiest);
         sort_ranks(&candidate_ranks_);
-        std::vector<RankShare> shares =
+        const std::vector<RankShare>& shares =
             small_shares(seq, to_placement(seq.id, shape, candidate_ranks_));
-        const double score_s = price_change(*s, old_shares, shares, best_s);
+        const double score_s = price_change(*s, old_shares, shares, best_s, &candidate_ranks_);
         if (score_s < best_s) {
           best_s = score_s;
           best_sequence = sequence;
           best_shape = shape;
           best_ranks_ = candidate_ranks_;
-          best_shares_ = std::move(shares);
+          place_shares(shares, candidate_ranks_, &best_shares_);
         }
       }
     }
