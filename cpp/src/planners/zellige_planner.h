@@ -104,6 +104,12 @@ inline constexpr int64_t kAnchorMovesPerAnchor = 4;
 // Equal-makespan memory steps (try_lower_memory): at most this many per search, each trying the
 // fillers of the fullest rank on this many ranks of least memory.
 inline constexpr int64_t kMemorySteps = 16;
+// Co-location (coalesce): rounds, exact evaluations in all, ranks tried per sequence and swap
+// partners per rank.
+inline constexpr int64_t kCoalesceRounds = 16;
+inline constexpr int64_t kCoalesceEvaluations = 64;
+inline constexpr size_t kCoalesceHolders = 2;
+inline constexpr int kCoalescePartners = 2;
 inline constexpr size_t kMemoryPartners = 4;
 // Anchor degree scans (degree_for, place_anchor_within) step by one up to this many ranks, then by
 // degree / kDegreeScanSteps: one rank more changes a wide anchor's share by under 1%, and pricing
@@ -357,6 +363,8 @@ class ZelligePlanner {
   Plan run();
   // Local search alone from `start` (planners::zellige_search, for tests of the moves).
   Plan search_only(const Plan& start, bool whole_anchor_moves);
+  // Co-location alone from `start` (planners::zellige_coalesce, for its tests).
+  Plan coalesce_only(const Plan& start, int64_t* steps);
 
  private:
   // Per-token layers' time: exact in local search and final pricing; during the construction
@@ -527,6 +535,16 @@ class ZelligePlanner {
   bool try_lower_memory(Solution* s);
   bool bag_start(bool busiest_only, int32_t max_run, Plan* plan);
   bool grouped_start(Plan* plan);
+  // zellige_exact.cc
+  // The plan with every Ulysses or hybrid placement run as a ring over its ranks, when the plan
+  // exchanges over the world and memory forces full recompute somewhere (`cost`: its exact
+  // price): then each rank recomputes only what its own memory needs.
+  bool ring_variant(const Plan& plan, const PlanCost& cost, Plan* variant) const;
+  // Co-location for coalescing: moves and swaps of local sequences that put one next to its
+  // equal lengths on another rank (their calls merge), priced exactly, kept while the makespan
+  // (then the summed rank time) drops. `cost`: the plan's exact price, updated. Returns the
+  // steps kept.
+  int64_t coalesce(Plan* plan, PlanCost* cost);
   bool configuration_start(double upper_s, Plan* plan);
   // The busiest time of the ranks a change touches (infinite when one runs out of memory), exact
   // below `above_s`; once it reaches `above_s`, any value at or above it (callers keep a change

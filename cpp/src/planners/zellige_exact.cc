@@ -1,0 +1,156 @@
+// Steps of the zellige planner priced exactly (CostModel::evaluate), for what the search's additive
+// times cannot see: attention calls that merge when equal lengths share a rank, and the recompute
+// that memory forces on every rank once a plan exchanges q, k, v over the world (Ulysses).
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "zellige_planner.h"
+
+namespace zellige::planners::zellige_detail {
+
+namespace {
+
+// Lexicographic: a lower makespan, else the same makespan and less time summed over the ranks (a
+// merge that does not relieve the busiest rank yet relieves another, so later steps can).
+bool better_cost(const PlanCost& candidate, const PlanCost& current) {
+  if (!candidate.fits) return false;
+  if (candidate.makespan_s < current.makespan_s * (1 - kMinGain)) return true;
+  if (candidate.makespan_s > current.makespan_s * (1 + kMinGain)) return false;
+  double candidate_sum_s = 0, current_sum_s = 0;
+  for (const RankCost& rank : candidate.ranks) candidate_sum_s += rank.time_s;
+  for (const RankCost& rank : current.ranks) current_sum_s += rank.time_s;
+  return candidate_sum_s < current_sum_s * (1 - kMinGain);
+}
+
+}  // namespace
+
+bool ZelligePlanner::ring_variant(const Plan& plan, const PlanCost& cost, Plan* variant) const {
+  bool world_exchange = false;
+  for (const Placement& placement : plan.placements) {
+    world_exchange = world_exchange || placement.ulysses_degree > 1;
+  }
+  if (!world_exchange) return false;
+  bool full_recompute = false;
+  for (const RankCost& rank : cost.ranks) {
+    full_recompute = full_recompute || rank.full_recompute_layers > 0;
+  }
+  if (!full_recompute) return false;
+  *variant = plan;
+  for (Placement& placement : variant->placements) {
+    if (placement.ulysses_degree == 1) continue;
+    placement = to_placement(placement.sequence_id,
+                             Shape{Strategy::kRing, placement.degree(), 1}, placement.ranks);
+  }
+  return true;
+}
+
+int64_t ZelligePlanner::coalesce(Plan* plan, PlanCost* cost) {
+  if (static_cast<int64_t>(plan->placements.size()) != num_sequences_ || !cost->fits) return 0;
+  std::vector<int64_t> rank_of(num_sequences_, -1);  // local sequences' ranks
+  std::vector<int32_t> key_total(num_sequences_, 0);  // by shape key: local sequences with it
+  for (int64_t i = 0; i < num_sequences_; ++i) {
+    const Placement& placement = plan->placements[i];
+    if (placement.sequence_id != batch_.sequences[i].id) return 0;  // not in batch order
+    if (placement.ranks.size() != 1) continue;
+    rank_of[i] = placement.ranks[0];
+    ++key_total[shape_key_[i]];
+  }
+  std::vector<int32_t> on_busiest, movable, holders;
+  const auto count_on_busiest = [&](int32_t key) {
+    return std::count_if(on_busiest.begin(), on_busiest.end(),
+                         [&](int32_t i) { return shape_key_[i] == key; });
+  };
+  std::vector<std::vector<int32_t>> locals;  // by rank, built once a step is possible
+  std::vector<std::vector<int32_t>> members;  // by shape key: its local sequences
+  struct Trial {
+    int32_t sequence = -1, partner = -1;  // partner: -1 for a move
+    int64_t rank = -1;
+  };
+  std::vector<Trial> trials;
+  int64_t evaluations = 0, accepted = 0;
+  for (int64_t round = 0; round < kCoalesceRounds && evaluations < kCoalesceEvaluations; ++round) {
+    int64_t busiest = 0;
+    for (int64_t r = 1; r < num_ranks_; ++r) {
+      if (cost->ranks[r].time_s > cost->ranks[busiest].time_s) busiest = r;
+    }
+    // Sequences alone with their key on the busiest rank whose key lives elsewhere too: moving
+    // one out takes a call off the busiest rank and merges it where it lands. Largest first.
+    on_busiest.clear();
+    for (int64_t i = 0; i < num_sequences_; ++i) {
+      if (rank_of[i] == busiest) on_busiest.push_back(static_cast<int32_t>(i));
+    }
+    movable.clear();
+    for (const int32_t i : on_busiest) {
+      if (key_total[shape_key_[i]] > 1 && count_on_busiest(shape_key_[i]) == 1) {
+        movable.push_back(i);
+      }
+    }
+    if (movable.empty()) break;
+    std::sort(movable.begin(), movable.end(), [&](int32_t a, int32_t b) {
+      return local_estimate_s_[a] > local_estimate_s_[b] || (local_estimate_s_[a] == local_estimate_s_[b] && a < b);
+    });
+    if (locals.empty()) {
+      locals.resize(num_ranks_);
+      members.resize(num_sequences_);
+      for (int64_t i = 0; i < num_sequences_; ++i) {
+        if (rank_of[i] >= 0) members[shape_key_[i]].push_back(static_cast<int32_t>(i));
+      }
+    }
+    for (auto& sequences : locals) sequences.clear();
+    for (int64_t i = 0; i < num_sequences_; ++i) {
+      if (rank_of[i] >= 0) locals[rank_of[i]].push_back(static_cast<int32_t>(i));
+    }
+    trials.clear();
+    for (const int32_t i : movable) {
+      holders.clear();
+      for (const int32_t j : members[shape_key_[i]]) {
+        if (rank_of[j] != busiest) holders.push_back(static_cast<int32_t>(rank_of[j]));
+      }
+      std::sort(holders.begin(), holders.end(), [&](int32_t a, int32_t b) {
+        return cost->ranks[a].time_s < cost->ranks[b].time_s ||
+               (cost->ranks[a].time_s == cost->ranks[b].time_s && a < b);
+      });
+      holders.erase(std::unique(holders.begin(), holders.end()), holders.end());
+      if (holders.size() > kCoalesceHolders) holders.resize(kCoalesceHolders);
+      for (const int32_t rank : holders) {
+        trials.push_back({i, -1, rank});
+        // Swaps with the holder's sequences whose key the busiest rank holds: both merge.
+        int partners = 0;
+        for (const int32_t j : locals[rank]) {
+          if (partners == kCoalescePartners) break;
+          if (shape_key_[j] == shape_key_[i] || count_on_busiest(shape_key_[j]) == 0) continue;
+          trials.push_back({i, j, rank});
+          ++partners;
+        }
+      }
+    }
+    Trial best_trial;
+    PlanCost best_cost = *cost;
+    for (const Trial& trial : trials) {
+      if (evaluations == kCoalesceEvaluations) break;
+      plan->placements[trial.sequence].ranks[0] = trial.rank;
+      if (trial.partner >= 0) plan->placements[trial.partner].ranks[0] = busiest;
+      PlanCost trial_cost = cost_model_.evaluate(batch_, *plan, cache_);
+      ++evaluations;
+      if (better_cost(trial_cost, best_cost)) {
+        best_cost = std::move(trial_cost);
+        best_trial = trial;
+      }
+      plan->placements[trial.sequence].ranks[0] = busiest;
+      if (trial.partner >= 0) plan->placements[trial.partner].ranks[0] = trial.rank;
+    }
+    if (best_trial.sequence < 0) break;
+    plan->placements[best_trial.sequence].ranks[0] = best_trial.rank;
+    rank_of[best_trial.sequence] = best_trial.rank;
+    if (best_trial.partner >= 0) {
+      plan->placements[best_trial.partner].ranks[0] = busiest;
+      rank_of[best_trial.partner] = busiest;
+    }
+    *cost = std::move(best_cost);
+    ++accepted;
+  }
+  return accepted;
+}
+
+}  // namespace zellige::planners::zellige_detail
