@@ -328,8 +328,9 @@ Plan ZelligePlanner::run() {
     seed_floors_s.push_back(seed.floor_s);
   }
   // Exactly priced steps from the fastest plan (zellige_exact.cc): its ring variant where the
-  // world exchange makes every rank pay the recompute of the fullest, and co-location of equal
-  // lengths so that their attention calls merge.
+  // world exchange makes every rank pay the recompute of the fullest, a search from two sharded
+  // sequences split over their ranks' halves, and co-location of equal lengths so that their
+  // attention calls merge.
   int64_t coalesced = 0;
   {
     size_t fastest = finalists.size();
@@ -355,6 +356,20 @@ Plan ZelligePlanner::run() {
           if (finalists[k].cost.fits &&
               finalists[k].cost.makespan_s < finalists[fastest].cost.makespan_s) {
             fastest = k;
+          }
+        }
+      }
+      Plan split;
+      if (split_pair(finalists[fastest].plan, finalists[fastest].cost, &split)) {
+        PlanCost split_cost = cost_model_.evaluate(batch_, split, cache_);
+        widen(&split, &split_cost);
+        import_plan(split, &current);
+        if (std::isfinite(current.makespan_s)) {
+          search_from(&current, "search:split:" + finalists[fastest].source);
+          price_finalists(finalists.size() - 1);
+          if (finalists.back().cost.fits &&
+              finalists.back().cost.makespan_s < finalists[fastest].cost.makespan_s) {
+            fastest = finalists.size() - 1;
           }
         }
       }

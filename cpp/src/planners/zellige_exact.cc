@@ -11,16 +11,19 @@ namespace zellige::planners::zellige_detail {
 
 namespace {
 
+double summed_s(const PlanCost& cost) {
+  double total_s = 0;
+  for (const RankCost& rank : cost.ranks) total_s += rank.time_s;
+  return total_s;
+}
+
 // Lexicographic: a lower makespan, else the same makespan and less time summed over the ranks (a
 // merge that does not relieve the busiest rank yet relieves another, so later steps can).
 bool better_cost(const PlanCost& candidate, const PlanCost& current) {
   if (!candidate.fits) return false;
   if (candidate.makespan_s < current.makespan_s * (1 - kMinGain)) return true;
   if (candidate.makespan_s > current.makespan_s * (1 + kMinGain)) return false;
-  double candidate_sum_s = 0, current_sum_s = 0;
-  for (const RankCost& rank : candidate.ranks) candidate_sum_s += rank.time_s;
-  for (const RankCost& rank : current.ranks) current_sum_s += rank.time_s;
-  return candidate_sum_s < current_sum_s * (1 - kMinGain);
+  return summed_s(candidate) < summed_s(current) * (1 - kMinGain);
 }
 
 }  // namespace
@@ -43,6 +46,80 @@ bool ZelligePlanner::ring_variant(const Plan& plan, const PlanCost& cost, Plan* 
                              Shape{Strategy::kRing, placement.degree(), 1}, placement.ranks);
   }
   return true;
+}
+
+bool ZelligePlanner::split_pair(const Plan& plan, const PlanCost& cost, Plan* split) const {
+  std::vector<size_t> anchors;
+  for (size_t i = 0; i < plan.placements.size(); ++i) {
+    if (plan.placements[i].ranks.size() > 1) anchors.push_back(i);
+  }
+  if (anchors.size() < 2 || anchors.size() > kSplitAnchors) return false;
+  std::vector<Shape> shapes;
+  std::vector<int64_t> ranks;
+  Plan trial = plan;
+  double best_s = cost.makespan_s * (1 + kSplitSlack);
+  bool found = false;
+  for (size_t x = 0; x < anchors.size(); ++x) {
+    for (size_t y = x + 1; y < anchors.size(); ++y) {
+      const Placement& a = plan.placements[anchors[x]];
+      const Placement& b = plan.placements[anchors[y]];
+      ranks = a.ranks;
+      ranks.insert(ranks.end(), b.ranks.begin(), b.ranks.end());
+      std::sort(ranks.begin(), ranks.end());
+      ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+      const int64_t half = static_cast<int64_t>(ranks.size()) / 2;
+      if (half < 2 || 2 * half != static_cast<int64_t>(ranks.size())) continue;
+      const std::vector<int64_t> low(ranks.begin(), ranks.begin() + half);
+      const std::vector<int64_t> high(ranks.begin() + half, ranks.end());
+      shapes_of_degree(half, num_heads_, gpus_per_node_, &shapes);
+      for (const bool a_low : {true, false}) {
+        for (const Shape& shape : shapes) {
+          trial.placements[anchors[x]] = to_placement(a.sequence_id, shape, a_low ? low : high);
+          trial.placements[anchors[y]] = to_placement(b.sequence_id, shape, a_low ? high : low);
+          const PlanCost trial_cost = cost_model_.evaluate(batch_, trial, cache_);
+          if (trial_cost.fits && trial_cost.makespan_s < best_s) {
+            best_s = trial_cost.makespan_s;
+            *split = trial;
+            found = true;
+          }
+        }
+      }
+      trial.placements[anchors[x]] = a;
+      trial.placements[anchors[y]] = b;
+    }
+  }
+  return found;
+}
+
+int64_t ZelligePlanner::widen(Plan* plan, PlanCost* cost) const {
+  std::vector<Shape> shapes;
+  std::vector<int64_t> hull;
+  int64_t widened = 0;
+  for (size_t i = 0; i < plan->placements.size(); ++i) {
+    const Placement placement = plan->placements[i];
+    if (placement.ranks.size() < 2) continue;
+    hull.clear();
+    for (const int64_t rank : placement.ranks) {
+      const int64_t first = rank - rank % gpus_per_node_;
+      for (int64_t r = first; r < first + gpus_per_node_; ++r) hull.push_back(r);
+    }
+    std::sort(hull.begin(), hull.end());
+    hull.erase(std::unique(hull.begin(), hull.end()), hull.end());
+    if (hull.size() == placement.ranks.size()) continue;
+    shapes_of_degree(static_cast<int64_t>(hull.size()), num_heads_, gpus_per_node_, &shapes);
+    Placement best = placement;
+    for (const Shape& shape : shapes) {
+      plan->placements[i] = to_placement(placement.sequence_id, shape, hull);
+      PlanCost trial_cost = cost_model_.evaluate(batch_, *plan, cache_);
+      if (trial_cost.fits && summed_s(trial_cost) < summed_s(*cost) * (1 - kMinGain)) {
+        *cost = std::move(trial_cost);
+        best = plan->placements[i];
+      }
+    }
+    plan->placements[i] = best;
+    if (best.ranks != placement.ranks) ++widened;
+  }
+  return widened;
 }
 
 int64_t ZelligePlanner::coalesce(Plan* plan, PlanCost* cost) {

@@ -110,6 +110,10 @@ inline constexpr int64_t kCoalesceRounds = 16;
 inline constexpr int64_t kCoalesceEvaluations = 64;
 inline constexpr size_t kCoalesceHolders = 2;
 inline constexpr int kCoalescePartners = 2;
+// split_pair: plans with at most this many sharded sequences; how much slower than the plan a
+// split may be priced before the search that re-balances it.
+inline constexpr size_t kSplitAnchors = 8;
+inline constexpr double kSplitSlack = 0.1;
 inline constexpr size_t kMemoryPartners = 4;
 // Anchor degree scans (degree_for, place_anchor_within) step by one up to this many ranks, then by
 // degree / kDegreeScanSteps: one rank more changes a wide anchor's share by under 1%, and pricing
@@ -540,6 +544,16 @@ class ZelligePlanner {
   // exchanges over the world and memory forces full recompute somewhere (`cost`: its exact
   // price): then each rank recomputes only what its own memory needs.
   bool ring_variant(const Plan& plan, const PlanCost& cost, Plan* variant) const;
+  // Two sequences sharded over overlapping ranks put each on one half of their union (what the
+  // search's single-anchor moves cannot reach when either move alone overloads the other half),
+  // every shape of half the degree, priced exactly: the best within kSplitSlack of `cost`'s
+  // makespan (a start for a search that then re-balances the local sequences).
+  bool split_pair(const Plan& plan, const PlanCost& cost, Plan* split) const;
+  // Each sharded sequence over part of some node's ranks tried over all ranks of the nodes it
+  // touches (every shape of that degree), kept where the ranks' summed exact time (`cost`)
+  // drops: less work in all, for a search that then re-balances the local sequences around it.
+  // Returns how many were widened.
+  int64_t widen(Plan* plan, PlanCost* cost) const;
   // Co-location for coalescing: moves and swaps of local sequences that put one next to its
   // equal lengths on another rank (their calls merge), priced exactly, kept while the makespan
   // (then the summed rank time) drops. `cost`: the plan's exact price, updated. Returns the
