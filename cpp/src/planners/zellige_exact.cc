@@ -59,6 +59,7 @@ bool ZelligePlanner::split_pair(const Plan& plan, const PlanCost& cost, Plan* sp
   Plan trial = plan;
   double best_s = cost.makespan_s * (1 + kSplitSlack);
   bool found = false;
+  int64_t evaluations = exact_evaluations();
   for (size_t x = 0; x < anchors.size(); ++x) {
     for (size_t y = x + 1; y < anchors.size(); ++y) {
       const Placement& a = plan.placements[anchors[x]];
@@ -74,6 +75,7 @@ bool ZelligePlanner::split_pair(const Plan& plan, const PlanCost& cost, Plan* sp
       shapes_of_degree(half, num_heads_, gpus_per_node_, &shapes);
       for (const bool a_low : {true, false}) {
         for (const Shape& shape : shapes) {
+          if (evaluations-- == 0) return found;
           trial.placements[anchors[x]] = to_placement(a.sequence_id, shape, a_low ? low : high);
           trial.placements[anchors[y]] = to_placement(b.sequence_id, shape, a_low ? high : low);
           const PlanCost trial_cost = cost_model_.evaluate(batch_, trial, cache_);
@@ -94,7 +96,7 @@ bool ZelligePlanner::split_pair(const Plan& plan, const PlanCost& cost, Plan* sp
 int64_t ZelligePlanner::widen(Plan* plan, PlanCost* cost) const {
   std::vector<Shape> shapes;
   std::vector<int64_t> hull;
-  int64_t widened = 0;
+  int64_t widened = 0, evaluations = exact_evaluations();
   for (size_t i = 0; i < plan->placements.size(); ++i) {
     const Placement placement = plan->placements[i];
     if (placement.ranks.size() < 2) continue;
@@ -109,6 +111,7 @@ int64_t ZelligePlanner::widen(Plan* plan, PlanCost* cost) const {
     shapes_of_degree(static_cast<int64_t>(hull.size()), num_heads_, gpus_per_node_, &shapes);
     Placement best = placement;
     for (const Shape& shape : shapes) {
+      if (evaluations-- == 0) break;
       plan->placements[i] = to_placement(placement.sequence_id, shape, hull);
       PlanCost trial_cost = cost_model_.evaluate(batch_, *plan, cache_);
       if (trial_cost.fits && summed_s(trial_cost) < summed_s(*cost) * (1 - kMinGain)) {
@@ -145,8 +148,9 @@ int64_t ZelligePlanner::coalesce(Plan* plan, PlanCost* cost) {
     int64_t rank = -1;
   };
   std::vector<Trial> trials;
+  const int64_t most_evaluations = exact_evaluations();
   int64_t evaluations = 0, accepted = 0;
-  for (int64_t round = 0; round < kCoalesceRounds && evaluations < kCoalesceEvaluations; ++round) {
+  for (int64_t round = 0; round < kCoalesceRounds && evaluations < most_evaluations; ++round) {
     int64_t busiest = 0;
     for (int64_t r = 1; r < num_ranks_; ++r) {
       if (cost->ranks[r].time_s > cost->ranks[busiest].time_s) busiest = r;
@@ -205,7 +209,7 @@ int64_t ZelligePlanner::coalesce(Plan* plan, PlanCost* cost) {
     Trial best_trial;
     PlanCost best_cost = *cost;
     for (const Trial& trial : trials) {
-      if (evaluations == kCoalesceEvaluations) break;
+      if (evaluations == most_evaluations) break;
       plan->placements[trial.sequence].ranks[0] = trial.rank;
       if (trial.partner >= 0) plan->placements[trial.partner].ranks[0] = busiest;
       PlanCost trial_cost = cost_model_.evaluate(batch_, *plan, cache_);

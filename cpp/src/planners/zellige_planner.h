@@ -104,10 +104,13 @@ inline constexpr int64_t kAnchorMovesPerAnchor = 4;
 // Equal-makespan memory steps (try_lower_memory): at most this many per search, each trying the
 // fillers of the fullest rank on this many ranks of least memory.
 inline constexpr int64_t kMemorySteps = 16;
-// Co-location (coalesce): rounds, exact evaluations in all, ranks tried per sequence and swap
-// partners per rank.
+// The exactly priced steps (zellige_exact.cc) evaluate whole plans: each step's evaluations are
+// capped at kExactEvaluations, and at kExactWork placements priced in all (a few on batches of
+// thousands of sequences, whose planning time has targets of its own).
+inline constexpr int64_t kExactEvaluations = 64;
+inline constexpr int64_t kExactWork = 16384;
+// Co-location (coalesce): rounds, ranks tried per sequence and swap partners per rank.
 inline constexpr int64_t kCoalesceRounds = 16;
-inline constexpr int64_t kCoalesceEvaluations = 64;
 inline constexpr size_t kCoalesceHolders = 2;
 inline constexpr int kCoalescePartners = 2;
 // split_pair: plans with at most this many sharded sequences; how much slower than the plan a
@@ -554,6 +557,11 @@ class ZelligePlanner {
   // drops: less work in all, for a search that then re-balances the local sequences around it.
   // Returns how many were widened.
   int64_t widen(Plan* plan, PlanCost* cost) const;
+  // The evaluations one exactly priced step may make (kExactEvaluations, kExactWork).
+  int64_t exact_evaluations() const {
+    return std::clamp<int64_t>(kExactWork / std::max<int64_t>(1, num_sequences_), 4,
+                               kExactEvaluations);
+  }
   // Co-location for coalescing: moves and swaps of local sequences that put one next to its
   // equal lengths on another rank (their calls merge), priced exactly, kept while the makespan
   // (then the summed rank time) drops. `cost`: the plan's exact price, updated. Returns the
