@@ -67,6 +67,8 @@ bool ZelligePlanner::split_pair(const Plan& plan, const PlanCost& cost, Plan* sp
       ranks = a.ranks;
       ranks.insert(ranks.end(), b.ranks.begin(), b.ranks.end());
       std::sort(ranks.begin(), ranks.end());
+      const auto shared = std::adjacent_find(ranks.begin(), ranks.end());
+      if (shared == ranks.end()) continue;  // disjoint: each already has ranks of its own
       ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
       const int64_t half = static_cast<int64_t>(ranks.size()) / 2;
       if (half < 2 || 2 * half != static_cast<int64_t>(ranks.size())) continue;
