@@ -373,12 +373,20 @@ Plan ZelligePlanner::run() {
           }
         }
       }
-      // In place: a step is kept only when the plan gets faster (or as fast with less work).
-      Finalist& grouped = finalists[fastest];
-      coalesced = coalesce(&grouped.plan, &grouped.cost);
+      // In place, then the starting plan restored beside it (without a copy when no step is
+      // kept): both enter the memory tie-break.
+      Undo undo;
+      coalesced = coalesce(&finalists[fastest].plan, &finalists[fastest].cost, &undo);
       if (coalesced > 0) {
+        Finalist grouped = finalists[fastest];
         grouped.source = "coalesced:" + grouped.source;
         best_s = std::min(best_s, grouped.cost.makespan_s);
+        Finalist& start = finalists[fastest];
+        for (auto it = undo.ranks.rbegin(); it != undo.ranks.rend(); ++it) {
+          start.plan.placements[it->first].ranks[0] = it->second;
+        }
+        start.cost = std::move(undo.cost);
+        finalists.push_back(std::move(grouped));
       }
     }
   }

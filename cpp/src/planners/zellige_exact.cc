@@ -127,7 +127,7 @@ int64_t ZelligePlanner::widen(Plan* plan, PlanCost* cost) const {
   return widened;
 }
 
-int64_t ZelligePlanner::coalesce(Plan* plan, PlanCost* cost) {
+int64_t ZelligePlanner::coalesce(Plan* plan, PlanCost* cost, Undo* undo) {
   if (static_cast<int64_t>(plan->placements.size()) != num_sequences_ || !cost->fits) return 0;
   std::vector<int64_t> rank_of(num_sequences_, -1);  // local sequences' ranks
   std::vector<int32_t> key_total(num_sequences_, 0);  // by shape key: local sequences with it
@@ -224,6 +224,11 @@ int64_t ZelligePlanner::coalesce(Plan* plan, PlanCost* cost) {
       if (trial.partner >= 0) plan->placements[trial.partner].ranks[0] = trial.rank;
     }
     if (best_trial.sequence < 0) break;
+    if (undo != nullptr) {
+      if (accepted == 0) undo->cost = *cost;
+      undo->ranks.push_back({best_trial.sequence, busiest});
+      if (best_trial.partner >= 0) undo->ranks.push_back({best_trial.partner, best_trial.rank});
+    }
     plan->placements[best_trial.sequence].ranks[0] = best_trial.rank;
     rank_of[best_trial.sequence] = best_trial.rank;
     if (best_trial.partner >= 0) {

@@ -565,8 +565,12 @@ class ZelligePlanner {
   // Co-location for coalescing: moves and swaps of local sequences that put one next to its
   // equal lengths on another rank (their calls merge), priced exactly, kept while the makespan
   // (then the summed rank time) drops. `cost`: the plan's exact price, updated. Returns the
-  // steps kept.
-  int64_t coalesce(Plan* plan, PlanCost* cost);
+  // steps kept; `undo` (optional) gets what restores the plan it started from.
+  struct Undo {
+    PlanCost cost;                                  // the starting plan's
+    std::vector<std::pair<int32_t, int64_t>> ranks;  // sequence, its rank before (in step order)
+  };
+  int64_t coalesce(Plan* plan, PlanCost* cost, Undo* undo = nullptr);
   bool configuration_start(double upper_s, Plan* plan);
   // The busiest time of the ranks a change touches (infinite when one runs out of memory), exact
   // below `above_s`; once it reaches `above_s`, any value at or above it (callers keep a change
