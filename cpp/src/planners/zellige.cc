@@ -347,8 +347,12 @@ Plan ZelligePlanner::run() {
         const std::string source = finalists[fastest].source;
         finalists.push_back({"ring:" + source, ring, {}});
         price_finalists(finalists.size() - 1);
-        import_plan(ring, &current);
-        if (std::isfinite(current.makespan_s)) {
+        // Searched from only when priced close to the fastest plan as it is.
+        const PlanCost& ring_cost = finalists.back().cost;
+        const bool close = ring_cost.fits && ring_cost.makespan_s <
+                                                 finalists[fastest].cost.makespan_s * (1 + kExactStartSlack);
+        if (close) import_plan(ring, &current);
+        if (close && std::isfinite(current.makespan_s)) {
           search_from(&current, "search:ring:" + source);
           price_finalists(finalists.size() - 1);
         }

@@ -57,7 +57,7 @@ bool ZelligePlanner::split_pair(const Plan& plan, const PlanCost& cost, Plan* sp
   std::vector<Shape> shapes;
   std::vector<int64_t> ranks;
   Plan trial = plan;
-  double best_s = cost.makespan_s * (1 + kSplitSlack);
+  double best_s = cost.makespan_s * (1 + kExactStartSlack);
   bool found = false;
   int64_t evaluations = exact_evaluations();
   for (size_t x = 0; x < anchors.size(); ++x) {

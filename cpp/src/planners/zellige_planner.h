@@ -113,10 +113,11 @@ inline constexpr int64_t kExactWork = 16384;
 inline constexpr int64_t kCoalesceRounds = 16;
 inline constexpr size_t kCoalesceHolders = 2;
 inline constexpr int kCoalescePartners = 2;
-// split_pair: plans with at most this many sharded sequences; how much slower than the plan a
-// split may be priced before the search that re-balances it.
+// split_pair: plans with at most this many sharded sequences.
 inline constexpr size_t kSplitAnchors = 8;
-inline constexpr double kSplitSlack = 0.1;
+// How much slower than the fastest plan a ring variant or a split may be priced and still start
+// a search (which re-balances the local sequences around it).
+inline constexpr double kExactStartSlack = 0.1;
 inline constexpr size_t kMemoryPartners = 4;
 // Anchor degree scans (degree_for, place_anchor_within) step by one up to this many ranks, then by
 // degree / kDegreeScanSteps: one rank more changes a wide anchor's share by under 1%, and pricing
@@ -549,7 +550,7 @@ class ZelligePlanner {
   bool ring_variant(const Plan& plan, const PlanCost& cost, Plan* variant) const;
   // Two sequences sharded over overlapping ranks put each on one half of their union (what the
   // search's single-anchor moves cannot reach when either move alone overloads the other half),
-  // every shape of half the degree, priced exactly: the best within kSplitSlack of `cost`'s
+  // every shape of half the degree, priced exactly: the best within kExactStartSlack of `cost`'s
   // makespan (a start for a search that then re-balances the local sequences).
   bool split_pair(const Plan& plan, const PlanCost& cost, Plan* split) const;
   // Each sharded sequence over part of some node's ranks tried over all ranks of the nodes it
