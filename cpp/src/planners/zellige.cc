@@ -349,8 +349,8 @@ Plan ZelligePlanner::run() {
         price_finalists(finalists.size() - 1);
         // Searched from only when priced close to the fastest plan as it is.
         const PlanCost& ring_cost = finalists.back().cost;
-        const bool close = ring_cost.fits && ring_cost.makespan_s <
-                                                 finalists[fastest].cost.makespan_s * (1 + kExactStartSlack);
+        const double close_s = finalists[fastest].cost.makespan_s * (1 + kExactStartSlack);
+        const bool close = ring_cost.fits && ring_cost.makespan_s < close_s;
         if (close) import_plan(ring, &current);
         if (close && std::isfinite(current.makespan_s)) {
           search_from(&current, "search:ring:" + source);

@@ -1,6 +1,7 @@
 // Steps of the zellige planner priced exactly (CostModel::evaluate), for what the search's additive
-// times cannot see: attention calls that merge when equal lengths share a rank, and the recompute
-// that memory forces on every rank once a plan exchanges q, k, v over the world (Ulysses).
+// times cannot see: the recompute that memory forces on every rank once a plan exchanges q, k, v
+// over the world (Ulysses), two sharded sequences that only a joint move pulls apart, and
+// attention calls that merge when equal lengths share a rank.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -171,7 +172,8 @@ int64_t ZelligePlanner::coalesce(Plan* plan, PlanCost* cost, Undo* undo) {
     }
     if (movable.empty()) break;
     std::sort(movable.begin(), movable.end(), [&](int32_t a, int32_t b) {
-      return local_estimate_s_[a] > local_estimate_s_[b] || (local_estimate_s_[a] == local_estimate_s_[b] && a < b);
+      return local_estimate_s_[a] > local_estimate_s_[b] ||
+             (local_estimate_s_[a] == local_estimate_s_[b] && a < b);
     });
     if (locals.empty()) {
       locals.resize(num_ranks_);
