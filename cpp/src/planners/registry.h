@@ -30,6 +30,10 @@ Plan zellige(const Batch& batch, const CostModel& cost_model, const PlannerOptio
 // moves; `whole_anchor_moves` false leaves out those of zellige_moves.cc.
 Plan zellige_search(const Batch& batch, const CostModel& cost_model, const Plan& start,
                     bool whole_anchor_moves);
+// zellige's co-location step alone (coalesce, zellige_exact.cc) from `start` (a plan of the
+// batch in batch order, within memory); `steps` (optional): the moves and swaps it kept.
+Plan zellige_coalesce(const Batch& batch, const CostModel& cost_model, const Plan& start,
+                      int64_t* steps = nullptr);
 // predict (planners.h) with the caller's cache.
 void predict_with(Plan& plan, const Batch& batch, const CostModel& cost_model,
                   EvaluationCache& cache);

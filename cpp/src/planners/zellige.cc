@@ -351,6 +351,73 @@ Plan ZelligePlanner::run() {
     finalists.push_back(std::move(finalist));
     seed_floors_s.push_back(seed.floor_s);
   }
+  // Exactly priced steps from the fastest plan (zellige_exact.cc): its ring variant where the
+  // world exchange makes every rank pay the recompute of the fullest, a search from two sharded
+  // sequences split over their ranks' halves, and co-location of equal lengths so that their
+  // attention calls merge.
+  int64_t coalesced = 0;
+  {
+    size_t fastest = finalists.size();
+    for (size_t k = 0; k < finalists.size(); ++k) {
+      if (finalists[k].cost.fits &&
+          (fastest == finalists.size() ||
+           finalists[k].cost.makespan_s < finalists[fastest].cost.makespan_s)) {
+        fastest = k;
+      }
+    }
+    if (fastest < finalists.size()) {
+      Plan ring;
+      if (ring_variant(finalists[fastest].plan, finalists[fastest].cost, &ring)) {
+        const std::string source = finalists[fastest].source;
+        finalists.push_back({"ring:" + source, ring, {}});
+        price_finalists(finalists.size() - 1);
+        // Searched from only when priced close to the fastest plan as it is.
+        const PlanCost& ring_cost = finalists.back().cost;
+        const double close_s = finalists[fastest].cost.makespan_s * (1 + kExactStartSlack);
+        const bool close = ring_cost.fits && ring_cost.makespan_s < close_s;
+        if (close) import_plan(ring, &current);
+        if (close && std::isfinite(current.makespan_s)) {
+          search_from(&current, "search:ring:" + source);
+          price_finalists(finalists.size() - 1);
+        }
+        for (size_t k = finalists.size() - 2; k < finalists.size(); ++k) {
+          if (finalists[k].cost.fits &&
+              finalists[k].cost.makespan_s < finalists[fastest].cost.makespan_s) {
+            fastest = k;
+          }
+        }
+      }
+      Plan split;
+      if (split_pair(finalists[fastest].plan, finalists[fastest].cost, &split)) {
+        PlanCost split_cost = cost_model_.evaluate(batch_, split, cache_);
+        widen(&split, &split_cost);
+        import_plan(split, &current);
+        if (std::isfinite(current.makespan_s)) {
+          search_from(&current, "search:split:" + finalists[fastest].source);
+          price_finalists(finalists.size() - 1);
+          if (finalists.back().cost.fits &&
+              finalists.back().cost.makespan_s < finalists[fastest].cost.makespan_s) {
+            fastest = finalists.size() - 1;
+          }
+        }
+      }
+      // In place, then the starting plan restored beside it (without a copy when no step is
+      // kept): both enter the memory tie-break.
+      Undo undo;
+      coalesced = coalesce(&finalists[fastest].plan, &finalists[fastest].cost, &undo);
+      if (coalesced > 0) {
+        Finalist grouped = finalists[fastest];
+        grouped.source = "coalesced:" + grouped.source;
+        best_s = std::min(best_s, grouped.cost.makespan_s);
+        Finalist& start = finalists[fastest];
+        for (auto it = undo.ranks.rbegin(); it != undo.ranks.rend(); ++it) {
+          start.plan.placements[it->first].ranks[0] = it->second;
+        }
+        start.cost = std::move(undo.cost);
+        finalists.push_back(std::move(grouped));
+      }
+    }
+  }
   if (!std::isfinite(best_s)) {
     throw PlanMemoryError(memory_error.empty()
                               ? "no construction and no baseline found a plan within memory"
@@ -373,7 +440,7 @@ Plan ZelligePlanner::run() {
               " target_s=" + shortest(best_target_s) + " constructed_s=" + shortest(constructed_s) +
               " search_steps=" + std::to_string(steps) + " baselines=" +
               std::to_string(seeds.size()) + " skipped=" + std::to_string(skipped) + " priced=" + std::to_string(priced) +
-              " final=" + chosen->source +
+              " coalesced=" + std::to_string(coalesced) + " final=" + chosen->source +
               (chosen->cost.makespan_s > best_s ? " memory_tie_break" : "");
   plan.plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   return plan;
@@ -386,6 +453,15 @@ Plan ZelligePlanner::search_only(const Plan& start, bool whole_anchor_moves) {
   import_plan(start, &s);
   local_search(&s, Clock::now() + std::chrono::seconds(60));
   return to_plan(s);
+}
+
+Plan ZelligePlanner::coalesce_only(const Plan& start, int64_t* steps) {
+  prepare();
+  Plan plan = start;
+  PlanCost cost = cost_model_.evaluate(batch_, plan, cache_);
+  const int64_t kept = coalesce(&plan, &cost);
+  if (steps != nullptr) *steps = kept;
+  return plan;
 }
 
 Plan ZelligePlanner::to_plan(const Solution& s) const {
@@ -434,6 +510,13 @@ Plan zellige_search(const Batch& batch, const CostModel& cost_model, const Plan&
   EvaluationCache cache;
   const PlannerOptions options;
   return ZelligePlanner(batch, cost_model, options, cache).search_only(start, whole_anchor_moves);
+}
+
+Plan zellige_coalesce(const Batch& batch, const CostModel& cost_model, const Plan& start,
+                      int64_t* steps) {
+  EvaluationCache cache;
+  const PlannerOptions options;
+  return ZelligePlanner(batch, cost_model, options, cache).coalesce_only(start, steps);
 }
 
 }  // namespace planners

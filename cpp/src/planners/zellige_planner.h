@@ -104,6 +104,20 @@ inline constexpr int64_t kAnchorMovesPerAnchor = 4;
 // Equal-makespan memory steps (try_lower_memory): at most this many per search, each trying the
 // fillers of the fullest rank on this many ranks of least memory.
 inline constexpr int64_t kMemorySteps = 16;
+// The exactly priced steps (zellige_exact.cc) evaluate whole plans: each step's evaluations are
+// capped at kExactEvaluations, and at kExactWork placements priced in all (a few on batches of
+// thousands of sequences, whose planning time has targets of its own).
+inline constexpr int64_t kExactEvaluations = 64;
+inline constexpr int64_t kExactWork = 16384;
+// Co-location (coalesce): rounds, ranks tried per sequence and swap partners per rank.
+inline constexpr int64_t kCoalesceRounds = 16;
+inline constexpr size_t kCoalesceHolders = 2;
+inline constexpr int kCoalescePartners = 2;
+// split_pair: plans with at most this many sharded sequences.
+inline constexpr size_t kSplitAnchors = 8;
+// How much slower than the fastest plan a ring variant or a split may be priced and still start
+// a search (which re-balances the local sequences around it).
+inline constexpr double kExactStartSlack = 0.1;
 inline constexpr size_t kMemoryPartners = 4;
 // Anchor degree scans (degree_for, place_anchor_within) step by one up to this many ranks, then by
 // degree / kDegreeScanSteps: one rank more changes a wide anchor's share by under 1%, and pricing
@@ -358,6 +372,8 @@ class ZelligePlanner {
   Plan run();
   // Local search alone from `start` (planners::zellige_search, for tests of the moves).
   Plan search_only(const Plan& start, bool whole_anchor_moves);
+  // Co-location alone from `start` (planners::zellige_coalesce, for its tests).
+  Plan coalesce_only(const Plan& start, int64_t* steps);
 
  private:
   // Per-token layers' time: exact in local search and final pricing; during the construction
@@ -537,6 +553,35 @@ class ZelligePlanner {
   bool try_lower_memory(Solution* s);
   bool bag_start(bool busiest_only, int32_t max_run, Plan* plan);
   bool grouped_start(Plan* plan);
+  // zellige_exact.cc
+  // The plan with every Ulysses or hybrid placement run as a ring over its ranks, when the plan
+  // exchanges over the world and memory forces full recompute somewhere (`cost`: its exact
+  // price): then each rank recomputes only what its own memory needs.
+  bool ring_variant(const Plan& plan, const PlanCost& cost, Plan* variant) const;
+  // Two sequences sharded over overlapping ranks put each on one half of their union (what the
+  // search's single-anchor moves cannot reach when either move alone overloads the other half),
+  // every shape of half the degree, priced exactly: the best within kExactStartSlack of `cost`'s
+  // makespan (a start for a search that then re-balances the local sequences).
+  bool split_pair(const Plan& plan, const PlanCost& cost, Plan* split) const;
+  // Each sharded sequence over part of some node's ranks tried over all ranks of the nodes it
+  // touches (every shape of that degree), kept where the ranks' summed exact time (`cost`)
+  // drops: less work in all, for a search that then re-balances the local sequences around it.
+  // Returns how many were widened.
+  int64_t widen(Plan* plan, PlanCost* cost) const;
+  // The evaluations one exactly priced step may make (kExactEvaluations, kExactWork).
+  int64_t exact_evaluations() const {
+    return std::clamp<int64_t>(kExactWork / std::max<int64_t>(1, num_sequences_), 4,
+                               kExactEvaluations);
+  }
+  // Co-location for coalescing: moves and swaps of local sequences that put one next to its
+  // equal lengths on another rank (their calls merge), priced exactly, kept while the makespan
+  // (then the summed rank time) drops. `cost`: the plan's exact price, updated. Returns the
+  // steps kept; `undo` (optional) gets what restores the plan it started from.
+  struct Undo {
+    PlanCost cost;                                  // the starting plan's
+    std::vector<std::pair<int32_t, int64_t>> ranks;  // sequence, its rank before (in step order)
+  };
+  int64_t coalesce(Plan* plan, PlanCost* cost, Undo* undo = nullptr);
   bool configuration_start(double upper_s, Plan* plan);
   // The busiest time of the ranks a change touches (infinite when one runs out of memory), exact
   // below `above_s`; once it reaches `above_s`, any value at or above it (callers keep a change
