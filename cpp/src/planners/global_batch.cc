@@ -194,7 +194,8 @@ struct Variant {
 // Plans of micro-batches by their lengths: a micro-batch of the same lengths as one placed
 // before (in any cut) takes that plan's placements, sequence for sequence of equal lengths, and
 // the cost model prices it anew. Its placements are then the planner's own for those lengths,
-// only on other sequence ids; a micro-batch that fitted under none is remembered as such.
+// only on other sequence ids; a micro-batch that fitted under none is remembered as such. One
+// memo serves one inner planner.
 class PlanMemo {
  public:
   explicit PlanMemo(std::vector<int64_t> classes) : classes_(std::move(classes)) {}
