@@ -30,9 +30,10 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // zellige's micro-batch counts, in quarters of the least count: 1.5, 2, 1.25, 2.5 and 3 times it.
 constexpr int64_t kCountQuartersOfLeast[] = {6, 8, 5, 10, 12};
 // zellige places at most about this many times the global batch's sequences over all its cuts,
-// fewer on large clusters, where one pass costs a few hundred milliseconds (and four still reach
-// the 1.5 times the least count that wins there often) ...
-int64_t placed_passes(int64_t num_ranks) { return num_ranks <= 64 ? 8 : 4; }
+// fewer from kEstimatedFromRanks ranks on, where one pass costs hundreds of milliseconds and
+// each count is first priced by one micro-batch (plan_zellige_global) ...
+constexpr int64_t kEstimatedFromRanks = 65;
+int64_t placed_passes(int64_t num_ranks) { return num_ranks < kEstimatedFromRanks ? 8 : 2; }
 // ... unless the batch holds at most this many: then every cut is tried.
 constexpr int64_t kSmallGlobalBatch = 256;
 // A cut is abandoned once its bound exceeds the step time to beat by this fraction (the bound
@@ -53,16 +54,42 @@ struct SequenceCost {
   double work_s = 0;
 };
 
+// Sequences of equal lengths cost the same under every placement (routing from the loader rank
+// adds exchange bytes, not time), so each length is priced once.
+using LengthKey = std::pair<int64_t, int64_t>;  // (num_tokens, text_tokens)
+
+LengthKey length_key(const Sequence& sequence) {
+  return {sequence.num_tokens, sequence.text_tokens};
+}
+
 std::vector<SequenceCost> sequence_costs(const Batch& batch, const CostModel& cost_model) {
+  std::map<LengthKey, SequenceCost> by_length;
   std::vector<SequenceCost> costs;
   costs.reserve(batch.sequences.size());
   for (const Sequence& sequence : batch.sequences) {
-    const Placement local = make_placement(sequence.id, Strategy::kLocal, {0});
-    const std::vector<RankShare> shares = cost_model.shares(sequence, local);
-    costs.push_back({planners::placement_memory_bytes(shares),
-                     planners::placement_time_s(cost_model, shares)});
+    auto [it, is_new] = by_length.try_emplace(length_key(sequence));
+    if (is_new) {
+      const Placement local = make_placement(sequence.id, Strategy::kLocal, {0});
+      const std::vector<RankShare> shares = cost_model.shares(sequence, local);
+      it->second = {planners::placement_memory_bytes(shares),
+                    planners::placement_time_s(cost_model, shares)};
+    }
+    costs.push_back(it->second);
   }
   return costs;
+}
+
+// Per sequence, the index of its length among the batch's distinct lengths.
+std::vector<int64_t> length_classes(const Batch& batch, int64_t* num_classes) {
+  std::map<LengthKey, int64_t> index;
+  std::vector<int64_t> classes;
+  classes.reserve(batch.sequences.size());
+  for (const Sequence& sequence : batch.sequences) {
+    classes.push_back(
+        index.try_emplace(length_key(sequence), static_cast<int64_t>(index.size())).first->second);
+  }
+  *num_classes = static_cast<int64_t>(index.size());
+  return classes;
 }
 
 double micro_batch_budget_bytes(const CostModel& cost_model) {
@@ -155,22 +182,81 @@ double step_time_s(const GlobalPlan& plan, double overhead_s) {
   return total_s;
 }
 
-// The fastest plan of `inner` that fits `micro_batch`; false when none fits.
-bool place_one(const std::vector<std::string>& inner, MicroBatch* micro_batch,
-               const CostModel& cost_model, const PlannerOptions& planner_options) {
-  double best_s = kInf;
-  for (const std::string& name : inner) {
-    try {
-      Plan plan = make_plan(name, micro_batch->batch, cost_model, planner_options);
-      if (plan.predicted.makespan_s < best_s) {
-        best_s = plan.predicted.makespan_s;
-        micro_batch->plan = std::move(plan);
-      }
-    } catch (const PlanMemoryError&) {
-    }
+// A planner that places micro-batches: for a baseline's, the one shape it gives every sequence
+// (group_size ranks, Ulysses over ulysses_degree of them, ring over the rest; 1: local), which
+// ShapeBounds prices; group_size 0: no fixed shape (zellige, megatron-dcp).
+struct Variant {
+  std::string planner;
+  int64_t group_size = 0;
+  int64_t ulysses_degree = 1;
+};
+
+// Plans of micro-batches by their lengths: a micro-batch of the same lengths as one placed
+// before (in any cut) takes that plan's placements, sequence for sequence of equal lengths, and
+// the cost model prices it anew. Its placements are then the planner's own for those lengths,
+// only on other sequence ids; a micro-batch that fitted under none is remembered as such. One
+// memo serves one inner planner.
+class PlanMemo {
+ public:
+  explicit PlanMemo(std::vector<int64_t> classes) : classes_(std::move(classes)) {}
+
+  // The key of `part` (indices into the batch, in the global batch's order).
+  std::vector<int64_t> key(const std::vector<int64_t>& part) const {
+    std::vector<int64_t> lengths;
+    lengths.reserve(part.size());
+    for (const int64_t index : part) lengths.push_back(classes_[index]);
+    std::sort(lengths.begin(), lengths.end());
+    return lengths;
   }
-  return best_s < kInf;
-}
+
+  // True when `part` was placed before; then `micro_batch` holds its plan (false in `*fits` when
+  // it fitted under no planner).
+  bool reuse(const std::vector<int64_t>& part, MicroBatch* micro_batch,
+             const CostModel& cost_model, bool* fits) const {
+    const auto known = plans_.find(key(part));
+    if (known == plans_.end()) return false;
+    *fits = known->second.fits;
+    if (!*fits) return true;
+    const Entry& entry = known->second;
+    std::vector<int64_t> sorted = part;
+    std::sort(sorted.begin(), sorted.end());  // sub_batch's order
+    if (sorted == entry.indices) {  // the same sequences: the same plan
+      micro_batch->plan = entry.plan;
+      return true;
+    }
+    // The template's placements of each length, in its order; each taken once.
+    std::unordered_map<int64_t, std::vector<size_t>> of_length;
+    for (size_t i = entry.classes.size(); i-- > 0;) of_length[entry.classes[i]].push_back(i);
+    Plan plan = entry.plan;
+    for (size_t j = 0; j < sorted.size(); ++j) {
+      std::vector<size_t>& free = of_length.at(classes_[sorted[j]]);
+      plan.placements[j] = entry.plan.placements[free.back()];
+      plan.placements[j].sequence_id = micro_batch->batch.sequences[j].id;
+      free.pop_back();
+    }
+    predict(plan, micro_batch->batch, cost_model);
+    micro_batch->plan = std::move(plan);
+    return true;
+  }
+
+  void remember(const std::vector<int64_t>& part, const MicroBatch& micro_batch, bool fits) {
+    std::vector<int64_t> sorted = part;
+    std::sort(sorted.begin(), sorted.end());
+    Entry entry{fits ? micro_batch.plan : Plan{}, {}, sorted, fits};
+    for (const int64_t index : sorted) entry.classes.push_back(classes_[index]);
+    plans_.emplace(key(part), std::move(entry));
+  }
+
+ private:
+  struct Entry {
+    Plan plan;                     // placements in its micro-batch's order
+    std::vector<int64_t> classes;  // the length class of each of its sequences, in that order
+    std::vector<int64_t> indices;  // its sequences, in that order
+    bool fits = true;
+  };
+  std::vector<int64_t> classes_;  // per sequence of the batch
+  std::map<std::vector<int64_t>, Entry> plans_;
+};
 
 // `part` in two, in its order, at half its memory (each half non-empty).
 std::pair<std::vector<int64_t>, std::vector<int64_t>> halves(
@@ -212,27 +298,127 @@ class PartBounds {
   std::map<std::vector<int64_t>, double> bound_s_;
 };
 
+// Lower bounds on a micro-batch's makespan under a planner that gives every sequence one shape
+// (static-cp:C, knapformer:gGnN, dp-cost: Ulysses/ring over C consecutive ranks, local for 1),
+// from the cost model's floor (CostModel::floor_rank_seconds, at most what evaluate charges):
+// the ranks together run the sum of the floors, and the busiest position of each sequence at
+// least its placement's mean. Each (length, shape) is priced once; a cheap test that a baseline
+// cannot win, so that it need not be placed.
+class ShapeBounds {
+ public:
+  ShapeBounds(const Batch& batch, const std::vector<int64_t>& classes, int64_t num_classes,
+              const CostModel& cost_model)
+      : batch_(batch), classes_(classes), num_classes_(num_classes), cost_model_(cost_model) {}
+
+  // The bound of `part` under each sequence on `group_size` ranks, Ulysses over
+  // `ulysses_degree` of them (ring over the rest).
+  double operator()(const std::vector<int64_t>& part, int64_t group_size,
+                    int64_t ulysses_degree) {
+    const Cluster& cluster = cost_model_.cluster();
+    // Every group of the planner then shares nodes as ranks 0..group_size-1 do.
+    if (cluster.gpus_per_node % group_size != 0 && group_size % cluster.gpus_per_node != 0) {
+      return 0;
+    }
+    std::vector<double>& floors = floors_[{group_size, ulysses_degree}];
+    if (floors.empty()) floors.assign(static_cast<size_t>(num_classes_), -1.0);
+    double total_s = 0, busiest_s = 0;
+    for (const int64_t index : part) {
+      double& floor_s = floors[classes_[index]];
+      if (floor_s < 0) {
+        const Sequence& sequence = batch_.sequences[index];
+        floor_s = cost_model_.floor_rank_seconds(
+            sequence, shape(sequence.id, group_size, ulysses_degree), cache_);
+      }
+      total_s += floor_s;
+      busiest_s = std::max(busiest_s, floor_s / static_cast<double>(group_size));
+    }
+    return std::max(total_s / cluster.total_speed(), busiest_s / cluster.max_speed());
+  }
+
+ private:
+  static Placement shape(int64_t sequence_id, int64_t group_size, int64_t ulysses_degree) {
+    std::vector<int64_t> ranks(static_cast<size_t>(group_size));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    if (group_size == 1) return make_placement(sequence_id, Strategy::kLocal, std::move(ranks));
+    if (ulysses_degree == group_size) {
+      return make_placement(sequence_id, Strategy::kUlysses, std::move(ranks));
+    }
+    if (ulysses_degree == 1) return make_placement(sequence_id, Strategy::kRing, std::move(ranks));
+    return make_placement(sequence_id, Strategy::kHybrid, std::move(ranks), ulysses_degree);
+  }
+
+  const Batch& batch_;
+  const std::vector<int64_t>& classes_;
+  int64_t num_classes_;
+  const CostModel& cost_model_;
+  EvaluationCache cache_;
+  std::map<std::pair<int64_t, int64_t>, std::vector<double>> floors_;
+};
+
+// The fastest plan of `inner` that fits `micro_batch` (the sequences `part` of the batch); false
+// when none fits. With `shapes`, a planner of one shape whose bound there is no faster than the
+// plan in hand is not run.
+bool place_one(const std::vector<Variant>& inner, const std::vector<int64_t>& part,
+               MicroBatch* micro_batch, const CostModel& cost_model,
+               const PlannerOptions& planner_options, ShapeBounds* shapes) {
+  double best_s = kInf;
+  for (const Variant& variant : inner) {
+    if (shapes != nullptr && variant.group_size > 0 && best_s < kInf &&
+        (*shapes)(part, variant.group_size, variant.ulysses_degree) >= best_s) {
+      continue;
+    }
+    try {
+      Plan plan = make_plan(variant.planner, micro_batch->batch, cost_model, planner_options);
+      if (plan.predicted.makespan_s < best_s) {
+        best_s = plan.predicted.makespan_s;
+        micro_batch->plan = std::move(plan);
+      }
+    } catch (const PlanMemoryError&) {
+    }
+  }
+  return best_s < kInf;
+}
+
 // Each micro-batch of `cut` placed by the fastest of `inner` that fits it. With `costs`, one
 // that fits under none is split in two and each half placed in its stead (the cut's memory
 // estimate need only be near); without, or for a single sequence, nullopt. Also nullopt once the
 // cut cannot beat a plan of step time `abandon_at_s`: the micro-batches placed so far reach it,
-// or, with `bounds`, they and the lower bounds of the rest do. `placed_sequences`, if given,
-// counts the sequences placed.
-std::optional<GlobalPlan> place_cut(const std::vector<std::string>& inner, const Batch& batch,
+// or, with `bounds` (or `shapes`, for planners of one shape each), they and the bounds of the
+// rest do. `placed_sequences`, if given, counts the sequences placed; `memo` reuses plans of
+// micro-batches of equal lengths.
+std::optional<GlobalPlan> place_cut(const std::vector<Variant>& inner, const Batch& batch,
                                     Cut cut, const CostModel& cost_model,
                                     const GlobalBatchOptions& options,
                                     const std::vector<SequenceCost>* costs = nullptr,
                                     double abandon_at_s = kInf,
                                     int64_t* placed_sequences = nullptr,
-                                    PartBounds* bounds = nullptr) {
+                                    PartBounds* bounds = nullptr, PlanMemo* memo = nullptr,
+                                    ShapeBounds* shapes = nullptr) {
   PlannerOptions planner_options;
   planner_options.seed = options.seed;
   planner_options.time_limit_s = options.time_limit_s;
-  const bool bounded = bounds != nullptr && abandon_at_s < kInf;
+  const bool shaped =
+      shapes != nullptr && std::all_of(inner.begin(), inner.end(), [](const Variant& variant) {
+        return variant.group_size > 0;
+      });
+  const bool bounded = (bounds != nullptr || shaped) && abandon_at_s < kInf;
+  // A micro-batch's bound: the larger of its lower bound and, where every planner of `inner`
+  // has one shape, the least of their shape bounds.
+  auto part_bound_s = [&](const std::vector<int64_t>& part) {
+    double bound_s = bounds != nullptr ? (*bounds)(part) : 0;
+    if (shaped) {
+      double least_s = kInf;
+      for (const Variant& variant : inner) {
+        least_s = std::min(least_s, (*shapes)(part, variant.group_size, variant.ulysses_degree));
+      }
+      bound_s = std::max(bound_s, least_s);
+    }
+    return bound_s;
+  };
   double rest_bound_s = 0;  // the bounds of cut[k:] plus their overheads
   if (bounded) {
     for (const std::vector<int64_t>& part : cut) {
-      rest_bound_s += (*bounds)(part) + options.micro_batch_overhead_s;
+      rest_bound_s += part_bound_s(part) + options.micro_batch_overhead_s;
     }
   }
   GlobalPlan result;
@@ -243,10 +429,15 @@ std::optional<GlobalPlan> place_cut(const std::vector<std::string>& inner, const
       return std::nullopt;
     }
     MicroBatch micro_batch{sub_batch(batch, cut[k]), {}};
-    if (placed_sequences != nullptr) *placed_sequences += static_cast<int64_t>(cut[k].size());
-    if (place_one(inner, &micro_batch, cost_model, planner_options)) {
+    bool fits = false;
+    if (memo == nullptr || !memo->reuse(cut[k], &micro_batch, cost_model, &fits)) {
+      if (placed_sequences != nullptr) *placed_sequences += static_cast<int64_t>(cut[k].size());
+      fits = place_one(inner, cut[k], &micro_batch, cost_model, planner_options, shapes);
+      if (memo != nullptr) memo->remember(cut[k], micro_batch, fits);
+    }
+    if (fits) {
       partial_s += micro_batch.plan.predicted.makespan_s + options.micro_batch_overhead_s;
-      if (bounded) rest_bound_s -= (*bounds)(cut[k]) + options.micro_batch_overhead_s;
+      if (bounded) rest_bound_s -= part_bound_s(cut[k]) + options.micro_batch_overhead_s;
       result.micro_batches.push_back(std::move(micro_batch));
       ++k;
       continue;
@@ -254,8 +445,8 @@ std::optional<GlobalPlan> place_cut(const std::vector<std::string>& inner, const
     if (costs == nullptr || cut[k].size() == 1) return std::nullopt;
     auto [front, back] = halves(cut[k], *costs);
     if (bounded) {
-      rest_bound_s += (*bounds)(front) + (*bounds)(back) + options.micro_batch_overhead_s -
-                      (*bounds)(cut[k]);
+      rest_bound_s += part_bound_s(front) + part_bound_s(back) + options.micro_batch_overhead_s -
+                      part_bound_s(cut[k]);
     }
     cut[k] = std::move(front);
     cut.insert(cut.begin() + static_cast<std::ptrdiff_t>(k) + 1, std::move(back));
@@ -267,7 +458,7 @@ std::optional<GlobalPlan> place_cut(const std::vector<std::string>& inner, const
 
 // `order` cut by memory, refined where a micro-batch does not fit (nullopt past `abandon_at_s`,
 // as place_cut).
-std::optional<GlobalPlan> place_in_order(const std::vector<std::string>& inner, const Batch& batch,
+std::optional<GlobalPlan> place_in_order(const std::vector<Variant>& inner, const Batch& batch,
                                          const std::vector<int64_t>& order,
                                          const std::vector<SequenceCost>& costs,
                                          const CostModel& cost_model,
@@ -304,27 +495,55 @@ std::vector<int64_t> static_group_sizes(const CostModel& cost_model) {
   return sizes;
 }
 
+// Static-CP's sharding of a group of `group_size` ranks: Ulysses over the largest degree that
+// divides both the group and the head count, ring over the rest (as static-cp places it).
+int64_t static_ulysses_degree(int64_t group_size, int64_t num_heads) {
+  for (int64_t degree = group_size; degree > 1; --degree) {
+    if (group_size % degree == 0 && num_heads % degree == 0) return degree;
+  }
+  return 1;
+}
+
+// The least step time of `cut` with every micro-batch under the best of `variants` (the shape
+// bounds; kInf-free: 0 without `shapes`).
+double cut_shape_bound_s(const Cut& cut, const std::vector<Variant>& variants,
+                         const GlobalBatchOptions& options, ShapeBounds* shapes) {
+  if (shapes == nullptr) return 0;
+  double total_s = 0;
+  for (const std::vector<int64_t>& part : cut) {
+    double least_s = kInf;
+    for (const Variant& variant : variants) {
+      least_s = std::min(least_s, (*shapes)(part, variant.group_size, variant.ulysses_degree));
+    }
+    total_s += least_s + options.micro_batch_overhead_s;
+  }
+  return total_s;
+}
+
 // The best of several whole-run variants (a bag spec, a group size), each with its own cut. A
 // variant is abandoned once it cannot beat the best before it (the first of equals wins, as
-// without) or `abandon_at_s`.
-std::optional<GlobalPlan> best_variant(const std::vector<std::string>& variants,
-                                       const Batch& batch, const std::vector<int64_t>& order,
+// without) or `abandon_at_s`; with `shapes`, one whose shape bound already reaches that is not
+// placed at all.
+std::optional<GlobalPlan> best_variant(const std::vector<Variant>& variants, const Batch& batch,
+                                       const std::vector<int64_t>& order,
                                        const std::vector<SequenceCost>& costs,
                                        const CostModel& cost_model,
                                        const GlobalBatchOptions& options, double abandon_at_s,
-                                       PartBounds* bounds) {
+                                       PartBounds* bounds, ShapeBounds* shapes) {
+  const Cut cut = cut_in_order(order, costs, micro_batch_budget_bytes(cost_model));
   std::optional<GlobalPlan> best;
-  for (const std::string& variant : variants) {
+  for (const Variant& variant : variants) {
+    const double beat_s = best ? std::min(best->step_time_s, abandon_at_s) : abandon_at_s;
+    if (cut_shape_bound_s(cut, {variant}, options, shapes) > beat_s * (1 + kBoundMargin)) continue;
     std::optional<GlobalPlan> plan;
     try {
-      plan = place_in_order({variant}, batch, order, costs, cost_model, options,
-                            best ? std::min(best->step_time_s, abandon_at_s) : abandon_at_s,
-                            bounds);
+      plan = place_cut({variant}, batch, cut, cost_model, options, &costs, beat_s, nullptr,
+                       bounds, nullptr, shapes);
     } catch (const std::invalid_argument&) {
       continue;  // a spec the model's heads do not allow
     }
     if (plan && (!best || plan->step_time_s < best->step_time_s)) {
-      plan->chosen = variant;
+      plan->chosen = variant.planner;
       best = std::move(plan);
     }
   }
@@ -332,39 +551,44 @@ std::optional<GlobalPlan> best_variant(const std::vector<std::string>& variants,
 }
 
 // The baseline's plan; nullopt when none fits in memory, or, given `abandon_at_s`, when it
-// cannot beat a plan of that step time.
+// cannot beat a plan of that step time (with `shapes`, possibly without placing it).
 std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& batch,
                                         const std::vector<SequenceCost>& costs,
                                         const CostModel& cost_model,
                                         const GlobalBatchOptions& options,
                                         double abandon_at_s = kInf,
-                                        PartBounds* bounds = nullptr) {
+                                        PartBounds* bounds = nullptr,
+                                        ShapeBounds* shapes = nullptr) {
   const int64_t num_ranks = cost_model.cluster().num_ranks();
+  const int64_t num_heads = cost_model.model().num_heads;
   std::optional<GlobalPlan> plan;
   if (name == "megatron-dcp") {
     std::vector<double> tokens;
     for (const Sequence& sequence : batch.sequences) {
       tokens.push_back(static_cast<double>(sequence.num_tokens));
     }
-    plan = place_in_order({"megatron-dcp"}, batch, order_by(batch, tokens), costs, cost_model,
+    plan = place_in_order({{"megatron-dcp"}}, batch, order_by(batch, tokens), costs, cost_model,
                           options, abandon_at_s, bounds);
     if (plan) plan->chosen = "megatron-dcp";
   } else if (name == "knapformer") {
-    std::vector<std::string> specs;
+    // Inside a bag of g GPUs every sequence runs Ulysses over all g.
+    std::vector<Variant> specs;
     for (const int64_t size : static_group_sizes(cost_model)) {
-      if (cost_model.model().num_heads % size != 0) continue;
-      specs.push_back("knapformer:g" + std::to_string(size) + "n" +
-                      std::to_string(num_ranks / size));
+      if (num_heads % size != 0) continue;
+      specs.push_back({"knapformer:g" + std::to_string(size) + "n" +
+                           std::to_string(num_ranks / size),
+                       size, size});
     }
     plan = best_variant(specs, batch, loader_order(batch), costs, cost_model, options,
-                        abandon_at_s, bounds);
+                        abandon_at_s, bounds, shapes);
   } else if (name == "static-cp") {
-    std::vector<std::string> sizes;
+    std::vector<Variant> sizes;
     for (const int64_t size : static_group_sizes(cost_model)) {
-      sizes.push_back("static-cp:" + std::to_string(size));
+      sizes.push_back(
+          {"static-cp:" + std::to_string(size), size, static_ulysses_degree(size, num_heads)});
     }
     plan = best_variant(sizes, batch, loader_order(batch), costs, cost_model, options,
-                        abandon_at_s, bounds);
+                        abandon_at_s, bounds, shapes);
   } else if (name == "wlb-llm") {
     // Variable-length packing: the fewest micro-batches the memory allows, balanced by work;
     // inside each, whole sequences by cost or a static CP group, whichever is fastest there.
@@ -374,16 +598,21 @@ std::optional<GlobalPlan> plan_baseline(const std::string& name, const Batch& ba
       work_s.push_back(cost.work_s);
       total_bytes += cost.memory_bytes;
     }
-    std::vector<std::string> inner = {"dp-cost"};
+    std::vector<Variant> inner = {{"dp-cost", 1, 1}};
     for (const int64_t size : static_group_sizes(cost_model)) {
-      if (size > 1) inner.push_back("static-cp:" + std::to_string(size));
+      if (size > 1) {
+        inner.push_back(
+            {"static-cp:" + std::to_string(size), size, static_ulysses_degree(size, num_heads)});
+      }
     }
     const std::vector<int64_t> heaviest_first = order_by(batch, work_s);
     const int64_t count = least_micro_batches(total_bytes, micro_batch_budget_bytes(cost_model),
                                               static_cast<int64_t>(batch.sequences.size()));
     const Cut cut = spread(heaviest_first, costs, count, micro_batch_budget_bytes(cost_model));
-    plan = place_cut(inner, batch, cut, cost_model, options, &costs, abandon_at_s, nullptr,
-                     bounds);
+    if (cut_shape_bound_s(cut, inner, options, shapes) <= abandon_at_s * (1 + kBoundMargin)) {
+      plan = place_cut(inner, batch, cut, cost_model, options, &costs, abandon_at_s, nullptr,
+                       bounds, nullptr, shapes);
+    }
     if (plan) plan->chosen = "wlb-llm";
   } else {
     throw std::invalid_argument("unknown global-batch planner '" + name + "'");
@@ -457,27 +686,64 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
       num_sequences <= kSmallGlobalBatch ? std::numeric_limits<int64_t>::max()
                                          : placed_passes(cost_model.cluster().num_ranks()) *
                                                num_sequences;
+  PlannerOptions planner_options;
+  planner_options.seed = options.seed;
+  planner_options.time_limit_s = options.time_limit_s;
   int64_t placed_sequences = 0;
   std::set<Cut> tried;
+  int64_t num_classes = 0;
+  const std::vector<int64_t> classes = length_classes(batch, &num_classes);
   PartBounds bounds(batch, cost_model);
-  std::set<std::pair<int64_t, int64_t>> lengths;
-  for (const Sequence& sequence : batch.sequences) {
-    lengths.insert({sequence.num_tokens, sequence.text_tokens});
-  }
   PartBounds* const baseline_bounds =
       cost_model.cluster().num_ranks() >= kBoundedFromRanks &&
-              num_sequences >= kBoundedSequencesPerLength * static_cast<int64_t>(lengths.size())
+              num_sequences >= kBoundedSequencesPerLength * num_classes
           ? &bounds
           : nullptr;
+  PlanMemo memo(classes);
   auto try_cut = [&](const Cut& cut, const std::string& name, bool within_budget) {
-    if (within_budget && best && placed_sequences >= placement_budget) return;
+    if (cut.empty() || (within_budget && best && placed_sequences >= placement_budget)) return;
     if (!tried.insert(canonical(cut)).second) return;
-    consider(place_cut({"zellige"}, batch, cut, cost_model, options, &costs,
-                       best ? best->step_time_s : kInf, &placed_sequences),
+    consider(place_cut({{"zellige"}}, batch, cut, cost_model, options, &costs,
+                       best ? best->step_time_s : kInf, &placed_sequences, nullptr, &memo),
              name);
   };
-  for (const int64_t count :
-       micro_batch_counts(least_count, num_sequences, options.extra_micro_batches)) {
+  const std::vector<int64_t> counts =
+      micro_batch_counts(least_count, num_sequences, options.extra_micro_batches);
+  if (num_sequences > kSmallGlobalBatch &&
+      cost_model.cluster().num_ranks() >= kEstimatedFromRanks) {
+    // Spread micro-batches are alike (balanced by work, the heaviest one each), so one of them
+    // prices its whole cut: each count's first micro-batch is placed (and kept for the cut, see
+    // PlanMemo) and the counts tried whole in the order of their estimates.
+    double total_work_s = 0;
+    for (const double seconds : work_s) total_work_s += seconds;
+    std::vector<std::pair<double, int64_t>> estimates;  // (step time estimate s, count)
+    for (const int64_t count : counts) {
+      const Cut cut = spread(heaviest_first, costs, count, budget_bytes);
+      MicroBatch first{sub_batch(batch, cut[0]), {}};
+      bool fits = false;
+      if (!memo.reuse(cut[0], &first, cost_model, &fits)) {
+        placed_sequences += static_cast<int64_t>(cut[0].size());
+        fits = place_one({{"zellige"}}, cut[0], &first, cost_model, planner_options, nullptr);
+        memo.remember(cut[0], first, fits);
+      }
+      if (!fits) continue;
+      double first_work_s = 0;
+      for (const int64_t index : cut[0]) first_work_s += work_s[index];
+      estimates.push_back({first.plan.predicted.makespan_s * total_work_s / first_work_s +
+                               static_cast<double>(cut.size()) * options.micro_batch_overhead_s,
+                           count});
+    }
+    std::sort(estimates.begin(), estimates.end());
+    // The best estimate's count, spread and grouped (which one micro-batch does not price), in
+    // every case; the next ones while the budget lasts.
+    for (size_t rank = 0; rank < estimates.size(); ++rank) {
+      const int64_t count = estimates[rank].second;
+      try_cut(spread(heaviest_first, costs, count, budget_bytes), "zellige:spread", rank > 0);
+      try_cut(grouped(heaviest_first, costs, count, total_bytes, budget_bytes), "zellige:grouped",
+              rank > 0);
+    }
+  }
+  for (const int64_t count : counts) {
     try_cut(spread(heaviest_first, costs, count, budget_bytes), "zellige:spread", true);
     try_cut(grouped(heaviest_first, costs, count, total_bytes, budget_bytes), "zellige:grouped",
             true);
@@ -486,13 +752,16 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
   // The baselines: one that wins is kept (the never-worse promise), and the best one's cut placed
   // by zellige, which is never slower than megatron-dcp, knapformer or static-cp on a
   // micro-batch. Past a small batch, each is abandoned once it cannot beat the best plan so far
-  // (the micro-batches it placed, and on large clusters the lower bounds of the rest, reach it).
+  // (the micro-batches it placed, and on large clusters the lower bounds of the rest, reach it),
+  // and a baseline of one shape per sequence is not placed where its shape bounds reach it.
   const double baseline_abandon_at_s =
       best && num_sequences > kSmallGlobalBatch ? best->step_time_s : kInf;
   std::optional<GlobalPlan> best_baseline;
+  ShapeBounds shapes(batch, classes, num_classes, cost_model);
   for (const std::string& name : global_batch_baseline_names()) {
     std::optional<GlobalPlan> plan = plan_baseline(name, batch, costs, cost_model, options,
-                                                   baseline_abandon_at_s, baseline_bounds);
+                                                   baseline_abandon_at_s, baseline_bounds,
+                                                   &shapes);
     if (plan && (!best_baseline || plan->step_time_s < best_baseline->step_time_s)) {
       best_baseline = plan;
     }
@@ -586,7 +855,7 @@ GlobalPlan place_micro_batches(const std::string& planner, const Batch& batch,
                                 std::to_string(batch.sequences[missing - seen.begin()].id) +
                                 " is in no micro-batch");
   }
-  std::optional<GlobalPlan> plan = place_cut({planner}, batch, cut, cost_model, options);
+  std::optional<GlobalPlan> plan = place_cut({{planner}}, batch, cut, cost_model, options);
   if (!plan) {
     throw PlanMemoryError("a micro-batch does not fit in memory under '" + planner + "'");
   }
