@@ -4,10 +4,12 @@
 #include "zellige/cost_model.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cost_model_internal.h"
@@ -570,6 +572,37 @@ double CostModel::busiest_share_s(const Sequence& sequence, const Placement& pla
 std::vector<RankShare> CostModel::shares(const Sequence& sequence,
                                          const Placement& placement) const {
   return shares_and_bytes(sequence, placement, nullptr);
+}
+
+std::vector<std::pair<int64_t, RankShare>> CostModel::share_runs(const Sequence& sequence,
+                                                                 const Placement& placement) const {
+  std::vector<std::pair<int64_t, RankShare>> runs;
+  const std::vector<int64_t>& ranks = placement.ranks;
+  const int64_t num_positions = static_cast<int64_t>(ranks.size());
+  if (placement.ulysses_degree != 1) {  // one run per position
+    runs.reserve(ranks.size());
+    visit_shares(sequence, placement, false,
+                 [&](const RankShare& share, double) { runs.emplace_back(1, share); });
+    return runs;
+  }
+  // Without Ulysses, visit_shares' distinct positions come in increasing order, and every
+  // position's share is that of the last distinct position at or before it (visit_shares):
+  // runs start there. Here a run's count holds its first position until the end.
+  int64_t position = -1;
+  visit_shares(sequence, placement, true, [&](const RankShare& share, double) {
+    const auto at = std::find(ranks.begin() + std::max<int64_t>(position, 0), ranks.end(),
+                              share.rank);
+    const int64_t found = at - ranks.begin();
+    assert(found < num_positions);
+    if (found == position) return;  // a position visited twice (fewer distinct blocks)
+    position = found;
+    runs.emplace_back(position, share);
+  });
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const int64_t end = k + 1 < runs.size() ? runs[k + 1].first : num_positions;
+    runs[k].first = end - runs[k].first;
+  }
+  return runs;
 }
 
 // A share's memory depends on its block class, chunk and head count alone (not on links or the

@@ -165,5 +165,56 @@ TEST(RingPricing, TheBusiestShareIsTheLargestOfTheListedShares) {
   }
 }
 
+// share_runs lists a ring's shares as runs of alike positions: expanded, the runs must give every
+// field of every share that shares() lists, rank included, for the rings above, placed within a
+// node, across a node boundary and over many nodes; without Ulysses in at most four runs.
+TEST(RingPricing, ShareRunsExpandToTheListedShares) {
+  const CostModel model = test_util::make_model("wan-14b", 1024, 8);
+  for (int64_t tokens : {4096, 4097, 4099, 65536, 65537, 65543, 100003, 764114}) {
+    for (int64_t text_tokens : {0, 512}) {
+      const Sequence sequence = sequence_from_tokens(0, "video", tokens, text_tokens, 0);
+      for (int64_t ulysses : {1, 2}) {
+        for (int64_t ring : {2, 3, 7, 8, 12, 16, 64, 512}) {
+          for (int64_t first_rank : {0, 4, 6}) {
+            SCOPED_TRACE(std::to_string(tokens) + " tokens, " + std::to_string(ulysses) + " x " +
+                         std::to_string(ring) + " from rank " + std::to_string(first_rank));
+            std::vector<int64_t> ranks(static_cast<size_t>(ulysses * ring));
+            std::iota(ranks.begin(), ranks.end(), first_rank);
+            const Placement placement =
+                ulysses == 1 ? make_placement(0, Strategy::kRing, ranks)
+                             : make_placement(0, Strategy::kHybrid, ranks, ulysses);
+            const std::vector<RankShare> listed = model.shares(sequence, placement);
+            const auto runs = model.share_runs(sequence, placement);
+            if (ulysses == 1) EXPECT_LE(runs.size(), 4u);
+            size_t position = 0;
+            for (const auto& [count, share] : runs) {
+              ASSERT_GT(count, 0);
+              for (int64_t k = 0; k < count; ++k, ++position) {
+                ASSERT_LT(position, listed.size());
+                const RankShare& expected = listed[position];
+                EXPECT_EQ(share.rank + k, expected.rank);
+                EXPECT_EQ(share.tokens, expected.tokens);
+                EXPECT_EQ(share.attention_s, expected.attention_s);
+                EXPECT_EQ(share.exchange_s, expected.exchange_s);
+                EXPECT_EQ(share.memory_bytes, expected.memory_bytes);
+                EXPECT_EQ(share.layer_activation_bytes, expected.layer_activation_bytes);
+                EXPECT_EQ(share.layer_checkpoint_bytes, expected.layer_checkpoint_bytes);
+                EXPECT_EQ(share.layer_input_bytes, expected.layer_input_bytes);
+                EXPECT_EQ(share.buffer_bytes, expected.buffer_bytes);
+                EXPECT_EQ(share.recompute_s, expected.recompute_s);
+                EXPECT_EQ(share.recompute_exchange_s, expected.recompute_exchange_s);
+                EXPECT_EQ(share.attention_recompute_s, expected.attention_recompute_s);
+                EXPECT_EQ(share.attention_recompute_exchange_s,
+                          expected.attention_recompute_exchange_s);
+              }
+            }
+            EXPECT_EQ(position, listed.size());
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace zellige

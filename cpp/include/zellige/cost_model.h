@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "zellige/cluster.h"
@@ -195,6 +196,12 @@ class CostModel {
   // The same, memoised in `cache` (see EvaluationCache).
   std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement,
                                 EvaluationCache& cache) const;
+  // shares(sequence, placement) as runs of alike positions, in placement order: (positions,
+  // share), the share's rank that of the run's first position; positions alike but for their
+  // rank. A ring without Ulysses takes at most four runs however many ranks it spans, so a planner
+  // adds a ring over thousands of ranks without listing (or pricing) a share per rank.
+  std::vector<std::pair<int64_t, RankShare>> share_runs(const Sequence& sequence,
+                                                        const Placement& placement) const;
 
   // Per-token layers of all layers, forward + backward (+ recompute), on `tokens` tokens: GEMMs
   // at the profile's rate for that token count (held constant outside the sampled range) plus a

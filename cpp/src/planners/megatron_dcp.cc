@@ -214,9 +214,9 @@ class MegatronDcp {
   }
   const int64_t num_ranks_;
   const int64_t gpus_per_node_;
-  // schedule's ring shares per (lengths index, size slot, first rank's offset in its node), on
-  // the ranks of the first group priced (shifted for the others).
-  std::unordered_map<int64_t, std::vector<RankShare>> ring_shares_;
+  // schedule's ring shares per (lengths index, size slot, first rank's offset in its node), as
+  // runs of alike positions (CostModel::share_runs; the ranks are the group's).
+  std::unordered_map<int64_t, std::vector<std::pair<int64_t, RankShare>>> ring_shares_;
   // By (tokens, text tokens, degree): batches repeat lengths a lot.
   std::map<std::array<int64_t, 3>, double> work_s_;
   // Per sequence: its lengths' index (first appearance order) and its latent tokens, read in
@@ -233,9 +233,8 @@ class MegatronDcp {
   // schedule's: per lengths index, its sequences not yet placed; and how many indices have some.
   std::vector<int64_t> unplaced_;
   int64_t unplaced_keys_ = 0;
-  // Per lengths index, its share alone on one rank (the rank left unset); and schedule's scratch.
-  std::vector<std::optional<RankShare>> local_share_;
-  std::vector<RankShare> placed_;
+  // Per lengths index, its share alone on one rank, as one run (empty: not priced yet).
+  std::vector<std::vector<std::pair<int64_t, RankShare>>> local_share_;
   // The per-token layers' time per token on a rank holding the batch's mean tokens per rank:
   // alone, a short sequence runs its GEMMs at a small-batch rate it does not have once packed.
   double linear_s_per_token_ = 0;
@@ -460,14 +459,18 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
     for (const Group& group : groups) {
       for (int64_t i : group.samples) {
         const Sequence& sequence = batch_.sequences[i];
+        // Its shares as runs of alike ranks (CostModel::share_runs), from the group's first rank.
+        const std::vector<std::pair<int64_t, RankShare>>* runs = nullptr;
         if (group.size == 1) {  // most sequences: the share of their lengths on one rank
-          std::optional<RankShare>& local = local_share_[length_key_[i]];
-          if (!local) local = shares(sequence, ring_placement(sequence.id, 0, 1)).front();
-          placed_.assign(1, *local);
-          placed_[0].rank = group.first_rank;
+          std::vector<std::pair<int64_t, RankShare>>& local = local_share_[length_key_[i]];
+          if (local.empty()) {
+            local.emplace_back(1, shares(sequence, ring_placement(sequence.id, 0, 1)).front());
+          }
+          runs = &local;
         } else {
           // A ring's shares depend on its lengths, its size and its ranks' node pattern (which
-          // the first rank's place in its node fixes): priced once per such group, then shifted.
+          // the first rank's place in its node fixes): priced once per such group, as a few runs
+          // of alike positions however many ranks the fill gave it.
           const int64_t offset = group.first_rank % gpus_per_node_;
           const int64_t key =
               (static_cast<int64_t>(length_key_[i]) * static_cast<int64_t>(work_slots_) +
@@ -481,20 +484,27 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
             std::iota(placement.ranks.begin(), placement.ranks.end(), group.first_rank);
             placement.ulysses_degree = 1;
             placement.ring_degree = group.size;
-            it->second = shares(sequence, placement);
+            it->second = cost_model_.share_runs(sequence, placement);
           }
-          const int64_t shift = group.first_rank - it->second.front().rank;
-          placed_.assign(it->second.begin(), it->second.end());
-          for (RankShare& share : placed_) share.rank += shift;
+          runs = &it->second;
         }
-        const std::vector<RankShare>& placed = placed_;
-        if (!loads.fits(placed)) {  // the union holds every micro-batch: try a later one
+        bool fits = true;
+        int64_t rank = group.first_rank;
+        for (const auto& [count, share] : *runs) {
+          fits = fits && loads.fits(share, rank, count);
+          rank += count;
+        }
+        if (!fits) {  // the union holds every micro-batch: try a later one
           refits.push_back(i);
           continue;
         }
-        loads.add(placed);
-        for (const RankShare& share : placed) {
-          if (loads.time_floor_s(share.rank) > abort_above_s) return std::nullopt;
+        rank = group.first_rank;
+        for (const auto& [count, share] : *runs) {
+          loads.add(share, rank, count);
+          rank += count;
+        }
+        for (rank = group.first_rank; rank < group.first_rank + group.size; ++rank) {
+          if (loads.time_floor_s(rank) > abort_above_s) return std::nullopt;
         }
         layout[i] = {group.first_rank, group.size};
         ++num_placed;
@@ -540,7 +550,7 @@ Plan MegatronDcp::run() {
   }
   memory_degree_.assign(key_of_lengths.size(), 0);
   refused_stamp_.assign(key_of_lengths.size(), 0);
-  local_share_.assign(key_of_lengths.size(), std::nullopt);
+  local_share_.assign(key_of_lengths.size(), {});
   work_slots_ = static_cast<size_t>(63 - __builtin_clzll(static_cast<uint64_t>(num_ranks_))) + 2;
   work_of_lengths_s_.assign(key_of_lengths.size() * work_slots_,
                             std::numeric_limits<double>::quiet_NaN());

@@ -50,6 +50,22 @@ void RankLoads::add(const std::vector<RankShare>& shares) {
   }
 }
 
+bool RankLoads::fits(const RankShare& share, int64_t first_rank, int64_t num_ranks) const {
+  for (int64_t rank = first_rank; rank < first_rank + num_ranks; ++rank) {
+    if (fixed_bytes_ + memory_bytes_[rank] + share.memory_bytes > capacity_bytes_) return false;
+  }
+  return true;
+}
+
+void RankLoads::add(const RankShare& share, int64_t first_rank, int64_t num_ranks) {
+  for (int64_t rank = first_rank; rank < first_rank + num_ranks; ++rank) {
+    tokens_[rank] += share.tokens;
+    attention_s_[rank] += share.attention_s;
+    exchange_s_[rank] += share.exchange_s;
+    memory_bytes_[rank] += share.memory_bytes;
+  }
+}
+
 void RankLoads::remove(const std::vector<RankShare>& shares) {
   for (const RankShare& share : shares) {
     tokens_[share.rank] -= share.tokens;

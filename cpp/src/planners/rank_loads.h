@@ -42,6 +42,10 @@ class RankLoads {
   // The largest time over the ranks of `shares` after they took their shares.
   double time_with_s(const std::vector<RankShare>& shares) const;
   void add(const std::vector<RankShare>& shares);
+  // fits and add for `num_ranks` ranks from `first_rank` that take the same share (its rank
+  // not read): a run of a ring's alike positions (CostModel::share_runs).
+  bool fits(const RankShare& share, int64_t first_rank, int64_t num_ranks) const;
+  void add(const RankShare& share, int64_t first_rank, int64_t num_ranks);
   void remove(const std::vector<RankShare>& shares);
 
  private:
