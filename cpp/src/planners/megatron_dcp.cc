@@ -25,7 +25,6 @@
 // per batch, as a user tuning it would: the memory limit, and the longest sequence over 1, 2, 4,
 // ... ranks until its share is below the mean rank load; the plan with the lowest rank time wins.
 #include <algorithm>
-#include <array>
 #include <cassert>
 #include <cmath>
 #include <limits>
@@ -173,6 +172,10 @@ class MegatronDcp {
   int64_t needed_degree(int64_t i, double max_tokens);
   // Busiest-rank time of sequence i alone as ring attention on `degree` consecutive ranks.
   double work_s(int64_t i, int64_t degree);
+  // (ranks, share) runs of alike ranks (CostModel::share_runs).
+  using Runs = std::vector<std::pair<int64_t, RankShare>>;
+  // Sequence i's shares as a ring of `size` consecutive ranks from `first_rank` (memoised).
+  const Runs& ring_runs(int64_t i, int64_t first_rank, int64_t size);
   int64_t memory_degree(int64_t i);
   // Degrees are powers of two or the GPU count: slot log2(degree), or one past the last power.
   size_t degree_slot(int64_t degree) const {
@@ -214,11 +217,11 @@ class MegatronDcp {
   }
   const int64_t num_ranks_;
   const int64_t gpus_per_node_;
-  // schedule's ring shares per (lengths index, size slot, first rank's offset in its node), as
-  // runs of alike positions (CostModel::share_runs; the ranks are the group's).
-  std::unordered_map<int64_t, std::vector<std::pair<int64_t, RankShare>>> ring_shares_;
-  // By (tokens, text tokens, degree): batches repeat lengths a lot.
-  std::map<std::array<int64_t, 3>, double> work_s_;
+  // Ring shares per (lengths index, size slot, first rank's offset in its node), as runs of
+  // alike positions (CostModel::share_runs): a ring's shares depend on its lengths, its size and
+  // its ranks' node pattern, which the first rank's place in its node fixes.
+  std::unordered_map<int64_t, Runs> ring_shares_;
+  Placement ring_probe_;  // ring_runs' scratch
   // Per sequence: its lengths' index (first appearance order) and its latent tokens, read in
   // length order: compact arrays rather than the batch's sequences or a row per sequence.
   std::vector<int32_t> length_key_;
@@ -234,7 +237,7 @@ class MegatronDcp {
   std::vector<int64_t> unplaced_;
   int64_t unplaced_keys_ = 0;
   // Per lengths index, its share alone on one rank, as one run (empty: not priced yet).
-  std::vector<std::vector<std::pair<int64_t, RankShare>>> local_share_;
+  std::vector<Runs> local_share_;
   // The per-token layers' time per token on a rank holding the batch's mean tokens per rank:
   // alone, a short sequence runs its GEMMs at a small-batch rate it does not have once packed.
   double linear_s_per_token_ = 0;
@@ -244,13 +247,38 @@ double MegatronDcp::work_s(int64_t i, int64_t degree) {
   const size_t slot = static_cast<size_t>(length_key_[i]) * work_slots_ + degree_slot(degree);
   if (!std::isnan(work_of_lengths_s_[slot])) return work_of_lengths_s_[slot];
   const Sequence& sequence = batch_.sequences[i];
-  auto [it, inserted] =
-      work_s_.try_emplace({sequence.num_tokens, sequence.text_tokens, degree}, 0.0);
-  if (inserted) {
-    it->second = cost_model_.busiest_share_s(sequence, ring_placement(sequence.id, 0, degree),
-                                             linear_s_per_token_);
+  if (degree == 1) {
+    return work_of_lengths_s_[slot] = cost_model_.busiest_share_s(
+               sequence, ring_placement(sequence.id, 0, 1), linear_s_per_token_);
   }
-  return work_of_lengths_s_[slot] = it->second;
+  // busiest_share_s of the ring on ranks 0..degree-1, from the runs schedule places it with
+  // (the same shares in the same order): each ring shape is priced once for both.
+  double busiest_s = 0;
+  for (const auto& [count, share] : ring_runs(i, 0, degree)) {
+    busiest_s = std::max(busiest_s, static_cast<double>(share.tokens) * linear_s_per_token_ +
+                                        share.attention_s + share.exchange_s);
+  }
+  return work_of_lengths_s_[slot] = busiest_s;
+}
+
+const MegatronDcp::Runs& MegatronDcp::ring_runs(int64_t i, int64_t first_rank, int64_t size) {
+  const int64_t offset = first_rank % gpus_per_node_;
+  const int64_t key = (static_cast<int64_t>(length_key_[i]) * static_cast<int64_t>(work_slots_) +
+                       static_cast<int64_t>(degree_slot(size))) *
+                          gpus_per_node_ +
+                      offset;
+  auto [it, inserted] = ring_shares_.try_emplace(key);
+  if (inserted) {
+    // ring_placement(id, first_rank, size), in a placement reused rather than allocated
+    ring_probe_.sequence_id = batch_.sequences[i].id;
+    ring_probe_.strategy = Strategy::kRing;
+    ring_probe_.ranks.resize(size);
+    std::iota(ring_probe_.ranks.begin(), ring_probe_.ranks.end(), first_rank);
+    ring_probe_.ulysses_degree = 1;
+    ring_probe_.ring_degree = size;
+    it->second = cost_model_.share_runs(batch_.sequences[i], ring_probe_);
+  }
+  return it->second;
 }
 
 int64_t MegatronDcp::memory_degree(int64_t i) {
@@ -435,7 +463,6 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
                                                          double* rank_time_s) {
   planners::RankLoads loads(cost_model_);  // totals only: shares() prices
   Layout layout(batch_.sequences.size());
-  Placement placement;  // reused: the plan is built for the best knob only (run)
   // Pending is buffer[begin...]: a micro-batch's leftovers are written just before the tail it
   // refused as a whole, so that the tail is not copied (thousands of equal sequences cost O(1)
   // per micro-batch, not O(pending)).
@@ -460,33 +487,15 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
       for (int64_t i : group.samples) {
         const Sequence& sequence = batch_.sequences[i];
         // Its shares as runs of alike ranks (CostModel::share_runs), from the group's first rank.
-        const std::vector<std::pair<int64_t, RankShare>>* runs = nullptr;
+        const Runs* runs = nullptr;
         if (group.size == 1) {  // most sequences: the share of their lengths on one rank
-          std::vector<std::pair<int64_t, RankShare>>& local = local_share_[length_key_[i]];
+          Runs& local = local_share_[length_key_[i]];
           if (local.empty()) {
             local.emplace_back(1, shares(sequence, ring_placement(sequence.id, 0, 1)).front());
           }
           runs = &local;
         } else {
-          // A ring's shares depend on its lengths, its size and its ranks' node pattern (which
-          // the first rank's place in its node fixes): priced once per such group, as a few runs
-          // of alike positions however many ranks the fill gave it.
-          const int64_t offset = group.first_rank % gpus_per_node_;
-          const int64_t key =
-              (static_cast<int64_t>(length_key_[i]) * static_cast<int64_t>(work_slots_) +
-               static_cast<int64_t>(degree_slot(group.size))) * gpus_per_node_ + offset;
-          auto [it, inserted] = ring_shares_.try_emplace(key);
-          if (inserted) {
-            // ring_placement(sequence.id, group.first_rank, group.size), without allocating
-            placement.sequence_id = sequence.id;
-            placement.strategy = Strategy::kRing;
-            placement.ranks.resize(group.size);
-            std::iota(placement.ranks.begin(), placement.ranks.end(), group.first_rank);
-            placement.ulysses_degree = 1;
-            placement.ring_degree = group.size;
-            it->second = cost_model_.share_runs(sequence, placement);
-          }
-          runs = &it->second;
+          runs = &ring_runs(i, group.first_rank, group.size);
         }
         bool fits = true;
         int64_t rank = group.first_rank;
