@@ -33,7 +33,6 @@
 #include <optional>
 #include <set>
 #include <span>
-#include <unordered_map>
 #include <utility>
 
 #include "rank_loads.h"
@@ -172,10 +171,11 @@ class MegatronDcp {
   int64_t needed_degree(int64_t i, double max_tokens);
   // Busiest-rank time of sequence i alone as ring attention on `degree` consecutive ranks.
   double work_s(int64_t i, int64_t degree);
-  // (ranks, share) runs of alike ranks (CostModel::share_runs).
-  using Runs = std::vector<std::pair<int64_t, RankShare>>;
-  // Sequence i's shares as a ring of `size` consecutive ranks from `first_rank` (memoised).
-  const Runs& ring_runs(int64_t i, int64_t first_rank, int64_t size);
+  // (ranks, share): a run of alike ranks (CostModel::share_runs).
+  using Run = std::pair<int64_t, RankShare>;
+  // Sequence i's shares as a ring of `size` consecutive ranks from `first_rank` (memoised); valid
+  // until the next call.
+  std::span<const Run> ring_runs(int64_t i, int64_t first_rank, int64_t size);
   int64_t memory_degree(int64_t i);
   // Degrees are powers of two or the GPU count: slot log2(degree), or one past the last power.
   size_t degree_slot(int64_t degree) const {
@@ -219,8 +219,13 @@ class MegatronDcp {
   const int64_t gpus_per_node_;
   // Ring shares per (lengths index, size slot, first rank's offset in its node), as runs of
   // alike positions (CostModel::share_runs): a ring's shares depend on its lengths, its size and
-  // its ranks' node pattern, which the first rank's place in its node fixes.
-  std::unordered_map<int64_t, Runs> ring_shares_;
+  // its ranks' node pattern, which the first rank's place in its node fixes. Arrays, not a hash
+  // map, for the lookup per placed sequence: per (lengths index, size slot) the first of its
+  // offsets' entries in ring_runs_at_ (-1: none yet); per entry, its runs' (first index, count)
+  // in run_pool_ (count 0: not priced yet).
+  std::vector<int32_t> ring_block_;
+  std::vector<std::pair<uint32_t, uint32_t>> ring_runs_at_;
+  std::vector<Run> run_pool_;
   Placement ring_probe_;  // ring_runs' scratch
   // Per sequence: its lengths' index (first appearance order) and its latent tokens, read in
   // length order: compact arrays rather than the batch's sequences or a row per sequence.
@@ -236,8 +241,8 @@ class MegatronDcp {
   // schedule's: per lengths index, its sequences not yet placed; and how many indices have some.
   std::vector<int64_t> unplaced_;
   int64_t unplaced_keys_ = 0;
-  // Per lengths index, its share alone on one rank, as one run (empty: not priced yet).
-  std::vector<Runs> local_share_;
+  // Per lengths index, its share alone on one rank, as one run (no ranks: not priced yet).
+  std::vector<Run> local_share_;
   // The per-token layers' time per token on a rank holding the batch's mean tokens per rank:
   // alone, a short sequence runs its GEMMs at a small-batch rate it does not have once packed.
   double linear_s_per_token_ = 0;
@@ -261,14 +266,17 @@ double MegatronDcp::work_s(int64_t i, int64_t degree) {
   return work_of_lengths_s_[slot] = busiest_s;
 }
 
-const MegatronDcp::Runs& MegatronDcp::ring_runs(int64_t i, int64_t first_rank, int64_t size) {
-  const int64_t offset = first_rank % gpus_per_node_;
-  const int64_t key = (static_cast<int64_t>(length_key_[i]) * static_cast<int64_t>(work_slots_) +
-                       static_cast<int64_t>(degree_slot(size))) *
-                          gpus_per_node_ +
-                      offset;
-  auto [it, inserted] = ring_shares_.try_emplace(key);
-  if (inserted) {
+std::span<const MegatronDcp::Run> MegatronDcp::ring_runs(int64_t i, int64_t first_rank,
+                                                         int64_t size) {
+  int32_t& block = ring_block_[static_cast<size_t>(length_key_[i]) * work_slots_ +
+                               degree_slot(size)];
+  if (block < 0) {
+    block = static_cast<int32_t>(ring_runs_at_.size());
+    ring_runs_at_.resize(ring_runs_at_.size() + static_cast<size_t>(gpus_per_node_), {0, 0});
+  }
+  std::pair<uint32_t, uint32_t>& at =
+      ring_runs_at_[static_cast<size_t>(block) + static_cast<size_t>(first_rank % gpus_per_node_)];
+  if (at.second == 0) {
     // ring_placement(id, first_rank, size), in a placement reused rather than allocated
     ring_probe_.sequence_id = batch_.sequences[i].id;
     ring_probe_.strategy = Strategy::kRing;
@@ -276,9 +284,11 @@ const MegatronDcp::Runs& MegatronDcp::ring_runs(int64_t i, int64_t first_rank, i
     std::iota(ring_probe_.ranks.begin(), ring_probe_.ranks.end(), first_rank);
     ring_probe_.ulysses_degree = 1;
     ring_probe_.ring_degree = size;
-    it->second = cost_model_.share_runs(batch_.sequences[i], ring_probe_);
+    const std::vector<Run> runs = cost_model_.share_runs(batch_.sequences[i], ring_probe_);
+    at = {static_cast<uint32_t>(run_pool_.size()), static_cast<uint32_t>(runs.size())};
+    run_pool_.insert(run_pool_.end(), runs.begin(), runs.end());
   }
-  return it->second;
+  return {run_pool_.data() + at.first, at.second};
 }
 
 int64_t MegatronDcp::memory_degree(int64_t i) {
@@ -487,19 +497,19 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
       for (int64_t i : group.samples) {
         const Sequence& sequence = batch_.sequences[i];
         // Its shares as runs of alike ranks (CostModel::share_runs), from the group's first rank.
-        const Runs* runs = nullptr;
+        std::span<const Run> runs;
         if (group.size == 1) {  // most sequences: the share of their lengths on one rank
-          Runs& local = local_share_[length_key_[i]];
-          if (local.empty()) {
-            local.emplace_back(1, shares(sequence, ring_placement(sequence.id, 0, 1)).front());
+          Run& local = local_share_[length_key_[i]];
+          if (local.first == 0) {
+            local = {1, shares(sequence, ring_placement(sequence.id, 0, 1)).front()};
           }
-          runs = &local;
+          runs = {&local, 1};
         } else {
-          runs = &ring_runs(i, group.first_rank, group.size);
+          runs = ring_runs(i, group.first_rank, group.size);
         }
         bool fits = true;
         int64_t rank = group.first_rank;
-        for (const auto& [count, share] : *runs) {
+        for (const auto& [count, share] : runs) {
           fits = fits && loads.fits(share, rank, count);
           rank += count;
         }
@@ -508,7 +518,7 @@ std::optional<MegatronDcp::Layout> MegatronDcp::schedule(double max_tokens,
           continue;
         }
         rank = group.first_rank;
-        for (const auto& [count, share] : *runs) {
+        for (const auto& [count, share] : runs) {
           loads.add(share, rank, count);
           rank += count;
         }
@@ -559,10 +569,11 @@ Plan MegatronDcp::run() {
   }
   memory_degree_.assign(key_of_lengths.size(), 0);
   refused_stamp_.assign(key_of_lengths.size(), 0);
-  local_share_.assign(key_of_lengths.size(), {});
+  local_share_.assign(key_of_lengths.size(), {0, RankShare{}});
   work_slots_ = static_cast<size_t>(63 - __builtin_clzll(static_cast<uint64_t>(num_ranks_))) + 2;
   work_of_lengths_s_.assign(key_of_lengths.size() * work_slots_,
                             std::numeric_limits<double>::quiet_NaN());
+  ring_block_.assign(key_of_lengths.size() * work_slots_, -1);
   if (num_sequences == 0) return planners::empty_plan("megatron-dcp", cost_model_);
   int64_t max_text_tokens = 0, tallest = 0, total_tokens = 0;
   for (int64_t i = 0; i < num_sequences; ++i) {
