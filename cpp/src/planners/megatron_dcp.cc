@@ -207,9 +207,9 @@ class MegatronDcp {
   const CostModel& cost_model_;
   EvaluationCache own_cache_;  // when the caller passes none: shapes repeat across the knobs
   EvaluationCache* cache_;
-  // cost_model.shares, through the cache for groups of at most one node; wider ring groups
-  // uncached, since the cache also lists every position's attention calls (degree^2 of them)
-  // and megatron-dcp's fill doubles groups up to thousands of ranks (same values either way).
+  // cost_model.shares (memory degrees, single ranks; schedule's rings take ring_runs), through
+  // the cache for groups of at most one node; wider rings uncached, since the cache also lists
+  // every position's attention calls (same values either way).
   std::vector<RankShare> shares(const Sequence& sequence, const Placement& placement) {
     return placement.ranks.size() <= static_cast<size_t>(cost_model_.cluster().gpus_per_node)
                ? cost_model_.shares(sequence, placement, *cache_)
