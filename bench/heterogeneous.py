@@ -13,7 +13,7 @@ the like-rank view, as the baselines plan) and priced on the real cluster, zelli
 (best baseline / zellige), zellige over the lower bound of this cluster, and zellige over the
 homogeneous lower bound scaled by capacity: the bound on the same GPU count of the planning
 device, times GPUs / total speed (what a perfectly balanced plan of the same work would take if
-the speeds were spread evenly). Targets (issue 31): >= 1.2x the best baseline on the mixed
+the speeds were spread evenly). Targets: >= 1.2x the best baseline on the mixed
 cluster, within 5% of the scaled bound.
 
     PYTHONPATH=src python bench/heterogeneous.py [--gpus 32,256] [--seeds 2]

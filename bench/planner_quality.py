@@ -3,7 +3,7 @@
 Per workload family and GPU count (16, 32; 8 per node, built-in H200 profile; NVLink, and PCIe-class
 links at 32 GPUs for two families), `--seeds` seeded batches. Families: four recipes
 (opensora2-stage2, wan-stage2, wan-stage3, knapformer-joint) and two synthetic shapes that broke
-the planner before (issue 15): many-equal-long (many sequences of one long length plus medium and
+the planner: many-equal-long (many sequences of one long length plus medium and
 short ones) and few-huge (a few 150k-300k-token videos next to 40k-200k ones); and, when named in
 `--families`, the held-out families of planning_time.py (HELD_OUT_FAMILIES) at 8 and 16 GPUs,
 where the joint MILP is the reference. Each batch is

@@ -1,5 +1,5 @@
 """Planning time of every planner at 8, 32, 128 and 1024 GPUs on recipe batches, and of zellige at
-scale against its targets (issue 17.13).
+scale against its targets.
 
 For each GPU count and seed, one step's batch is generated from the recipe (a bucketed loader on
 every rank) and each planner plans it. The table reports the median over seeds of the planner's
@@ -156,7 +156,7 @@ def scale_table(workload: str, scale_gpus: list[int], repeats: int) -> str:
 
 
 def few_huge_batch(num_gpus: int, num_videos: int = 12) -> zellige.Batch:
-    """`num_videos` videos of 200k-280k tokens (issue 15: 97 s to plan at 4096 GPUs): each spans
+    """`num_videos` videos of 200k-280k tokens: each spans
     hundreds of ranks, so anchor degrees, windows and baseline group sizes reach the thousands."""
     rng = random.Random(f"few-huge-scale-{num_gpus}")
     batch = zellige.Batch()
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--few-huge-gpus",
         default="512,4096",
-        help="GPU counts of the 12-huge-videos case (issue 15); '' to skip",
+        help="GPU counts of the 12-huge-videos case; '' to skip",
     )
     parser.add_argument(
         "--held-out-gpus",

@@ -184,20 +184,20 @@ def test_a_step_that_fits_only_in_parts_runs_as_micro_batches(tmp_path) -> None:
     profile = zellige.profile.profile_to_dict(load_profile("h200"))
     profile["device_memory_bytes"] = int(1.015 * GIB)
     (tmp_path / "small.json").write_text(json.dumps(profile))
-    script = f"""
+    script = """
 import json, os, sys
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 from zellige.train.config import resolve_config
 from zellige.train.loop import train
-overrides = {{"steps": 1, "dtype": "float64", "loader_workers": 0}}
+overrides = {"steps": 1, "dtype": "float64", "loader_workers": 0}
 if sys.argv[1] != "whole":
     overrides["profile"] = sys.argv[1]
-config = resolve_config("tiny-cpu", {{}}, overrides, "")
+config = resolve_config("tiny-cpu", {}, overrides, "")
 sequences = [
-    {{"id": i, "num_tokens": 2**12, "text_tokens": 8, "source_rank": 0}} for i in range(4)
+    {"id": i, "num_tokens": 2**12, "text_tokens": 8, "source_rank": 0} for i in range(4)
 ]
 records = train(config, sequences=sequences)
-print("records:", json.dumps([{{k: r[k] for k in ("loss", "micro_batches")}} for r in records]))
+print("records:", json.dumps([{k: r[k] for k in ("loss", "micro_batches")} for r in records]))
 """
 
     def run(profile_arg: str, port: str) -> tuple[list[dict], str]:
