@@ -342,8 +342,8 @@ class StepDataset(torch.utils.data.Dataset):
         """The global-batch planner that cuts a step too large for the GPUs' memory at once into
         micro-batches of its own samples (the step's planner's own name; None: the planner has
         no global-batch form, and such a step is refused)."""
-        fixed = self.uses_global_batch or self.fixed_plan is not None
-        if fixed or not self.micro_batches_when_needed:
+        cut_or_placed = self.uses_global_batch or self.fixed_plan is not None  # runs as given
+        if cut_or_placed or not self.micro_batches_when_needed:
             return None
         return self.planner if self.planner in _core.global_batch_planner_names() else None
 
