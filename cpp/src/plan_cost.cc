@@ -476,6 +476,33 @@ PlanCost CostModel::evaluate(const Batch& batch, const Plan& plan, EvaluationCac
   return evaluate_impl(batch, plan, &cache);
 }
 
+namespace {
+// Distinct keys a rank's calls are merged among before sorting: ranks of many short sequences
+// repeat a few keys, and a rank with more keys than this sorts the rest as they are.
+constexpr std::ptrdiff_t kMergedKeys = 32;
+
+// Moves equal keys' calls into one (segments summed) while the distinct keys are few; returns the
+// new end. What evaluate reads after sorting by key (each distinct key's total segments, in key
+// order) is unchanged.
+std::vector<cost_detail::RankCall>::iterator merge_equal_keys(
+    std::vector<cost_detail::RankCall>::iterator first,
+    std::vector<cost_detail::RankCall>::iterator last) {
+  auto distinct_end = first;
+  auto it = first;
+  for (; it != last && distinct_end - first < kMergedKeys; ++it) {
+    auto same = first;
+    while (same != distinct_end && same->key != it->key) ++same;
+    if (same != distinct_end) {
+      same->segments += it->segments;
+    } else {
+      *distinct_end++ = *it;
+    }
+  }
+  if (distinct_end == it) return last;  // every key distinct so far and no call left over
+  return std::move(it, last, distinct_end);
+}
+}  // namespace
+
 PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
                                   EvaluationCache* cache) const {
   const int64_t num_ranks = cluster_.num_ranks();
@@ -518,7 +545,9 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
   // Every segment's call, by rank at the end: a rank's calls sorted by key, equal keys merged (a
   // vector sorted once, not a map per rank). Ring steps' calls are only counted (a ring over r
   // ranks has r on each: r^2 in all).
-  std::vector<RankCall> calls;
+  std::vector<RankCall> own_calls, own_by_rank;
+  std::vector<RankCall>& calls = cache != nullptr ? cache->calls_ : own_calls;
+  calls.clear();
   calls.reserve(2 * plan.placements.size());  // a local sequence's self- and cross-attention
   std::vector<int64_t> ring_step_calls(static_cast<size_t>(num_ranks), 0);
   auto add_share = [&](const RankShare& share, int64_t rank_index, int phase) {
@@ -567,7 +596,8 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
   std::vector<size_t> rank_begin(static_cast<size_t>(num_ranks) + 1, 0);
   for (const RankCall& call : calls) ++rank_begin[call.rank + 1];
   for (int64_t i = 0; i < num_ranks; ++i) rank_begin[i + 1] += rank_begin[i];
-  std::vector<RankCall> by_rank(calls.size());
+  std::vector<RankCall>& by_rank = cache != nullptr ? cache->calls_by_rank_ : own_by_rank;
+  by_rank.resize(calls.size());
   {
     std::vector<size_t> next(rank_begin.begin(), rank_begin.end() - 1);
     for (const RankCall& call : calls) by_rank[next[call.rank]++] = call;
@@ -579,7 +609,8 @@ PlanCost CostModel::evaluate_impl(const Batch& batch, const Plan& plan,
     rank.linear_s = linear_time_s(rank.tokens);
     const double layers = static_cast<double>(model_.num_layers);
     const auto first = by_rank.begin() + static_cast<std::ptrdiff_t>(rank_begin[i]);
-    const auto last = by_rank.begin() + static_cast<std::ptrdiff_t>(rank_begin[i + 1]);
+    const auto last = merge_equal_keys(
+        first, by_rank.begin() + static_cast<std::ptrdiff_t>(rank_begin[i + 1]));
     std::sort(first, last, [](const RankCall& a, const RankCall& b) { return a.key < b.key; });
     int64_t distinct_calls = 0;
     streamed.clear();

@@ -124,6 +124,18 @@ double streamed_calls_s(const std::vector<int64_t>& works, const std::vector<dou
 struct LowerBoundSearch;
 class CostModel;
 
+namespace cost_detail {
+// One attention call: query tokens, key tokens, heads per segment, then -1 for a coalescable
+// self-attention segment, -2 for cross-attention, or the sequence id for one of its ring
+// steps (the last entry), which run one after another.
+using CallKey = std::array<int64_t, 5>;
+struct RankCall {
+  int64_t rank = 0;
+  CallKey key{};
+  int64_t segments = 1;
+};
+}  // namespace cost_detail
+
 // A memo for CostModel::evaluate and CostModel::shares: per placement shape (lengths, degrees and
 // the node pattern of its ranks) the shares and attention calls by rank position, which do not
 // depend on which ranks. Planners that price many plans of one batch keep one; results are
@@ -163,6 +175,8 @@ class EvaluationCache {
   std::unordered_map<std::pair<int64_t, int64_t>, Entry, LengthsHash> local_entries_;
   std::vector<int64_t> key_;  // scratch
   std::vector<int64_t> node_labels_;  // find_entry's scratch: per node, -1 between calls
+  // evaluate's scratch: a plan's calls, then the same by rank (kept: planners price many plans)
+  std::vector<cost_detail::RankCall> calls_, calls_by_rank_;
 };
 
 struct PlanCost {
@@ -357,15 +371,8 @@ class CostModel {
   double head_backward_s(double query_tokens, double key_tokens) const;
   double text_projection_s(int64_t text_tokens) const;          // fwd + bwd (+ recompute)
   double text_projection_forward_s(int64_t text_tokens) const;  // one forward pass
-  // One attention call: query tokens, key tokens, heads per segment, then -1 for a coalescable
-  // self-attention segment, -2 for cross-attention, or the sequence id for one of its ring
-  // steps (the last entry), which run one after another.
-  using CallKey = std::array<int64_t, 5>;
-  struct RankCall {
-    int64_t rank = 0;
-    CallKey key{};
-    int64_t segments = 1;
-  };
+  using CallKey = cost_detail::CallKey;
+  using RankCall = cost_detail::RankCall;
   // The engine's tables that run as one ragged call under profile.attention_ragged
   // (runtime/attention.py): 0 a rank's local self- or joint attention (whole sequences, every
   // head), 1 its Ulysses-exchanged sequences, 2 its cross-attention; -1 a ring step (its own

@@ -424,8 +424,8 @@ Plan ZelligePlanner::run() {
                               : memory_error);
   }
   const double cap_s = std::min(best_s * (1 + kMemoryTieBreak), best_baseline_s);
-  const Finalist* chosen = nullptr;
-  for (const Finalist& finalist : finalists) {
+  Finalist* chosen = nullptr;
+  for (Finalist& finalist : finalists) {
     if (!finalist.cost.fits || finalist.cost.makespan_s > cap_s) continue;
     if (chosen == nullptr || finalist.cost.peak_bytes < chosen->cost.peak_bytes ||
         (finalist.cost.peak_bytes == chosen->cost.peak_bytes &&
@@ -433,7 +433,7 @@ Plan ZelligePlanner::run() {
       chosen = &finalist;
     }
   }
-  Plan plan = chosen->plan;
+  Plan plan = std::move(chosen->plan);  // the finalists end here
   planners::set_prediction(plan, chosen->cost);  // make_plan's prediction: priced already
   plan.planner = "zellige";
   plan.note = "anchors=" + std::to_string(best.num_anchors) +

@@ -538,6 +538,9 @@ class ZelligePlanner {
   int64_t local_search(Solution* s, Clock::time_point deadline);
   void least_loaded(const Solution& s, int count, const std::vector<char>* excluded,
                     std::vector<int64_t>* ranks) const;
+  // `rank`'s fillers, the first of each shape key in rank order: fillers of one key price alike,
+  // so in a search that keeps only a strictly better move, the later ones never win.
+  const std::vector<int32_t>& fillers_by_key(const Solution& s, int64_t rank);
   bool try_move(Solution* s, int64_t busiest);
   bool try_swap(Solution* s, int64_t busiest);
   bool try_remould(Solution* s, int64_t busiest);
@@ -661,6 +664,8 @@ class ZelligePlanner {
   std::vector<double> node_keys_s_;
   std::vector<int64_t> low_ranks_, candidate_ranks_, best_ranks_, touched_;
   std::vector<std::pair<double, int32_t>> partner_fillers_;
+  std::vector<int32_t> fillers_by_key_;  // fillers_by_key's result
+  std::vector<char> key_seen_;  // per shape key (a sequence index): all 0 between calls
   std::vector<int32_t> longest_fillers_;
   std::vector<int32_t> searched_slots_;
   std::vector<std::pair<double, int32_t>> anchor_shares_s_;

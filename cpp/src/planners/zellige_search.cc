@@ -81,6 +81,18 @@ void ZelligePlanner::least_loaded(const Solution& s, int count, const std::vecto
   }
 }
 
+const std::vector<int32_t>& ZelligePlanner::fillers_by_key(const Solution& s, int64_t rank) {
+  key_seen_.resize(num_sequences_, 0);
+  fillers_by_key_.clear();
+  for (int32_t sequence : s.rank_fillers[rank]) {
+    char& seen = key_seen_[shape_key_[sequence]];
+    if (seen == 0) fillers_by_key_.push_back(sequence);
+    seen = 1;
+  }
+  for (int32_t sequence : fillers_by_key_) key_seen_[shape_key_[sequence]] = 0;
+  return fillers_by_key_;
+}
+
 bool ZelligePlanner::try_move(Solution* s, int64_t busiest) {
   member_[busiest] = 1;
   least_loaded(*s, kMovePartners, &member_, &low_ranks_);
@@ -89,7 +101,7 @@ bool ZelligePlanner::try_move(Solution* s, int64_t busiest) {
   double best_s = bound_s;
   int32_t best_sequence = -1;
   int64_t best_rank = -1;
-  for (int32_t sequence : s->rank_fillers[busiest]) {
+  for (int32_t sequence : fillers_by_key(*s, busiest)) {
     const int64_t tokens = local_tokens_[sequence];
     const double other_s = local_other_s_[sequence];
     const double left_s = time_with(*s, busiest, -tokens, -other_s);
@@ -118,6 +130,7 @@ bool ZelligePlanner::try_swap(Solution* s, int64_t busiest) {
   const double bound_s = s->time_s[busiest] * (1 - kMinGain);
   double best_s = bound_s;
   int32_t best_out = -1, best_in = -1;
+  const std::vector<int32_t>& outs = fillers_by_key(*s, busiest);
   for (int64_t rank : low_ranks_) {
     const double gap_s = s->time_s[busiest] - s->time_s[rank];
     if (gap_s <= 0) continue;
@@ -127,7 +140,7 @@ bool ZelligePlanner::try_swap(Solution* s, int64_t busiest) {
     }
     if (partner_fillers_.empty()) continue;
     std::sort(partner_fillers_.begin(), partner_fillers_.end());
-    for (int32_t out : s->rank_fillers[busiest]) {
+    for (int32_t out : outs) {
       // The ideal partner is smaller by half the gap; price the few nearest exactly.
       const double want_s = local_estimate_s_[out] - gap_s / 2;
       const auto at = std::lower_bound(partner_fillers_.begin(), partner_fillers_.end(),
