@@ -491,7 +491,12 @@ std::vector<cost_detail::RankCall>::iterator merge_equal_keys(
   auto it = first;
   for (; it != last && distinct_end - first < kMergedKeys; ++it) {
     auto same = first;
-    while (same != distinct_end && same->key != it->key) ++same;
+    // Element by element: std::array's == calls memcmp, a call per pair on this hot path.
+    const auto equal = [&](const cost_detail::CallKey& key) {
+      return key[0] == it->key[0] && key[1] == it->key[1] && key[2] == it->key[2] &&
+             key[3] == it->key[3] && key[4] == it->key[4];
+    };
+    while (same != distinct_end && !equal(same->key)) ++same;
     if (same != distinct_end) {
       same->segments += it->segments;
     } else {
