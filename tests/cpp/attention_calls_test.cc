@@ -3,6 +3,7 @@
 // launch floor (evaluate()).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <vector>
@@ -147,6 +148,37 @@ TEST(AttentionCalls, LaunchFloorBindsOnlyTinyRanks) {
   // The floor was measured with wan-14b's blocks: another model gets none from it.
   const CostModel other(model_preset("wan-1.3b"), profile, make_cluster(8, 8));
   EXPECT_EQ(other.evaluate(batch, plan).ranks[0].launch_floor_s, 0);
+}
+
+TEST(AttentionCalls, EqualLengthsMergeWhereverTheyComeOnARankOfManyLengths) {
+  const HardwareProfile profile = with_launch(call_profile(), 5e-3, 1e-3);
+  const CostModel model = wan14b(profile);
+  // Rank 0: 50 distinct lengths, each twice: the first five side by side (merged as they come),
+  // the others 45 placements apart (past the distinct calls evaluate scans before it sorts).
+  std::vector<int64_t> lengths;
+  for (int64_t k = 0; k < 5; ++k) lengths.insert(lengths.end(), 2, 256 + 16 * k);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int64_t k = 5; k < 50; ++k) lengths.push_back(256 + 16 * k);
+  }
+  const Batch batch = test_util::batch_of(lengths, /*text_tokens=*/512);
+  Plan plan;
+  plan.num_ranks = 8;
+  for (int64_t id = 0; id < 100; ++id) {
+    plan.placements.push_back(make_placement(id, Strategy::kLocal, {0}));
+  }
+  const PlanCost cost = model.evaluate(batch, plan);
+  EXPECT_EQ(cost.ranks[0].attention_calls, 100);  // a self- and a cross-attention call per length
+  // The same calls in another order, and through a cache, cost the same (the rank's other terms
+  // add up in placement order: its time to rounding).
+  Plan reversed = plan;
+  std::reverse(reversed.placements.begin(), reversed.placements.end());
+  EvaluationCache cache;
+  for (const Plan* other : {&reversed, &plan}) {
+    const PlanCost other_cost = model.evaluate(batch, *other, cache);
+    EXPECT_EQ(other_cost.ranks[0].attention_calls, 100);
+    EXPECT_EQ(other_cost.ranks[0].call_s, cost.ranks[0].call_s);
+    EXPECT_DOUBLE_EQ(other_cost.ranks[0].time_s, cost.ranks[0].time_s);
+  }
 }
 
 TEST(AttentionCalls, LowerBoundHoldsForPlannedBatches) {
