@@ -17,6 +17,7 @@ namespace zellige {
 namespace {
 
 using test_util::seeded_profile;
+using test_util::with_launch_rows;
 
 // Per-head time of a call of H heads = (1 + 3 / H) x the per-head time of a very large call, at
 // every length; measured up to 160 heads.
@@ -32,17 +33,6 @@ HardwareProfile call_profile() {
     profile.attention_call_forward_s.push_back(table);
     profile.attention_call_backward_s.push_back(table);
   }
-  profile.validate();
-  return profile;
-}
-
-// The profile with launch-floor terms for wan-14b's blocks (its other per-model rows analytic).
-HardwareProfile with_launch(HardwareProfile profile, double per_layer_s, double per_call_s) {
-  profile.memory_models = {"wan-14b"};
-  profile.activation_bytes_per_token_layer = {0};
-  profile.checkpoint_bytes_per_token_layer = {0};
-  profile.launch_s_per_layer = {per_layer_s};
-  profile.launch_s_per_attention_call = {per_call_s};
   profile.validate();
   return profile;
 }
@@ -118,7 +108,7 @@ TEST(AttentionCalls, EqualSegmentsShareOneCallAndRingStepsDoNot) {
 }
 
 TEST(AttentionCalls, LaunchFloorBindsOnlyTinyRanks) {
-  const HardwareProfile profile = with_launch(call_profile(), 5e-3, 1e-3);
+  const HardwareProfile profile = with_launch_rows(call_profile(), "wan-14b", 5e-3, 1e-3);
   const CostModel model = wan14b(profile);
   Batch batch = test_util::batch_of({256, 300, 60000}, /*text_tokens=*/512);
   Plan plan;
@@ -151,7 +141,7 @@ TEST(AttentionCalls, LaunchFloorBindsOnlyTinyRanks) {
 }
 
 TEST(AttentionCalls, EqualLengthsMergeWhereverTheyComeOnARankOfManyLengths) {
-  const HardwareProfile profile = with_launch(call_profile(), 5e-3, 1e-3);
+  const HardwareProfile profile = with_launch_rows(call_profile(), "wan-14b", 5e-3, 1e-3);
   const CostModel model = wan14b(profile);
   // Rank 0: 50 distinct lengths, each twice: the first five side by side (merged as they come),
   // the others 45 placements apart (past the distinct calls evaluate scans before it sorts).
@@ -182,7 +172,7 @@ TEST(AttentionCalls, EqualLengthsMergeWhereverTheyComeOnARankOfManyLengths) {
 }
 
 TEST(AttentionCalls, LowerBoundHoldsForPlannedBatches) {
-  const CostModel model = wan14b(with_launch(call_profile(), 1e-3, 1e-4), 16);
+  const CostModel model = wan14b(with_launch_rows(call_profile(), "wan-14b", 1e-3, 1e-4), 16);
   Recipe recipe;
   recipe.name = "images-and-clips";
   recipe.model = "wan-14b";
@@ -204,10 +194,11 @@ HardwareProfile ragged(HardwareProfile profile) {
 }
 
 TEST(AttentionCalls, RaggedTablesRunAtThePerHeadTablesAsOneCallEach) {
-  const HardwareProfile dense = with_launch(call_profile(), 5e-3, 1e-3);
+  const HardwareProfile dense = with_launch_rows(call_profile(), "wan-14b", 5e-3, 1e-3);
   const CostModel model = wan14b(dense);
   const CostModel ragged_model = wan14b(ragged(dense));
-  const CostModel plain = wan14b(with_launch(seeded_profile(), 5e-3, 1e-3));  // no call tables
+  const CostModel plain =
+      wan14b(with_launch_rows(seeded_profile(), "wan-14b", 5e-3, 1e-3));  // no call tables
   // Rank 0: six distinct lengths (a local table of six calls, a cross-attention table of six).
   Batch batch = test_util::batch_of({300, 700, 1500, 3000, 6000, 9000, 20000}, 512);
   Plan plan;
@@ -243,10 +234,11 @@ TEST(AttentionCalls, ATableOfOneDenseCallOfShortSegmentsIsOneRaggedCall) {
   // Rank 0: three sequences of one length (a micro-batch of one bucket: each table is one dense
   // call); rank 1: one sequence alone. Both run each table as one ragged call, which gives back
   // the excess the shares priced (none is left for a lone segment's dense call to save).
-  const HardwareProfile dense = with_launch(call_profile(), 5e-3, 1e-3);
+  const HardwareProfile dense = with_launch_rows(call_profile(), "wan-14b", 5e-3, 1e-3);
   const CostModel model = wan14b(dense);
   const CostModel ragged_model = wan14b(ragged(dense));
-  const CostModel plain = wan14b(with_launch(seeded_profile(), 5e-3, 1e-3));  // no call tables
+  const CostModel plain =
+      wan14b(with_launch_rows(seeded_profile(), "wan-14b", 5e-3, 1e-3));  // no call tables
   EXPECT_EQ(kRaggedMinCalls, 1);
   Batch batch = test_util::batch_of({3000, 3000, 3000, 4000}, 512);
   Plan plan;
@@ -270,7 +262,7 @@ TEST(AttentionCalls, ATableOfOneDenseCallOfShortSegmentsIsOneRaggedCall) {
 }
 
 TEST(AttentionCalls, RaggedTablesNeedOneHeadCountAndRingStepsStayCalls) {
-  const CostModel model = wan14b(ragged(with_launch(call_profile(), 5e-3, 1e-3)));
+  const CostModel model = wan14b(ragged(with_launch_rows(call_profile(), "wan-14b", 5e-3, 1e-3)));
   // Ranks 2 and 3: two sequences over Ulysses 2 (20 heads each) and one over Ulysses 3 with rank
   // 4 (14 or 13 heads): their exchanged table holds two head counts, so it stays three calls; the
   // cross-attention table (every head) is one ragged call. Ranks 6 and 7: a ring of two steps.
@@ -294,7 +286,7 @@ TEST(AttentionCalls, RaggedTablesNeedOneHeadCountAndRingStepsStayCalls) {
 }
 
 TEST(AttentionCalls, RaggedTablesHoldNoSegmentOverTheLengthLimit) {
-  const CostModel model = wan14b(ragged(with_launch(call_profile(), 5e-3, 1e-3)));
+  const CostModel model = wan14b(ragged(with_launch_rows(call_profile(), "wan-14b", 5e-3, 1e-3)));
   // Rank 0: three short sequences (one ragged call a table); rank 1: two short ones and one of
   // more than kRaggedMaxSegmentTokens, so its local table runs its three dense calls (its
   // cross-attention table too: the long sequence's queries).
@@ -371,7 +363,7 @@ TEST(AttentionCalls, ProfileRejectsBadCallTables) {
   profile = call_profile();
   profile.attention_call_forward_s[0] = Table{};
   EXPECT_THROW(profile.validate(), std::invalid_argument);
-  profile = with_launch(call_profile(), 1e-3, 1e-4);
+  profile = with_launch_rows(call_profile(), "wan-14b", 1e-3, 1e-4);
   profile.launch_s_per_attention_call = {-1};
   EXPECT_THROW(profile.validate(), std::invalid_argument);
   profile.launch_s_per_attention_call = {1e-4, 1e-4};  // one row per memory model

@@ -20,6 +20,7 @@ using test_util::brute_force_makespan;
 using test_util::iota_ranks;
 using test_util::make_model;
 using test_util::seeded_profile;
+using test_util::with_launch_rows;
 
 TEST(LowerBound, NeverAboveBruteForceOptimum) {
   // 2 nodes x 2 GPUs so that placements can cross a node; tiny model (4 heads, cross-attention).
@@ -103,12 +104,7 @@ TEST_P(LowerBoundRagged, WithCallTablesLaunchFloorAndGemmPeakNeverAboveBruteForc
     profile.attention_call_backward_s.push_back(table);
   }
   profile.matmul_forward_flops_per_s = {{64, 4096, 1 << 22}, {2e13, 3e14, 9e14}, "measured"};
-  profile.memory_models = {"tiny"};
-  profile.activation_bytes_per_token_layer = {0};
-  profile.checkpoint_bytes_per_token_layer = {0};
-  profile.launch_s_per_layer = {2e-4};
-  profile.launch_s_per_attention_call = {5e-5};
-  profile.validate();
+  profile = with_launch_rows(profile, "tiny", 2e-4, 5e-5);
   const ModelSpec tiny = model_preset("tiny");
   const std::vector<std::vector<std::pair<int64_t, int64_t>>> cases = {
       {{300, 8}, {300, 8}, {300, 8}},    {{64, 8}, {64, 8}, {5000, 8}},

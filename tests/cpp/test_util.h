@@ -39,6 +39,19 @@ inline HardwareProfile seeded_profile() {
   return profile;
 }
 
+// `profile` with launch-floor rows for one model: the activation and checkpoint rows at 0 (the
+// model's own estimate), `per_layer_s` per layer and `per_call_s` per attention call.
+inline HardwareProfile with_launch_rows(HardwareProfile profile, const std::string& model,
+                                        double per_layer_s, double per_call_s) {
+  profile.memory_models = {model};
+  profile.activation_bytes_per_token_layer = {0};
+  profile.checkpoint_bytes_per_token_layer = {0};
+  profile.launch_s_per_layer = {per_layer_s};
+  profile.launch_s_per_attention_call = {per_call_s};
+  profile.validate();
+  return profile;
+}
+
 // A preset on `gpus` GPUs under the seeded profile.
 inline CostModel make_model(const std::string& model, int64_t gpus, int64_t gpus_per_node,
                             bool checkpointing = true) {

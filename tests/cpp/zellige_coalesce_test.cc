@@ -20,13 +20,8 @@ namespace {
 // The seeded profile with the host's launch floor for mmdit-11b's blocks (its other per-model
 // rows analytic): a rank of many short sequences pays per distinct attention call.
 CostModel mmdit_with_launch(int64_t gpus) {
-  HardwareProfile profile = test_util::seeded_profile();
-  profile.memory_models = {"mmdit-11b"};
-  profile.activation_bytes_per_token_layer = {0};
-  profile.checkpoint_bytes_per_token_layer = {0};
-  profile.launch_s_per_layer = {2e-3};
-  profile.launch_s_per_attention_call = {1e-3};
-  profile.validate();
+  const HardwareProfile profile =
+      test_util::with_launch_rows(test_util::seeded_profile(), "mmdit-11b", 2e-3, 1e-3);
   return CostModel(model_preset("mmdit-11b"), profile, make_cluster(gpus, 8));
 }
 

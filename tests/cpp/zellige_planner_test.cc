@@ -21,6 +21,7 @@ namespace {
 using test_util::batch_of;
 using test_util::brute_force_makespan;
 using test_util::seeded_profile;
+using test_util::with_launch_rows;
 
 // Stated bound: on tiny batches the planner's makespan is within this factor of the optimum over
 // every placement (every rank subset, strategy and degree); on the cases below it is exact.
@@ -323,13 +324,7 @@ TEST(ZelligePlanner, EqualSequencesPlanInTimeAboutLinearInTheirCount) {
 // wan-1.3b under the seeded profile with host launch times of the order of an H200's
 // (src/zellige/profiles/h200.json): short sequences wait for their launches.
 CostModel launch_bound_model(int64_t gpus, int64_t gpus_per_node) {
-  HardwareProfile profile = seeded_profile();
-  profile.memory_models = {"wan-1.3b"};
-  profile.activation_bytes_per_token_layer = {0};  // 0: the model's own estimate
-  profile.checkpoint_bytes_per_token_layer = {0};
-  profile.launch_s_per_layer = {0.016};
-  profile.launch_s_per_attention_call = {6e-4};
-  profile.validate();
+  const HardwareProfile profile = with_launch_rows(seeded_profile(), "wan-1.3b", 0.016, 6e-4);
   CostOptions options;
   options.activation_checkpointing = true;
   return CostModel(model_preset("wan-1.3b"), profile, make_cluster(gpus, gpus_per_node), options);
