@@ -16,6 +16,8 @@ the longest sequence and the fill around it). Methods on the same pack ([T, N, H
   coalesced-Nstreams  groups round-robin on N CUDA streams (--streams)
   coalesced-flash  the grouping with FlashAttention-2 dense kernels (--flash-groups)
   fa2-varlen       packed FlashAttention-2 varlen as shipped in torch (target: auto >= 1.4x)
+  fa4-varlen       packed FlashAttention-4 varlen (the flash-attn-4 package's CuTe DSL kernels,
+                   Hopper and Blackwell), where that package is installed
   flex-document    FlexAttention with a document mask (compiled; first pack only by default)
   kernels-only     (--overhead or --merges) the groups' kernel calls alone, back to back on ready
                    inputs (no row copies): what the engine's copies and host work cost; with it
@@ -43,6 +45,7 @@ last; --out writes every number as JSON.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import platform
@@ -290,6 +293,30 @@ def bench_varlen(q, k, v, do, lengths, *, repeat):
     )
 
 
+def fa4_installed() -> bool:
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:  # no flash_attn package at all
+        return False
+
+
+def bench_fa4_varlen(q, k, v, do, lengths, *, repeat):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu.to(DEVICE)
+    longest = max(lengths)
+
+    def forward():
+        out, _ = flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+            max_seqlen_k=longest, softmax_scale=q.shape[-1] ** -0.5,
+        )  # fmt: skip
+        return out
+
+    return fwd_bwd(forward, (q, k, v), do, repeat)
+
+
 def bench_flex(q, k, v, do, lengths, *, repeat):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -520,6 +547,8 @@ def main() -> None:
             ("coalesced-groups", bench_coalesced, (table, None, 1, "groups")),
             ("fa2-varlen", bench_varlen, (lengths,)),
         ]
+        if DEVICE == "cuda" and fa4_installed():
+            methods.append(("fa4-varlen", bench_fa4_varlen, (lengths,)))
         for count in args.stream_counts:  # the groups on N streams, and their kernels alone
             if count > 1:
                 methods.append(
@@ -630,6 +659,19 @@ def main() -> None:
                 ]
             except Exception as exc:
                 entry[f"rel_diff_{merge}_vs_varlen"] = f"failed: {exc}"[:160]
+        if isinstance(entry["rates"].get("fa4-varlen"), tuple):  # FA4 vs FA2: same function
+            from flash_attn.cute import flash_attn_varlen_func
+
+            cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+            o_4, _ = flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t, max_seqlen_q=max(lengths),
+                max_seqlen_k=max(lengths), softmax_scale=head_dim**-0.5,
+            )  # fmt: skip
+            o_2 = _VarlenFA2.apply(q, k, v, cu_t, max(lengths), head_dim**-0.5)
+            outs = [[o, *torch.autograd.grad(o, (q, k, v), do)] for o in (o_4, o_2)]
+            entry["rel_diff_fa4_vs_varlen"] = [
+                rel_diff(a, b) for a, b in zip(outs[0], outs[1], strict=True)
+            ]
         if args.merges:  # the merged path vs the groups, outputs and gradients (same function)
             chosen = threshold_buckets(table.groups, max(args.waste or [15]) / 100)
             if chosen:
@@ -708,6 +750,7 @@ def main() -> None:
         "coalesced-groups",
         "coalesced-ragged",
         "fa2-varlen",
+        "fa4-varlen",
         "coalesced-2streams",
         "coalesced-4streams",
         "coalesced-flash",
