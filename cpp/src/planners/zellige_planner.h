@@ -674,8 +674,9 @@ class ZelligePlanner {
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
   std::vector<RankShare> best_shares_, shares_scratch_;
-  // wide_shares's memo: key (tokens, text tokens, strategy, Ulysses degree, then per position
-  // its node's first position), and how many shares it holds (bounded).
+  // wide_shares's memo: key (tokens, text tokens, strategy, Ulysses degree, then per run of
+  // positions on one node its length and its node's first position), and how many shares it
+  // holds (bounded).
   struct KeyHash {
     size_t operator()(const std::vector<int64_t>& key) const {
       uint64_t hash = 0xcbf29ce484222325ull;
@@ -690,6 +691,7 @@ class ZelligePlanner {
   std::vector<double> node_load_s_;
   std::vector<int64_t> window_nodes_, least_nodes_;
   std::vector<int32_t> partner_slots_;
+  std::vector<char> slot_seen_;  // try_pair's, per anchor slot: all 0 between calls
   // try_relocate's pricing of one anchor's windows (relocation_price): per rank, the position of
   // its share in the anchor (-1: none); the anchor's ranks by id with their time without it, and
   // the running maxima of those times from the left and from the right.
@@ -705,6 +707,13 @@ class ZelligePlanner {
   double relocation_price(const Solution& s, const AnchorPlacement& anchor,
                           const std::vector<RankShare>& new_shares, int64_t first_rank,
                           double above_s);
+  // A floor of relocation_price for any shares of `degree` ranks that each hold at least
+  // `share_tokens` tokens (every shape's least share holds unit_tokens / degree): those tokens
+  // and no attention on the window's ranks (the per-token layers' time grows with the tokens).
+  double relocation_floor(const Solution& s, const AnchorPlacement& anchor, int64_t share_tokens,
+                          int64_t first_rank, int64_t degree, double above_s) const;
+  // The most loaded of the anchor's ranks outside [first_rank, end_rank) without its share.
+  double vacated_outside_s(int64_t first_rank, int64_t end_rank) const;
   std::vector<RankShare> candidate_shares_, pair_old_, pair_new_, best_pair_shares_;
   int64_t relocations_left_ = 0;
   std::vector<int32_t> bag_items_;

@@ -24,12 +24,19 @@ const std::vector<RankShare>& ZelligePlanner::wide_shares(const Sequence& sequen
   wide_key_.assign({sequence.num_tokens, sequence.text_tokens,
                     static_cast<int64_t>(placement.strategy), placement.ulysses_degree});
   // Position k's node as the first position on that node: the same for rank sets whose
-  // positions share nodes alike, whichever nodes they are.
+  // positions share nodes alike, whichever nodes they are. Kept run-length encoded (positions in
+  // a row on one node, then that node's first position): ranks come mostly sorted, so a key holds
+  // a pair per node rather than an entry per rank.
   if (node_first_position_.empty()) node_first_position_.assign(num_nodes_, -1);
-  for (size_t k = 0; k < degree; ++k) {
-    int64_t& first = node_first_position_[node_of(placement.ranks[k])];
+  for (size_t k = 0; k < degree;) {
+    const int64_t node = node_of(placement.ranks[k]);
+    size_t end = k + 1;
+    while (end < degree && node_of(placement.ranks[end]) == node) ++end;
+    int64_t& first = node_first_position_[node];
     if (first < 0) first = static_cast<int64_t>(k);
+    wide_key_.push_back(static_cast<int64_t>(end - k));
     wide_key_.push_back(first);
+    k = end;
   }
   for (int64_t rank : placement.ranks) node_first_position_[node_of(rank)] = -1;
   const auto found = wide_shares_.find(wide_key_);
