@@ -544,7 +544,8 @@ class ZelligePlanner {
   bool try_move(Solution* s, int64_t busiest);
   bool try_swap(Solution* s, int64_t busiest);
   bool try_remould(Solution* s, int64_t busiest);
-  // The anchor slots of `busiest` that re-mould and relocation try (kSearchAnchors).
+  // The anchor slots of `busiest` that re-mould and relocation try (kSearchAnchors), one per
+  // group of alike anchors.
   const std::vector<int32_t>& searched_anchors(const Solution& s, int64_t busiest);
   bool try_promote(Solution* s, int64_t busiest);
   // zellige_moves.cc
@@ -590,6 +591,11 @@ class ZelligePlanner {
   // below `above_s`; once it reaches `above_s`, any value at or above it (callers keep a change
   // only when it is below their best).
   // `new_ranks` (optional): the ranks of `new_shares` by position, in place of their own.
+  // The time of `rank` alone once `old_shares` are traded for `new_shares` (on `new_ranks` by
+  // position), summed as price_change sums it: price_change is at least this.
+  double rank_time_after(const Solution& s, int64_t rank, const std::vector<RankShare>& old_shares,
+                         const std::vector<RankShare>& new_shares,
+                         const std::vector<int64_t>& new_ranks) const;
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
                       const std::vector<RankShare>& new_shares, double above_s,
                       const std::vector<int64_t>* new_ranks = nullptr);

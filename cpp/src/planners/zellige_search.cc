@@ -219,19 +219,60 @@ double ZelligePlanner::price_change(const Solution& s, const std::vector<RankSha
   return score_s;
 }
 
+double ZelligePlanner::rank_time_after(const Solution& s, int64_t rank,
+                                       const std::vector<RankShare>& old_shares,
+                                       const std::vector<RankShare>& new_shares,
+                                       const std::vector<int64_t>& new_ranks) const {
+  int64_t delta_tokens = 0;
+  double delta_other_s = 0;
+  for (const RankShare& share : old_shares) {
+    if (share.rank != rank) continue;
+    delta_tokens -= share.tokens;
+    delta_other_s += -1.0 * (share.attention_s + share.exchange_s);
+  }
+  for (size_t k = 0; k < new_shares.size(); ++k) {
+    if (new_ranks[k] != rank) continue;
+    delta_tokens += new_shares[k].tokens;
+    delta_other_s += new_shares[k].attention_s + new_shares[k].exchange_s;
+  }
+  return time_with(s, rank, delta_tokens, delta_other_s);
+}
+
 const std::vector<int32_t>& ZelligePlanner::searched_anchors(const Solution& s, int64_t busiest) {
   const std::vector<int32_t>& slots = s.rank_anchors[busiest];
-  if (slots.size() <= kSearchAnchors) return slots;
-  anchor_shares_s_.clear();
-  for (int32_t slot : slots) {
-    for (const RankShare& share : s.anchors[slot].shares) {
-      if (share.rank == busiest) anchor_shares_s_.push_back({-estimate_s(share), slot});
+  searched_slots_.clear();
+  if (slots.size() <= kSearchAnchors) {
+    searched_slots_.assign(slots.begin(), slots.end());
+  } else {
+    anchor_shares_s_.clear();
+    for (int32_t slot : slots) {
+      for (const RankShare& share : s.anchors[slot].shares) {
+        if (share.rank == busiest) anchor_shares_s_.push_back({-estimate_s(share), slot});
+      }
+    }
+    std::partial_sort(anchor_shares_s_.begin(), anchor_shares_s_.begin() + kSearchAnchors,
+                      anchor_shares_s_.end());
+    for (size_t k = 0; k < kSearchAnchors; ++k) {
+      searched_slots_.push_back(anchor_shares_s_[k].second);
     }
   }
-  std::partial_sort(anchor_shares_s_.begin(), anchor_shares_s_.begin() + kSearchAnchors,
-                    anchor_shares_s_.end());
-  searched_slots_.clear();
-  for (size_t k = 0; k < kSearchAnchors; ++k) searched_slots_.push_back(anchor_shares_s_[k].second);
+  // An anchor of the same lengths, shape and ranks as one before it prices every move alike, so
+  // it never beats that one (moves must be strictly better): tried once (many equal clips or
+  // images over the same ranks).
+  auto alike = [&](int32_t a, int32_t b) {
+    const AnchorPlacement& x = s.anchors[a];
+    const AnchorPlacement& y = s.anchors[b];
+    return shape_key_[x.sequence] == shape_key_[y.sequence] &&
+           x.shape.strategy == y.shape.strategy &&
+           x.shape.ulysses_degree == y.shape.ulysses_degree && x.ranks == y.ranks;
+  };
+  size_t kept = 0;
+  for (size_t k = 0; k < searched_slots_.size(); ++k) {
+    bool seen = false;
+    for (size_t j = 0; j < kept && !seen; ++j) seen = alike(searched_slots_[j], searched_slots_[k]);
+    if (!seen) searched_slots_[kept++] = searched_slots_[k];
+  }
+  searched_slots_.resize(kept);
   return searched_slots_;
 }
 
@@ -247,6 +288,9 @@ bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
     auto consider = [&](const Shape& shape, const std::vector<int64_t>& ranks) {
       const std::vector<RankShare>& shares =
           small_shares(sequence, to_placement(sequence.id, shape, ranks));
+      // The busiest rank first: most changes keep it at or above the best, and then no other
+      // rank needs pricing.
+      if (rank_time_after(*s, busiest, anchor.shares, shares, ranks) >= best_s) return;
       const double score_s = price_change(*s, anchor.shares, shares, best_s, &ranks);
       if (score_s < best_s) {
         best_s = score_s;
