@@ -175,17 +175,25 @@ EvaluationCache::Entry& CostModel::find_entry(const Sequence& sequence, const Pl
   // come mostly sorted, so the key holds a pair per node rather than an entry per rank.
   int64_t next_label = 0;
   const std::vector<int64_t>& ranks = placement.ranks;
-  for (size_t k = 0; k < ranks.size();) {
-    const int64_t node = cluster_.node_of(ranks[k]);
-    size_t end = k + 1;
-    while (end < ranks.size() && cluster_.node_of(ranks[end]) == node) ++end;
+  // One division per run, not per rank: a run extends while its ranks stay in the node's range.
+  const int64_t gpus_per_node = cluster_.gpus_per_node;
+  auto for_each_run = [&](auto&& visit) {
+    for (size_t k = 0; k < ranks.size();) {
+      const int64_t node = cluster_.node_of(ranks[k]);
+      const int64_t node_first = node * gpus_per_node, node_end = node_first + gpus_per_node;
+      size_t end = k + 1;
+      while (end < ranks.size() && ranks[end] >= node_first && ranks[end] < node_end) ++end;
+      visit(node, static_cast<int64_t>(end - k));
+      k = end;
+    }
+  };
+  for_each_run([&](int64_t node, int64_t length) {
     int64_t& label = labels[static_cast<size_t>(node)];
     if (label < 0) label = next_label++;
-    key.push_back(static_cast<int64_t>(end - k));
+    key.push_back(length);
     key.push_back(label);
-    k = end;
-  }
-  for (int64_t rank : ranks) labels[static_cast<size_t>(cluster_.node_of(rank))] = -1;
+  });
+  for_each_run([&](int64_t node, int64_t) { labels[static_cast<size_t>(node)] = -1; });
   auto [it, is_new] = cache.entries_.try_emplace(key);
   *inserted = is_new;
   return it->second;

@@ -261,11 +261,11 @@ bool ZelligePlanner::try_pair(Solution* s, int64_t busiest) {
       if (!choice_a.feasible || !choice_b.feasible) continue;
       const Sequence& seq_a = batch_.sequences[a.sequence];
       const Sequence& seq_b = batch_.sequences[b.sequence];
-      place_shares(small_shares(seq_a, to_placement(seq_a.id, choice_a.shape, candidate_ranks_)),
-                   candidate_ranks_, &pair_new_);
+      place_shares(small_shares(seq_a, choice_a.shape, candidate_ranks_), candidate_ranks_,
+                   &pair_new_);
       const size_t split = pair_new_.size();
       const std::vector<RankShare>& shares_b =
-          small_shares(seq_b, to_placement(seq_b.id, choice_b.shape, candidate_ranks_));
+          small_shares(seq_b, choice_b.shape, candidate_ranks_);
       pair_new_.insert(pair_new_.end(), shares_b.begin(), shares_b.end());
       for (size_t k = 0; k < shares_b.size(); ++k) pair_new_[split + k].rank = candidate_ranks_[k];
       pair_old_ = a.shares;

@@ -448,15 +448,17 @@ class ZelligePlanner {
   // cost_model_.shares, memoised by node pattern (wide_shares): local search prices the same
   // shapes over and over and keeps few of them, so not through the evaluation cache, whose
   // entries also price every attention call (what evaluate reads; degree^2 of them beyond a
-  // node). Position k is on placement.ranks[k]; the `rank` fields are not the placement's (a
-  // memo's shares, not copied). Valid until the next call.
-  const std::vector<RankShare>& small_shares(const Sequence& sequence,
-                                             const Placement& placement) {
-    return wide_shares(sequence, placement);
+  // node). Position k is on ranks[k]; the `rank` fields are not `ranks` (a memo's shares, not
+  // copied). Valid until the next call.
+  const std::vector<RankShare>& small_shares(const Sequence& sequence, const Shape& shape,
+                                             const std::vector<int64_t>& ranks) {
+    return wide_shares(sequence, shape, ranks);
   }
   // A wide placement's shares: those of the first placement priced with the same lengths, shape
-  // and node pattern (which positions share a node: all that shares read of the ranks).
-  const std::vector<RankShare>& wide_shares(const Sequence& sequence, const Placement& placement);
+  // and node pattern (which positions share a node: all that shares read of the ranks). The
+  // placement is built only when it must be priced.
+  const std::vector<RankShare>& wide_shares(const Sequence& sequence, const Shape& shape,
+                                            const std::vector<int64_t>& ranks);
   // `shares` (small_shares's) with their ranks set to `ranks`, into `out`.
   static void place_shares(const std::vector<RankShare>& shares, const std::vector<int64_t>& ranks,
                            std::vector<RankShare>* out) {
@@ -693,6 +695,7 @@ class ZelligePlanner {
   std::unordered_map<std::vector<int64_t>, std::vector<RankShare>, KeyHash> wide_shares_;
   int64_t wide_shares_held_ = 0;
   std::vector<int64_t> wide_key_, node_first_position_;  // node_first_position_: -1 between calls
+  std::vector<int64_t> key_nodes_;  // the nodes wide_shares set in node_first_position_
   // zellige_moves.cc's scratch and budget.
   std::vector<double> node_load_s_;
   std::vector<int64_t> window_nodes_, least_nodes_;

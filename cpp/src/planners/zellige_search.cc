@@ -19,32 +19,42 @@ namespace zellige::planners::zellige_detail {
 constexpr int64_t kWideSharesHeld = int64_t{1} << 22;
 
 const std::vector<RankShare>& ZelligePlanner::wide_shares(const Sequence& sequence,
-                                                          const Placement& placement) {
-  const size_t degree = placement.ranks.size();
+                                                          const Shape& shape,
+                                                          const std::vector<int64_t>& ranks) {
+  const size_t degree = ranks.size();
   wide_key_.assign({sequence.num_tokens, sequence.text_tokens,
-                    static_cast<int64_t>(placement.strategy), placement.ulysses_degree});
+                    static_cast<int64_t>(shape.strategy), shape.ulysses_degree});
   // Position k's node as the first position on that node: the same for rank sets whose
   // positions share nodes alike, whichever nodes they are. Kept run-length encoded (positions in
   // a row on one node, then that node's first position): ranks come mostly sorted, so a key holds
   // a pair per node rather than an entry per rank.
   if (node_first_position_.empty()) node_first_position_.assign(num_nodes_, -1);
+  // One division per run, not per rank: a run extends while its ranks stay in the node's range.
+  key_nodes_.clear();
   for (size_t k = 0; k < degree;) {
-    const int64_t node = node_of(placement.ranks[k]);
+    const int64_t node = node_of(ranks[k]);
+    const int64_t node_first = node * gpus_per_node_, node_end = node_first + gpus_per_node_;
     size_t end = k + 1;
-    while (end < degree && node_of(placement.ranks[end]) == node) ++end;
+    while (end < degree && ranks[end] >= node_first && ranks[end] < node_end) {
+      ++end;
+    }
     int64_t& first = node_first_position_[node];
-    if (first < 0) first = static_cast<int64_t>(k);
+    if (first < 0) {
+      first = static_cast<int64_t>(k);
+      key_nodes_.push_back(node);
+    }
     wide_key_.push_back(static_cast<int64_t>(end - k));
     wide_key_.push_back(first);
     k = end;
   }
-  for (int64_t rank : placement.ranks) node_first_position_[node_of(rank)] = -1;
+  for (int64_t node : key_nodes_) node_first_position_[node] = -1;
   const auto found = wide_shares_.find(wide_key_);
   if (found != wide_shares_.end()) {
     assert(found->second.size() == degree);
     return found->second;
   }
-  std::vector<RankShare> shares = cost_model_.shares(sequence, placement);
+  std::vector<RankShare> shares =
+      cost_model_.shares(sequence, to_placement(sequence.id, shape, ranks));
   if (wide_shares_held_ + static_cast<int64_t>(degree) <= kWideSharesHeld) {
     wide_shares_held_ += static_cast<int64_t>(degree);
     return wide_shares_.emplace(wide_key_, std::move(shares)).first->second;
@@ -286,8 +296,7 @@ bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
     const Sequence& sequence = batch_.sequences[anchor.sequence];
     const int64_t degree = anchor.shape.degree;
     auto consider = [&](const Shape& shape, const std::vector<int64_t>& ranks) {
-      const std::vector<RankShare>& shares =
-          small_shares(sequence, to_placement(sequence.id, shape, ranks));
+      const std::vector<RankShare>& shares = small_shares(sequence, shape, ranks);
       // The busiest rank first: most changes keep it at or above the best, and then no other
       // rank needs pricing.
       if (rank_time_after(*s, busiest, anchor.shares, shares, ranks) >= best_s) return;
@@ -393,8 +402,7 @@ bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
         candidate_ranks_.assign(low_ranks_.begin(), low_ranks_.begin() + others);
         if (keep_busiest) candidate_ranks_.push_back(busiest);
         sort_ranks(&candidate_ranks_);
-        const std::vector<RankShare>& shares =
-            small_shares(seq, to_placement(seq.id, shape, candidate_ranks_));
+        const std::vector<RankShare>& shares = small_shares(seq, shape, candidate_ranks_);
         const double score_s = price_change(*s, old_shares, shares, best_s, &candidate_ranks_);
         if (score_s < best_s) {
           best_s = score_s;
