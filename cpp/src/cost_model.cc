@@ -274,9 +274,8 @@ double CostModel::call_excess_per_head_s(double query_tokens, double key_tokens,
                                 head_backward_s(query_tokens, key_tokens));
 }
 
-double CostModel::call_excess_per_head_s(double query_tokens, double key_tokens,
-                                         double call_heads, double forward_s,
-                                         double backward_s) const {
+double CostModel::call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads,
+                                         double forward_s, double backward_s) const {
   if (call_log_lengths_.empty() || query_tokens <= 0 || key_tokens <= 0) return 0;
   const double log_length = std::log(std::sqrt(query_tokens * key_tokens));
   const double log_heads = std::log(call_heads);

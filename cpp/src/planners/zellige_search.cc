@@ -22,8 +22,8 @@ const std::vector<RankShare>& ZelligePlanner::wide_shares(const Sequence& sequen
                                                           const Shape& shape,
                                                           const std::vector<int64_t>& ranks) {
   const size_t degree = ranks.size();
-  wide_key_.assign({sequence.num_tokens, sequence.text_tokens,
-                    static_cast<int64_t>(shape.strategy), shape.ulysses_degree});
+  wide_key_.assign({sequence.num_tokens, sequence.text_tokens, static_cast<int64_t>(shape.strategy),
+                    shape.ulysses_degree});
   // Position k's node as the first position on that node: the same for rank sets whose
   // positions share nodes alike, whichever nodes they are. Kept run-length encoded (positions in
   // a row on one node, then that node's first position): ranks come mostly sorted, so a key holds
