@@ -245,13 +245,16 @@ double CostModel::text_projection_s(int64_t text_tokens) const {
 // lengths and held beyond them. Calls of more heads than measured run at the full-call rate.
 double CostModel::call_log_slowdown(const std::vector<LogTable>& tables, double length,
                                     double heads) const {
-  const double log_heads = std::log(heads);
+  return call_log_slowdown_at(tables, std::log(length), std::log(heads));
+}
+
+double CostModel::call_log_slowdown_at(const std::vector<LogTable>& tables, double log_length,
+                                       double log_heads) const {
   const auto at_length = [&](size_t i) {
     const LogTable& table = tables[i];
     const double log_h = std::clamp(log_heads, table.log_x.front(), table.log_x.back());
     return table.log_held(log_h) - log_h - (table.log_y.back() - table.log_x.back());
   };
-  const double log_length = std::log(length);
   if (log_length <= call_log_lengths_.front()) return at_length(0);
   if (log_length >= call_log_lengths_.back()) return at_length(call_log_lengths_.size() - 1);
   const size_t i = static_cast<size_t>(std::upper_bound(call_log_lengths_.begin(),
@@ -266,13 +269,21 @@ double CostModel::call_log_slowdown(const std::vector<LogTable>& tables, double 
 double CostModel::call_excess_per_head_s(double query_tokens, double key_tokens,
                                          double call_heads) const {
   if (call_log_lengths_.empty() || query_tokens <= 0 || key_tokens <= 0) return 0;
-  const double length = std::sqrt(query_tokens * key_tokens);
+  return call_excess_per_head_s(query_tokens, key_tokens, call_heads,
+                                head_forward_s(query_tokens, key_tokens),
+                                head_backward_s(query_tokens, key_tokens));
+}
+
+double CostModel::call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads,
+                                         double forward_s, double backward_s) const {
+  if (call_log_lengths_.empty() || query_tokens <= 0 || key_tokens <= 0) return 0;
+  const double log_length = std::log(std::sqrt(query_tokens * key_tokens));
+  const double log_heads = std::log(call_heads);
   const double forward_excess =
-      std::max(0.0, std::expm1(call_log_slowdown(call_forward_, length, call_heads)));
+      std::max(0.0, std::expm1(call_log_slowdown_at(call_forward_, log_length, log_heads)));
   const double backward_excess =
-      std::max(0.0, std::expm1(call_log_slowdown(call_backward_, length, call_heads)));
-  return head_forward_s(query_tokens, key_tokens) * forward_excess +
-         head_backward_s(query_tokens, key_tokens) * backward_excess;
+      std::max(0.0, std::expm1(call_log_slowdown_at(call_backward_, log_length, log_heads)));
+  return forward_s * forward_excess + backward_s * backward_excess;
 }
 
 // price_calls = false leaves out every call's excess (the lower bound's shapes).
@@ -298,9 +309,11 @@ CostModel::Shape CostModel::make_shape(int64_t unit_tokens, int64_t text_tokens,
       shape.backward_s[q][k] = head_backward_s(lq, lk);
       if (!price_calls) continue;
       const double heads = static_cast<double>(model_.num_heads / ulysses_degree);
-      shape.call_excess_s[0][q][k] = call_excess_per_head_s(lq, lk, heads);
+      const double forward_s = shape.forward_s[q][k], backward_s = shape.backward_s[q][k];
+      shape.call_excess_s[0][q][k] = call_excess_per_head_s(lq, lk, heads, forward_s, backward_s);
       if (model_.num_heads % ulysses_degree != 0) {  // some ranks hold one head more
-        shape.call_excess_s[1][q][k] = call_excess_per_head_s(lq, lk, heads + 1);
+        shape.call_excess_s[1][q][k] =
+            call_excess_per_head_s(lq, lk, heads + 1, forward_s, backward_s);
       }
     }
   }
@@ -340,9 +353,12 @@ CostModel::RankTerms CostModel::rank_terms(const Shape& shape, int block_class,
                 shape.call_excess_s[head_class][block_class][c]);
   }
   if (cross) {
+    const double forward_s = head_forward_s(n, text), backward_s = head_backward_s(n, text);
     const double cross_s =
-        all_heads * (head_forward_s(n, text) + head_backward_s(n, text) +
-                     (shape.price_calls ? call_excess_per_head_s(n, text, all_heads) : 0.0));
+        all_heads *
+        (forward_s + backward_s +
+         (shape.price_calls ? call_excess_per_head_s(n, text, all_heads, forward_s, backward_s)
+                            : 0.0));
     // The lower bound's shapes (no call prices) take off the most the cross-attention table's
     // streams can save (evaluate prices the actual saving per rank).
     layer_s += (shape.price_calls ? cross_s : (1.0 - stream_gain_bound_) * cross_s) +

@@ -139,7 +139,7 @@ namespace {
 constexpr int64_t kOwnTag = std::numeric_limits<int64_t>::min();
 }  // namespace
 
-// Key: lengths, degrees, then each rank's node renumbered by first appearance (shares depend on
+// Key: lengths, degrees, then the ranks' nodes renumbered by first appearance (shares depend on
 // the ranks only through which of them share a node).
 EvaluationCache::Entry& CostModel::cached_terms(const Sequence& sequence,
                                                 const Placement& placement,
@@ -171,13 +171,29 @@ EvaluationCache::Entry& CostModel::find_entry(const Sequence& sequence, const Pl
   if (labels.size() < static_cast<size_t>(cluster_.num_nodes)) {
     labels.assign(static_cast<size_t>(cluster_.num_nodes), -1);
   }
+  // Run-length encoded (positions in a row on one node, then its label): a placement's ranks
+  // come mostly sorted, so the key holds a pair per node rather than an entry per rank.
   int64_t next_label = 0;
-  for (int64_t rank : placement.ranks) {
-    int64_t& label = labels[static_cast<size_t>(cluster_.node_of(rank))];
+  const std::vector<int64_t>& ranks = placement.ranks;
+  // One division per run, not per rank: a run extends while its ranks stay in the node's range.
+  const int64_t gpus_per_node = cluster_.gpus_per_node;
+  auto for_each_run = [&](auto&& visit) {
+    for (size_t k = 0; k < ranks.size();) {
+      const int64_t node = cluster_.node_of(ranks[k]);
+      const int64_t node_first = node * gpus_per_node, node_end = node_first + gpus_per_node;
+      size_t end = k + 1;
+      while (end < ranks.size() && ranks[end] >= node_first && ranks[end] < node_end) ++end;
+      visit(node, static_cast<int64_t>(end - k));
+      k = end;
+    }
+  };
+  for_each_run([&](int64_t node, int64_t length) {
+    int64_t& label = labels[static_cast<size_t>(node)];
     if (label < 0) label = next_label++;
+    key.push_back(length);
     key.push_back(label);
-  }
-  for (int64_t rank : placement.ranks) labels[static_cast<size_t>(cluster_.node_of(rank))] = -1;
+  });
+  for_each_run([&](int64_t node, int64_t) { labels[static_cast<size_t>(node)] = -1; });
   auto [it, is_new] = cache.entries_.try_emplace(key);
   *inserted = is_new;
   return it->second;
@@ -437,6 +453,8 @@ std::pair<int64_t, int64_t> CostModel::rank_checkpointing(double activation_byte
   // The first count in [first, last) whose peak fits, else `last`. A peak that cannot grow
   // with the count (each layer it covers keeps no more bytes) is bisected, else scanned.
   const auto fewest_fitting = [&](int64_t first, int64_t last, bool monotone, auto&& peak_of) {
+    // Most ranks fit at the first count: one peak, not a bisection's.
+    if (first < last && peak_of(first) <= capacity_bytes) return first;
     if (!monotone) {
       for (int64_t count = first; count < last; ++count) {
         if (peak_of(count) <= capacity_bytes) return count;

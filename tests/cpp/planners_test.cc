@@ -268,6 +268,44 @@ TEST(PlannersMemory, TightMemoryIsHonouredOrRefused) {
   EXPECT_GT(num_refusals, 0);  // local-only planners cannot hold the longest video at 0.6x
 }
 
+// zellige builds static-cp:1 as dp-cost (the same greedy on groups of one rank): their placements
+// must stay equal, refusals included.
+TEST(PlannersMemory, StaticCpOfOneIsDpCost) {
+  const CostModel probe = make_cost_model("mmdit-11b", 8, 8);
+  for (int64_t seed = 0; seed < 4; ++seed) {
+    const Batch batch = generate_batch(bucket_recipe(), 8, seed);
+    double longest_bytes = 0;
+    for (const Sequence& sequence : batch.sequences) {
+      longest_bytes = std::max(longest_bytes, local_memory_bytes(probe, sequence));
+    }
+    for (double fraction : {4.0, 1.05, 0.6}) {
+      const CostModel cost_model =
+          make_cost_model("mmdit-11b", 8, 8, memory_for_room(probe, longest_bytes * fraction));
+      const std::string context =
+          "seed " + std::to_string(seed) + ", room for " + std::to_string(fraction) + "x";
+      Plan dp_cost, static_cp;
+      bool dp_cost_refused = false, static_cp_refused = false;
+      try {
+        dp_cost = make_plan("dp-cost", batch, cost_model);
+      } catch (const PlanMemoryError&) {
+        dp_cost_refused = true;
+      }
+      try {
+        static_cp = make_plan("static-cp:1", batch, cost_model);
+      } catch (const PlanMemoryError&) {
+        static_cp_refused = true;
+      }
+      ASSERT_EQ(dp_cost_refused, static_cp_refused) << context;
+      ASSERT_EQ(dp_cost.placements.size(), static_cp.placements.size()) << context;
+      for (size_t i = 0; i < dp_cost.placements.size(); ++i) {
+        EXPECT_EQ(dp_cost.placements[i].sequence_id, static_cp.placements[i].sequence_id);
+        EXPECT_EQ(dp_cost.placements[i].strategy, static_cp.placements[i].strategy) << context;
+        EXPECT_EQ(dp_cost.placements[i].ranks, static_cp.placements[i].ranks) << context;
+      }
+    }
+  }
+}
+
 TEST(PlannersMemory, DpCostSkipsTheLeastLoadedRankWhenItIsFull) {
   // One long video, one medium video and many images on 2 ranks of a small model (FSDP state leaves
   // room): balancing time (attention is quadratic) piles the images' tokens onto the medium video's

@@ -396,6 +396,9 @@ class CostModel {
   // Forward + backward seconds per head and layer that a call of `call_heads`
   // heads costs beyond the full-call rate; never negative, 0 without call tables.
   double call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads) const;
+  // The same with head_forward_s and head_backward_s of (query_tokens, key_tokens) given.
+  double call_excess_per_head_s(double query_tokens, double key_tokens, double call_heads,
+                                double forward_s, double backward_s) const;
   friend struct LowerBoundSearch;  // makespan_lower_bound's candidate search (lower_bound.cc)
 
   // A profile table in log space: a lookup costs one log and one exp (planners' hot path).
@@ -447,6 +450,9 @@ class CostModel {
   std::vector<double> call_log_lengths_;
   std::vector<LogTable> call_forward_, call_backward_;
   double call_log_slowdown(const std::vector<LogTable>& tables, double length, double heads) const;
+  // The same from log(length) and log(heads).
+  double call_log_slowdown_at(const std::vector<LogTable>& tables, double log_length,
+                              double log_heads) const;
 };
 
 // A lower bound on the makespan of ANY placement of the batch under this cost model:

@@ -197,6 +197,9 @@ Plan ZelligePlanner::run() {
   const double skip_above_s = std::max(sweep_s, best_s * (1 + kMemoryTieBreak));
   std::vector<Seed> seeds;
   int64_t skipped = 0;
+  // dp-cost's index in seeds once built, kNoPlan where it ran out of memory.
+  constexpr size_t kNoSeed = SIZE_MAX, kNoPlan = SIZE_MAX - 1;
+  size_t dp_cost_seed = kNoSeed;
   const std::vector<std::string> baselines =
       at_lower_bound ? std::vector<std::string>{} : covered_baselines(batch_, cost_model_);
   for (const std::string& name : baselines) {
@@ -241,13 +244,27 @@ Plan ZelligePlanner::run() {
       seeds.push_back(std::move(seed));
       continue;
     }
+    // static-cp:1 is dp-cost (whole sequences, longest first onto the least-loaded rank, ranks
+    // starting at time 0): the same placements, built once.
+    if (name == "static-cp:1" && dp_cost_seed != kNoSeed) {
+      if (dp_cost_seed == kNoPlan) continue;  // out of memory, as dp-cost
+      const Seed& twin = seeds[dp_cost_seed];
+      seed.plan = twin.plan;
+      seed.plan.planner = name;
+      seed.floor_s = twin.floor_s;
+      seed.recompute_floor_s = twin.recompute_floor_s;
+      seeds.push_back(std::move(seed));
+      continue;
+    }
     try {
       seed.plan = planners::run_policy(name, batch_, cost_model_, options_, &cache_);
     } catch (const PlanMemoryError&) {
+      if (name == "dp-cost") dp_cost_seed = kNoPlan;
       continue;  // the baseline has no plan within memory: nothing to be worse than
     }
     seed.floor_s =
         cost_model_.makespan_floor(batch_, seed.plan, cache_, &seed.recompute_floor_s);
+    if (name == "dp-cost") dp_cost_seed = seeds.size();
     seeds.push_back(std::move(seed));
   }
   std::stable_sort(seeds.begin(), seeds.end(),

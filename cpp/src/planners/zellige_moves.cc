@@ -63,14 +63,38 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
   for (int32_t slot : searched_anchors(*s, busiest)) {
     const AnchorPlacement& anchor = s->anchors[slot];
     window_nodes(least_nodes_, anchor, &window_nodes_);
+    int64_t unit_tokens = 0;  // the shares' tokens, whatever the shape
+    for (const RankShare& share : anchor.shares) unit_tokens += share.tokens;
     prepare_relocation(*s, anchor);
     const int64_t max_degree =
         std::min(num_ranks_, std::max(2 * anchor.shape.degree, 2 * gpus_per_node_));
     for (int64_t degree = 2; degree <= max_degree;
          degree = next_window_degree(degree, gpus_per_node_)) {
+      // Every aligned window of `degree` ranks on the window nodes, by its first rank.
+      auto for_each_window = [&](auto&& visit) {
+        for (int64_t node : window_nodes_) {
+          const int64_t node_first = node * gpus_per_node_;
+          if (degree <= gpus_per_node_) {
+            for (int64_t offset = 0; offset + degree <= gpus_per_node_; offset += degree) {
+              visit(node_first + offset);
+            }
+            if (gpus_per_node_ % degree != 0) visit(node_first + gpus_per_node_ - degree);
+          } else if (node_first + degree <= num_ranks_) {
+            visit(node_first);
+          }
+        }
+      };
+      // Where no window's floor is below the best so far, none can win: the degree's shapes are
+      // not priced (shape_at prices every shape of a degree, most of relocation's cost).
+      bool open = false;
+      for_each_window([&](int64_t first_rank) {
+        open = open || relocation_floor(*s, anchor, unit_tokens / degree, first_rank, degree,
+                                        best_s) < best_s;
+      });
+      if (!open) continue;
       const ShapeChoice& choice = shape_at(anchor.sequence, degree);
       if (!choice.feasible) continue;
-      auto consider = [&](int64_t first_rank) {
+      for_each_window([&](int64_t first_rank) {
         if (choice.shape.strategy == anchor.shape.strategy &&
             choice.shape.ulysses_degree == anchor.shape.ulysses_degree &&
             static_cast<int64_t>(anchor.ranks.size()) == degree) {
@@ -90,18 +114,7 @@ bool ZelligePlanner::try_relocate(Solution* s, int64_t busiest) {
             best_shares_[k].rank = first_rank + k;
           }
         }
-      };
-      for (int64_t node : window_nodes_) {
-        const int64_t node_first = node * gpus_per_node_;
-        if (degree <= gpus_per_node_) {
-          for (int64_t offset = 0; offset + degree <= gpus_per_node_; offset += degree) {
-            consider(node_first + offset);
-          }
-          if (gpus_per_node_ % degree != 0) consider(node_first + gpus_per_node_ - degree);
-        } else if (node_first + degree <= num_ranks_) {
-          consider(node_first);
-        }
-      }
+      });
     }
     finish_relocation(anchor);
   }
@@ -142,6 +155,15 @@ void ZelligePlanner::prepare_relocation(const Solution& s, const AnchorPlacement
 void ZelligePlanner::finish_relocation(const AnchorPlacement& anchor) {
   for (const RankShare& share : anchor.shares) old_position_[share.rank] = -1;
 }
+double ZelligePlanner::vacated_outside_s(int64_t first_rank, int64_t end_rank) const {
+  const auto below = std::lower_bound(vacated_s_.begin(), vacated_s_.end(),
+                                      std::pair<int64_t, double>{first_rank, -kInf});
+  const auto above = std::lower_bound(vacated_s_.begin(), vacated_s_.end(),
+                                      std::pair<int64_t, double>{end_rank, -kInf});
+  return std::max(vacated_prefix_max_s_[below - vacated_s_.begin()],
+                  vacated_suffix_max_s_[above - vacated_s_.begin()]);
+}
+
 
 double ZelligePlanner::relocation_price(const Solution& s, const AnchorPlacement& anchor,
                                         const std::vector<RankShare>& new_shares,
@@ -149,12 +171,7 @@ double ZelligePlanner::relocation_price(const Solution& s, const AnchorPlacement
   // The anchor's ranks outside the window only lose its share: the most loaded of them, from
   // the maxima left and right of the window (ranks by id).
   const int64_t end_rank = first_rank + static_cast<int64_t>(new_shares.size());
-  const auto below = std::lower_bound(vacated_s_.begin(), vacated_s_.end(),
-                                      std::pair<int64_t, double>{first_rank, -kInf});
-  const auto above = std::lower_bound(vacated_s_.begin(), vacated_s_.end(),
-                                      std::pair<int64_t, double>{end_rank, -kInf});
-  double score_s = std::max(vacated_prefix_max_s_[below - vacated_s_.begin()],
-                            vacated_suffix_max_s_[above - vacated_s_.begin()]);
+  double score_s = vacated_outside_s(first_rank, end_rank);
   for (size_t k = 0; k < new_shares.size(); ++k) {
     if (score_s >= above_s) return score_s;
     const RankShare& share = new_shares[k];
@@ -176,6 +193,27 @@ double ZelligePlanner::relocation_price(const Solution& s, const AnchorPlacement
   }
   return score_s;
 }
+double ZelligePlanner::relocation_floor(const Solution& s, const AnchorPlacement& anchor,
+                                        int64_t share_tokens, int64_t first_rank, int64_t degree,
+                                        double above_s) const {
+  double score_s = vacated_outside_s(first_rank, first_rank + degree);
+  for (int64_t k = 0; k < degree; ++k) {
+    if (score_s >= above_s) return score_s;
+    const int64_t rank = first_rank + k;
+    const int32_t position = old_position_[rank];
+    int64_t delta_tokens = 0;
+    double delta_other_s = 0;
+    if (position >= 0) {
+      const RankShare& old = anchor.shares[position];
+      delta_tokens -= old.tokens;
+      delta_other_s += -1.0 * (old.attention_s + old.exchange_s);
+    }
+    delta_tokens += share_tokens;
+    score_s = std::max(score_s, time_with(s, rank, delta_tokens, delta_other_s));
+  }
+  return score_s;
+}
+
 
 // An anchor of the busiest rank and another anchor, both put on the union of their rank sets in
 // the best shape of that degree (what KnapFormer's bags do for a few huge sequences: the two share
@@ -192,18 +230,23 @@ bool ZelligePlanner::try_pair(Solution* s, int64_t busiest) {
     for (int64_t rank : a.ranks) member_[rank] = 1;
     least_loaded(*s, kRemouldPartners, &member_, &low_ranks_);
     for (int64_t rank : a.ranks) member_[rank] = 0;
-    for (int64_t rank : low_ranks_) {
-      for (int32_t slot : s->rank_anchors[rank]) partner_slots_.push_back(slot);
-    }
-    for (int64_t rank : a.ranks) {
+    // The kPairPartners lowest distinct slots: anchors over many ranks list each partner once
+    // per shared rank, so duplicates are marked off rather than sorted away.
+    slot_seen_.resize(s->anchors.size(), 0);
+    slot_seen_[first] = 1;
+    auto add_partners = [&](int64_t rank) {
       for (int32_t slot : s->rank_anchors[rank]) {
-        if (slot != first) partner_slots_.push_back(slot);
+        if (slot_seen_[slot] == 0) partner_slots_.push_back(slot);
+        slot_seen_[slot] = 1;
       }
-    }
-    std::sort(partner_slots_.begin(), partner_slots_.end());
-    partner_slots_.erase(std::unique(partner_slots_.begin(), partner_slots_.end()),
-                         partner_slots_.end());
-    if (partner_slots_.size() > kPairPartners) partner_slots_.resize(kPairPartners);
+    };
+    for (int64_t rank : low_ranks_) add_partners(rank);
+    for (int64_t rank : a.ranks) add_partners(rank);
+    slot_seen_[first] = 0;
+    for (int32_t slot : partner_slots_) slot_seen_[slot] = 0;
+    const size_t kept = std::min(partner_slots_.size(), kPairPartners);
+    std::partial_sort(partner_slots_.begin(), partner_slots_.begin() + kept, partner_slots_.end());
+    partner_slots_.resize(kept);
     for (int32_t second : partner_slots_) {
       const AnchorPlacement& b = s->anchors[second];
       candidate_ranks_ = a.ranks;
@@ -218,11 +261,11 @@ bool ZelligePlanner::try_pair(Solution* s, int64_t busiest) {
       if (!choice_a.feasible || !choice_b.feasible) continue;
       const Sequence& seq_a = batch_.sequences[a.sequence];
       const Sequence& seq_b = batch_.sequences[b.sequence];
-      place_shares(small_shares(seq_a, to_placement(seq_a.id, choice_a.shape, candidate_ranks_)),
-                   candidate_ranks_, &pair_new_);
+      place_shares(small_shares(seq_a, choice_a.shape, candidate_ranks_), candidate_ranks_,
+                   &pair_new_);
       const size_t split = pair_new_.size();
       const std::vector<RankShare>& shares_b =
-          small_shares(seq_b, to_placement(seq_b.id, choice_b.shape, candidate_ranks_));
+          small_shares(seq_b, choice_b.shape, candidate_ranks_);
       pair_new_.insert(pair_new_.end(), shares_b.begin(), shares_b.end());
       for (size_t k = 0; k < shares_b.size(); ++k) pair_new_[split + k].rank = candidate_ranks_[k];
       pair_old_ = a.shares;

@@ -448,15 +448,17 @@ class ZelligePlanner {
   // cost_model_.shares, memoised by node pattern (wide_shares): local search prices the same
   // shapes over and over and keeps few of them, so not through the evaluation cache, whose
   // entries also price every attention call (what evaluate reads; degree^2 of them beyond a
-  // node). Position k is on placement.ranks[k]; the `rank` fields are not the placement's (a
-  // memo's shares, not copied). Valid until the next call.
-  const std::vector<RankShare>& small_shares(const Sequence& sequence,
-                                             const Placement& placement) {
-    return wide_shares(sequence, placement);
+  // node). Position k is on ranks[k]; the `rank` fields are not `ranks` (a memo's shares, not
+  // copied). Valid until the next call.
+  const std::vector<RankShare>& small_shares(const Sequence& sequence, const Shape& shape,
+                                             const std::vector<int64_t>& ranks) {
+    return wide_shares(sequence, shape, ranks);
   }
   // A wide placement's shares: those of the first placement priced with the same lengths, shape
-  // and node pattern (which positions share a node: all that shares read of the ranks).
-  const std::vector<RankShare>& wide_shares(const Sequence& sequence, const Placement& placement);
+  // and node pattern (which positions share a node: all that shares read of the ranks). The
+  // placement is built only when it must be priced.
+  const std::vector<RankShare>& wide_shares(const Sequence& sequence, const Shape& shape,
+                                            const std::vector<int64_t>& ranks);
   // `shares` (small_shares's) with their ranks set to `ranks`, into `out`.
   static void place_shares(const std::vector<RankShare>& shares, const std::vector<int64_t>& ranks,
                            std::vector<RankShare>* out) {
@@ -544,7 +546,8 @@ class ZelligePlanner {
   bool try_move(Solution* s, int64_t busiest);
   bool try_swap(Solution* s, int64_t busiest);
   bool try_remould(Solution* s, int64_t busiest);
-  // The anchor slots of `busiest` that re-mould and relocation try (kSearchAnchors).
+  // The anchor slots of `busiest` that re-mould and relocation try (kSearchAnchors), one per
+  // group of alike anchors.
   const std::vector<int32_t>& searched_anchors(const Solution& s, int64_t busiest);
   bool try_promote(Solution* s, int64_t busiest);
   // zellige_moves.cc
@@ -590,6 +593,11 @@ class ZelligePlanner {
   // below `above_s`; once it reaches `above_s`, any value at or above it (callers keep a change
   // only when it is below their best).
   // `new_ranks` (optional): the ranks of `new_shares` by position, in place of their own.
+  // The time of `rank` alone once `old_shares` are traded for `new_shares` (on `new_ranks` by
+  // position), summed as price_change sums it: price_change is at least this.
+  double rank_time_after(const Solution& s, int64_t rank, const std::vector<RankShare>& old_shares,
+                         const std::vector<RankShare>& new_shares,
+                         const std::vector<int64_t>& new_ranks) const;
   double price_change(const Solution& s, const std::vector<RankShare>& old_shares,
                       const std::vector<RankShare>& new_shares, double above_s,
                       const std::vector<int64_t>* new_ranks = nullptr);
@@ -674,8 +682,9 @@ class ZelligePlanner {
   std::vector<int64_t> delta_tokens_;
   std::vector<double> delta_other_s_, delta_memory_bytes_;
   std::vector<RankShare> best_shares_, shares_scratch_;
-  // wide_shares's memo: key (tokens, text tokens, strategy, Ulysses degree, then per position
-  // its node's first position), and how many shares it holds (bounded).
+  // wide_shares's memo: key (tokens, text tokens, strategy, Ulysses degree, then per run of
+  // positions on one node its length and its node's first position), and how many shares it
+  // holds (bounded).
   struct KeyHash {
     size_t operator()(const std::vector<int64_t>& key) const {
       uint64_t hash = 0xcbf29ce484222325ull;
@@ -686,10 +695,12 @@ class ZelligePlanner {
   std::unordered_map<std::vector<int64_t>, std::vector<RankShare>, KeyHash> wide_shares_;
   int64_t wide_shares_held_ = 0;
   std::vector<int64_t> wide_key_, node_first_position_;  // node_first_position_: -1 between calls
+  std::vector<int64_t> key_nodes_;  // the nodes wide_shares set in node_first_position_
   // zellige_moves.cc's scratch and budget.
   std::vector<double> node_load_s_;
   std::vector<int64_t> window_nodes_, least_nodes_;
   std::vector<int32_t> partner_slots_;
+  std::vector<char> slot_seen_;  // try_pair's, per anchor slot: all 0 between calls
   // try_relocate's pricing of one anchor's windows (relocation_price): per rank, the position of
   // its share in the anchor (-1: none); the anchor's ranks by id with their time without it, and
   // the running maxima of those times from the left and from the right.
@@ -705,6 +716,13 @@ class ZelligePlanner {
   double relocation_price(const Solution& s, const AnchorPlacement& anchor,
                           const std::vector<RankShare>& new_shares, int64_t first_rank,
                           double above_s);
+  // A floor of relocation_price for any shares of `degree` ranks that each hold at least
+  // `share_tokens` tokens (every shape's least share holds unit_tokens / degree): those tokens
+  // and no attention on the window's ranks (the per-token layers' time grows with the tokens).
+  double relocation_floor(const Solution& s, const AnchorPlacement& anchor, int64_t share_tokens,
+                          int64_t first_rank, int64_t degree, double above_s) const;
+  // The most loaded of the anchor's ranks outside [first_rank, end_rank) without its share.
+  double vacated_outside_s(int64_t first_rank, int64_t end_rank) const;
   std::vector<RankShare> candidate_shares_, pair_old_, pair_new_, best_pair_shares_;
   int64_t relocations_left_ = 0;
   std::vector<int32_t> bag_items_;

@@ -19,25 +19,42 @@ namespace zellige::planners::zellige_detail {
 constexpr int64_t kWideSharesHeld = int64_t{1} << 22;
 
 const std::vector<RankShare>& ZelligePlanner::wide_shares(const Sequence& sequence,
-                                                          const Placement& placement) {
-  const size_t degree = placement.ranks.size();
-  wide_key_.assign({sequence.num_tokens, sequence.text_tokens,
-                    static_cast<int64_t>(placement.strategy), placement.ulysses_degree});
+                                                          const Shape& shape,
+                                                          const std::vector<int64_t>& ranks) {
+  const size_t degree = ranks.size();
+  wide_key_.assign({sequence.num_tokens, sequence.text_tokens, static_cast<int64_t>(shape.strategy),
+                    shape.ulysses_degree});
   // Position k's node as the first position on that node: the same for rank sets whose
-  // positions share nodes alike, whichever nodes they are.
+  // positions share nodes alike, whichever nodes they are. Kept run-length encoded (positions in
+  // a row on one node, then that node's first position): ranks come mostly sorted, so a key holds
+  // a pair per node rather than an entry per rank.
   if (node_first_position_.empty()) node_first_position_.assign(num_nodes_, -1);
-  for (size_t k = 0; k < degree; ++k) {
-    int64_t& first = node_first_position_[node_of(placement.ranks[k])];
-    if (first < 0) first = static_cast<int64_t>(k);
+  // One division per run, not per rank: a run extends while its ranks stay in the node's range.
+  key_nodes_.clear();
+  for (size_t k = 0; k < degree;) {
+    const int64_t node = node_of(ranks[k]);
+    const int64_t node_first = node * gpus_per_node_, node_end = node_first + gpus_per_node_;
+    size_t end = k + 1;
+    while (end < degree && ranks[end] >= node_first && ranks[end] < node_end) {
+      ++end;
+    }
+    int64_t& first = node_first_position_[node];
+    if (first < 0) {
+      first = static_cast<int64_t>(k);
+      key_nodes_.push_back(node);
+    }
+    wide_key_.push_back(static_cast<int64_t>(end - k));
     wide_key_.push_back(first);
+    k = end;
   }
-  for (int64_t rank : placement.ranks) node_first_position_[node_of(rank)] = -1;
+  for (int64_t node : key_nodes_) node_first_position_[node] = -1;
   const auto found = wide_shares_.find(wide_key_);
   if (found != wide_shares_.end()) {
     assert(found->second.size() == degree);
     return found->second;
   }
-  std::vector<RankShare> shares = cost_model_.shares(sequence, placement);
+  std::vector<RankShare> shares =
+      cost_model_.shares(sequence, to_placement(sequence.id, shape, ranks));
   if (wide_shares_held_ + static_cast<int64_t>(degree) <= kWideSharesHeld) {
     wide_shares_held_ += static_cast<int64_t>(degree);
     return wide_shares_.emplace(wide_key_, std::move(shares)).first->second;
@@ -212,19 +229,60 @@ double ZelligePlanner::price_change(const Solution& s, const std::vector<RankSha
   return score_s;
 }
 
+double ZelligePlanner::rank_time_after(const Solution& s, int64_t rank,
+                                       const std::vector<RankShare>& old_shares,
+                                       const std::vector<RankShare>& new_shares,
+                                       const std::vector<int64_t>& new_ranks) const {
+  int64_t delta_tokens = 0;
+  double delta_other_s = 0;
+  for (const RankShare& share : old_shares) {
+    if (share.rank != rank) continue;
+    delta_tokens -= share.tokens;
+    delta_other_s += -1.0 * (share.attention_s + share.exchange_s);
+  }
+  for (size_t k = 0; k < new_shares.size(); ++k) {
+    if (new_ranks[k] != rank) continue;
+    delta_tokens += new_shares[k].tokens;
+    delta_other_s += new_shares[k].attention_s + new_shares[k].exchange_s;
+  }
+  return time_with(s, rank, delta_tokens, delta_other_s);
+}
+
 const std::vector<int32_t>& ZelligePlanner::searched_anchors(const Solution& s, int64_t busiest) {
   const std::vector<int32_t>& slots = s.rank_anchors[busiest];
-  if (slots.size() <= kSearchAnchors) return slots;
-  anchor_shares_s_.clear();
-  for (int32_t slot : slots) {
-    for (const RankShare& share : s.anchors[slot].shares) {
-      if (share.rank == busiest) anchor_shares_s_.push_back({-estimate_s(share), slot});
+  searched_slots_.clear();
+  if (slots.size() <= kSearchAnchors) {
+    searched_slots_.assign(slots.begin(), slots.end());
+  } else {
+    anchor_shares_s_.clear();
+    for (int32_t slot : slots) {
+      for (const RankShare& share : s.anchors[slot].shares) {
+        if (share.rank == busiest) anchor_shares_s_.push_back({-estimate_s(share), slot});
+      }
+    }
+    std::partial_sort(anchor_shares_s_.begin(), anchor_shares_s_.begin() + kSearchAnchors,
+                      anchor_shares_s_.end());
+    for (size_t k = 0; k < kSearchAnchors; ++k) {
+      searched_slots_.push_back(anchor_shares_s_[k].second);
     }
   }
-  std::partial_sort(anchor_shares_s_.begin(), anchor_shares_s_.begin() + kSearchAnchors,
-                    anchor_shares_s_.end());
-  searched_slots_.clear();
-  for (size_t k = 0; k < kSearchAnchors; ++k) searched_slots_.push_back(anchor_shares_s_[k].second);
+  // An anchor of the same lengths, shape and ranks as one before it prices every move alike, so
+  // it never beats that one (moves must be strictly better): tried once (many equal clips or
+  // images over the same ranks).
+  auto alike = [&](int32_t a, int32_t b) {
+    const AnchorPlacement& x = s.anchors[a];
+    const AnchorPlacement& y = s.anchors[b];
+    return shape_key_[x.sequence] == shape_key_[y.sequence] &&
+           x.shape.strategy == y.shape.strategy &&
+           x.shape.ulysses_degree == y.shape.ulysses_degree && x.ranks == y.ranks;
+  };
+  size_t kept = 0;
+  for (size_t k = 0; k < searched_slots_.size(); ++k) {
+    bool seen = false;
+    for (size_t j = 0; j < kept && !seen; ++j) seen = alike(searched_slots_[j], searched_slots_[k]);
+    if (!seen) searched_slots_[kept++] = searched_slots_[k];
+  }
+  searched_slots_.resize(kept);
   return searched_slots_;
 }
 
@@ -238,8 +296,10 @@ bool ZelligePlanner::try_remould(Solution* s, int64_t busiest) {
     const Sequence& sequence = batch_.sequences[anchor.sequence];
     const int64_t degree = anchor.shape.degree;
     auto consider = [&](const Shape& shape, const std::vector<int64_t>& ranks) {
-      const std::vector<RankShare>& shares =
-          small_shares(sequence, to_placement(sequence.id, shape, ranks));
+      const std::vector<RankShare>& shares = small_shares(sequence, shape, ranks);
+      // The busiest rank first: most changes keep it at or above the best, and then no other
+      // rank needs pricing.
+      if (rank_time_after(*s, busiest, anchor.shares, shares, ranks) >= best_s) return;
       const double score_s = price_change(*s, anchor.shares, shares, best_s, &ranks);
       if (score_s < best_s) {
         best_s = score_s;
@@ -342,8 +402,7 @@ bool ZelligePlanner::try_promote(Solution* s, int64_t busiest) {
         candidate_ranks_.assign(low_ranks_.begin(), low_ranks_.begin() + others);
         if (keep_busiest) candidate_ranks_.push_back(busiest);
         sort_ranks(&candidate_ranks_);
-        const std::vector<RankShare>& shares =
-            small_shares(seq, to_placement(seq.id, shape, candidate_ranks_));
+        const std::vector<RankShare>& shares = small_shares(seq, shape, candidate_ranks_);
         const double score_s = price_change(*s, old_shares, shares, best_s, &candidate_ranks_);
         if (score_s < best_s) {
           best_s = score_s;
