@@ -52,6 +52,7 @@ using Cut = std::vector<std::vector<int64_t>>;  // micro-batches of indices into
 struct SequenceCost {
   double memory_bytes = 0;
   double work_s = 0;
+  double tokens = 0;  // its shares' tokens, the same under every placement
 };
 
 // Sequences of equal lengths cost the same under every placement (routing from the loader rank
@@ -71,8 +72,10 @@ std::vector<SequenceCost> sequence_costs(const Batch& batch, const CostModel& co
     if (is_new) {
       const Placement local = make_placement(sequence.id, Strategy::kLocal, {0});
       const std::vector<RankShare> shares = cost_model.shares(sequence, local);
+      double tokens = 0;
+      for (const RankShare& share : shares) tokens += static_cast<double>(share.tokens);
       it->second = {planners::placement_memory_bytes(shares),
-                    planners::placement_time_s(cost_model, shares)};
+                    planners::placement_time_s(cost_model, shares), tokens};
     }
     costs.push_back(it->second);
   }
@@ -180,6 +183,18 @@ double step_time_s(const GlobalPlan& plan, double overhead_s) {
     total_s += micro_batch.plan.predicted.makespan_s + overhead_s;
   }
   return total_s;
+}
+
+// A lower bound on the makespan of `part` under any placement, from its per-token layers alone:
+// every rank runs them on the tokens it holds at no less than min_floor_time_per_token_s each
+// (makespan_floor's rate, at most what evaluate charges), and the shares of a sequence hold its
+// tokens whatever the shape. O(sequences), so it can bound every micro-batch of every cut; tight
+// where attention is small beside the per-token layers (many short sequences).
+double token_bound_s(const std::vector<int64_t>& part, const std::vector<SequenceCost>& costs,
+                     const CostModel& cost_model) {
+  double tokens = 0;
+  for (const int64_t index : part) tokens += costs[index].tokens;
+  return tokens * cost_model.min_floor_time_per_token_s() / cost_model.cluster().total_speed();
 }
 
 // A planner that places micro-batches: for a baseline's, the one shape it gives every sequence
@@ -383,9 +398,9 @@ bool place_one(const std::vector<Variant>& inner, const std::vector<int64_t>& pa
 // that fits under none is split in two and each half placed in its stead (the cut's memory
 // estimate need only be near); without, or for a single sequence, nullopt. Also nullopt once the
 // cut cannot beat a plan of step time `abandon_at_s`: the micro-batches placed so far reach it,
-// or, with `bounds` (or `shapes`, for planners of one shape each), they and the bounds of the
-// rest do. `placed_sequences`, if given, counts the sequences placed; `memo` reuses plans of
-// micro-batches of equal lengths.
+// or, with `costs` (token bounds), `bounds` or `shapes` (for planners of one shape each), they
+// and the bounds of the rest do. `placed_sequences`, if given, counts the sequences placed;
+// `memo` reuses plans of micro-batches of equal lengths.
 std::optional<GlobalPlan> place_cut(const std::vector<Variant>& inner, const Batch& batch,
                                     Cut cut, const CostModel& cost_model,
                                     const GlobalBatchOptions& options,
@@ -401,11 +416,12 @@ std::optional<GlobalPlan> place_cut(const std::vector<Variant>& inner, const Bat
       shapes != nullptr && std::all_of(inner.begin(), inner.end(), [](const Variant& variant) {
         return variant.group_size > 0;
       });
-  const bool bounded = (bounds != nullptr || shaped) && abandon_at_s < kInf;
-  // A micro-batch's bound: the larger of its lower bound and, where every planner of `inner`
-  // has one shape, the least of their shape bounds.
+  const bool bounded = (costs != nullptr || bounds != nullptr || shaped) && abandon_at_s < kInf;
+  // A micro-batch's bound: the largest of its token bound, its lower bound and, where every
+  // planner of `inner` has one shape, the least of their shape bounds.
   auto part_bound_s = [&](const std::vector<int64_t>& part) {
-    double bound_s = bounds != nullptr ? (*bounds)(part) : 0;
+    double bound_s = costs != nullptr ? token_bound_s(part, *costs, cost_model) : 0;
+    if (bounds != nullptr) bound_s = std::max(bound_s, (*bounds)(part));
     if (shaped) {
       double least_s = kInf;
       for (const Variant& variant : inner) {
