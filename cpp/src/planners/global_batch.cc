@@ -224,6 +224,8 @@ class PlanMemo {
     return lengths;
   }
 
+  bool knows(const std::vector<int64_t>& part) const { return plans_.count(key(part)) > 0; }
+
   // True when `part` was placed before; then `micro_batch` holds its plan (false in `*fits` when
   // it fitted under no planner).
   bool reuse(const std::vector<int64_t>& part, MicroBatch* micro_batch,
@@ -295,8 +297,9 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> halves(
 // tests check that no plan's step is below the whole batch's bound).
 class PartBounds {
  public:
-  PartBounds(const Batch& batch, const CostModel& cost_model)
-      : batch_(batch), cost_model_(cost_model) {}
+  PartBounds(const Batch& batch, const CostModel& cost_model, const std::vector<int64_t>& classes,
+             int64_t num_classes)
+      : batch_(batch), cost_model_(cost_model), classes_(classes), seen_(num_classes, false) {}
 
   double operator()(std::vector<int64_t> part) {
     std::sort(part.begin(), part.end());
@@ -307,9 +310,27 @@ class PartBounds {
     return bound_s;
   }
 
+  // The bound of `part` where its lengths repeat (kBoundedSequencesPerLength sequences or more
+  // per distinct length), so that it costs far less than placing `part`; 0 elsewhere.
+  double where_repeated(const std::vector<int64_t>& part) {
+    int64_t num_lengths = 0;
+    for (const int64_t index : part) {
+      if (!seen_[classes_[index]]) {
+        seen_[classes_[index]] = true;
+        ++num_lengths;
+      }
+    }
+    for (const int64_t index : part) seen_[classes_[index]] = false;
+    const bool repeated =
+        static_cast<int64_t>(part.size()) >= kBoundedSequencesPerLength * num_lengths;
+    return repeated ? (*this)(part) : 0.0;
+  }
+
  private:
   const Batch& batch_;
   const CostModel& cost_model_;
+  const std::vector<int64_t>& classes_;
+  std::vector<bool> seen_;  // where_repeated's scratch, all false between calls
   std::map<std::vector<int64_t>, double> bound_s_;
 };
 
@@ -399,8 +420,10 @@ bool place_one(const std::vector<Variant>& inner, const std::vector<int64_t>& pa
 // estimate need only be near); without, or for a single sequence, nullopt. Also nullopt once the
 // cut cannot beat a plan of step time `abandon_at_s`: the micro-batches placed so far reach it,
 // or, with `costs` (token bounds), `bounds` or `shapes` (for planners of one shape each), they
-// and the bounds of the rest do. `placed_sequences`, if given, counts the sequences placed;
-// `memo` reuses plans of micro-batches of equal lengths.
+// and the bounds of the rest do; with `placed_bounds`, also where the lower bound of the
+// micro-batch about to be placed (only where its lengths repeat: PartBounds::where_repeated) and
+// the bounds of the rest do. `placed_sequences`, if given, counts the sequences placed and those
+// a bound ruled out; `memo` reuses plans of micro-batches of equal lengths.
 std::optional<GlobalPlan> place_cut(const std::vector<Variant>& inner, const Batch& batch,
                                     Cut cut, const CostModel& cost_model,
                                     const GlobalBatchOptions& options,
@@ -408,7 +431,8 @@ std::optional<GlobalPlan> place_cut(const std::vector<Variant>& inner, const Bat
                                     double abandon_at_s = kInf,
                                     int64_t* placed_sequences = nullptr,
                                     PartBounds* bounds = nullptr, PlanMemo* memo = nullptr,
-                                    ShapeBounds* shapes = nullptr) {
+                                    ShapeBounds* shapes = nullptr,
+                                    PartBounds* placed_bounds = nullptr) {
   PlannerOptions planner_options;
   planner_options.seed = options.seed;
   planner_options.time_limit_s = options.time_limit_s;
@@ -439,10 +463,25 @@ std::optional<GlobalPlan> place_cut(const std::vector<Variant>& inner, const Bat
   }
   GlobalPlan result;
   double partial_s = 0;
+  // Micro-batches k on that a bound rules out count as placed: the pass budget ends where
+  // placing them would have ended it.
+  auto ruled_out = [&](size_t k) -> std::optional<GlobalPlan> {
+    for (; placed_sequences != nullptr && k < cut.size(); ++k) {
+      if (memo == nullptr || !memo->knows(cut[k])) {
+        *placed_sequences += static_cast<int64_t>(cut[k].size());
+      }
+    }
+    return std::nullopt;
+  };
   for (size_t k = 0; k < cut.size();) {
-    if (partial_s + rest_bound_s > abandon_at_s * (1 + kBoundMargin) ||
-        partial_s >= abandon_at_s) {
-      return std::nullopt;
+    if (partial_s >= abandon_at_s) return std::nullopt;
+    if (partial_s + rest_bound_s > abandon_at_s * (1 + kBoundMargin)) return ruled_out(k);
+    if (bounded && placed_bounds != nullptr && (memo == nullptr || !memo->knows(cut[k]))) {
+      const double own_s = part_bound_s(cut[k]);
+      const double tighter_s = std::max(own_s, placed_bounds->where_repeated(cut[k]));
+      if (partial_s + rest_bound_s - own_s + tighter_s > abandon_at_s * (1 + kBoundMargin)) {
+        return ruled_out(k);
+      }
     }
     MicroBatch micro_batch{sub_batch(batch, cut[k]), {}};
     bool fits = false;
@@ -709,7 +748,7 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
   std::set<Cut> tried;
   int64_t num_classes = 0;
   const std::vector<int64_t> classes = length_classes(batch, &num_classes);
-  PartBounds bounds(batch, cost_model);
+  PartBounds bounds(batch, cost_model, classes, num_classes);
   PartBounds* const baseline_bounds =
       cost_model.cluster().num_ranks() >= kBoundedFromRanks &&
               num_sequences >= kBoundedSequencesPerLength * num_classes
@@ -720,7 +759,8 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
     if (cut.empty() || (within_budget && best && placed_sequences >= placement_budget)) return;
     if (!tried.insert(canonical(cut)).second) return;
     consider(place_cut({{"zellige"}}, batch, cut, cost_model, options, &costs,
-                       best ? best->step_time_s : kInf, &placed_sequences, nullptr, &memo),
+                       best ? best->step_time_s : kInf, &placed_sequences, nullptr, &memo,
+                       nullptr, &bounds),
              name);
   };
   const std::vector<int64_t> counts =
