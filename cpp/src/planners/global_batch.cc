@@ -749,18 +749,17 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
   int64_t num_classes = 0;
   const std::vector<int64_t> classes = length_classes(batch, &num_classes);
   PartBounds bounds(batch, cost_model, classes, num_classes);
+  PartBounds* const large_cluster_bounds =
+      cost_model.cluster().num_ranks() >= kBoundedFromRanks ? &bounds : nullptr;
   PartBounds* const baseline_bounds =
-      cost_model.cluster().num_ranks() >= kBoundedFromRanks &&
-              num_sequences >= kBoundedSequencesPerLength * num_classes
-          ? &bounds
-          : nullptr;
+      num_sequences >= kBoundedSequencesPerLength * num_classes ? large_cluster_bounds : nullptr;
   PlanMemo memo(classes);
   auto try_cut = [&](const Cut& cut, const std::string& name, bool within_budget) {
     if (cut.empty() || (within_budget && best && placed_sequences >= placement_budget)) return;
     if (!tried.insert(canonical(cut)).second) return;
     consider(place_cut({{"zellige"}}, batch, cut, cost_model, options, &costs,
                        best ? best->step_time_s : kInf, &placed_sequences, nullptr, &memo,
-                       nullptr, &bounds),
+                       nullptr, large_cluster_bounds),
              name);
   };
   const std::vector<int64_t> counts =
