@@ -85,6 +85,19 @@ double brute_force_step_s(const Batch& batch, const CostModel& cost_model,
   return best_s;
 }
 
+// What zellige's abandoning of cuts rests on: the per-token layers alone, every token at the
+// floor's least rate per token, spread over all ranks.
+double token_bound_s(const Batch& batch, const CostModel& cost_model) {
+  double tokens = 0;
+  for (const Sequence& sequence : batch.sequences) {
+    for (const RankShare& share :
+         cost_model.shares(sequence, make_placement(sequence.id, Strategy::kLocal, {0}))) {
+      tokens += static_cast<double>(share.tokens);
+    }
+  }
+  return tokens * cost_model.min_floor_time_per_token_s() / cost_model.cluster().total_speed();
+}
+
 void expect_valid(const GlobalPlan& plan, const Batch& batch, const CostModel& cost_model) {
   std::multiset<int64_t> ids;
   double total_s = 0;
@@ -95,6 +108,7 @@ void expect_valid(const GlobalPlan& plan, const Batch& batch, const CostModel& c
     const PlanCost cost = cost_model.evaluate(micro_batch.batch, micro_batch.plan);
     EXPECT_TRUE(cost.fits);
     EXPECT_DOUBLE_EQ(cost.makespan_s, micro_batch.plan.predicted.makespan_s);
+    EXPECT_GE(cost.makespan_s, token_bound_s(micro_batch.batch, cost_model) * (1 - 1e-12));
     total_s += cost.makespan_s;
   }
   std::multiset<int64_t> expected;
@@ -336,6 +350,36 @@ TEST(GlobalBatch, NeverWorseWhereABaselineOfOneShapeWins) {
     const GlobalPlan knapformer = plan_global_batch("knapformer", batch, cost_model);
     EXPECT_LE(plan.step_time_s, knapformer.step_time_s) << model;
     EXPECT_EQ(plan.chosen.rfind("knapformer=", 0), 0u) << model << " " << plan.chosen;
+  }
+}
+
+// Many short sequences on 128 GPUs, where the per-token layers are most of a micro-batch's time:
+// zellige abandons cuts (its own and the baselines') by the token bounds of their remaining
+// micro-batches, so the bound must stay below every makespan (expect_valid) while close to it
+// here (a 10% overestimate fails), and the promise must hold.
+TEST(GlobalBatch, TokenBoundHoldsAndIsTightOnShortSequences) {
+  for (const std::string model : {"wan-1.3b", "mmdit-11b"}) {
+    const CostModel cost_model = tight_cost_model(model, 12000, 128);
+    Batch batch;
+    for (int64_t i = 0; i < 2000; ++i) {
+      batch.sequences.push_back(sequence_from_tokens(i, "video", 256 + (i % 7) * 16, 0, i % 128));
+    }
+    const GlobalPlan plan = plan_global_batch("zellige", batch, cost_model);
+    expect_valid(plan, batch, cost_model);
+    double tightest = 0;
+    for (const MicroBatch& micro_batch : plan.micro_batches) {
+      tightest = std::max(tightest, token_bound_s(micro_batch.batch, cost_model) /
+                                        micro_batch.plan.predicted.makespan_s);
+    }
+    EXPECT_GT(tightest, 1 / 1.1) << model;
+    for (const std::string& baseline : global_batch_baseline_names()) {
+      try {
+        const GlobalPlan other = plan_global_batch(baseline, batch, cost_model);
+        expect_valid(other, batch, cost_model);
+        EXPECT_LE(plan.step_time_s, other.step_time_s) << model << " " << baseline;
+      } catch (const PlanMemoryError&) {
+      }
+    }
   }
 }
 

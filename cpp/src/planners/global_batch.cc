@@ -52,6 +52,7 @@ using Cut = std::vector<std::vector<int64_t>>;  // micro-batches of indices into
 struct SequenceCost {
   double memory_bytes = 0;
   double work_s = 0;
+  double tokens = 0;  // its shares' tokens, the same under every placement
 };
 
 // Sequences of equal lengths cost the same under every placement (routing from the loader rank
@@ -71,8 +72,10 @@ std::vector<SequenceCost> sequence_costs(const Batch& batch, const CostModel& co
     if (is_new) {
       const Placement local = make_placement(sequence.id, Strategy::kLocal, {0});
       const std::vector<RankShare> shares = cost_model.shares(sequence, local);
+      double tokens = 0;
+      for (const RankShare& share : shares) tokens += static_cast<double>(share.tokens);
       it->second = {planners::placement_memory_bytes(shares),
-                    planners::placement_time_s(cost_model, shares)};
+                    planners::placement_time_s(cost_model, shares), tokens};
     }
     costs.push_back(it->second);
   }
@@ -182,6 +185,18 @@ double step_time_s(const GlobalPlan& plan, double overhead_s) {
   return total_s;
 }
 
+// A lower bound on the makespan of `part` under any placement, from its per-token layers alone:
+// every rank runs them on the tokens it holds at no less than min_floor_time_per_token_s each
+// (makespan_floor's rate, at most what evaluate charges), and the shares of a sequence hold its
+// tokens whatever the shape. O(sequences), so it can bound every micro-batch of every cut; tight
+// where attention is small beside the per-token layers (many short sequences).
+double token_bound_s(const std::vector<int64_t>& part, const std::vector<SequenceCost>& costs,
+                     const CostModel& cost_model) {
+  double tokens = 0;
+  for (const int64_t index : part) tokens += costs[index].tokens;
+  return tokens * cost_model.min_floor_time_per_token_s() / cost_model.cluster().total_speed();
+}
+
 // A planner that places micro-batches: for a baseline's, the one shape it gives every sequence
 // (group_size ranks, Ulysses over ulysses_degree of them, ring over the rest; 1: local), which
 // ShapeBounds prices; group_size 0: no fixed shape (zellige, megatron-dcp).
@@ -208,6 +223,8 @@ class PlanMemo {
     std::sort(lengths.begin(), lengths.end());
     return lengths;
   }
+
+  bool knows(const std::vector<int64_t>& part) const { return plans_.count(key(part)) > 0; }
 
   // True when `part` was placed before; then `micro_batch` holds its plan (false in `*fits` when
   // it fitted under no planner).
@@ -280,8 +297,9 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> halves(
 // tests check that no plan's step is below the whole batch's bound).
 class PartBounds {
  public:
-  PartBounds(const Batch& batch, const CostModel& cost_model)
-      : batch_(batch), cost_model_(cost_model) {}
+  PartBounds(const Batch& batch, const CostModel& cost_model, const std::vector<int64_t>& classes,
+             int64_t num_classes)
+      : batch_(batch), cost_model_(cost_model), classes_(classes), seen_(num_classes, false) {}
 
   double operator()(std::vector<int64_t> part) {
     std::sort(part.begin(), part.end());
@@ -292,9 +310,27 @@ class PartBounds {
     return bound_s;
   }
 
+  // The bound of `part` where its lengths repeat (kBoundedSequencesPerLength sequences or more
+  // per distinct length), so that it costs far less than placing `part`; 0 elsewhere.
+  double where_repeated(const std::vector<int64_t>& part) {
+    int64_t num_lengths = 0;
+    for (const int64_t index : part) {
+      if (!seen_[classes_[index]]) {
+        seen_[classes_[index]] = true;
+        ++num_lengths;
+      }
+    }
+    for (const int64_t index : part) seen_[classes_[index]] = false;
+    const bool repeated =
+        static_cast<int64_t>(part.size()) >= kBoundedSequencesPerLength * num_lengths;
+    return repeated ? (*this)(part) : 0.0;
+  }
+
  private:
   const Batch& batch_;
   const CostModel& cost_model_;
+  const std::vector<int64_t>& classes_;
+  std::vector<bool> seen_;  // where_repeated's scratch, all false between calls
   std::map<std::vector<int64_t>, double> bound_s_;
 };
 
@@ -383,9 +419,11 @@ bool place_one(const std::vector<Variant>& inner, const std::vector<int64_t>& pa
 // that fits under none is split in two and each half placed in its stead (the cut's memory
 // estimate need only be near); without, or for a single sequence, nullopt. Also nullopt once the
 // cut cannot beat a plan of step time `abandon_at_s`: the micro-batches placed so far reach it,
-// or, with `bounds` (or `shapes`, for planners of one shape each), they and the bounds of the
-// rest do. `placed_sequences`, if given, counts the sequences placed; `memo` reuses plans of
-// micro-batches of equal lengths.
+// or, with `costs` (token bounds), `bounds` or `shapes` (for planners of one shape each), they
+// and the bounds of the rest do; with `placed_bounds`, also where the lower bound of the
+// micro-batch about to be placed (only where its lengths repeat: PartBounds::where_repeated) and
+// the bounds of the rest do. `placed_sequences`, if given, counts the sequences placed and those
+// a bound ruled out; `memo` reuses plans of micro-batches of equal lengths.
 std::optional<GlobalPlan> place_cut(const std::vector<Variant>& inner, const Batch& batch,
                                     Cut cut, const CostModel& cost_model,
                                     const GlobalBatchOptions& options,
@@ -393,7 +431,8 @@ std::optional<GlobalPlan> place_cut(const std::vector<Variant>& inner, const Bat
                                     double abandon_at_s = kInf,
                                     int64_t* placed_sequences = nullptr,
                                     PartBounds* bounds = nullptr, PlanMemo* memo = nullptr,
-                                    ShapeBounds* shapes = nullptr) {
+                                    ShapeBounds* shapes = nullptr,
+                                    PartBounds* placed_bounds = nullptr) {
   PlannerOptions planner_options;
   planner_options.seed = options.seed;
   planner_options.time_limit_s = options.time_limit_s;
@@ -401,11 +440,12 @@ std::optional<GlobalPlan> place_cut(const std::vector<Variant>& inner, const Bat
       shapes != nullptr && std::all_of(inner.begin(), inner.end(), [](const Variant& variant) {
         return variant.group_size > 0;
       });
-  const bool bounded = (bounds != nullptr || shaped) && abandon_at_s < kInf;
-  // A micro-batch's bound: the larger of its lower bound and, where every planner of `inner`
-  // has one shape, the least of their shape bounds.
+  const bool bounded = (costs != nullptr || bounds != nullptr || shaped) && abandon_at_s < kInf;
+  // A micro-batch's bound: the largest of its token bound, its lower bound and, where every
+  // planner of `inner` has one shape, the least of their shape bounds.
   auto part_bound_s = [&](const std::vector<int64_t>& part) {
-    double bound_s = bounds != nullptr ? (*bounds)(part) : 0;
+    double bound_s = costs != nullptr ? token_bound_s(part, *costs, cost_model) : 0;
+    if (bounds != nullptr) bound_s = std::max(bound_s, (*bounds)(part));
     if (shaped) {
       double least_s = kInf;
       for (const Variant& variant : inner) {
@@ -423,10 +463,25 @@ std::optional<GlobalPlan> place_cut(const std::vector<Variant>& inner, const Bat
   }
   GlobalPlan result;
   double partial_s = 0;
+  // Micro-batches k on that a bound rules out count as placed: the pass budget ends where
+  // placing them would have ended it.
+  auto ruled_out = [&](size_t k) -> std::optional<GlobalPlan> {
+    for (; placed_sequences != nullptr && k < cut.size(); ++k) {
+      if (memo == nullptr || !memo->knows(cut[k])) {
+        *placed_sequences += static_cast<int64_t>(cut[k].size());
+      }
+    }
+    return std::nullopt;
+  };
   for (size_t k = 0; k < cut.size();) {
-    if (partial_s + rest_bound_s > abandon_at_s * (1 + kBoundMargin) ||
-        partial_s >= abandon_at_s) {
-      return std::nullopt;
+    if (partial_s >= abandon_at_s) return std::nullopt;
+    if (partial_s + rest_bound_s > abandon_at_s * (1 + kBoundMargin)) return ruled_out(k);
+    if (bounded && placed_bounds != nullptr && (memo == nullptr || !memo->knows(cut[k]))) {
+      const double own_s = part_bound_s(cut[k]);
+      const double tighter_s = std::max(own_s, placed_bounds->where_repeated(cut[k]));
+      if (partial_s + rest_bound_s - own_s + tighter_s > abandon_at_s * (1 + kBoundMargin)) {
+        return ruled_out(k);
+      }
     }
     MicroBatch micro_batch{sub_batch(batch, cut[k]), {}};
     bool fits = false;
@@ -693,18 +748,18 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
   std::set<Cut> tried;
   int64_t num_classes = 0;
   const std::vector<int64_t> classes = length_classes(batch, &num_classes);
-  PartBounds bounds(batch, cost_model);
+  PartBounds bounds(batch, cost_model, classes, num_classes);
+  PartBounds* const large_cluster_bounds =
+      cost_model.cluster().num_ranks() >= kBoundedFromRanks ? &bounds : nullptr;
   PartBounds* const baseline_bounds =
-      cost_model.cluster().num_ranks() >= kBoundedFromRanks &&
-              num_sequences >= kBoundedSequencesPerLength * num_classes
-          ? &bounds
-          : nullptr;
+      num_sequences >= kBoundedSequencesPerLength * num_classes ? large_cluster_bounds : nullptr;
   PlanMemo memo(classes);
   auto try_cut = [&](const Cut& cut, const std::string& name, bool within_budget) {
     if (cut.empty() || (within_budget && best && placed_sequences >= placement_budget)) return;
     if (!tried.insert(canonical(cut)).second) return;
     consider(place_cut({{"zellige"}}, batch, cut, cost_model, options, &costs,
-                       best ? best->step_time_s : kInf, &placed_sequences, nullptr, &memo),
+                       best ? best->step_time_s : kInf, &placed_sequences, nullptr, &memo,
+                       nullptr, large_cluster_bounds),
              name);
   };
   const std::vector<int64_t> counts =
