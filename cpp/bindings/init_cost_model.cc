@@ -22,27 +22,31 @@ void init_cost_model(nb::module_& m) {
       .def_rw("memory_headroom", &CostOptions::memory_headroom)
       .def_rw("adaptive_checkpointing", &CostOptions::adaptive_checkpointing)
       .def_rw("weights_kept_to_backward", &CostOptions::weights_kept_to_backward)
-      .def_rw("optimizer_copy_bytes_per_param", &CostOptions::optimizer_copy_bytes_per_param);
-  add_value_methods(options, {"activation_checkpointing", "bytes_per_element",
-                              "state_bytes_per_param", "gradient_bytes_per_param",
-                              "memory_headroom", "adaptive_checkpointing",
-                              "weights_kept_to_backward", "optimizer_copy_bytes_per_param"});
+      .def_rw("optimizer_copy_bytes_per_param", &CostOptions::optimizer_copy_bytes_per_param)
+      .def_rw("accumulating_gradients", &CostOptions::accumulating_gradients);
+  add_value_methods(
+      options,
+      {"activation_checkpointing", "bytes_per_element", "state_bytes_per_param",
+       "gradient_bytes_per_param", "memory_headroom", "adaptive_checkpointing",
+       "weights_kept_to_backward", "optimizer_copy_bytes_per_param", "accumulating_gradients"});
   // Pickled whole (every field, in declaration order), so a DataLoader worker receives the
   // options a run chose as one value.
-  using OptionsState = std::tuple<bool, int64_t, double, double, double, bool, bool, double>;
+  using OptionsState = std::tuple<bool, int64_t, double, double, double, bool, bool, double, bool>;
   options
       .def("__getstate__",
            [](const CostOptions& o) {
              return OptionsState(o.activation_checkpointing, o.bytes_per_element,
                                  o.state_bytes_per_param, o.memory_headroom,
                                  o.gradient_bytes_per_param, o.adaptive_checkpointing,
-                                 o.weights_kept_to_backward, o.optimizer_copy_bytes_per_param);
+                                 o.weights_kept_to_backward, o.optimizer_copy_bytes_per_param,
+                                 o.accumulating_gradients);
            })
       .def("__setstate__", [](CostOptions& o, const OptionsState& state) {
         new (&o) CostOptions();
         std::tie(o.activation_checkpointing, o.bytes_per_element, o.state_bytes_per_param,
                  o.memory_headroom, o.gradient_bytes_per_param, o.adaptive_checkpointing,
-                 o.weights_kept_to_backward, o.optimizer_copy_bytes_per_param) = state;
+                 o.weights_kept_to_backward, o.optimizer_copy_bytes_per_param,
+                 o.accumulating_gradients) = state;
       });
 
   nb::class_<RankShare> share(m, "RankShare", "What one placement costs one of its ranks.");
@@ -132,6 +136,9 @@ void init_cost_model(nb::module_& m) {
       .def("homogeneous_view", &CostModel::homogeneous_view,
            "This cost model with every rank alike (no speeds, the smallest rank memory): what "
            "the speed-blind baselines plan with.")
+      .def("accumulating_view", &CostModel::accumulating_view,
+           "This cost model pricing a micro-batch of a step of several (gradient accumulation: "
+           "the gradients of the earlier micro-batches held through its backward).")
       .def("rank_time_s", &CostModel::rank_time_s, nb::arg("tokens"), nb::arg("attention_s"),
            nb::arg("exchange_s"))
       .def("evaluate", nb::overload_cast<const Batch&, const Plan&>(&CostModel::evaluate, nb::const_), nb::arg("batch"), nb::arg("plan"))

@@ -719,7 +719,8 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
   };
   const double held_always = fixed_bytes_ - gradient_bytes_;
   // The backward runs layer L-1 down to 0. Before layer j: kept activations of layers < j,
-  // gradients of layers > j (blocks only; the root's come last).
+  // gradients of layers > j (blocks only; the root's come last), or every gradient where earlier
+  // micro-batches added theirs (accumulating_gradients).
   double below = static_cast<double>(f) * layer_input_bytes +
                  static_cast<double>(k - f) * layer_checkpoint_bytes +
                  static_cast<double>(layers - k) * layer_activation_bytes;
@@ -732,7 +733,9 @@ double CostModel::rank_peak_bytes(double layer_activation_bytes, double layer_ch
     // A checkpointed layer's recompute rebuilds its activations around the tensors it kept
     // (input, attention outputs), which are among them: its own bytes are its activations.
     const double own = layer_activation_bytes;
-    const double grads = static_cast<double>(layers - 1 - j) * layer_gradient_bytes_;
+    const double grads = options_.accumulating_gradients
+                             ? gradient_bytes_
+                             : static_cast<double>(layers - 1 - j) * layer_gradient_bytes_;
     // weights kept from the forward: layers 0..j, two of which the fixed bytes count
     const double weights =
         options_.weights_kept_to_backward
@@ -772,6 +775,12 @@ double CostModel::max_memory_capacity_bytes() const {
 CostModel CostModel::homogeneous_view() const {
   CostModel view = *this;  // nothing derived in the constructor reads speeds or memory
   view.cluster_ = zellige::homogeneous_view(cluster_);
+  return view;
+}
+
+CostModel CostModel::accumulating_view() const {
+  CostModel view = *this;  // the constructor derives nothing from accumulating_gradients
+  view.options_.accumulating_gradients = true;
   return view;
 }
 

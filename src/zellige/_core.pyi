@@ -1107,15 +1107,21 @@ class CostOptions:
     @optimizer_copy_bytes_per_param.setter
     def optimizer_copy_bytes_per_param(self, arg: float, /) -> None: ...
 
+    @property
+    def accumulating_gradients(self) -> bool: ...
+
+    @accumulating_gradients.setter
+    def accumulating_gradients(self, arg: bool, /) -> None: ...
+
     def __repr__(self) -> str: ...
 
     def __eq__(self, arg: object, /) -> object: ...
 
     __hash__: None = None
 
-    def __getstate__(self) -> tuple[bool, int, float, float, float, bool, bool, float]: ...
+    def __getstate__(self) -> tuple[bool, int, float, float, float, bool, bool, float, bool]: ...
 
-    def __setstate__(self, arg: tuple[bool, int, float, float, float, bool, bool, float], /) -> None: ...
+    def __setstate__(self, arg: tuple[bool, int, float, float, float, bool, bool, float, bool], /) -> None: ...
 
 class RankShare:
     """What one placement costs one of its ranks."""
@@ -1378,6 +1384,11 @@ class CostModel:
     def homogeneous_view(self) -> CostModel:
         """
         This cost model with every rank alike (no speeds, the smallest rank memory): what the speed-blind baselines plan with.
+        """
+
+    def accumulating_view(self) -> CostModel:
+        """
+        This cost model pricing a micro-batch of a step of several (gradient accumulation: the gradients of the earlier micro-batches held through its backward).
         """
 
     def rank_time_s(self, tokens: int, attention_s: float, exchange_s: float) -> float: ...

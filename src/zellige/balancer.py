@@ -21,9 +21,13 @@ micro-batches with gradient accumulation (docs/global-batch.md, "Training with m
     for samples in loader:                          # this rank's share of the global batch
         for step in balancer.global_step(samples):  # its micro-batches, in order
             ...                                     # as above: inputs, model, step.loss
-            model.set_requires_gradient_sync(step.is_last)   # FSDP2: reduce in the last only
             (loss * step.num_ranks).backward()      # step.loss divides by the GLOBAL batch's
         optimizer.step()                            # counts: the gradients add up to its own
+
+Each micro-batch's backward reduces its gradients (FSDP2's default), which add into the sharded
+gradients: the plans price a micro-batch after the first as holding them from its backward's
+start. Deferring the reduction (set_requires_gradient_sync(False) before the last) holds every
+parameter's unsharded gradient on every rank, which the plans do not price.
 
 One step ahead: `pending = balancer.schedule(samples)` gathers the sizes now and plans in a
 background thread; `pending.start()` (the next iteration) waits for the plan and loads it. A loop
@@ -693,8 +697,8 @@ class BalancedStep:
 
     @property
     def is_last(self) -> bool:
-        """Whether this is its optimizer step's last micro-batch (the one whose backward
-        reduces the gradients: FSDP2's set_requires_gradient_sync, DDP outside no_sync)."""
+        """Whether this is its optimizer step's last micro-batch (after whose backward the
+        optimizer steps)."""
         return self.micro_batch == self.num_micro_batches - 1
 
     def _in_global_batch(

@@ -142,10 +142,12 @@ def make_global_plan(
         by_id = {s.id: s for s in batch.sequences}
         plan = _core.GlobalPlan(planner=planner.planner, chosen=planner.chosen, plan_ms=0.0)
         micro_batches = []
+        # a micro-batch of several holds the earlier ones' gradients through its backward
+        priced_by = cost_model.accumulating_view() if len(ids) > 1 else cost_model
         for micro, cut in zip(planner.micro_batches, ids, strict=True):
             micro_batch = _core.Batch()
             micro_batch.sequences = [by_id[i] for i in cut]
-            placed = make_step_plan(micro.plan, micro_batch, cost_model, seed=seed)
+            placed = make_step_plan(micro.plan, micro_batch, priced_by, seed=seed)
             micro_batches.append(_core.MicroBatch(batch=micro_batch, plan=placed))
         plan.micro_batches = micro_batches
         plan.step_time_s = sum(m.plan.predicted.makespan_s for m in micro_batches)

@@ -98,7 +98,11 @@ double token_bound_s(const Batch& batch, const CostModel& cost_model) {
   return tokens * cost_model.min_floor_time_per_token_s() / cost_model.cluster().total_speed();
 }
 
-void expect_valid(const GlobalPlan& plan, const Batch& batch, const CostModel& cost_model) {
+// Each micro-batch of a step of several priced holding the earlier ones' gradients.
+void expect_valid(const GlobalPlan& plan, const Batch& batch, const CostModel& step_cost_model) {
+  const CostModel cost_model = plan.micro_batches.size() > 1
+                                   ? step_cost_model.accumulating_view()
+                                   : step_cost_model;
   std::multiset<int64_t> ids;
   double total_s = 0;
   for (const MicroBatch& micro_batch : plan.micro_batches) {
@@ -315,8 +319,42 @@ TEST(GlobalBatch, OverheadPerMicroBatchCounts) {
   for (const MicroBatch& micro_batch : plan.micro_batches) {
     makespans_s += micro_batch.plan.predicted.makespan_s;
   }
-  EXPECT_NEAR(plan.step_time_s,
-              makespans_s + 0.5 * static_cast<double>(plan.micro_batches.size()), 1e-9);
+  EXPECT_NEAR(plan.step_time_s, makespans_s + 0.5 * static_cast<double>(plan.micro_batches.size()),
+              1e-9);
+}
+
+// Micro-batches of a step of several are priced holding the earlier ones' gradients
+// (CostModel::accumulating_view); a global batch that fits at once is a step of one, priced so.
+TEST(GlobalBatch, MicroBatchesOfSeveralHoldTheEarlierGradients) {
+  std::mt19937_64 random(5);
+  const CostModel cost_model = tight_cost_model("wan-1.3b", 24000);
+  const CostModel accumulating = cost_model.accumulating_view();
+  const Batch batch = random_global_batch(7, random);
+  for (const std::string& planner : global_batch_planner_names()) {
+    SCOPED_TRACE(planner);
+    const GlobalPlan plan = plan_global_batch(planner, batch, cost_model);
+    ASSERT_GT(plan.micro_batches.size(), 1u);
+    bool held_more = false;
+    for (const MicroBatch& micro_batch : plan.micro_batches) {
+      const PlanCost priced = accumulating.evaluate(micro_batch.batch, micro_batch.plan);
+      const PlanCost alone = cost_model.evaluate(micro_batch.batch, micro_batch.plan);
+      EXPECT_TRUE(priced.fits);
+      for (size_t r = 0; r < priced.ranks.size(); ++r) {
+        EXPECT_DOUBLE_EQ(micro_batch.plan.predicted.rank_peak_bytes[r], priced.ranks[r].peak_bytes);
+        held_more = held_more || priced.ranks[r].peak_bytes > alone.ranks[r].peak_bytes;
+      }
+    }
+    EXPECT_TRUE(held_more);
+  }
+  Batch small;
+  small.sequences = {sequence_from_tokens(0, "video", 2000, 0, 0)};
+  const GlobalPlan one = plan_global_batch("zellige", small, cost_model);
+  ASSERT_EQ(one.micro_batches.size(), 1u);
+  const PlanCost alone = cost_model.evaluate(small, one.micro_batches[0].plan);
+  EXPECT_DOUBLE_EQ(one.micro_batches[0].plan.predicted.makespan_s, alone.makespan_s);
+  EXPECT_DOUBLE_EQ(one.micro_batches[0].plan.predicted.rank_peak_bytes[0],
+                   alone.ranks[0].peak_bytes);
+  EXPECT_DOUBLE_EQ(one.step_time_s, alone.makespan_s);
 }
 
 TEST(GlobalBatch, RejectsBadInput) {
@@ -334,9 +372,10 @@ TEST(GlobalBatch, RejectsBadInput) {
 }
 
 // Two lengths alternating in loader order on 128 GPUs with little memory: knapformer's cut in
-// loader order (local placements) beats every cut of zellige's own. zellige skips or cuts short
-// the baselines of one shape per sequence by their shape bounds, so a bound above a true
-// makespan would drop the winner and break the promise here (a 30% overestimate does).
+// loader order (local placements) comes close to zellige's own cuts, and on a looser memory or
+// a step of one it wins.
+// zellige skips or cuts short the baselines of one shape per sequence by their shape bounds, so
+// a bound above a true makespan would drop a winner and break the promise.
 TEST(GlobalBatch, NeverWorseWhereABaselineOfOneShapeWins) {
   for (const std::string model : {"wan-1.3b", "mmdit-11b"}) {
     const CostModel cost_model = tight_cost_model(model, 6000, 128);
@@ -348,8 +387,7 @@ TEST(GlobalBatch, NeverWorseWhereABaselineOfOneShapeWins) {
     const GlobalPlan plan = plan_global_batch("zellige", batch, cost_model);
     expect_valid(plan, batch, cost_model);
     const GlobalPlan knapformer = plan_global_batch("knapformer", batch, cost_model);
-    EXPECT_LE(plan.step_time_s, knapformer.step_time_s) << model;
-    EXPECT_EQ(plan.chosen.rfind("knapformer=", 0), 0u) << model << " " << plan.chosen;
+    EXPECT_LE(plan.step_time_s, knapformer.step_time_s) << model << " " << plan.chosen;
   }
 }
 

@@ -88,6 +88,31 @@ HardwareProfile mmdit_memory_profile(double backward_bytes_per_token_layer) {
 // reduced (reduce_fixed_bytes in place of step_fixed_bytes), the kept bytes below it, the
 // gradients above it and reduce_bytes_per_token per held token. A small rank peaks there, a
 // large one at the backward as before; without the rows nothing changes.
+// A micro-batch after the first of an accumulating step: the gradients the earlier ones added
+// are held from the backward's start, not grown layer by layer.
+TEST(CostModel, AccumulatingMicroBatchHoldsEveryGradientFromTheBackwardsStart) {
+  ModelSpec spec = model_preset("wan-1.3b");
+  spec.num_layers = 3;
+  const CostModel cost_model(spec, analytic_profile("t", 700e12, 550e12, 4.2e12),
+                             make_cluster(1, 1));
+  const CostModel accumulating = cost_model.accumulating_view();
+  EXPECT_FALSE(cost_model.options().accumulating_gradients);
+  EXPECT_TRUE(accumulating.options().accumulating_gradients);
+  EXPECT_EQ(accumulating.fixed_bytes(), cost_model.fixed_bytes());  // planners size ranks alike
+  const double held = cost_model.fixed_bytes() - cost_model.gradient_bytes();
+  const double grads = cost_model.gradient_bytes();
+  const double a = 10, c = 1, buffer = 5;
+  const double none = std::max({held + grads, held + grads + 2 * a + a + buffer,
+                                held + grads + a + a + buffer, held + grads + a + buffer});
+  EXPECT_NEAR(accumulating.rank_peak_bytes(a, c, buffer, 0), none, 1e-3);
+  // Large activations peak at the first layer of the backward, where a step of one holds no
+  // gradient yet: the micro-batch holds exactly every gradient more.
+  const double big_a = 4e9;
+  EXPECT_NEAR(accumulating.rank_peak_bytes(big_a, c, buffer, 0) -
+                  cost_model.rank_peak_bytes(big_a, c, buffer, 0),
+              grads, 1e-3);
+}
+
 TEST(CostModel, GradientReductionIsTheSmallRanksPeak) {
   const ModelSpec spec = mmdit_three_blocks();
   HardwareProfile profile = mmdit_memory_profile(80000);

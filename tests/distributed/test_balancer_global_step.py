@@ -83,7 +83,6 @@ def _accumulated(count: int, per: str) -> dict:
     for step in global_step:
         held = step.inputs()
         loss = step.loss(_velocity_error(model, step, held), per=per)
-        model.set_requires_gradient_sync(step.is_last)  # reduce in the last backward only
         (loss * step.num_ranks).backward()  # FSDP averages over ranks: a sum
         loss_sum += step.reduce(loss)
         seen.append((step.micro_batch, step.num_micro_batches))

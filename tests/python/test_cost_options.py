@@ -21,6 +21,7 @@ NON_DEFAULT = {
     "adaptive_checkpointing": True,
     "weights_kept_to_backward": True,
     "optimizer_copy_bytes_per_param": 2.5,
+    "accumulating_gradients": True,
 }
 
 

@@ -66,8 +66,12 @@ def brute_force_step_s(batch: zellige.Batch, cost_model: zellige.CostModel) -> f
 
 
 def check_plan(plan: zellige.GlobalPlan, batch: zellige.Batch, cost_model) -> None:
+    """Every sequence once; each micro-batch fits and is priced as the step runs it: holding the
+    earlier micro-batches' gradients where there are several."""
     seen = sorted(s.id for mb in plan.micro_batches for s in mb.batch.sequences)
     assert seen == sorted(s.id for s in batch.sequences)
+    if len(plan.micro_batches) > 1:
+        cost_model = cost_model.accumulating_view()
     total_s = 0.0
     for micro_batch in plan.micro_batches:
         cost = cost_model.evaluate(micro_batch.batch, micro_batch.plan)

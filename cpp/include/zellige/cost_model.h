@@ -45,6 +45,12 @@ struct CostOptions {
   // AdamW on one rank without FSDP writes the next forward's bf16 copy of every weight (2)
   // while the gradients are still held, the step's peak when it holds few tokens. 0: none.
   double optimizer_copy_bytes_per_param = 0.0;
+  // Prices a micro-batch of a step of several (gradient accumulation): the gradients the earlier
+  // micro-batches added are held from the backward's start, where a step of one grows them layer
+  // by layer. Each rank adds into its sharded gradients in place (one rank; FSDP2 reducing every
+  // micro-batch), so they take no more than gradient_bytes_per_param. A step's first
+  // micro-batch holds less: priced so, it is safe.
+  bool accumulating_gradients = false;
 };
 
 // What one placement of one sequence costs one of its ranks. Everything is additive over the
@@ -239,6 +245,9 @@ class CostModel {
   // the smallest rank memory. What the speed-unaware baselines plan with; numbers of a placement
   // (shares, exchanges) are the same, only rank speeds and capacities differ.
   CostModel homogeneous_view() const;
+  // This cost model pricing a micro-batch of a step of several: options().accumulating_gradients
+  // on, everything else the same.
+  CostModel accumulating_view() const;
 
   // Peak bytes of a rank over its step: the maximum over the backward's progress (layer j's
   // backward holds the kept activations of layers below j, its own full activations (recomputed

@@ -33,7 +33,8 @@ struct MicroBatch {
 
 struct GlobalPlan {
   std::string planner;  // the global-batch policy asked for
-  // The candidate that won: for zellige, "zellige:spread", "zellige:grouped" or a baseline's
+  // The candidate that won: for zellige, "zellige:spread", "zellige:grouped", "zellige:one-step"
+  // (the whole batch as one micro-batch, a step of one: docs/global-batch.md) or a baseline's
   // cut re-placed by zellige ("zellige:<baseline>"), or a baseline's own plan
   // ("<baseline>=<its inner planner>", e.g. "knapformer=knapformer:g4n8"); for a baseline, the
   // inner planner it ran.

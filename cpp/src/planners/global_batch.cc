@@ -844,6 +844,47 @@ std::vector<std::string> global_batch_baseline_names() {
   return {"megatron-dcp", "knapformer", "static-cp", "wlb-llm"};
 }
 
+namespace {
+
+// A plan of one micro-batch is a step of one: its prediction by `cost_model` (no gradients of
+// earlier micro-batches held), the placements as planned.
+void priced_as_one_if_alone(GlobalPlan& plan, const CostModel& cost_model,
+                            const GlobalBatchOptions& options) {
+  if (plan.micro_batches.size() != 1) return;
+  MicroBatch& only = plan.micro_batches.front();
+  predict(only.plan, only.batch, cost_model);
+  plan.step_time_s = step_time_s(plan, options.micro_batch_overhead_s);
+}
+
+// The whole batch as a step of one micro-batch, placed by zellige and priced holding no earlier
+// gradients, where memory may allow it: it replaces `plan` where faster. The search prices every
+// micro-batch as one of several, a single one included, which a step of one undercuts.
+void consider_one_step(GlobalPlan& plan, const Batch& batch, const std::vector<SequenceCost>& costs,
+                       const CostModel& cost_model, const GlobalBatchOptions& options) {
+  if (plan.micro_batches.size() == 1) return;  // priced as a step of one below
+  double total_bytes = 0;
+  for (const SequenceCost& cost : costs) total_bytes += cost.memory_bytes;
+  if (total_bytes > micro_batch_budget_bytes(cost_model)) return;
+  PlannerOptions planner_options;
+  planner_options.seed = options.seed;
+  planner_options.time_limit_s = options.time_limit_s;
+  Plan one;
+  try {
+    one = make_plan("zellige", batch, cost_model, planner_options);
+  } catch (const PlanMemoryError&) {
+    return;
+  }
+  const double step_s = one.predicted.makespan_s + options.micro_batch_overhead_s;
+  if (step_s >= plan.step_time_s || !cost_model.evaluate(batch, one).fits) return;
+  GlobalPlan single;
+  single.chosen = "zellige:one-step";
+  single.micro_batches = {MicroBatch{batch, std::move(one)}};
+  single.step_time_s = step_s;
+  plan = std::move(single);
+}
+
+}  // namespace
+
 GlobalPlan plan_global_batch(const std::string& planner, const Batch& batch,
                              const CostModel& cost_model, const GlobalBatchOptions& options) {
   const std::vector<std::string> names = global_batch_planner_names();
@@ -860,20 +901,26 @@ GlobalPlan plan_global_batch(const std::string& planner, const Batch& batch,
     throw std::invalid_argument("micro_batch_overhead_s must be >= 0");
   }
   validate_batch(batch, cost_model.cluster().num_ranks());
-  check_sequences_fit(batch, cost_model);
+  // Every micro-batch is priced as one of several: its backward holds the gradients the earlier
+  // ones added (a plan of one micro-batch is priced again as a step of one below).
+  const CostModel accumulating = cost_model.accumulating_view();
+  check_sequences_fit(batch, accumulating);
   const auto start = std::chrono::steady_clock::now();
-  const std::vector<SequenceCost> costs = sequence_costs(batch, cost_model);
+  const std::vector<SequenceCost> costs = sequence_costs(batch, accumulating);
   GlobalPlan plan;
   if (planner == "zellige") {
-    plan = plan_zellige_global(batch, costs, cost_model, options);
+    plan = plan_zellige_global(batch, costs, accumulating, options);
+    consider_one_step(plan, batch, costs, cost_model, options);
   } else {
-    std::optional<GlobalPlan> baseline = plan_baseline(planner, batch, costs, cost_model, options);
+    std::optional<GlobalPlan> baseline =
+        plan_baseline(planner, batch, costs, accumulating, options);
     if (!baseline) {
       throw PlanMemoryError("global-batch planner '" + planner +
                             "' fits no micro-batch cut of this batch in memory");
     }
     plan = *std::move(baseline);
   }
+  priced_as_one_if_alone(plan, cost_model, options);
   plan.planner = planner;
   plan.plan_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -910,10 +957,12 @@ GlobalPlan place_micro_batches(const std::string& planner, const Batch& batch,
                                 std::to_string(batch.sequences[missing - seen.begin()].id) +
                                 " is in no micro-batch");
   }
-  std::optional<GlobalPlan> plan = place_cut({{planner}}, batch, cut, cost_model, options);
+  std::optional<GlobalPlan> plan =
+      place_cut({{planner}}, batch, cut, cost_model.accumulating_view(), options);
   if (!plan) {
     throw PlanMemoryError("a micro-batch does not fit in memory under '" + planner + "'");
   }
+  priced_as_one_if_alone(*plan, cost_model, options);
   plan->planner = planner;
   plan->chosen = planner;
   return *std::move(plan);

@@ -4,10 +4,13 @@
 Each micro-batch is a step of the one pipeline: its own plan, step program, routed inputs and
 checkpointed blocks. Its loss is divided by the whole global batch's token count, so the
 gradients its backward adds are its share of the global batch's gradient, and after the last
-micro-batch the model holds the global batch's gradient. Under FSDP2 only the last micro-batch's
-backward reduce-scatters; the earlier ones leave unsharded gradients on each rank, which the
-last one's reduction adds in. On a lone rank without FSDP the backwards add into the weights'
-gradients.
+micro-batch the model holds the global batch's gradient. Under FSDP2 every micro-batch's
+backward reduce-scatters (FSDP2's default) and the reductions add into each rank's sharded
+gradients; on a lone rank without FSDP the backwards add into the weights' gradients. Either way
+a micro-batch after the first holds the sharded gradients from its backward's start, as the plans
+price it (CostOptions.accumulating_gradients). Deferring the reduction to the last micro-batch
+would hold every parameter's unsharded gradient on every rank (4 bytes a parameter: 56 GB for a
+14B model), more than an 80 GB card has beside the step.
 """
 
 from __future__ import annotations
@@ -16,20 +19,11 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from zellige.data import StepData
 from zellige.train.parallelize import set_checkpointed_blocks
 
 StepInputT = TypeVar("StepInputT")
-
-
-def set_gradient_sync(model: torch.nn.Module, last: bool) -> None:
-    """FSDP2: the next backward reduce-scatters the gradients, and waits for the reductions at
-    its end, only when it is the last micro-batch's. Without FSDP nothing syncs: a no-op."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(last)
-        model.set_is_last_backward(last)
 
 
 def accumulate(
@@ -51,8 +45,6 @@ def accumulate(
     for index, micro_batch in enumerate(micro_batches):
         last = index == count - 1
         set_checkpointed_blocks(model, *micro_batch.record.checkpointed_blocks(rank))
-        if count > 1:  # one micro-batch: FSDP's defaults (sync), left as they are
-            set_gradient_sync(model, last)
         local_loss = forward_backward(step_input, micro_batch)
         total_loss = local_loss if total_loss is None else total_loss + local_loss
         step_input = None  # its tensors are free once the device is done with them
