@@ -296,14 +296,11 @@ double CostModel::makespan_floor(const Batch& batch, const Plan& plan, Evaluatio
   std::vector<double> other_s(static_cast<size_t>(num_ranks), 0.0);
   // recompute_floor_s's per-rank sums, as evaluate keeps them.
   const bool memory_terms = recompute_floor_s != nullptr && options_.activation_checkpointing;
-  const size_t memory_ranks = memory_terms ? static_cast<size_t>(num_ranks) : 0;
-  std::vector<std::array<double, 4>> bytes(memory_ranks, {0, 0, 0, 0});  // act., ckpt, in, buf
-  std::vector<std::array<double, 3>> phase_tokens(memory_ranks, {0, 0, 0});
-  std::vector<double> recompute_s(memory_ranks, 0.0), full_recompute_s(memory_ranks, 0.0);
-  bool world_exchange = false;
+  RecomputeTotals totals;
+  if (memory_terms) totals.reset(num_ranks);
   std::unordered_map<int64_t, const Sequence*> by_id;
   const size_t num_sequences = batch.sequences.size();
-  const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
+  std::vector<FloorTerm> terms;
   for (size_t i = 0; i < plan.placements.size(); ++i) {
     const Placement& placement = plan.placements[i];
     const Sequence* sequence = i < num_sequences ? &batch.sequences[i] : nullptr;
@@ -313,66 +310,89 @@ double CostModel::makespan_floor(const Batch& batch, const Plan& plan, Evaluatio
       }
       sequence = by_id.at(placement.sequence_id);
     }
-    const EvaluationCache::Entry& entry = cached_terms(*sequence, placement, cache);
-    for (size_t k = 0; k < entry.shares.size(); ++k) {
-      const RankShare& share = entry.shares[k];
+    floor_terms(*sequence, placement, cache, &terms);
+    for (size_t k = 0; k < terms.size(); ++k) {
       const int64_t rank = placement.ranks[k];
-      tokens[rank] += share.tokens;
-      other_s[rank] += share.attention_s + share.exchange_s - entry.call_excess_s[k];
-      // Adaptive checkpointing may skip every layer's recompute where memory allows.
-      if (skips_recompute) other_s[rank] -= share.recompute_s + share.recompute_exchange_s;
-      if (!memory_terms) continue;
-      std::array<double, 4>& held = bytes[rank];
-      held[0] += share.layer_activation_bytes;
-      held[1] += share.layer_checkpoint_bytes;
-      held[2] += share.layer_input_bytes;
-      held[3] += share.buffer_bytes;
-      const int phase = placement.ring_degree > 1 ? 2 : placement.ulysses_degree > 1 ? 1 : 0;
-      phase_tokens[rank][phase] += static_cast<double>(share.tokens);
-      recompute_s[rank] += share.recompute_s + share.recompute_exchange_s;
-      full_recompute_s[rank] += share.attention_recompute_s + share.attention_recompute_exchange_s;
+      tokens[rank] += terms[k].tokens;
+      other_s[rank] += terms[k].added_s;
+      if (terms[k].skipped_s != 0) other_s[rank] -= terms[k].skipped_s;
+      if (memory_terms) totals.add(rank, terms[k]);
     }
-    world_exchange = world_exchange || placement.ulysses_degree > 1;
   }
   const double floor_s = floor_of_totals(tokens, other_s);
   if (recompute_floor_s == nullptr) return floor_s;
-  *recompute_floor_s = floor_s;
-  if (!memory_terms) return floor_s;
+  *recompute_floor_s = memory_terms ? recompute_floor_of_totals(tokens, other_s, totals, floor_s)
+                                    : floor_s;
+  return floor_s;
+}
+
+void CostModel::RecomputeTotals::reset(int64_t num_ranks) {
+  const size_t n = static_cast<size_t>(num_ranks);
+  bytes.assign(n, {0, 0, 0, 0});
+  phase_tokens.assign(n, {0, 0, 0});
+  recompute_s.assign(n, 0.0);
+  full_recompute_s.assign(n, 0.0);
+  world_exchange = false;
+}
+
+void CostModel::RecomputeTotals::add(int64_t rank, const FloorTerm& term) {
+  std::array<double, 4>& held = bytes[rank];
+  for (size_t b = 0; b < 4; ++b) held[b] += term.bytes[b];
+  phase_tokens[rank][term.phase] += static_cast<double>(term.tokens);
+  recompute_s[rank] += term.recompute_s;
+  full_recompute_s[rank] += term.full_recompute_s;
+  world_exchange = world_exchange || term.ulysses;
+}
+
+double CostModel::recompute_floor_of_totals(const std::vector<int64_t>& tokens,
+                                            std::vector<double>& other_s,
+                                            const RecomputeTotals& totals, double floor_s) const {
+  if (!options_.activation_checkpointing) return floor_s;
+  const bool skips_recompute = options_.adaptive_checkpointing;
+  const int64_t num_ranks = static_cast<int64_t>(tokens.size());
   // Each rank's layers as evaluate picks them (time only grows with either count), then the
-  // recompute they cost beyond what the floor above charged.
+  // recompute they cost beyond what the first floor charged.
   std::vector<std::pair<int64_t, int64_t>> layers_of(static_cast<size_t>(num_ranks));
   int64_t most_checkpointed = 0, most_full = 0;
   for (int64_t i = 0; i < num_ranks; ++i) {
-    const std::array<double, 4>& held = bytes[i];
-    layers_of[i] =
-        rank_checkpointing(held[0], held[1], held[2], phase_buffer_bytes(held[3], phase_tokens[i]),
-                           tokens[i], memory_capacity_bytes(i));
+    const std::array<double, 4>& held = totals.bytes[i];
+    layers_of[i] = rank_checkpointing(held[0], held[1], held[2],
+                                      phase_buffer_bytes(held[3], totals.phase_tokens[i]),
+                                      tokens[i], memory_capacity_bytes(i));
     most_checkpointed = std::max(most_checkpointed, layers_of[i].first);
     most_full = std::max(most_full, layers_of[i].second);
   }
   const double layers = static_cast<double>(model_.num_layers);
   for (int64_t i = 0; i < num_ranks; ++i) {
-    const auto [k, f] = world_exchange ? std::pair{most_checkpointed, most_full} : layers_of[i];
+    const auto [k, f] =
+        totals.world_exchange ? std::pair{most_checkpointed, most_full} : layers_of[i];
     if (skips_recompute) {
-      other_s[i] +=
-          static_cast<double>(k) / layers * (linear_recompute_s(tokens[i]) + recompute_s[i]);
+      other_s[i] += static_cast<double>(k) / layers *
+                    (linear_recompute_s(tokens[i]) + totals.recompute_s[i]);
     }
-    other_s[i] += static_cast<double>(f) / layers * full_recompute_s[i];
+    other_s[i] += static_cast<double>(f) / layers * totals.full_recompute_s[i];
   }
-  *recompute_floor_s = std::max(floor_s, floor_of_totals(tokens, other_s));
-  return floor_s;
+  return std::max(floor_s, floor_of_totals(tokens, other_s));
 }
 
 void CostModel::floor_terms(const Sequence& sequence, const Placement& placement,
                             EvaluationCache& cache, std::vector<FloorTerm>* terms) const {
   const bool skips_recompute = options_.activation_checkpointing && options_.adaptive_checkpointing;
   const EvaluationCache::Entry& entry = cached_terms(sequence, placement, cache);
+  const int32_t phase = placement.ring_degree > 1 ? 2 : placement.ulysses_degree > 1 ? 1 : 0;
   terms->resize(entry.shares.size());
   for (size_t k = 0; k < entry.shares.size(); ++k) {
     const RankShare& share = entry.shares[k];
-    (*terms)[k].tokens = share.tokens;
-    (*terms)[k].added_s = share.attention_s + share.exchange_s - entry.call_excess_s[k];
-    (*terms)[k].skipped_s = skips_recompute ? share.recompute_s + share.recompute_exchange_s : 0.0;
+    FloorTerm& term = (*terms)[k];
+    term.tokens = share.tokens;
+    term.added_s = share.attention_s + share.exchange_s - entry.call_excess_s[k];
+    term.skipped_s = skips_recompute ? share.recompute_s + share.recompute_exchange_s : 0.0;
+    term.bytes = {share.layer_activation_bytes, share.layer_checkpoint_bytes,
+                  share.layer_input_bytes, share.buffer_bytes};
+    term.recompute_s = share.recompute_s + share.recompute_exchange_s;
+    term.full_recompute_s = share.attention_recompute_s + share.attention_recompute_exchange_s;
+    term.phase = phase;
+    term.ulysses = placement.ulysses_degree > 1;
   }
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../../cpp/src/planners/registry.h"
 #include "test_util.h"
 #include "zellige/planners.h"
 
@@ -236,6 +237,39 @@ TEST(PlannerNeverWorse, MemoisedEvaluationMatchesAndFloorStaysBelow) {
     EXPECT_GT(cache.size(), 0u);
   }
   EXPECT_GT(tighter, 0) << "no plan where memory forces recompute: the test proves nothing";
+}
+
+// zellige skips building a KnapFormer baseline whose floors, taken from its bags alone, rule it
+// out: both must be makespan_floor's of the plan those bags give, bit for bit (a larger one
+// could skip a baseline that beats zellige).
+TEST(PlannerNeverWorse, BagFloorsAreThoseOfTheBuiltPlan) {
+  std::mt19937_64 random(11);
+  int compared = 0, tighter = 0;
+  for (int trial = 0; trial < 16; ++trial) {
+    const int64_t num_gpus = trial % 2 ? 16 : 32;
+    CostOptions options;
+    options.adaptive_checkpointing = trial % 3 == 1;
+    const CostModel cost_model(model_preset(trial % 3 ? "mmdit-11b" : "wan-14b"), seeded_profile(),
+                               make_cluster(num_gpus, 8, trial % 4 ? "nvlink" : "pcie"), options);
+    const Batch batch = random_batch(static_cast<Family>(trial % 8), num_gpus, random);
+    EvaluationCache cache;
+    for (const std::string& name : covered_baselines(batch, cost_model)) {
+      if (name.rfind("knapformer:", 0) != 0) continue;
+      Plan plan;
+      double bags_recompute_s = -1;
+      const double bags_s =
+          planners::zellige_bags_floor(batch, cost_model, name.substr(11), &plan, &bags_recompute_s);
+      if (bags_s < 0) continue;  // a bag not node-aligned: zellige builds the plan
+      double recompute_floor_s = 0;
+      const double floor_s = cost_model.makespan_floor(batch, plan, cache, &recompute_floor_s);
+      EXPECT_EQ(bags_s, floor_s) << name;
+      EXPECT_EQ(bags_recompute_s, recompute_floor_s) << name;
+      ++compared;
+      tighter += recompute_floor_s > floor_s * (1 + 1e-9) ? 1 : 0;
+    }
+  }
+  EXPECT_GT(compared, 0);
+  EXPECT_GT(tighter, 0) << "no bags where memory forces recompute: the test proves nothing";
 }
 
 }  // namespace

@@ -319,15 +319,36 @@ class CostModel {
   // per position of `placement`, the tokens, the seconds it adds to the rank (`added_s`) and,
   // under adaptive checkpointing only, the seconds it then takes back (`skipped_s`); and the
   // floor of per-rank totals so summed.
+  // For the recompute floor, also the share's memory per layer (activation, checkpoint, layer
+  // input, buffer bytes), the recompute it skips or pays per layer count (`recompute_s`, and
+  // `full_recompute_s` of its attention), its attention phase (0 local, 1 Ulysses, 2 ring) and
+  // whether its placement uses Ulysses (the recompute's exchange then spans the world).
   struct FloorTerm {
     int64_t tokens = 0;
     double added_s = 0, skipped_s = 0;
+    std::array<double, 4> bytes = {0, 0, 0, 0};
+    double recompute_s = 0, full_recompute_s = 0;
+    int32_t phase = 0;
+    bool ulysses = false;
   };
   void floor_terms(const Sequence& sequence, const Placement& placement, EvaluationCache& cache,
                    std::vector<FloorTerm>* terms) const;
   // Per rank (index = rank): its floor divided by its speed; the largest.
   double floor_of_totals(const std::vector<int64_t>& tokens,
                          const std::vector<double>& other_s) const;
+  // makespan_floor's per-rank memory sums for its recompute floor (index = rank).
+  struct RecomputeTotals {
+    std::vector<std::array<double, 4>> bytes;  // activation, checkpoint, input, buffer
+    std::vector<std::array<double, 3>> phase_tokens;
+    std::vector<double> recompute_s, full_recompute_s;
+    bool world_exchange = false;
+    void reset(int64_t num_ranks);
+    void add(int64_t rank, const FloorTerm& term);
+  };
+  // makespan_floor's recompute floor from the per-rank totals (`other_s` is charged the
+  // recompute) and its first floor `floor_s`; `floor_s` without activation checkpointing.
+  double recompute_floor_of_totals(const std::vector<int64_t>& tokens, std::vector<double>& other_s,
+                                   const RecomputeTotals& totals, double floor_s) const;
   // The smallest per-token time of the per-token layers as makespan_floor charges them (under
   // adaptive checkpointing without their recompute), over any token count.
   double min_floor_time_per_token_s() const;

@@ -34,6 +34,11 @@ Plan zellige_search(const Batch& batch, const CostModel& cost_model, const Plan&
 // batch in batch order, within memory); `steps` (optional): the moves and swaps it kept.
 Plan zellige_coalesce(const Batch& batch, const CostModel& cost_model, const Plan& start,
                       int64_t* steps = nullptr);
+// zellige's floors of the covered KnapFormer baseline `spec` from its bags alone (bags_floor,
+// zellige_bounds.cc): the floor (-1 where a bag is not node-aligned) and `recompute_floor_s`,
+// and in `plan` the plan those bags give, for tests against CostModel::makespan_floor.
+double zellige_bags_floor(const Batch& batch, const CostModel& cost_model, const std::string& spec,
+                          Plan* plan, double* recompute_floor_s);
 // predict (planners.h) with the caller's cache.
 void predict_with(Plan& plan, const Batch& batch, const CostModel& cost_model,
                   EvaluationCache& cache);

@@ -234,7 +234,16 @@ Plan ZelligePlanner::run() {
       }
       const planners::KnapformerBags bags =
           planners::knapformer_assign(batch_, cost_model_, spec, covered_knapformer_work(), stop);
-      if (!bags.complete || bags_floor(bags) > skip_above_s) {
+      if (!bags.complete) {
+        ++skipped;
+        continue;
+      }
+      // No start (floor at or above the sweep's) and never priced (the recompute floor above
+      // the tie-break window of best_s, which only falls): not built.
+      double bags_recompute_s = kInf;
+      const double bags_s = bags_floor(bags, &bags_recompute_s);
+      if (bags_s > skip_above_s ||
+          (bags_s >= sweep_s && bags_recompute_s > best_s * (1 + kMemoryTieBreak))) {
         ++skipped;
         continue;
       }
@@ -481,6 +490,15 @@ Plan ZelligePlanner::coalesce_only(const Plan& start, int64_t* steps) {
   return plan;
 }
 
+double ZelligePlanner::bags_floor_only(const std::string& spec, Plan* plan,
+                                       double* recompute_floor_s) {
+  prepare();
+  const planners::KnapformerBags bags =
+      planners::knapformer_assign(batch_, cost_model_, spec, covered_knapformer_work());
+  *plan = planners::knapformer_plan(batch_, cost_model_, spec, kCoveredKnapformerGamma, bags);
+  return bags_floor(bags, recompute_floor_s);
+}
+
 Plan ZelligePlanner::to_plan(const Solution& s) const {
   Plan plan;
   plan.planner = "zellige";
@@ -534,6 +552,14 @@ Plan zellige_coalesce(const Batch& batch, const CostModel& cost_model, const Pla
   EvaluationCache cache;
   const PlannerOptions options;
   return ZelligePlanner(batch, cost_model, options, cache).coalesce_only(start, steps);
+}
+
+double zellige_bags_floor(const Batch& batch, const CostModel& cost_model, const std::string& spec,
+                          Plan* plan, double* recompute_floor_s) {
+  EvaluationCache cache;
+  const PlannerOptions options;
+  return ZelligePlanner(batch, cost_model, options, cache)
+      .bags_floor_only(spec, plan, recompute_floor_s);
 }
 
 }  // namespace planners

@@ -248,13 +248,17 @@ bool ZelligePlanner::aligned_group(int64_t size, int64_t first_rank) const {
 }
 
 // makespan_floor of knapformer_plan(bags), bit for bit (the same terms added to the same ranks in
-// the same order), without building the plan; -1 when a bag is not node-aligned.
-double ZelligePlanner::bags_floor(const planners::KnapformerBags& bags) {
+// the same order), without building the plan; -1 when a bag is not node-aligned. With
+// `recompute_floor_s`, also makespan_floor's recompute floor of that plan, bit for bit.
+double ZelligePlanner::bags_floor(const planners::KnapformerBags& bags,
+                                  double* recompute_floor_s) {
   for (size_t b = 0; b < bags.size.size(); ++b) {
     if (!aligned_group(bags.size[b], bags.first_rank[b])) return -1;
   }
   floor_tokens_.assign(num_ranks_, 0);
   floor_other_s_.assign(num_ranks_, 0.0);
+  const bool memory_terms = recompute_floor_s != nullptr;
+  if (memory_terms) floor_memory_.reset(num_ranks_);
   // Per bag, its size's memo (one hash lookup per bag, none per sequence).
   bag_memos_.resize(bags.size.size());
   for (size_t b = 0; b < bags.size.size(); ++b) {
@@ -276,9 +280,15 @@ double ZelligePlanner::bags_floor(const planners::KnapformerBags& bags) {
       floor_tokens_[rank] += terms[k].tokens;
       floor_other_s_[rank] += terms[k].added_s;
       if (terms[k].skipped_s != 0) floor_other_s_[rank] -= terms[k].skipped_s;
+      if (memory_terms) floor_memory_.add(rank, terms[k]);
     }
   }
-  return cost_model_.floor_of_totals(floor_tokens_, floor_other_s_);
+  const double floor_s = cost_model_.floor_of_totals(floor_tokens_, floor_other_s_);
+  if (memory_terms) {
+    *recompute_floor_s = cost_model_.recompute_floor_of_totals(floor_tokens_, floor_other_s_,
+                                                               floor_memory_, floor_s);
+  }
+  return floor_s;
 }
 
 

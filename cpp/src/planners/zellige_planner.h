@@ -374,6 +374,8 @@ class ZelligePlanner {
   Plan search_only(const Plan& start, bool whole_anchor_moves);
   // Co-location alone from `start` (planners::zellige_coalesce, for its tests).
   Plan coalesce_only(const Plan& start, int64_t* steps);
+  // bags_floor alone of the covered KnapFormer baseline `spec` (planners::zellige_bags_floor).
+  double bags_floor_only(const std::string& spec, Plan* plan, double* recompute_floor_s);
 
  private:
   // Per-token layers' time: exact in local search and final pricing; during the construction
@@ -500,7 +502,7 @@ class ZelligePlanner {
   bool knapformer_floor_above(const planners::KnapformerBags& bags, int64_t sequence,
                               double limit_s);
   bool aligned_group(int64_t size, int64_t first_rank) const;
-  double bags_floor(const planners::KnapformerBags& bags);
+  double bags_floor(const planners::KnapformerBags& bags, double* recompute_floor_s = nullptr);
   double group_floor_rank_seconds(int32_t sequence, int64_t group_size);
   double least_floor_share_s(int32_t sequence, int64_t size);
   const ShapeChoice& shape_at(int32_t sequence, int64_t degree);
@@ -744,6 +746,7 @@ class ZelligePlanner {
   std::vector<std::vector<std::vector<CostModel::FloorTerm>>*> bag_memos_;
   std::vector<int64_t> floor_tokens_;
   std::vector<double> floor_other_s_;
+  CostModel::RecomputeTotals floor_memory_;  // bags_floor's recompute floor sums
   std::unordered_map<int64_t, std::vector<double>> least_share_s_;  // least_floor_share_s's memo
   std::vector<CostModel::FloorTerm> scratch_terms_;
   std::vector<double> partial_floor_s_;  // knapformer_floor_above's per-rank sums
