@@ -239,7 +239,8 @@ Plan ZelligePlanner::run() {
         continue;
       }
       // No start (floor at or above the sweep's) and never priced (the recompute floor above
-      // the tie-break window of best_s, which only falls): not built.
+      // the tie-break window of best_s, which only falls): not built. Where the bags give them
+      // (node-aligned), the floors are the plan's makespan_floor, bit for bit.
       double bags_recompute_s = kInf;
       const double bags_s = bags_floor(bags, &bags_recompute_s);
       if (bags_s > skip_above_s ||
@@ -248,8 +249,13 @@ Plan ZelligePlanner::run() {
         continue;
       }
       seed.plan = planners::knapformer_plan(batch_, cost_model_, spec, kCoveredKnapformerGamma, bags);
-      seed.floor_s =
-          cost_model_.makespan_floor(batch_, seed.plan, cache_, &seed.recompute_floor_s);
+      if (bags_s >= 0) {
+        seed.floor_s = bags_s;
+        seed.recompute_floor_s = bags_recompute_s;
+      } else {
+        seed.floor_s =
+            cost_model_.makespan_floor(batch_, seed.plan, cache_, &seed.recompute_floor_s);
+      }
       seeds.push_back(std::move(seed));
       continue;
     }
