@@ -257,8 +257,8 @@ TEST(PlannerNeverWorse, BagFloorsAreThoseOfTheBuiltPlan) {
       if (name.rfind("knapformer:", 0) != 0) continue;
       Plan plan;
       double bags_recompute_s = -1;
-      const double bags_s =
-          planners::zellige_bags_floor(batch, cost_model, name.substr(11), &plan, &bags_recompute_s);
+      const double bags_s = planners::zellige_bags_floor(batch, cost_model, name.substr(11), &plan,
+                                                         &bags_recompute_s);
       if (bags_s < 0) continue;  // a bag not node-aligned: zellige builds the plan
       double recompute_floor_s = 0;
       const double floor_s = cost_model.makespan_floor(batch, plan, cache, &recompute_floor_s);
