@@ -12,12 +12,17 @@
 #                                                 # (ARGS, e.g. --plan-range 1-11, go to it)
 #   bash bench/h200_session.sh train              # build, training throughput (about 7 min)
 #   bash bench/h200_session.sh attention          # the attention engine's packs (about 2 min)
+#   bash bench/h200_session.sh trace              # build, one traced MMDiT stage-1 step: where
+#                                                 # the time outside the blocks goes (about 4 min)
+#   bash bench/h200_session.sh global             # build, a global batch of 60 samples as
+#                                                 # micro-batches: each step's predicted and
+#                                                 # measured peak (about 3 min)
 # Reports: bench/results/profile_h200_202611.md, mmdit_h200_202612.md,
 # train_throughput_h200_202612.md, attention_engine_h200_202612.md.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/zellige-out}; mkdir -p "$OUT"
-phase=${1:?usage: h200_session.sh profile | memory PROFILE.json | validate PROFILE.json | mmdit [PROFILE.json] | train | attention}
+phase=${1:?usage: h200_session.sh profile | memory PROFILE.json | validate PROFILE.json | mmdit [PROFILE.json] | train | attention | trace | global}
 profile=$(realpath "${2:-src/zellige/profiles/h200.json}")
 { echo "command: bash bench/h200_session.sh $*"; echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null; } | tee "$OUT/session.txt"
@@ -84,6 +89,26 @@ case $phase in
       --flex-packs 0 --no-length-table --time-budget-s 100 --out "$OUT/attention_engine.json") \
       >"$OUT/attention.log" 2>&1
     echo "attention rc=$?"; tail -14 "$OUT/attention.log"
+    ;;
+  trace)
+    # the Chrome trace and bench/step_trace.py's summary of the step outside the blocks
+    (cd "$source_tree/bench" && timeout 300 python3 train_throughput.py --steps 4 --warmup 2 \
+      --sync-check --runs mmdit11b-width-h200:opensora2-stage1 --trace "$OUT/trace" \
+      --json "$OUT/train_trace.json") >"$OUT/train_trace.log" 2>&1
+    echo "trace rc=$?"; tail -30 "$OUT/train_trace.log"
+    ;;
+  global)
+    # a global batch of 60 samples (3-5 micro-batches on an H100); the plans price each
+    # micro-batch after the first holding the earlier ones' gradients (docs/global-batch.md)
+    timeout 240 python3 -m zellige.train --config mmdit11b-width-h200 --recipe opensora2-stage1 \
+      --seed 1 --global-batch 60 --steps 5 --metrics "$OUT/global.jsonl" >"$OUT/global.log" 2>&1
+    echo "global rc=$?"; grep -E "step [0-9]|memory|Error" "$OUT/global.log" | tail -8
+    python3 -c "import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r['step'], 'micro-batches', r['micro_batches'], 'peak GiB', round(r['peak_gib'], 2),
+          'predicted', round(r['predicted_peak_gib'], 2), 'step s', round(r['step_s'], 3),
+          'predicted', round(r['predicted_makespan_s'], 3))" "$OUT/global.jsonl"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
