@@ -300,21 +300,21 @@ def fa4_installed() -> bool:
         return False
 
 
-def bench_fa4_varlen(q, k, v, do, lengths, *, repeat):
+def fa4_varlen(q, k, v, cu, longest: int) -> torch.Tensor:
+    """FlashAttention-4's varlen call over the packed rows (cu: int32 offsets on the device)."""
     from flash_attn.cute import flash_attn_varlen_func
 
+    out, _ = flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+        softmax_scale=q.shape[-1] ** -0.5,
+    )  # fmt: skip
+    return out
+
+
+def bench_fa4_varlen(q, k, v, do, lengths, *, repeat):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     cu = cu.to(DEVICE)
-    longest = max(lengths)
-
-    def forward():
-        out, _ = flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-            max_seqlen_k=longest, softmax_scale=q.shape[-1] ** -0.5,
-        )  # fmt: skip
-        return out
-
-    return fwd_bwd(forward, (q, k, v), do, repeat)
+    return fwd_bwd(lambda: fa4_varlen(q, k, v, cu, max(lengths)), (q, k, v), do, repeat)
 
 
 def bench_flex(q, k, v, do, lengths, *, repeat):
@@ -660,13 +660,8 @@ def main() -> None:
             except Exception as exc:
                 entry[f"rel_diff_{merge}_vs_varlen"] = f"failed: {exc}"[:160]
         if isinstance(entry["rates"].get("fa4-varlen"), tuple):  # FA4 vs FA2: same function
-            from flash_attn.cute import flash_attn_varlen_func
-
             cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
-            o_4, _ = flash_attn_varlen_func(
-                q, k, v, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t, max_seqlen_q=max(lengths),
-                max_seqlen_k=max(lengths), softmax_scale=head_dim**-0.5,
-            )  # fmt: skip
+            o_4 = fa4_varlen(q, k, v, cu_t, max(lengths))
             o_2 = _VarlenFA2.apply(q, k, v, cu_t, max(lengths), head_dim**-0.5)
             outs = [[o, *torch.autograd.grad(o, (q, k, v), do)] for o in (o_4, o_2)]
             entry["rel_diff_fa4_vs_varlen"] = [

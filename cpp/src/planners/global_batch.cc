@@ -177,6 +177,14 @@ Batch sub_batch(const Batch& batch, std::vector<int64_t> indices) {
   return part;
 }
 
+// What each micro-batch's planner is handed of the global batch's options.
+PlannerOptions inner_planner_options(const GlobalBatchOptions& options) {
+  PlannerOptions planner_options;
+  planner_options.seed = options.seed;
+  planner_options.time_limit_s = options.time_limit_s;
+  return planner_options;
+}
+
 double step_time_s(const GlobalPlan& plan, double overhead_s) {
   double total_s = 0;
   for (const MicroBatch& micro_batch : plan.micro_batches) {
@@ -433,9 +441,7 @@ std::optional<GlobalPlan> place_cut(const std::vector<Variant>& inner, const Bat
                                     PartBounds* bounds = nullptr, PlanMemo* memo = nullptr,
                                     ShapeBounds* shapes = nullptr,
                                     PartBounds* placed_bounds = nullptr) {
-  PlannerOptions planner_options;
-  planner_options.seed = options.seed;
-  planner_options.time_limit_s = options.time_limit_s;
+  const PlannerOptions planner_options = inner_planner_options(options);
   const bool shaped =
       shapes != nullptr && std::all_of(inner.begin(), inner.end(), [](const Variant& variant) {
         return variant.group_size > 0;
@@ -741,9 +747,7 @@ GlobalPlan plan_zellige_global(const Batch& batch, const std::vector<SequenceCos
       num_sequences <= kSmallGlobalBatch ? std::numeric_limits<int64_t>::max()
                                          : placed_passes(cost_model.cluster().num_ranks()) *
                                                num_sequences;
-  PlannerOptions planner_options;
-  planner_options.seed = options.seed;
-  planner_options.time_limit_s = options.time_limit_s;
+  const PlannerOptions planner_options = inner_planner_options(options);
   int64_t placed_sequences = 0;
   std::set<Cut> tried;
   int64_t num_classes = 0;
@@ -859,23 +863,21 @@ void priced_as_one_if_alone(GlobalPlan& plan, const CostModel& cost_model,
 // The whole batch as a step of one micro-batch, placed by zellige and priced holding no earlier
 // gradients, where memory may allow it: it replaces `plan` where faster. The search prices every
 // micro-batch as one of several, a single one included, which a step of one undercuts.
+// make_plan refuses a plan beyond memory, so the one it returns fits.
 void consider_one_step(GlobalPlan& plan, const Batch& batch, const std::vector<SequenceCost>& costs,
                        const CostModel& cost_model, const GlobalBatchOptions& options) {
-  if (plan.micro_batches.size() == 1) return;  // priced as a step of one below
+  if (plan.micro_batches.size() == 1) return;  // priced as a step of one already
   double total_bytes = 0;
   for (const SequenceCost& cost : costs) total_bytes += cost.memory_bytes;
   if (total_bytes > micro_batch_budget_bytes(cost_model)) return;
-  PlannerOptions planner_options;
-  planner_options.seed = options.seed;
-  planner_options.time_limit_s = options.time_limit_s;
   Plan one;
   try {
-    one = make_plan("zellige", batch, cost_model, planner_options);
+    one = make_plan("zellige", batch, cost_model, inner_planner_options(options));
   } catch (const PlanMemoryError&) {
     return;
   }
   const double step_s = one.predicted.makespan_s + options.micro_batch_overhead_s;
-  if (step_s >= plan.step_time_s || !cost_model.evaluate(batch, one).fits) return;
+  if (step_s >= plan.step_time_s) return;
   GlobalPlan single;
   single.chosen = "zellige:one-step";
   single.micro_batches = {MicroBatch{batch, std::move(one)}};
@@ -910,7 +912,6 @@ GlobalPlan plan_global_batch(const std::string& planner, const Batch& batch,
   GlobalPlan plan;
   if (planner == "zellige") {
     plan = plan_zellige_global(batch, costs, accumulating, options);
-    consider_one_step(plan, batch, costs, cost_model, options);
   } else {
     std::optional<GlobalPlan> baseline =
         plan_baseline(planner, batch, costs, accumulating, options);
@@ -921,6 +922,7 @@ GlobalPlan plan_global_batch(const std::string& planner, const Batch& batch,
     plan = *std::move(baseline);
   }
   priced_as_one_if_alone(plan, cost_model, options);
+  if (planner == "zellige") consider_one_step(plan, batch, costs, cost_model, options);
   plan.planner = planner;
   plan.plan_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
